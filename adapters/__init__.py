@@ -1,0 +1,1 @@
+"""Framework bridges (jax, torch, vllm). Each imports its framework lazily."""

@@ -1,0 +1,605 @@
+"""The neutral layout IR: Mesh, Region, Split and Layout.
+
+A layout says which region(s) of one tensor every rank holds. It is geometry only: no
+framework object, no memory. Two forms, one meaning (see DESIGN.md):
+
+* product form: a mesh plus an ordered tuple of ``Split(dim, axis, split_factor)``. Splits
+  of one dim apply in order, each re-splitting that rank's current extent with torch.chunk
+  semantics (``ceil(n/k)`` blocks, trailing blocks short or empty); a split factor > 1 is
+  DTensor's ``_StridedShard``. JAX's even rule is the same geometry plus a divisibility
+  check, so one representation serves both. Mesh axes that split no dim replicate.
+* explicit form: ``{rank: (Region, ...)}`` for anything else.
+
+The one geometry query is ``layout.regions(rank)``; everything else derives from it or from
+the per-dim interval lists it is built from.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+from bisect import bisect_right
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Mapping, Sequence
+
+from .dtypes import dtype_name
+from .errors import LayoutError
+
+Interval = tuple[int, int]
+
+
+@dataclass(frozen=True, slots=True)
+class Region:
+    """A box in a tensor's global coordinates: one ``[start, stop)`` per dim."""
+
+    starts: tuple[int, ...]
+    stops: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        if len(self.starts) != len(self.stops):
+            raise LayoutError(f"region starts {self.starts} and stops {self.stops} differ in rank")
+        if any(a < 0 or b < a for a, b in zip(self.starts, self.stops)):
+            raise LayoutError(f"region {self.starts}..{self.stops} needs 0 <= start <= stop per dim")
+
+    @classmethod
+    def of(cls, bounds: Iterable[Sequence[int]]) -> Region:
+        """``Region.of([(0, 4), (2, 6)])`` from one ``(start, stop)`` pair per dim."""
+        pairs = [tuple(b) for b in bounds]
+        return cls(tuple(int(p[0]) for p in pairs), tuple(int(p[1]) for p in pairs))
+
+    @property
+    def ndim(self) -> int:
+        return len(self.starts)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(b - a for a, b in zip(self.starts, self.stops))
+
+    @property
+    def size(self) -> int:
+        """Number of elements."""
+        return math.prod(b - a for a, b in zip(self.starts, self.stops))
+
+    @property
+    def is_empty(self) -> bool:
+        return any(b == a for a, b in zip(self.starts, self.stops))
+
+    def intersect(self, other: Region) -> Region | None:
+        """The overlap of two regions, or None when they do not overlap."""
+        starts = tuple(map(max, self.starts, other.starts))
+        stops = tuple(map(min, self.stops, other.stops))
+        if any(b <= a for a, b in zip(starts, stops)):
+            return None
+        return Region(starts, stops)
+
+    def contains(self, other: Region) -> bool:
+        return all(a <= c and d <= b for a, b, c, d in
+                   zip(self.starts, self.stops, other.starts, other.stops))
+
+    def slices(self) -> tuple[slice, ...]:
+        return tuple(slice(a, b) for a, b in zip(self.starts, self.stops))
+
+    def __str__(self) -> str:
+        return "[" + ", ".join(f"{a}:{b}" for a, b in zip(self.starts, self.stops)) + "]"
+
+
+@dataclass(frozen=True, slots=True)
+class Mesh:
+    """An n-d grid of world ranks with optional axis names.
+
+    ``ranks`` lists the world rank at each mesh coordinate in row-major order (default
+    ``range(prod(shape))``).
+    """
+
+    shape: tuple[int, ...]
+    ranks: tuple[int, ...] | None = None
+    axis_names: tuple[str, ...] | None = None
+    _hash: int = field(init=False, repr=False, compare=False)
+    _coords: dict = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        shape = tuple(int(s) for s in self.shape)
+        if any(s < 1 for s in shape):
+            raise LayoutError(f"mesh shape {shape} needs every axis size >= 1")
+        size = math.prod(shape)
+        ranks = tuple(range(size)) if self.ranks is None else tuple(int(r) for r in _flat(self.ranks))
+        if len(ranks) != size:
+            raise LayoutError(f"mesh of shape {shape} has {size} positions but {len(ranks)} ranks "
+                              "were given; list one world rank per mesh position, row-major")
+        if len(set(ranks)) != len(ranks):
+            dups = sorted({r for r in ranks if ranks.count(r) > 1})
+            raise LayoutError(f"mesh ranks {dups} appear more than once; each world rank may sit "
+                              "at one mesh position only")
+        if any(r < 0 for r in ranks):
+            raise LayoutError(f"mesh ranks must be >= 0, got {min(ranks)}")
+        names = self.axis_names
+        if names is not None:
+            names = tuple(str(n) for n in names)
+            if len(names) != len(shape):
+                raise LayoutError(f"mesh of shape {shape} needs {len(shape)} axis names, got {names}")
+            if len(set(names)) != len(names):
+                raise LayoutError(f"mesh axis names {names} must be distinct")
+        object.__setattr__(self, "shape", shape)
+        object.__setattr__(self, "ranks", ranks)
+        object.__setattr__(self, "axis_names", names)
+        object.__setattr__(self, "_hash", hash((shape, ranks, names)))
+        object.__setattr__(self, "_coords", {})
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def size(self) -> int:
+        return len(self.ranks)
+
+    def coord(self, rank: int) -> tuple[int, ...] | None:
+        """Mesh coordinate of a world rank, or None when the rank is not in the mesh."""
+        if not self._coords:
+            for pos, coord in enumerate(itertools.product(*map(range, self.shape))):
+                self._coords[self.ranks[pos]] = coord
+        return self._coords.get(rank)
+
+    def rank_at(self, coord: Sequence[int]) -> int:
+        pos = 0
+        for c, s in zip(coord, self.shape):
+            pos = pos * s + c
+        return self.ranks[pos]
+
+    def axis_index(self, axis: int | str) -> int:
+        """Index of a mesh axis given by index or name."""
+        if isinstance(axis, str):
+            if self.axis_names is None or axis not in self.axis_names:
+                raise LayoutError(f"mesh axis {axis!r} is not one of the mesh axis names "
+                                  f"{self.axis_names}; name the axes with Mesh(..., axis_names=...)")
+            return self.axis_names.index(axis)
+        if not 0 <= axis < self.ndim:
+            raise LayoutError(f"mesh axis {axis} out of range for a {self.ndim}-d mesh")
+        return int(axis)
+
+    def axis_label(self, axis: int) -> str:
+        return self.axis_names[axis] if self.axis_names else str(axis)
+
+    def to_dict(self) -> dict:
+        return {"shape": list(self.shape), "ranks": list(self.ranks),
+                "axis_names": None if self.axis_names is None else list(self.axis_names)}
+
+    @classmethod
+    def from_dict(cls, d: Mapping) -> Mesh:
+        names = d.get("axis_names")
+        return cls(tuple(d["shape"]), tuple(d["ranks"]), None if names is None else tuple(names))
+
+    def __str__(self) -> str:
+        axes = ",".join(f"{self.axis_label(i)}={s}" for i, s in enumerate(self.shape))
+        span = (f"{self.ranks[0]}..{self.ranks[-1]}"
+                if self.ranks == tuple(range(self.ranks[0], self.ranks[0] + self.size))
+                else ",".join(map(str, self.ranks[:8])) + (",..." if self.size > 8 else ""))
+        return f"mesh({axes})[{span}]"
+
+
+@dataclass(frozen=True, slots=True)
+class Split:
+    """Mesh axis ``axis`` splits tensor dim ``dim``; ``split_factor`` > 1 is a strided split."""
+
+    dim: int
+    axis: int
+    split_factor: int = 1
+
+    def __str__(self) -> str:
+        return f"S({self.dim})" if self.split_factor == 1 else f"SS({self.dim},{self.split_factor})"
+
+
+def _flat(xs: Any) -> list:
+    if hasattr(xs, "tolist"):
+        xs = xs.tolist()
+    if isinstance(xs, (list, tuple)):
+        out = []
+        for x in xs:
+            out.extend(_flat(x) if isinstance(x, (list, tuple)) or hasattr(x, "tolist") else [x])
+        return out
+    return [xs]
+
+
+# ---------------------------------------------------------------------------- interval math
+
+def chunk(n: int, k: int, i: int) -> tuple[int, int]:
+    """torch.chunk: (offset, length) of block ``i`` of ``n`` elements split ``k`` ways."""
+    c = -(-n // k)
+    start = min(c * i, n)
+    return start, max(0, min(c * (i + 1), n) - start)
+
+
+def _take(intervals: Sequence[Interval], offset: int, length: int) -> list[Interval]:
+    """Positions ``[offset, offset+length)`` of the concatenation of ``intervals``."""
+    out: list[Interval] = []
+    pos, end = 0, offset + length
+    for s, e in intervals:
+        n = e - s
+        lo, hi = max(offset - pos, 0), min(end - pos, n)
+        if lo < hi:
+            out.append((s + lo, s + hi))
+        pos += n
+        if pos >= end:
+            break
+    return out
+
+
+def _merge(intervals: list[Interval]) -> tuple[Interval, ...]:
+    out: list[Interval] = []
+    for s, e in intervals:
+        if out and out[-1][1] == s:
+            out[-1] = (out[-1][0], e)
+        else:
+            out.append((s, e))
+    return tuple(out)
+
+
+def split_intervals(intervals: Sequence[Interval], num: int, index: int,
+                    split_factor: int = 1) -> tuple[Interval, ...]:
+    """Block ``index`` of ``num`` of the current extent ``intervals``.
+
+    With ``split_factor`` sf > 1 (DTensor ``_StridedShard``) the extent is first chunked
+    into sf pieces and each piece is chunked ``num`` ways; the result concatenates block
+    ``index`` of every piece.
+    """
+    total = sum(e - s for s, e in intervals)
+    if split_factor == 1:
+        return _merge(_take(intervals, *chunk(total, num, index)))
+    out: list[Interval] = []
+    for j in range(split_factor):
+        o1, l1 = chunk(total, split_factor, j)
+        piece = _take(intervals, o1, l1)
+        out += _take(piece, *chunk(l1, num, index))
+    return _merge(out)
+
+
+# ---------------------------------------------------------------------------- Layout
+
+_PLACEMENT_HELP = ('placements are one entry per mesh axis: "R" (Replicate), "S<dim>" (Shard), '
+                   '"SS<dim>/<split_factor>" (_StridedShard), or torch placement objects')
+
+
+@dataclass(frozen=True, slots=True)
+class Layout:
+    """Which region(s) of one tensor (shape, dtype) each rank holds.
+
+    Build it with ``Layout.from_placements`` (DTensor), ``Layout.from_spec`` (JAX),
+    ``Layout.replicated``, ``Layout.product`` or ``Layout.explicit``.
+    """
+
+    shape: tuple[int, ...]
+    dtype: str
+    mesh: Mesh | None = None
+    splits: tuple[Split, ...] = ()
+    explicit: tuple[tuple[int, tuple[Region, ...]], ...] | None = None
+    _hash: int = field(init=False, repr=False, compare=False)
+    _cache: dict = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        shape = tuple(int(s) for s in self.shape)
+        if any(s < 0 for s in shape):
+            raise LayoutError(f"tensor shape {shape} has a negative size")
+        object.__setattr__(self, "shape", shape)
+        object.__setattr__(self, "dtype", dtype_name(self.dtype))
+        if self.explicit is not None:
+            if self.mesh is not None or self.splits:
+                raise LayoutError("a layout is either product form (mesh + splits) or explicit "
+                                  "form (rank -> regions), not both")
+            for rank, regions in self.explicit:
+                for i, r in enumerate(regions):
+                    if r.ndim != len(shape) or any(b > n for b, n in zip(r.stops, shape)):
+                        raise LayoutError(f"rank {rank} region {r} does not fit in tensor shape {shape}")
+                    for other in regions[:i]:
+                        if r.intersect(other) is not None:
+                            raise LayoutError(f"rank {rank} holds regions {other} and {r}, which "
+                                              "overlap; a rank holds each element at most once")
+        else:
+            if self.mesh is None:
+                raise LayoutError("a product-form layout needs a mesh")
+            seen: set[int] = set()
+            for sp in self.splits:
+                if not 0 <= sp.dim < len(shape):
+                    raise LayoutError(f"split {sp} names dim {sp.dim} of a {len(shape)}-d tensor "
+                                      f"of shape {shape}")
+                if not 0 <= sp.axis < self.mesh.ndim:
+                    raise LayoutError(f"split {sp} names mesh axis {sp.axis} of a "
+                                      f"{self.mesh.ndim}-d mesh")
+                if sp.axis in seen:
+                    raise LayoutError(f"mesh axis {self.mesh.axis_label(sp.axis)!r} splits the "
+                                      "tensor twice; a mesh axis may split at most one dim once")
+                if sp.split_factor < 1:
+                    raise LayoutError(f"split {sp} needs split_factor >= 1")
+                seen.add(sp.axis)
+            # canonical order: by dim, keeping each dim's order (which is what matters);
+            # splits by a size-1 axis change nothing and are dropped.
+            splits = tuple(sorted((sp for sp in self.splits if self.mesh.shape[sp.axis] > 1),
+                                  key=lambda sp: sp.dim))
+            object.__setattr__(self, "splits", splits)
+        object.__setattr__(self, "_hash", hash((shape, self.dtype, self.mesh, self.splits,
+                                                self.explicit)))
+        object.__setattr__(self, "_cache", {})
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    # ------------------------------------------------------------ constructors
+
+    @classmethod
+    def product(cls, shape: Sequence[int], dtype: object, mesh: Mesh,
+                splits: Iterable[Split | tuple], *, even: bool = False,
+                name: str | None = None) -> Layout:
+        """Product form from explicit splits; ``even=True`` enforces JAX's divisibility rule."""
+        splits = tuple(s if isinstance(s, Split) else Split(*s) for s in splits)
+        layout = cls(tuple(shape), dtype, mesh, splits)
+        if even:
+            layout._check_even(name)
+        return layout
+
+    @classmethod
+    def replicated(cls, shape: Sequence[int], dtype: object, mesh: Mesh) -> Layout:
+        """Every rank of ``mesh`` holds the whole tensor."""
+        return cls(tuple(shape), dtype, mesh, ())
+
+    @classmethod
+    def from_placements(cls, shape: Sequence[int], dtype: object, mesh: Mesh,
+                        placements: Sequence[Any], *, name: str | None = None) -> Layout:
+        """DTensor placements, one per mesh axis: ``["R", "S0", "SS1/2"]`` or torch objects.
+
+        Raises:
+            LayoutError: wrong count, an unknown entry, or ``Partial`` (pending reduction).
+        """
+        where = f"tensor {name!r}: " if name else ""
+        if len(placements) != mesh.ndim:
+            raise LayoutError(f"{where}{len(placements)} placements for a {mesh.ndim}-d mesh "
+                              f"{mesh}; {_PLACEMENT_HELP}")
+        ndim = len(shape)
+        splits = []
+        for axis, p in enumerate(placements):
+            parsed = _parse_placement(p, where)
+            if parsed is None:
+                continue
+            dim, sf = parsed
+            if not -ndim <= dim < ndim:
+                raise LayoutError(f"{where}placement {p!r} on mesh axis {mesh.axis_label(axis)!r} "
+                                  f"shards dim {dim} of a {ndim}-d tensor of shape {tuple(shape)}")
+            splits.append(Split(dim % ndim, axis, sf))
+        return cls(tuple(shape), dtype, mesh, tuple(splits))
+
+    @classmethod
+    def from_spec(cls, shape: Sequence[int], dtype: object, mesh: Mesh, spec: Sequence[Any],
+                  *, name: str | None = None) -> Layout:
+        """A JAX PartitionSpec: per dim ``None``, an axis name, or a tuple of names (major first).
+
+        Raises:
+            LayoutError: unknown or repeated axis names, a spec longer than the tensor rank,
+                an unreduced (pending reduction) spec, or a split that is not even.
+        """
+        where = f"tensor {name!r}: " if name else ""
+        if mesh.axis_names is None:
+            raise LayoutError(f"{where}Layout.from_spec needs a mesh with axis_names")
+        if getattr(spec, "unreduced", None):
+            raise LayoutError(f"{where}PartitionSpec {spec} has unreduced axes "
+                              f"{sorted(spec.unreduced)} (a pending reduction); xreshard does not "
+                              "reduce yet - reduce (e.g. jax.lax.psum) before refitting")
+        entries = list(spec)
+        if len(entries) > len(shape):
+            raise LayoutError(f"{where}PartitionSpec {tuple(entries)} has {len(entries)} entries "
+                              f"but the tensor has {len(shape)} dims (shape {tuple(shape)})")
+        splits, used = [], set()
+        for dim, entry in enumerate(entries):
+            if entry is None or _is_unconstrained(entry):
+                continue
+            names = (entry,) if isinstance(entry, str) else tuple(entry)
+            for axis_name in names:
+                if axis_name in used:
+                    raise LayoutError(f"{where}mesh axis {axis_name!r} appears twice in "
+                                      f"PartitionSpec {tuple(entries)}")
+                used.add(axis_name)
+                splits.append(Split(dim, mesh.axis_index(axis_name), 1))
+        layout = cls(tuple(shape), dtype, mesh, tuple(splits))
+        layout._check_even(name)
+        return layout
+
+    @classmethod
+    def explicit_form(cls, shape: Sequence[int], dtype: object,
+                      regions: Mapping[int, Iterable[Region | Sequence]]) -> Layout:
+        """Explicit form: ``{rank: [Region | [(start, stop), ...], ...]}``."""
+        items = []
+        for rank in sorted(regions):
+            rs = tuple(r if isinstance(r, Region) else Region.of(r) for r in regions[rank])
+            items.append((int(rank), tuple(r for r in rs if not r.is_empty)))
+        return cls(tuple(shape), dtype, None, (), tuple(items))
+
+    def _check_even(self, name: str | None) -> None:
+        for dim, n in enumerate(self.shape):
+            axes = [sp.axis for sp in self.splits if sp.dim == dim]
+            ways = math.prod(self.mesh.shape[a] for a in axes)
+            if n % ways:
+                label = tuple(self.mesh.axis_label(a) for a in axes)
+                who = f"tensor {name!r}" if name else "tensor"
+                raise LayoutError(
+                    f"{who} dim {dim} (size {n}) is split {ways} ways by mesh axes {label} but "
+                    f"{n} % {ways} != 0; JAX NamedSharding needs even splits - pad the tensor "
+                    "or change the PartitionSpec")
+
+    def with_dtype(self, dtype: object) -> Layout:
+        return Layout(self.shape, dtype, self.mesh, self.splits, self.explicit)
+
+    # ------------------------------------------------------------ geometry
+
+    @property
+    def is_product(self) -> bool:
+        return self.explicit is None
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def ranks(self) -> tuple[int, ...]:
+        """Every rank the layout places (some may hold nothing)."""
+        if self.explicit is not None:
+            return tuple(r for r, _ in self.explicit)
+        return self.mesh.ranks
+
+    def dim_axes(self, dim: int) -> tuple[int, ...]:
+        """Mesh axes splitting ``dim``, in the order they apply."""
+        return tuple(sp.axis for sp in self.splits if sp.dim == dim)
+
+    def dim_table(self, dim: int) -> dict[tuple[int, ...], tuple[Interval, ...]]:
+        """For product layouts: key (coords on ``dim_axes(dim)``) -> that key's intervals.
+
+        The intervals of all keys partition ``[0, shape[dim])``.
+        """
+        key = ("table", dim)
+        table = self._cache.get(key)
+        if table is None:
+            dim_splits = [sp for sp in self.splits if sp.dim == dim]
+            table = {}
+            for coords in itertools.product(*(range(self.mesh.shape[sp.axis]) for sp in dim_splits)):
+                ivs: tuple[Interval, ...] = ((0, self.shape[dim]),) if self.shape[dim] else ()
+                for sp, c in zip(dim_splits, coords):
+                    ivs = split_intervals(ivs, self.mesh.shape[sp.axis], c, sp.split_factor)
+                table[coords] = ivs
+            self._cache[key] = table
+        return table
+
+    def dim_intervals(self, rank: int) -> tuple[tuple[Interval, ...], ...] | None:
+        """Product form: per dim, the intervals ``rank`` holds (in local order); None if outside."""
+        coord = self.mesh.coord(rank)
+        if coord is None:
+            return None
+        return tuple(self.dim_table(d)[tuple(coord[a] for a in self.dim_axes(d))]
+                     for d in range(self.ndim))
+
+    def regions(self, rank: int) -> tuple[Region, ...]:
+        """The regions ``rank`` holds, in the order its local array stores them.
+
+        Example: 5 rows on mesh (2, 2) with placements (S0, S0) (torch.chunk, nested)::
+
+            # rank | coord | region
+            #    0 | (0,0) | [0:2]
+            #    1 | (0,1) | [2:3]
+            #    2 | (1,0) | [3:4]
+            #    3 | (1,1) | [4:5]
+        """
+        if self.explicit is not None:
+            for r, regions in self.explicit:
+                if r == rank:
+                    return regions
+            return ()
+        per_dim = self.dim_intervals(rank)
+        if per_dim is None:
+            return ()
+        return tuple(Region(tuple(iv[0] for iv in combo), tuple(iv[1] for iv in combo))
+                     for combo in itertools.product(*per_dim))
+
+    def local_shape(self, rank: int) -> tuple[int, ...]:
+        """Shape of ``rank``'s local array (product form) - zeros where it holds nothing."""
+        if self.explicit is not None:
+            raise LayoutError("an explicit-form layout has one local array per region; "
+                              "use regions(rank)")
+        per_dim = self.dim_intervals(rank)
+        if per_dim is None:
+            return tuple(0 for _ in self.shape)
+        return tuple(sum(e - s for s, e in ivs) for ivs in per_dim)
+
+    def locate(self, rank: int, region: Region) -> tuple[int, tuple[slice, ...]]:
+        """Where ``region`` (held by ``rank``) sits in local storage: (buffer index, slices).
+
+        Product layouts have one local array (buffer 0); explicit layouts one per region.
+        """
+        if self.explicit is not None:
+            for i, held in enumerate(self.regions(rank)):
+                if held.contains(region):
+                    return i, tuple(slice(a - h, b - h) for a, b, h in
+                                    zip(region.starts, region.stops, held.starts))
+            raise LayoutError(f"rank {rank} does not hold region {region}")
+        per_dim = self.dim_intervals(rank)
+        slices = []
+        for d, (a, b) in enumerate(zip(region.starts, region.stops)):
+            ivs = per_dim[d] if per_dim is not None else ()
+            i = bisect_right(ivs, (a, math.inf)) - 1
+            if i < 0 or b > ivs[i][1]:
+                raise LayoutError(f"rank {rank} does not hold region {region} (dim {d})")
+            offset = sum(e - s for s, e in ivs[:i]) + a - ivs[i][0]
+            slices.append(slice(offset, offset + b - a))
+        return 0, tuple(slices)
+
+    # ------------------------------------------------------------ serialization
+
+    def to_dict(self) -> dict:
+        d: dict[str, Any] = {"shape": list(self.shape), "dtype": self.dtype}
+        if self.explicit is not None:
+            d["explicit"] = [[rank, [[list(r.starts), list(r.stops)] for r in regions]]
+                             for rank, regions in self.explicit]
+        else:
+            d["mesh"] = self.mesh.to_dict()
+            d["splits"] = [[s.dim, s.axis, s.split_factor] for s in self.splits]
+        return d
+
+    @classmethod
+    def from_dict(cls, d: Mapping) -> Layout:
+        if "explicit" in d:
+            return cls(tuple(d["shape"]), d["dtype"], None, (), tuple(
+                (int(rank), tuple(Region(tuple(a), tuple(b)) for a, b in regions))
+                for rank, regions in d["explicit"]))
+        return cls(tuple(d["shape"]), d["dtype"], Mesh.from_dict(d["mesh"]),
+                   tuple(Split(*s) for s in d["splits"]))
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), separators=(",", ":"))
+
+    @classmethod
+    def from_json(cls, text: str | Mapping) -> Layout:
+        return cls.from_dict(json.loads(text) if isinstance(text, (str, bytes)) else text)
+
+    def __str__(self) -> str:
+        head = f"{tuple(self.shape)} {self.dtype}"
+        if self.explicit is not None:
+            return f"Layout({head}, explicit over {len(self.explicit)} ranks)"
+        parts = [f"d{sp.dim}<-{self.mesh.axis_label(sp.axis)}"
+                 + (f"/sf{sp.split_factor}" if sp.split_factor > 1 else "") for sp in self.splits]
+        return f"Layout({head} on {self.mesh}: {' '.join(parts) or 'replicated'})"
+
+
+def _is_unconstrained(entry: Any) -> bool:
+    return type(entry).__name__ == "UnconstrainedSingleton" or repr(entry) == "UNCONSTRAINED"
+
+
+def _parse_placement(p: Any, where: str) -> tuple[int, int] | None:
+    """(dim, split_factor) for a shard placement, None for Replicate; raises for Partial."""
+    if isinstance(p, str):
+        s = p.strip()
+        if s in ("R", "Replicate", "Replicate()"):
+            return None
+        if s.startswith("SS") and "/" in s:
+            dim, sf = s[2:].split("/", 1)
+            try:
+                return int(dim), int(sf)
+            except ValueError:
+                pass
+        elif s.startswith("S"):
+            try:
+                return int(s[1:]), 1
+            except ValueError:
+                pass
+        if s.startswith("P"):
+            raise LayoutError(f"{where}placement {p!r} is Partial (a pending reduction); xreshard "
+                              "does not reduce yet - redistribute to Replicate/Shard first")
+        raise LayoutError(f"{where}placement {p!r} is not understood; {_PLACEMENT_HELP}")
+    kind = type(p).__name__
+    if kind in ("Replicate",):
+        return None
+    if "Partial" in kind:
+        raise LayoutError(f"{where}placement {p!r} is Partial (a pending reduction); xreshard "
+                          "does not reduce yet - redistribute to Replicate/Shard first")
+    if kind == "_StridedShard":
+        return int(p.dim), int(p.split_factor)
+    if kind == "Shard":
+        return int(p.dim), 1
+    raise LayoutError(f"{where}placement {p!r} (type {kind}) is not understood; {_PLACEMENT_HELP}")

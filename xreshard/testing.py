@@ -1,0 +1,107 @@
+"""Test helpers: run a plan with every rank in one process, and multi-process launchers.
+
+``run_local`` executes a plan on numpy local arrays exactly as the real executor moves
+regions (from the sender's local array to the receiver's, located through the layouts),
+never assembling a global array, so planner tests check bytes, not just counts.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from typing import Any, Mapping
+
+import numpy as np
+
+from .layout import Layout
+from .plan import Plan
+
+__all__ = ["run_local", "numpy_dtype", "local_arrays_from_global"]
+
+
+def numpy_dtype(name: str) -> np.dtype:
+    """numpy dtype for a canonical dtype name (bfloat16 and float8 via ml_dtypes)."""
+    try:
+        return np.dtype(name)
+    except TypeError:
+        import ml_dtypes  # jax depends on it; only needed for bf16/fp8 test arrays
+        return np.dtype(getattr(ml_dtypes, name))
+
+
+def _poisoned(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+    """An array whose bytes are all 0xA5, so an element nobody writes is noticed."""
+    return np.full(math.prod(shape) * dtype.itemsize, 0xA5, np.uint8).view(dtype).reshape(shape)
+
+
+def _storage(layout: Layout, rank: int, dtype: np.dtype) -> Any:
+    if layout.is_product:
+        return _poisoned(layout.local_shape(rank), dtype)
+    return [_poisoned(r.shape, dtype) for r in layout.regions(rank)]
+
+
+def _view(storage: Any, layout: Layout, rank: int, region) -> np.ndarray:
+    i, slices = layout.locate(rank, region)
+    return (storage if layout.is_product else storage[i])[slices + (Ellipsis,)]
+
+
+def local_arrays_from_global(layout: Layout, rank: int, global_array: np.ndarray) -> Any:
+    """What ``rank`` holds of ``global_array`` under ``layout`` (to build test inputs)."""
+    if layout.is_product:
+        per_dim = layout.dim_intervals(rank)
+        if per_dim is None:
+            return np.empty(tuple(0 for _ in layout.shape), global_array.dtype)
+        idx = [np.concatenate([np.arange(s, e) for s, e in ivs]) if ivs else np.arange(0)
+               for ivs in per_dim]
+        return global_array[np.ix_(*idx)] if idx else global_array.copy()
+    return [global_array[r.slices()].copy() for r in layout.regions(rank)]
+
+
+def run_local(plan: Plan, sources: Mapping[int, Mapping[str, Any]],
+              check_senders: bool = True) -> dict[int, dict[str, Any]]:
+    """Execute ``plan`` with every rank in this process.
+
+    Args:
+        plan: the plan.
+        sources: ``sources[rank][name]`` is a source rank's local array (a list of arrays,
+            one per region, for explicit-form layouts).
+        check_senders: also derive every transfer from the senders' side and check both
+            sides agree (what the real executor relies on).
+
+    Returns:
+        ``{dst rank: {name: local array}}`` for every destination rank.
+    """
+    dst_ranks = sorted({r for name in plan.names for r in plan.dst[name].ranks})
+    out: dict[int, dict[str, Any]] = {}
+    for rank in dst_ranks:
+        out[rank] = {}
+        for name in plan.names:
+            layout = plan.dst[name]
+            if rank in layout.ranks:
+                out[rank][name] = _storage(layout, rank, numpy_dtype(layout.dtype))
+    received = Counter()
+    for rank in dst_ranks:
+        moves = [t for t in plan.transfers_for(rank) if t.dst == rank]
+        moves += plan.local_copies_for(rank)
+        for t in moves:
+            assert t.src != t.dst or t in plan.local_copies_for(rank)
+            src_view = _view(sources[t.src][t.name], plan.src[t.name], t.src, t.region)
+            dst_layout = plan.dst[t.name]
+            wire = numpy_dtype(plan.wire_dtypes[t.name])
+            data = src_view.astype(wire, copy=False).astype(numpy_dtype(dst_layout.dtype),
+                                                            copy=False)
+            _view(out[rank][t.name], dst_layout, rank, t.region)[...] = data
+            if t.src != t.dst:
+                received[(t.name, t.region, t.src, t.dst)] += 1
+    if check_senders:
+        sent = Counter()
+        src_ranks = sorted({r for name in plan.names for r in plan.src[name].ranks})
+        for rank in src_ranks:
+            for t in plan.transfers_for(rank):
+                if t.src == rank:
+                    assert t.dst != rank, f"rank {rank} sends to itself: {t}"
+                    sent[(t.name, t.region, t.src, t.dst)] += 1
+        if sent != received:
+            raise AssertionError(f"senders and receivers disagree: only sent "
+                                 f"{list((sent - received).items())[:5]}, only received "
+                                 f"{list((received - sent).items())[:5]}")
+    return out

@@ -1,0 +1,86 @@
+"""The transport protocol: grouped point-to-point moves of contiguous byte buffers.
+
+Decision record: every transport moves flat ``uint8`` buffers between two world ranks;
+dtypes, casts and strided views are the executor's business. Posts happen inside
+``with transport.group(timeout=...)``: the block collects sends and receives and, on exit,
+starts them all together and waits for all of them (NCCL ``groupStart/groupEnd``, gloo
+``isend/irecv`` + ``wait``), so no post order between peers can deadlock. Every wait is
+bounded; a timeout raises ``TransportTimeout`` naming the peer and the tag.
+Rejected: a blocking ``send``/``recv`` API (order-dependent deadlocks), and moving typed
+tensors (bf16 has no numpy dtype and CuPy cannot export it; bytes have no such problem).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Iterator, Protocol, runtime_checkable
+
+from ..errors import RefitError
+
+
+class TransportTimeout(RefitError, TimeoutError):
+    """A bounded wait ran out: a peer never posted its side, or died."""
+
+
+class TransportError(RefitError):
+    """The transport failed (a peer closed its connection, NCCL reported an error, ...)."""
+
+
+@runtime_checkable
+class Transport(Protocol):
+    """Moves contiguous byte buffers between world ranks.
+
+    ``buf`` is a 1-D contiguous ``uint8`` buffer (numpy array or torch tensor on CPU; a torch
+    or CuPy array on GPU) of the same length on both sides. ``tag`` is a non-negative int
+    that, with (src_rank, dst_rank), identifies one message within a group.
+    """
+
+    name: str
+
+    def group(self, timeout: float) -> contextlib.AbstractContextManager[None]:
+        """Collect posts; on exit start them all and wait for all, at most ``timeout`` s."""
+
+    def send(self, buf: Any, src_rank: int, dst_rank: int, tag: int) -> None:
+        """Post a send of ``buf`` from ``src_rank`` (local) to ``dst_rank``."""
+
+    def recv(self, buf: Any, src_rank: int, dst_rank: int, tag: int) -> None:
+        """Post a receive into ``buf`` at ``dst_rank`` (local) from ``src_rank``."""
+
+    def close(self) -> None:
+        """Release communicators; the transport is unusable afterwards."""
+
+
+class RecordingTransport:
+    """Wraps a transport and counts what crosses it (for tests: bytes sent == plan bytes)."""
+
+    def __init__(self, inner: Transport):
+        self.inner = inner
+        self.name = f"recording({inner.name})"
+        self.bytes_sent = 0
+        self.bytes_received = 0
+        self.sends: list[tuple[int, int, int, int]] = []   # (src, dst, tag, nbytes)
+
+    @contextlib.contextmanager
+    def group(self, timeout: float) -> Iterator[None]:
+        with self.inner.group(timeout):
+            yield
+
+    def send(self, buf: Any, src_rank: int, dst_rank: int, tag: int) -> None:
+        n = _nbytes(buf)
+        self.bytes_sent += n
+        self.sends.append((src_rank, dst_rank, tag, n))
+        self.inner.send(buf, src_rank, dst_rank, tag)
+
+    def recv(self, buf: Any, src_rank: int, dst_rank: int, tag: int) -> None:
+        self.bytes_received += _nbytes(buf)
+        self.inner.recv(buf, src_rank, dst_rank, tag)
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+def _nbytes(buf: Any) -> int:
+    n = getattr(buf, "nbytes", None)
+    if n is None:
+        n = buf.numel() * buf.element_size()
+    return int(n)
