@@ -10,7 +10,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import xreshard as xr
-from xreshard.plan import _balance, _split_piece
+from xreshard.balance import balance as _balance, split_piece as _split_piece
 from xreshard.testing import local_arrays_from_global, run_local
 
 

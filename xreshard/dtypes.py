@@ -28,7 +28,11 @@ def dtype_name(dtype: object) -> str:
     """Canonical name of ``dtype``; raises LayoutError for dtypes xreshard cannot move."""
     name = getattr(dtype, "name", None) if not isinstance(dtype, str) else dtype
     if not isinstance(name, str):
-        name = str(dtype)
+        try:  # scalar type classes (np.float32, jnp.bfloat16) name their dtype through numpy
+            import numpy as np
+            name = np.dtype(dtype).name
+        except TypeError:
+            name = str(dtype)
     name = name.removeprefix("torch.").removeprefix("dtype(").strip("')\"")
     name = _ALIASES.get(name, name)
     if name not in ITEMSIZE:

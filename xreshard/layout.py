@@ -448,7 +448,27 @@ class Layout:
 
     def dim_axes(self, dim: int) -> tuple[int, ...]:
         """Mesh axes splitting ``dim``, in the order they apply."""
-        return tuple(sp.axis for sp in self.splits if sp.dim == dim)
+        axes = self._cache.get("axes")
+        if axes is None:
+            axes = self._cache["axes"] = tuple(
+                tuple(sp.axis for sp in self.splits if sp.dim == d) for d in range(self.ndim))
+        return axes[dim]
+
+    @property
+    def rank_set(self) -> frozenset[int]:
+        got = self._cache.get("rank_set")
+        if got is None:
+            got = self._cache["rank_set"] = frozenset(self.ranks)
+        return got
+
+    def num_elements(self, rank: int) -> int:
+        """Elements ``rank`` holds."""
+        if self.explicit is not None:
+            return sum(r.size for r in self.regions(rank))
+        per_dim = self.dim_intervals(rank)
+        if per_dim is None:
+            return 0
+        return math.prod(sum(e - s for s, e in ivs) for ivs in per_dim)
 
     def dim_table(self, dim: int) -> dict[tuple[int, ...], tuple[Interval, ...]]:
         """For product layouts: key (coords on ``dim_axes(dim)``) -> that key's intervals.
@@ -470,11 +490,17 @@ class Layout:
 
     def dim_intervals(self, rank: int) -> tuple[tuple[Interval, ...], ...] | None:
         """Product form: per dim, the intervals ``rank`` holds (in local order); None if outside."""
+        if self.explicit is not None:
+            raise LayoutError("dim_intervals needs a product-form layout; an explicit-form "
+                              "layout has only regions(rank)")
+        key = ("iv", rank)
+        if key in self._cache:
+            return self._cache[key]
         coord = self.mesh.coord(rank)
-        if coord is None:
-            return None
-        return tuple(self.dim_table(d)[tuple(coord[a] for a in self.dim_axes(d))]
-                     for d in range(self.ndim))
+        got = None if coord is None else tuple(
+            self.dim_table(d)[tuple(coord[a] for a in self.dim_axes(d))] for d in range(self.ndim))
+        self._cache[key] = got
+        return got
 
     def regions(self, rank: int) -> tuple[Region, ...]:
         """The regions ``rank`` holds, in the order its local array stores them.

@@ -29,13 +29,13 @@ from __future__ import annotations
 
 import itertools
 import logging
-import math
 import time
 from bisect import bisect_right
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Mapping, Sequence
 
+from .balance import balance, split_piece
 from .dtypes import dtype_name, itemsize
 from .errors import PlanError
 from .layout import Layout, Region
@@ -124,15 +124,15 @@ class PlanStats:
 
 @dataclass(slots=True)
 class _Template:
-    """The pieces of one (source layout, destination layout) pair, in element counts."""
+    """The pieces of one (source layout, destination layout) pair, in elements.
 
-    pieces: list[tuple[int, Region, Holders, int]]      # (dst, region, holders, elements)
-    local: list[tuple[int, Region, int]]                 # (rank, region, elements)
-    by_dst: dict[int, list[int]]                         # dst rank -> piece indices
-    local_by_rank: dict[int, list[int]]
-    min_elems: int                                       # elements dst ranks lack
-    recv_elems: dict[int, int]
-    num_dst_ranks: int
+    Destination ranks holding the same intervals (replicas) share one group entry.
+    """
+
+    groups: list[tuple[Region, Holders, tuple[int, ...], int]]   # region, holders, receivers, elems
+    local: list[tuple[Region, tuple[int, ...], int]]             # region, ranks owning it, elems
+    min_elems: int                                               # elements destinations lack
+    num_dst_ranks: int                                           # ranks holding any element
 
 
 def _overlaps(starts: list[int], segs: list[tuple[int, int, Any]],
@@ -149,8 +149,22 @@ def _overlaps(starts: list[int], segs: list[tuple[int, int, Any]],
     return out
 
 
-def _product_pieces(src: Layout, dst: Layout) -> Iterator[tuple[int, Region, Holders]]:
-    """Pieces for two product layouts, by per-dim interval merging."""
+def _rank_groups(layout: Layout) -> list[tuple[tuple, tuple[int, ...]]]:
+    """Product layout: ranks grouped by the intervals they hold (replicas share a group)."""
+    got = layout._cache.get("groups")
+    if got is None:
+        groups: dict[tuple, list[int]] = {}
+        for rank in layout.mesh.ranks:
+            per_dim = layout.dim_intervals(rank)
+            if all(per_dim):
+                groups.setdefault(per_dim, []).append(rank)
+        got = layout._cache["groups"] = [(k, tuple(v)) for k, v in groups.items()]
+    return got
+
+
+def _product_pieces(src: Layout, dst: Layout
+                    ) -> Iterator[tuple[tuple[int, ...], Region, Holders]]:
+    """(receiving ranks, region, holders) for two product layouts, by per-dim merging."""
     ndim = src.ndim
     src_axes = [src.dim_axes(d) for d in range(ndim)]
     segs = []
@@ -158,33 +172,22 @@ def _product_pieces(src: Layout, dst: Layout) -> Iterator[tuple[int, Region, Hol
         items = sorted((s, e, key) for key, ivs in src.dim_table(d).items() for s, e in ivs)
         segs.append(([s for s, _, _ in items], items))
     holders_memo: dict[tuple, Holders] = {}
-    by_dst_key: dict[tuple, list[tuple[Region, Holders]]] = {}
-    for rank in dst.mesh.ranks:
-        per_dim = dst.dim_intervals(rank)
-        if any(not ivs for ivs in per_dim):
-            continue
-        boxes = by_dst_key.get(per_dim)
-        if boxes is None:
-            boxes = []
-            dim_lists = [_overlaps(*segs[d], per_dim[d]) for d in range(ndim)]
-            for combo in itertools.product(*dim_lists):
-                keys = tuple(k for _, _, k in combo)
-                holders = holders_memo.get(keys)
-                if holders is None:
-                    fixed = {a: c for d in range(ndim) for a, c in zip(src_axes[d], keys[d])}
-                    coords = [[fixed[a]] if a in fixed else range(src.mesh.shape[a])
-                              for a in range(src.mesh.ndim)]
-                    holders = tuple(sorted(src.mesh.rank_at(c) for c in itertools.product(*coords)))
-                    holders_memo[keys] = holders
-                boxes.append((Region(tuple(c[0] for c in combo), tuple(c[1] for c in combo)),
-                              holders))
-            by_dst_key[per_dim] = boxes
-        for region, holders in boxes:
-            yield rank, region, holders
+    for per_dim, ranks in _rank_groups(dst):
+        dim_lists = [_overlaps(*segs[d], per_dim[d]) for d in range(ndim)]
+        for combo in itertools.product(*dim_lists):
+            keys = tuple(k for _, _, k in combo)
+            holders = holders_memo.get(keys)
+            if holders is None:
+                fixed = {a: c for d in range(ndim) for a, c in zip(src_axes[d], keys[d])}
+                coords = [[fixed[a]] if a in fixed else range(src.mesh.shape[a])
+                          for a in range(src.mesh.ndim)]
+                holders = tuple(sorted(src.mesh.rank_at(c) for c in itertools.product(*coords)))
+                holders_memo[keys] = holders
+            yield ranks, Region(tuple(c[0] for c in combo), tuple(c[1] for c in combo)), holders
 
 
-def _general_pieces(src: Layout, dst: Layout, name: str,
-                    problems: list[str]) -> Iterator[tuple[int, Region, Holders]]:
+def _general_pieces(src: Layout, dst: Layout, name: str, problems: list[str]
+                    ) -> Iterator[tuple[tuple[int, ...], Region, Holders]]:
     """Pieces when either side is explicit: refine each destination region on all boundaries."""
     src_held = [(r, reg) for r in src.ranks for reg in src.regions(r)]
     for rank in sorted(dst.ranks):
@@ -207,17 +210,16 @@ def _general_pieces(src: Layout, dst: Layout, name: str,
                     problems.append(f"tensor {name!r}: destination rank {rank} needs region "
                                     f"{cell} but no source rank holds it")
                     continue
-                # merge runs along the last dim that share holders (row-major order)
-                if cells and cells[-1][1] == holders and want.ndim and \
-                        cells[-1][0].starts[:-1] == cell.starts[:-1] and \
-                        cells[-1][0].stops[:-1] == cell.stops[:-1] and \
-                        cells[-1][0].stops[-1] == cell.starts[-1]:
-                    prev = cells[-1][0]
+                prev = cells[-1][0] if cells else None
+                if prev is not None and cells[-1][1] == holders and want.ndim and \
+                        prev.starts[:-1] == cell.starts[:-1] and \
+                        prev.stops[:-1] == cell.stops[:-1] and prev.stops[-1] == cell.starts[-1]:
+                    # merge runs along the last dim that share holders (row-major order)
                     cells[-1] = (Region(prev.starts, prev.stops[:-1] + cell.stops[-1:]), holders)
                 else:
                     cells.append((cell, holders))
             for cell, holders in cells:
-                yield rank, cell, holders
+                yield (rank,), cell, holders
 
 
 def _build_template(src: Layout, dst: Layout, name: str, problems: list[str]) -> _Template:
@@ -225,201 +227,95 @@ def _build_template(src: Layout, dst: Layout, name: str, problems: list[str]) ->
         raw = _product_pieces(src, dst)
     else:
         raw = _general_pieces(src, dst, name, problems)
-    pieces, local = [], []
-    by_dst: dict[int, list[int]] = {}
-    local_by_rank: dict[int, list[int]] = {}
-    recv: dict[int, int] = {}
-    for rank, region, holders in raw:
+    src_ranks = src.rank_set
+    colocated = not src_ranks.isdisjoint(dst.rank_set)
+    groups, local = [], []
+    for ranks, region, holders in raw:
         n = region.size
-        if rank in holders:
-            local_by_rank.setdefault(rank, []).append(len(local))
-            local.append((rank, region, n))
-        else:
-            by_dst.setdefault(rank, []).append(len(pieces))
-            pieces.append((rank, region, holders, n))
-            recv[rank] = recv.get(rank, 0) + n
+        if colocated and not src_ranks.isdisjoint(ranks):
+            owners = tuple(r for r in ranks if r in holders)
+            if owners:
+                local.append((region, owners, n))
+                ranks = tuple(r for r in ranks if r not in holders)
+                if not ranks:
+                    continue
+        groups.append((region, holders, ranks, n))
     # the minimum, from the layouts alone: what each destination rank holds minus what it
     # already owns as a source
-    min_elems, num_dst = 0, 0
-    for rank in dst.ranks:
-        wants = dst.regions(rank)
-        if not wants or all(w.is_empty for w in wants):
-            continue
-        num_dst += 1
-        owns = src.regions(rank)
-        for w in wants:
-            min_elems += w.size - sum(x.size for o in owns if (x := w.intersect(o)) is not None)
-    return _Template(pieces, local, by_dst, local_by_rank, min_elems, recv, num_dst)
+    min_elems = num_dst = 0
+    if dst.is_product:
+        for _, ranks in _rank_groups(dst):
+            n = dst.num_elements(ranks[0])
+            num_dst += len(ranks)
+            min_elems += n * len(ranks)
+    else:
+        for rank in dst.ranks:
+            n = dst.num_elements(rank)
+            num_dst += n > 0
+            min_elems += n
+    if colocated:
+        for rank in dst.rank_set & src_ranks:
+            owns = src.regions(rank)
+            for w in dst.regions(rank):
+                min_elems -= sum(x.size for o in owns if (x := w.intersect(o)) is not None)
+    return _Template(groups, local, min_elems, num_dst)
 
 
-# ---------------------------------------------------------------------------- balancing
+# ---------------------------------------------------------------------------- views
 
-def _max_flow(num_nodes: int, edges: list[tuple[int, int, int]], s: int, t: int
-              ) -> tuple[int, list[int], list[list[int]], list[int], list[int]]:
-    """Dinic's max-flow on integer capacities. Returns (flow, cap, adj, to, edge list)."""
-    to: list[int] = []
-    cap: list[int] = []
-    adj: list[list[int]] = [[] for _ in range(num_nodes)]
-    for u, v, c in edges:
-        adj[u].append(len(to)); to.append(v); cap.append(c)
-        adj[v].append(len(to)); to.append(u); cap.append(0)
-    flow = 0
-    while True:
-        level = [-1] * num_nodes
-        level[s] = 0
-        queue = [s]
-        for u in queue:
-            for e in adj[u]:
-                if cap[e] > 0 and level[to[e]] < 0:
-                    level[to[e]] = level[u] + 1
-                    queue.append(to[e])
-        if level[t] < 0:
-            return flow, cap, adj, to, level
-        it = [0] * num_nodes
+class _Sub:
+    """Receivers of one template group that share a sender class (locality may split a group)."""
 
-        def push(u: int, f: int) -> int:
-            if u == t:
-                return f
-            while it[u] < len(adj[u]):
-                e = adj[u][it[u]]
-                v = to[e]
-                if cap[e] > 0 and level[v] == level[u] + 1:
-                    got = push(v, min(f, cap[e]))
-                    if got:
-                        cap[e] -= got
-                        cap[e ^ 1] += got
-                        return got
-                it[u] += 1
-            return 0
+    __slots__ = ("group", "cls", "slot", "ranks", "tid", "nbytes", "offset")
 
-        while True:
-            f = push(s, 1 << 62)
-            if not f:
-                break
-            flow += f
+    def __init__(self, group: int, cls: int, slot: int, ranks: tuple[int, ...], tid: int,
+                 nbytes: int, offset: int):
+        self.group = group      # index into template.groups
+        self.cls = cls          # sender class
+        self.slot = slot        # index of cls in the view's class order
+        self.ranks = ranks      # receivers, stream order
+        self.tid = tid          # interned id of `ranks`
+        self.nbytes = nbytes    # bytes per receiver
+        self.offset = offset    # byte offset of the first receiver in this view's class share
 
 
-def _balance(demand: Mapping[Holders, int], fixed: Mapping[int, int]
-             ) -> tuple[int, dict[Holders, dict[int, int]]]:
-    """Least possible max load, and a flow reaching it.
+@dataclass(slots=True)
+class _View:
+    """A template at one wire itemsize under one topology."""
 
-    ``demand[holders]`` bytes must be sent by the ranks in ``holders`` (splittable among
-    them); ``fixed[rank]`` bytes a rank must send anyway. Returns (max load L, per class the
-    bytes each holder sends). L is found by Dinkelbach steps on min cuts: a cut that blocks
-    the flow names a set of ranks whose demand/size exceeds L, and that ratio is the next L.
-    """
-    multi = sorted(h for h, b in demand.items() if b > 0)
-    senders = sorted({r for h in multi for r in h})
-    top_fixed = max(fixed.values(), default=0)
-    if not multi:
-        return top_fixed, {}
-    total = sum(demand[h] for h in multi)
-    load = max(max((fixed.get(r, 0) for r in senders), default=0),
-               -(-(total + sum(fixed.get(r, 0) for r in senders)) // len(senders)))
-    cls_node = {h: 2 + i for i, h in enumerate(multi)}
-    rank_node = {r: 2 + len(multi) + i for i, r in enumerate(senders)}
-    num_nodes = 2 + len(multi) + len(senders)
-    while True:
-        edges = [(0, cls_node[h], demand[h]) for h in multi]
-        edges += [(cls_node[h], rank_node[r], total) for h in multi for r in h]
-        edges += [(rank_node[r], 1, load - fixed.get(r, 0)) for r in senders]
-        flow, cap, adj, to, level = _max_flow(num_nodes, edges, 0, 1)
-        if flow == total:
-            break
-        cut_ranks = [r for r in senders if level[rank_node[r]] >= 0]
-        cut_demand = sum(demand[h] for h in multi if level[cls_node[h]] >= 0)
-        new_load = -(-(cut_demand + sum(fixed.get(r, 0) for r in cut_ranks)) // len(cut_ranks))
-        assert new_load > load, (new_load, load)
-        load = new_load
-    flows: dict[Holders, dict[int, int]] = {}
-    e = 2 * len(multi)
-    for h in multi:
-        out = {}
-        for r in h:
-            out[r] = cap[e + 1]      # reverse residual = flow on the class -> rank edge
-            e += 2
-        flows[h] = out
-    return max(load, top_fixed), flows
+    template: _Template
+    itemsize: int
+    subs: list[_Sub]
+    class_order: list[int]
+    class_bytes: list[int]
+    class_subs: dict[int, tuple[list[int], list[int]]]   # class -> (sub indices, offsets)
 
 
 # ---------------------------------------------------------------------------- the plan
 
-@dataclass(slots=True)
-class _View:
-    """A template seen from one topology: each moved piece's class and byte offset."""
-
-    template: _Template
-    nbytes_per_elem: int
-    piece_class: list[int]
-    piece_offset: list[int]
-    class_order: list[int]                      # classes of this template, first-seen order
-    class_bytes: list[int]
-    class_pieces: dict[int, tuple[list[int], list[int]]]   # class -> (piece idx, offsets)
-
-
-def _split_piece(region: Region, nbytes: int, start: int, bounds: Sequence[int]
-                 ) -> list[tuple[int, Region, int]]:
-    """Cut one piece of a class stream at the quota ``bounds``: [(holder index, region, bytes)].
-
-    The piece occupies ``[start, start + nbytes)`` of the stream; holder j owns
-    ``[bounds[j], bounds[j+1])``. Cuts fall on whole rows of the outermost dim longer than
-    one; a piece that cannot be cut goes whole to the holder owning its first byte.
-    """
-    j = bisect_right(bounds, start) - 1
-    end = start + nbytes
-    if bounds[j + 1] >= end:
-        return [(j, region, nbytes)]
-    shape = region.shape
-    d = next((i for i, n in enumerate(shape) if n > 1), None)
-    if d is None:
-        return [(j, region, nbytes)]
-    rows = shape[d]
-    row_bytes = nbytes // rows
-    out = []
-    row, owner, k = 0, j, j + 1
-    while k < len(bounds) - 1 and bounds[k] < end:
-        cut = min(rows, max(row, round((bounds[k] - start) / row_bytes)))
-        if cut > row:
-            out.append((owner, row, cut))
-            row = cut
-        owner = k
-        k += 1
-    if row < rows:
-        out.append((owner, row, rows))
-    a = region.starts[d]
-    return [(o, Region(region.starts[:d] + (a + r0,) + region.starts[d + 1:],
-                       region.stops[:d] + (a + r1,) + region.stops[d + 1:]),
-             (r1 - r0) * row_bytes) for o, r0, r1 in out]
-
-
 class Plan:
-    """All transfers of a refit (computed lazily per rank) and their statistics.
+    """All transfers of a refit (listed lazily per rank) and their statistics.
 
     Build with :func:`plan`. ``transfers_for(rank)`` lists a rank's sends and receives;
     ``local_copies_for(rank)`` its same-rank copies (colocated layouts).
     """
 
     def __init__(self, names: list[str], src: Mapping[str, Layout], dst: Mapping[str, Layout],
-                 views: list[_View], view_of: list[int], classes: list[Holders],
-                 bounds: list[list[int]], tensor_list: list[list[int]],
-                 tensor_cum: list[list[int]], tensor_starts: list[tuple[int, ...]],
-                 stats: PlanStats, wire_dtypes: dict[str, str]):
+                 wire_dtypes: dict[str, str]):
         self.names = names
         self.src = src
         self.dst = dst
-        self.stats = stats
         self.wire_dtypes = wire_dtypes
-        self._views = views
-        self._view_of = view_of
-        self._classes = classes
-        self._bounds = bounds
-        self._tensor_list = tensor_list
-        self._tensor_cum = tensor_cum
-        self._tensor_starts = tensor_starts
+        self.stats: PlanStats
+        self._views: list[_View] = []
+        self._view_of: list[int] = []
+        self._classes: list[Holders] = []
+        self._bounds: list[list[int]] = []
+        self._tensor_list: list[list[int]] = []     # per class: tensors in stream order
+        self._tensor_cum: list[list[int]] = []      # per class: stream offset of each tensor
+        self._tensor_starts: list[tuple[int, ...]] = []   # per tensor: offset per view slot
+        self._rank_tuples: list[tuple[int, ...]] = []
         self._sender_classes: dict[int, list[int]] = {}
-        for c, holders in enumerate(classes):
-            for r in holders:
-                self._sender_classes.setdefault(r, []).append(c)
 
     def __repr__(self) -> str:
         return (f"Plan({len(self.names)} tensors, {self.stats.num_transfers} transfers, "
@@ -429,26 +325,33 @@ class Plan:
         return str(self.stats)
 
     def transfers_for(self, rank: int) -> tuple[Transfer, ...]:
-        """Every transfer ``rank`` sends or receives, receives first, in plan order."""
+        """Every transfer ``rank`` receives (first) or sends, in plan order."""
         out: list[Transfer] = []
-        names, views, view_of = self.names, self._views, self._view_of
-        for t, name in enumerate(names):
-            view = views[view_of[t]]
-            mine = view.template.by_dst.get(rank)
-            if not mine:
-                continue
-            starts = self._tensor_starts[t]
-            for p in mine:
-                _, region, _, n = view.template.pieces[p]
-                c = view.piece_class[p]
-                holders = self._classes[c]
-                bounds = self._bounds[c]
-                if len(holders) == 1:
-                    out.append(Transfer(name, region, holders[0], rank, n * view.nbytes_per_elem))
+        position = {}
+        for tid, ranks in enumerate(self._rank_tuples):
+            if rank in ranks:
+                position[tid] = ranks.index(rank)
+        mine: dict[int, list[tuple[_Sub, int]]] = {}
+        if position:
+            for t, name in enumerate(self.names):
+                v = self._view_of[t]
+                subs = mine.get(v)
+                if subs is None:
+                    subs = mine[v] = [(sub, position[sub.tid]) for sub in self._views[v].subs
+                                      if sub.tid in position]
+                if not subs:
                     continue
-                start = starts[view.class_order.index(c)] + view.piece_offset[p]
-                for j, sub, nb in _split_piece(region, n * view.nbytes_per_elem, start, bounds):
-                    out.append(Transfer(name, sub, holders[j], rank, nb))
+                groups = self._views[v].template.groups
+                starts = self._tensor_starts[t]
+                for sub, pos in subs:
+                    region = groups[sub.group][0]
+                    holders = self._classes[sub.cls]
+                    if len(holders) == 1:
+                        out.append(Transfer(name, region, holders[0], rank, sub.nbytes))
+                        continue
+                    start = starts[sub.slot] + sub.offset + pos * sub.nbytes
+                    for j, part, nb in split_piece(region, sub.nbytes, start, self._bounds[sub.cls]):
+                        out.append(Transfer(name, part, holders[j], rank, nb))
         for c in self._sender_classes.get(rank, ()):
             out.extend(self._sends_in_class(rank, c))
         return tuple(out)
@@ -466,16 +369,20 @@ class Plan:
         while i < len(tlist) and tcum[i] < hi:
             t = tlist[i]
             view = self._views[self._view_of[t]]
-            base = tcum[i]
-            idx, offs = view.class_pieces[c]
+            base, name = tcum[i], self.names[t]
+            idx, offs = view.class_subs[c]
             k = max(bisect_right(offs, lo - base) - 1, 0)
-            name = self.names[t]
             while k < len(idx) and base + offs[k] < hi:
-                dst, region, _, n = view.template.pieces[idx[k]]
-                for owner, sub, nb in _split_piece(region, n * view.nbytes_per_elem,
-                                                   base + offs[k], bounds):
-                    if owner == j:
-                        yield Transfer(name, sub, rank, dst, nb)
+                sub = view.subs[idx[k]]
+                region = view.template.groups[sub.group][0]
+                first = base + offs[k]
+                b = sub.nbytes
+                p0 = max(0, (lo - first) // b) if b else 0
+                p1 = min(len(sub.ranks), -(-(hi - first) // b)) if b else len(sub.ranks)
+                for p in range(p0, p1):
+                    for owner, part, nb in split_piece(region, b, first + p * b, bounds):
+                        if owner == j:
+                            yield Transfer(name, part, rank, sub.ranks[p], nb)
                 k += 1
             i += 1
 
@@ -484,17 +391,31 @@ class Plan:
         out = []
         for t, name in enumerate(self.names):
             view = self._views[self._view_of[t]]
-            for i in view.template.local_by_rank.get(rank, ()):
-                _, region, n = view.template.local[i]
-                out.append(Transfer(name, region, rank, rank, n * view.nbytes_per_elem))
+            for region, owners, n in view.template.local:
+                if rank in owners:
+                    out.append(Transfer(name, region, rank, rank, n * view.itemsize))
         return tuple(out)
 
     def iter_transfers(self) -> Iterator[Transfer]:
-        """Every transfer of the plan (receiver order). Costs time proportional to the world."""
-        for rank in sorted({r for v in self._views for r in v.template.by_dst}):
+        """Every transfer of the plan, by receiver. Costs time proportional to the world."""
+        for rank in sorted({r for ranks in self._rank_tuples for r in ranks}):
             for tr in self.transfers_for(rank):
                 if tr.dst == rank:
                     yield tr
+
+    def _piece_at(self, c: int, x: int) -> tuple[Region, int, int] | None:
+        """The piece of class ``c``'s stream holding byte ``x``: (region, start, bytes)."""
+        tcum = self._tensor_cum[c]
+        pos = bisect_right(tcum, x) - 1
+        if pos < 0:
+            return None
+        view = self._views[self._view_of[self._tensor_list[c][pos]]]
+        idx, offs = view.class_subs[c]
+        k = bisect_right(offs, x - tcum[pos]) - 1
+        sub = view.subs[idx[k]]
+        first = tcum[pos] + offs[k]
+        p = (x - first) // sub.nbytes if sub.nbytes else 0
+        return view.template.groups[sub.group][0], first + p * sub.nbytes, sub.nbytes
 
 
 class PlanCache:
@@ -574,38 +495,38 @@ def plan(src: Mapping[str, Layout], dst: Mapping[str, Layout], world: Any = None
     names, wire = _validate(src, dst, wire_name)
     topology: Topology | None = getattr(world, "topology", world)
     cache = cache if cache is not None else PlanCache()
+    result = Plan(names, src, dst, wire)
 
-    # 1. templates
+    # 1. templates, one per layout pair
     problems: list[str] = []
     tpl_index: dict[tuple[Layout, Layout], int] = {}
-    tpl_list: list[_Template] = []
-    view_key_of: list[tuple[int, int]] = []
+    templates: list[_Template] = []
+    view_keys: list[tuple[int, int]] = []
     for name in names:
         key = (src[name], dst[name])
         i = tpl_index.get(key)
         if i is None:
             tpl = cache.templates.get(key)
             if tpl is None:
+                before = len(problems)
                 tpl = _build_template(key[0], key[1], name, problems)
-                if not problems:
+                if len(problems) == before:
                     cache.templates[key] = tpl
-            i = tpl_index[key] = len(tpl_list)
-            tpl_list.append(tpl)
-        view_key_of.append((i, itemsize(wire[name])))
+            i = tpl_index[key] = len(templates)
+            templates.append(tpl)
+        view_keys.append((i, itemsize(wire[name])))
     if problems:
         more = f"\n  ... and {len(problems) - _MAX_LISTED} more" if len(problems) > _MAX_LISTED else ""
         raise PlanError("destination regions that no source rank holds:\n  "
                         + "\n  ".join(problems[:_MAX_LISTED]) + more
                         + "\nthe source layouts must cover every element a destination holds")
 
-    # 2. classes: candidate senders after locality, per template view
-    class_id: dict[Holders, int] = {}
-    classes: list[Holders] = []
+    # 2. sender classes: holders narrowed by locality, per view
+    classes, class_id = result._classes, {}
+    rank_tuples, tuple_id = result._rank_tuples, {}
     narrow_memo: dict[tuple[Holders, int], Holders] = {}
 
     def narrow(holders: Holders, dst_rank: int) -> Holders:
-        if topology is None or len(holders) == 1:
-            return holders
         key = (holders, dst_rank)
         got = narrow_memo.get(key)
         if got is None:
@@ -616,43 +537,50 @@ def plan(src: Mapping[str, Layout], dst: Mapping[str, Layout], world: Any = None
             narrow_memo[key] = got
         return got
 
-    views: list[_View] = []
-    view_index: dict[tuple[int, int], int] = {}
-    view_of: list[int] = []
-    for vk in view_key_of:
+    def intern(xs: tuple, table: dict, store: list) -> int:
+        i = table.get(xs)
+        if i is None:
+            i = table[xs] = len(store)
+            store.append(xs)
+        return i
+
+    views, view_index = result._views, {}
+    for vk in view_keys:
         v = view_index.get(vk)
         if v is None:
-            tpl, size = tpl_list[vk[0]], vk[1]
-            piece_class, piece_offset, order, cbytes = [], [], [], []
-            where: dict[int, int] = {}
-            cpieces: dict[int, tuple[list[int], list[int]]] = {}
-            for p, (dst_rank, _, holders, n) in enumerate(tpl.pieces):
-                h = narrow(holders, dst_rank)
-                c = class_id.get(h)
-                if c is None:
-                    c = class_id[h] = len(classes)
-                    classes.append(h)
-                k = where.get(c)
-                if k is None:
-                    k = where[c] = len(order)
-                    order.append(c)
-                    cbytes.append(0)
-                    cpieces[c] = ([], [])
-                piece_class.append(c)
-                piece_offset.append(cbytes[k])
-                cpieces[c][0].append(p)
-                cpieces[c][1].append(cbytes[k])
-                cbytes[k] += n * size
+            tpl, size = templates[vk[0]], vk[1]
+            subs, order, cbytes, slot_of = [], [], [], {}
+            for g, (_, holders, ranks, n) in enumerate(tpl.groups):
+                if topology is None or len(holders) == 1:
+                    split = [(holders, ranks)]
+                else:
+                    by_cls: dict[Holders, list[int]] = {}
+                    for r in ranks:
+                        by_cls.setdefault(narrow(holders, r), []).append(r)
+                    split = [(h, tuple(rs)) for h, rs in by_cls.items()]
+                for h, rs in split:
+                    c = intern(h, class_id, classes)
+                    slot = slot_of.get(c)
+                    if slot is None:
+                        slot = slot_of[c] = len(order)
+                        order.append(c)
+                        cbytes.append(0)
+                    subs.append(_Sub(g, c, slot, rs, intern(rs, tuple_id, rank_tuples),
+                                     n * size, cbytes[slot]))
+                    cbytes[slot] += n * size * len(rs)
+            class_subs: dict[int, tuple[list[int], list[int]]] = {c: ([], []) for c in order}
+            for i, sub in enumerate(subs):
+                class_subs[sub.cls][0].append(i)
+                class_subs[sub.cls][1].append(sub.offset)
             v = view_index[vk] = len(views)
-            views.append(_View(tpl, size, piece_class, piece_offset, order, cbytes, cpieces))
-        view_of.append(v)
+            views.append(_View(tpl, size, subs, order, cbytes, class_subs))
+        result._view_of.append(v)
 
-    # 3. class streams over the model, in tensor order
-    tensor_list: list[list[int]] = [[] for _ in classes]
-    tensor_cum: list[list[int]] = [[] for _ in classes]
+    # 3. one byte stream per class over the model, in tensor order
     totals = [0] * len(classes)
-    tensor_starts: list[tuple[int, ...]] = []
-    for t, v in enumerate(view_of):
+    tensor_list = result._tensor_list = [[] for _ in classes]
+    tensor_cum = result._tensor_cum = [[] for _ in classes]
+    for t, v in enumerate(result._view_of):
         view = views[v]
         starts = []
         for c, b in zip(view.class_order, view.class_bytes):
@@ -660,9 +588,10 @@ def plan(src: Mapping[str, Layout], dst: Mapping[str, Layout], world: Any = None
             tensor_cum[c].append(totals[c])
             starts.append(totals[c])
             totals[c] += b
-        tensor_starts.append(tuple(starts))
+        result._tensor_starts.append(tuple(starts))
 
-    # 4. balance: quotas per class by max-flow
+    # 4. balance: contiguous quotas per class from a max-flow
+    counts = Counter(result._view_of)
     fixed: dict[int, int] = {}
     demand: dict[Holders, int] = {}
     for c, h in enumerate(classes):
@@ -670,95 +599,86 @@ def plan(src: Mapping[str, Layout], dst: Mapping[str, Layout], world: Any = None
             fixed[h[0]] = fixed.get(h[0], 0) + totals[c]
         else:
             demand[h] = totals[c]
-    lower, flows = _balance(demand, fixed)
-    bounds: list[list[int]] = []
+    lower, flows = balance(demand, fixed)
     for c, h in enumerate(classes):
-        if len(h) == 1:
-            bounds.append([0, totals[c]])
-            continue
         acc, b = 0, [0]
         for r in h:
-            acc += flows[h][r]
+            acc += flows[h][r] if len(h) > 1 else totals[c]
             b.append(acc)
-        assert acc == totals[c]
-        bounds.append(b)
-    counts = Counter(view_of)
+        result._bounds.append(b)
+        for r in h:
+            result._sender_classes.setdefault(r, []).append(c)
     if topology is not None:
         # the lower bound ignores locality (full holder sets): what any plan could reach
         lb_demand: dict[Holders, int] = {}
         lb_fixed: dict[int, int] = {}
         for v, cnt in counts.items():
             view = views[v]
-            for _, _, holders, n in view.template.pieces:
-                b = cnt * n * view.nbytes_per_elem
+            for _, holders, ranks, n in view.template.groups:
+                b = cnt * n * view.itemsize * len(ranks)
                 if len(holders) == 1:
                     lb_fixed[holders[0]] = lb_fixed.get(holders[0], 0) + b
                 else:
                     lb_demand[holders] = lb_demand.get(holders, 0) + b
-        lower, _ = _balance(lb_demand, lb_fixed)
+        lower, _ = balance(lb_demand, lb_fixed)
 
-    # 5. statistics: actual sender loads after row rounding, extra transfers from cuts
-    plan_obj = Plan(names, src, dst, views, view_of, classes, bounds, tensor_list, tensor_cum,
-                    tensor_starts, None, wire)  # type: ignore[arg-type]
+    # 5. statistics: sender loads after rounding cuts to rows, extra transfers from cuts
     sent: dict[int, int] = {}
     extra = 0
     for c, h in enumerate(classes):
-        if len(h) == 1:
-            sent[h[0]] = sent.get(h[0], 0) + totals[c]
-            continue
+        bounds = result._bounds[c]
         eff = [0]
         for k in range(1, len(h)):
-            x = bounds[c][k]
-            pos = bisect_right(tensor_cum[c], x) - 1
-            if x >= totals[c] or pos < 0:
-                eff.append(totals[c] if x >= totals[c] else 0)
+            x = bounds[k]
+            found = result._piece_at(c, x) if x < totals[c] else None
+            if found is None:
+                eff.append(min(x, totals[c]))
                 continue
-            t = tensor_list[c][pos]
-            view = views[view_of[t]]
-            idx, offs = view.class_pieces[c]
-            q = bisect_right(offs, x - tensor_cum[c][pos]) - 1
-            start = tensor_cum[c][pos] + offs[q]
-            _, region, _, n = view.template.pieces[idx[q]]
-            parts = _split_piece(region, n * view.nbytes_per_elem, start, bounds[c])
-            # effective boundary k: first byte of the part owned by holder >= k
-            acc, cut = start, start + n * view.nbytes_per_elem
-            for owner, _, nb in parts:
+            region, start, nb = found
+            acc, cut = start, start + nb
+            for owner, _, part in split_piece(region, nb, start, bounds):
                 if owner >= k:
                     cut = acc
                     break
-                acc += nb
+                acc += part
             eff.append(cut)
-            if start < cut < start + n * view.nbytes_per_elem and x != start:
+            if start < cut < start + nb:
                 extra += 1
         eff.append(totals[c])
         for k, r in enumerate(h):
             sent[r] = sent.get(r, 0) + max(0, eff[k + 1] - eff[k])
 
-    received: dict[int, int] = {}
+    recv_by_tuple: dict[int, int] = {}
     bytes_min = gather = local_bytes = num_pieces = num_local = 0
     for v, cnt in counts.items():
         view = views[v]
-        tpl, size = view.template, view.nbytes_per_elem
-        for r, e in tpl.recv_elems.items():
-            received[r] = received.get(r, 0) + cnt * e * size
+        tpl, size = view.template, view.itemsize
+        for sub in view.subs:
+            recv_by_tuple[sub.tid] = recv_by_tuple.get(sub.tid, 0) + cnt * sub.nbytes
+            num_pieces += cnt * len(sub.ranks)
         bytes_min += cnt * tpl.min_elems * size
-        local_bytes += cnt * sum(n for _, _, n in tpl.local) * size
-        num_pieces += cnt * len(tpl.pieces)
-        num_local += cnt * len(tpl.local)
+        local_bytes += cnt * sum(n * len(owners) for _, owners, n in tpl.local) * size
+        num_local += cnt * sum(len(owners) for _, owners, _ in tpl.local)
+    received: dict[int, int] = {}
+    for tid, b in recv_by_tuple.items():
+        for r in rank_tuples[tid]:
+            received[r] = received.get(r, 0) + b
     for t, name in enumerate(names):
-        view = views[view_of[t]]
-        gather += math.prod(src[name].shape) * view.nbytes_per_elem * (1 + view.template.num_dst_ranks)
+        view = views[result._view_of[t]]
+        n = 1
+        for s in src[name].shape:
+            n *= s
+        gather += n * view.itemsize * (1 + view.template.num_dst_ranks)
     src_ranks = {r for h in classes for r in h}
     moved = sum(totals)
     top = max(sent.values(), default=0)
     mean = moved / max(len(src_ranks), 1)
-    stats = PlanStats(
+    result.stats = PlanStats(
         bytes_moved=moved, bytes_min=bytes_min, bytes_gather_broadcast=gather,
         bytes_local=local_bytes, bytes_sent=sent, bytes_received=received,
         sender_lower_bound=lower, sender_balance=(top / lower) if lower else 1.0,
         sender_balance_mean=(top / mean) if mean else 1.0,
         num_transfers=num_pieces + extra, num_local_copies=num_local, num_tensors=len(names),
-        num_templates=len(tpl_list), plan_seconds=time.perf_counter() - t0)
-    plan_obj.stats = stats
-    logger.debug("planned %d tensors: %s", len(names), stats.to_dict())
-    return plan_obj
+        num_templates=len(templates), plan_seconds=time.perf_counter() - t0)
+    logger.debug("planned %d tensors: %s", len(names), result.stats.to_dict())
+    return result

@@ -1,0 +1,244 @@
+"""JAX bridge: describe a ``jax.Array`` or a ``Sharding`` as a neutral :class:`Layout`.
+
+Only geometry: nothing here moves data or touches device memory.
+
+Two ways in (layouts.md section 1.6, "IR ingestion rule"):
+
+* ``NamedSharding`` over a concrete (or abstract) ``Mesh`` is parsed symbolically with
+  :meth:`Layout.from_spec`. The product form is compact and lets the planner intersect per
+  dim instead of per rank.
+* Every other sharding (``SingleDeviceSharding``, ``GSPMDSharding``, a ``NamedSharding``
+  with a private ``_logical_device_ids`` permutation, unknown subclasses) goes through
+  ``sharding.devices_indices_map(shape)``, which already encodes any device permutation,
+  and becomes an explicit-form layout.
+
+Layouts are keyed by world rank, never by JAX device id: CPU device ids jump by 2048 per
+process and ``jax.make_mesh`` may reorder devices, so ids are only ever looked up, never
+computed with.
+
+jax is imported lazily so that ``import xreshard.adapters.jax`` stays cheap.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from xreshard.errors import LayoutError
+from xreshard.layout import Layout, Mesh, Region
+
+__all__ = ["layout_of"]
+
+#: what ``ranks`` may be: a map from device (or device id) to world rank, a sequence aligned
+#: with the default device order, or a callable device -> world rank
+RankSpec = Mapping[Any, int] | Sequence[int] | Callable[[Any], int] | None
+
+
+def _import_jax():
+    try:
+        import jax
+        import jax.sharding  # noqa: F401  (the submodule is what we use)
+    except ImportError as e:
+        raise ImportError("xreshard.adapters.jax needs JAX: pip install 'xreshard[jax]'") from e
+    return jax
+
+
+def layout_of(x_or_sharding: Any, shape: Sequence[int] | None = None, dtype: Any = None,
+              ranks: RankSpec = None, *, name: str | None = None) -> Layout:
+    """The layout of a JAX array, or of a tensor of ``shape``/``dtype`` under a sharding.
+
+    Default rank numbering (``ranks=None``):
+
+    * ``NamedSharding``: a device's position in ``mesh.devices.flat`` (C order), i.e. its
+      row-major mesh coordinate. On mesh ``(dp=2, tp=2)`` built from devices ``[d5, d4, d7,
+      d6]`` the ranks are ``d5 -> 0, d4 -> 1, d7 -> 2, d6 -> 3``. Two tensors on the same
+      mesh get the same numbering.
+    * any other sharding: a device's position among the sharding's devices sorted by
+      device id (a ``SingleDeviceSharding`` is always rank 0).
+
+    Pass ``ranks`` whenever the layout must line up with ranks numbered elsewhere (the
+    other side of a refit, other meshes).
+
+    Example, ``P('tp')`` on 8 rows, mesh ``(dp=2, tp=2)``::
+
+        # rank | coord (dp,tp) | region
+        #    0 | (0,0)         | [0:4]
+        #    1 | (0,1)         | [4:8]
+        #    2 | (1,0)         | [0:4]
+        #    3 | (1,1)         | [4:8]
+
+    Args:
+        x_or_sharding: a ``jax.Array`` or ``jax.ShapeDtypeStruct`` with a sharding (shape
+            and dtype are read from it), or a ``jax.sharding.Sharding``.
+        shape: global shape; required with a bare sharding, must match an array's if given.
+        dtype: dtype; required with a bare sharding, must match an array's if given.
+        ranks: world rank of each device. ``None`` (see above); a mapping
+            ``{device or device id: rank}``; a sequence aligned with the default order
+            (``mesh.devices.flat`` for ``NamedSharding``, else devices sorted by id); or a
+            callable ``device -> rank``. Device ids are only used as lookup keys.
+        name: tensor name, used in error messages.
+
+    Returns:
+        A product-form layout for ``NamedSharding``, an explicit-form one otherwise.
+
+    Raises:
+        ImportError: JAX is not installed.
+        TypeError: ``x_or_sharding`` is neither an array nor a sharding.
+        LayoutError: missing or mismatched shape/dtype, an unreduced (pending reduction)
+            spec, an uneven split, or a ``ranks`` that misses a device or repeats a rank.
+    """
+    jax = _import_jax()
+    shape, dtype, sharding = _unpack(jax, x_or_sharding, shape, dtype, name)
+
+    named = jax.sharding.NamedSharding
+    if isinstance(sharding, named):
+        spec = sharding.spec
+        # devices_indices_map raises NotImplementedError on unreduced specs; say why instead.
+        if getattr(spec, "unreduced", None):
+            where = _where(name)
+            raise LayoutError(f"{where}PartitionSpec {spec} has unreduced axes "
+                              f"{sorted(spec.unreduced)} (a pending reduction); xreshard does "
+                              "not reduce yet - reduce (e.g. jax.lax.psum) before refitting")
+        mesh = sharding.mesh
+        if not isinstance(mesh, jax.sharding.Mesh):
+            return _from_abstract_mesh(mesh, spec, shape, dtype, ranks, name)
+        devices = list(mesh.devices.flat)
+        if getattr(sharding, "_logical_device_ids", None) is None:
+            world = _world_ranks(devices, ranks, "mesh.devices.flat", name)
+            xmesh = Mesh(tuple(mesh.devices.shape), tuple(world), tuple(mesh.axis_names))
+            return Layout.from_spec(shape, dtype, xmesh, spec, name=name)
+        # A private device permutation: the index map already encodes it. Keep mesh-order
+        # rank numbering so the default agrees with other tensors on this mesh.
+        return _from_index_map(sharding, shape, dtype, devices, ranks, "mesh.devices.flat", name)
+
+    index_devices = sorted(sharding.device_set, key=lambda d: d.id)
+    return _from_index_map(sharding, shape, dtype, index_devices, ranks,
+                           "the sharding's devices sorted by id", name)
+
+
+# ---------------------------------------------------------------------------- helpers
+
+def _where(name: str | None) -> str:
+    return f"tensor {name!r}: " if name else ""
+
+
+def _unpack(jax, x: Any, shape, dtype, name) -> tuple[tuple[int, ...], Any, Any]:
+    """(shape, dtype, sharding) from an array, a ShapeDtypeStruct or a bare sharding."""
+    where = _where(name)
+    if isinstance(x, jax.sharding.Sharding):
+        if shape is None or dtype is None:
+            raise LayoutError(f"{where}layout_of(sharding) needs the global shape and dtype: "
+                              "layout_of(sharding, shape, dtype), or pass the jax.Array itself")
+        return tuple(int(s) for s in shape), _dtype(jax, dtype), x
+    if isinstance(x, (jax.Array, jax.ShapeDtypeStruct)):
+        sharding = getattr(x, "sharding", None)
+        if sharding is None:
+            raise LayoutError(f"{where}{type(x).__name__} has no sharding; give it one "
+                              "(jax.ShapeDtypeStruct(shape, dtype, sharding=...))")
+        own_shape = tuple(int(s) for s in x.shape)
+        if shape is not None and tuple(int(s) for s in shape) != own_shape:
+            raise LayoutError(f"{where}shape {tuple(shape)} was passed but the array has shape "
+                              f"{own_shape}; omit shape for arrays")
+        if dtype is not None and jax.numpy.dtype(dtype) != x.dtype:
+            raise LayoutError(f"{where}dtype {dtype} was passed but the array has dtype "
+                              f"{x.dtype}; omit dtype for arrays (casts are a refit option)")
+        return own_shape, x.dtype, sharding
+    raise TypeError(f"layout_of expects a jax.Array, a jax.ShapeDtypeStruct or a "
+                    f"jax.sharding.Sharding, got {type(x).__name__}")
+
+
+def _dtype(jax, dtype: Any) -> Any:
+    """``jnp.float32`` and friends are scalar *types*; their dtype is what has a name."""
+    if isinstance(dtype, str):
+        return dtype
+    try:
+        return jax.numpy.dtype(dtype)
+    except TypeError:
+        return dtype  # not a numpy-like dtype: let Layout report it
+
+
+def _world_ranks(devices: Sequence[Any], ranks: RankSpec, order: str,
+                 name: str | None) -> list[int]:
+    """World rank of each device in ``devices`` (the default order, see layout_of)."""
+    where = _where(name)
+    if ranks is None:
+        return list(range(len(devices)))
+    if isinstance(ranks, Mapping):
+        out = []
+        for d in devices:
+            # A device is its own best key; the id is a fallback key for JSON-ish configs.
+            if d in ranks:
+                out.append(ranks[d])
+            elif d.id in ranks:
+                out.append(ranks[d.id])
+            else:
+                raise LayoutError(f"{where}ranks has no entry for device {d} (id {d.id}); map "
+                                  "every device of the sharding, by device or by device id")
+    elif callable(ranks):
+        out = [ranks(d) for d in devices]
+    elif isinstance(ranks, (str, bytes)):
+        raise TypeError(f"ranks must be a mapping, a sequence of ints or a callable, got {ranks!r}")
+    else:
+        # a numpy array may come shaped like the mesh; its row-major flattening is aligned
+        seq = _flatten(ranks.tolist()) if hasattr(ranks, "tolist") else list(ranks)
+        if len(seq) != len(devices):
+            raise LayoutError(f"{where}ranks has {len(seq)} entries but the sharding has "
+                              f"{len(devices)} devices; list one world rank per device in the "
+                              f"order of {order}")
+        out = seq
+    try:
+        out = [int(r) for r in out]
+    except (TypeError, ValueError) as e:
+        raise LayoutError(f"{where}ranks must give an int world rank per device: {e}") from e
+    if len(set(out)) != len(out) or any(r < 0 for r in out):
+        raise LayoutError(f"{where}ranks gives world ranks {out} for devices {list(devices)}; "
+                          "each device needs its own world rank >= 0")
+    return out
+
+
+def _flatten(xs: Any) -> list:
+    if isinstance(xs, list):
+        return [y for x in xs for y in _flatten(x)]
+    return [xs]
+
+
+def _from_abstract_mesh(mesh, spec, shape, dtype, ranks, name) -> Layout:
+    """NamedSharding over an AbstractMesh: no devices, so ranks follow mesh positions."""
+    where = _where(name)
+    if ranks is not None and (isinstance(ranks, Mapping) or callable(ranks)):
+        raise LayoutError(f"{where}the sharding's mesh is an AbstractMesh (no devices), so "
+                          "ranks cannot map devices; pass a sequence of world ranks in "
+                          "row-major mesh order, or None for 0..n-1")
+    sizes = tuple(int(s) for s in mesh.axis_sizes)
+    positions = [None] * math.prod(sizes)
+    world = (list(range(len(positions))) if ranks is None
+             else _world_ranks(positions, ranks, "row-major mesh positions", name))
+    xmesh = Mesh(sizes, tuple(world), tuple(mesh.axis_names))
+    return Layout.from_spec(shape, dtype, xmesh, spec, name=name)
+
+
+def _from_index_map(sharding, shape, dtype, devices, ranks, order, name) -> Layout:
+    """Explicit form from ``devices_indices_map``, keyed by world rank."""
+    index_map = sharding.devices_indices_map(tuple(shape))
+    world = _world_ranks(devices, ranks, order, name)
+    regions = {}
+    for d, rank in zip(devices, world):
+        if d in index_map:
+            regions[rank] = [_region_of(index_map[d], shape, name)]
+    return Layout.explicit_form(shape, dtype, regions)
+
+
+def _region_of(index: Sequence[slice], shape: Sequence[int], name: str | None) -> Region:
+    """A devices_indices_map index (``slice(None)`` for whole dims) as a Region."""
+    bounds = []
+    for dim, (s, n) in enumerate(zip(index, shape)):
+        start, stop, step = s.indices(n)
+        if step != 1:
+            where = _where(name)
+            raise LayoutError(f"{where}dim {dim} index {s} has step {step}; only contiguous "
+                              "shards can be described")
+        bounds.append((start, max(start, stop)))
+    # devices_indices_map gives one slice per dim; trailing dims, if any, are whole.
+    bounds += [(0, n) for n in shape[len(bounds):]]
+    return Region.of(bounds)

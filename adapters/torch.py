@@ -1,0 +1,266 @@
+"""PyTorch bridge: DTensor / DeviceMesh + placements <-> neutral :class:`Layout`.
+
+Only geometry: nothing here moves data or needs a process group (a ``DeviceMesh`` built
+with ``_init_backend=False`` is enough).
+
+DTensor semantics (layouts.md section 4): placements apply mesh dim 0 first; each
+``Shard(d)`` re-chunks the current local extent of dim d with ``torch.chunk`` rules (so
+uneven shards nest), and ``_StridedShard(d, split_factor=sf)`` first cuts that extent into
+sf pieces and chunks each piece. That is exactly :class:`Layout`'s split rule, so a
+placement list maps one to one onto ordered splits.
+
+Since torch 2.10 ``_StridedShard`` no longer subclasses ``Shard``; it is tested for first,
+so both class hierarchies work. torch >= 2.10 also lets a ``DTensorSpec`` carry an explicit
+``shard_order`` (which mesh dims shard a tensor dim, in which order); a non-default one is
+honoured by emitting the splits in that order.
+
+torch is imported lazily so that ``import xreshard.adapters.torch`` stays cheap.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from xreshard.errors import LayoutError
+from xreshard.layout import Layout, Mesh, Split
+
+__all__ = ["layout_of", "placements_of"]
+
+#: how default-process-group ranks become world ranks: a mapping or a callable
+RankMap = Mapping[int, int] | Callable[[int], int] | None
+
+
+def _import_torch():
+    try:
+        import torch  # noqa: F401
+        from torch.distributed.tensor import placement_types
+    except ImportError as e:
+        raise ImportError("xreshard.adapters.torch needs PyTorch with torch.distributed: "
+                          "pip install 'xreshard[torch]'") from e
+    return placement_types
+
+
+def layout_of(dtensor_or_mesh: Any, placements: Sequence[Any] | None = None,
+              shape: Sequence[int] | None = None, dtype: Any = None, *,
+              ranks: RankMap = None, name: str | None = None) -> Layout:
+    """The layout of a DTensor, or of a ``shape``/``dtype`` tensor placed on a DeviceMesh.
+
+    Mesh ranks are the default-process-group ranks in ``device_mesh.mesh`` (row-major),
+    mapped through ``ranks``. Example, 5 rows, mesh ``[[0,1],[2,3]]``, placements
+    ``(Shard(0), Shard(0))`` (nested torch.chunk)::
+
+        # rank | coord | region
+        #    0 | (0,0) | [0:2]
+        #    1 | (0,1) | [2:3]
+        #    2 | (1,0) | [3:4]
+        #    3 | (1,1) | [4:5]
+
+    Args:
+        dtensor_or_mesh: a ``DTensor`` (mesh, placements, shape, dtype and any explicit
+            shard order are read from it) or a ``DeviceMesh``.
+        placements: with a DeviceMesh, one placement per mesh dim: ``Replicate()``,
+            ``Shard(d)`` or ``_StridedShard(d, split_factor=sf)``.
+        shape: with a DeviceMesh, the global shape.
+        dtype: with a DeviceMesh, the dtype (a ``torch.dtype`` or a name).
+        ranks: default-process-group rank -> world rank, as a mapping or a callable;
+            ``None`` keeps the process-group ranks.
+        name: tensor name, used in error messages.
+
+    Returns:
+        A product-form layout.
+
+    Raises:
+        ImportError: torch is not installed.
+        TypeError: neither a DTensor nor a DeviceMesh, or a bad ``ranks``.
+        LayoutError: ``Partial`` placements (pending reduction), unknown placements, a
+            shard dim out of range, missing or conflicting arguments, or a shard order that
+            cannot be expressed.
+    """
+    pt = _import_torch()
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import DTensor
+
+    where = f"tensor {name!r}: " if name else ""
+    shard_order = None
+    if isinstance(dtensor_or_mesh, DTensor):
+        dt = dtensor_or_mesh
+        if placements is not None or shape is not None or dtype is not None:
+            raise LayoutError(f"{where}layout_of(dtensor) reads placements, shape and dtype "
+                              "from the DTensor; pass only the DTensor")
+        device_mesh, placements = dt.device_mesh, tuple(dt.placements)
+        shape, dtype = tuple(dt.shape), dt.dtype
+        shard_order = _explicit_shard_order(pt, dt._spec, placements)
+    elif isinstance(dtensor_or_mesh, DeviceMesh):
+        device_mesh = dtensor_or_mesh
+        if placements is None or shape is None or dtype is None:
+            raise LayoutError(f"{where}layout_of(device_mesh, placements, shape, dtype) needs "
+                              "all four; or pass a DTensor")
+    else:
+        raise TypeError(f"layout_of expects a DTensor or a DeviceMesh, "
+                        f"got {type(dtensor_or_mesh).__name__}")
+
+    mesh = mesh_of(device_mesh, ranks=ranks)
+    shape = tuple(int(s) for s in shape)
+    splits = _splits_of(pt, placements, mesh, shape, where)
+    if shard_order is not None:
+        splits = _apply_shard_order(shard_order, splits, mesh, placements, where)
+    return Layout.product(shape, dtype, mesh, splits, name=name)
+
+
+def mesh_of(device_mesh: Any, *, ranks: RankMap = None) -> Mesh:
+    """The xreshard :class:`Mesh` of a ``DeviceMesh``, its ranks mapped through ``ranks``."""
+    pg_ranks = device_mesh.mesh.flatten().tolist()
+    if ranks is None:
+        world = pg_ranks
+    elif isinstance(ranks, Mapping):
+        missing = [r for r in pg_ranks if r not in ranks]
+        if missing:
+            raise LayoutError(f"ranks has no world rank for process-group ranks {missing} of "
+                              f"mesh {device_mesh.mesh.tolist()}; map every rank of the mesh")
+        world = [ranks[r] for r in pg_ranks]
+    elif callable(ranks):
+        world = [ranks(r) for r in pg_ranks]
+    else:
+        raise TypeError("ranks must map default-process-group ranks to world ranks, as a "
+                        f"mapping or a callable; got {type(ranks).__name__}")
+    names = device_mesh.mesh_dim_names
+    return Mesh(tuple(device_mesh.mesh.shape), tuple(world),
+                None if names is None else tuple(names))
+
+
+def placements_of(layout: Layout, *, name: str | None = None) -> list[Any]:
+    """DTensor placements (one per mesh axis of ``layout.mesh``) with the same geometry.
+
+    A dim split by mesh axes in increasing axis order maps onto ``Shard`` /
+    ``_StridedShard`` directly. Any other order (JAX ``P(('tp', 'dp'))`` on mesh
+    ``(dp, tp)``) is converted the way torch converts a shard order
+    (``_convert_shard_order_to_StridedShard``): mesh axis m at position i of the order gets
+    ``split_factor = prod(size(j) for j in order[:i] if j > m)``. That conversion is exact
+    for even splits only, so the result is checked against ``layout`` and refused if it
+    differs.
+
+    Args:
+        layout: a product-form layout.
+        name: tensor name, used in error messages.
+
+    Returns:
+        A list of ``Replicate`` / ``Shard`` / ``_StridedShard``, one per mesh axis.
+
+    Raises:
+        LayoutError: an explicit-form layout, or geometry DTensor cannot express.
+    """
+    pt = _import_torch()
+    where = f"tensor {name!r}: " if name else ""
+    if not layout.is_product:
+        raise LayoutError(f"{where}{layout} is explicit form (rank -> regions); DTensor "
+                          "placements can only express product-form layouts")
+    mesh = layout.mesh
+    out: list[Any] = [pt.Replicate() for _ in range(mesh.ndim)]
+    converted = []
+    for dim in range(layout.ndim):
+        dim_splits = [sp for sp in layout.splits if sp.dim == dim]
+        axes = [sp.axis for sp in dim_splits]
+        if axes == sorted(axes):
+            for sp in dim_splits:
+                out[sp.axis] = _placement(pt, dim, sp.split_factor)
+        elif all(sp.split_factor == 1 for sp in dim_splits):
+            for i, m in enumerate(axes):
+                sf = math.prod(mesh.shape[j] for j in axes[:i] if j > m)
+                out[m] = _placement(pt, dim, sf)
+            converted.append(dim)
+        else:
+            raise LayoutError(f"{where}{layout}: dim {dim} is split by mesh axes "
+                              f"{[mesh.axis_label(a) for a in axes]} out of mesh order with "
+                              "strided splits; DTensor placements cannot express that")
+    if converted:
+        splits = _splits_of(pt, out, mesh, layout.shape, where)
+        back = Layout.product(layout.shape, layout.dtype, mesh, splits)
+        for rank in mesh.ranks:
+            want, got = layout.dim_intervals(rank), back.dim_intervals(rank)
+            if any(want[d] != got[d] for d in converted):
+                raise LayoutError(
+                    f"{where}{layout}: dims {converted} are split out of mesh-axis order and "
+                    f"unevenly (rank {rank} holds {want} but placements {out} would give "
+                    f"{got}); _StridedShard reproduces out-of-order splits when they are even "
+                    "but not this uneven one - pad the tensor or split in mesh-axis order")
+    return out
+
+
+# ---------------------------------------------------------------------------- helpers
+
+def _placement(pt, dim: int, split_factor: int) -> Any:
+    if split_factor == 1:
+        return pt.Shard(dim)
+    return pt._StridedShard(dim, split_factor=split_factor)
+
+
+def _splits_of(pt, placements: Sequence[Any], mesh: Mesh, shape: tuple[int, ...],
+               where: str) -> list[Split]:
+    """One Split per shard placement, in mesh-dim order (the order DTensor applies them)."""
+    if len(placements) != mesh.ndim:
+        raise LayoutError(f"{where}{len(placements)} placements {list(placements)} for a "
+                          f"{mesh.ndim}-d mesh {mesh}; give one placement per mesh dim")
+    ndim = len(shape)
+    splits = []
+    for axis, p in enumerate(placements):
+        # _StridedShard first: before torch 2.10 it subclassed Shard.
+        if isinstance(p, pt._StridedShard):
+            dim, sf = int(p.dim), int(p.split_factor)
+        elif isinstance(p, pt.Shard):
+            dim, sf = int(p.dim), 1
+        elif isinstance(p, pt.Replicate):
+            continue
+        elif isinstance(p, pt.Partial):
+            raise LayoutError(f"{where}placement {p} on mesh axis {mesh.axis_label(axis)!r} is "
+                              "Partial (a pending reduction); xreshard does not reduce yet - "
+                              "redistribute to Replicate/Shard first (e.g. dt.redistribute("
+                              "placements=[Replicate()]))")
+        else:
+            raise LayoutError(f"{where}placement {p!r} (type {type(p).__name__}) on mesh axis "
+                              f"{mesh.axis_label(axis)!r} is not understood; expected "
+                              "Replicate, Shard or _StridedShard")
+        if not -ndim <= dim < ndim:
+            raise LayoutError(f"{where}placement {p} on mesh axis {mesh.axis_label(axis)!r} "
+                              f"shards dim {dim} of a {ndim}-d tensor of shape {shape}")
+        if sf < 1:
+            raise LayoutError(f"{where}placement {p} needs split_factor >= 1")
+        splits.append(Split(dim % ndim, axis, sf))
+    return splits
+
+
+def _explicit_shard_order(pt, spec: Any, placements: tuple) -> tuple | None:
+    """A DTensorSpec's ``shard_order`` when it is set and not the default, else None.
+
+    torch < 2.10 has no such field. When ``use_strided_shard_as_shard_order`` is set the
+    order is encoded by the ``_StridedShard`` placements themselves, which already carry
+    the geometry, so there is nothing more to honour.
+    """
+    order = getattr(spec, "shard_order", None)
+    if order is None or getattr(spec, "use_strided_shard_as_shard_order", False):
+        return None
+    # the default order: every tensor dim sharded by its mesh dims left to right
+    default: dict[int, tuple[int, ...]] = {}
+    for m, p in enumerate(placements):
+        if isinstance(p, (pt.Shard, pt._StridedShard)):
+            default[int(p.dim)] = default.get(int(p.dim), ()) + (m,)
+    if {int(e.tensor_dim): tuple(int(m) for m in e.mesh_dims) for e in order} == default:
+        return None
+    return tuple(order)
+
+
+def _apply_shard_order(order: tuple, splits: list[Split], mesh: Mesh, placements: Sequence[Any],
+                       where: str) -> list[Split]:
+    """Reorder ``splits`` per dim to follow an explicit DTensorSpec shard order."""
+    if any(sp.split_factor != 1 for sp in splits):
+        raise LayoutError(f"{where}placements {list(placements)} mix _StridedShard with an "
+                          f"explicit shard_order {order}; xreshard cannot tell which one the "
+                          "local shards follow - redistribute to plain Shard placements first")
+    have = {(sp.dim, sp.axis) for sp in splits}
+    ordered = [Split(int(entry.tensor_dim), int(m), 1)
+               for entry in order for m in entry.mesh_dims]
+    if {(sp.dim, sp.axis) for sp in ordered} != have or len(ordered) != len(have):
+        raise LayoutError(f"{where}DTensorSpec shard_order {order} does not list the same "
+                          f"(tensor dim, mesh dim) pairs as placements {list(placements)}")
+    return ordered
