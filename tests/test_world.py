@@ -1,0 +1,166 @@
+"""The refit world: joining over a stand-alone TCPStore, rank numbering, JSON collectives,
+timeouts naming the processes that never arrived. Real processes through xreshard.launch."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+from xreshard.errors import RefitError
+from xreshard.launch import Context, Role, launch
+from xreshard.topology import Topology
+from xreshard.transport.base import TransportTimeout
+from xreshard.world import World, parse_address, serve
+
+ROLES = [Role("jax", "trainer", 0, num_devices=4), Role("plain", "rollout", 1),
+         Role("torch", "rollout", 0)]
+
+
+def _describe(w: World) -> dict:
+    return {"rank_ids": list(w.rank_ids), "num_ranks": w.num_ranks,
+            "num_processes": w.num_processes, "process_index": w.process_index,
+            "processes": [{k: p[k] for k in ("group", "index", "num_ranks", "ranks",
+                                            "device_kinds")} for p in w.processes],
+            "trainer": list(w.group_ranks("trainer")), "rollout": list(w.group_ranks("rollout")),
+            "topology": sorted(w.topology.process.items()), "groups": list(w.groups),
+            "kinds": [w.device_kind(r) for r in range(w.num_ranks)],
+            "local": [r for r in range(w.num_ranks) if w.is_local(r)]}
+
+
+def join_and_talk(ctx: Context) -> dict:
+    import torch.distributed as dist
+
+    out = {}
+    devices = None if ctx.role.kind != "torch" else ["cpu"]
+    with ctx.join(devices, timeout=20) as w:
+        out["sorted"] = _describe(w)
+        me = w.process_index
+        out["gathered"] = w.allgather_json({"me": me, "label": f"{ctx.role.group}[{ctx.role.index}]"})
+        out["bcast"] = w.broadcast_json({"from": me, "x": [1.5, None, "s"]}, root_process=2)
+        w.barrier()
+        with pytest.raises(TypeError):         # refused before posting: nobody is left waiting
+            w.allgather_json({"bad": object()})
+        out["after_bad"] = w.allgather_json(me * 10)
+        out["local_device"] = str(w.local_device(w.rank_ids[-1]))
+        with pytest.raises(RefitError, match="no group 'x'"):
+            w.group_ranks("x")
+    with ctx.join(devices, groups=("trainer", "rollout"), world_id="ordered", timeout=20) as w:
+        out["ordered"] = _describe(w)
+        out["ordered_bcast"] = w.broadcast_json(ctx.role.group, root_process=1)
+    out["default_group_initialized"] = dist.is_initialized()
+    return out
+
+
+def test_three_processes_agree_on_rank_numbering():
+    results = launch(join_and_talk, ROLES, timeout=60)
+    values = [r.value for r in results]
+    for key in ("sorted", "ordered"):
+        common = [{k: v for k, v in val[key].items()
+                   if k not in ("rank_ids", "process_index", "local")} for val in values]
+        assert common[0] == common[1] == common[2]
+
+    # sorted group names: rollout[0], rollout[1], trainer[0]
+    s = values[0]["sorted"]
+    assert s["num_ranks"] == 6 and s["num_processes"] == 3
+    assert [(p["group"], p["index"], p["ranks"]) for p in s["processes"]] == [
+        ("rollout", 0, [0]), ("rollout", 1, [1]), ("trainer", 0, [2, 3, 4, 5])]
+    assert s["trainer"] == [2, 3, 4, 5] and s["rollout"] == [0, 1]
+    assert s["topology"] == [[0, 0], [1, 1], [2, 2], [3, 2], [4, 2], [5, 2]]
+    assert s["kinds"] == ["cpu"] * 6 and s["groups"] == ["rollout", "trainer"]
+    assert [v["sorted"]["rank_ids"] for v in values] == [[2, 3, 4, 5], [1], [0]]
+    assert [v["sorted"]["process_index"] for v in values] == [2, 1, 0]
+    assert [v["sorted"]["local"] for v in values] == [[2, 3, 4, 5], [1], [0]]
+
+    # groups=("trainer", "rollout"): trainer[0], rollout[0], rollout[1]
+    o = values[0]["ordered"]
+    assert [(p["group"], p["index"], p["ranks"]) for p in o["processes"]] == [
+        ("trainer", 0, [0, 1, 2, 3]), ("rollout", 0, [4]), ("rollout", 1, [5])]
+    assert [v["ordered"]["rank_ids"] for v in values] == [[0, 1, 2, 3], [5], [4]]
+
+    for v in values:
+        assert v["gathered"] == [{"me": 0, "label": "rollout[0]"}, {"me": 1, "label": "rollout[1]"},
+                                 {"me": 2, "label": "trainer[0]"}]
+        assert v["bcast"] == {"from": 2, "x": [1.5, None, "s"]}
+        assert v["after_bad"] == [0, 10, 20]
+        assert v["ordered_bcast"] == "rollout"
+        assert v["default_group_initialized"] is False
+    assert values[0]["local_device"] == "cpu:3"      # str(jax.local_devices()[3])
+
+
+def never_arrives(ctx: Context) -> dict:
+    if ctx.launch_index == 2:
+        time.sleep(1)          # joins nothing
+        return {}
+    import torch.distributed  # noqa: F401 - not counted in the timed wait
+
+    out = {}
+    t0 = time.monotonic()
+    try:
+        ctx.join(1, timeout=3)
+    except TransportTimeout as e:
+        out["join"] = [str(e), time.monotonic() - t0]
+    with ctx.join(1, num_processes=2, world_id="two", timeout=10) as w:
+        if ctx.launch_index == 0:
+            t0 = time.monotonic()
+            try:
+                w.allgather_json("hello", timeout=2)
+            except TransportTimeout as e:
+                out["allgather"] = [str(e), time.monotonic() - t0]
+            try:
+                w.barrier(timeout=1)
+            except TransportTimeout as e:
+                out["barrier"] = str(e)
+        else:
+            time.sleep(0.5)    # never calls the collectives
+    return out
+
+
+def test_missing_processes_time_out_and_are_named():
+    roles = [Role("plain", "trainer", 0), Role("plain", "rollout", 0), Role("plain", "rollout", 1)]
+    v0, v1, _ = [r.value for r in launch(never_arrives, roles, timeout=60)]
+    for v in (v0, v1):
+        msg, elapsed = v["join"]
+        assert 2.9 <= elapsed < 4.5
+        assert "2 of 3 processes joined within 3" in msg and "1 never did" in msg
+        assert "trainer[0]" in msg and "rollout[0]" in msg
+    msg, elapsed = v0["allgather"]
+    assert 1.9 <= elapsed < 4
+    # world "two": rollout[0] is process 0 and never calls; trainer[0] (process 1) waits
+    assert "allgather_json" in msg and "never arrived: rollout[0] (process 0" in msg
+    assert "trainer[0]" not in msg
+    assert "barrier" in v0["barrier"] and "rollout[0] (process 0" in v0["barrier"]
+    assert "allgather" not in v1
+
+
+def test_in_process_world_and_errors():
+    with serve() as server:
+        host, port = parse_address(server.address)
+        assert host == "127.0.0.1" and port > 0
+        with World.join(server.address, "solo", ["cpu", "cpu"], num_processes=1, index=0,
+                        timeout=5) as w:
+            assert w.rank_ids == (0, 1) and w.num_processes == 1 and w.process_index == 0
+            assert w.allgather_json({"a": 1}) == [{"a": 1}]
+            assert w.broadcast_json([1, 2]) == [1, 2]
+            w.barrier()
+            assert isinstance(w.topology, Topology)
+            assert w.route(0, 1) == "local"
+            t = w.transport()
+            assert t is w.transport("auto") and "local" in t.name
+            assert json.loads(json.dumps(w.processes))[0]["ranks"] == [0, 1]
+        with pytest.raises(RefitError, match="closed"):
+            w.barrier()
+        with pytest.raises(RefitError, match="index="):
+            World.join(server.address, "solo", 1, num_processes=1, world_id="noindex")
+        with pytest.raises(RefitError, match="not in groups"):
+            World.join(server.address, "x", 1, num_processes=1, index=0, groups=["y"])
+    with pytest.raises(ValueError, match="tcp://host:port"):
+        parse_address("localhost")
+
+
+def test_first_process_can_host_the_store():
+    with World.join("tcp://127.0.0.1:0", "solo", 1, num_processes=1, index=0, timeout=5,
+                    is_server=True) as w:
+        host, port = parse_address(w.address)
+        assert port > 0 and w.broadcast_json("x") == "x"
