@@ -28,7 +28,7 @@ from typing import Any
 from xreshard.errors import LayoutError
 from xreshard.layout import Layout, Mesh, Region
 
-__all__ = ["layout_of"]
+__all__ = ["bind", "layout_of", "tree_names"]
 
 #: what ``ranks`` may be: a map from device (or device id) to world rank, a sequence aligned
 #: with the default device order, or a callable device -> world rank
@@ -242,3 +242,127 @@ def _region_of(index: Sequence[slice], shape: Sequence[int], name: str | None) -
     # devices_indices_map gives one slice per dim; trailing dims, if any, are whole.
     bounds += [(0, n) for n in shape[len(bounds):]]
     return Region.of(bounds)
+
+
+# ---------------------------------------------------------------------------- bindings
+
+def tree_names(tree: Any) -> list[tuple[str, Any]]:
+    """``(name, leaf)`` for every leaf: names are ``/``-joined pytree paths,
+    ``{"layers": [{"attn": {"q": {"kernel": x}}}]}`` -> ``"layers/0/attn/q/kernel"``."""
+    jax = _import_jax()
+    flat, _ = jax.tree_util.tree_flatten_with_path(tree)
+    return [("/".join(_key_str(k) for k in path), leaf) for path, leaf in flat]
+
+
+def _key_str(key: Any) -> str:
+    for attr in ("key", "name", "idx"):
+        if hasattr(key, attr):
+            return str(getattr(key, attr))
+    return str(key).strip(".[]'\"")
+
+
+def _rename(default: str, names: Any) -> str:
+    if names is None:
+        return default
+    if callable(names):
+        return names(default)
+    return names.get(default, default)
+
+
+def _host_view(x: Any) -> Any:
+    """A zero-copy array over a single-device jax.Array's buffer (numpy on CPU)."""
+    import numpy as np
+    platform = next(iter(x.devices())).platform
+    if platform == "cpu":
+        return np.asarray(x)
+    try:
+        import cupy
+    except ImportError as e:
+        raise ImportError("binding GPU JAX arrays needs CuPy: pip install 'xreshard[nccl]'") from e
+    return cupy.from_dlpack(x)
+
+
+def _aligned_empty(shape: Sequence[int], dtype: Any, align: int = 64) -> Any:
+    """A numpy array whose data is ``align``-byte aligned (what XLA's CPU views require)."""
+    import numpy as np
+    dtype = np.dtype(dtype)
+    nbytes = max(math.prod(shape) * dtype.itemsize, 1)
+    raw = np.empty(nbytes + align, np.uint8)
+    off = (-raw.ctypes.data) % align
+    return raw[off:off + math.prod(shape) * dtype.itemsize].view(dtype).reshape(shape)
+
+
+def bind(tree: Any, side: str, *, ranks: Mapping[int, int], names: Any = None,
+         transpose: frozenset[str] = frozenset()) -> Any:
+    """Bind a pytree of ``jax.Array`` (send) or of arrays / ``ShapeDtypeStruct`` with
+    shardings (receive) to world ranks.
+
+    Sending exports each addressable shard without copying (a read-only numpy view on CPU,
+    CuPy through DLPack on GPU). Receiving allocates one buffer per addressable shard and,
+    once the refit succeeded, builds new arrays with
+    ``jax.make_array_from_single_device_arrays`` (JAX arrays are immutable: a live array is
+    never written). The result is the refit's ``received`` pytree.
+
+    Args:
+        tree: the pytree.
+        side: "send" or "receive".
+        ranks: JAX device id -> world rank (the refit all-gathers it).
+        names: default path name -> canonical name (mapping or callable).
+        transpose: canonical names stored as ``[in, out]`` kernels of ``[out, in]`` tensors.
+    """
+    jax = _import_jax()
+    import numpy as np
+    from xreshard.execute import numpy_dtype
+    from xreshard.refit import Bound
+
+    def rank_of(device: Any) -> int:
+        try:
+            return ranks[int(device.id)]
+        except KeyError:
+            raise LayoutError(f"JAX device {device} is not a rank of the refit world; pass "
+                              f"jax.local_devices() (or the devices you use) to World.join") from None
+
+    flat, treedef = jax.tree_util.tree_flatten_with_path(tree)
+    layouts, bindings, errors = {}, {}, []
+    pending = []       # receive: (leaf, name, [(device, buffer)])
+    for path, leaf in flat:
+        name = _rename("/".join(_key_str(k) for k in path), names)
+        if name in layouts:
+            errors.append(f"two leaves map to tensor {name!r}")
+            continue
+        layout = layout_of(leaf, ranks=rank_of, name=name)
+        flip = name in transpose
+        if flip:
+            if layout.ndim != 2:
+                errors.append(f"{name!r} is in transpose but has {layout.ndim} dims (need 2)")
+                continue
+            layout = layout.permuted((1, 0))
+        layouts[name] = layout
+        if side == "send":
+            for shard in leaf.addressable_shards:
+                arr = _host_view(shard.data)
+                arr = arr.T if flip else arr
+                bindings[(rank_of(shard.device), name)] = arr if layout.is_product else [arr]
+        else:
+            sharding = leaf.sharding
+            shard_shape = sharding.shard_shape(tuple(leaf.shape))
+            buffers = []
+            for device in sorted(sharding.addressable_devices, key=lambda d: d.id):
+                if device.platform != "cpu":
+                    raise LayoutError(f"{name!r}: receiving into GPU JAX arrays is not supported "
+                                      "yet; receive into CPU arrays or torch tensors")
+                buf = _aligned_empty(shard_shape, numpy_dtype(str(np.dtype(leaf.dtype))))
+                buffers.append((device, buf))
+                view = buf.T if flip else buf
+                bindings[(rank_of(device), name)] = view if layout.is_product else [view]
+            pending.append((leaf, buffers))
+
+    def finish() -> Any:
+        leaves = []
+        for leaf, buffers in pending:
+            arrays = [jax.device_put(buf, device) for device, buf in buffers]
+            leaves.append(jax.make_array_from_single_device_arrays(
+                tuple(leaf.shape), leaf.sharding, arrays))
+        return jax.tree_util.tree_unflatten(treedef, leaves)
+
+    return Bound(layouts, bindings, finish if side == "receive" else None, errors)

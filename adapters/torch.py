@@ -26,7 +26,7 @@ from typing import Any
 from xreshard.errors import LayoutError
 from xreshard.layout import Layout, Mesh, Split
 
-__all__ = ["layout_of", "placements_of"]
+__all__ = ["Sharded", "bind", "layout_of", "placements_of"]
 
 #: how default-process-group ranks become world ranks: a mapping or a callable
 RankMap = Mapping[int, int] | Callable[[int], int] | None
@@ -264,3 +264,113 @@ def _apply_shard_order(order: tuple, splits: list[Split], mesh: Mesh, placements
         raise LayoutError(f"{where}DTensorSpec shard_order {order} does not list the same "
                           f"(tensor dim, mesh dim) pairs as placements {list(placements)}")
     return ordered
+
+
+# ---------------------------------------------------------------------------- bindings
+
+class Sharded:
+    """A plain local tensor with declared placements (no DTensor needed).
+
+    Args:
+        local: this process's local tensor (what ``DTensor.to_local()`` would be).
+        mesh: an xreshard :class:`Mesh` of world ranks, or a ``DeviceMesh`` (its ranks go
+            through the refit's torch-rank map).
+        placements: one per mesh axis, as for :meth:`Layout.from_placements`.
+        shape: the global shape.
+    """
+
+    def __init__(self, local: Any, mesh: Any, placements: Sequence[Any], shape: Sequence[int]):
+        self.local = local
+        self.mesh = mesh
+        self.placements = tuple(placements)
+        self.shape = tuple(int(s) for s in shape)
+
+
+def tensor_view(t: Any) -> Any:
+    """A zero-copy array over a torch tensor's memory: numpy on CPU, CuPy on CUDA.
+
+    bf16 and float8 have no numpy dtype of their own: they are viewed through a same-size
+    integer and reinterpreted as the ml_dtypes type, still without a copy.
+    """
+    import torch
+    from xreshard.dtypes import dtype_name
+    from xreshard.execute import numpy_dtype
+
+    t = t.detach()
+    name = dtype_name(t.dtype)
+    ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+    if t.device.type == "cpu":
+        if name in ("bfloat16",) or name.startswith("float8"):
+            return t.view(ints[t.element_size()]).numpy().view(numpy_dtype(name))
+        return t.numpy()
+    try:
+        import cupy
+    except ImportError as e:
+        raise ImportError("binding CUDA tensors needs CuPy: pip install 'xreshard[nccl]'") from e
+    if name in ("bfloat16",) or name.startswith("float8"):
+        return cupy.from_dlpack(t.view(ints[t.element_size()]))
+    return cupy.from_dlpack(t)
+
+
+def bind(obj: Any, side: str, *, ranks: RankMap, local_ranks: Sequence[int], names: Any = None,
+         transpose: frozenset[str] = frozenset()) -> Any:
+    """Bind a state dict / module of DTensors, :class:`Sharded` or plain tensors.
+
+    DTensors and Sharded tensors are bound through their local tensor (written in place when
+    receiving); a plain tensor is this process's whole copy (its rank holds everything; the
+    refit unions the copies of all processes into a replicated layout).
+
+    Args:
+        obj: an ``nn.Module`` (its ``state_dict()``) or a mapping name -> tensor.
+        side: "send" or "receive".
+        ranks: torch default-process-group rank -> world rank (the refit all-gathers it).
+        local_ranks: this process's world ranks (torch processes have one).
+        names: state-dict key -> canonical name (mapping or callable).
+        transpose: canonical names whose local tensors are stored transposed.
+    """
+    import torch
+    from torch.distributed.tensor import DTensor
+    from xreshard.refit import Bound
+
+    items = obj.state_dict().items() if isinstance(obj, torch.nn.Module) else obj.items()
+    if len(local_ranks) != 1:
+        raise LayoutError(f"a torch process binds one world rank, this one has {list(local_ranks)}")
+    me = local_ranks[0]
+    layouts, bindings, errors, local_only = {}, {}, [], set()
+    for key, value in items:
+        name = key if names is None else (names(key) if callable(names) else names.get(key, key))
+        if name in layouts:
+            errors.append(f"two state-dict entries map to tensor {name!r}")
+            continue
+        try:
+            if isinstance(value, DTensor):
+                layout = layout_of(value, ranks=ranks, name=name)
+                local = value.to_local()
+            elif isinstance(value, Sharded):
+                mesh = value.mesh if isinstance(value.mesh, Mesh) else mesh_of(value.mesh, ranks=ranks)
+                layout = Layout.from_placements(value.shape, value.local.dtype, mesh,
+                                                value.placements, name=name)
+                local = value.local
+            else:
+                layout = Layout.explicit_form(tuple(value.shape), value.dtype,
+                                              {me: [[(0, n) for n in value.shape]]})
+                local_only.add(name)
+                local = value
+        except LayoutError as e:
+            errors.append(str(e))
+            continue
+        if name in transpose:
+            if layout.ndim != 2:
+                errors.append(f"{name!r} is in transpose but has {layout.ndim} dims (need 2)")
+                continue
+            layout = layout.permuted((1, 0))
+            local = local.t()
+        layouts[name] = layout
+        if me in layout.rank_set:
+            view = tensor_view(local)
+            bindings[(me, name)] = view if layout.is_product else [view]
+        elif local.numel():
+            errors.append(f"{name!r}: this process (world rank {me}) holds a local tensor of "
+                          f"shape {tuple(local.shape)} but is not in the tensor's mesh "
+                          f"{layout.ranks}; check the torch-rank to world-rank map")
+    return Bound(layouts, bindings, None, errors, local_only)

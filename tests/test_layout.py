@@ -133,3 +133,13 @@ def test_import_pulls_in_no_framework():
             "print(sorted({'torch', 'jax', 'cupy'} & set(sys.modules)))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_permuted_layout_matches_transposed_regions():
+    mesh = xr.Mesh((2, 3), axis_names=("fsdp", "tp"))
+    kernel = xr.Layout.from_spec((4, 9), "float32", mesh, ("fsdp", "tp"))   # [in, out]
+    weight = kernel.permuted((1, 0))                                         # [out, in]
+    assert weight.shape == (9, 4)
+    for r in range(6):
+        (k,), (w,) = kernel.regions(r), weight.regions(r)
+        assert (w.starts, w.stops) == (k.starts[::-1], k.stops[::-1])

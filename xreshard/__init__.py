@@ -7,10 +7,13 @@ and import their framework when used.
 from .errors import LayoutError, PlanError, RefitError, XreshardError
 from .layout import Layout, Mesh, Region, Split
 from .plan import Plan, PlanCache, PlanStats, Transfer, plan
+from .refit import Bound, Refit, RefitConfig, RefitReport
 from .topology import Topology
+from .world import StoreServer, World, serve
 
 __all__ = [
-    "Layout", "LayoutError", "Mesh", "Plan", "PlanCache", "PlanError", "PlanStats", "RefitError",
-    "Region", "Split", "Topology", "Transfer", "XreshardError", "plan",
+    "Bound", "Layout", "LayoutError", "Mesh", "Plan", "PlanCache", "PlanError", "PlanStats",
+    "Refit", "RefitConfig", "RefitError", "RefitReport", "Region", "Split", "StoreServer",
+    "Topology", "Transfer", "World", "XreshardError", "plan", "serve",
 ]
 __version__ = "0.1.0"

@@ -426,6 +426,22 @@ class Layout:
                     f"{n} % {ways} != 0; JAX NamedSharding needs even splits - pad the tensor "
                     "or change the PartitionSpec")
 
+    def permuted(self, perm: Sequence[int]) -> Layout:
+        """The same placement seen through ``transpose(perm)``: dim ``i`` of the result is
+        dim ``perm[i]`` of this layout (``(1, 0)`` turns an ``[in, out]`` kernel's layout
+        into the ``[out, in]`` weight's)."""
+        perm = tuple(perm)
+        if sorted(perm) != list(range(self.ndim)):
+            raise LayoutError(f"{perm} is not a permutation of the {self.ndim} dims of {self}")
+        inverse = {d: i for i, d in enumerate(perm)}
+        shape = tuple(self.shape[d] for d in perm)
+        if self.explicit is not None:
+            return Layout(shape, self.dtype, None, (), tuple(
+                (rank, tuple(Region(tuple(r.starts[d] for d in perm), tuple(r.stops[d] for d in perm))
+                             for r in regions)) for rank, regions in self.explicit))
+        return Layout(shape, self.dtype, self.mesh,
+                      tuple(Split(inverse[sp.dim], sp.axis, sp.split_factor) for sp in self.splits))
+
     def with_dtype(self, dtype: object) -> Layout:
         return Layout(self.shape, dtype, self.mesh, self.splits, self.explicit)
 

@@ -316,6 +316,7 @@ class Plan:
         self._tensor_starts: list[tuple[int, ...]] = []   # per tensor: offset per view slot
         self._rank_tuples: list[tuple[int, ...]] = []
         self._sender_classes: dict[int, list[int]] = {}
+        self._memo: dict[int, tuple[Transfer, ...]] = {}
 
     def __repr__(self) -> str:
         return (f"Plan({len(self.names)} tensors, {self.stats.num_transfers} transfers, "
@@ -326,6 +327,12 @@ class Plan:
 
     def transfers_for(self, rank: int) -> tuple[Transfer, ...]:
         """Every transfer ``rank`` receives (first) or sends, in plan order."""
+        got = self._memo.get(rank)
+        if got is None:
+            got = self._memo[rank] = self._transfers_for(rank)
+        return got
+
+    def _transfers_for(self, rank: int) -> tuple[Transfer, ...]:
         out: list[Transfer] = []
         position = {}
         for tid, ranks in enumerate(self._rank_tuples):
@@ -428,8 +435,8 @@ class PlanCache:
         return len(self.templates)
 
 
-def _validate(src: Mapping[str, Layout], dst: Mapping[str, Layout], wire_dtype: str | None
-              ) -> tuple[list[str], dict[str, str]]:
+def _validate(src: Mapping[str, Layout], dst: Mapping[str, Layout],
+              wire_dtype: str | Mapping[str, str] | None) -> tuple[list[str], dict[str, str]]:
     only_src = sorted(set(src) - set(dst))
     only_dst = sorted(set(dst) - set(src))
     problems = []
@@ -450,12 +457,13 @@ def _validate(src: Mapping[str, Layout], dst: Mapping[str, Layout], wire_dtype: 
         s, d = src[name], dst[name]
         if s.shape != d.shape:
             shape_bad.append(f"{name!r} source {s.shape} vs destination {d.shape}")
-        if wire_dtype is None:
+        cast = wire_dtype.get(name) if isinstance(wire_dtype, Mapping) else wire_dtype
+        if cast is None:
             if s.dtype != d.dtype:
                 dtype_bad.append(f"{name!r} source {s.dtype} vs destination {d.dtype}")
             wire[name] = d.dtype
         else:
-            wire[name] = wire_dtype
+            wire[name] = cast
     if shape_bad:
         problems.append(f"shape mismatch in {len(shape_bad)} tensor(s): "
                         + "; ".join(shape_bad[:_MAX_LISTED])
@@ -480,7 +488,8 @@ def plan(src: Mapping[str, Layout], dst: Mapping[str, Layout], world: Any = None
         dst: destination layouts, same tensor names and shapes.
         world: a ``World`` or ``Topology`` saying which process and host own each rank;
             None means every rank is its own host.
-        wire_dtype: cast to this dtype on the sender; None requires equal dtypes.
+        wire_dtype: cast to this dtype on the sender (one dtype for every tensor, or a
+            mapping name -> dtype for some); None requires equal dtypes.
         cache: templates to reuse across calls.
 
     Returns:
@@ -491,7 +500,10 @@ def plan(src: Mapping[str, Layout], dst: Mapping[str, Layout], world: Any = None
             destination region no source rank holds.
     """
     t0 = time.perf_counter()
-    wire_name = None if wire_dtype is None else dtype_name(wire_dtype)
+    if isinstance(wire_dtype, Mapping):
+        wire_name: Any = {n: dtype_name(d) for n, d in wire_dtype.items()}
+    else:
+        wire_name = None if wire_dtype is None else dtype_name(wire_dtype)
     names, wire = _validate(src, dst, wire_name)
     topology: Topology | None = getattr(world, "topology", world)
     cache = cache if cache is not None else PlanCache()

@@ -1,0 +1,279 @@
+"""Functions the multi-process refit tests launch (module level, so children import them).
+
+Every tensor's global value is a deterministic pattern of its name, so each process can
+check the bytes it holds without ever assembling a global array across processes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any
+
+import numpy as np
+
+from xreshard.testing import numpy_dtype
+
+#: name -> (shape, jax spec on mesh ("a", "b"), torch placements on a 1-d mesh, flags)
+#: flags: "T" = the JAX side holds an [in, out] kernel of this [out, in] tensor
+JAX_TORCH_TENSORS = {
+    "replicated": ((6, 5), (), ["R"], ""),
+    "shard_dim0": ((8, 6), ("a",), ["S0"], ""),
+    "shard_dim1": ((8, 6), (None, "b"), ["S1"], ""),
+    "two_axes_one_dim": ((16, 4), (("a", "b"),), ["S0"], ""),
+    "uneven_chunk": ((7, 3), (), ["S0"], ""),
+    "uneven_dim1": ((4, 10), (None, "b"), ["S1"], ""),
+    "strided": ((12, 4), ("b",), ["SS0/2"], ""),
+    "kernel": ((8, 6), ("a", "b"), ["S0"], "T"),
+    "bias": ((8,), ("b",), ["R"], ""),
+}
+
+
+def pattern(name: str, shape: tuple[int, ...], dtype: str, step: int = 0) -> np.ndarray:
+    """The global value of tensor ``name`` at refit ``step`` (exact in bf16 too)."""
+    seed = int.from_bytes(hashlib.sha256(f"{name}/{step}".encode()).digest()[:4], "little")
+    rng = np.random.default_rng(seed)
+    return rng.standard_normal(shape).astype(np.float32).astype(numpy_dtype(dtype))
+
+
+def _torch_group(ctx: Any, members: int, rank: int, prefix: str) -> None:
+    """A default process group among this group's torch processes, over the launch store."""
+    import torch.distributed as dist
+    from xreshard.world import parse_address
+
+    host, port = parse_address(ctx.address)
+    store = dist.TCPStore(host, port, is_master=False)
+    dist.init_process_group("gloo", store=dist.PrefixStore(f"{prefix}/", store),
+                            rank=rank, world_size=members)
+
+
+def _jax_params(names: dict, dtype: str, step: int, mesh_shape=(2, 2)) -> dict:
+    import jax
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    mesh = jax.make_mesh(mesh_shape, ("a", "b"), devices=jax.local_devices())
+    params = {}
+    for name, (shape, spec, _, flags) in names.items():
+        value = pattern(name, shape, dtype, step)
+        if "T" in flags:
+            value = np.ascontiguousarray(value.T)          # the [in, out] kernel
+            spec = tuple(reversed(spec + (None,) * (2 - len(spec))))
+        params[name] = jax.device_put(value, NamedSharding(mesh, P(*spec)))
+    return params
+
+
+def _dtensors(names: dict, dtype: str, world_size: int, step: int | None) -> dict:
+    """DTensors on a 1-d mesh of this torch group: the pattern (step given) or zeros."""
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+    from xreshard.adapters.torch import placements_of
+    from xreshard.layout import Layout, Mesh
+    import torch.distributed as dist
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    me = dist.get_rank()
+    out = {}
+    for name, (shape, _, placements, _) in names.items():
+        layout = Layout.from_placements(shape, dtype, Mesh((world_size,)), placements)
+        local_shape = layout.local_shape(me)
+        if step is None:
+            local = torch.zeros(local_shape, dtype=getattr(torch, dtype))
+        else:
+            from xreshard.testing import local_arrays_from_global
+            arr = local_arrays_from_global(layout, me, pattern(name, shape, dtype, step))
+            local = _to_torch(arr, dtype)
+        stride = tuple(int(np.prod(shape[i + 1:])) for i in range(len(shape)))
+        out[name] = DTensor.from_local(local, mesh, placements_of(layout), shape=torch.Size(shape),
+                                       stride=stride, run_check=False)
+    return out
+
+
+def _to_torch(arr: np.ndarray, dtype: str) -> Any:
+    import torch
+    if dtype == "bfloat16":
+        return torch.from_numpy(np.ascontiguousarray(arr).view(np.int16)).view(torch.bfloat16)
+    return torch.from_numpy(np.ascontiguousarray(arr))
+
+
+def _check_dtensors(state: dict, names: dict, dtype: str, step: int, src_dtype: str) -> int:
+    """Bit-compare every local shard with the pattern (cast from the source dtype)."""
+    import torch
+    from xreshard.adapters.torch import tensor_view
+    from xreshard.layout import Layout, Mesh
+    import torch.distributed as dist
+
+    me, n = dist.get_rank(), dist.get_world_size()
+    checked = 0
+    for name, (shape, _, placements, _) in names.items():
+        layout = Layout.from_placements(shape, dtype, Mesh((n,)), placements)
+        from xreshard.testing import local_arrays_from_global
+        want = local_arrays_from_global(
+            layout, me, pattern(name, shape, src_dtype, step).astype(numpy_dtype(dtype)))
+        got = tensor_view(state[name].to_local())
+        if got.tobytes() != np.ascontiguousarray(want).tobytes():
+            raise AssertionError(f"{name}: rank {me} holds wrong bytes")
+        checked += got.size
+    return checked
+
+
+# ---------------------------------------------------------------------------- JAX -> torch
+
+def jax_sender(ctx: Any, src_dtype: str, dst_dtype: str, steps: int, wire: Any = None,
+               config: dict | None = None) -> dict:
+    import xreshard as xr
+
+    world = ctx.join(groups=["trainer", "rollout"])
+    refit = xr.Refit(world, send=_jax_params(JAX_TORCH_TENSORS, src_dtype, 0),
+                     transpose={n for n, t in JAX_TORCH_TENSORS.items() if "T" in t[3]},
+                     config=xr.RefitConfig(wire_dtype=wire, timeout=60, **(config or {})))
+    reports = []
+    for step in range(steps):
+        report = refit(send=_jax_params(JAX_TORCH_TENSORS, src_dtype, step))
+        reports.append({"sent": report.bytes_sent, "world": report.bytes_moved_world,
+                        "replanned": report.replanned})
+    stats = refit.plan.stats
+    world.close()
+    return {"reports": reports, "bytes_moved": stats.bytes_moved, "bytes_min": stats.bytes_min}
+
+
+def torch_receiver(ctx: Any, src_dtype: str, dst_dtype: str, steps: int, wire: Any = None,
+                   config: dict | None = None) -> dict:
+    import torch.distributed as dist
+    import xreshard as xr
+
+    members = sum(r.group == "rollout" for r in ctx.roles)
+    _torch_group(ctx, members, ctx.role.index, "rollout")
+    world = ctx.join(groups=["trainer", "rollout"])
+    state = _dtensors(JAX_TORCH_TENSORS, dst_dtype, members, None)
+    refit = xr.Refit(world, receive=state,
+                     config=xr.RefitConfig(wire_dtype=wire, timeout=60, **(config or {})))
+    checked = 0
+    for step in range(steps):
+        report = refit()
+        checked += _check_dtensors(state, JAX_TORCH_TENSORS, dst_dtype, step, src_dtype)
+        assert refit.version == step + 1
+    world.close()
+    dist.destroy_process_group()
+    return {"checked": checked, "received": report.bytes_received, "version": refit.version}
+
+
+# ---------------------------------------------------------------------------- torch -> JAX
+
+def torch_sender(ctx: Any, steps: int) -> dict:
+    import torch.distributed as dist
+    import xreshard as xr
+
+    members = sum(r.group == "rollout" for r in ctx.roles)
+    _torch_group(ctx, members, ctx.role.index, "rollout")
+    world = ctx.join(groups=["trainer", "rollout"])
+    refit = xr.Refit(world, config=xr.RefitConfig(timeout=60))
+    for step in range(steps):
+        refit(send=_dtensors(JAX_TORCH_TENSORS, "float32", members, step))
+    world.close()
+    dist.destroy_process_group()
+    return {"version": refit.version}
+
+
+def jax_receiver(ctx: Any, steps: int) -> dict:
+    import jax
+    import xreshard as xr
+
+    world = ctx.join(groups=["trainer", "rollout"])
+    template = _jax_params(JAX_TORCH_TENSORS, "float32", 99)
+    refit = xr.Refit(world, receive=template,
+                     transpose={n for n, t in JAX_TORCH_TENSORS.items() if "T" in t[3]},
+                     config=xr.RefitConfig(timeout=60))
+    for step in range(steps):
+        refit()
+        got = refit.received
+        for name, (shape, spec, _, flags) in JAX_TORCH_TENSORS.items():
+            want = pattern(name, shape, "float32", step)
+            arr = got[name]
+            assert arr.sharding == template[name].sharding
+            value = np.asarray(arr)
+            if "T" in flags:
+                value = value.T
+            assert value.tobytes() == np.ascontiguousarray(want).tobytes(), name
+        # the template (a live JAX array) was never written
+        assert not np.array_equal(np.asarray(template["shard_dim0"]),
+                                  pattern("shard_dim0", (8, 6), "float32", step))
+    world.close()
+    return {"version": refit.version, "devices": len(jax.local_devices())}
+
+
+# ---------------------------------------------------------------------------- JAX -> JAX, torch -> torch
+
+JAX_JAX_TENSORS = {
+    "w": ((8, 12), ("a", "b"), None, ""),
+    "v": ((12,), (("b", "a"),), None, ""),
+    "r": ((3, 4), (), None, ""),
+}
+
+
+def jax_to_jax(ctx: Any) -> dict:
+    import jax
+    from jax.sharding import NamedSharding, PartitionSpec as P
+    import xreshard as xr
+
+    world = ctx.join(groups=["trainer", "rollout"])
+    config = xr.RefitConfig(timeout=60)
+    if ctx.role.group == "trainer":
+        refit = xr.Refit(world, send=_jax_params(JAX_JAX_TENSORS, "bfloat16", 3, (1, 2)),
+                         config=config)
+        refit()
+        return {"version": refit.version}
+    mesh = jax.make_mesh((2, 1), ("a", "b"), devices=jax.local_devices())
+    template = {
+        "w": jax.ShapeDtypeStruct((8, 12), jax.numpy.bfloat16,
+                                  sharding=NamedSharding(mesh, P(None, "a"))),
+        "v": jax.ShapeDtypeStruct((12,), jax.numpy.bfloat16, sharding=NamedSharding(mesh, P("a"))),
+        "r": jax.ShapeDtypeStruct((3, 4), jax.numpy.bfloat16, sharding=NamedSharding(mesh, P())),
+    }
+    refit = xr.Refit(world, receive=template, config=config)
+    refit()
+    for name, (shape, _, _, _) in JAX_JAX_TENSORS.items():
+        got = np.asarray(refit.received[name])
+        assert got.tobytes() == pattern(name, shape, "bfloat16", 3).tobytes(), name
+    return {"version": refit.version}
+
+
+TORCH_TORCH_TENSORS = {
+    "w": ((10, 6), None, ["S0"], ""),
+    "u": ((5, 7), None, ["S1"], ""),
+    "r": ((4,), None, ["R"], ""),
+}
+TORCH_TORCH_DST = {
+    "w": ((10, 6), None, ["S1"], ""),
+    "u": ((5, 7), None, ["SS1/2"], ""),
+    "r": ((4,), None, ["S0"], ""),
+}
+
+
+def torch_to_torch(ctx: Any) -> dict:
+    import torch.distributed as dist
+    import xreshard as xr
+
+    group = ctx.role.group
+    members = sum(r.group == group for r in ctx.roles)
+    _torch_group(ctx, members, ctx.role.index, group)
+    world = ctx.join(groups=["trainer", "rollout"])
+    config = xr.RefitConfig(timeout=60)
+    if group == "trainer":
+        refit = xr.Refit(world, send=_dtensors(TORCH_TORCH_TENSORS, "float32", members, 5),
+                         config=config)
+        refit()
+    else:
+        state = _dtensors(TORCH_TORCH_DST, "float32", members, None)
+        refit = xr.Refit(world, receive=state, config=config)
+        refit()
+        _check_dtensors(state, TORCH_TORCH_DST, "float32", 5, "float32")
+    world.close()
+    dist.destroy_process_group()
+    return {"version": refit.version}
+
+
+def dispatch(ctx: Any, refs: list[str], args: list) -> Any:
+    """Run ``refs[launch_index]`` (a "module:qualname") with ``args``: one launch, several roles."""
+    import importlib
+    module, _, name = refs[ctx.launch_index].partition(":")
+    return getattr(importlib.import_module(module), name)(ctx, *args)

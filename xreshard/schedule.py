@@ -1,0 +1,157 @@
+"""The scheduler: a rank's transfers cut into buckets per peer, in rounds.
+
+Pure: plan in, buckets out. Both peers of a pair derive the same buckets from the plan
+(the pair's transfers in canonical order, cut at the same sizes), so no size is negotiated
+at run time. Bucket ``i`` of every pair runs in round ``i``: within a round every send has
+its receive posted by the peer in the same round, so no order can deadlock, and a rank
+with fewer buckets simply stops early.
+
+Memory: a pair's bucket size is ``min(bucket_bytes, staging_bytes // max(peers of src,
+peers of dst))``, so the bytes a rank has in flight in one round, over all its peers in
+both directions, never exceed ``staging_bytes``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Iterable, Mapping, Sequence
+
+from .dtypes import itemsize
+from .layout import Region
+from .plan import Plan, Transfer
+
+#: a bucket never shrinks below this, whatever the staging budget and the peer count
+MIN_BUCKET_BYTES = 1 << 16
+
+
+@dataclass(frozen=True, slots=True)
+class Item:
+    """One region of one tensor inside a bucket (``nbytes`` wire bytes)."""
+
+    name: str
+    region: Region
+    nbytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class Bucket:
+    """One message: ``items`` packed back to back, from ``src`` to ``dst`` in ``round``."""
+
+    src: int
+    dst: int
+    round: int
+    items: tuple[Item, ...]
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """The buckets of some local ranks, by round, plus their same-rank copies."""
+
+    rounds: tuple[tuple[Bucket, ...], ...]
+    local_copies: tuple[Transfer, ...]
+    max_round_bytes: int
+    """Most bytes any one local rank has in flight in one round."""
+
+    @property
+    def num_rounds(self) -> int:
+        return len(self.rounds)
+
+
+def split_region(region: Region, itemsize: int, max_bytes: int) -> list[Region]:
+    """Cut ``region`` into boxes of at most ``max_bytes`` (whole elements), outermost dim first.
+
+    A dim is cut into runs of whole slabs; when one slab of the outermost dim is still too
+    big, each slab is cut along the next dim, and so on.
+    """
+    if region.size * itemsize <= max_bytes:
+        return [region]
+    shape = region.shape
+    d = next(i for i, n in enumerate(shape) if n > 1)
+    slab = math.prod(shape[d + 1:]) * itemsize
+    out = []
+    a, b = region.starts[d], region.stops[d]
+    if slab <= max_bytes:
+        step = max(1, max_bytes // slab)
+        for s in range(a, b, step):
+            out.append(Region(region.starts[:d] + (s,) + region.starts[d + 1:],
+                              region.stops[:d] + (min(s + step, b),) + region.stops[d + 1:]))
+        return out
+    for s in range(a, b):
+        slab_region = Region(region.starts[:d] + (s,) + region.starts[d + 1:],
+                             region.stops[:d] + (s + 1,) + region.stops[d + 1:])
+        out.extend(split_region(slab_region, itemsize, max_bytes))
+    return out
+
+
+def pair_bucket_bytes(src: int, dst: int, peer_counts: Mapping[int, int], *,
+                      bucket_bytes: int, staging_bytes: int) -> int:
+    """Bucket size for the pair (src, dst); both peers compute the same value."""
+    peers = max(peer_counts.get(src, 1), peer_counts.get(dst, 1), 1)
+    return max(MIN_BUCKET_BYTES, min(bucket_bytes, staging_bytes // peers))
+
+
+def _pair_buckets(src: int, dst: int, transfers: Sequence[Transfer], order: Mapping[str, int],
+                  size: int, itemsizes: Mapping[str, int]) -> list[list[Item]]:
+    items: list[Item] = []
+    for t in sorted(transfers, key=lambda t: (order[t.name], t.region.starts, t.region.stops)):
+        isz = itemsizes[t.name]
+        for part in split_region(t.region, isz, size):
+            items.append(Item(t.name, part, part.size * isz))
+    buckets: list[list[Item]] = []
+    fill = size
+    for it in items:
+        if fill + it.nbytes > size:
+            buckets.append([])
+            fill = 0
+        buckets[-1].append(it)
+        fill += it.nbytes
+    return buckets
+
+
+def peer_counts(plan: Plan, ranks: Iterable[int]) -> dict[int, int]:
+    """Number of distinct (peer, direction) pairs of each of ``ranks``."""
+    out = {}
+    for rank in ranks:
+        out[rank] = len({(t.src, t.dst) for t in plan.transfers_for(rank)})
+    return out
+
+
+def schedule(plan: Plan, local_ranks: Sequence[int], peer_counts: Mapping[int, int], *,
+             bucket_bytes: int, staging_bytes: int) -> Schedule:
+    """Buckets and rounds for this process's ranks.
+
+    Args:
+        plan: the plan (the same on every rank).
+        local_ranks: the world ranks this process executes.
+        peer_counts: for every rank paired with a local rank, its number of distinct
+            (peer, direction) pairs (see :func:`peer_counts`; all-gathered by the refit).
+        bucket_bytes: the most bytes in one message.
+        staging_bytes: the most bytes a rank has in flight in one round.
+    """
+    order = {name: i for i, name in enumerate(plan.names)}
+    itemsizes = {name: itemsize(plan.wire_dtypes[name]) for name in plan.names}
+    by_pair: dict[tuple[int, int], list[Transfer]] = {}
+    local = set(local_ranks)
+    for rank in local_ranks:
+        for t in plan.transfers_for(rank):
+            # a pair with both ends in this process is listed by both ranks: keep it once
+            if t.src in local and t.dst in local and t.src != rank:
+                continue
+            by_pair.setdefault((t.src, t.dst), []).append(t)
+    rounds: list[list[Bucket]] = []
+    in_flight: dict[tuple[int, int], int] = {}
+    for (src, dst), transfers in sorted(by_pair.items()):
+        size = pair_bucket_bytes(src, dst, peer_counts, bucket_bytes=bucket_bytes,
+                                 staging_bytes=staging_bytes)
+        for i, items in enumerate(_pair_buckets(src, dst, transfers, order, size, itemsizes)):
+            while len(rounds) <= i:
+                rounds.append([])
+            nbytes = sum(it.nbytes for it in items)
+            rounds[i].append(Bucket(src, dst, i, tuple(items), nbytes))
+            for r in (src, dst):
+                if r in local:
+                    in_flight[(i, r)] = in_flight.get((i, r), 0) + nbytes
+    copies = tuple(t for r in local_ranks for t in plan.local_copies_for(r))
+    return Schedule(tuple(tuple(r) for r in rounds), copies, max(in_flight.values(), default=0))
