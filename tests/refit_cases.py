@@ -277,3 +277,118 @@ def dispatch(ctx: Any, refs: list[str], args: list) -> Any:
     import importlib
     module, _, name = refs[ctx.launch_index].partition(":")
     return getattr(importlib.import_module(module), name)(ctx, *args)
+
+
+# ---------------------------------------------------------------------------- bad input, dead peers
+
+BAD_SRC = {"a": ((4, 4), (), ["S0"], ""), "b": ((6,), (), ["R"], ""), "c": ((2, 2), (), ["R"], "")}
+
+
+def _attempt(refit: Any) -> str:
+    try:
+        refit()
+    except Exception as e:   # every rank must raise, and the same error
+        return f"{type(e).__name__}: {e}"
+    return "no error"
+
+
+def bad_inputs(ctx: Any) -> dict:
+    """Several refused refits in a row; returns each one's error as this process saw it."""
+    import torch
+    import torch.distributed as dist
+    import xreshard as xr
+    from xreshard.layout import Layout
+
+    world = ctx.join(groups=["trainer", "rollout"])
+    config = xr.RefitConfig(timeout=30)
+    trainer = ctx.role.group == "trainer"
+    out = {}
+    if not trainer:
+        _torch_group(ctx, sum(r.group == "rollout" for r in ctx.roles), ctx.role.index, "rollout")
+    good = _jax_params(BAD_SRC, "float32", 0) if trainer else None
+
+    def receiver(**changes):
+        state = _dtensors(BAD_SRC, "float32", dist.get_world_size(), None)
+        for name, value in changes.items():
+            if value is None:
+                del state[name]
+            else:
+                state[name] = value
+        return state
+
+    # 1. names missing on either side
+    if trainer:
+        refit = xr.Refit(world, send={k: v for k, v in good.items() if k != "c"}, config=config)
+    else:
+        refit = xr.Refit(world, receive=receiver(b=None), config=config)
+    out["names"] = _attempt(refit)
+    # 2. shape mismatch
+    if trainer:
+        refit = xr.Refit(world, send=good, config=config)
+    else:
+        mesh = _dtensors({"x": ((5, 4), (), ["S0"], "")}, "float32", dist.get_world_size(), None)
+        refit = xr.Refit(world, receive=receiver(a=mesh["x"]), config=config)
+    out["shape"] = _attempt(refit)
+    # 3. dtype mismatch without a cast
+    if trainer:
+        refit = xr.Refit(world, send=good, config=config)
+    else:
+        half = _dtensors({"c": ((2, 2), (), ["R"], "")}, "bfloat16", dist.get_world_size(), None)
+        refit = xr.Refit(world, receive=receiver(c=half["c"]), config=config)
+    out["dtype"] = _attempt(refit)
+    # 4. a destination region no source holds: the trainer describes only half of 'a'
+    if trainer:
+        half = Layout.explicit_form((4, 4), "float32", {0: [[(0, 2), (0, 4)]]})
+        bound = xr.Bound({"a": half}, {(0, "a"): [np.zeros((2, 4), np.float32)]})
+        refit = xr.Refit(world, send=bound, config=config)
+    else:
+        state = receiver()
+        refit = xr.Refit(world, receive={"a": state["a"]}, config=config)
+    out["uncovered"] = _attempt(refit)
+    # 5. after all that, a good refit still works in the same world
+    if trainer:
+        refit = xr.Refit(world, send=good, config=config)
+    else:
+        state = receiver()
+        refit = xr.Refit(world, receive=state, config=config)
+    out["good"] = _attempt(refit)
+    if not trainer:
+        _check_dtensors(state, BAD_SRC, "float32", 0, "float32")
+        dist.destroy_process_group()
+    world.close()
+    return out
+
+
+def dies_mid_refit(ctx: Any, timeout: float) -> dict:
+    """rollout[1] exits hard after its first round; the others must raise within the timeout."""
+    import os
+    import time
+    import torch.distributed as dist
+    import xreshard as xr
+    from xreshard import execute
+
+    tensors = {"big": ((512, 256), ("a", "b"), ["S1"], "")}
+    world = ctx.join(groups=["trainer", "rollout"])
+    config = xr.RefitConfig(timeout=timeout, bucket_bytes=1 << 16, staging_bytes=1 << 17)
+    if ctx.role.group == "trainer":
+        refit = xr.Refit(world, send=_jax_params(tensors, "float32", 0), config=config)
+    else:
+        _torch_group(ctx, sum(r.group == "rollout" for r in ctx.roles), ctx.role.index, "rollout")
+        refit = xr.Refit(world, receive=_dtensors(tensors, "float32", dist.get_world_size(), None),
+                         config=config)
+        if ctx.role.index == 1:
+            unpack = execute.Executor._unpack
+            calls = []
+
+            def die_after_first(self, b, buf):
+                calls.append(b)
+                if len(calls) > 1:
+                    os._exit(3)
+                return unpack(self, b, buf)
+
+            execute.Executor._unpack = die_after_first
+            execute.Executor._zero_copy_recv = lambda self, b: None   # make it unpack
+    t0 = time.monotonic()
+    error = _attempt(refit)
+    return {"error": error, "seconds": time.monotonic() - t0, "version": refit.version,
+            "stale": refit.stale}

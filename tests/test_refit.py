@@ -68,3 +68,35 @@ def launch_mixed(fns, roles, args=(), timeout=150):
     """launch() runs one function everywhere; dispatch by role through a trampoline."""
     refs = [f"{fn.__module__}:{fn.__qualname__}" for fn in fns]
     return launch(cases.__name__ + ":dispatch", roles, args=(refs, list(args)), timeout=timeout)
+
+
+def test_bad_input_raises_same_error_on_every_rank_before_moving():
+    roles = [Role("jax", "trainer", 0, num_devices=4)] + [Role("torch", "rollout", i) for i in range(2)]
+    results = launch(cases.bad_inputs, roles, timeout=150)
+    outs = [r.value for r in results]
+    for case in ("names", "shape", "dtype", "uncovered"):
+        # the same message on every process
+        assert len({o[case] for o in outs}) == 1, (case, [o[case] for o in outs])
+    msg = outs[0]
+    assert "1 tensor(s) only on the source side: 'b'" in msg["names"]
+    assert "1 tensor(s) only on the destination side: 'c'" in msg["names"]
+    assert "shape mismatch in 1 tensor(s): 'a' source (4, 4) vs destination (5, 4)" in msg["shape"]
+    assert "dtype mismatch in 1 tensor(s) and no cast requested: 'c' source float32 vs " \
+           "destination bfloat16" in msg["dtype"]
+    assert "tensor 'a': destination rank" in msg["uncovered"]
+    assert "no source rank holds it" in msg["uncovered"]
+    assert all(o["good"] == "no error" for o in outs)
+
+
+def test_peer_killed_mid_refit_others_raise_within_timeout():
+    roles = [Role("jax", "trainer", 0, num_devices=4)] + [Role("torch", "rollout", i) for i in range(2)]
+    timeout = 5.0
+    results = launch(cases.dies_mid_refit, roles, args=(timeout,), timeout=120, check=False,
+                     fail_fast=False)
+    assert results[2].returncode == 3            # the one that died
+    for live in (results[0], results[1]):
+        assert live.ok, live.describe()
+        v = live.value
+        assert v["error"] != "no error"
+        assert v["seconds"] < 3 * timeout + 5, v
+        assert v["version"] == 0 and v["stale"] is True

@@ -21,8 +21,9 @@ from .dtypes import itemsize
 from .layout import Region
 from .plan import Plan, Transfer
 
-#: a bucket never shrinks below this, whatever the staging budget and the peer count
-MIN_BUCKET_BYTES = 1 << 16
+#: a bucket never shrinks below this, whatever the staging budget and the peer count (so
+#: staging_bytes is honoured as long as it allows this much per peer)
+MIN_BUCKET_BYTES = 1 << 10
 
 
 @dataclass(frozen=True, slots=True)
