@@ -102,7 +102,16 @@ class Executor:
         self.dst_bindings = dst_bindings
         self.transport = transport
         self.timeout = timeout
-        self._alloc = alloc or (lambda n: np.empty(n, np.uint8))
+        if alloc is None:
+            # staging lives where the bindings live: host memory, or the device for CuPy
+            first = next(iter(src_bindings.values()), None)
+            if first is None:
+                first = next(iter(dst_bindings.values()), None)
+            if isinstance(first, list):
+                first = first[0] if first else None
+            xp = np if first is None else _xp(first)
+            alloc = lambda n: xp.empty(n, np.uint8)   # noqa: E731
+        self._alloc = alloc
         self._arena: Any = None
 
     # ------------------------------------------------------------ views
@@ -128,7 +137,7 @@ class Executor:
         it = b.items[0]
         view = self._dst(b.dst, it.name, it.region)
         if view.dtype != self.wire[it.name] or not view.flags.c_contiguous \
-                or not view.flags.writeable:
+                or not getattr(view.flags, "writeable", True):
             return None
         return view.reshape(-1).view(np.uint8)
 

@@ -126,6 +126,17 @@ def _device_kind(device: Any) -> str:
                      f"devices, strings like 'cuda:0', or an int count of CPU ranks")
 
 
+def _cuda_ordinal(device: Any) -> int:
+    """The CUDA device ordinal of a JAX device, a torch device or a "cuda:N" string."""
+    for attr in ("local_hardware_id", "index"):
+        value = getattr(device, attr, None)
+        if isinstance(value, int):
+            return value
+    if isinstance(device, str) and ":" in device:
+        return int(device.split(":", 1)[1])
+    return 0
+
+
 def _default_index(devices: Any) -> int:
     """The process index within its group when the framework makes it unambiguous."""
     if not isinstance(devices, int) and devices and hasattr(devices[0], "platform"):
@@ -475,8 +486,10 @@ class World:
 
     @property
     def cross_kind(self) -> str:
-        """The transport between processes: "gloo" when every rank is a CPU rank, else "nccl"."""
-        return "gloo" if all(k == "cpu" for k in self._rank_kind) else "nccl"
+        """The transport between processes: "nccl" when every rank is a CUDA rank, "gloo"
+        when every rank is a CPU rank; a mixed world is refused (``select_backend``)."""
+        from .transport.select import select_backend
+        return select_backend(self._rank_kind)
 
     def route(self, src_rank: int, dst_rank: int) -> str:
         """Which transport moves ``src_rank -> dst_rank``: "local" when one process hosts
@@ -508,15 +521,23 @@ class World:
             made = RoutedTransport(self.transport("local"), self.transport(self.cross_kind),
                                    self._rank_ids)
         elif kind == "nccl":
-            # TODO(nccl transport): created here once transport/nccl.py exists.
-            raise TransportError(f"world {self._world_id!r} has CUDA ranks but the nccl "
-                                 f"transport is not available yet; stage through CPU and "
-                                 f"use transport('gloo')")
+            made = self._make_nccl()
         else:
             raise ValueError(f"unknown transport kind {kind!r}: expected 'auto', 'local', "
                              f"'gloo' or 'nccl'")
         self._transports[kind] = made
         return made
+
+    def _make_nccl(self) -> Transport:
+        """One NCCL communicator over every rank (collective, like gloo)."""
+        from .transport.nccl import NcclTransport
+        from .transport.select import select_backend
+
+        select_backend(self._rank_kind, "nccl")       # refuses CPU ranks, naming them
+        prefix = self._next_prefix()
+        devices = {r: _cuda_ordinal(self._devices[i]) for i, r in enumerate(self._rank_ids)}
+        return NcclTransport(self._store, self.num_ranks, devices, key=f"{prefix}/nccl",
+                             timeout=self._timeout)
 
     def _make_gloo(self) -> Transport:
         from .transport.gloo import GlooTransport, create_gloo_group
