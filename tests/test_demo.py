@@ -1,0 +1,110 @@
+"""``xreshard demo``: run in-process through ``xreshard.demo.main([...])``.
+
+The end-to-end runs start real processes (a JAX trainer on 4 CPU devices, torch DTensor
+ranks over gloo), so they are marked slow; the small settings keep each under ~20 s.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from xreshard.demo import CORRUPT_TENSOR, DemoConfig, chunk_bounds, main, tensor_specs
+
+# one refit before training, one after: the second reuses the first's plan
+SMALL = ["--refits", "2", "--steps", "2", "--timeout", "90"]
+
+
+def _verified_lines(out: str) -> list[str]:
+    return re.findall(r"verified (\d+) tensors bit-exact on (\d+) ranks", out)
+
+
+@pytest.mark.slow
+def test_demo_float32_every_refit_bit_exact(capsys):
+    assert main(SMALL) == 0
+    out = capsys.readouterr().out
+    num_tensors = len(tensor_specs(DemoConfig()))
+    assert _verified_lines(out) == [(str(num_tensors), "2")] * 2
+    assert "refit 2 (v2, after 2 steps" in out
+    assert "gather+broadcast would move" in out
+    assert out.count("greedy tokens (torch TP=2)") == 2
+    assert "OK: 2 refit(s)" in out
+
+
+@pytest.mark.slow
+def test_demo_fp32_trainer_bf16_wire_and_receivers(capsys):
+    assert main(SMALL + ["--wire-dtype", "bfloat16"]) == 0
+    out = capsys.readouterr().out
+    assert "float32, wire bfloat16" in out
+    assert len(_verified_lines(out)) == 2
+    # the wire carries bf16: the plan moves half the fp32 model (527,232 params + the
+    # replicated norms on the second rank)
+    moved = re.findall(r"plan moved ([\d.]+) MiB", out)
+    assert moved and all(float(m) == pytest.approx(1.01, abs=0.01) for m in moved)
+
+
+@pytest.mark.slow
+def test_demo_corrupted_byte_fails_the_check(capsys):
+    # bf16 on both sides here, so that path runs too
+    code = main(SMALL + ["--corrupt", "--dtype", "bfloat16", "--gen-tokens", "0"])
+    captured = capsys.readouterr()
+    assert code == 1, captured.out + captured.err
+    assert f"MISMATCH: 1 check(s) against the trainer's values: rank 5: {CORRUPT_TENSOR}" \
+        in captured.out
+    # the next refit rewrites every byte, so refit 2 verifies again; the run still fails
+    assert len(_verified_lines(captured.out)) == 1
+    assert "FAILED" in captured.out and "OK:" not in captured.out
+
+
+def test_chunk_bounds_is_torch_chunk():
+    torch = pytest.importorskip("torch")
+    for n in (0, 1, 5, 7, 128, 513):
+        for parts in (1, 2, 3, 4, 8):
+            blocks = torch.arange(n).chunk(parts)
+            for i in range(parts):
+                start, stop = chunk_bounds(n, parts, i)
+                want = blocks[i].tolist() if i < len(blocks) else []
+                assert list(range(start, stop)) == want, (n, parts, i)
+
+
+def test_jax_specs_split_evenly_and_torch_vocab_does_not():
+    cfg = DemoConfig()
+    sizes = {"fsdp": 2, "tp": 2}
+    for s in tensor_specs(cfg):
+        for dim, entry in enumerate(s.jax_spec):
+            axes = entry if isinstance(entry, tuple) else (entry,) if entry else ()
+            ways = 1
+            for a in axes:
+                ways *= sizes[a]
+            assert s.stored_shape[dim] % ways == 0, s
+    assert chunk_bounds(cfg.vocab, 2, 0) == (0, 257)        # the uneven torch shard
+
+
+def test_bad_options_exit_2(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["--dtype", "float16"])
+    assert e.value.code == 2
+    assert main(["--torch-procs", "0"]) == 2
+    assert "torch_procs >= 1" in capsys.readouterr().err
+
+
+def test_gpus_present_still_runs_on_cpu(monkeypatch, capsys):
+    torch = pytest.importorskip("torch")
+    import xreshard.launch as launch_module
+
+    seen = {}
+
+    def fake_launch(fn, roles, **kwargs):
+        seen.update(roles=roles, env=kwargs["env"])
+        raise launch_module.LaunchError("stopped by the test", [])
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(launch_module, "launch", fake_launch)
+    assert main(["--refits", "1"]) == 1
+    captured = capsys.readouterr()
+    assert "GPU path (NCCL) is not wired into the demo yet; running on CPU" in captured.out
+    assert "stopped by the test" in captured.err
+    # every child on CPU: no GPUs pinned, CUDA hidden
+    assert all(r.gpus is None for r in seen["roles"])
+    assert seen["env"]["CUDA_VISIBLE_DEVICES"] == ""
