@@ -1,0 +1,109 @@
+"""The ``xreshard`` command line, run in-process through ``main([...])``."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from xreshard.cli import COMMANDS, main
+from xreshard.models import MODELS_DIR, load_model
+from xreshard.recipes import recipe_layouts
+
+PLAN = ["plan", "--model", "qwen2_5_0_5b", "--src", "fsdp:dp=4", "--dst", "vllm:tp=2,dp=2"]
+
+
+def run_json(capsys, argv):
+    assert main(argv + ["--json"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("\n") == 1                      # one JSON object, one line
+    return json.loads(out)
+
+
+def test_plan_json(capsys):
+    r = run_json(capsys, PLAN + ["--rank", "5"])
+    for key in ("bytes_moved", "bytes_min", "bytes_gather_broadcast", "sender_balance",
+                "plan_seconds", "num_transfers", "num_tensors", "rank_plan_seconds",
+                "rank_num_transfers"):
+        assert key in r, key
+    model_bytes = 988_065_536                        # 494,032,768 bf16 params
+    assert r["model_bytes"] == model_bytes and r["num_tensors"] == 290
+    assert r["src"] == "fsdp:rep=1,dp=4,tp=1" and r["dst"] == "vllm:dp=2,tp=2"
+    assert r["src_world_size"] == r["dst_world_size"] == 4
+    # disjoint ranks: every destination rank receives all it holds, once
+    dst = recipe_layouts(load_model("qwen2_5_0_5b"), "vllm:tp=2,dp=2", 4)
+    held = {rank: sum(2 * reg.size for lay in dst.values() for reg in lay.regions(rank))
+            for rank in range(4, 8)}
+    assert r["bytes_moved"] == r["bytes_min"] == sum(held.values())
+    assert 2 * model_bytes < r["bytes_moved"] < 2 * model_bytes * 1.001   # + replicated norms
+    assert r["sender_balance"] >= 1.0 and r["plan_seconds"] > 0
+    assert r["rank"] == 5 and r["rank_num_transfers"] > 0
+    assert r["rank_bytes_received"] == held[5] and r["rank_bytes_sent"] == 0
+
+
+def test_plan_table(capsys):
+    assert main(PLAN) == 0
+    out = capsys.readouterr().out
+    assert "Qwen2.5-0.5B (dense)" in out
+    assert "destination        " in out and "(ranks 4..7)" in out
+    assert "bytes moved" in out and "1.841 GiB" in out
+    assert "sender balance (max / lower bound)" in out and "plan (whole world)" in out
+
+
+def test_plan_moe_stacked_and_megatron(capsys):
+    r = run_json(capsys, ["plan", "--model", "qwen3_30b_a3b", "--layout", "stacked",
+                          "--src", "megatron:pp=2,ep=4,tp=2", "--dst", "vllm:tp=4,dp=2",
+                          "--rank", "0"])
+    assert r["layout"] == "stacked" and r["num_tensors"] == 531
+    assert r["src_world_size"] == 16 and r["bytes_moved"] == r["bytes_min"]
+    assert r["rank_bytes_received"] == 0 and r["rank_bytes_sent"] > 0
+
+
+def test_plan_model_from_path(capsys, tmp_path):
+    path = tmp_path / "m.json"
+    path.write_text((MODELS_DIR / "qwen2_5_0_5b.json").read_text())
+    r = run_json(capsys, ["plan", "--model", str(path), "--src", "jax:fsdp=2",
+                          "--dst", "vllm:tp=2"])
+    assert r["num_tensors"] == 290
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--src", "vllm:tp=8,pp=2"], r"xreshard plan: error: RecipeError: recipe 'vllm:tp=8,pp=2': "
+                                  r"vllm has no axis 'pp'; its axes are dp, tp"),
+    (["--src", "torch:tp=2"], r"RecipeError: recipe 'torch:tp=2': unknown framework 'torch'"),
+    (["--dst", "vllm:tp=4"], r"num_attention_heads 14 % tp 4 != 0"),
+    (["--model", "gpt5"], r"ModelError: unknown model 'gpt5'"),
+    (["--rank", "8"], r"--rank 8 is outside the world: ranks 0..7 \(4 source, then 4 destination\)"),
+])
+def test_plan_errors(capsys, argv, message):
+    import re
+    args = dict(zip(PLAN[1::2], PLAN[2::2]))
+    extra = []
+    for flag, value in zip(argv[::2], argv[1::2]):
+        if flag in args:
+            args[flag] = value
+        else:
+            extra += [flag, value]
+    assert main(["plan", *[x for kv in args.items() for x in kv], *extra]) == 1
+    err = capsys.readouterr().err
+    assert re.search(message, err), err
+
+
+def test_usage(capsys):
+    assert main([]) == 2
+    assert "plan" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        main(["plan", "--model", "qwen2_5_0_5b"])    # --src and --dst are required
+    assert "required" in capsys.readouterr().err
+    assert set(COMMANDS) >= {"plan", "demo", "bench"}
+
+
+def test_python_dash_m():
+    root = Path(__file__).resolve().parents[1]
+    out = subprocess.run([sys.executable, "-m", "xreshard", *PLAN, "--json"], cwd=root,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["num_tensors"] == 290

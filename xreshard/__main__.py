@@ -1,0 +1,5 @@
+"""``python -m xreshard ...``: the same as the ``xreshard`` script."""
+
+from .cli import main
+
+raise SystemExit(main())
