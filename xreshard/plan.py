@@ -272,7 +272,7 @@ class _Sub:
                  nbytes: int, offset: int):
         self.group = group      # index into template.groups
         self.cls = cls          # sender class
-        self.slot = slot        # index of cls in the view's class order
+        self.slot = slot        # index of cls among the view's multi-holder classes, or -1
         self.ranks = ranks      # receivers, stream order
         self.tid = tid          # interned id of `ranks`
         self.nbytes = nbytes    # bytes per receiver
@@ -289,6 +289,8 @@ class _View:
     class_order: list[int]
     class_bytes: list[int]
     class_subs: dict[int, tuple[list[int], list[int]]]   # class -> (sub indices, offsets)
+    multi_order: list[int]                               # classes with several holders
+    multi_bytes: list[int]
 
 
 # ---------------------------------------------------------------------------- the plan
@@ -316,6 +318,8 @@ class Plan:
         self._tensor_starts: list[tuple[int, ...]] = []   # per tensor: offset per view slot
         self._rank_tuples: list[tuple[int, ...]] = []
         self._sender_classes: dict[int, list[int]] = {}
+        self._class_views: dict[int, list[int]] = {}     # single-holder class -> views
+        self._view_tensors: dict[int, list[int]] = {}    # view -> tensors, in order
         self._memo: dict[int, tuple[Transfer, ...]] = {}
 
     def __repr__(self) -> str:
@@ -329,7 +333,10 @@ class Plan:
         """Every transfer ``rank`` receives (first) or sends, in plan order."""
         got = self._memo.get(rank)
         if got is None:
-            got = self._memo[rank] = self._transfers_for(rank)
+            got = self._transfers_for(rank)
+            if len(self._memo) >= 4:      # a process asks for its own few ranks, repeatedly
+                self._memo.pop(next(iter(self._memo)))
+            self._memo[rank] = got
         return got
 
     def _transfers_for(self, rank: int) -> tuple[Transfer, ...]:
@@ -360,8 +367,24 @@ class Plan:
                     for j, part, nb in split_piece(region, sub.nbytes, start, self._bounds[sub.cls]):
                         out.append(Transfer(name, part, holders[j], rank, nb))
         for c in self._sender_classes.get(rank, ()):
-            out.extend(self._sends_in_class(rank, c))
+            if len(self._classes[c]) == 1:
+                out.extend(self._sends_whole_class(rank, c))
+            else:
+                out.extend(self._sends_in_class(rank, c))
         return tuple(out)
+
+    def _sends_whole_class(self, rank: int, c: int) -> Iterator[Transfer]:
+        """Every piece of a class ``rank`` alone holds (view by view, tensors in order)."""
+        for v in self._class_views.get(c, ()):
+            view = self._views[v]
+            subs = [view.subs[i] for i in view.class_subs[c][0]]
+            groups = view.template.groups
+            for t in self._view_tensors[v]:
+                name = self.names[t]
+                for sub in subs:
+                    region = groups[sub.group][0]
+                    for dst in sub.ranks:
+                        yield Transfer(name, region, rank, dst, sub.nbytes)
 
     def _sends_in_class(self, rank: int, c: int) -> Iterator[Transfer]:
         holders, bounds = self._classes[c], self._bounds[c]
@@ -584,18 +607,32 @@ def plan(src: Mapping[str, Layout], dst: Mapping[str, Layout], world: Any = None
             for i, sub in enumerate(subs):
                 class_subs[sub.cls][0].append(i)
                 class_subs[sub.cls][1].append(sub.offset)
+            # only classes with several holders need stream offsets (quotas cut them);
+            # a single holder sends its whole class
+            multi = [k for k, c in enumerate(order) if len(classes[c]) > 1]
+            mslot = {k: i for i, k in enumerate(multi)}
+            for sub in subs:
+                sub.slot = mslot.get(sub.slot, -1)
             v = view_index[vk] = len(views)
-            views.append(_View(tpl, size, subs, order, cbytes, class_subs))
+            views.append(_View(tpl, size, subs, order, cbytes, class_subs,
+                               [order[k] for k in multi], [cbytes[k] for k in multi]))
         result._view_of.append(v)
 
-    # 3. one byte stream per class over the model, in tensor order
+    # 3. one byte stream per multi-holder class over the model, in tensor order
+    counts = Counter(result._view_of)
     totals = [0] * len(classes)
+    for v, cnt in counts.items():
+        for c, b in zip(views[v].class_order, views[v].class_bytes):
+            if len(classes[c]) == 1:
+                totals[c] += cnt * b
+                result._class_views.setdefault(c, []).append(v)
     tensor_list = result._tensor_list = [[] for _ in classes]
     tensor_cum = result._tensor_cum = [[] for _ in classes]
     for t, v in enumerate(result._view_of):
         view = views[v]
+        result._view_tensors.setdefault(v, []).append(t)
         starts = []
-        for c, b in zip(view.class_order, view.class_bytes):
+        for c, b in zip(view.multi_order, view.multi_bytes):
             tensor_list[c].append(t)
             tensor_cum[c].append(totals[c])
             starts.append(totals[c])
@@ -603,7 +640,6 @@ def plan(src: Mapping[str, Layout], dst: Mapping[str, Layout], world: Any = None
         result._tensor_starts.append(tuple(starts))
 
     # 4. balance: contiguous quotas per class from a max-flow
-    counts = Counter(result._view_of)
     fixed: dict[int, int] = {}
     demand: dict[Holders, int] = {}
     for c, h in enumerate(classes):
