@@ -20,6 +20,7 @@ torch is imported lazily so that ``import xreshard.adapters.torch`` stays cheap.
 from __future__ import annotations
 
 import math
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -109,25 +110,44 @@ def layout_of(dtensor_or_mesh: Any, placements: Sequence[Any] | None = None,
     return Layout.product(shape, dtype, mesh, splits, name=name)
 
 
+#: DeviceMesh -> (its rank grid, shape, dim names): torch rebuilds ``device_mesh.mesh`` on
+#: every read (~40 us), and a model's DTensors share a handful of meshes
+_MESH_CACHE: "weakref.WeakKeyDictionary[Any, tuple[list[int], tuple[int, ...], Any]]" = \
+    weakref.WeakKeyDictionary()
+
+
+def _mesh_facts(device_mesh: Any) -> tuple[list[int], tuple[int, ...], Any]:
+    try:
+        got = _MESH_CACHE.get(device_mesh)
+    except TypeError:       # not weak-referenceable: no cache
+        got = None
+    if got is None:
+        grid = device_mesh.mesh
+        got = (grid.flatten().tolist(), tuple(grid.shape), device_mesh.mesh_dim_names)
+        try:
+            _MESH_CACHE[device_mesh] = got
+        except TypeError:
+            pass
+    return got
+
+
 def mesh_of(device_mesh: Any, *, ranks: RankMap = None) -> Mesh:
     """The xreshard :class:`Mesh` of a ``DeviceMesh``, its ranks mapped through ``ranks``."""
-    pg_ranks = device_mesh.mesh.flatten().tolist()
+    pg_ranks, shape, names = _mesh_facts(device_mesh)
     if ranks is None:
         world = pg_ranks
     elif isinstance(ranks, Mapping):
         missing = [r for r in pg_ranks if r not in ranks]
         if missing:
             raise LayoutError(f"ranks has no world rank for process-group ranks {missing} of "
-                              f"mesh {device_mesh.mesh.tolist()}; map every rank of the mesh")
+                              f"mesh {pg_ranks} (shape {shape}); map every rank of the mesh")
         world = [ranks[r] for r in pg_ranks]
     elif callable(ranks):
         world = [ranks(r) for r in pg_ranks]
     else:
         raise TypeError("ranks must map default-process-group ranks to world ranks, as a "
                         f"mapping or a callable; got {type(ranks).__name__}")
-    names = device_mesh.mesh_dim_names
-    return Mesh(tuple(device_mesh.mesh.shape), tuple(world),
-                None if names is None else tuple(names))
+    return Mesh(shape, tuple(world), None if names is None else tuple(names))
 
 
 def placements_of(layout: Layout, *, name: str | None = None) -> list[Any]:

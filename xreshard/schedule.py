@@ -6,6 +6,11 @@ at run time. Bucket ``i`` of every pair runs in round ``i``: within a round ever
 its receive posted by the peer in the same round, so no order can deadlock, and a rank
 with fewer buckets simply stops early.
 
+Messages: an item of at least ``OWN_MESSAGE_BYTES`` travels as a message of its own, so the
+executor can send or receive it in place when its view is one contiguous run; smaller
+items are packed together. A pair's messages fill rounds up to the pair's bucket size, and
+each carries the pair's running message number as its tag.
+
 Memory: a pair's bucket size is ``min(bucket_bytes, staging_bytes // max(peers of src,
 peers of dst))``, so the bytes a rank has in flight in one round, over all its peers in
 both directions, never exceed ``staging_bytes``.
@@ -25,6 +30,9 @@ from .plan import Plan, Transfer
 #: staging_bytes is honoured as long as it allows this much per peer)
 MIN_BUCKET_BYTES = 1 << 10
 
+#: items at least this big are messages of their own (maybe zero-copy); smaller ones share
+OWN_MESSAGE_BYTES = 1 << 16
+
 
 @dataclass(frozen=True, slots=True)
 class Item:
@@ -37,11 +45,13 @@ class Item:
 
 @dataclass(frozen=True, slots=True)
 class Bucket:
-    """One message: ``items`` packed back to back, from ``src`` to ``dst`` in ``round``."""
+    """One message: ``items`` packed back to back, from ``src`` to ``dst`` in ``round``;
+    ``tag`` numbers the pair's messages."""
 
     src: int
     dst: int
     round: int
+    tag: int
     items: tuple[Item, ...]
     nbytes: int
 
@@ -100,15 +110,19 @@ def _pair_buckets(src: int, dst: int, transfers: Sequence[Transfer], order: Mapp
         isz = itemsizes[t.name]
         for part in split_region(t.region, isz, size):
             items.append(Item(t.name, part, part.size * isz))
-    buckets: list[list[Item]] = []
+    messages: list[list[Item]] = []
     fill = size
     for it in items:
+        if it.nbytes >= min(OWN_MESSAGE_BYTES, size):
+            messages.append([it])
+            fill = size                  # the next small item starts a new message
+            continue
         if fill + it.nbytes > size:
-            buckets.append([])
+            messages.append([])
             fill = 0
-        buckets[-1].append(it)
+        messages[-1].append(it)
         fill += it.nbytes
-    return buckets
+    return messages
 
 
 def peer_counts(plan: Plan, ranks: Iterable[int]) -> dict[int, int]:
@@ -146,13 +160,17 @@ def schedule(plan: Plan, local_ranks: Sequence[int], peer_counts: Mapping[int, i
     for (src, dst), transfers in sorted(by_pair.items()):
         size = pair_bucket_bytes(src, dst, peer_counts, bucket_bytes=bucket_bytes,
                                  staging_bytes=staging_bytes)
-        for i, items in enumerate(_pair_buckets(src, dst, transfers, order, size, itemsizes)):
-            while len(rounds) <= i:
-                rounds.append([])
+        rnd, used = 0, 0
+        for tag, items in enumerate(_pair_buckets(src, dst, transfers, order, size, itemsizes)):
             nbytes = sum(it.nbytes for it in items)
-            rounds[i].append(Bucket(src, dst, i, tuple(items), nbytes))
+            if used and used + nbytes > size:
+                rnd, used = rnd + 1, 0
+            used += nbytes
+            while len(rounds) <= rnd:
+                rounds.append([])
+            rounds[rnd].append(Bucket(src, dst, rnd, tag, tuple(items), nbytes))
             for r in (src, dst):
                 if r in local:
-                    in_flight[(i, r)] = in_flight.get((i, r), 0) + nbytes
+                    in_flight[(rnd, r)] = in_flight.get((rnd, r), 0) + nbytes
     copies = tuple(t for r in local_ranks for t in plan.local_copies_for(r))
     return Schedule(tuple(tuple(r) for r in rounds), copies, max(in_flight.values(), default=0))
