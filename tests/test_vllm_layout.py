@@ -1,0 +1,563 @@
+"""vLLM destination layouts recorded from vLLM's own loaders (adapters/vllm.py).
+
+No engine: each TP rank's model is built on the meta device under ``fake_tp`` and its
+``load_weights`` runs once on probes. Expected pieces are written by hand from the
+formulas of layouts.md section 7 (QKVParallelLinear, MergedColumnParallelLinear,
+RowParallelLinear, VocabParallelEmbedding with DEFAULT_VOCAB_PADDING_SIZE = 64).
+"""
+
+import json
+
+import pytest
+
+pytest.importorskip("vllm")
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from xreshard.adapters import vllm as xv  # noqa: E402
+from xreshard.layout import Layout, Region  # noqa: E402
+
+# Tiny Qwen2: V=1000 (padded to 1024), D=128, H=4, KV=2, hd=32, I=256, q/k/v bias, tied.
+# Tiny Llama: V=960 (no padding), D=128, H=8, KV=2, hd=16, I=256, q/k/v/o bias, untied.
+
+QWEN2 = {
+    (1, 0): """
+        embed_tokens.weight[0:1000, 0:128] -> embed_tokens.weight[0:1000, 0:128]
+        q_proj.weight[0:128, 0:128] -> qkv_proj.weight[0:128, 0:128]
+        q_proj.bias[0:128] -> qkv_proj.bias[0:128]
+        k_proj.weight[0:64, 0:128] -> qkv_proj.weight[128:192, 0:128]
+        k_proj.bias[0:64] -> qkv_proj.bias[128:192]
+        v_proj.weight[0:64, 0:128] -> qkv_proj.weight[192:256, 0:128]
+        v_proj.bias[0:64] -> qkv_proj.bias[192:256]
+        o_proj.weight[0:128, 0:128] -> o_proj.weight[0:128, 0:128]
+        gate_proj.weight[0:256, 0:128] -> gate_up_proj.weight[0:256, 0:128]
+        up_proj.weight[0:256, 0:128] -> gate_up_proj.weight[256:512, 0:128]
+        down_proj.weight[0:128, 0:256] -> down_proj.weight[0:128, 0:256]
+    """,
+    (2, 0): """
+        embed_tokens.weight[0:512, 0:128] -> embed_tokens.weight[0:512, 0:128]
+        q_proj.weight[0:64, 0:128] -> qkv_proj.weight[0:64, 0:128]
+        q_proj.bias[0:64] -> qkv_proj.bias[0:64]
+        k_proj.weight[0:32, 0:128] -> qkv_proj.weight[64:96, 0:128]
+        k_proj.bias[0:32] -> qkv_proj.bias[64:96]
+        v_proj.weight[0:32, 0:128] -> qkv_proj.weight[96:128, 0:128]
+        v_proj.bias[0:32] -> qkv_proj.bias[96:128]
+        o_proj.weight[0:128, 0:64] -> o_proj.weight[0:128, 0:64]
+        gate_proj.weight[0:128, 0:128] -> gate_up_proj.weight[0:128, 0:128]
+        up_proj.weight[0:128, 0:128] -> gate_up_proj.weight[128:256, 0:128]
+        down_proj.weight[0:128, 0:128] -> down_proj.weight[0:128, 0:128]
+    """,
+    (2, 1): """
+        embed_tokens.weight[512:1000, 0:128] -> embed_tokens.weight[0:488, 0:128]
+        q_proj.weight[64:128, 0:128] -> qkv_proj.weight[0:64, 0:128]
+        q_proj.bias[64:128] -> qkv_proj.bias[0:64]
+        k_proj.weight[32:64, 0:128] -> qkv_proj.weight[64:96, 0:128]
+        k_proj.bias[32:64] -> qkv_proj.bias[64:96]
+        v_proj.weight[32:64, 0:128] -> qkv_proj.weight[96:128, 0:128]
+        v_proj.bias[32:64] -> qkv_proj.bias[96:128]
+        o_proj.weight[0:128, 64:128] -> o_proj.weight[0:128, 0:64]
+        gate_proj.weight[128:256, 0:128] -> gate_up_proj.weight[0:128, 0:128]
+        up_proj.weight[128:256, 0:128] -> gate_up_proj.weight[128:256, 0:128]
+        down_proj.weight[0:128, 128:256] -> down_proj.weight[0:128, 0:128]
+    """,
+    # tp=4 > KV=2: one kv head per rank, replicated on rank pairs (0,1) and (2,3)
+    (4, 0): """
+        embed_tokens.weight[0:256, 0:128] -> embed_tokens.weight[0:256, 0:128]
+        q_proj.weight[0:32, 0:128] -> qkv_proj.weight[0:32, 0:128]
+        q_proj.bias[0:32] -> qkv_proj.bias[0:32]
+        k_proj.weight[0:32, 0:128] -> qkv_proj.weight[32:64, 0:128]
+        k_proj.bias[0:32] -> qkv_proj.bias[32:64]
+        v_proj.weight[0:32, 0:128] -> qkv_proj.weight[64:96, 0:128]
+        v_proj.bias[0:32] -> qkv_proj.bias[64:96]
+        o_proj.weight[0:128, 0:32] -> o_proj.weight[0:128, 0:32]
+        gate_proj.weight[0:64, 0:128] -> gate_up_proj.weight[0:64, 0:128]
+        up_proj.weight[0:64, 0:128] -> gate_up_proj.weight[64:128, 0:128]
+        down_proj.weight[0:128, 0:64] -> down_proj.weight[0:128, 0:64]
+    """,
+    (4, 1): """
+        embed_tokens.weight[256:512, 0:128] -> embed_tokens.weight[0:256, 0:128]
+        q_proj.weight[32:64, 0:128] -> qkv_proj.weight[0:32, 0:128]
+        q_proj.bias[32:64] -> qkv_proj.bias[0:32]
+        k_proj.weight[0:32, 0:128] -> qkv_proj.weight[32:64, 0:128]
+        k_proj.bias[0:32] -> qkv_proj.bias[32:64]
+        v_proj.weight[0:32, 0:128] -> qkv_proj.weight[64:96, 0:128]
+        v_proj.bias[0:32] -> qkv_proj.bias[64:96]
+        o_proj.weight[0:128, 32:64] -> o_proj.weight[0:128, 0:32]
+        gate_proj.weight[64:128, 0:128] -> gate_up_proj.weight[0:64, 0:128]
+        up_proj.weight[64:128, 0:128] -> gate_up_proj.weight[64:128, 0:128]
+        down_proj.weight[0:128, 64:128] -> down_proj.weight[0:128, 0:64]
+    """,
+    (4, 2): """
+        embed_tokens.weight[512:768, 0:128] -> embed_tokens.weight[0:256, 0:128]
+        q_proj.weight[64:96, 0:128] -> qkv_proj.weight[0:32, 0:128]
+        q_proj.bias[64:96] -> qkv_proj.bias[0:32]
+        k_proj.weight[32:64, 0:128] -> qkv_proj.weight[32:64, 0:128]
+        k_proj.bias[32:64] -> qkv_proj.bias[32:64]
+        v_proj.weight[32:64, 0:128] -> qkv_proj.weight[64:96, 0:128]
+        v_proj.bias[32:64] -> qkv_proj.bias[64:96]
+        o_proj.weight[0:128, 64:96] -> o_proj.weight[0:128, 0:32]
+        gate_proj.weight[128:192, 0:128] -> gate_up_proj.weight[0:64, 0:128]
+        up_proj.weight[128:192, 0:128] -> gate_up_proj.weight[64:128, 0:128]
+        down_proj.weight[0:128, 128:192] -> down_proj.weight[0:128, 0:64]
+    """,
+    (4, 3): """
+        embed_tokens.weight[768:1000, 0:128] -> embed_tokens.weight[0:232, 0:128]
+        q_proj.weight[96:128, 0:128] -> qkv_proj.weight[0:32, 0:128]
+        q_proj.bias[96:128] -> qkv_proj.bias[0:32]
+        k_proj.weight[32:64, 0:128] -> qkv_proj.weight[32:64, 0:128]
+        k_proj.bias[32:64] -> qkv_proj.bias[32:64]
+        v_proj.weight[32:64, 0:128] -> qkv_proj.weight[64:96, 0:128]
+        v_proj.bias[32:64] -> qkv_proj.bias[64:96]
+        o_proj.weight[0:128, 96:128] -> o_proj.weight[0:128, 0:32]
+        gate_proj.weight[192:256, 0:128] -> gate_up_proj.weight[0:64, 0:128]
+        up_proj.weight[192:256, 0:128] -> gate_up_proj.weight[64:128, 0:128]
+        down_proj.weight[0:128, 192:256] -> down_proj.weight[0:128, 0:64]
+    """,
+}
+# padded vocab: rows of embed_tokens that no HF row lands in (vLLM zero-fills them)
+QWEN2_UNFILLED = {(1, 0): "[1000:1024, 0:128]", (2, 1): "[488:512, 0:128]",
+                  (4, 3): "[232:256, 0:128]"}
+
+LLAMA = {
+    (1, 0): """
+        embed_tokens.weight[0:960, 0:128] -> embed_tokens.weight[0:960, 0:128]
+        q_proj.weight[0:128, 0:128] -> qkv_proj.weight[0:128, 0:128]
+        q_proj.bias[0:128] -> qkv_proj.bias[0:128]
+        k_proj.weight[0:32, 0:128] -> qkv_proj.weight[128:160, 0:128]
+        k_proj.bias[0:32] -> qkv_proj.bias[128:160]
+        v_proj.weight[0:32, 0:128] -> qkv_proj.weight[160:192, 0:128]
+        v_proj.bias[0:32] -> qkv_proj.bias[160:192]
+        o_proj.weight[0:128, 0:128] -> o_proj.weight[0:128, 0:128]
+        o_proj.bias[0:128] -> o_proj.bias[0:128]
+        gate_proj.weight[0:256, 0:128] -> gate_up_proj.weight[0:256, 0:128]
+        up_proj.weight[0:256, 0:128] -> gate_up_proj.weight[256:512, 0:128]
+        down_proj.weight[0:128, 0:256] -> down_proj.weight[0:128, 0:256]
+        lm_head.weight[0:960, 0:128] -> lm_head.weight[0:960, 0:128]
+    """,
+    (2, 0): """
+        embed_tokens.weight[0:480, 0:128] -> embed_tokens.weight[0:480, 0:128]
+        q_proj.weight[0:64, 0:128] -> qkv_proj.weight[0:64, 0:128]
+        q_proj.bias[0:64] -> qkv_proj.bias[0:64]
+        k_proj.weight[0:16, 0:128] -> qkv_proj.weight[64:80, 0:128]
+        k_proj.bias[0:16] -> qkv_proj.bias[64:80]
+        v_proj.weight[0:16, 0:128] -> qkv_proj.weight[80:96, 0:128]
+        v_proj.bias[0:16] -> qkv_proj.bias[80:96]
+        o_proj.weight[0:128, 0:64] -> o_proj.weight[0:128, 0:64]
+        o_proj.bias[0:128] -> o_proj.bias[0:128]
+        gate_proj.weight[0:128, 0:128] -> gate_up_proj.weight[0:128, 0:128]
+        up_proj.weight[0:128, 0:128] -> gate_up_proj.weight[128:256, 0:128]
+        down_proj.weight[0:128, 0:128] -> down_proj.weight[0:128, 0:128]
+        lm_head.weight[0:480, 0:128] -> lm_head.weight[0:480, 0:128]
+    """,
+    (2, 1): """
+        embed_tokens.weight[480:960, 0:128] -> embed_tokens.weight[0:480, 0:128]
+        q_proj.weight[64:128, 0:128] -> qkv_proj.weight[0:64, 0:128]
+        q_proj.bias[64:128] -> qkv_proj.bias[0:64]
+        k_proj.weight[16:32, 0:128] -> qkv_proj.weight[64:80, 0:128]
+        k_proj.bias[16:32] -> qkv_proj.bias[64:80]
+        v_proj.weight[16:32, 0:128] -> qkv_proj.weight[80:96, 0:128]
+        v_proj.bias[16:32] -> qkv_proj.bias[80:96]
+        o_proj.weight[0:128, 64:128] -> o_proj.weight[0:128, 0:64]
+        o_proj.bias[0:128] -> o_proj.bias[0:128]
+        gate_proj.weight[128:256, 0:128] -> gate_up_proj.weight[0:128, 0:128]
+        up_proj.weight[128:256, 0:128] -> gate_up_proj.weight[128:256, 0:128]
+        down_proj.weight[0:128, 128:256] -> down_proj.weight[0:128, 0:128]
+        lm_head.weight[480:960, 0:128] -> lm_head.weight[0:480, 0:128]
+    """,
+    (4, 0): """
+        embed_tokens.weight[0:240, 0:128] -> embed_tokens.weight[0:240, 0:128]
+        q_proj.weight[0:32, 0:128] -> qkv_proj.weight[0:32, 0:128]
+        q_proj.bias[0:32] -> qkv_proj.bias[0:32]
+        k_proj.weight[0:16, 0:128] -> qkv_proj.weight[32:48, 0:128]
+        k_proj.bias[0:16] -> qkv_proj.bias[32:48]
+        v_proj.weight[0:16, 0:128] -> qkv_proj.weight[48:64, 0:128]
+        v_proj.bias[0:16] -> qkv_proj.bias[48:64]
+        o_proj.weight[0:128, 0:32] -> o_proj.weight[0:128, 0:32]
+        o_proj.bias[0:128] -> o_proj.bias[0:128]
+        gate_proj.weight[0:64, 0:128] -> gate_up_proj.weight[0:64, 0:128]
+        up_proj.weight[0:64, 0:128] -> gate_up_proj.weight[64:128, 0:128]
+        down_proj.weight[0:128, 0:64] -> down_proj.weight[0:128, 0:64]
+        lm_head.weight[0:240, 0:128] -> lm_head.weight[0:240, 0:128]
+    """,
+    (4, 1): """
+        embed_tokens.weight[240:480, 0:128] -> embed_tokens.weight[0:240, 0:128]
+        q_proj.weight[32:64, 0:128] -> qkv_proj.weight[0:32, 0:128]
+        q_proj.bias[32:64] -> qkv_proj.bias[0:32]
+        k_proj.weight[0:16, 0:128] -> qkv_proj.weight[32:48, 0:128]
+        k_proj.bias[0:16] -> qkv_proj.bias[32:48]
+        v_proj.weight[0:16, 0:128] -> qkv_proj.weight[48:64, 0:128]
+        v_proj.bias[0:16] -> qkv_proj.bias[48:64]
+        o_proj.weight[0:128, 32:64] -> o_proj.weight[0:128, 0:32]
+        o_proj.bias[0:128] -> o_proj.bias[0:128]
+        gate_proj.weight[64:128, 0:128] -> gate_up_proj.weight[0:64, 0:128]
+        up_proj.weight[64:128, 0:128] -> gate_up_proj.weight[64:128, 0:128]
+        down_proj.weight[0:128, 64:128] -> down_proj.weight[0:128, 0:64]
+        lm_head.weight[240:480, 0:128] -> lm_head.weight[0:240, 0:128]
+    """,
+    (4, 2): """
+        embed_tokens.weight[480:720, 0:128] -> embed_tokens.weight[0:240, 0:128]
+        q_proj.weight[64:96, 0:128] -> qkv_proj.weight[0:32, 0:128]
+        q_proj.bias[64:96] -> qkv_proj.bias[0:32]
+        k_proj.weight[16:32, 0:128] -> qkv_proj.weight[32:48, 0:128]
+        k_proj.bias[16:32] -> qkv_proj.bias[32:48]
+        v_proj.weight[16:32, 0:128] -> qkv_proj.weight[48:64, 0:128]
+        v_proj.bias[16:32] -> qkv_proj.bias[48:64]
+        o_proj.weight[0:128, 64:96] -> o_proj.weight[0:128, 0:32]
+        o_proj.bias[0:128] -> o_proj.bias[0:128]
+        gate_proj.weight[128:192, 0:128] -> gate_up_proj.weight[0:64, 0:128]
+        up_proj.weight[128:192, 0:128] -> gate_up_proj.weight[64:128, 0:128]
+        down_proj.weight[0:128, 128:192] -> down_proj.weight[0:128, 0:64]
+        lm_head.weight[480:720, 0:128] -> lm_head.weight[0:240, 0:128]
+    """,
+    (4, 3): """
+        embed_tokens.weight[720:960, 0:128] -> embed_tokens.weight[0:240, 0:128]
+        q_proj.weight[96:128, 0:128] -> qkv_proj.weight[0:32, 0:128]
+        q_proj.bias[96:128] -> qkv_proj.bias[0:32]
+        k_proj.weight[16:32, 0:128] -> qkv_proj.weight[32:48, 0:128]
+        k_proj.bias[16:32] -> qkv_proj.bias[32:48]
+        v_proj.weight[16:32, 0:128] -> qkv_proj.weight[48:64, 0:128]
+        v_proj.bias[16:32] -> qkv_proj.bias[48:64]
+        o_proj.weight[0:128, 96:128] -> o_proj.weight[0:128, 0:32]
+        o_proj.bias[0:128] -> o_proj.bias[0:128]
+        gate_proj.weight[192:256, 0:128] -> gate_up_proj.weight[0:64, 0:128]
+        up_proj.weight[192:256, 0:128] -> gate_up_proj.weight[64:128, 0:128]
+        down_proj.weight[0:128, 192:256] -> down_proj.weight[0:128, 0:64]
+        lm_head.weight[720:960, 0:128] -> lm_head.weight[0:240, 0:128]
+    """,
+}
+# replicated on every rank: the norms (2 per layer + final)
+NORMS = """
+    input_layernorm.weight[0:128] -> input_layernorm.weight[0:128]
+    post_attention_layernorm.weight[0:128] -> post_attention_layernorm.weight[0:128]
+    norm.weight[0:128] -> norm.weight[0:128]
+"""
+
+_PREFIXES = ("model.layers.0.self_attn.", "model.layers.0.mlp.", "model.layers.0.", "model.")
+
+
+def _short(name):
+    for p in _PREFIXES:
+        if name.startswith(p):
+            return name[len(p):]
+    return name
+
+
+def _table(text):
+    return {" ".join(line.split()) for line in (text + NORMS).strip().splitlines() if line.strip()}
+
+
+def _recorded(rec, layer=0):
+    """Layer-``layer`` and global pieces as the table's short strings."""
+    out = set()
+    for ps in rec.pieces.values():
+        for p in ps:
+            if ".layers." in p.hf_name and f".layers.{layer}." not in p.hf_name:
+                continue
+            hf, param = (p.hf_name.replace(f".layers.{layer}.", ".layers.0."),
+                         p.param.replace(f".layers.{layer}.", ".layers.0."))
+            out.add(f"{_short(hf)}{p.region} -> {_short(param)}{p.param_region}")
+    return out
+
+
+def _config(kind):
+    if kind == "qwen2":
+        cfg = transformers.Qwen2Config(
+            vocab_size=1000, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True,
+            max_position_embeddings=256)
+        cfg.architectures = ["Qwen2ForCausalLM"]
+    else:
+        cfg = transformers.LlamaConfig(
+            vocab_size=960, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+            num_attention_heads=8, num_key_value_heads=2, head_dim=16, attention_bias=True,
+            tie_word_embeddings=False, max_position_embeddings=256)
+        cfg.architectures = ["LlamaForCausalLM"]
+    return cfg
+
+
+@pytest.fixture(scope="module")
+def recordings():
+    """(model, tp) -> {tp_rank: Recording}, plus the HF specs per model."""
+    out, specs = {}, {}
+    for kind, tps in (("qwen2", (1, 2, 4)), ("llama", (1, 2, 4, 8))):
+        cfg = _config(kind)
+        vllm_config = xv.make_vllm_config(cfg, dtype="bfloat16")
+        specs[kind] = xv.hf_tensor_specs(cfg, "bfloat16")
+        for tp in tps:
+            out[kind, tp] = {r: xv.record_from_config(vllm_config, r, tp, specs[kind])
+                             for r in range(tp)}
+    return out, specs
+
+
+@pytest.mark.parametrize("kind,table", [("qwen2", QWEN2), ("llama", LLAMA)])
+def test_recorded_pieces_equal_the_hand_table(recordings, kind, table):
+    recs, _ = recordings
+    for (tp, rank), text in table.items():
+        rec = recs[kind, tp][rank]
+        assert (rec.tp_rank, rec.tp_size) == (rank, tp)
+        assert _recorded(rec) == _table(text), (kind, tp, rank)
+        assert _recorded(rec, layer=1) == _table(text), (kind, tp, rank, "layer 1")
+
+
+def test_padded_vocab_tail_is_unfilled(recordings):
+    recs, _ = recordings
+    for kind, tps in (("qwen2", (1, 2, 4)), ("llama", (1, 2, 4))):
+        for tp in tps:
+            for rank, rec in recs[kind, tp].items():
+                tail = QWEN2_UNFILLED.get((tp, rank)) if kind == "qwen2" else None
+                got = {n: [str(r) for r in rs] for n, rs in rec.unfilled.items()}
+                want = {"model.embed_tokens.weight": [tail]} if tail else {}
+                assert got == want, (kind, tp, rank)
+                assert all(".attn._" in n for n in rec.unloaded), rec.unloaded   # kv-cache scales
+
+
+def test_tied_embedding_is_one_parameter(recordings):
+    recs, specs = recordings
+    assert "lm_head.weight" not in specs["qwen2"]
+    rec = recs["qwen2", 2][1]
+    assert rec.aliases == {"model.embed_tokens.weight": ["lm_head.weight"]}
+    assert recs["llama", 2][1].aliases == {}
+
+
+def test_feeding_a_tied_alias_records_nothing_for_it():
+    cfg = _config("qwen2")
+    specs = xv.hf_tensor_specs(cfg, "bfloat16")
+    specs["lm_head.weight"] = specs["model.embed_tokens.weight"]
+    rec = xv.record_from_config(xv.make_vllm_config(cfg, dtype="bfloat16"), 0, 2, specs)
+    assert rec.pieces["lm_head.weight"] == []          # vLLM skips the alias
+    assert len(rec.pieces["model.embed_tokens.weight"]) == 1
+
+
+def _layouts(recs, specs):
+    return xv.layouts_from_pieces(recs, {n: s for n, (s, _) in specs.items()},
+                                  {n: d for n, (_, d) in specs.items()})
+
+
+def test_layouts_are_product_form_where_vllm_is_and_explicit_for_padded_vocab(recordings):
+    recs, specs = recordings
+    q4 = _layouts(recs["qwen2", 4], specs["qwen2"])
+    p = "model.layers.0."
+    assert str(q4[p + "self_attn.q_proj.weight"]) == \
+        "Layout((128, 128) bfloat16 on mesh(tp=4)[0..3]: d0<-tp)"
+    assert str(q4[p + "self_attn.k_proj.weight"]) == \
+        "Layout((64, 128) bfloat16 on mesh(tp=2,tp_rep=2)[0..3]: d0<-tp)"
+    assert str(q4[p + "self_attn.o_proj.weight"]) == \
+        "Layout((128, 128) bfloat16 on mesh(tp=4)[0..3]: d1<-tp)"
+    assert str(q4[p + "mlp.down_proj.weight"]) == \
+        "Layout((128, 256) bfloat16 on mesh(tp=4)[0..3]: d1<-tp)"
+    assert str(q4["model.norm.weight"]) == "Layout((128,) bfloat16 on mesh(tp=4)[0..3]: replicated)"
+    embed = q4["model.embed_tokens.weight"]
+    assert not embed.is_product                   # 1000 rows: 256, 256, 256, 232 (not torch.chunk)
+    assert [str(r) for rank in range(4) for r in embed.regions(rank)] == \
+        ["[0:256, 0:128]", "[256:512, 0:128]", "[512:768, 0:128]", "[768:1000, 0:128]"]
+
+    l8 = _layouts(recs["llama", 8], specs["llama"])
+    assert str(l8["model.embed_tokens.weight"]) == \
+        "Layout((960, 128) bfloat16 on mesh(tp=8)[0..7]: d0<-tp)"
+    assert str(l8[p + "self_attn.v_proj.bias"]) == \
+        "Layout((32,) bfloat16 on mesh(tp=2,tp_rep=4)[0..7]: d0<-tp)"
+    assert str(l8[p + "self_attn.o_proj.bias"]) == \
+        "Layout((128,) bfloat16 on mesh(tp=8)[0..7]: replicated)"   # row-parallel bias
+
+
+def test_layouts_hold_exactly_the_recorded_regions(recordings):
+    recs, specs = recordings
+    for (kind, tp), by_rank in recs.items():
+        layouts = _layouts(by_rank, specs[kind])
+        for name, layout in layouts.items():
+            for rank, rec in by_rank.items():
+                want = {p.region for p in rec.pieces[name]}
+                assert set(layout.regions(rank)) == want, (kind, tp, name, rank)
+            assert Layout.from_json(layout.to_json()) == layout
+
+
+def test_layouts_use_world_ranks_in_the_given_order(recordings):
+    recs, specs = recordings
+    by_world = {10 + 2 * r: rec for r, rec in recs["qwen2", 4].items()}
+    lay = xv.layouts_from_pieces(by_world, {n: s for n, (s, _) in specs["qwen2"].items()},
+                                 {n: d for n, (_, d) in specs["qwen2"].items()},
+                                 order=[10, 12, 14, 16])
+    k = lay["model.layers.0.self_attn.k_proj.weight"]
+    assert k.mesh.ranks == (10, 12, 14, 16)
+    assert [str(r) for r in k.regions(14)] == ["[32:64, 0:128]"]
+
+
+def test_recording_round_trips_through_json(recordings):
+    recs, _ = recordings
+    rec = recs["qwen2", 4][3]
+    back = xv.Recording.from_json(json.loads(json.dumps(rec.to_json())))
+    assert back == rec
+
+
+def test_fake_tp_restores_parallel_state():
+    from vllm.distributed import parallel_state as ps
+    before = ps._TP
+    with xv.fake_tp(1, 2):
+        assert ps.get_tensor_model_parallel_world_size() == 2
+        assert ps.get_tensor_model_parallel_rank() == 1
+    assert ps._TP is before
+    with pytest.raises(ValueError, match="outside"):
+        with xv.fake_tp(2, 2):
+            pass
+
+
+def test_shard_weights_load_like_full_tensors_through_vllm_loaders():
+    """Rank 1 of TP=2 loaded from its recorded regions only == loaded from full tensors."""
+    cfg = _config("qwen2")
+    vllm_config = xv.make_vllm_config(cfg, dtype="float32")
+    specs = xv.hf_tensor_specs(cfg, "float32")
+    rec = xv.record_from_config(vllm_config, 1, 2, specs)
+    gen = torch.Generator().manual_seed(0)
+    full = {n: torch.randn(s, generator=gen) for n, (s, _) in specs.items()}
+    with xv.fake_tp(1, 2):
+        a = xv.build_model(vllm_config, device="cpu")
+        b = xv.build_model(vllm_config, device="cpu")
+        a.load_weights(iter(full.items()))
+        b.load_weights((n, xv.shard_weight(n, full[n].shape, xv.parts_from_full(ps, full[n])))
+                       for n, ps in rec.pieces.items())
+    pa, pb = dict(a.named_parameters()), dict(b.named_parameters())
+    for name in rec.pieces["model.layers.1.self_attn.k_proj.weight"]:
+        assert torch.equal(pa[name.param][name.param_slices], pb[name.param][name.param_slices])
+    for name, t in pa.items():
+        if name in rec.unloaded:
+            continue
+        assert torch.equal(t, pb[name]), name
+    q = rec.pieces["model.layers.0.self_attn.q_proj.weight"][0]
+    assert torch.equal(pb[q.param][q.param_slices], full[q.hf_name][q.region.slices()])
+
+
+class _Toy(torch.nn.Module):
+    """One meta parameter and a hand-written loader ``fn(param, loaded)``."""
+
+    def __init__(self, fn, shape=(4, 6)):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.empty(shape, device="meta"), requires_grad=False)
+        self.fn = fn
+
+    def load_weights(self, weights):
+        for _, t in weights:
+            self.fn(self.w, t)
+
+
+def _record_toy(fn, shape=(8, 6), param_shape=(4, 6)):
+    return xv.record_model(_Toy(fn, param_shape), {"x": (shape, "float32")}, tp_rank=0, tp_size=1)
+
+
+def test_views_are_followed_through_chunk_index_and_setitem():
+    def loader(w, t):
+        top, bottom = t.chunk(2, dim=0)               # [0:4], [4:8]
+        w.data[:2].copy_(bottom[1:3])                 # rows 5:7
+        w.data[2:, 1:].copy_(top.narrow(1, 1, 5)[:2])  # rows 0:2, cols 1:6
+        w.data[2:, 0] = t[6:, 0]                      # __setitem__, rows 6:8 col 0
+    rec = _record_toy(loader)
+    assert [str(p) for p in rec.pieces["x"]] == [
+        "x[5:7, 0:6] -> w[0:2, 0:6]", "x[0:2, 1:6] -> w[2:4, 1:6]", "x[6:8, 0:1] -> w[2:4, 0:1]"]
+    assert rec.unfilled == {}
+
+
+@pytest.mark.parametrize("fn,match", [
+    (lambda w, t: w.data.copy_(t[:4] * 2), "computes a new tensor from it with mul "),
+    (lambda w, t: w.data.copy_(t[:6, :4].t()), "not a box in row-major order"),
+    (lambda w, t: w.data.copy_(torch.cat([t[:2], t[2:4]])), "combines them with cat"),
+    (lambda w, t: t.mul_(2), "in place"),
+    (lambda w, t: w.data.copy_(t[:4].view(torch.int32)), "reinterprets its bits"),
+    (lambda w, t: torch.empty(4, 6, device="meta").copy_(t[:4]), "temporary"),
+    (lambda w, t: w.data.copy_(t[0]), "broadcasting"),
+    (lambda w, t: w.data.copy_(t[::2, :]), "not a box"),
+])
+def test_non_slicing_loaders_raise_naming_the_tensor(fn, match):
+    with pytest.raises(xv.RecordError, match="'x'") as info:
+        _record_toy(fn)
+    assert info.match(match)
+
+
+def test_overlapping_writes_raise():
+    def loader(w, t):
+        w.data.copy_(t[:4])
+        w.data[1:3].copy_(t[4:6])
+    with pytest.raises(xv.RecordError, match="overlapping"):
+        _record_toy(loader)
+
+
+@pytest.mark.parametrize("ops", [
+    [("narrow", 0, 1, 3)], [("select", 1, 2)], [("narrow", 2, 1, 2), ("select", 0, 1)],
+    [("flatten", 1)], [("narrow", 0, 1, 1), ("flatten", 0)], [("unsqueeze", 1)],
+    [("narrow", 1, 0, 2), ("flatten", 1)], [("transpose", 0, 1)], [("step", 1)],
+])
+def test_view_box_agrees_with_torch(ops):
+    """A box returned by _view_box reads exactly the elements of the torch view."""
+    base = torch.arange(4 * 3 * 5).reshape(4, 3, 5)
+    v = base
+    for op, *args in ops:
+        if op == "flatten":
+            v = v.flatten(args[0])
+        elif op == "step":
+            v = v[::2]
+        else:
+            v = getattr(v, op)(*args)
+    box = xv._view_box(tuple(v.shape), tuple(v.stride()), v.storage_offset(), tuple(base.shape))
+    if ops[0][0] in ("transpose", "step"):
+        assert box is None
+    else:
+        assert torch.equal(v.reshape(-1), base[box.slices()].reshape(-1))
+
+
+def test_mixtral_experts_land_in_fused_w13_and_w2():
+    """Per-expert checkpoint tensors (w1 gate, w3 up, w2 down) -> FusedMoE w13/w2 slices.
+
+    TP=2, no EP: every rank holds all 4 experts; w1/w3 rows and w2 columns are split at
+    I/tp = 64 (layouts.md section 7, fused MoE).
+    """
+    cfg = transformers.MixtralConfig(
+        vocab_size=1024, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+        num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
+        num_experts_per_tok=2, max_position_embeddings=256)
+    cfg.architectures = ["MixtralForCausalLM"]
+    p = "model.layers.0.block_sparse_moe"
+    specs = {n: v for n, v in xv.hf_tensor_specs(cfg, "bfloat16").items() if ".mlp." not in n}
+    specs[f"{p}.gate.weight"] = ((4, 64), "bfloat16")
+    for e in range(4):
+        for w, shape in (("w1", (128, 64)), ("w2", (64, 128)), ("w3", (128, 64))):
+            specs[f"{p}.experts.{e}.{w}.weight"] = (shape, "bfloat16")
+    vllm_config = xv.make_vllm_config(cfg, dtype="bfloat16")
+    recs = {r: xv.record_from_config(vllm_config, r, 2, specs) for r in range(2)}
+    fused = f"{p}.experts.routed_experts"
+    for r, rec in recs.items():
+        rows = f"{64 * r}:{64 * r + 64}"
+        got = {str(q) for e in range(4) for w in ("w1", "w2", "w3")
+               for q in rec.pieces[f"{p}.experts.{e}.{w}.weight"]}
+        want = set()
+        for e in range(4):
+            want |= {f"{p}.experts.{e}.w1.weight[{rows}, 0:64] -> "
+                     f"{fused}.w13_weight[{e}:{e + 1}, 0:64, 0:64]",
+                     f"{p}.experts.{e}.w3.weight[{rows}, 0:64] -> "
+                     f"{fused}.w13_weight[{e}:{e + 1}, 64:128, 0:64]",
+                     f"{p}.experts.{e}.w2.weight[0:64, {rows}] -> "
+                     f"{fused}.w2_weight[{e}:{e + 1}, 0:64, 0:64]"}
+        assert got == want, r
+        assert [str(q) for q in rec.pieces[f"{p}.gate.weight"]] == [
+            f"{p}.gate.weight[0:4, 0:64] -> {p}.gate.weight[0:4, 0:64]"]
+    layouts = _layouts(recs, specs)
+    assert str(layouts[f"{p}.experts.3.w3.weight"]) == \
+        "Layout((128, 64) bfloat16 on mesh(tp=2)[0..1]: d0<-tp)"
+    assert str(layouts[f"{p}.experts.3.w2.weight"]) == \
+        "Layout((64, 128) bfloat16 on mesh(tp=2)[0..1]: d1<-tp)"
+
+
+def test_shard_weight_refuses_regions_it_does_not_hold():
+    full = torch.arange(48.0).reshape(8, 6)
+    held = xv.shard_weight("x", (8, 6), [(Region.of([(0, 4), (0, 6)]), full[:4].clone())])
+    w = torch.zeros(4, 6)
+    w.copy_(held.narrow(0, 0, 4))
+    assert torch.equal(w, full[:4])
+    with pytest.raises(xv.RecordError, match="needs region \\[2:6, 0:6\\]"):
+        w.copy_(held[2:6])
+
+
+def test_checkpoint_specs_read_safetensors_headers(tmp_path):
+    safetensors_torch = pytest.importorskip("safetensors.torch")
+    safetensors_torch.save_file({"a.weight": torch.zeros(3, 4, dtype=torch.bfloat16),
+                                 "b": torch.zeros(2, dtype=torch.float32)},
+                                str(tmp_path / "model.safetensors"))
+    assert xv.checkpoint_specs(str(tmp_path)) == {"a.weight": ((3, 4), "bfloat16"),
+                                                  "b": ((2,), "float32")}
