@@ -64,7 +64,7 @@ def test_jax_role_gets_its_cpu_devices():
 
 
 def test_fn_by_string_reference():
-    (res,) = launch("test_launch:report", [Role()], args=(1,), timeout=60)
+    (res,) = launch("tests.test_launch:report", [Role()], args=(1,), timeout=60)
     assert res.ok and res.value["times"] == 0
 
 
