@@ -1,4 +1,6 @@
-"""The ``xreshard`` command line: ``xreshard plan | demo | bench``.
+"""The ``xreshard`` command line: ``xreshard plan | demo``.
+
+(Benchmarks are scripts in ``benchmarks/``, not shipped with the package.)
 
 Each subcommand lives in a module with ``add_arguments(parser)`` and ``run(args) -> int``,
 listed in ``COMMANDS`` and imported only when that subcommand runs, so ``xreshard plan``
@@ -23,7 +25,6 @@ COMMANDS: dict[str, tuple[str, str]] = {
                              "statistics"),
     "demo": ("xreshard.demo", "train a small transformer in JAX and refit it shard to shard "
                               "into torch DTensors, verifying every byte"),
-    "bench": ("xreshard.bench", "benchmark refits"),
 }
 
 #: what ``plan`` prints; (key in the result, label, unit) - unit "GiB" divides bytes
