@@ -392,3 +392,25 @@ def dies_mid_refit(ctx: Any, timeout: float) -> dict:
     error = _attempt(refit)
     return {"error": error, "seconds": time.monotonic() - t0, "version": refit.version,
             "stale": refit.stale}
+
+
+def gpu_jax_to_torch(ctx: Any) -> dict:
+    """One GPU per process: JAX (1 device) sends a sharded tensor to torch on the other GPU."""
+    import xreshard as xr
+
+    world = ctx.join(groups=["trainer", "rollout"])
+    value = pattern("g", (256, 128), "float32", 0)
+    if ctx.role.group == "trainer":
+        import jax
+        refit = xr.Refit(world, send={"g": jax.device_put(value, jax.devices("gpu")[0])})
+        refit()
+        return {"ok": True}
+    import torch
+    from xreshard.adapters.torch import tensor_view
+    out = torch.zeros((256, 128), device="cuda:0")
+    layout = xr.Layout.replicated((256, 128), "float32", xr.Mesh((1,), (world.rank_ids[0],)))
+    refit = xr.Refit(world, receive=xr.Bound({"g": layout},
+                                             {(world.rank_ids[0], "g"): tensor_view(out)}))
+    refit()
+    torch.cuda.synchronize()
+    return {"ok": bool(np.array_equal(out.cpu().numpy(), value))}

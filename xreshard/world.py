@@ -518,8 +518,12 @@ class World:
         elif kind == "gloo":
             made = self._make_gloo()
         elif kind == "auto":
-            made = RoutedTransport(self.transport("local"), self.transport(self.cross_kind),
-                                   self._rank_ids)
+            if self.num_processes == 1:
+                # every pair is local; and NCCL refuses two ranks on one GPU anyway
+                made = self.transport("local")
+            else:
+                made = RoutedTransport(self.transport("local"), self.transport(self.cross_kind),
+                                       self._rank_ids)
         elif kind == "nccl":
             made = self._make_nccl()
         else:
