@@ -1,4 +1,9 @@
-"""Test helpers: run a plan with every rank in one process, and multi-process launchers.
+"""Test helpers: run a plan with every rank in one process, and the multi-process launcher.
+
+``launch(fn, [Role("jax", "trainer", 0, num_devices=4), Role("torch", "rollout", 0)])``
+runs ``fn(ctx)`` in fresh processes of mixed roles, collects their JSON results and
+tracebacks, and kills everything at the timeout (see :mod:`xreshard.launch`); roles with
+``gpus=`` pin one GPU set per process for multi-GPU pytest runs.
 
 ``run_local`` executes a plan on numpy local arrays exactly as the real executor moves
 regions (from the sender's local array to the receiver's, located through the layouts),
@@ -13,19 +18,14 @@ from typing import Any, Mapping
 
 import numpy as np
 
+from .execute import numpy_dtype, view_of
 from .layout import Layout
 from .plan import Plan
 
-__all__ = ["run_local", "numpy_dtype", "local_arrays_from_global"]
+from .launch import Context, LaunchError, LaunchTimeout, Result, Role, launch  # noqa: E402
 
-
-def numpy_dtype(name: str) -> np.dtype:
-    """numpy dtype for a canonical dtype name (bfloat16 and float8 via ml_dtypes)."""
-    try:
-        return np.dtype(name)
-    except TypeError:
-        import ml_dtypes  # jax depends on it; only needed for bf16/fp8 test arrays
-        return np.dtype(getattr(ml_dtypes, name))
+__all__ = ["Context", "LaunchError", "LaunchTimeout", "Result", "Role", "launch",
+           "local_arrays_from_global", "numpy_dtype", "run_local"]
 
 
 def _poisoned(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
@@ -37,11 +37,6 @@ def _storage(layout: Layout, rank: int, dtype: np.dtype) -> Any:
     if layout.is_product:
         return _poisoned(layout.local_shape(rank), dtype)
     return [_poisoned(r.shape, dtype) for r in layout.regions(rank)]
-
-
-def _view(storage: Any, layout: Layout, rank: int, region) -> np.ndarray:
-    i, slices = layout.locate(rank, region)
-    return (storage if layout.is_product else storage[i])[slices + (Ellipsis,)]
 
 
 def local_arrays_from_global(layout: Layout, rank: int, global_array: np.ndarray) -> Any:
@@ -84,12 +79,12 @@ def run_local(plan: Plan, sources: Mapping[int, Mapping[str, Any]],
         moves += plan.local_copies_for(rank)
         for t in moves:
             assert t.src != t.dst or t in plan.local_copies_for(rank)
-            src_view = _view(sources[t.src][t.name], plan.src[t.name], t.src, t.region)
+            src_view = view_of(sources[t.src][t.name], plan.src[t.name], t.src, t.region)
             dst_layout = plan.dst[t.name]
             wire = numpy_dtype(plan.wire_dtypes[t.name])
             data = src_view.astype(wire, copy=False).astype(numpy_dtype(dst_layout.dtype),
                                                             copy=False)
-            _view(out[rank][t.name], dst_layout, rank, t.region)[...] = data
+            view_of(out[rank][t.name], dst_layout, rank, t.region)[...] = data
             if t.src != t.dst:
                 received[(t.name, t.region, t.src, t.dst)] += 1
     if check_senders:
