@@ -226,6 +226,19 @@ class Executor:
             off = 0
             unpack: list[tuple[Bucket, Any]] = []
             with self.transport.group(self.timeout):
+                # receives first, so peers' sends can start while this process packs
+                for b in buckets:
+                    if b.dst in self._local_dst:
+                        buf = self._zero_copy_recv(b)
+                        if buf is None:
+                            buf = self._arena[off:off + b.nbytes]
+                            off += b.nbytes
+                            unpack.append((b, buf))
+                        else:
+                            stats.num_zero_copy += 1
+                        self.transport.recv(buf, b.src, b.dst, b.tag)
+                        stats.bytes_received += b.nbytes
+                # transports that start posts at once (gloo) move message i while i+1 packs
                 for b in buckets:
                     if b.src in self._local_src:
                         buf = self._zero_copy_send(b)
@@ -238,16 +251,6 @@ class Executor:
                         self.transport.send(buf, b.src, b.dst, b.tag)
                         stats.bytes_sent += b.nbytes
                         stats.num_messages += 1
-                    if b.dst in self._local_dst:
-                        buf = self._zero_copy_recv(b)
-                        if buf is None:
-                            buf = self._arena[off:off + b.nbytes]
-                            off += b.nbytes
-                            unpack.append((b, buf))
-                        else:
-                            stats.num_zero_copy += 1
-                        self.transport.recv(buf, b.src, b.dst, b.tag)
-                        stats.bytes_received += b.nbytes
             for b, buf in unpack:
                 self._unpack(b, buf)
             stats.per_round_seconds.append(time.perf_counter() - tr)

@@ -8,7 +8,9 @@ process group is never created or touched, so this coexists with the engines' ow
 Gloo pairs are per process pair, so the several world ranks a process may host are told
 apart by the tag, which encodes (src rank, dst rank, tag) injectively (see ``GlooTransport``).
 Gloo's send waits for the receiver's matching post before moving data, so nothing is
-buffered on either side, and a grouped isend/irecv + wait cannot deadlock.
+buffered on either side, and a grouped isend/irecv + wait cannot deadlock. Each post is
+started as soon as it is made (gloo's own threads move it) and the group's exit waits for
+all of them, so the executor packs the next message while the previous one is on the wire.
 Rejected: ``init_process_group`` (owns the global default group, which the inference
 engine may already own); one gloo rank per world rank (N^2 socket pairs instead of P^2 and
 one gloo context per local rank); shipping typed tensors or pickled objects (bytes only;
@@ -131,7 +133,8 @@ class GlooTransport:
         self._num_slots = max(counts, default=1)
         self.tag_limit = (1 << GLOO_TAG_BITS) // (self._num_slots * self._num_slots)
         self._labels = tuple(process_labels or (f"process {p}" for p in range(pg.size())))
-        self._posts: list[_Post] | None = None
+        self._posts: list[tuple[_Post, Any]] | None = None
+        self._post_error: RuntimeError | None = None
         self._broken: str | None = None
         self._abandoned: list[Any] = []   # works of a failed group: keep their buffers alive
 
@@ -159,9 +162,9 @@ class GlooTransport:
                                  f"`with transport.group(timeout=...)`")
         peer = self._check(src_rank, dst_rank, tag, "send")
         L = self._num_slots
-        posts.append((True, buf, peer,
-                      (tag * L + self._rank_slot[src_rank]) * L + self._rank_slot[dst_rank],
-                      src_rank, dst_rank, tag))
+        self._start((True, buf, peer,
+                     (tag * L + self._rank_slot[src_rank]) * L + self._rank_slot[dst_rank],
+                     src_rank, dst_rank, tag))
 
     def recv(self, buf: Any, src_rank: int, dst_rank: int, tag: int) -> None:
         posts = self._posts
@@ -170,9 +173,24 @@ class GlooTransport:
                                  f"`with transport.group(timeout=...)`")
         peer = self._check(dst_rank, src_rank, tag, "recv")
         L = self._num_slots
-        posts.append((False, buf, peer,
-                      (tag * L + self._rank_slot[src_rank]) * L + self._rank_slot[dst_rank],
-                      src_rank, dst_rank, tag))
+        self._start((False, buf, peer,
+                     (tag * L + self._rank_slot[src_rank]) * L + self._rank_slot[dst_rank],
+                     src_rank, dst_rank, tag))
+
+    def _start(self, post: _Post) -> None:
+        """Start one post now; its Work is waited on when the group exits."""
+        buf = post[1]
+        t = self._torch.from_numpy(buf) if isinstance(buf, np.ndarray) else buf
+        if t.numel() == 0:
+            return                      # both sides skip: the protocol gives equal lengths
+        if self._post_error is not None:
+            return
+        try:
+            work = (self._pg.send if post[0] else self._pg.recv)([t], post[2], post[3])
+        except RuntimeError as e:       # reported, with the others, when the group exits
+            self._post_error = e
+            return
+        self._posts.append((post, work))
 
     @contextlib.contextmanager
     def group(self, timeout: float) -> Iterator[None]:
@@ -190,32 +208,21 @@ class GlooTransport:
         if self._posts is not None:
             raise TransportError("gloo transport groups do not nest")
         self._posts = []
+        self._post_error = None
         try:
             yield
             posts = self._posts
         finally:
             self._posts = None
-        if posts:
-            self._run(posts, timeout)
+        self._run(posts, timeout)
 
-    def _run(self, posts: list[_Post], timeout: float) -> None:
-        from_numpy = self._torch.from_numpy
-        pg_send, pg_recv = self._pg.send, self._pg.recv
+    def _run(self, started: list[tuple[_Post, Any]], timeout: float) -> None:
         deadline = time.monotonic() + timeout
-        works: list[Any] = []
-        started: list[_Post] = []
-        try:
-            for post in posts:
-                buf = post[1]
-                t = from_numpy(buf) if isinstance(buf, np.ndarray) else buf
-                if t.numel() == 0:
-                    continue            # both sides skip: the protocol gives equal lengths
-                works.append((pg_send if post[0] else pg_recv)([t], post[2], post[3]))
-                started.append(post)
-        except RuntimeError as e:
-            self._fail(works, None, timeout, e, deadline)
+        works = [w for _, w in started]
+        if self._post_error is not None:
+            self._fail(works, None, timeout, self._post_error, deadline)
         timedelta, monotonic = datetime.timedelta, time.monotonic
-        for work, post in zip(works, started):
+        for post, work in started:
             try:
                 work.wait(timedelta(seconds=max(deadline - monotonic(), 0.001)))
             except RuntimeError as e:
