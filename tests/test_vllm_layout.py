@@ -10,7 +10,9 @@ import json
 
 import pytest
 
-pytest.importorskip("vllm")
+from .vllm_cases import importorskip_vllm  # noqa: E402
+
+importorskip_vllm()     # XRESHARD_REQUIRE_VLLM set: a missing vLLM fails instead of skipping
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
@@ -358,6 +360,34 @@ def test_layouts_are_product_form_where_vllm_is_and_explicit_for_padded_vocab(re
         "Layout((32,) bfloat16 on mesh(tp=2,tp_rep=4)[0..7]: d0<-tp)"
     assert str(l8[p + "self_attn.o_proj.bias"]) == \
         "Layout((128,) bfloat16 on mesh(tp=8)[0..7]: replicated)"   # row-parallel bias
+
+
+def _hand_regions(text):
+    """Short HF name -> its region, from a hand table (one region per tensor per rank)."""
+    out = {}
+    for line in _table(text):
+        name, _, region = line.split(" -> ")[0].partition("[")
+        out[name] = "[" + region
+    return out
+
+
+@pytest.mark.parametrize("kind,table", [("qwen2", QWEN2), ("llama", LLAMA)])
+def test_layouts_equal_the_hand_table(recordings, kind, table):
+    """The destination layouts (what the "xreshard" backend plans with) hold, on every rank,
+    exactly the hand table's region of every tensor; product form except the padded vocab."""
+    recs, specs = recordings
+    for tp in (1, 2, 4):
+        layouts = _layouts(recs[kind, tp], specs[kind])
+        for rank in range(tp):
+            got = {}
+            for name, lay in layouts.items():
+                if ".layers." in name and ".layers.0." not in name:
+                    continue
+                (region,) = lay.regions(rank)
+                got[_short(name)] = str(region)
+                uneven = kind == "qwen2" and name == "model.embed_tokens.weight" and tp > 1
+                assert lay.is_product == (not uneven), (kind, tp, name)
+            assert got == _hand_regions(table[tp, rank]), (kind, tp, rank)
 
 
 def test_layouts_hold_exactly_the_recorded_regions(recordings):

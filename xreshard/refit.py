@@ -242,8 +242,8 @@ class Refit:
         assert self._plan is not None and self._schedule is not None
         plan_seconds = time.perf_counter() - t0
         executor = Executor(self._schedule, self._plan.src, self._plan.dst,
-                            self._plan.wire_dtypes, src.bindings if src else {},
-                            dst.bindings if dst else {}, self.world.transport(self.config.transport),
+                            self._plan.wire_dtypes, _fit(src, self._plan.src),
+                            _fit(dst, self._plan.dst), self.world.transport(self.config.transport),
                             self.config.timeout)
         if self._executor is not None:
             executor._arena = self._executor._arena     # staging is reused across calls
@@ -377,6 +377,15 @@ def _merge(per_process: list[dict[str, dict]], side: str, world: Any) -> dict[st
         else:
             out[name] = Layout.from_dict(d)
     return out
+
+
+def _fit(bound: Bound | None, layouts: Mapping[str, Layout]) -> dict:
+    """The bindings as the merged layouts want them: a ``local_only`` name is bound as a
+    one-array list (explicit form), and ``_union_layout`` may have made it product form."""
+    if bound is None:
+        return {}
+    return {key: b[0] if isinstance(b, list) and len(b) == 1 and layouts[key[1]].is_product
+            else b for key, b in bound.bindings.items()}
 
 
 def _union_layout(d: dict, parts: dict[int, list]) -> Layout:

