@@ -24,6 +24,7 @@ import datetime
 import os
 import socket
 import time
+import warnings
 from typing import Any, Iterator, Sequence
 
 import numpy as np
@@ -180,7 +181,16 @@ class GlooTransport:
     def _start(self, post: _Post) -> None:
         """Start one post now; its Work is waited on when the group exits."""
         buf = post[1]
-        t = self._torch.from_numpy(buf) if isinstance(buf, np.ndarray) else buf
+        if isinstance(buf, np.ndarray):
+            if buf.flags.writeable:
+                t = self._torch.from_numpy(buf)
+            else:
+                # a JAX shard's numpy view is read-only; gloo only reads a send buffer
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore", UserWarning)
+                    t = self._torch.from_numpy(buf)
+        else:
+            t = buf
         if t.numel() == 0:
             return                      # both sides skip: the protocol gives equal lengths
         if self._post_error is not None:
