@@ -307,16 +307,21 @@ class Destination:
 
 
 
+def _default_specs(vllm_config: Any) -> dict:
+    """HF tensor specs of the served model: its safetensors headers, else its config."""
+    try:
+        return checkpoint_specs(vllm_config.model_config.model)
+    except FileNotFoundError:
+        return hf_tensor_specs(vllm_config.model_config.hf_config,
+                               vllm_config.model_config.dtype)
+
+
 def _record_tp_group(vllm_config: Any, specs: Mapping[str, Any] | None) -> tuple[list, int, dict]:
     from vllm.config import set_current_vllm_config
     from vllm.distributed import parallel_state as ps
 
     if specs is None:
-        try:
-            specs = checkpoint_specs(vllm_config.model_config.model)
-        except FileNotFoundError:
-            specs = hf_tensor_specs(vllm_config.model_config.hf_config,
-                                    vllm_config.model_config.dtype)
+        specs = _default_specs(vllm_config)
     else:
         specs = {n: (tuple(s[0]), str(s[1])) for n, s in specs.items()}
     tp_rank = ps.get_tensor_model_parallel_rank()
@@ -588,11 +593,7 @@ def record_in_worker(worker: Any, specs: Mapping[str, tuple[Sequence[int], Any]]
 
     vllm_config = worker.vllm_config
     if specs is None:
-        try:
-            specs = checkpoint_specs(vllm_config.model_config.model)
-        except FileNotFoundError:
-            specs = hf_tensor_specs(vllm_config.model_config.hf_config,
-                                    vllm_config.model_config.dtype)
+        specs = _default_specs(vllm_config)
     model = build_model(vllm_config)
     return record_model(model, specs, tp_rank=ps.get_tensor_model_parallel_rank(),
                         tp_size=ps.get_tensor_model_parallel_world_size())
