@@ -25,7 +25,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from xreshard.errors import LayoutError
-from xreshard.layout import Layout, Mesh, Split
+from xreshard.layout import Layout, Mesh, Split, parse_placement
 
 __all__ = ["Sharded", "bind", "layout_of", "placements_of"]
 
@@ -104,7 +104,7 @@ def layout_of(dtensor_or_mesh: Any, placements: Sequence[Any] | None = None,
 
     mesh = mesh_of(device_mesh, ranks=ranks)
     shape = tuple(int(s) for s in shape)
-    splits = _splits_of(pt, placements, mesh, shape, where)
+    splits = _splits_of(placements, mesh, shape, where)
     if shard_order is not None:
         splits = _apply_shard_order(shard_order, splits, mesh, placements, where)
     return Layout.product(shape, dtype, mesh, splits, name=name)
@@ -195,7 +195,7 @@ def placements_of(layout: Layout, *, name: str | None = None) -> list[Any]:
                               f"{[mesh.axis_label(a) for a in axes]} out of mesh order with "
                               "strided splits; DTensor placements cannot express that")
     if converted:
-        splits = _splits_of(pt, out, mesh, layout.shape, where)
+        splits = _splits_of(out, mesh, layout.shape, where)
         back = Layout.product(layout.shape, layout.dtype, mesh, splits)
         for rank in mesh.ranks:
             want, got = layout.dim_intervals(rank), back.dim_intervals(rank)
@@ -216,7 +216,7 @@ def _placement(pt, dim: int, split_factor: int) -> Any:
     return pt._StridedShard(dim, split_factor=split_factor)
 
 
-def _splits_of(pt, placements: Sequence[Any], mesh: Mesh, shape: tuple[int, ...],
+def _splits_of(placements: Sequence[Any], mesh: Mesh, shape: tuple[int, ...],
                where: str) -> list[Split]:
     """One Split per shard placement, in mesh-dim order (the order DTensor applies them)."""
     if len(placements) != mesh.ndim:
@@ -225,27 +225,13 @@ def _splits_of(pt, placements: Sequence[Any], mesh: Mesh, shape: tuple[int, ...]
     ndim = len(shape)
     splits = []
     for axis, p in enumerate(placements):
-        # _StridedShard first: before torch 2.10 it subclassed Shard.
-        if isinstance(p, pt._StridedShard):
-            dim, sf = int(p.dim), int(p.split_factor)
-        elif isinstance(p, pt.Shard):
-            dim, sf = int(p.dim), 1
-        elif isinstance(p, pt.Replicate):
+        parsed = parse_placement(p, where, mesh.axis_label(axis))
+        if parsed is None:
             continue
-        elif isinstance(p, pt.Partial):
-            raise LayoutError(f"{where}placement {p} on mesh axis {mesh.axis_label(axis)!r} is "
-                              "Partial (a pending reduction); xreshard does not reduce yet - "
-                              "redistribute to Replicate/Shard first (e.g. dt.redistribute("
-                              "placements=[Replicate()]))")
-        else:
-            raise LayoutError(f"{where}placement {p!r} (type {type(p).__name__}) on mesh axis "
-                              f"{mesh.axis_label(axis)!r} is not understood; expected "
-                              "Replicate, Shard or _StridedShard")
+        dim, sf = parsed
         if not -ndim <= dim < ndim:
             raise LayoutError(f"{where}placement {p} on mesh axis {mesh.axis_label(axis)!r} "
                               f"shards dim {dim} of a {ndim}-d tensor of shape {shape}")
-        if sf < 1:
-            raise LayoutError(f"{where}placement {p} needs split_factor >= 1")
         splits.append(Split(dim % ndim, axis, sf))
     return splits
 

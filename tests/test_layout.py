@@ -105,7 +105,7 @@ def test_errors_are_clear():
                             name="model.layers.3.mlp.down_proj.weight")
     with pytest.raises(xr.LayoutError, match=r"mesh ranks \[1\] appear more than once"):
         xr.Mesh((2,), ranks=(1, 1))
-    with pytest.raises(xr.LayoutError, match=r"placement 'P' is Partial \(a pending reduction\)"):
+    with pytest.raises(xr.LayoutError, match=r"placement 'P' on mesh axis '0' is Partial \(a pending reduction\)"):
         xr.Layout.from_placements((4,), "float32", xr.Mesh((2,)), ["P"])
 
     class Partial:
@@ -143,3 +143,21 @@ def test_permuted_layout_matches_transposed_regions():
     for r in range(6):
         (k,), (w,) = kernel.regions(r), weight.regions(r)
         assert (w.starts, w.stops) == (k.starts[::-1], k.stops[::-1])
+
+
+def test_placement_subclasses_are_recognised():
+    class Shard:
+        def __init__(self, dim):
+            self.dim = dim
+
+    class _StridedShard(Shard):          # how torch < 2.10 defined it
+        def __init__(self, dim, split_factor):
+            super().__init__(dim)
+            self.split_factor = split_factor
+
+    class MyShard(Shard):
+        pass
+
+    mesh = xr.Mesh((2, 2))
+    a = xr.Layout.from_placements((8,), "float32", mesh, [_StridedShard(0, 2), MyShard(0)])
+    assert a == xr.Layout.from_placements((8,), "float32", mesh, ["SS0/2", "S0"])

@@ -359,7 +359,7 @@ class Layout:
         ndim = len(shape)
         splits = []
         for axis, p in enumerate(placements):
-            parsed = _parse_placement(p, where)
+            parsed = parse_placement(p, where, mesh.axis_label(axis))
             if parsed is None:
                 continue
             dim, sf = parsed
@@ -613,35 +613,47 @@ def _is_unconstrained(entry: Any) -> bool:
     return type(entry).__name__ == "UnconstrainedSingleton" or repr(entry) == "UNCONSTRAINED"
 
 
-def _parse_placement(p: Any, where: str) -> tuple[int, int] | None:
-    """(dim, split_factor) for a shard placement, None for Replicate; raises for Partial."""
+def parse_placement(p: Any, where: str = "", axis: str | None = None) -> tuple[int, int] | None:
+    """(dim, split_factor) of a shard placement, None for Replicate.
+
+    Takes the neutral strings (``"R"``, ``"S0"``, ``"SS1/2"``) or torch placement objects,
+    recognised by class name along the MRO (so subclasses work, and ``_StridedShard`` is
+    tested first: before torch 2.10 it subclassed ``Shard``) without importing torch.
+
+    Raises:
+        LayoutError: Partial (a pending reduction) or anything not understood.
+    """
+    shown = repr(p) if isinstance(p, str) else str(p)
+    on = f" on mesh axis {axis!r}" if axis is not None else ""
+    partial = (f"{where}placement {shown}{on} is Partial (a pending reduction); xreshard does "
+               "not reduce yet - redistribute to Replicate/Shard first (e.g. "
+               "dt.redistribute(placements=[Replicate()]))")
     if isinstance(p, str):
         s = p.strip()
         if s in ("R", "Replicate", "Replicate()"):
             return None
-        if s.startswith("SS") and "/" in s:
-            dim, sf = s[2:].split("/", 1)
-            try:
+        try:
+            if s.startswith("SS") and "/" in s:
+                dim, sf = s[2:].split("/", 1)
                 return int(dim), int(sf)
-            except ValueError:
-                pass
-        elif s.startswith("S"):
-            try:
+            if s.startswith("S"):
                 return int(s[1:]), 1
-            except ValueError:
-                pass
+        except ValueError:
+            pass
         if s.startswith("P"):
-            raise LayoutError(f"{where}placement {p!r} is Partial (a pending reduction); xreshard "
-                              "does not reduce yet - redistribute to Replicate/Shard first")
-        raise LayoutError(f"{where}placement {p!r} is not understood; {_PLACEMENT_HELP}")
-    kind = type(p).__name__
-    if kind in ("Replicate",):
-        return None
-    if "Partial" in kind:
-        raise LayoutError(f"{where}placement {p!r} is Partial (a pending reduction); xreshard "
-                          "does not reduce yet - redistribute to Replicate/Shard first")
-    if kind == "_StridedShard":
-        return int(p.dim), int(p.split_factor)
-    if kind == "Shard":
+            raise LayoutError(partial)
+        raise LayoutError(f"{where}placement {shown}{on} is not understood; {_PLACEMENT_HELP}")
+    kinds = [c.__name__ for c in type(p).__mro__]
+    if "_StridedShard" in kinds:
+        dim, sf = int(p.dim), int(p.split_factor)
+        if sf < 1:
+            raise LayoutError(f"{where}placement {shown}{on} needs split_factor >= 1")
+        return dim, sf
+    if "Shard" in kinds:
         return int(p.dim), 1
-    raise LayoutError(f"{where}placement {p!r} (type {kind}) is not understood; {_PLACEMENT_HELP}")
+    if "Replicate" in kinds:
+        return None
+    if any("Partial" in k for k in kinds):
+        raise LayoutError(partial)
+    raise LayoutError(f"{where}placement {p!r} (type {kinds[0]}){on} is not understood; "
+                      f"{_PLACEMENT_HELP}")

@@ -157,24 +157,20 @@ class GlooTransport:
         return peer
 
     def send(self, buf: Any, src_rank: int, dst_rank: int, tag: int) -> None:
-        posts = self._posts
-        if posts is None:
-            raise TransportError(f"gloo send {src_rank}->{dst_rank} tag {tag} posted outside "
-                                 f"`with transport.group(timeout=...)`")
-        peer = self._check(src_rank, dst_rank, tag, "send")
-        L = self._num_slots
-        self._start((True, buf, peer,
-                     (tag * L + self._rank_slot[src_rank]) * L + self._rank_slot[dst_rank],
-                     src_rank, dst_rank, tag))
+        self._post(True, buf, src_rank, dst_rank, tag)
 
     def recv(self, buf: Any, src_rank: int, dst_rank: int, tag: int) -> None:
-        posts = self._posts
-        if posts is None:
-            raise TransportError(f"gloo recv {src_rank}->{dst_rank} tag {tag} posted outside "
+        self._post(False, buf, src_rank, dst_rank, tag)
+
+    def _post(self, is_send: bool, buf: Any, src_rank: int, dst_rank: int, tag: int) -> None:
+        what = "send" if is_send else "recv"
+        if self._posts is None:
+            raise TransportError(f"gloo {what} {src_rank}->{dst_rank} tag {tag} posted outside "
                                  f"`with transport.group(timeout=...)`")
-        peer = self._check(dst_rank, src_rank, tag, "recv")
+        local, remote = (src_rank, dst_rank) if is_send else (dst_rank, src_rank)
+        peer = self._check(local, remote, tag, what)
         L = self._num_slots
-        self._start((False, buf, peer,
+        self._start((is_send, buf, peer,
                      (tag * L + self._rank_slot[src_rank]) * L + self._rank_slot[dst_rank],
                      src_rank, dst_rank, tag))
 
