@@ -334,7 +334,7 @@ class Plan:
         got = self._memo.get(rank)
         if got is None:
             got = self._transfers_for(rank)
-            if len(self._memo) >= 4:      # a process asks for its own few ranks, repeatedly
+            if len(self._memo) >= 16:     # a process asks for its own few ranks, repeatedly
                 self._memo.pop(next(iter(self._memo)))
             self._memo[rank] = got
         return got

@@ -20,7 +20,6 @@ arrays built from the received buffers (``refit.received``).
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import time
@@ -152,7 +151,9 @@ class Refit:
         self._receive = receive
         self._names = names
         self._transpose = frozenset(transpose)
-        self._digest: str | None = None
+        self._last_layouts: tuple | None = None     # this process's layouts, last call
+        self._generation = 0                        # bumped when they change
+        self._generations: tuple | None = None      # every process's, at the last plan
         self._plan: Plan | None = None
         self._schedule: Schedule | None = None
         self._executor: Executor | None = None
@@ -283,9 +284,6 @@ class Refit:
 
     def _prepare(self, src: Bound | None, dst: Bound | None) -> bool:
         """Exchange metadata and (re)plan when any layout changed. Returns whether it planned."""
-        meta = {"send": src.describe() if src else {},
-                "receive": dst.describe() if dst else {},
-                "config": self.config.to_dict()}
         errors = (src.errors if src else []) + (dst.errors if dst else [])
         try:
             if src:
@@ -294,17 +292,24 @@ class Refit:
                 check_bindings(dst.layouts, dst.bindings, "receive")
         except RefitError as e:
             errors.append(str(e))
-        digest = hashlib.sha256(json.dumps(meta, sort_keys=True).encode()).hexdigest()
-        gathered = self.world.allgather_json({"digest": digest, "errors": errors},
+        # a process says only whether its layouts changed since its last call (comparing
+        # Layout objects is cheap; serializing every layout on every refit is not)
+        mine = tuple((b.layouts, frozenset(b.local_only)) if b else None for b in (src, dst))
+        if mine != self._last_layouts:
+            self._last_layouts = mine
+            self._generation += 1
+        gathered = self.world.allgather_json({"generation": self._generation, "errors": errors},
                                              timeout=self.config.timeout)
         problems = [f"{self.world.describe_process(p)}: {e}"
                     for p, g in enumerate(gathered) for e in g["errors"]]
         if problems:
             raise RefitError("refit refused before moving anything:\n  " + "\n  ".join(problems))
-        digests = [g["digest"] for g in gathered]
-        key = hashlib.sha256("".join(digests).encode()).hexdigest()
-        if key == self._digest and self._plan is not None:
+        key = tuple(g["generation"] for g in gathered)
+        if key == self._generations and self._plan is not None:
             return False
+        meta = {"send": src.describe() if src else {},
+                "receive": dst.describe() if dst else {},
+                "config": self.config.to_dict()}
         metas = self.world.allgather_json(meta, timeout=self.config.timeout)
         src_layouts = _merge([m["send"] for m in metas], "send", self.world)
         dst_layouts = _merge([m["receive"] for m in metas], "receive", self.world)
@@ -323,7 +328,7 @@ class Refit:
                                   bucket_bytes=self.config.bucket_bytes,
                                   staging_bytes=self.config.staging_bytes)
         self._plan = new_plan
-        self._digest = key
+        self._generations = key
         logger.debug("refit planned: %s", new_plan.stats.to_dict())
         return True
 
