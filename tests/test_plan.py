@@ -92,6 +92,15 @@ def test_explicit_either_side_bytes_exact(data, shape):
     _check(src, dst)
 
 
+def test_holder_with_a_cell_in_two_buffers_is_not_asked_for_it_as_one_view():
+    # found by CI's hypothesis run: rank 1 holds [1:2] and [0:1] in two buffers, so the
+    # adjacent cells it wants must not merge into one [0:2] read from rank 1's storage
+    src = xr.Layout.explicit_form((2,), "float32", {0: [[(0, 2)]], 1: [[(1, 2)], [(0, 1)]]})
+    dst = xr.Layout.from_placements((2,), "float32", xr.Mesh((1,), ranks=(1,)), ["R"])
+    _check(src, dst)
+    _check(src, xr.Layout.explicit_form((2,), "float32", {1: [[(0, 2)]], 0: [[(0, 1)]]}))
+
+
 @settings(max_examples=100, deadline=None, suppress_health_check=list(HealthCheck))
 @given(data=st.data(), shape=shapes)
 def test_locality_preference_keeps_bytes_exact(data, shape):

@@ -189,7 +189,9 @@ def _product_pieces(src: Layout, dst: Layout
 def _general_pieces(src: Layout, dst: Layout, name: str, problems: list[str]
                     ) -> Iterator[tuple[tuple[int, ...], Region, Holders]]:
     """Pieces when either side is explicit: refine each destination region on all boundaries."""
-    src_held = [(r, reg) for r in src.ranks for reg in src.regions(r)]
+    # a holder is (rank, which of its local buffers): a rank holding two pieces of a cell in
+    # two buffers must not be asked for the cell as one view
+    src_held = [((r, i), reg) for r in src.ranks for i, reg in enumerate(src.regions(r))]
     for rank in sorted(dst.ranks):
         for want in dst.regions(rank):
             if want.is_empty:
@@ -202,10 +204,10 @@ def _general_pieces(src: Layout, dst: Layout, name: str, problems: list[str]
                     pts.update((x.starts[d], x.stops[d]))
                 pts = sorted(pts)
                 cuts.append(list(zip(pts, pts[1:])))
-            cells: list[tuple[Region, Holders]] = []
+            cells: list[tuple[Region, tuple]] = []
             for combo in itertools.product(*cuts):
                 cell = Region(tuple(c[0] for c in combo), tuple(c[1] for c in combo))
-                holders = tuple(sorted({r for r, x in inter if x.contains(cell)}))
+                holders = tuple(sorted(h for h, x in inter if x.contains(cell)))
                 if not holders:
                     problems.append(f"tensor {name!r}: destination rank {rank} needs region "
                                     f"{cell} but no source rank holds it")
@@ -219,7 +221,7 @@ def _general_pieces(src: Layout, dst: Layout, name: str, problems: list[str]
                 else:
                     cells.append((cell, holders))
             for cell, holders in cells:
-                yield (rank,), cell, holders
+                yield (rank,), cell, tuple(sorted({r for r, _ in holders}))
 
 
 def _build_template(src: Layout, dst: Layout, name: str, problems: list[str]) -> _Template:
