@@ -27,7 +27,9 @@ Decision record.
 * The recorder runs on a fresh model built on the ``meta`` device from the engine's
   ``VllmConfig``, never on the live model: on CPU vLLM prepacks linear weights for
   oneDNN and the live ``weight`` params are empty placeholders, and on GPU we must not
-  disturb live buffers. Pieces are therefore in the coordinates of the *loader-visible*
+  disturb live buffers. Weights are meta; small integer tensors a layer computes while
+  it is built (the expert map of expert parallelism, which the MoE loaders consult to
+  skip other ranks' experts) are made on the CPU, so they hold their real values. Pieces are therefore in the coordinates of the *loader-visible*
   parameters (before ``process_weights_after_loading``); an executor writes them into
   parameters materialized by vLLM's layerwise reload (or into the live parameter when
   processing is the identity) and then lets vLLM process them.
@@ -64,6 +66,7 @@ each kv head is replicated on two consecutive ranks::
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import logging
 from typing import Any, Iterable, Iterator, Mapping, Sequence
@@ -142,7 +145,12 @@ def layouts_from_pieces(pieces_by_rank: Mapping[int, Mapping[str, Sequence[Piece
 
 def _product_layout(shape: tuple[int, ...], dtype: Any, ranks: tuple[int, ...],
                     held: Mapping[int, tuple[Region, ...]]) -> Layout | None:
-    """The product layout whose regions equal ``held`` exactly, or None."""
+    """The product layout whose regions equal ``held`` exactly, or None.
+
+    Ranks that hold nothing stay off the mesh (an expert under expert parallelism lives on
+    one rank), so the layout is over the ranks that hold something.
+    """
+    ranks = tuple(r for r in ranks if held[r])
     n = len(ranks)
     if n == 0 or any(len(held[r]) != 1 for r in ranks):
         return None
@@ -456,6 +464,41 @@ def fake_tp(tp_rank: int, tp_size: int) -> Iterator[None]:
             setattr(ps, slot, value)
 
 
+@functools.cache
+def _meta_weights_class() -> type:
+    from torch.utils._device import DeviceContext, _device_constructors
+
+    class MetaWeights(DeviceContext):
+        """``torch.device("meta")``, except small integer tensors are made on the CPU.
+
+        Weights stay storage-less; index tables a layer computes from its configuration
+        (the expert map of expert parallelism: which global expert lives where) get real
+        values, so the loaders that consult them run as in the engine.
+        """
+
+        def __init__(self) -> None:
+            super().__init__("meta")
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            if func not in _device_constructors() or kwargs.get("device") is not None:
+                return func(*args, **kwargs)
+            out = func(*args, **{**kwargs, "device": self.device})
+            if not out.dtype.is_floating_point and not out.dtype.is_complex \
+                    and out.numel() <= _INDEX_TABLE_LIMIT:
+                out = func(*args, **{**kwargs, "device": "cpu"})
+            return out
+
+    return MetaWeights
+
+
+_INDEX_TABLE_LIMIT = 1 << 20    # elements: larger integer tensors are weights (packed, quantized)
+
+
+def _MetaWeights() -> Any:
+    return _meta_weights_class()()
+
+
 def build_model(vllm_config: Any, *, device: str = "meta") -> Any:
     """The vLLM model class of ``vllm_config``, built on ``device`` (default ``meta``).
 
@@ -480,8 +523,9 @@ def build_model(vllm_config: Any, *, device: str = "meta") -> Any:
     saved_ropes = dict(rotary_embedding._ROPE_DICT)
     cc.static_forward_context, cc.static_all_moe_layers = {}, []
     rotary_embedding._ROPE_DICT.clear()
+    place = _MetaWeights() if torch.device(device).type == "meta" else torch.device(device)
     try:
-        with set_default_torch_dtype(vllm_config.model_config.dtype), torch.device(device):
+        with set_default_torch_dtype(vllm_config.model_config.dtype), place:
             return initialize_model(vllm_config=vllm_config)
     finally:
         cc.static_forward_context, cc.static_all_moe_layers = saved
@@ -489,10 +533,14 @@ def build_model(vllm_config: Any, *, device: str = "meta") -> Any:
         rotary_embedding._ROPE_DICT.update(saved_ropes)
 
 
-def make_vllm_config(model: str | Any, *, dtype: str = "bfloat16", tp_size: int = 1) -> Any:
+def make_vllm_config(model: str | Any, *, dtype: str = "bfloat16", tp_size: int = 1,
+                     enable_expert_parallel: bool = False) -> Any:
     """A ``VllmConfig`` for a local model directory (config.json only) or a HF config object.
 
     A config object is written to a fresh temporary directory; nothing is downloaded.
+    ``enable_expert_parallel`` is vLLM's flag: MoE experts are then split over the TP ranks
+    whole (expert e on rank ``e // (num_experts / tp)`` by vLLM's default linear placement)
+    instead of each expert being tensor-parallel.
     """
     _import_vllm()
     from vllm.config import ModelConfig, ParallelConfig, VllmConfig
@@ -504,7 +552,9 @@ def make_vllm_config(model: str | Any, *, dtype: str = "bfloat16", tp_size: int 
         model.save_pretrained(path)
     model_config = ModelConfig(model=path, skip_tokenizer_init=True, dtype=dtype)
     return VllmConfig(model_config=model_config,
-                      parallel_config=ParallelConfig(tensor_parallel_size=tp_size))
+                      parallel_config=ParallelConfig(
+                          tensor_parallel_size=tp_size,
+                          enable_expert_parallel=enable_expert_parallel))
 
 
 def hf_tensor_specs(hf_config: Any, dtype: Any = None) -> dict[str, tuple[tuple[int, ...], str]]:
@@ -614,6 +664,18 @@ def worker_record(worker: Any, specs: Mapping[str, Sequence] | None = None) -> d
     return out
 
 
+def weights_digest(model: Any) -> dict[str, str]:
+    """Name -> sha256 of the bytes of each tensor in ``model.state_dict()``."""
+    import hashlib
+
+    torch = _import_torch()
+    out = {}
+    for name, t in model.state_dict().items():
+        raw = t.detach().reshape(-1).contiguous().view(torch.uint8)
+        out[name] = hashlib.sha256(raw.cpu().numpy().tobytes()).hexdigest()
+    return out
+
+
 class WorkerExtension:
     """vLLM worker extension: ``LLM(..., worker_extension_cls=
     "xreshard.adapters.vllm.WorkerExtension")`` then
@@ -634,6 +696,12 @@ class WorkerExtension:
             raise RuntimeError("this engine does not run the 'xreshard' weight-transfer backend; "
                                "pass weight_transfer_config={'backend': 'xreshard'}")
         return engine.report()
+
+    def xreshard_weights_digest(self) -> dict[str, str]:
+        """sha256 of every tensor in the live model's state dict (parameters and persistent
+        buffers, as processed after loading), by name: compare two engines' weights, or one
+        engine's weights after a refit and after ``reload_weights``, bit for bit."""
+        return weights_digest(self.model_runner.get_model())
 
     def xreshard_reprocess_tied(self) -> list[str]:
         """Re-process tied modules after vLLM's own ``reload_weights`` (see

@@ -212,3 +212,35 @@ def test_named_binding_refuses_a_shard_cut_by_a_reshape():
     ranks = {int(d.id): i for i, d in enumerate(mesh.devices.flat)}
     with pytest.raises(NamingError, match="'q': reshape .* non-boxes"):
         bind_named({"q": kernel}, NameMap([rule]), ranks)
+
+
+@pytest.mark.slow
+def test_expert_parallel_engine_gets_each_expert_on_its_rank_only(tmp_path):
+    """Mixtral at TP=2 with ``enable_expert_parallel``: each vLLM rank receives its two
+    experts whole and its attention shards; after each round every processed weight of every
+    rank is bit-equal to vLLM loading the same checkpoint itself."""
+    roles = [Role("torch", "trainer", 0),
+             Role("plain", "engine", 0, env={"VLLM_CPU_KVCACHE_SPACE": "1", **ENGINE_ENV[2]})]
+    results = launch(cases.__name__ + ":moe_dispatch", roles, args=([str(tmp_path)],),
+                     timeout=300)
+    rounds = results[0].value["rounds"]
+    c = cases.MOE_CONFIG
+    V, D, I, L = c["vocab_size"], c["hidden_size"], c["intermediate_size"], \
+        c["num_hidden_layers"]
+    E, H, KV = c["num_local_experts"], c["num_attention_heads"], c["num_key_value_heads"]
+    # per rank, by vLLM's formulas: half the vocab rows of embed and lm_head, half the
+    # heads of q/k/v/o, norms and router whole, and two of the four experts whole
+    want = 2 * (2 * V // 2 * D + L * ((H + 2 * KV) * (D // H) * D // 2 + D * D // 2
+                                      + 2 * D + E * D + E // 2 * 3 * D * I) + D)
+    for r in rounds:
+        assert r["digests"] == r["ref_digests"], r["name"]
+        reports = sorted(r["reports"], key=lambda x: x["tp_rank"])
+        assert [x["bytes_received"] for x in reports] == [want, want]
+        assert [x["shard_bytes"] for x in reports] == [want, want]
+        assert r["bytes_sent"] == 2 * want
+    # the digests see the weights that matter: each rank's experts and attention changed
+    for b, a in zip(rounds[0]["digests"], rounds[1]["digests"]):
+        changed = {n for n in b if b[n] != a[n]}
+        for part in ("experts.routed_experts.w13_weight", "experts.routed_experts.w2_weight",
+                     "qkv_proj.weight", "embed_tokens.weight", "lm_head.weight"):
+            assert any(part in n for n in changed), (part, sorted(b))

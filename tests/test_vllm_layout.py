@@ -7,6 +7,7 @@ RowParallelLinear, VocabParallelEmbedding with DEFAULT_VOCAB_PADDING_SIZE = 64).
 """
 
 import json
+import math
 
 import pytest
 
@@ -532,12 +533,7 @@ def test_view_box_agrees_with_torch(ops):
         assert torch.equal(v.reshape(-1), base[box.slices()].reshape(-1))
 
 
-def test_mixtral_experts_land_in_fused_w13_and_w2():
-    """Per-expert checkpoint tensors (w1 gate, w3 up, w2 down) -> FusedMoE w13/w2 slices.
-
-    TP=2, no EP: every rank holds all 4 experts; w1/w3 rows and w2 columns are split at
-    I/tp = 64 (layouts.md section 7, fused MoE).
-    """
+def _tiny_mixtral_specs():
     cfg = transformers.MixtralConfig(
         vocab_size=1024, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
         num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
@@ -549,6 +545,50 @@ def test_mixtral_experts_land_in_fused_w13_and_w2():
     for e in range(4):
         for w, shape in (("w1", (128, 64)), ("w2", (64, 128)), ("w3", (128, 64))):
             specs[f"{p}.experts.{e}.{w}.weight"] = (shape, "bfloat16")
+    return cfg, p, specs
+
+
+def test_mixtral_expert_parallel_puts_each_expert_whole_on_one_rank():
+    """TP=2 with enable_expert_parallel: experts 0, 1 live whole on rank 0 and 2, 3 on rank
+    1 (vLLM's linear placement, read from its expert map, not assumed); attention stays TP."""
+    cfg, p, specs = _tiny_mixtral_specs()
+    vllm_config = xv.make_vllm_config(cfg, dtype="bfloat16", tp_size=2,
+                                      enable_expert_parallel=True)
+    recs = {r: xv.record_from_config(vllm_config, r, 2, specs) for r in range(2)}
+    fused = f"{p}.experts.routed_experts"
+    for r, rec in recs.items():
+        for e in range(4):
+            local = e - 2 * r
+            got = [str(q) for w in ("w1", "w3", "w2")
+                   for q in rec.pieces[f"{p}.experts.{e}.{w}.weight"]]
+            assert got == ([] if not 0 <= local < 2 else [
+                f"{p}.experts.{e}.w1.weight[0:128, 0:64] -> "
+                f"{fused}.w13_weight[{local}:{local + 1}, 0:128, 0:64]",
+                f"{p}.experts.{e}.w3.weight[0:128, 0:64] -> "
+                f"{fused}.w13_weight[{local}:{local + 1}, 128:256, 0:64]",
+                f"{p}.experts.{e}.w2.weight[0:64, 0:128] -> "
+                f"{fused}.w2_weight[{local}:{local + 1}, 0:64, 0:128]"]), (r, e)
+        assert rec.param_shapes[f"{fused}.w13_weight"] == (2, 256, 64)
+    layouts = _layouts(recs, specs)
+    assert str(layouts[f"{p}.experts.3.w2.weight"]) == \
+        "Layout((64, 128) bfloat16 on mesh(tp=1)[1]: replicated)"
+    assert layouts[f"{p}.experts.0.w1.weight"].regions(0) == (Region.of([(0, 128), (0, 64)]),)
+    assert layouts[f"{p}.experts.0.w1.weight"].regions(1) == ()
+    assert str(layouts["model.layers.0.self_attn.o_proj.weight"]) == \
+        "Layout((64, 64) bfloat16 on mesh(tp=2)[0..1]: d1<-tp)"
+    # every expert element is received by exactly one rank
+    experts = [n for n in specs if ".experts." in n]
+    assert sum(r.size for n in experts for k in range(2) for r in layouts[n].regions(k)) == \
+        sum(math.prod(layouts[n].shape) for n in experts)
+
+
+def test_mixtral_experts_land_in_fused_w13_and_w2():
+    """Per-expert checkpoint tensors (w1 gate, w3 up, w2 down) -> FusedMoE w13/w2 slices.
+
+    TP=2, no EP: every rank holds all 4 experts; w1/w3 rows and w2 columns are split at
+    I/tp = 64 (layouts.md section 7, fused MoE).
+    """
+    cfg, p, specs = _tiny_mixtral_specs()
     vllm_config = xv.make_vllm_config(cfg, dtype="bfloat16")
     recs = {r: xv.record_from_config(vllm_config, r, 2, specs) for r in range(2)}
     fused = f"{p}.experts.routed_experts"

@@ -176,7 +176,8 @@ class Mesh:
     def __str__(self) -> str:
         axes = ",".join(f"{self.axis_label(i)}={s}" for i, s in enumerate(self.shape))
         span = (f"{self.ranks[0]}..{self.ranks[-1]}"
-                if self.ranks == tuple(range(self.ranks[0], self.ranks[0] + self.size))
+                if self.size > 1 and self.ranks == tuple(range(self.ranks[0],
+                                                               self.ranks[0] + self.size))
                 else ",".join(map(str, self.ranks[:8])) + (",..." if self.size > 8 else ""))
         return f"mesh({axes})[{span}]"
 
