@@ -184,22 +184,23 @@ def _product_layout(shape: tuple[int, ...], dtype: Any, ranks: tuple[int, ...],
 # ---------------------------------------------------------------------------- a worker as a destination
 
 class Destination:
-    """One vLLM worker as a refit destination: every TP rank's recording, the global
+    """One vLLM worker as a refit destination: every worker's recording, the global
     layouts, and how to bind receive buffers and load them into the model.
 
     Built inside a worker by :meth:`record_in_engine` (the ``"xreshard"`` backend does); the
-    layouts are keyed by world rank once :meth:`place` knows the TP ranks' world ranks.
+    layouts are keyed by world rank once :meth:`place` knows the workers' world ranks.
 
     Args:
-        recordings: every TP rank's :class:`Recording`, in TP order.
-        tp_rank: this worker's TP rank.
+        recordings: every worker's :class:`Recording`, in vLLM's rank order (stage-major,
+            then TP rank: ``Recording.worker``).
+        worker: this worker's index in ``recordings``.
         specs: HF name -> (shape, dtype) fed to the recorder.
     """
 
-    def __init__(self, recordings: Sequence[Recording], tp_rank: int,
+    def __init__(self, recordings: Sequence[Recording], worker: int,
                  specs: Mapping[str, tuple[Sequence[int], Any]]) -> None:
         self.recordings = list(recordings)
-        self.rec = self.recordings[tp_rank]
+        self.rec = self.recordings[worker]
         self.shapes = {n: tuple(int(s) for s in shape) for n, (shape, _) in specs.items()}
         self.dtypes: dict[str, str] = {}
         for rec in self.recordings:
@@ -215,22 +216,22 @@ class Destination:
     def record_in_engine(cls, vllm_config: Any, specs: Mapping[str, Any] | None = None
                          ) -> Destination:
         """Record this worker's rank on a meta copy of the model and all-gather the
-        recordings over vLLM's TP group (its gloo CPU group), so every worker builds the
-        same global layouts. Collective over the TP group.
+        recordings over the engine's workers (vLLM's world group, its gloo CPU group), so
+        every worker builds the same global layouts. Collective over the workers.
 
         Args:
             vllm_config: the worker's config.
             specs: HF name -> [shape, dtype]; default :func:`checkpoint_specs` of the model
                 directory, else :func:`hf_tensor_specs` of its HF config.
         """
-        return cls(*_record_tp_group(vllm_config, specs))
+        return cls(*_record_workers(vllm_config, specs))
 
     def place(self, ranks: Sequence[int]) -> None:
-        """Key the layouts by world rank: ``ranks[t]`` is TP rank t's world rank."""
+        """Key the layouts by world rank: ``ranks[w]`` is worker w's world rank."""
         self.layouts = layouts_from_pieces(
             dict(zip(ranks, self.recordings)), {n: self.shapes[n] for n in self.names},
             self.dtypes, order=ranks)
-        self.rank = ranks[self.rec.tp_rank]
+        self.rank = ranks[self.rec.worker]
 
     def shard_bytes(self) -> int:
         """Bytes this rank's shards hold: what it must receive (padding excluded)."""
@@ -324,7 +325,8 @@ def _default_specs(vllm_config: Any) -> dict:
                                vllm_config.model_config.dtype)
 
 
-def _record_tp_group(vllm_config: Any, specs: Mapping[str, Any] | None) -> tuple[list, int, dict]:
+def _record_workers(vllm_config: Any, specs: Mapping[str, Any] | None
+                    ) -> tuple[list, int, dict]:
     from vllm.config import set_current_vllm_config
     from vllm.distributed import parallel_state as ps
 
@@ -332,19 +334,32 @@ def _record_tp_group(vllm_config: Any, specs: Mapping[str, Any] | None) -> tuple
         specs = _default_specs(vllm_config)
     else:
         specs = {n: (tuple(s[0]), str(s[1])) for n, s in specs.items()}
-    tp_rank = ps.get_tensor_model_parallel_rank()
-    tp_size = ps.get_tensor_model_parallel_world_size()
     with set_current_vllm_config(vllm_config):
-        rec = record_model(build_model(vllm_config), specs, tp_rank=tp_rank, tp_size=tp_size)
+        rec = _record_here(build_model(vllm_config), specs)
     texts = [rec.to_json()]
-    if tp_size > 1:
-        texts = [None] * tp_size
+    if rec.num_workers > 1:     # the world group of an engine without DP: its workers
+        group = ps.get_world_group()
+        if group.world_size != rec.num_workers:
+            raise RecordError(f"vLLM's world group has {group.world_size} workers but "
+                              f"pp x tp = {rec.num_workers}; data parallelism is not supported")
+        texts = [None] * group.world_size
         _import_torch().distributed.all_gather_object(texts, rec.to_json(),
-                                                      group=ps.get_tp_group().cpu_group)
+                                                      group=group.cpu_group)
     recs = [Recording.from_dict(json.loads(t)) for t in texts]
-    if [r.tp_rank for r in recs] != list(range(tp_size)):
-        raise RecordError(f"TP all-gather of recordings returned ranks {[r.tp_rank for r in recs]}")
-    return recs, tp_rank, specs
+    if [r.worker for r in recs] != list(range(rec.num_workers)):
+        raise RecordError("the all-gather of recordings returned workers "
+                          f"{[r.worker for r in recs]}, not 0..{rec.num_workers - 1}")
+    return recs, rec.worker, specs
+
+
+def _record_here(model: Any, specs: Mapping[str, Any]) -> Recording:
+    """Record ``model`` as this process's TP rank and pipeline stage."""
+    from vllm.distributed import parallel_state as ps
+
+    return record_model(model, specs, tp_rank=ps.get_tensor_model_parallel_rank(),
+                        tp_size=ps.get_tensor_model_parallel_world_size(),
+                        pp_rank=ps.get_pp_group().rank_in_group,
+                        pp_size=ps.get_pp_group().world_size)
 
 
 # ---------------------------------------------------------------------------- reloading
@@ -639,14 +654,10 @@ def record_in_worker(worker: Any, specs: Mapping[str, tuple[Sequence[int], Any]]
     headers of a local model directory, else :func:`hf_tensor_specs`.
     """
     _import_vllm()
-    from vllm.distributed import parallel_state as ps
-
     vllm_config = worker.vllm_config
     if specs is None:
         specs = _default_specs(vllm_config)
-    model = build_model(vllm_config)
-    return record_model(model, specs, tp_rank=ps.get_tensor_model_parallel_rank(),
-                        tp_size=ps.get_tensor_model_parallel_world_size())
+    return _record_here(build_model(vllm_config), specs)
 
 
 def worker_record(worker: Any, specs: Mapping[str, Sequence] | None = None) -> dict:

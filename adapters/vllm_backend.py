@@ -30,8 +30,9 @@ Decision record.
   ``collective_rpc`` arguments are msgpack and carry no tensors. The trainer serves the
   rendezvous store on a free port (``serve(port=0)``) and passes its address and the
   process count through ``init_weight_transfer_engine``; workers join as group
-  ``"rollout"`` with index = TP rank, trainer processes as ``"trainer"``.
-* The workers all-gather their recordings over vLLM's own TP group (its gloo CPU group),
+  ``"rollout"`` with index = worker (stage-major, then TP rank), trainer processes as
+  ``"trainer"``.
+* The workers all-gather their recordings over vLLM's own world group (its gloo CPU group),
   so every worker describes the same global layouts (product form where vLLM's sharding is
   one, explicit for the padded vocab). Rejected: marking per-rank layouts ``local_only``
   and letting the refit union them (explicit form only, so the planner loses the per-dim
@@ -160,16 +161,17 @@ class XreshardWeightTransferEngine(WeightTransferEngine[XreshardInitInfo, Xresha
         self._inplace = False
 
     def init_transfer_engine(self, init_info: XreshardInitInfo) -> None:
-        """Record (once), then join the trainer's world as ``rollout[tp_rank]``."""
+        """Record (once), then join the trainer's world as ``rollout[worker]`` (vLLM's rank
+        order: pipeline stage major, TP rank minor)."""
         if self.world is not None:
             raise RefitError("the xreshard backend already joined a world; call "
                              "shutdown_weight_transfer_engine() before initializing again")
         pc = self.parallel_config
-        if pc.pipeline_parallel_size > 1 or pc.data_parallel_size > 1:
-            # TODO(pp/dp): index workers by global rank and record per PP stage
-            raise NotImplementedError("the xreshard backend supports tensor parallelism only "
-                                      f"(got pp={pc.pipeline_parallel_size}, "
-                                      f"dp={pc.data_parallel_size})")
+        if pc.data_parallel_size > 1:
+            # TODO(dp): one refit destination per DP engine, or replicas in one layout
+            raise NotImplementedError("the xreshard backend supports tensor, pipeline and "
+                                      "expert parallelism, not data parallelism "
+                                      f"(got dp={pc.data_parallel_size})")
         key = repr(sorted((init_info.specs or {}).items()))
         if self._dest is None or key != self._specs_key:
             self._dest = xv.Destination.record_in_engine(self.vllm_config, init_info.specs)
@@ -185,21 +187,22 @@ class XreshardWeightTransferEngine(WeightTransferEngine[XreshardInitInfo, Xresha
         self._inplace = mode == "inplace"
         device = "cpu" if self.device.type == "cpu" else self.device
         self.world = World.join(init_info.address, "rollout", [device],
-                                num_processes=init_info.num_processes, index=dest.rec.tp_rank,
+                                num_processes=init_info.num_processes, index=dest.rec.worker,
                                 groups=GROUPS, timeout=init_info.timeout,
                                 world_id=init_info.world_id)
         ranks = self.world.group_ranks("rollout")
-        if len(ranks) != dest.rec.tp_size:
+        if len(ranks) != dest.rec.num_workers:
             self.shutdown()
-            raise RefitError(f"the world has {len(ranks)} rollout processes but vLLM's TP size "
-                             f"is {dest.rec.tp_size}; pass num_processes = trainer "
-                             "processes + engine workers")
+            raise RefitError(f"the world has {len(ranks)} rollout processes but vLLM has "
+                             f"{dest.rec.num_workers} workers (pp x tp); pass num_processes = "
+                             "trainer processes + engine workers")
         dest.place(ranks)
         config = dict(init_info.config)
         config.setdefault("timeout", init_info.timeout)
         self.refit = Refit(self.world, config=RefitConfig(**config))
-        logger.info("xreshard: tp rank %d joined %r as world rank %d (%s, %d shard bytes)",
-                    dest.rec.tp_rank, self.world, dest.rank, mode, dest.shard_bytes())
+        logger.info("xreshard: worker %d (pp %d, tp %d) joined %r as world rank %d (%s, %d "
+                    "shard bytes)", dest.rec.worker, dest.rec.pp_rank, dest.rec.tp_rank,
+                    self.world, dest.rank, mode, dest.shard_bytes())
 
     def start_weight_update(self) -> None:
         """Nothing: the round is received and loaded in ``update_weights``."""
@@ -233,7 +236,7 @@ class XreshardWeightTransferEngine(WeightTransferEngine[XreshardInitInfo, Xresha
             if self._inplace:
                 e = RefitError(f"{e} (mode 'inplace': the live parameters may be partly "
                                "written; refit again before generating)")
-            if self._dest.rec.tp_rank != self._dest.rec.tp_size - 1:
+            if self._dest.rec.worker != self._dest.rec.num_workers - 1:
                 # vLLM's multiproc executor stops reading replies at the first failed worker
                 # and leaves the others queued, where the next RPC reads them; so only the
                 # last rank raises (its reply is read last) and the others log it.
@@ -250,6 +253,8 @@ class XreshardWeightTransferEngine(WeightTransferEngine[XreshardInitInfo, Xresha
         """The last round as seen by this worker (JSON)."""
         r, rec = self.last_report, self._dest
         return {"tp_rank": rec.rec.tp_rank if rec else None,
+                "pp_rank": rec.rec.pp_rank if rec else None,
+                "worker": rec.rec.worker if rec else None,
                 "world_rank": rec.rank if rec else None,
                 "version": self.refit.version if self.refit else 0,
                 "mode": "inplace" if self._inplace else "reload",
@@ -313,7 +318,7 @@ class XreshardTrainerInitInfo(TrainerInitInfo):
     """Trainer-side init info of the ``"xreshard"`` backend (never serialized).
 
     Attributes:
-        engine_world_size: vLLM workers (the TP size).
+        engine_world_size: vLLM workers (pp x tp).
         num_trainer_processes: trainer processes; each calls ``trainer_init`` with its
             ``rank`` (0 drives the engine's control plane).
         address: a running store every trainer process reaches; None: rank 0 serves one on

@@ -114,6 +114,7 @@ class Recording:
         unloaded: parameters and persistent buffers no HF tensor writes at all (attention
             scales and the like; a forgotten tensor shows up here).
         aliases: parameter name -> other names of the same storage (tied embeddings).
+        pp_rank, pp_size: the rank's pipeline stage and the number of stages.
     """
 
     tp_rank: int
@@ -124,10 +125,22 @@ class Recording:
     unfilled: dict[str, list[Region]] = field(default_factory=dict)
     unloaded: list[str] = field(default_factory=list)
     aliases: dict[str, list[str]] = field(default_factory=dict)
+    pp_rank: int = 0
+    pp_size: int = 1
+
+    @property
+    def worker(self) -> int:
+        """The rank's index among the engine's workers, stage-major (vLLM's rank order)."""
+        return self.pp_rank * self.tp_size + self.tp_rank
+
+    @property
+    def num_workers(self) -> int:
+        return self.pp_size * self.tp_size
 
     def to_dict(self) -> dict:
         return {
             "tp_rank": self.tp_rank, "tp_size": self.tp_size,
+            "pp_rank": self.pp_rank, "pp_size": self.pp_size,
             "pieces": {n: [p.to_dict() for p in ps] for n, ps in self.pieces.items()},
             "param_shapes": {n: list(s) for n, s in self.param_shapes.items()},
             "param_dtypes": dict(self.param_dtypes),
@@ -146,6 +159,7 @@ class Recording:
             {n: [_region_from_list(r) for r in rs] for n, rs in d.get("unfilled", {}).items()},
             list(d.get("unloaded", [])),
             {n: list(a) for n, a in d.get("aliases", {}).items()},
+            int(d.get("pp_rank", 0)), int(d.get("pp_size", 1)),
         )
 
     def to_json(self) -> str:
@@ -156,7 +170,8 @@ class Recording:
         return cls.from_dict(json.loads(text))
 
     def __str__(self) -> str:
-        rows = [f"tp rank {self.tp_rank}/{self.tp_size}"]
+        rows = [f"tp rank {self.tp_rank}/{self.tp_size}"
+                + (f", pp stage {self.pp_rank}/{self.pp_size}" if self.pp_size > 1 else "")]
         for name, ps in self.pieces.items():
             rows += [f"  {p}" for p in ps] or [f"  {name}: (not used on this rank)"]
         rows += [f"  {n}{r}: no source" for n, rs in self.unfilled.items() for r in rs]
@@ -439,7 +454,8 @@ def _probe_class() -> type:
 # ---------------------------------------------------------------------------- recording
 
 def record_model(model: Any, specs: Mapping[str, tuple[Sequence[int], Any]], *,
-                 tp_rank: int, tp_size: int) -> Recording:
+                 tp_rank: int, tp_size: int, pp_rank: int = 0, pp_size: int = 1
+                 ) -> Recording:
     """Run ``model.load_weights`` once on probes and return what every loader did.
 
     The model's parameters must be on the ``meta`` device (see :func:`build_model`):
@@ -450,6 +466,8 @@ def record_model(model: Any, specs: Mapping[str, tuple[Sequence[int], Any]], *,
         specs: HF name -> (global shape, dtype) of every checkpoint tensor to feed.
         tp_rank: this rank's TP rank (recorded, not used to compute anything).
         tp_size: the TP size (recorded).
+        pp_rank, pp_size: this rank's pipeline stage and the stage count (recorded; a stage's
+            model holds only its layers, and its loaders skip the others').
 
     Raises:
         RecordError: a loader did something that is not a region copy, naming the tensor.
@@ -475,7 +493,8 @@ def record_model(model: Any, specs: Mapping[str, tuple[Sequence[int], Any]], *,
     pieces = {name: rec.pieces.get(name, []) for name in specs}
     unfilled, unloaded = rec.coverage()
     return Recording(
-        tp_rank=int(tp_rank), tp_size=int(tp_size), pieces=pieces,
+        tp_rank=int(tp_rank), tp_size=int(tp_size), pp_rank=int(pp_rank), pp_size=int(pp_size),
+        pieces=pieces,
         param_shapes={n: tuple(t.shape) for n, t in rec.params.items()},
         param_dtypes={n: _dtype_str(t.dtype) for n, t in rec.params.items()},
         unfilled=unfilled, unloaded=unloaded, aliases=rec.aliases)

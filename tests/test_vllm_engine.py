@@ -214,16 +214,31 @@ def test_named_binding_refuses_a_shard_cut_by_a_reshape():
         bind_named({"q": kernel}, NameMap([rule]), ranks)
 
 
+def _digest_rounds(case: str, tmp_path) -> list[dict]:
+    trainer = Role("torch", "trainer", 0) if case == "moe-ep" else \
+        Role("jax", "trainer", 0, num_devices=4)
+    roles = [trainer,
+             Role("plain", "engine", 0, env={"VLLM_CPU_KVCACHE_SPACE": "1", **ENGINE_ENV[2]})]
+    rounds = launch(cases.__name__ + ":digest_dispatch", roles, args=([case, str(tmp_path)],),
+                    timeout=300)[0].value["rounds"]
+    assert [r["name"] for r in rounds] == ["B", "A"]
+    for r in rounds:
+        # every processed weight of every worker equals vLLM loading the checkpoint itself
+        assert r["digests"] == r["ref_digests"], r["name"]
+        assert r["bytes_sent"] == sum(x["bytes_received"] for x in r["reports"])
+    return rounds
+
+
+def _changed(rounds: list[dict], worker: int) -> set[str]:
+    b, a = rounds[0]["digests"][worker], rounds[1]["digests"][worker]
+    return {n for n in b if b[n] != a[n]}
+
+
 @pytest.mark.slow
 def test_expert_parallel_engine_gets_each_expert_on_its_rank_only(tmp_path):
     """Mixtral at TP=2 with ``enable_expert_parallel``: each vLLM rank receives its two
-    experts whole and its attention shards; after each round every processed weight of every
-    rank is bit-equal to vLLM loading the same checkpoint itself."""
-    roles = [Role("torch", "trainer", 0),
-             Role("plain", "engine", 0, env={"VLLM_CPU_KVCACHE_SPACE": "1", **ENGINE_ENV[2]})]
-    results = launch(cases.__name__ + ":moe_dispatch", roles, args=([str(tmp_path)],),
-                     timeout=300)
-    rounds = results[0].value["rounds"]
+    experts whole and its attention shards, from a torch trainer's HF state dict."""
+    rounds = _digest_rounds("moe-ep", tmp_path)
     c = cases.MOE_CONFIG
     V, D, I, L = c["vocab_size"], c["hidden_size"], c["intermediate_size"], \
         c["num_hidden_layers"]
@@ -233,14 +248,31 @@ def test_expert_parallel_engine_gets_each_expert_on_its_rank_only(tmp_path):
     want = 2 * (2 * V // 2 * D + L * ((H + 2 * KV) * (D // H) * D // 2 + D * D // 2
                                       + 2 * D + E * D + E // 2 * 3 * D * I) + D)
     for r in rounds:
-        assert r["digests"] == r["ref_digests"], r["name"]
-        reports = sorted(r["reports"], key=lambda x: x["tp_rank"])
+        reports = sorted(r["reports"], key=lambda x: x["worker"])
         assert [x["bytes_received"] for x in reports] == [want, want]
         assert [x["shard_bytes"] for x in reports] == [want, want]
-        assert r["bytes_sent"] == 2 * want
     # the digests see the weights that matter: each rank's experts and attention changed
-    for b, a in zip(rounds[0]["digests"], rounds[1]["digests"]):
-        changed = {n for n in b if b[n] != a[n]}
+    for worker in range(2):
+        changed = _changed(rounds, worker)
         for part in ("experts.routed_experts.w13_weight", "experts.routed_experts.w2_weight",
                      "qkv_proj.weight", "embed_tokens.weight", "lm_head.weight"):
-            assert any(part in n for n in changed), (part, sorted(b))
+            assert any(part in n for n in changed), (part, sorted(changed))
+
+
+@pytest.mark.slow
+def test_pipeline_parallel_engine_gets_each_stage_its_layers_only(tmp_path):
+    """Qwen2 over two pipeline stages, refit from the JAX trainer: stage 0 receives the
+    embedding and layer 0, stage 1 layer 1, the final norm and the tied head."""
+    rounds = _digest_rounds("pp", tmp_path)
+    c = cases.CONFIG
+    V, D, I = c["vocab_size"], c["hidden_size"], c["intermediate_size"]
+    H, KV = c["num_attention_heads"], c["num_key_value_heads"]
+    layer = (H + 2 * KV) * (D // H) * (D + 1) + D * D + 3 * D * I + 2 * D
+    for r in rounds:
+        reports = sorted(r["reports"], key=lambda x: x["worker"])
+        assert [(x["pp_rank"], x["tp_rank"]) for x in reports] == [(0, 0), (1, 0)]
+        assert [x["bytes_received"] for x in reports] == \
+            [2 * (V * D + layer), 2 * (layer + D + V * D)]
+    stage0, stage1 = _changed(rounds, 0), _changed(rounds, 1)
+    assert any("layers.0." in n for n in stage0) and not any("layers.1." in n for n in stage0)
+    assert any("layers.1." in n for n in stage1) and not any("layers.0." in n for n in stage1)

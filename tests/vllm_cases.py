@@ -430,16 +430,23 @@ def save_moe(seed: int, path: str) -> None:
     save_file(moe_weights(seed), os.path.join(path, "model.safetensors"))
 
 
-def moe_engine(ctx: Any, tmp: str) -> dict:
-    """TP=2 with expert parallelism. vLLM's CPU fused-MoE kernel crashes in forward under
-    EP, so the engine is compared by the digest of its processed weights, not by tokens."""
+def digest_engine(ctx: Any, case: str, tmp: str) -> dict:
+    """An engine vLLM's CPU kernels cannot run forward in: a TP=2 Mixtral with expert
+    parallelism ("moe-ep": the CPU fused-MoE kernel crashes) or a Qwen2 over two pipeline
+    stages ("pp": the CPU runner fails its first step). It loads, reloads and records all
+    the same, so it is compared by the digest of its processed weights, not by tokens."""
     from vllm import LLM
 
     control = _store(ctx.address, ENGINE_START_TIMEOUT)
-    save_moe(0, os.path.join(tmp, "engine"))
-    llm = LLM(model=os.path.join(tmp, "engine"), skip_tokenizer_init=True, tensor_parallel_size=2,
-              enable_expert_parallel=True, dtype="bfloat16", enforce_eager=True,
-              max_model_len=64, max_num_seqs=4, seed=0,
+    model_dir = os.path.join(tmp, "engine")
+    if case == "moe-ep":
+        save_moe(0, model_dir)
+        parallel = {"tensor_parallel_size": 2, "enable_expert_parallel": True}
+    else:
+        write_model_dir(model_dir)
+        parallel = {"pipeline_parallel_size": 2}
+    llm = LLM(model=model_dir, skip_tokenizer_init=True, dtype="bfloat16", enforce_eager=True,
+              max_model_len=64, max_num_seqs=4, seed=0, **parallel,
               worker_extension_cls="xreshard.adapters.vllm.WorkerExtension",
               weight_transfer_config={"backend": "xreshard"})
     control.set("engine/ready", "1")
@@ -448,6 +455,7 @@ def moe_engine(ctx: Any, tmp: str) -> dict:
         got = llm.collective_rpc("xreshard_weights_digest")
         reports = llm.collective_rpc("xreshard_transfer_report")
         llm.collective_rpc("reload_weights", kwargs={"weights_path": weights_path})
+        llm.collective_rpc("xreshard_reprocess_tied")
         return {"digests": got, "ref_digests": llm.collective_rpc("xreshard_weights_digest"),
                 "reports": reports}
 
@@ -458,22 +466,36 @@ def moe_engine(ctx: Any, tmp: str) -> dict:
     return {}
 
 
-def moe_trainer(ctx: Any, tmp: str) -> dict:
-    """A torch trainer holding an HF state dict refits the EP engine B -> A."""
+def digest_trainer(ctx: Any, case: str, tmp: str) -> dict:
+    """Refit the engine B -> A: for "moe-ep" from a torch trainer holding an HF state dict,
+    for "pp" from the JAX trainer (fp32 on 4 CPU devices, bf16 on the wire)."""
     from xreshard.adapters.vllm_backend import (XreshardTrainerInitInfo,
                                                 XreshardTrainerWeightTransferEngine)
 
+    if case == "moe-ep":
+        save, make, naming = save_moe, moe_weights, {"devices": 1}
+    else:
+        import jax
+
+        mesh = jax.make_mesh((2, 2), ("fsdp", "tp"), devices=jax.local_devices())
+        naming = {"rules": rules(), "wire_dtype": "bfloat16"}
+
+        def save(seed: int, path: str) -> None:
+            save_checkpoint(init_params(seed), path)
+
+        def make(seed: int) -> Any:
+            return shard(init_params(seed), mesh)
     for name, seed in (("A", 0), ("B", 1)):
-        save_moe(seed, os.path.join(tmp, name))
+        save(seed, os.path.join(tmp, name))
     client = StoreClient(ctx.address)
     _wait(client.store, "engine/ready", ENGINE_START_TIMEOUT)
     engine = XreshardTrainerWeightTransferEngine.trainer_init(
-        XreshardTrainerInitInfo(rank=0, engine_world_size=2, timeout=REFIT_TIMEOUT, devices=1),
+        XreshardTrainerInitInfo(rank=0, engine_world_size=2, timeout=REFIT_TIMEOUT, **naming),
         client=client)
     rounds = []
     try:
         for name, seed in (("B", 1), ("A", 0)):
-            report = engine.send_weights(moe_weights(seed))
+            report = engine.send_weights(make(seed))
             rounds.append({"name": name, "bytes_sent": report.bytes_sent,
                            **client.call("check", weights_path=os.path.join(tmp, name))})
     finally:
@@ -482,5 +504,6 @@ def moe_trainer(ctx: Any, tmp: str) -> dict:
     return {"rounds": rounds}
 
 
-def moe_dispatch(ctx: Any, args: list) -> Any:
-    return moe_trainer(ctx, *args) if ctx.role.group == "trainer" else moe_engine(ctx, *args)
+def digest_dispatch(ctx: Any, args: list) -> Any:
+    role = digest_trainer if ctx.role.group == "trainer" else digest_engine
+    return role(ctx, *args)
