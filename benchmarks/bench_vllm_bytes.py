@@ -1,10 +1,13 @@
 """Bytes each vLLM rank receives per refit: xreshard's shard-to-shard plan vs the full-tensor
-path of vLLM's NCCL backend, for Qwen2.5-0.5B's shapes.
+path of vLLM's NCCL backend, for Qwen2.5-0.5B's shapes (or a Qwen3 MoE's, with or without
+expert parallelism).
 
     python benchmarks/bench_vllm_bytes.py [--model qwen2_5_0_5b] [--tp 2] [--trainer jax:fsdp=4]
+    python benchmarks/bench_vllm_bytes.py --model qwen3_30b_a3b --tp 4 --ep
 
 No engine and no weights: the destination layouts are recorded from vLLM's own loaders on a
-meta-device model built from a Qwen2Config of the model's sizes, one TP rank at a time
+meta-device model built from a Qwen2Config (Qwen3MoeConfig for a model with experts) of
+the model's sizes, one TP rank at a time
 (``fake_tp``), exactly as the ``"xreshard"`` backend records them inside a worker. The
 source is a trainer recipe (``xreshard.recipes``). Per vLLM rank it prints:
 
@@ -32,6 +35,8 @@ def main() -> None:
     ap.add_argument("--model", default="qwen2_5_0_5b")
     ap.add_argument("--tp", type=int, default=2)
     ap.add_argument("--trainer", default="jax:fsdp=4", help="source recipe (xreshard.recipes)")
+    ap.add_argument("--ep", action="store_true",
+                    help="vLLM's enable_expert_parallel: experts whole, split over the ranks")
     args = ap.parse_args()
 
     import transformers
@@ -44,14 +49,19 @@ def main() -> None:
 
     model = load_model(args.model)
     c = dict(model.config)
-    cfg = transformers.Qwen2Config(**{k: c[k] for k in (
-        "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-        "num_attention_heads", "num_key_value_heads", "tie_word_embeddings") if k in c})
-    cfg.architectures = ["Qwen2ForCausalLM"]
+    if "num_experts" in c:
+        cfg, arch = transformers.Qwen3MoeConfig(**c), "Qwen3MoeForCausalLM"
+    else:
+        cfg, arch = transformers.Qwen2Config(**{k: c[k] for k in (
+            "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+            "num_attention_heads", "num_key_value_heads", "tie_word_embeddings") if k in c}), \
+            "Qwen2ForCausalLM"
+    cfg.architectures = [arch]
     specs = {p.name: (p.shape, p.dtype) for p in model.params}
     dtype = model.params[0].dtype
     t0 = time.perf_counter()
-    vllm_config = xv.make_vllm_config(cfg, dtype=dtype, tp_size=args.tp)
+    vllm_config = xv.make_vllm_config(cfg, dtype=dtype, tp_size=args.tp,
+                                      enable_expert_parallel=args.ep)
     recs = {r: xv.record_from_config(vllm_config, r, args.tp, specs) for r in range(args.tp)}
     record_s = time.perf_counter() - t0
 
@@ -73,7 +83,7 @@ def main() -> None:
     product = sum(lay.is_product for lay in dst.values())
     mib = 2 ** 20
     print(f"{model.name}: {model.num_tensors} tensors, {full / mib:.1f} MiB ({dtype}); trainer "
-          f"`{args.trainer}` -> vLLM TP={args.tp}; recorded in {record_s:.1f} s, planned in "
+          f"`{args.trainer}` -> vLLM TP={args.tp}{' EP' if args.ep else ''}; recorded in {record_s:.1f} s, planned in "
           f"{plan_s * 1e3:.0f} ms; {product}/{len(dst)} destination layouts in product form\n",
           file=sys.stderr)
     print("| vLLM rank | xreshard: received (= shard bytes) | nccl backend: received (full "
