@@ -660,18 +660,34 @@ def jax_llama_rules(*, scanned: bool = False, fused: bool = False, qkv_bias: boo
 JAX_LLAMA: tuple[Rule, ...] = jax_llama_rules()
 
 
-def jax_moe_rules(*, scanned: bool = False) -> tuple[Rule, ...]:
-    """Stacked-expert JAX MoE blocks -> per-expert HF (Qwen-MoE) names; add to a dense table
-    whose tree has ``moe/`` instead of ``mlp/``."""
+#: HF names of a MoE block's router and experts (gate, up, down), per checkpoint family
+_MOE_HF_NAMES = {
+    "qwen": ("mlp.gate.weight", "mlp.experts.{e}.gate_proj.weight",
+             "mlp.experts.{e}.up_proj.weight", "mlp.experts.{e}.down_proj.weight"),
+    "mixtral": ("block_sparse_moe.gate.weight", "block_sparse_moe.experts.{e}.w1.weight",
+                "block_sparse_moe.experts.{e}.w3.weight", "block_sparse_moe.experts.{e}.w2.weight"),
+}
+
+
+def jax_moe_rules(*, scanned: bool = False, hf: str = "qwen") -> tuple[Rule, ...]:
+    """Stacked-expert JAX MoE blocks -> per-expert HF names; add to a dense table whose tree
+    has ``moe/`` instead of ``mlp/``.
+
+    The tree: ``moe/router/kernel [D, E]``, ``moe/{gate,up}/kernel [E, D, I]``,
+    ``moe/down/kernel [E, I, D]``. ``hf`` picks the checkpoint family: ``"qwen"``
+    (Qwen2/3-MoE: ``mlp.experts.{e}.gate_proj``, ...) or ``"mixtral"``
+    (``block_sparse_moe.experts.{e}.w1`` gate, ``w3`` up, ``w2`` down).
+    """
+    if hf not in _MOE_HF_NAMES:
+        raise ValueError(f"hf={hf!r}: expected one of {sorted(_MOE_HF_NAMES)}")
+    router, gate, up, down = _MOE_HF_NAMES[hf]
     pre = (Unstack(0, "l"),) if scanned else ()
+    experts = pre + (Unstack(0, "e"), Transpose())
     return (
-        Rule(_per_layer(scanned, "moe/router/kernel"), f"{L}.mlp.gate.weight", pre + _T),
-        Rule(_per_layer(scanned, "moe/gate/kernel"), f"{L}.mlp.experts.{{e}}.gate_proj.weight",
-             pre + (Unstack(0, "e"), Transpose())),
-        Rule(_per_layer(scanned, "moe/up/kernel"), f"{L}.mlp.experts.{{e}}.up_proj.weight",
-             pre + (Unstack(0, "e"), Transpose())),
-        Rule(_per_layer(scanned, "moe/down/kernel"), f"{L}.mlp.experts.{{e}}.down_proj.weight",
-             pre + (Unstack(0, "e"), Transpose())),
+        Rule(_per_layer(scanned, "moe/router/kernel"), f"{L}.{router}", pre + _T),
+        Rule(_per_layer(scanned, "moe/gate/kernel"), f"{L}.{gate}", experts),
+        Rule(_per_layer(scanned, "moe/up/kernel"), f"{L}.{up}", experts),
+        Rule(_per_layer(scanned, "moe/down/kernel"), f"{L}.{down}", experts),
     )
 
 

@@ -62,6 +62,7 @@ Decision record.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import sys
 import threading
@@ -540,8 +541,9 @@ def bind_named(tree: Any, namemap: NameMap, ranks: Mapping[int, int]) -> Bound:
 
     Each rule's transforms are applied to the array's layout and, alongside, to each local
     shard (a zero-copy host view): transposes permute, reshapes merge or split dims (a
-    split dim must be the major one of its group, and stays an even split), indexing and
-    slicing need an unsplit dim. The HF tensor's layout is therefore product form over the
+    split dim must be the major one of its group, and stays an even split), indexing a split
+    dim (unstacking experts sharded over an expert axis) keeps only the ranks that hold the
+    index, slicing needs an unsplit dim. The HF tensor's layout is therefore product form over the
     trainer's mesh, and its bindings are views of the shards (a reshape that cannot be a
     view copies; sending never writes them).
 
@@ -601,6 +603,46 @@ def _unsplit(layout: Layout, axis: int, what: str, name: str) -> None:
                           f"axes {axes} split; shard another dim of the trainer array")
 
 
+def _select(lay: Layout, axis: int, i: int) -> tuple[Layout, dict[int, int]]:
+    """The layout of ``x[..., i]`` (``i`` along ``axis``) and, per rank holding it, where
+    ``i`` sits in that rank's local array.
+
+    When mesh axes split ``axis`` (experts sharded over an expert-parallel axis), only the
+    ranks whose block holds ``i`` hold the result: the mesh loses those axes, their
+    coordinates fixed at the holders'; the other dims keep their splits.
+    """
+    mesh = lay.mesh
+    new_shape = lay.shape[:axis] + lay.shape[axis + 1:]
+    split_axes = lay.dim_axes(axis)
+    if not split_axes:
+        splits = [Split(sp.dim - (sp.dim > axis), sp.axis, 1) for sp in lay.splits]
+        return _new(lay, new_shape, splits), {r: i for r in mesh.ranks}
+    local = {}
+    for r in mesh.ranks:
+        pos = 0
+        for a, b in lay.dim_intervals(r)[axis]:
+            if a <= i < b:
+                local[r] = pos + i - a
+            pos += b - a
+    coord = mesh.coord(next(iter(local)))
+    keep = [a for a in range(mesh.ndim) if a not in split_axes]
+    ranks = []
+    for c in itertools.product(*(range(mesh.shape[a]) for a in keep)):
+        full = list(coord)
+        for a, v in zip(keep, c):
+            full[a] = v
+        ranks.append(mesh.rank_at(full))
+    if keep:
+        names = None if mesh.axis_names is None else tuple(mesh.axis_names[a] for a in keep)
+        sub = Mesh(tuple(mesh.shape[a] for a in keep), tuple(ranks), names)
+    else:
+        sub = Mesh((1,), tuple(ranks))
+    renumber = {a: k for k, a in enumerate(keep)}
+    splits = [Split(sp.dim - (sp.dim > axis), renumber[sp.axis], 1)
+              for sp in lay.splits if sp.dim != axis]
+    return Layout.product(new_shape, lay.dtype, sub, splits), local
+
+
 def _walk(layout: Layout, arrays: dict[int, Any], transforms: Sequence[Any], fields: dict,
           params: Mapping[str, int], name: str):
     """Yield (HF layout, rank -> local view, fields) after ``transforms``."""
@@ -628,12 +670,10 @@ def _step(t: Any, lay: Layout, arrays: dict[int, Any], fields: dict, params: Map
     elif isinstance(t, (Index, Unstack)):
         values = [int(fields[t.i]) if isinstance(t.i, str) else t.i] if isinstance(t, Index) \
             else range(shape[t.axis])
-        _unsplit(lay, t.axis, "indexes", name)
-        splits = [Split(sp.dim - (sp.dim > t.axis), sp.axis, 1) for sp in lay.splits]
-        out = _new(lay, shape[:t.axis] + shape[t.axis + 1:], splits)
         for i in values:
-            index = (slice(None),) * t.axis + (i,)
-            yield out, {r: a[index] for r, a in arrays.items()}, \
+            out, local = _select(lay, t.axis, i)
+            index = (slice(None),) * t.axis
+            yield out, {r: a[index + (local[r],)] for r, a in arrays.items() if r in local}, \
                 ({t.name: i} if isinstance(t, Unstack) else {})
     elif isinstance(t, (Slice, SplitDim)):
         if isinstance(t, Slice):

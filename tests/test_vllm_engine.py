@@ -33,6 +33,7 @@ from . import vllm_cases as cases
 
 cases.importorskip_vllm()
 
+from xreshard.adapters.naming import NameMap  # noqa: E402
 from xreshard.launch import Role, launch  # noqa: E402
 
 ENGINE_ENV = {1: {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"},      # in-process engine: ~3 s start
@@ -175,7 +176,6 @@ def _mesh():
 
 
 def test_named_jax_tree_binds_views_of_its_shards_in_hf_coordinates():
-    from xreshard.adapters.naming import NameMap
     from xreshard.adapters.vllm_backend import bind_named
 
     mesh = _mesh()
@@ -198,6 +198,29 @@ def test_named_jax_tree_binds_views_of_its_shards_in_hf_coordinates():
     assert len(bound.bindings) == 4 * len(hf)
 
 
+def test_named_binding_unstacks_experts_sharded_over_a_mesh_axis():
+    """Stacked experts [E, D, I] split over "fsdp" on E and "tp" on I: expert e's HF tensor
+    lives only on the two devices of its fsdp block, split there over tp."""
+    from xreshard.adapters.vllm_backend import bind_named
+
+    mesh = _mesh()
+    shapes = cases.moe_tree_shapes()
+    flat = cases.init_params(7, shapes)
+    ranks = {int(d.id): i for i, d in enumerate(mesh.devices.flat)}
+    bound = bind_named(cases.shard(flat, mesh, shapes), NameMap(cases.moe_rules()), ranks)
+    hf = cases.hf_tensors(flat, cases.moe_rules())
+    assert sorted(bound.layouts) == sorted(hf)
+    p = "model.layers.0.block_sparse_moe.experts."
+    assert str(bound.layouts[p + "1.w1.weight"]) == \
+        "Layout((128, 128) float32 on mesh(tp=2)[0..1]: d0<-tp)"
+    assert str(bound.layouts[p + "2.w2.weight"]) == \
+        "Layout((128, 128) float32 on mesh(tp=2)[2..3]: d1<-tp)"
+    for (rank, name), local in bound.bindings.items():
+        (region,) = bound.layouts[name].regions(rank)
+        assert np.array_equal(local, hf[name][region.slices()]), (rank, name)
+    assert {r for r, n in bound.bindings if n == p + "3.w3.weight"} == {2, 3}
+
+
 def test_named_binding_refuses_a_shard_cut_by_a_reshape():
     import jax
     from jax.sharding import NamedSharding, PartitionSpec as P
@@ -215,9 +238,7 @@ def test_named_binding_refuses_a_shard_cut_by_a_reshape():
 
 
 def _digest_rounds(case: str, tmp_path) -> list[dict]:
-    trainer = Role("torch", "trainer", 0) if case == "moe-ep" else \
-        Role("jax", "trainer", 0, num_devices=4)
-    roles = [trainer,
+    roles = [Role("jax", "trainer", 0, num_devices=4),
              Role("plain", "engine", 0, env={"VLLM_CPU_KVCACHE_SPACE": "1", **ENGINE_ENV[2]})]
     rounds = launch(cases.__name__ + ":digest_dispatch", roles, args=([case, str(tmp_path)],),
                     timeout=300)[0].value["rounds"]
@@ -236,8 +257,10 @@ def _changed(rounds: list[dict], worker: int) -> set[str]:
 
 @pytest.mark.slow
 def test_expert_parallel_engine_gets_each_expert_on_its_rank_only(tmp_path):
-    """Mixtral at TP=2 with ``enable_expert_parallel``: each vLLM rank receives its two
-    experts whole and its attention shards, from a torch trainer's HF state dict."""
+    """Mixtral at TP=2 with ``enable_expert_parallel``, refit from a JAX trainer whose
+    stacked experts ``[E, D, I]`` are split over "fsdp" and their I over "tp": each vLLM
+    rank receives its two experts whole (gathered from the trainer's pieces of them) and
+    its attention shards."""
     rounds = _digest_rounds("moe-ep", tmp_path)
     c = cases.MOE_CONFIG
     V, D, I, L = c["vocab_size"], c["hidden_size"], c["intermediate_size"], \

@@ -74,11 +74,12 @@ def tree_shapes(c: dict = CONFIG) -> dict[str, tuple[tuple[int, ...], tuple]]:
     return out
 
 
-def init_params(seed: int, c: dict = CONFIG) -> dict[str, np.ndarray]:
-    """Flat trainer name -> fp32 array; weights N(0, 0.2), norm scales N(1, 0.2)."""
+def init_params(seed: int, shapes: dict | None = None) -> dict[str, np.ndarray]:
+    """Flat trainer name -> fp32 array; weights N(0, 0.2), norm scales N(1, 0.2).
+    ``shapes``: :func:`tree_shapes` (default) or :func:`moe_tree_shapes`."""
     rng = np.random.default_rng(seed)
     out = {}
-    for name, (shape, _) in tree_shapes(c).items():
+    for name, (shape, _) in (shapes or tree_shapes()).items():
         mean = 1.0 if name.endswith("/scale") else 0.0
         out[name] = (mean + 0.2 * rng.standard_normal(shape)).astype(np.float32)
     return out
@@ -96,30 +97,30 @@ def unflatten(flat: dict[str, Any]) -> dict:
     return tree
 
 
-def shard(flat: dict[str, np.ndarray], mesh: Any) -> dict:
+def shard(flat: dict[str, np.ndarray], mesh: Any, shapes: dict | None = None) -> dict:
     """The pytree of jax.Arrays on ``mesh`` (axes "fsdp", "tp")."""
     import jax
     from jax.sharding import NamedSharding, PartitionSpec as P
 
-    specs = tree_shapes()
+    specs = shapes or tree_shapes()
     return unflatten({n: jax.device_put(a, NamedSharding(mesh, P(*specs[n][1])))
                       for n, a in flat.items()})
 
 
-def hf_tensors(flat: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+def hf_tensors(flat: dict[str, np.ndarray], table: Any = None) -> dict[str, np.ndarray]:
     """HF name -> array, through the same naming rules (what a checkpoint would hold)."""
     from xreshard.adapters.naming import NameMap
 
-    hf = NameMap(rules()).apply({n: a.shape for n, a in flat.items()})
+    hf = NameMap(table or rules()).apply({n: a.shape for n, a in flat.items()})
     return {name: np.ascontiguousarray(t.view(flat)) for name, t in hf.items()}
 
 
-def save_checkpoint(flat: dict[str, np.ndarray], path: str) -> int:
+def save_checkpoint(flat: dict[str, np.ndarray], path: str, table: Any = None) -> int:
     """fp32 safetensors of the HF tensors; returns their bytes."""
     from safetensors.numpy import save_file
 
     os.makedirs(path, exist_ok=True)
-    tensors = hf_tensors(flat)
+    tensors = hf_tensors(flat, table)
     save_file(tensors, os.path.join(path, "model.safetensors"))
     return sum(t.nbytes for t in tensors.values())
 
@@ -392,42 +393,42 @@ MOE_CONFIG = dict(vocab_size=1024, hidden_size=128, intermediate_size=128, num_h
                   num_experts_per_tok=2, max_position_embeddings=256, tie_word_embeddings=False)
 
 
-def moe_specs() -> dict[str, tuple[tuple[int, ...], str]]:
-    """HF name -> (shape, dtype) of the tiny Mixtral's checkpoint (bf16)."""
-    from transformers import MixtralConfig
+def moe_rules() -> Any:
+    from xreshard.adapters.naming import jax_llama_rules, jax_moe_rules
+    return jax_llama_rules() + jax_moe_rules(hf="mixtral")
 
-    from xreshard.adapters.vllm import hf_tensor_specs
 
-    c = MOE_CONFIG
-    D, I = c["hidden_size"], c["intermediate_size"]
-    specs = {n: v for n, v in hf_tensor_specs(MixtralConfig(**c), "bfloat16").items()
-             if ".mlp." not in n}     # transformers stacks experts under non-checkpoint names
+def moe_tree_shapes(c: dict = MOE_CONFIG) -> dict[str, tuple[tuple[int, ...], tuple]]:
+    """The JAX Mixtral tree: Llama attention, stacked experts ``[E, D, I]`` / ``[E, I, D]``
+    sharded over "fsdp" (two experts per device pair) and their I over "tp"."""
+    V, D, I, E = c["vocab_size"], c["hidden_size"], c["intermediate_size"], \
+        c["num_local_experts"]
+    H, KV = c["num_attention_heads"], c["num_key_value_heads"]
+    hd = D // H
+    out = {"embed/embedding": ((V, D), ("tp", "fsdp")), "final_norm/scale": ((D,), ()),
+           "lm_head/kernel": ((D, V), ("fsdp", "tp"))}
     for layer in range(c["num_hidden_layers"]):
-        p = f"model.layers.{layer}.block_sparse_moe"
-        specs[f"{p}.gate.weight"] = ((c["num_local_experts"], D), "bfloat16")
-        for e in range(c["num_local_experts"]):
-            for w, shape in (("w1", (I, D)), ("w3", (I, D)), ("w2", (D, I))):
-                specs[f"{p}.experts.{e}.{w}.weight"] = (shape, "bfloat16")
-    return specs
+        p = f"layers/{layer}/"
+        for w, heads in (("q", H), ("k", KV), ("v", KV)):
+            out[p + f"attn/{w}/kernel"] = ((D, heads, hd), ("fsdp", "tp", None))
+        out[p + "attn/o/kernel"] = ((H, hd, D), ("tp", None, "fsdp"))
+        out[p + "moe/router/kernel"] = ((D, E), ("fsdp", None))
+        out[p + "moe/gate/kernel"] = ((E, D, I), ("fsdp", None, "tp"))
+        out[p + "moe/up/kernel"] = ((E, D, I), ("fsdp", None, "tp"))
+        out[p + "moe/down/kernel"] = ((E, I, D), ("fsdp", "tp", None))
+        out[p + "input_norm/scale"] = ((D,), ())
+        out[p + "post_attn_norm/scale"] = ((D,), ())
+    return out
 
 
-def moe_weights(seed: int) -> dict[str, Any]:
-    import torch
-
-    g = torch.Generator().manual_seed(seed)
-    return {n: (torch.randn(s, generator=g) * 0.1).to(torch.bfloat16)
-            for n, (s, _) in sorted(moe_specs().items())}
-
-
-def save_moe(seed: int, path: str) -> None:
-    from safetensors.torch import save_file
+def write_moe_dir(path: str, seed: int) -> None:
     from transformers import MixtralConfig
 
     cfg = MixtralConfig(**MOE_CONFIG)
     cfg.architectures = ["MixtralForCausalLM"]
     os.makedirs(path, exist_ok=True)
     cfg.to_json_file(os.path.join(path, "config.json"))
-    save_file(moe_weights(seed), os.path.join(path, "model.safetensors"))
+    save_checkpoint(init_params(seed, moe_tree_shapes()), path, moe_rules())
 
 
 def digest_engine(ctx: Any, case: str, tmp: str) -> dict:
@@ -440,7 +441,7 @@ def digest_engine(ctx: Any, case: str, tmp: str) -> dict:
     control = _store(ctx.address, ENGINE_START_TIMEOUT)
     model_dir = os.path.join(tmp, "engine")
     if case == "moe-ep":
-        save_moe(0, model_dir)
+        write_moe_dir(model_dir, 0)
         parallel = {"tensor_parallel_size": 2, "enable_expert_parallel": True}
     else:
         write_model_dir(model_dir)
@@ -467,26 +468,22 @@ def digest_engine(ctx: Any, case: str, tmp: str) -> dict:
 
 
 def digest_trainer(ctx: Any, case: str, tmp: str) -> dict:
-    """Refit the engine B -> A: for "moe-ep" from a torch trainer holding an HF state dict,
-    for "pp" from the JAX trainer (fp32 on 4 CPU devices, bf16 on the wire)."""
+    """Refit the engine B -> A from the JAX trainer (fp32 on 4 CPU devices, bf16 on the
+    wire): the dense tree for "pp", the Mixtral tree with stacked experts for "moe-ep"."""
+    import jax
+
     from xreshard.adapters.vllm_backend import (XreshardTrainerInitInfo,
                                                 XreshardTrainerWeightTransferEngine)
 
-    if case == "moe-ep":
-        save, make, naming = save_moe, moe_weights, {"devices": 1}
-    else:
-        import jax
+    moe = case == "moe-ep"
+    shapes, table = (moe_tree_shapes(), moe_rules()) if moe else (tree_shapes(), rules())
+    mesh = jax.make_mesh((2, 2), ("fsdp", "tp"), devices=jax.local_devices())
+    naming = {"rules": table, "wire_dtype": "bfloat16"}
 
-        mesh = jax.make_mesh((2, 2), ("fsdp", "tp"), devices=jax.local_devices())
-        naming = {"rules": rules(), "wire_dtype": "bfloat16"}
-
-        def save(seed: int, path: str) -> None:
-            save_checkpoint(init_params(seed), path)
-
-        def make(seed: int) -> Any:
-            return shard(init_params(seed), mesh)
+    def make(seed: int) -> Any:
+        return shard(init_params(seed, shapes), mesh, shapes)
     for name, seed in (("A", 0), ("B", 1)):
-        save(seed, os.path.join(tmp, name))
+        save_checkpoint(init_params(seed, shapes), os.path.join(tmp, name), table)
     client = StoreClient(ctx.address)
     _wait(client.store, "engine/ready", ENGINE_START_TIMEOUT)
     engine = XreshardTrainerWeightTransferEngine.trainer_init(

@@ -32,7 +32,7 @@ import logging
 import time
 from bisect import bisect_right
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Iterator, Mapping, Sequence
 
 from .balance import balance, split_piece
