@@ -596,11 +596,41 @@ def _new(layout: Layout, shape: Sequence[int], splits: Iterable[Split]) -> Layou
     return Layout.product(tuple(shape), layout.dtype, layout.mesh, tuple(splits))
 
 
-def _unsplit(layout: Layout, axis: int, what: str, name: str) -> None:
-    axes = [layout.mesh.axis_label(a) for a in layout.dim_axes(axis)]
-    if axes:
-        raise NamingError(f"{name!r}: {what} dim {axis} (size {layout.shape[axis]}), which mesh "
-                          f"axes {axes} split; shard another dim of the trainer array")
+def _slice(lay: Layout, axis: int, a: int, b: int, name: str
+           ) -> tuple[Layout, dict[int, slice]]:
+    """The layout of ``x[..., a:b]`` along ``axis`` and, per rank holding it, the slice of
+    that rank's local array.
+
+    When one mesh axis splits ``axis`` (a fused qkv or gate_up kernel sharded on its fused
+    dim), ``[a, b)`` must lie inside one block or be a run of whole blocks: the ranks
+    holding it keep the mesh with that axis narrowed to those blocks.
+    """
+    mesh = lay.mesh
+    new_shape = lay.shape[:axis] + (b - a,) + lay.shape[axis + 1:]
+    split_axes = lay.dim_axes(axis)
+    if not split_axes:
+        return _new(lay, new_shape, lay.splits), {r: slice(a, b) for r in mesh.ranks}
+    n = lay.shape[axis]
+    block = n // _prod(mesh.shape[x] for x in split_axes)
+    k0, k1 = a // block, -(-b // block)
+    if len(split_axes) > 1 or (k1 - k0 > 1 and (a % block or b % block)):
+        axes = [mesh.axis_label(x) for x in split_axes]
+        raise NamingError(f"{name!r}: slices [{a}:{b}] of dim {axis} (size {n}), which mesh "
+                          f"axes {axes} split into blocks of {block}; a slice of a split dim "
+                          "must lie in one block or be whole blocks of one axis - shard "
+                          "another dim of the trainer array, or size the parts to align with "
+                          "its shards")
+    (ax,) = split_axes
+    shape = list(mesh.shape)
+    shape[ax] = k1 - k0
+    ranks = []
+    for c in itertools.product(*map(range, shape)):
+        c = list(c)
+        c[ax] += k0
+        ranks.append(mesh.rank_at(c))
+    sub = Mesh(tuple(shape), tuple(ranks), mesh.axis_names)
+    part = slice(a - k0 * block, b - k0 * block) if k1 - k0 == 1 else slice(None)
+    return Layout.product(new_shape, lay.dtype, sub, lay.splits), {r: part for r in ranks}
 
 
 def _select(lay: Layout, axis: int, i: int) -> tuple[Layout, dict[int, int]]:
@@ -685,11 +715,10 @@ def _step(t: Any, lay: Layout, arrays: dict[int, Any], fields: dict, params: Map
                                   f"{sizes} does not add up")
             starts = [sum(sizes[:k]) for k in range(len(sizes))]
             cuts = [(v, a, a + n) for (v, _), a, n in zip(t.parts, starts, sizes)]
-        _unsplit(lay, t.axis, "slices", name)
         for value, a, b in cuts:
-            out = _new(lay, shape[:t.axis] + (b - a,) + shape[t.axis + 1:], lay.splits)
-            index = (slice(None),) * t.axis + (slice(a, b),)
-            yield out, {r: x[index] for r, x in arrays.items()}, \
+            out, local = _slice(lay, t.axis, a, b, name)
+            index = (slice(None),) * t.axis
+            yield out, {r: x[index + (local[r],)] for r, x in arrays.items() if r in local}, \
                 ({} if value is None else {t.name: value})
     elif isinstance(t, Unsqueeze):
         splits = [Split(sp.dim + (sp.dim >= t.axis), sp.axis, 1) for sp in lay.splits]

@@ -221,6 +221,46 @@ def test_named_binding_unstacks_experts_sharded_over_a_mesh_axis():
     assert {r for r, n in bound.bindings if n == p + "3.w3.weight"} == {2, 3}
 
 
+def test_named_binding_splits_fused_kernels_sharded_on_the_fused_dim():
+    """Fused qkv [D, H+2KV, hd] and gate_up [D, 2I] with "tp" splitting the fused dim: q is
+    tp block 0, k and v lie inside block 1, gate and up are one block each - every part is
+    sent by the ranks of its block only. A part straddling blocks is refused by name."""
+    import jax
+    from jax.sharding import NamedSharding, PartitionSpec as P
+    from xreshard.adapters.naming import NamingError, jax_llama_rules
+    from xreshard.adapters.vllm_backend import bind_named
+
+    mesh = _mesh()
+    c = cases.CONFIG
+    D, I, H, KV = c["hidden_size"], c["intermediate_size"], c["num_attention_heads"], \
+        c["num_key_value_heads"]
+    rng = np.random.default_rng(11)
+    flat = {"layers/0/attn/qkv/kernel": rng.standard_normal((D, H + 2 * KV, D // H)),
+            "layers/0/mlp/gate_up/kernel": rng.standard_normal((D, 2 * I))}
+    flat = {n: a.astype(np.float32) for n, a in flat.items()}
+    tree = {n: jax.device_put(a, NamedSharding(mesh, P("fsdp", "tp"))) for n, a in flat.items()}
+    names = NameMap(jax_llama_rules(fused=True),
+                    params={"num_heads": H, "num_kv_heads": KV, "intermediate": I})
+    ranks = {int(d.id): i for i, d in enumerate(mesh.devices.flat)}
+    bound = bind_named(cases.unflatten(tree), names, ranks)
+    hf = {n: np.ascontiguousarray(t.view(flat)) for n, t in
+          names.apply({n: a.shape for n, a in flat.items()}).items()}
+    p = "model.layers.0."
+    holders = {n: sorted(r for r, m in bound.bindings if m == n) for n in hf}
+    assert holders[p + "self_attn.q_proj.weight"] == [0, 2]      # tp coordinate 0
+    assert holders[p + "self_attn.k_proj.weight"] == [1, 3]
+    assert holders[p + "mlp.up_proj.weight"] == [1, 3]
+    for (rank, name), local in bound.bindings.items():
+        (region,) = bound.layouts[name].regions(rank)
+        assert np.array_equal(local, hf[name][region.slices()]), (rank, name)
+    # 6 q heads of 8 on tp=2: q spans block 0 and half of block 1
+    odd = NameMap(jax_llama_rules(fused=True),
+                  params={"num_heads": 6, "num_kv_heads": 1, "intermediate": I})
+    with pytest.raises(NamingError, match="'layers/0/attn/qkv/kernel': slices \\[0:6\\] of "
+                                          "dim 1 \\(size 8\\), which mesh axes \\['tp'\\]"):
+        bind_named(cases.unflatten(tree), odd, ranks)
+
+
 def test_named_binding_refuses_a_shard_cut_by_a_reshape():
     import jax
     from jax.sharding import NamedSharding, PartitionSpec as P
