@@ -143,6 +143,27 @@ def layouts_from_pieces(pieces_by_rank: Mapping[int, Mapping[str, Sequence[Piece
     return out
 
 
+def replicate_layout(layout: Layout, rank_lists: Sequence[Sequence[int]]) -> Layout:
+    """``layout`` (over ranks 0..W-1 of one engine) held by every engine: rank r of engine
+    e is ``rank_lists[e][r]``. Product form gains a major ``engine`` axis (kept as is for
+    one engine); explicit form is the union of the engines' relabelled regions."""
+    if layout.is_product:
+        mesh = layout.mesh
+        if len(rank_lists) == 1:
+            ranks, shape, names = [rank_lists[0][r] for r in mesh.ranks], mesh.shape, \
+                mesh.axis_names
+            splits = layout.splits
+        else:
+            ranks = [per[r] for per in rank_lists for r in mesh.ranks]
+            shape = (len(rank_lists),) + mesh.shape
+            names = None if mesh.axis_names is None else ("engine",) + mesh.axis_names
+            splits = tuple(Split(sp.dim, sp.axis + 1, sp.split_factor) for sp in layout.splits)
+        return Layout.product(layout.shape, layout.dtype, Mesh(shape, tuple(ranks), names),
+                              splits)
+    return Layout.explicit_form(layout.shape, layout.dtype, {
+        per[r]: regions for per in rank_lists for r, regions in layout.explicit})
+
+
 def _product_layout(shape: tuple[int, ...], dtype: Any, ranks: tuple[int, ...],
                     held: Mapping[int, tuple[Region, ...]]) -> Layout | None:
     """The product layout whose regions equal ``held`` exactly, or None.
@@ -226,12 +247,25 @@ class Destination:
         """
         return cls(*_record_workers(vllm_config, specs))
 
-    def place(self, ranks: Sequence[int]) -> None:
-        """Key the layouts by world rank: ``ranks[w]`` is worker w's world rank."""
-        self.layouts = layouts_from_pieces(
-            dict(zip(ranks, self.recordings)), {n: self.shapes[n] for n in self.names},
-            self.dtypes, order=ranks)
-        self.rank = ranks[self.rec.worker]
+    def place(self, ranks: Sequence[int], engine: int = 0) -> None:
+        """Key the layouts by world rank: ``ranks[e * W + w]`` is worker w of engine e's
+        world rank (W workers per engine; this worker belongs to engine ``engine``).
+
+        Several engines are identical replicas (same model, same parallel config), so a
+        tensor's layout over all of them is one engine's layout with a major ``engine``
+        mesh axis: the planner then sends each byte once per engine, from balanced senders.
+        An engine whose config differs describes different layouts, which the refit refuses.
+        """
+        n = len(self.recordings)
+        if len(ranks) % n or not 0 <= engine < len(ranks) // n:
+            raise RecordError(f"{len(ranks)} rollout ranks are not whole engines of {n} "
+                              f"workers with engine {engine} among them")
+        per_engine = [list(ranks[e * n:(e + 1) * n]) for e in range(len(ranks) // n)]
+        one = layouts_from_pieces(
+            dict(enumerate(self.recordings)), {m: self.shapes[m] for m in self.names},
+            self.dtypes)
+        self.layouts = {m: replicate_layout(lay, per_engine) for m, lay in one.items()}
+        self.rank = per_engine[engine][self.rec.worker]
 
     def shard_bytes(self) -> int:
         """Bytes this rank's shards hold: what it must receive (padding excluded)."""

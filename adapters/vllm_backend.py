@@ -62,10 +62,12 @@ Decision record.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import sys
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, ClassVar, Iterable, Mapping, Sequence
 
@@ -119,6 +121,8 @@ class XreshardInitInfo(WeightTransferInitInfo):
             live parameters; GPU, unquantized) or "auto".
         specs: HF name -> [shape, dtype] of the tensors the trainer sends; default the
             model directory's safetensors headers, else the HF config's tensors.
+        engine, num_engines: this engine's index among the identical engines the trainer
+            refits together, and their number.
     """
 
     address: str
@@ -128,6 +132,8 @@ class XreshardInitInfo(WeightTransferInitInfo):
     config: dict[str, Any] = field(default_factory=dict)
     mode: str = "auto"
     specs: dict[str, Any] | None = None
+    engine: int = 0
+    num_engines: int = 1
 
     def __post_init__(self) -> None:
         if self.mode not in _MODES:
@@ -135,6 +141,9 @@ class XreshardInitInfo(WeightTransferInitInfo):
         if self.num_processes < 2:
             raise ValueError(f"num_processes={self.num_processes}: a refit world needs the "
                              "trainer processes and the vLLM workers")
+        if not 0 <= self.engine < self.num_engines:
+            raise ValueError(f"engine={self.engine} is not in [0, num_engines="
+                             f"{self.num_engines})")
 
 
 @dataclass
@@ -187,17 +196,20 @@ class XreshardWeightTransferEngine(WeightTransferEngine[XreshardInitInfo, Xresha
                 else "reload"
         self._inplace = mode == "inplace"
         device = "cpu" if self.device.type == "cpu" else self.device
+        workers = dest.rec.num_workers
         self.world = World.join(init_info.address, "rollout", [device],
-                                num_processes=init_info.num_processes, index=dest.rec.worker,
+                                num_processes=init_info.num_processes,
+                                index=init_info.engine * workers + dest.rec.worker,
                                 groups=GROUPS, timeout=init_info.timeout,
                                 world_id=init_info.world_id)
         ranks = self.world.group_ranks("rollout")
-        if len(ranks) != dest.rec.num_workers:
+        if len(ranks) != init_info.num_engines * workers:
             self.shutdown()
-            raise RefitError(f"the world has {len(ranks)} rollout processes but vLLM has "
-                             f"{dest.rec.num_workers} workers (pp x tp); pass num_processes = "
-                             "trainer processes + engine workers")
-        dest.place(ranks)
+            raise RefitError(f"the world has {len(ranks)} rollout processes but "
+                             f"{init_info.num_engines} engine(s) of {workers} workers (pp x tp) "
+                             "each; pass num_processes = trainer processes + all engines' "
+                             "workers, and give every engine the same parallel config")
+        dest.place(ranks, init_info.engine)
         config = dict(init_info.config)
         config.setdefault("timeout", init_info.timeout)
         self.refit = Refit(self.world, config=RefitConfig(**config))
@@ -283,34 +295,41 @@ def _default_devices() -> Any:
     return 1
 
 
-def _concurrently(call: Callable[[], Any] | None, work: Callable[[], Any], timeout: float,
+def _concurrently(calls: Sequence[Callable[[], Any]], work: Callable[[], Any], timeout: float,
                   what: str) -> Any:
-    """``work()`` here while the blocking control-plane ``call()`` runs in a thread.
+    """``work()`` here while the blocking control-plane ``calls`` (one per engine) run in
+    threads.
 
     A worker's side of a collective (join, refit) runs inside the RPC, so the trainer's
-    side must run at the same time. Raises ``work``'s error first, else ``call``'s.
+    side, and every engine's, must run at the same time. Raises ``work``'s error first,
+    else the first failed call's.
     """
-    if call is None:
-        return work()
-    failure: list[BaseException] = []
+    failures: list[tuple[int, BaseException]] = []
 
-    def run() -> None:
+    def run(i: int, call: Callable[[], Any]) -> None:
         try:
             call()
         except BaseException as e:  # noqa: BLE001 - re-raised in the caller's thread
-            failure.append(e)
+            failures.append((i, e))
 
-    thread = threading.Thread(target=run, name=f"xreshard-{what}", daemon=True)
-    thread.start()
+    threads = [threading.Thread(target=run, args=(i, c), name=f"xreshard-{what}-{i}",
+                                daemon=True) for i, c in enumerate(calls)]
+    for t in threads:
+        t.start()
     try:
         result = work()
     finally:
-        thread.join(timeout)
-    if thread.is_alive():
-        raise RefitError(f"the engine's {what} call did not return within {timeout} s after "
-                         "the trainer's side finished")
-    if failure:
-        raise RefitError(f"the engine's {what} call failed: {failure[0]}") from failure[0]
+        deadline = time.monotonic() + timeout
+        for t in threads:
+            t.join(max(0.0, deadline - time.monotonic()))
+    late = [i for i, t in enumerate(threads) if t.is_alive()]
+    if late:
+        raise RefitError(f"engine(s) {late}: the {what} call did not return within {timeout} s "
+                         "after the trainer's side finished")
+    if failures:
+        i, e = min(failures, key=lambda f: f[0])
+        who = f"engine {i}'s" if len(threads) > 1 else "the engine's"
+        raise RefitError(f"{who} {what} call failed: {e}") from e
     return result
 
 
@@ -319,7 +338,10 @@ class XreshardTrainerInitInfo(TrainerInitInfo):
     """Trainer-side init info of the ``"xreshard"`` backend (never serialized).
 
     Attributes:
-        engine_world_size: vLLM workers (pp x tp).
+        engine_world_size: vLLM workers (pp x tp) of one engine.
+        num_engines: identical engines refit together (each receives every byte once, from
+            balanced trainer ranks); rank 0's ``client`` is then a list of their clients,
+            in engine order.
         num_trainer_processes: trainer processes; each calls ``trainer_init`` with its
             ``rank`` (0 drives the engine's control plane).
         address: a running store every trainer process reaches; None: rank 0 serves one on
@@ -339,6 +361,7 @@ class XreshardTrainerInitInfo(TrainerInitInfo):
     backend: ClassVar[str] = BACKEND
 
     engine_world_size: int
+    num_engines: int = 1
     num_trainer_processes: int = 1
     address: str | None = None
     host: str = "127.0.0.1"
@@ -366,13 +389,16 @@ class XreshardTrainerWeightTransferEngine(TrainerWeightTransferEngine[XreshardTr
 
     Build it with :meth:`trainer_init` on every trainer process, then call
     :meth:`send_weights` with the current weights each round on every trainer process.
-    Rank 0 also drives the engine (start / update / finish) through ``client``.
+    Rank 0 also drives the engines (start / update / finish) through ``client``: one
+    engine's client, or a list with one client per engine.
     """
 
     init_info_cls = XreshardTrainerInitInfo
 
     def __init__(self, *, client: Any, source: Any = None, is_sender: bool = True) -> None:
         super().__init__(client=client, source=source, is_sender=is_sender)
+        self.clients: list[Any] = [] if not is_sender else \
+            list(client) if isinstance(client, (list, tuple)) else [client]
         self.world: World | None = None
         self.sender: WeightSender | None = None
         self.timeout = 300.0
@@ -387,13 +413,17 @@ class XreshardTrainerWeightTransferEngine(TrainerWeightTransferEngine[XreshardTr
         Args:
             init_info: see :class:`XreshardTrainerInitInfo`.
             client: the engine's control plane (:class:`LLMClient`, vLLM's HTTP or Ray
-                clients); only rank 0 calls it.
+                clients), or a list of them, one per engine (``num_engines``); only rank 0
+                calls it.
             source: default weights for ``send_weights()`` without an argument (a torch
                 module or state dict whose tensors are updated in place).
         """
         info = init_info
         engine = cls(client=client, source=source, is_sender=info.is_sender)
         engine.timeout = info.timeout
+        if info.is_sender and len(engine.clients) != info.num_engines:
+            raise RefitError(f"num_engines={info.num_engines} but {len(engine.clients)} "
+                             "client(s) given; pass one client per engine, in engine order")
         address = info.address
         if address is None:
             if info.num_trainer_processes > 1:
@@ -406,9 +436,11 @@ class XreshardTrainerWeightTransferEngine(TrainerWeightTransferEngine[XreshardTr
                 address = f"tcp://{info.advertise_host}:{engine._server.port}"
         config = info.refit_config()
         worker_info = {"address": address,
-                       "num_processes": info.num_trainer_processes + info.engine_world_size,
+                       "num_processes": info.num_trainer_processes
+                       + info.num_engines * info.engine_world_size,
                        "world_id": info.world_id, "timeout": info.timeout,
-                       "config": config.to_dict(), "mode": info.mode, "specs": info.specs}
+                       "config": config.to_dict(), "mode": info.mode, "specs": info.specs,
+                       "num_engines": info.num_engines}
         devices = _default_devices() if info.devices is None else info.devices
 
         def join() -> World:
@@ -416,10 +448,10 @@ class XreshardTrainerWeightTransferEngine(TrainerWeightTransferEngine[XreshardTr
                               num_processes=worker_info["num_processes"], index=info.rank,
                               groups=GROUPS, timeout=info.timeout, world_id=info.world_id)
 
-        call = (lambda: client.init_weight_transfer_engine(worker_info)) if engine.is_sender \
-            else None
+        calls = [functools.partial(c.init_weight_transfer_engine, {**worker_info, "engine": e})
+                 for e, c in enumerate(engine.clients)]
         try:
-            engine.world = _concurrently(call, join, info.timeout, "init_weight_transfer_engine")
+            engine.world = _concurrently(calls, join, info.timeout, "init_weight_transfer_engine")
         except BaseException:
             engine.shutdown()
             raise
@@ -444,24 +476,23 @@ class XreshardTrainerWeightTransferEngine(TrainerWeightTransferEngine[XreshardTr
         if weights is None:
             raise RefitError("send_weights needs the weights (or a source at trainer_init)")
         version = self.sender.version + 1
-        if self.is_sender:
-            self.client.start_weight_update()
-        call = (lambda: self.client.update_weights({"version": version})) if self.is_sender \
-            else None
+        for c in self.clients:
+            c.start_weight_update()
+        calls = [functools.partial(c.update_weights, {"version": version}) for c in self.clients]
         try:
-            report = _concurrently(call, lambda: self.sender.send_weights(weights),
+            report = _concurrently(calls, lambda: self.sender.send_weights(weights),
                                    self.timeout, "update_weights")
         except BaseException:
-            if self.is_sender:
-                # close the update session on the workers that did not raise (see
-                # XreshardWeightTransferEngine.receive_weights), without a new version
+            # close the update session on the workers that did not raise (see
+            # XreshardWeightTransferEngine.receive_weights), without a new version
+            for c in self.clients:
                 try:
-                    self.client.finish_weight_update(None)
+                    c.finish_weight_update(None)
                 except Exception:  # noqa: BLE001 - the rank that raised has no session
                     pass
             raise
-        if self.is_sender:
-            self.client.finish_weight_update(str(version))
+        for c in self.clients:
+            c.finish_weight_update(str(version))
         return report
 
     def shutdown(self) -> None:

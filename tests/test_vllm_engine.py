@@ -110,6 +110,32 @@ def test_trainer_refits_vllm_engine_like_a_checkpoint_load(tp, dtype, kind, tmp_
         assert max(x["bytes_received"] for x in rounds[0]["reports"]) < 0.6 * full
 
 
+@pytest.mark.slow
+def test_one_trainer_refits_two_engines_at_once(tmp_path):
+    """Two identical TP=1 engines (two processes) refit together from one JAX trainer: one
+    collective refit, each engine receives every byte once, and both answer like vLLM
+    loading the same checkpoint."""
+    roles = [Role("jax", "trainer", 0, num_devices=4)] + [
+        Role("plain", "engine", e, env={"VLLM_CPU_KVCACHE_SPACE": "1", **ENGINE_ENV[1]})
+        for e in range(2)]
+    results = launch(cases.__name__ + ":engines_dispatch", roles,
+                     args=([2, str(tmp_path)],), timeout=300)
+    rounds = results[0].value["rounds"]
+    assert [r["name"] for r in rounds] == ["A", "B"]
+    model = _expected_shard_bytes(1, 0, 4)
+    for r in rounds:
+        assert len(r["engines"]) == 2
+        for e in r["engines"]:
+            assert e["tokens"] == e["ref_tokens"], r["name"]
+            assert e["logprobs_bit_equal"], (r["name"], e["logprobs_max_abs_diff"])
+            assert e["weight_version"] == str(r["version"])
+            (report,) = e["reports"]
+            assert report["bytes_received"] == report["shard_bytes"] == model
+        assert r["bytes_sent"] == r["bytes_moved_world"] == 2 * model
+    assert rounds[0]["engines"][0]["tokens"] != rounds[1]["engines"][0]["tokens"]
+    assert {e["reports"][0]["world_rank"] for e in rounds[0]["engines"]} == {4, 5}
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -156,13 +156,16 @@ class StoreClient:
     """``VLLMWeightSyncClient`` over a TCPStore: each call is a numbered request the engine
     process (:func:`serve_requests`) answers. ``check``/``stop`` drive the test."""
 
-    def __init__(self, address: str, timeout: float = RPC_TIMEOUT) -> None:
+    def __init__(self, address: str, engine: int = 0, timeout: float = RPC_TIMEOUT) -> None:
         self.store, self.timeout, self.n = _store(address, timeout), timeout, 0
+        self.prefix = f"engine{engine}/"
+        _wait(self.store, self.prefix + "ready", ENGINE_START_TIMEOUT)
 
     def call(self, method: str, **kwargs: Any) -> Any:
         n, self.n = self.n, self.n + 1
-        self.store.set(f"rpc/{n}", json.dumps({"method": method, "kwargs": kwargs}))
-        out = json.loads(_wait(self.store, f"rpc/{n}/out", self.timeout))
+        key = f"{self.prefix}rpc/{n}"
+        self.store.set(key, json.dumps({"method": method, "kwargs": kwargs}))
+        out = json.loads(_wait(self.store, key + "/out", self.timeout))
         if "error" in out:
             raise RuntimeError(f"engine {method} failed: {out['error']}")
         return out["value"]
@@ -180,20 +183,24 @@ class StoreClient:
         self.call("finish_weight_update", weight_version=weight_version)
 
 
-def serve_requests(llm: Any, store: Any, handlers: dict) -> None:
+def serve_requests(ctx: Any, llm: Any, store: Any, handlers: dict) -> None:
+    """Say the engine is ready, then answer its trainer's calls until "stop"."""
     from xreshard.adapters.vllm_backend import LLMClient
 
+    prefix = f"engine{ctx.role.index}/"
+    store.set(prefix + "ready", "1")
     client = LLMClient(llm)
     n = 0
     while True:
-        req = json.loads(_wait(store, f"rpc/{n}", RPC_TIMEOUT))
+        key = f"{prefix}rpc/{n}"
+        req = json.loads(_wait(store, key, RPC_TIMEOUT))
         method = req["method"]
         fn = handlers.get(method) or getattr(client, method)
         try:
             out = {"value": fn(**req["kwargs"])}
         except Exception as e:  # noqa: BLE001 - the trainer raises it
             out = {"error": f"{type(e).__name__}: {e}"}
-        store.set(f"rpc/{n}/out", json.dumps(out))
+        store.set(key + "/out", json.dumps(out))
         n += 1
         if method == "stop":
             return
@@ -219,7 +226,7 @@ def engine(ctx: Any, tp: int, dtype: str, tmp: str) -> dict:
     from vllm import LLM
 
     control = _store(ctx.address, ENGINE_START_TIMEOUT)
-    model_dir = os.path.join(tmp, "engine")
+    model_dir = os.path.join(tmp, f"engine{ctx.role.index}")
     write_model_dir(model_dir)
     t0 = time.monotonic()
     llm = LLM(model=model_dir, skip_tokenizer_init=True, tensor_parallel_size=tp, dtype=dtype,
@@ -228,7 +235,6 @@ def engine(ctx: Any, tp: int, dtype: str, tmp: str) -> dict:
               worker_extension_cls="xreshard.adapters.vllm.WorkerExtension",
               weight_transfer_config={"backend": "xreshard"})
     start_seconds = time.monotonic() - t0
-    control.set("engine/ready", "1")
     rounds = []
 
     def check(weights_path: str) -> dict:
@@ -249,7 +255,7 @@ def engine(ctx: Any, tp: int, dtype: str, tmp: str) -> dict:
         return out
 
     try:
-        serve_requests(llm, control, {"check": check, "stop": lambda: None})
+        serve_requests(ctx, llm, control, {"check": check, "stop": lambda: None})
     finally:    # launched children end with os._exit: stop the engine core and its workers
         llm.llm_engine.engine_core.shutdown()
     return {"start_seconds": start_seconds, "rounds": len(rounds)}
@@ -282,7 +288,6 @@ def trainer(ctx: Any, tp: int, dtype: str, tmp: str, kind: str = "jax") -> dict:
         def make(flat: dict) -> Any:
             return {n: torch.from_numpy(a) for n, a in hf_tensors(flat).items()}
     client = StoreClient(ctx.address)
-    _wait(client.store, "engine/ready", ENGINE_START_TIMEOUT)
     info = XreshardTrainerInitInfo(rank=0, engine_world_size=tp, timeout=REFIT_TIMEOUT,
                                    wire_dtype=None if dtype == "float32" else dtype, **naming)
     t0 = time.monotonic()
@@ -450,7 +455,6 @@ def digest_engine(ctx: Any, case: str, tmp: str) -> dict:
               max_model_len=64, max_num_seqs=4, seed=0, **parallel,
               worker_extension_cls="xreshard.adapters.vllm.WorkerExtension",
               weight_transfer_config={"backend": "xreshard"})
-    control.set("engine/ready", "1")
 
     def check(weights_path: str) -> dict:
         got = llm.collective_rpc("xreshard_weights_digest")
@@ -461,7 +465,7 @@ def digest_engine(ctx: Any, case: str, tmp: str) -> dict:
                 "reports": reports}
 
     try:
-        serve_requests(llm, control, {"check": check, "stop": lambda: None})
+        serve_requests(ctx, llm, control, {"check": check, "stop": lambda: None})
     finally:
         llm.llm_engine.engine_core.shutdown()
     return {}
@@ -485,7 +489,6 @@ def digest_trainer(ctx: Any, case: str, tmp: str) -> dict:
     for name, seed in (("A", 0), ("B", 1)):
         save_checkpoint(init_params(seed, shapes), os.path.join(tmp, name), table)
     client = StoreClient(ctx.address)
-    _wait(client.store, "engine/ready", ENGINE_START_TIMEOUT)
     engine = XreshardTrainerWeightTransferEngine.trainer_init(
         XreshardTrainerInitInfo(rank=0, engine_world_size=2, timeout=REFIT_TIMEOUT, **naming),
         client=client)
@@ -504,3 +507,44 @@ def digest_trainer(ctx: Any, case: str, tmp: str) -> dict:
 def digest_dispatch(ctx: Any, args: list) -> Any:
     role = digest_trainer if ctx.role.group == "trainer" else digest_engine
     return role(ctx, *args)
+
+
+# ---------------------------------------------------------------------------- several engines
+
+def engines_trainer(ctx: Any, num_engines: int, tmp: str) -> dict:
+    """One JAX trainer refits ``num_engines`` identical TP=1 fp32 engines at once, A -> B."""
+    import jax
+
+    from xreshard.adapters.vllm_backend import (XreshardTrainerInitInfo,
+                                                XreshardTrainerWeightTransferEngine)
+
+    mesh = jax.make_mesh((2, 2), ("fsdp", "tp"), devices=jax.local_devices())
+    weights = {name: init_params(seed) for name, seed in (("A", 1), ("B", 2))}
+    for name, w in weights.items():
+        save_checkpoint(w, os.path.join(tmp, name))
+    clients = [StoreClient(ctx.address, engine=e) for e in range(num_engines)]
+    engine = XreshardTrainerWeightTransferEngine.trainer_init(
+        XreshardTrainerInitInfo(rank=0, engine_world_size=1, num_engines=num_engines,
+                                timeout=REFIT_TIMEOUT, rules=rules()), client=clients)
+    rounds = []
+    try:
+        for name in ("A", "B"):
+            report = engine.send_weights(shard(weights[name], mesh))
+            rounds.append({"name": name, "bytes_sent": report.bytes_sent,
+                           "bytes_moved_world": report.bytes_moved_world,
+                           "version": report.version,
+                           "engines": [c.call("check", weights_path=os.path.join(tmp, name))
+                                       for c in clients]})
+    finally:
+        for c in clients:
+            c.call("stop")
+        engine.shutdown()
+    return {"rounds": rounds}
+
+
+def engines_dispatch(ctx: Any, args: list) -> Any:
+    """The trainer (args: num_engines, tmp) and each engine (TP=1, fp32)."""
+    num_engines, tmp = args
+    if ctx.role.group == "trainer":
+        return engines_trainer(ctx, num_engines, tmp)
+    return engine(ctx, 1, "float32", tmp)
