@@ -178,10 +178,12 @@ class XreshardWeightTransferEngine(WeightTransferEngine[XreshardInitInfo, Xresha
                              "shutdown_weight_transfer_engine() before initializing again")
         pc = self.parallel_config
         if pc.data_parallel_size > 1:
-            # TODO(dp): one refit destination per DP engine, or replicas in one layout
+            # TODO(dp): index DP ranks as engines (engine = dp rank) and record per DP rank
             raise NotImplementedError("the xreshard backend supports tensor, pipeline and "
-                                      "expert parallelism, not data parallelism "
-                                      f"(got dp={pc.data_parallel_size})")
+                                      "expert parallelism, not vLLM's data parallelism "
+                                      f"(got dp={pc.data_parallel_size}); run one engine per "
+                                      "replica and refit them together (trainer "
+                                      "num_engines=N, one client per engine)")
         key = repr(sorted((init_info.specs or {}).items()))
         if self._dest is None or key != self._specs_key:
             self._dest = xv.Destination.record_in_engine(self.vllm_config, init_info.specs)
