@@ -4,6 +4,7 @@ expert parallelism).
 
     python benchmarks/bench_vllm_bytes.py [--model qwen2_5_0_5b] [--tp 2] [--trainer jax:fsdp=4]
     python benchmarks/bench_vllm_bytes.py --model qwen3_30b_a3b --tp 4 --ep
+    python benchmarks/bench_vllm_bytes.py --engines 8    # one trainer refits 8 engines at once
 
 No engine and no weights: the destination layouts are recorded from vLLM's own loaders on a
 meta-device model built from a Qwen2Config (Qwen3MoeConfig for a model with experts) of
@@ -35,6 +36,8 @@ def main() -> None:
     ap.add_argument("--model", default="qwen2_5_0_5b")
     ap.add_argument("--tp", type=int, default=2)
     ap.add_argument("--trainer", default="jax:fsdp=4", help="source recipe (xreshard.recipes)")
+    ap.add_argument("--engines", type=int, default=1,
+                    help="identical engines refit together (the backend's num_engines)")
     ap.add_argument("--ep", action="store_true",
                     help="vLLM's enable_expert_parallel: experts whole, split over the ranks")
     args = ap.parse_args()
@@ -68,36 +71,42 @@ def main() -> None:
     src_recipe = parse_recipe(args.trainer)
     offset = src_recipe.world_size
     src = recipe_layouts(model, src_recipe, 0)
-    dst = xv.layouts_from_pieces({offset + r: rec for r, rec in recs.items()},
-                                 {n: s for n, (s, _) in specs.items()},
-                                 {n: d for n, (_, d) in specs.items()},
-                                 order=[offset + r for r in range(args.tp)])
+    one = xv.layouts_from_pieces(recs, {n: s for n, (s, _) in specs.items()},
+                                 {n: d for n, (_, d) in specs.items()})
+    engines = [[offset + e * args.tp + r for r in range(args.tp)] for e in range(args.engines)]
+    dst = {n: xv.replicate_layout(lay, engines) for n, lay in one.items()}
     t0 = time.perf_counter()
     stats = xreshard.plan(src, dst).stats
     plan_s = time.perf_counter() - t0
 
     full = model.total_bytes
+    workers = [w for ranks in engines for w in ranks]
     # vLLM's loaders write each rank's shards; padding rows are no tensor's bytes
-    shard = {r: sum(reg.size * itemsize(lay.dtype) for lay in dst.values()
-                    for reg in lay.regions(offset + r)) for r in range(args.tp)}
+    shard = {w: sum(reg.size * itemsize(lay.dtype) for lay in dst.values()
+                    for reg in lay.regions(w)) for w in workers}
     product = sum(lay.is_product for lay in dst.values())
     mib = 2 ** 20
     print(f"{model.name}: {model.num_tensors} tensors, {full / mib:.1f} MiB ({dtype}); trainer "
-          f"`{args.trainer}` -> vLLM TP={args.tp}{' EP' if args.ep else ''}; recorded in {record_s:.1f} s, planned in "
+          f"`{args.trainer}` -> {args.engines} x vLLM TP={args.tp}{' EP' if args.ep else ''}; "
+          f"trainer ranks send {stats.bytes_moved / mib:.1f} MiB in all, the busiest "
+          f"{max(stats.bytes_sent.values()) / mib:.1f} MiB (sender balance "
+          f"{stats.sender_balance:.4f} x lower bound); recorded in {record_s:.1f} s, planned in "
           f"{plan_s * 1e3:.0f} ms; {product}/{len(dst)} destination layouts in product form\n",
           file=sys.stderr)
     print("| vLLM rank | xreshard: received (= shard bytes) | nccl backend: received (full "
           "tensors) | xreshard / nccl |")
     print("|---|---|---|---|")
-    for r in range(args.tp):
-        got = stats.bytes_received.get(offset + r, 0)
-        assert got == shard[r], (r, got, shard[r])
+    for w in workers:
+        got = stats.bytes_received.get(w, 0)
+        assert got == shard[w], (w, got, shard[w])
+    for r, w in enumerate(engines[0]):     # every engine receives the same
+        got = stats.bytes_received.get(w, 0)
         print(f"| {r} | {got / mib:.1f} MiB ({got:,} B) | {full / mib:.1f} MiB ({full:,} B) "
               f"| {got / full:.4f} |")
-    total = sum(stats.bytes_received.get(offset + r, 0) for r in range(args.tp))
-    print(f"| all | {total / mib:.1f} MiB ({total:,} B) | {args.tp * full / mib:.1f} MiB "
-          f"({args.tp * full:,} B) | {total / (args.tp * full):.4f} |")
-
+    total = sum(stats.bytes_received.get(w, 0) for w in workers)
+    nccl = len(workers) * full
+    print(f"| all {len(workers)} | {total / mib:.1f} MiB ({total:,} B) | {nccl / mib:.1f} MiB "
+          f"({nccl:,} B) | {total / nccl:.4f} |")
 
 if __name__ == "__main__":
     main()
