@@ -18,7 +18,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from xreshard.adapters import vllm as xv  # noqa: E402
-from xreshard.layout import Layout, Region  # noqa: E402
+from xreshard.layout import Layout, Mesh, Region  # noqa: E402
 
 # Tiny Qwen2: V=1000 (padded to 1024), D=128, H=4, KV=2, hd=32, I=256, q/k/v bias, tied.
 # Tiny Llama: V=960 (no padding), D=128, H=8, KV=2, hd=16, I=256, q/k/v/o bias, untied.
@@ -631,3 +631,19 @@ def test_checkpoint_specs_read_safetensors_headers(tmp_path):
                                 str(tmp_path / "model.safetensors"))
     assert xv.checkpoint_specs(str(tmp_path)) == {"a.weight": ((3, 4), "bfloat16"),
                                                   "b": ((2,), "float32")}
+
+
+def test_replicate_layout_stacks_engines_on_a_major_axis():
+    """Several identical engines: product layouts gain a major "engine" axis, explicit ones
+    (a padded vocab) are the union of each engine's relabelled regions."""
+    shard = Layout.from_placements((8, 4), "bfloat16", Mesh((2,), axis_names=("tp",)),
+                                      ["S0"])
+    both = xv.replicate_layout(shard, [[10, 11], [20, 21]])
+    assert str(both) == "Layout((8, 4) bfloat16 on mesh(engine=2,tp=2)[10,11,20,21]: d0<-tp)"
+    for eng in ([10, 11], [20, 21]):
+        assert [both.regions(r) for r in eng] == [shard.regions(0), shard.regions(1)]
+    padded = Layout.explicit_form((6, 4), "bfloat16", {0: [[(0, 4), (0, 4)]],
+                                                          1: [[(4, 6), (0, 4)]]})
+    both = xv.replicate_layout(padded, [[10, 11], [20, 21]])
+    assert both.regions(21) == padded.regions(1) and both.regions(10) == padded.regions(0)
+    assert xv.replicate_layout(shard, [[5, 6]]).mesh == Mesh((2,), (5, 6), ("tp",))
