@@ -123,6 +123,7 @@ class XreshardInitInfo(WeightTransferInitInfo):
             model directory's safetensors headers, else the HF config's tensors.
         engine, num_engines: this engine's index among the identical engines the trainer
             refits together, and their number.
+        engine_world_size: the workers per engine the trainer expects (None: not checked).
     """
 
     address: str
@@ -134,6 +135,7 @@ class XreshardInitInfo(WeightTransferInitInfo):
     specs: dict[str, Any] | None = None
     engine: int = 0
     num_engines: int = 1
+    engine_world_size: int | None = None
 
     def __post_init__(self) -> None:
         if self.mode not in _MODES:
@@ -199,6 +201,10 @@ class XreshardWeightTransferEngine(WeightTransferEngine[XreshardInitInfo, Xresha
         self._inplace = mode == "inplace"
         device = "cpu" if self.device.type == "cpu" else self.device
         workers = dest.rec.num_workers
+        if init_info.engine_world_size not in (None, workers):
+            raise RefitError(f"engine {init_info.engine} has {workers} workers (pp x tp) but the "
+                             f"trainer expects engine_world_size={init_info.engine_world_size}; "
+                             "refit engines together only when they share one parallel config")
         self.world = World.join(init_info.address, "rollout", [device],
                                 num_processes=init_info.num_processes,
                                 index=init_info.engine * workers + dest.rec.worker,
@@ -320,6 +326,15 @@ def _concurrently(calls: Sequence[Callable[[], Any]], work: Callable[[], Any], t
         t.start()
     try:
         result = work()
+    except XreshardError as e:
+        # a peer that never joined because its engine refused: say why, not only that
+        # it was missing
+        for t in threads:
+            t.join(0.0)
+        if failures:
+            i, f = min(failures, key=lambda x: x[0])
+            raise RefitError(f"{e}\n(engine {i}'s {what} call failed: {f})") from e
+        raise
     finally:
         deadline = time.monotonic() + timeout
         for t in threads:
@@ -442,7 +457,8 @@ class XreshardTrainerWeightTransferEngine(TrainerWeightTransferEngine[XreshardTr
                        + info.num_engines * info.engine_world_size,
                        "world_id": info.world_id, "timeout": info.timeout,
                        "config": config.to_dict(), "mode": info.mode, "specs": info.specs,
-                       "num_engines": info.num_engines}
+                       "num_engines": info.num_engines,
+                       "engine_world_size": info.engine_world_size}
         devices = _default_devices() if info.devices is None else info.devices
 
         def join() -> World:

@@ -365,3 +365,29 @@ def test_pipeline_parallel_engine_gets_each_stage_its_layers_only(tmp_path):
     stage0, stage1 = _changed(rounds, 0), _changed(rounds, 1)
     assert any("layers.0." in n for n in stage0) and not any("layers.1." in n for n in stage0)
     assert any("layers.1." in n for n in stage1) and not any("layers.0." in n for n in stage1)
+
+
+def test_trainer_error_names_the_engine_whose_call_failed():
+    """An engine that refuses at init never joins; the trainer's join then times out, and
+    its error says which engine refused and why, not only that processes were missing."""
+    from xreshard.adapters.vllm_backend import _concurrently
+    from xreshard.errors import RefitError
+
+    def refuse() -> None:
+        raise RefitError("engine 1 has 4 workers (pp x tp) but the trainer expects "
+                         "engine_world_size=2")
+
+    def join() -> None:
+        time.sleep(0.2)
+        raise RefitError("timed out waiting for rollout[2], rollout[3]")
+
+    with pytest.raises(RefitError, match=r"(?s)rollout\[2\].*engine 1's init_weight_transfer_"
+                                         r"engine call failed: engine 1 has 4 workers"):
+        _concurrently([lambda: None, refuse], join, 5.0, "init_weight_transfer_engine")
+    assert _concurrently([lambda: None], lambda: 7, 5.0, "x") == 7
+
+    def boom() -> None:
+        raise ValueError("boom")
+
+    with pytest.raises(RefitError, match="engine 0's x call failed: boom"):
+        _concurrently([boom, lambda: None], lambda: None, 5.0, "x")
