@@ -26,7 +26,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from xreshard.errors import LayoutError
-from xreshard.layout import Layout, Mesh, Region
+from xreshard.layout import Layout, LayoutMemo, Mesh, Region
 
 __all__ = ["bind", "layout_of", "tree_names"]
 
@@ -292,6 +292,11 @@ def _aligned_empty(shape: Sequence[int], dtype: Any, align: int = 64) -> Any:
     return raw[off:off + math.prod(shape) * dtype.itemsize].view(dtype).reshape(shape)
 
 
+#: the layouts bind() built, by (sharding, shape, dtype, rank map): a refit every step
+#: re-binds the same arrays' shardings
+_MEMO = LayoutMemo()
+
+
 def bind(tree: Any, side: str, *, ranks: Mapping[int, int], names: Any = None,
          transpose: frozenset[str] = frozenset()) -> Any:
     """Bind a pytree of ``jax.Array`` (send) or of arrays / ``ShapeDtypeStruct`` with
@@ -324,13 +329,16 @@ def bind(tree: Any, side: str, *, ranks: Mapping[int, int], names: Any = None,
 
     flat, treedef = jax.tree_util.tree_flatten_with_path(tree)
     layouts, bindings, errors = {}, {}, []
+    rid = _MEMO.ranks_id(ranks)
     pending = []       # receive: (leaf, name, [(device, buffer)])
     for path, leaf in flat:
         name = _rename("/".join(_key_str(k) for k in path), names)
         if name in layouts:
             errors.append(f"two leaves map to tensor {name!r}")
             continue
-        layout = layout_of(leaf, ranks=rank_of, name=name)
+        layout = _MEMO.get(None if rid is None else (leaf.sharding, tuple(leaf.shape),
+                                                     leaf.dtype, rid),
+                           lambda: layout_of(leaf, ranks=rank_of, name=name))
         flip = name in transpose
         if flip:
             if layout.ndim != 2:

@@ -25,7 +25,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from xreshard.errors import LayoutError
-from xreshard.layout import Layout, Mesh, Split, parse_placement
+from xreshard.layout import Layout, LayoutMemo, Mesh, Split, parse_placement
 
 __all__ = ["Sharded", "bind", "layout_of", "placements_of"]
 
@@ -318,6 +318,11 @@ def tensor_view(t: Any) -> Any:
     return cupy.from_dlpack(t)
 
 
+#: the layouts bind() built, by (DTensor spec, rank map): a refit every step re-binds
+#: the same specs
+_MEMO = LayoutMemo()
+
+
 def bind(obj: Any, side: str, *, ranks: RankMap, local_ranks: Sequence[int], names: Any = None,
          transpose: frozenset[str] = frozenset()) -> Any:
     """Bind a state dict / module of DTensors, :class:`Sharded` or plain tensors.
@@ -343,6 +348,7 @@ def bind(obj: Any, side: str, *, ranks: RankMap, local_ranks: Sequence[int], nam
         raise LayoutError(f"a torch process binds one world rank, this one has {list(local_ranks)}")
     me = local_ranks[0]
     layouts, bindings, errors, local_only = {}, {}, [], set()
+    rid = _MEMO.ranks_id(ranks)
     for key, value in items:
         name = key if names is None else (names(key) if callable(names) else names.get(key, key))
         if name in layouts:
@@ -350,7 +356,8 @@ def bind(obj: Any, side: str, *, ranks: RankMap, local_ranks: Sequence[int], nam
             continue
         try:
             if isinstance(value, DTensor):
-                layout = layout_of(value, ranks=ranks, name=name)
+                layout = _MEMO.get(None if rid is None else (value._spec, rid),
+                                   lambda: layout_of(value, ranks=ranks, name=name))
                 local = value.to_local()
             elif isinstance(value, Sharded):
                 mesh = value.mesh if isinstance(value.mesh, Mesh) else mesh_of(value.mesh, ranks=ranks)

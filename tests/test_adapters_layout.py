@@ -228,6 +228,29 @@ def test_jax_single_device_sharding():
 
 
 @needs_jax
+def test_jax_bind_hands_back_the_same_layouts_each_call():
+    """The layout memo: a refit re-binding the same arrays gets the same Layout objects
+    (caches warm); another rank map or sharding gets its own."""
+    devices = _devices8()[:4]
+    mesh = jax.sharding.Mesh(np.array(devices).reshape(2, 2), ("a", "b"))
+    tree = {"w": jax.device_put(np.zeros((8, 4), np.float32), NamedSharding(mesh, P("a"))),
+            "v": jax.device_put(np.zeros((8, 4), np.float32), NamedSharding(mesh, P("b")))}
+    ranks = {d.id: i for i, d in enumerate(devices)}
+    first = xjax.bind(tree, "send", ranks=ranks)
+    again = xjax.bind(tree, "send", ranks=dict(ranks))
+    assert all(again.layouts[n] is first.layouts[n] for n in tree)
+    assert first.layouts["w"] != first.layouts["v"]
+    shifted = xjax.bind(tree, "send", ranks={d: r + 10 for d, r in ranks.items()})
+    assert shifted.layouts["w"].ranks == (10, 11, 12, 13)
+    xjax._MEMO.enabled = False
+    try:
+        cold = xjax.bind(tree, "send", ranks=ranks)
+    finally:
+        xjax._MEMO.enabled = True
+    assert cold.layouts["w"] == first.layouts["w"] and cold.layouts["w"] is not first.layouts["w"]
+
+
+@needs_jax
 def test_jax_shape_dtype_struct_and_abstract_mesh():
     devices = _devices8()
     mesh = jax.sharding.Mesh(np.array(devices).reshape(2, 4), ("dp", "tp"))

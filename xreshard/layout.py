@@ -21,7 +21,7 @@ import json
 import math
 from bisect import bisect_right
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 from .dtypes import dtype_name
 from .errors import LayoutError
@@ -658,3 +658,50 @@ def parse_placement(p: Any, where: str = "", axis: str | None = None) -> tuple[i
         raise LayoutError(partial)
     raise LayoutError(f"{where}placement {p!r} (type {kinds[0]}){on} is not understood; "
                       f"{_PLACEMENT_HELP}")
+
+
+class LayoutMemo:
+    """Layouts by an adapter's key (a sharding, a DTensor spec, plus the rank map), so a
+    refit called every step gets the same :class:`Layout` objects back, with their geometry
+    caches warm, instead of rebuilding thousands of equal ones (~0.2 ms each).
+
+    ``ranks_id`` turns a rank map into a small int once per bind, so keys stay cheap to hash.
+    Bounded: it forgets everything when it holds ``limit`` layouts. ``enabled = False``
+    makes every ``get`` build anew (benchmarks compare both).
+    """
+
+    def __init__(self, limit: int = 1 << 16) -> None:
+        self._layouts: dict[Any, Layout] = {}
+        self._rank_maps: dict[Any, int] = {}
+        self._limit = limit
+        self.enabled = True
+
+    def ranks_id(self, ranks: Any) -> int | None:
+        """A small int for a rank map (mapping), or None when it cannot key a memo."""
+        if not isinstance(ranks, Mapping):
+            return None
+        key = tuple(sorted(ranks.items()))
+        got = self._rank_maps.get(key)
+        if got is None:
+            if len(self._rank_maps) >= 1024:
+                self._rank_maps.clear()
+                self._layouts.clear()
+            got = self._rank_maps[key] = len(self._rank_maps)
+        return got
+
+    def get(self, key: Any, make: Callable[[], Layout]) -> Layout:
+        """The layout remembered under ``key``, else ``make()`` (remembered). A ``None`` key
+        (nothing to key on) or an unhashable one is never remembered."""
+        if key is None or not self.enabled:
+            return make()
+        try:
+            return self._layouts[key]
+        except KeyError:
+            pass
+        except TypeError:
+            return make()
+        layout = make()
+        if len(self._layouts) >= self._limit:
+            self._layouts.clear()
+        self._layouts[key] = layout
+        return layout

@@ -1,0 +1,102 @@
+"""Fixed cost of a refit call with many small tensors: layouts remembered vs rebuilt.
+
+A JAX process (4 CPU devices) sends ``--tensors`` tiny float32 tensors (16 x 8,
+``P("tp")``) to two torch processes holding DTensors (``Shard(0)``, TP=2). The bytes are
+negligible (~1.5 MiB), so a call's time is its fixed cost: binding (a layout per tensor),
+the checks, two metadata all-gathers, the executor's bookkeeping. Calls alternate between
+
+* warm: the adapters' layout memo (``xreshard.layout.LayoutMemo``) hands back the
+  layouts of the last call, as every refit after the first finds it;
+* cold: the memo is switched off (``enabled = False``) for the call, so every layout is
+  built anew, as before the memo existed,
+
+in the same processes, and the script prints the median of each and their ratio.
+
+    python benchmarks/bench_overhead.py [--tensors 3000] [--reps 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_refit import ROOT, torch_group  # noqa: E402
+
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+SHAPE = (16, 8)
+
+
+def _calls(refit: Any, side: dict, memo: Any, reps: int) -> dict[str, list[float]]:
+    out: dict[str, list[float]] = {"warm": [], "cold": []}
+    refit(**side)                                   # plans; the memo fills
+    for _ in range(reps):
+        for kind in ("warm", "cold"):
+            memo.enabled = kind == "warm"
+            t0 = time.perf_counter()
+            refit(**side)
+            out[kind].append(time.perf_counter() - t0)
+    return out
+
+
+def child(ctx: Any, n: int, reps: int) -> dict[str, list[float]]:
+    import numpy as np
+    import xreshard as xr
+
+    world = ctx.join(groups=["trainer", "rollout"])
+    if ctx.role.group == "trainer":
+        import jax
+        from jax.sharding import NamedSharding, PartitionSpec as P
+        from xreshard.adapters import jax as memo_owner
+
+        mesh = jax.make_mesh((4,), ("tp",), devices=jax.local_devices())
+        value = np.arange(np.prod(SHAPE), dtype=np.float32).reshape(SHAPE)
+        side = {"send": {f"t{i}": jax.device_put(value, NamedSharding(mesh, P("tp")))
+                         for i in range(n)}}
+    else:
+        import torch
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor import DTensor, Shard
+        from xreshard.adapters import torch as memo_owner
+
+        torch_group(ctx, 2, ctx.role.index, "rollout")
+        mesh = init_device_mesh("cpu", (2,))
+        local = torch.zeros((SHAPE[0] // 2, SHAPE[1]))
+        side = {"receive": {f"t{i}": DTensor.from_local(local.clone(), mesh, [Shard(0)],
+                                                         run_check=False) for i in range(n)}}
+    refit = xr.Refit(world, config=xr.RefitConfig(timeout=300), **side)
+    try:
+        return _calls(refit, side, memo_owner._MEMO, reps)
+    finally:
+        world.close()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tensors", type=int, default=3000)
+    ap.add_argument("--reps", type=int, default=5)
+    args = ap.parse_args()
+    from xreshard.launch import Role, launch
+
+    roles = [Role("jax", "trainer", 0, num_devices=4),
+             Role("torch", "rollout", 0), Role("torch", "rollout", 1)]
+    results = launch("bench_overhead:child", roles, args=(args.tensors, args.reps),
+                     timeout=900)
+    print(f"{args.tensors} tensors of {SHAPE} float32, JAX TP=4 -> torch TP=2, "
+          f"{args.reps} calls of each kind (median seconds per call)\n")
+    print("| process | warm (memo on) | cold (memo off: layouts rebuilt) | cold / warm |")
+    print("|---|---|---|---|")
+    for r in results:
+        warm, cold = statistics.median(r.value["warm"]), statistics.median(r.value["cold"])
+        print(f"| {r.role.group}[{r.role.index}] | {warm:.3f} | {cold:.3f} | "
+              f"{cold / warm:.2f}x |")
+
+
+if __name__ == "__main__":
+    main()
