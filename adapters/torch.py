@@ -25,7 +25,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from xreshard.errors import LayoutError
-from xreshard.layout import Layout, LayoutMemo, Mesh, Split, parse_placement
+from xreshard.layout import Layout, LayoutMemo, Mesh, Split, splits_of_placements
 
 __all__ = ["Sharded", "bind", "layout_of", "placements_of"]
 
@@ -104,7 +104,7 @@ def layout_of(dtensor_or_mesh: Any, placements: Sequence[Any] | None = None,
 
     mesh = mesh_of(device_mesh, ranks=ranks)
     shape = tuple(int(s) for s in shape)
-    splits = _splits_of(placements, mesh, shape, where)
+    splits = splits_of_placements(placements, mesh, shape, where)
     if shard_order is not None:
         splits = _apply_shard_order(shard_order, splits, mesh, placements, where)
     return Layout.product(shape, dtype, mesh, splits, name=name)
@@ -195,7 +195,7 @@ def placements_of(layout: Layout, *, name: str | None = None) -> list[Any]:
                               f"{[mesh.axis_label(a) for a in axes]} out of mesh order with "
                               "strided splits; DTensor placements cannot express that")
     if converted:
-        splits = _splits_of(out, mesh, layout.shape, where)
+        splits = splits_of_placements(out, mesh, layout.shape, where)
         back = Layout.product(layout.shape, layout.dtype, mesh, splits)
         for rank in mesh.ranks:
             want, got = layout.dim_intervals(rank), back.dim_intervals(rank)
@@ -214,26 +214,6 @@ def _placement(pt, dim: int, split_factor: int) -> Any:
     if split_factor == 1:
         return pt.Shard(dim)
     return pt._StridedShard(dim, split_factor=split_factor)
-
-
-def _splits_of(placements: Sequence[Any], mesh: Mesh, shape: tuple[int, ...],
-               where: str) -> list[Split]:
-    """One Split per shard placement, in mesh-dim order (the order DTensor applies them)."""
-    if len(placements) != mesh.ndim:
-        raise LayoutError(f"{where}{len(placements)} placements {list(placements)} for a "
-                          f"{mesh.ndim}-d mesh {mesh}; give one placement per mesh dim")
-    ndim = len(shape)
-    splits = []
-    for axis, p in enumerate(placements):
-        parsed = parse_placement(p, where, mesh.axis_label(axis))
-        if parsed is None:
-            continue
-        dim, sf = parsed
-        if not -ndim <= dim < ndim:
-            raise LayoutError(f"{where}placement {p} on mesh axis {mesh.axis_label(axis)!r} "
-                              f"shards dim {dim} of a {ndim}-d tensor of shape {shape}")
-        splits.append(Split(dim % ndim, axis, sf))
-    return splits
 
 
 def _explicit_shard_order(pt, spec: Any, placements: tuple) -> tuple | None:

@@ -456,7 +456,7 @@ def test_torch_errors():
         xtorch.layout_of(mesh, [Shard(0), Partial()], (4,), "float32", name="w")
     with pytest.raises(LayoutError, match=r"shards dim 2 of a 2-d tensor"):
         xtorch.layout_of(mesh, [Shard(2), Replicate()], (4, 4), "float32")
-    with pytest.raises(LayoutError, match=r"1 placements .* for a 2-d mesh"):
+    with pytest.raises(LayoutError, match=r"1 placements for a 2-d mesh .*: \[Replicate\(\)\]"):
         xtorch.layout_of(mesh, [Replicate()], (4,), "float32")
     with pytest.raises(LayoutError, match="needs all four"):
         xtorch.layout_of(mesh, [Replicate(), Replicate()])

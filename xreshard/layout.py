@@ -354,21 +354,8 @@ class Layout:
             LayoutError: wrong count, an unknown entry, or ``Partial`` (pending reduction).
         """
         where = f"tensor {name!r}: " if name else ""
-        if len(placements) != mesh.ndim:
-            raise LayoutError(f"{where}{len(placements)} placements for a {mesh.ndim}-d mesh "
-                              f"{mesh}; {_PLACEMENT_HELP}")
-        ndim = len(shape)
-        splits = []
-        for axis, p in enumerate(placements):
-            parsed = parse_placement(p, where, mesh.axis_label(axis))
-            if parsed is None:
-                continue
-            dim, sf = parsed
-            if not -ndim <= dim < ndim:
-                raise LayoutError(f"{where}placement {p!r} on mesh axis {mesh.axis_label(axis)!r} "
-                                  f"shards dim {dim} of a {ndim}-d tensor of shape {tuple(shape)}")
-            splits.append(Split(dim % ndim, axis, sf))
-        return cls(tuple(shape), dtype, mesh, tuple(splits))
+        return cls(tuple(shape), dtype, mesh,
+                   tuple(splits_of_placements(placements, mesh, tuple(shape), where)))
 
     @classmethod
     def from_spec(cls, shape: Sequence[int], dtype: object, mesh: Mesh, spec: Sequence[Any],
@@ -612,6 +599,27 @@ class Layout:
 
 def _is_unconstrained(entry: Any) -> bool:
     return type(entry).__name__ == "UnconstrainedSingleton" or repr(entry) == "UNCONSTRAINED"
+
+
+def splits_of_placements(placements: Sequence[Any], mesh: Mesh, shape: tuple[int, ...],
+                         where: str = "") -> list[Split]:
+    """One Split per shard placement, in mesh-axis order (the order DTensor applies them);
+    ``where`` prefixes error messages (``"tensor 'w': "``)."""
+    if len(placements) != mesh.ndim:
+        raise LayoutError(f"{where}{len(placements)} placements for a {mesh.ndim}-d mesh "
+                          f"{mesh}: {list(placements)}; {_PLACEMENT_HELP}")
+    ndim = len(shape)
+    splits = []
+    for axis, p in enumerate(placements):
+        parsed = parse_placement(p, where, mesh.axis_label(axis))
+        if parsed is None:
+            continue
+        dim, sf = parsed
+        if not -ndim <= dim < ndim:
+            raise LayoutError(f"{where}placement {p!r} on mesh axis {mesh.axis_label(axis)!r} "
+                              f"shards dim {dim} of a {ndim}-d tensor of shape {shape}")
+        splits.append(Split(dim % ndim, axis, sf))
+    return splits
 
 
 def parse_placement(p: Any, where: str = "", axis: str | None = None) -> tuple[int, int] | None:
