@@ -608,7 +608,11 @@ def bind_named(tree: Any, namemap: NameMap, ranks: Mapping[int, int]) -> Bound:
     from xreshard.adapters import jax as xjax
 
     flat = dict(xjax.tree_names(tree))
-    namemap.apply({n: tuple(a.shape) for n, a in flat.items()})   # every name maps exactly once
+    shapes = tuple((n, tuple(a.shape)) for n, a in flat.items())
+    if _CHECKED.get(id(namemap)) != (namemap, shapes):   # a refit every step: check once
+        namemap.apply(dict(shapes))                     # every name maps exactly once
+        _CHECKED[id(namemap)] = (namemap, shapes)
+    rid = xjax._MEMO.ranks_id(ranks)
     layouts: dict[str, Layout] = {}
     bindings: dict[tuple[int, str], Any] = {}
     for name, arr in flat.items():
@@ -616,8 +620,10 @@ def bind_named(tree: Any, namemap: NameMap, ranks: Mapping[int, int]) -> Bound:
         if isinstance(rule, ConcatRule):
             raise NamingError(f"{name!r}: ConcatRule {rule.dst!r} is not supported when sending "
                               "sharded arrays yet (TODO: explicit layouts per source)")
-        layout = _as_product(xjax.layout_of(arr, ranks=lambda d: ranks[int(d.id)], name=name),
-                             name)
+        layout = xjax._MEMO.get(
+            None if rid is None else (arr.sharding, tuple(arr.shape), arr.dtype, rid),
+            lambda: xjax.layout_of(arr, ranks=lambda d: ranks[int(d.id)], name=name))
+        layout = _as_product(layout, name)
         local = {ranks[int(s.device.id)]: xjax._host_view(s.data) for s in arr.addressable_shards}
         for lay, arrays, f in _walk(layout, local, rule.transforms, dict(fields),
                                     namemap.params, name):
@@ -645,6 +651,11 @@ def _new(layout: Layout, shape: Sequence[int], splits: Iterable[Split]) -> Layou
     return Layout.product(tuple(shape), layout.dtype, layout.mesh, tuple(splits))
 
 
+#: id(NameMap) -> (that NameMap, the names and shapes it was last checked against)
+_CHECKED: dict[int, tuple[NameMap, tuple]] = {}
+
+
+@functools.lru_cache(maxsize=1 << 16)
 def _slice(lay: Layout, axis: int, a: int, b: int, name: str
            ) -> tuple[Layout, dict[int, slice]]:
     """The layout of ``x[..., a:b]`` along ``axis`` and, per rank holding it, the slice of
@@ -682,6 +693,7 @@ def _slice(lay: Layout, axis: int, a: int, b: int, name: str
     return Layout.product(new_shape, lay.dtype, sub, lay.splits), {r: part for r in ranks}
 
 
+@functools.lru_cache(maxsize=1 << 16)
 def _select(lay: Layout, axis: int, i: int) -> tuple[Layout, dict[int, int]]:
     """The layout of ``x[..., i]`` (``i`` along ``axis``) and, per rank holding it, where
     ``i`` sits in that rank's local array.
@@ -738,7 +750,7 @@ def _step(t: Any, lay: Layout, arrays: dict[int, Any], fields: dict, params: Map
     shape = lay.shape
     if isinstance(t, Transpose):
         perm = tuple(reversed(range(lay.ndim))) if t.perm is None else tuple(t.perm)
-        yield lay.permuted(perm), {r: a.transpose(perm) for r, a in arrays.items()}, {}
+        yield _permuted(lay, perm), {r: a.transpose(perm) for r, a in arrays.items()}, {}
     elif isinstance(t, Reshape):
         new = [_size(s, params, shape) for s in t.shape]
         if -1 in new:
@@ -784,6 +796,12 @@ def _prod(xs: Iterable[int]) -> int:
     return out
 
 
+@functools.lru_cache(maxsize=1 << 16)
+def _permuted(lay: Layout, perm: tuple[int, ...]) -> Layout:
+    return lay.permuted(perm)
+
+
+@functools.lru_cache(maxsize=1 << 16)
 def _reshape(lay: Layout, new: tuple[int, ...], name: str) -> Layout:
     """The layout after ``reshape(new)``: each group of merged/split dims keeps its splits
     on its major dim, which must then split evenly."""
