@@ -29,7 +29,8 @@ Decision record.
   oneDNN and the live ``weight`` params are empty placeholders, and on GPU we must not
   disturb live buffers. Weights are meta; small integer tensors a layer computes while
   it is built (the expert map of expert parallelism, which the MoE loaders consult to
-  skip other ranks' experts) are made on the CPU, so they hold their real values. Pieces are therefore in the coordinates of the *loader-visible*
+  skip other ranks' experts) are made on the CPU, so they hold their real values.
+  Pieces are therefore in the coordinates of the *loader-visible*
   parameters (before ``process_weights_after_loading``); an executor writes them into
   parameters materialized by vLLM's layerwise reload (or into the live parameter when
   processing is the identity) and then lets vLLM process them.
@@ -149,17 +150,14 @@ def replicate_layout(layout: Layout, rank_lists: Sequence[Sequence[int]]) -> Lay
     one engine); explicit form is the union of the engines' relabelled regions."""
     if layout.is_product:
         mesh = layout.mesh
+        ranks = tuple(per[r] for per in rank_lists for r in mesh.ranks)
         if len(rank_lists) == 1:
-            ranks, shape, names = [rank_lists[0][r] for r in mesh.ranks], mesh.shape, \
-                mesh.axis_names
-            splits = layout.splits
-        else:
-            ranks = [per[r] for per in rank_lists for r in mesh.ranks]
-            shape = (len(rank_lists),) + mesh.shape
-            names = None if mesh.axis_names is None else ("engine",) + mesh.axis_names
-            splits = tuple(Split(sp.dim, sp.axis + 1, sp.split_factor) for sp in layout.splits)
-        return Layout.product(layout.shape, layout.dtype, Mesh(shape, tuple(ranks), names),
-                              splits)
+            return Layout.product(layout.shape, layout.dtype,
+                                  Mesh(mesh.shape, ranks, mesh.axis_names), layout.splits)
+        names = None if mesh.axis_names is None else ("engine",) + mesh.axis_names
+        return Layout.product(layout.shape, layout.dtype,
+                              Mesh((len(rank_lists),) + mesh.shape, ranks, names),
+                              [Split(sp.dim, sp.axis + 1, sp.split_factor) for sp in layout.splits])
     return Layout.explicit_form(layout.shape, layout.dtype, {
         per[r]: regions for per in rank_lists for r, regions in layout.explicit})
 

@@ -65,6 +65,7 @@ from __future__ import annotations
 import functools
 import itertools
 import logging
+import operator
 import sys
 import threading
 import time
@@ -327,12 +328,8 @@ def _concurrently(calls: Sequence[Callable[[], Any]], work: Callable[[], Any], t
     try:
         result = work()
     except XreshardError as e:
-        # a peer that never joined because its engine refused: say why, not only that
-        # it was missing
-        for t in threads:
-            t.join(0.0)
-        if failures:
-            i, f = min(failures, key=lambda x: x[0])
+        if failures:    # its engine refused, so a peer never joined: say why, not only who
+            i, f = min(failures, key=operator.itemgetter(0))
             raise RefitError(f"{e}\n(engine {i}'s {what} call failed: {f})") from e
         raise
     finally:
@@ -344,7 +341,7 @@ def _concurrently(calls: Sequence[Callable[[], Any]], work: Callable[[], Any], t
         raise RefitError(f"engine(s) {late}: the {what} call did not return within {timeout} s "
                          "after the trainer's side finished")
     if failures:
-        i, e = min(failures, key=lambda f: f[0])
+        i, e = min(failures, key=operator.itemgetter(0))
         who = f"engine {i}'s" if len(threads) > 1 else "the engine's"
         raise RefitError(f"{who} {what} call failed: {e}") from e
     return result
