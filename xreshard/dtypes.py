@@ -3,9 +3,17 @@
 A dtype is carried as its canonical name (``"bfloat16"``, ``"float32"``, ...). Any object
 whose ``str()`` is such a name works as input: numpy/ml_dtypes dtypes, ``jnp.bfloat16``,
 ``torch.float32`` (``"torch."`` is stripped).
+
+The canonical name is the truth about a tensor's values; an array's own dtype is only its
+element size. A binding may be a raw-bits view (``uint16`` for bf16: what DLPack gives
+when the importer has no bf16 type) or a typed one; :func:`as_dtype` and :func:`bits`
+turn either into what a copy needs, the same way for numpy and CuPy arrays.
 """
 
 from __future__ import annotations
+
+import functools
+from typing import Any
 
 from .errors import LayoutError
 
@@ -45,3 +53,51 @@ def dtype_name(dtype: object) -> str:
 def itemsize(dtype: object) -> int:
     """Bytes per element of ``dtype``."""
     return ITEMSIZE[dtype_name(dtype)]
+
+
+#: what numpy calls the types it lacks (bf16, float8): their ml_dtypes names
+_ML_DTYPES = frozenset(n for n in ITEMSIZE if n == "bfloat16" or n.startswith("float8"))
+
+
+@functools.lru_cache(maxsize=None)
+def numpy_dtype(name: str) -> Any:
+    """numpy dtype of a canonical dtype name (bfloat16 and float8 through ml_dtypes)."""
+    import numpy as np
+    name = dtype_name(name)
+    if name not in _ML_DTYPES:
+        return np.dtype(name)
+    try:
+        import ml_dtypes
+    except ImportError as e:  # pragma: no cover - jax and the dev extra bring it
+        raise ImportError(f"moving {name} needs ml_dtypes: pip install ml_dtypes") from e
+    return np.dtype(getattr(ml_dtypes, name))
+
+
+@functools.lru_cache(maxsize=None)
+def bits_dtype(itemsize: int) -> Any:
+    """The unsigned integer (or opaque) numpy dtype of ``itemsize`` bytes."""
+    import numpy as np
+    return np.dtype({1: "uint8", 2: "uint16", 4: "uint32", 8: "uint64"}.get(itemsize,
+                                                                             f"V{itemsize}"))
+
+
+def bits(arr: Any) -> Any:
+    """``arr`` (numpy or CuPy, any dtype) viewed as same-size unsigned ints, zero-copy."""
+    want = bits_dtype(arr.dtype.itemsize)
+    return arr if arr.dtype == want else arr.view(want)
+
+
+def as_dtype(arr: Any, name: str) -> Any:
+    """``arr`` (numpy or CuPy) viewed as the canonical dtype ``name``, zero-copy.
+
+    ``arr`` holds that dtype's bits, typed or not (a ``uint16`` view of bf16 values). CuPy
+    views any dtype; whether its kernels can compute with it (bf16 needs CuPy >= 14,
+    ml_dtypes and numpy >= 2.1.2; float8 never) is checked before a cast, not here.
+    """
+    want = numpy_dtype(name)
+    if arr.dtype == want:
+        return arr
+    if arr.dtype.itemsize != want.itemsize:
+        raise LayoutError(f"an array of dtype {arr.dtype} ({arr.dtype.itemsize} bytes) cannot "
+                          f"hold {name} values ({want.itemsize} bytes)")
+    return arr.view(want)

@@ -270,16 +270,37 @@ def _rename(default: str, names: Any) -> str:
 
 
 def _host_view(x: Any) -> Any:
-    """A zero-copy array over a single-device jax.Array's buffer (numpy on CPU)."""
+    """A zero-copy array over a single-device jax.Array's buffer: numpy on CPU, CuPy on GPU.
+
+    Typed on both (bf16 and float8 as their ml_dtypes types). On GPU, DLPack carries the
+    types CuPy knows (bf16 only with CuPy >= 14, ml_dtypes and numpy >= 2.1.2), and its
+    stream handshake orders CuPy's current stream after JAX's producer. Any other dtype
+    (float8, or bf16 under an older CuPy) is wrapped from the buffer pointer instead, after
+    waiting for the producer on the host; the CuPy array keeps ``x`` alive.
+    """
     import numpy as np
-    platform = next(iter(x.devices())).platform
-    if platform == "cpu":
+    device = next(iter(x.devices()))
+    if device.platform == "cpu":
         return np.asarray(x)
     try:
         import cupy
     except ImportError as e:
-        raise ImportError("binding GPU JAX arrays needs CuPy: pip install 'xreshard[nccl]'") from e
-    return cupy.from_dlpack(x)
+        from xreshard.transport.nccl import install_hint
+        raise ImportError(f"binding GPU JAX arrays needs CuPy: {install_hint()}") from e
+    from xreshard.dtypes import as_dtype, bits_dtype, dtype_name
+    from xreshard.execute import cupy_knows
+
+    name = dtype_name(x.dtype)
+    with cupy.cuda.Device(device.local_hardware_id):
+        if cupy_knows(name):
+            return cupy.from_dlpack(x)
+        x.block_until_ready()
+        nbytes = x.dtype.itemsize * math.prod(x.shape)
+        mem = cupy.cuda.UnownedMemory(x.unsafe_buffer_pointer(), nbytes, x,
+                                      device.local_hardware_id)
+        raw = cupy.ndarray(tuple(x.shape), bits_dtype(x.dtype.itemsize),
+                           cupy.cuda.MemoryPointer(mem, 0))
+        return as_dtype(raw, name)
 
 
 def _aligned_empty(shape: Sequence[int], dtype: Any, align: int = 64) -> Any:

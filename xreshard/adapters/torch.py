@@ -275,27 +275,50 @@ class Sharded:
 def tensor_view(t: Any) -> Any:
     """A zero-copy array over a torch tensor's memory: numpy on CPU, CuPy on CUDA.
 
-    bf16 and float8 have no numpy dtype of their own: they are viewed through a same-size
-    integer and reinterpreted as the ml_dtypes type, still without a copy.
+    One path for both devices: a dtype numpy has no type for (bf16, float8) is exported as
+    its same-size unsigned-int bits (what DLPack and ``.numpy()`` can carry), then viewed as
+    the ml_dtypes type, still without a copy, so the array says which values it holds.
+    The executor trusts the layout's dtype over the array's and copies equal dtypes as
+    bits, so a raw view would move bit-exact too; the typed view is for everyone else.
     """
     import torch
-    from xreshard.dtypes import dtype_name
-    from xreshard.execute import numpy_dtype
+    from xreshard.dtypes import as_dtype, dtype_name
 
     t = t.detach()
     name = dtype_name(t.dtype)
-    ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+    if name in _FOREIGN:
+        t = t.view(_torch_bits(torch, t.element_size()))
+    return as_dtype(_export(t), name)
+
+
+#: dtypes numpy has no type of its own for: they cross as bits and are viewed back
+_FOREIGN = frozenset({"bfloat16", "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz",
+                      "float8_e5m2fnuz", "float8_e8m0fnu"})
+
+
+def _torch_bits(torch: Any, itemsize: int) -> Any:
+    # int16, not uint16: every torch version exports it through DLPack and .numpy(); the
+    # signedness of a bits view does not matter, it is viewed back at once
+    return {1: torch.uint8, 2: torch.int16}[itemsize]
+
+
+def _export(t: Any) -> Any:
+    """numpy (CPU) or CuPy (CUDA) array over ``t``'s memory, zero-copy."""
     if t.device.type == "cpu":
-        if name in ("bfloat16",) or name.startswith("float8"):
-            return t.view(ints[t.element_size()]).numpy().view(numpy_dtype(name))
         return t.numpy()
+    if t.device.type != "cuda":
+        raise LayoutError(f"cannot bind a torch tensor on device {t.device}: xreshard moves "
+                          "CPU and CUDA tensors")
     try:
         import cupy
     except ImportError as e:
-        raise ImportError("binding CUDA tensors needs CuPy: pip install 'xreshard[nccl]'") from e
-    if name in ("bfloat16",) or name.startswith("float8"):
-        return cupy.from_dlpack(t.view(ints[t.element_size()]))
-    return cupy.from_dlpack(t)
+        from xreshard.transport.nccl import install_hint
+        raise ImportError(f"binding CUDA tensors needs CuPy: {install_hint()}") from e
+    # under the tensor's device, so DLPack's stream handshake orders that device's current
+    # CuPy stream (the one the executor copies on) after torch's current stream there
+    with cupy.cuda.Device(t.device.index if t.device.index is not None else
+                          torch.cuda.current_device()):
+        return cupy.from_dlpack(t)
 
 
 #: the layouts bind() built, by (DTensor spec, rank map): a refit every step re-binds

@@ -77,8 +77,8 @@ from ..errors import RefitError
 from .base import TransportError, TransportTimeout
 
 __all__ = [
-    "NCCL_DTYPES", "NcclTransport", "NoCudaDeviceError", "Post", "nccl_dtype", "rendezvous",
-    "wait_or_abort",
+    "NCCL_DTYPES", "NcclTransport", "NoCudaDeviceError", "Post", "cuda_major", "install_hint",
+    "nccl_dtype", "rendezvous", "wait_or_abort",
 ]
 
 logger = logging.getLogger(__name__)
@@ -140,15 +140,46 @@ class NoCudaDeviceError(RefitError):
     """The nccl transport was asked for where no CUDA device is visible."""
 
 
+def cuda_major() -> int | None:
+    """The CUDA major version the installed CuPy wheel is built for (12, 13), else None.
+
+    Read from the wheel's distribution name (``cupy-cuda13x``), which needs neither a GPU
+    nor importing CuPy; a source build of CuPy (``cupy``) says nothing, so None.
+    """
+    import importlib.metadata as md
+    for major in (13, 12):
+        try:
+            md.version(f"cupy-cuda{major}x")
+            return major
+        except md.PackageNotFoundError:
+            continue
+    return None
+
+
+def install_hint(major: int | None = None) -> str:
+    """What to pip install for the GPU path, for the installed CUDA major (or both)."""
+    major = cuda_major() if major is None else major
+    if major in (12, 13):
+        return (f"pip install 'xreshard[nccl-cu{major}]' (CuPy, NCCL and NVRTC for CUDA "
+                f"{major}: cupy-cuda{major}x, nvidia-nccl-cu{major}, "
+                f"cuda-toolkit[nvrtc,cudart]=={major}.*)")
+    return ("pip install 'xreshard[nccl-cu13]' for CUDA 13 or 'xreshard[nccl-cu12]' for CUDA "
+            "12 (cupy-cuda13x + nvidia-nccl-cu13, or cupy-cuda12x + nvidia-nccl-cu12); pick "
+            "the CUDA major of your driver and torch build (torch.version.cuda)")
+
+
 def _import_cupy() -> tuple[Any, Any]:
     try:
         import cupy
-        from cupy.cuda import nccl
     except ImportError as e:
-        raise ImportError("the nccl transport needs CuPy: pip install 'xreshard[nccl]'") from e
+        raise ImportError(f"the nccl transport needs CuPy: {install_hint()}") from e
+    from cupy.cuda import nccl      # CuPy loads whichever libnccl is installed (wheel first)
     if not getattr(nccl, "available", False):
-        raise ImportError("the nccl transport needs CuPy with NCCL, but CuPy could not load "
-                          "libnccl: pip install 'xreshard[nccl]' (it brings nvidia-nccl)")
+        major = cuda_major()
+        wheel = f"nvidia-nccl-cu{major}" if major else "nvidia-nccl-cu13 or nvidia-nccl-cu12"
+        raise ImportError(f"the nccl transport needs CuPy with NCCL, but CuPy {cupy.__version__} "
+                          f"could not load libnccl: pip install {wheel}, or "
+                          f"{install_hint(major)}")
     return cupy, nccl
 
 
@@ -446,6 +477,9 @@ class _Worker:
                 fut.set_result(fn())
             except BaseException as e:      # delivered to the waiting caller
                 fut.set_exception(e)
+            # the job's closure holds the group's buffers (the caller's sent arrays): drop
+            # it now, not when the next job arrives, so they are not pinned after a refit
+            del job, fn, fut
 
 
 # ---------------------------------------------------------------------------- transport
