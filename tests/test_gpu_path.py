@@ -329,3 +329,146 @@ def test_checkout_on_pythonpath_imports_adapters_and_refits():
     for f in out["files"]:
         assert Path(f).resolve().is_relative_to(REPO / "xreshard"), f
     assert Path(out["files"][1]).parent == REPO / "xreshard" / "adapters"
+
+
+# ---------------------------------------------------------------------------- items 4, 6, 8
+
+class _OnDevice(np.ndarray):
+    """A host array that says it lives on a (fake) CUDA device; views inherit it."""
+
+    def __array_finalize__(self, obj):
+        self.fake_device = getattr(obj, "fake_device", None)
+
+
+def _on_device(arr: np.ndarray, dev: int) -> _OnDevice:
+    out = arr.view(_OnDevice)
+    out.fake_device = dev
+    return out
+
+
+@pytest.fixture
+def fake_devices(monkeypatch):
+    """The executor's device hooks, recorded: which device is current for every copy and
+    allocation, which devices were preflighted and waited for."""
+    import contextlib
+    from xreshard import execute
+
+    log = {"current": None, "allocs": [], "copies": [], "waits": [], "preflight": []}
+
+    @contextlib.contextmanager
+    def device_ctx(dev):
+        before, log["current"] = log["current"], dev
+        try:
+            yield
+        finally:
+            log["current"] = before
+
+    real_copy = execute.copy_into
+
+    def copy_into(xp, out, out_dtype, src, src_dtype):
+        log["copies"].append((log["current"], getattr(out, "fake_device", None),
+                              getattr(src, "fake_device", None)))
+        real_copy(xp, out, out_dtype, src, src_dtype)
+
+    def device_alloc(n):
+        log["allocs"].append((log["current"], n))
+        return _on_device(np.empty(n, np.uint8), log["current"])
+
+    monkeypatch.setattr(execute, "_device_ctx", device_ctx)
+    monkeypatch.setattr(execute, "device_of", lambda a: getattr(a, "fake_device", None))
+    monkeypatch.setattr(execute, "copy_into", copy_into)
+    monkeypatch.setattr(execute, "_device_alloc", device_alloc)
+    monkeypatch.setattr(execute, "_wait_devices", lambda devs, *a: log["waits"].append(devs))
+    monkeypatch.setattr(execute, "cuda_preflight", lambda dev: log["preflight"].append(dev))
+    return log
+
+
+def _multi_gpu_run(wire=None, dst_dtype="bfloat16"):
+    """One process, ranks 0..2 on CUDA devices 0, 1, 2: rank 0 and 1 send column halves,
+    ranks 1 and 2 receive row halves (rank 1 copies its overlap locally)."""
+    shape = (12, 10)
+    src = {"w": xr.Layout.from_placements(shape, "bfloat16", xr.Mesh((2,)), ["S1"])}
+    dst = {"w": xr.Layout.from_placements(shape, dst_dtype, xr.Mesh((2,), (1, 2)), ["S0"])}
+    value = _values("bfloat16", shape)
+    plan = xr.plan(src, dst, wire_dtype=wire)
+    sched = schedule(plan, [0, 1, 2], peer_counts(plan, [0, 1, 2]), bucket_bytes=64,
+                     staging_bytes=1 << 20)
+    src_b = {(r, "w"): _on_device(_raw(local_arrays_from_global(src["w"], r, value)), r)
+             for r in (0, 1)}
+    dst_b = {(r, "w"): _on_device(np.zeros(dst["w"].local_shape(r),
+                                           numpy_dtype(dst_dtype)), r) for r in (1, 2)}
+    ex = Executor(sched, plan.src, plan.dst, plan.wire_dtypes, src_b, dst_b,
+                  LocalTransport([0, 1, 2]), timeout=10)
+    return ex, dst, value, dst_b
+
+
+def test_copies_and_staging_run_on_each_ranks_device(fake_devices):
+    ex, dst, value, dst_b = _multi_gpu_run()
+    stats = ex.run()
+    for (r, n), arr in dst_b.items():
+        assert np.asarray(arr).tobytes() == _expected(dst[n], r, value, "bfloat16").tobytes()
+    log = fake_devices
+    # one arena per device that stages, allocated under that device
+    assert sorted(k for k in ex._arena) == sorted({cur for cur, _ in log["allocs"]})
+    assert all(ex._arena[dev].fake_device == dev for dev in ex._arena)
+    assert stats.staging_bytes == sum(n for _, n in log["allocs"])
+    # every copy ran under the device of the array it writes, reading the same device
+    assert log["copies"] and all(cur == out for cur, out, _ in log["copies"])
+    assert all(src in (None, cur) for cur, _, src in log["copies"])
+    assert stats.bytes_local > 0
+    # preflight once per device, then one wait on every device at the end
+    assert log["preflight"] == [0, 1, 2] and log["waits"] == [[0, 1, 2]]
+
+
+def test_staging_is_reused_per_device_across_runs(fake_devices):
+    ex, *_ = _multi_gpu_run()
+    ex.run()
+    arenas = dict(ex._arena)
+    ex.run()
+    assert all(ex._arena[d] is arenas[d] for d in arenas)
+
+
+def test_gpu_casts_cupy_cannot_run_are_refused_before_moving(fake_devices, monkeypatch):
+    from xreshard import execute
+    monkeypatch.setattr(execute, "cupy_knows", lambda name: name != "bfloat16")
+    ex, _, _, dst_b = _multi_gpu_run(wire="float32", dst_dtype="float32")
+    with pytest.raises(xr.RefitError, match=r"casts this refit needs cannot run on the GPU: "
+                                            r"'w' \(receive, rank 1\): float32 <-> bfloat16 "
+                                            r"on CUDA device 1|'w' \(send, rank 0\): bfloat16 "
+                                            r"<-> float32 on CUDA device 0: bfloat16 "
+                                            r"arithmetic needs CuPy >= 14"):
+        ex.run()
+    assert fake_devices["copies"] == [] and fake_devices["preflight"] == []
+    assert all(not np.asarray(a).any() for a in dst_b.values())
+
+
+def test_float8_casts_on_gpu_are_refused_with_the_reason(fake_devices):
+    shape = (4, 4)
+    src = {"w": xr.Layout.replicated(shape, "float32", xr.Mesh((1,), (0,)))}
+    dst = {"w": xr.Layout.replicated(shape, "float8_e4m3fn", xr.Mesh((1,), (1,)))}
+    plan = xr.plan(src, dst, wire_dtype="float8_e4m3fn")
+    sched = schedule(plan, [0, 1], peer_counts(plan, [0, 1]), bucket_bytes=1 << 20,
+                     staging_bytes=1 << 20)
+    ex = Executor(sched, plan.src, plan.dst, plan.wire_dtypes,
+                  {(0, "w"): _on_device(np.ones(shape, np.float32), 0)},
+                  {(1, "w"): _on_device(np.zeros(shape, np.uint8), 1)},
+                  LocalTransport([0, 1]), timeout=10)
+    with pytest.raises(xr.RefitError, match=r"'w' \(send, rank 0\): float32 <-> float8_e4m3fn "
+                                            r"on CUDA device 0: CuPy has no float8 kernels"):
+        ex.run()
+
+
+def test_a_rank_bound_on_two_devices_is_refused(fake_devices):
+    ex, *_ = _multi_gpu_run()
+    ex.dst_bindings[(1, "w")] = _on_device(np.asarray(ex.dst_bindings[(1, "w")]).copy(), 2)
+    with pytest.raises(xr.RefitError, match=r"rank 1 has bindings in two places \(CUDA device "
+                                            r"1 and CUDA device 2, tensor 'w'\)"):
+        ex.run()
+
+
+def test_install_hints_name_both_cuda_majors():
+    from xreshard.transport.nccl import install_hint
+    assert "xreshard[nccl-cu13]" in install_hint(13) and "cupy-cuda13x" in install_hint(13)
+    assert "xreshard[nccl-cu12]" in install_hint(12) and "nvidia-nccl-cu12" in install_hint(12)
+    both = install_hint(0)
+    assert "nccl-cu13" in both and "nccl-cu12" in both

@@ -239,11 +239,7 @@ class Executor:
 
     def _on(self, rank: int) -> Any:
         """Context for work on ``rank``'s device: ``cupy.cuda.Device`` or nothing."""
-        dev = self._device.get(rank)
-        if dev is None:
-            return contextlib.nullcontext()
-        import cupy
-        return cupy.cuda.Device(dev)
+        return _device_ctx(self._device.get(rank))
 
     def _cast_problems(self) -> list[str]:
         """Casts this process would run on a GPU that CuPy cannot compute."""
@@ -289,12 +285,9 @@ class Executor:
             if have is not None and len(have) >= n:
                 continue
             self._arena[dev] = None     # free the old one first
-            if dev is None:
-                self._arena[dev] = (self._alloc or _host_alloc)(n)
-                continue
-            import cupy
-            with cupy.cuda.Device(dev):
-                self._arena[dev] = (self._alloc or _device_alloc)(n)
+            with _device_ctx(dev):
+                alloc = self._alloc or (_host_alloc if dev is None else _device_alloc)
+                self._arena[dev] = alloc(n)
 
     def _take(self, offsets: dict[int | None, int], rank: int, nbytes: int) -> Any:
         dev = self._device.get(rank)
@@ -386,6 +379,15 @@ _ALIGN = 256    # staging offsets: what cudaMalloc guarantees, enough for any el
 
 def _aligned(n: int) -> int:
     return -(-n // _ALIGN) * _ALIGN
+
+
+def _device_ctx(dev: int | None) -> Any:
+    """``cupy.cuda.Device(dev)`` (CuPy kernels and allocations go to the current device),
+    or nothing for host memory."""
+    if dev is None:
+        return contextlib.nullcontext()
+    import cupy
+    return cupy.cuda.Device(dev)
 
 
 def _host_alloc(n: int) -> Any:
