@@ -32,7 +32,7 @@ from typing import Any, Iterator, Mapping, Sequence
 
 from .errors import RefitError
 from .topology import Topology
-from .transport.base import Transport, TransportError, TransportTimeout
+from .transport.base import Transport, TransportError, TransportTimeout, _nbytes
 from .transport.local import LocalTransport
 
 __all__ = ["StoreServer", "World", "RoutedTransport", "serve", "parse_address"]
@@ -486,28 +486,104 @@ class World:
 
     @property
     def cross_kind(self) -> str:
-        """The transport between processes: "nccl" when every rank is a CUDA rank, "gloo"
-        when every rank is a CPU rank; a mixed world is refused (``select_backend``)."""
+        """The transport that reaches every pair across processes: "nccl" when every rank
+        is a CUDA rank, "gloo" when every rank is a CPU rank; a mixed world is refused
+        (``select_backend``). Pairs with a fast path (``route``) bypass it."""
         from .transport.select import select_backend
         return select_backend(self._rank_kind)
 
     def route(self, src_rank: int, dst_rank: int) -> str:
-        """Which transport moves ``src_rank -> dst_rank``: "local" when one process hosts
-        both, else ``cross_kind``. The same answer in every process."""
-        if self.process_of(src_rank) == self.process_of(dst_rank):
+        """Which transport "auto" moves ``src_rank -> dst_rank`` with: "local" when one
+        process hosts both; "shm" between CPU processes of one host, "cuda_ipc" between
+        ranks on one GPU (or GPUs with peer access); else ``cross_kind``. The same answer
+        in every process.
+
+        Until ``transport("auto")`` (or "shm"/"cuda_ipc") probed what processes share,
+        the answer is from the hosts alone: same-host CPU pairs say "shm", GPU pairs
+        ``cross_kind``.
+        """
+        self._check_rank(src_rank)
+        self._check_rank(dst_rank)
+        routes = getattr(self, "_routes", None)
+        if routes is not None:
+            return routes.kind(src_rank, dst_rank)
+        p, q = self._rank_process[src_rank], self._rank_process[dst_rank]
+        if p == q:
             return "local"
+        if (self._rank_kind[src_rank] == "cpu" and self._rank_kind[dst_rank] == "cpu"
+                and self._infos[p]["host"] == self._infos[q]["host"]
+                and self.cross_kind == "gloo"):
+            return "shm"
         return self.cross_kind
+
+    def routes(self, requested: str = "auto") -> Any:
+        """The per-pair transport choice (``xreshard.transport.select.Routes``).
+
+        The first call is a collective (every process publishes what it can share and
+        probes the others); later calls reuse what it gathered.
+        """
+        from .transport.select import choose_routes
+        caps = getattr(self, "_caps", None)
+        if caps is None:
+            caps = self._caps = self._gather_caps()
+        return choose_routes(self._rank_process, self._rank_kind, caps, requested)
+
+    def _gather_caps(self) -> list[dict[str, Any]]:
+        """Every process's capabilities (collective: two JSON all-gathers).
+
+        Each process with CPU ranks publishes a token in a tiny shared-memory probe; every
+        process then says which same-host probes it could read, so a pair takes shm only
+        when both sides can open each other's segments. CUDA processes publish the uuid of
+        each rank's device and those they can reach by peer access.
+        """
+        import secrets
+        from .transport import shm as shm_mod
+
+        token = secrets.token_hex(5)
+        enabled = os.environ.get("XRESHARD_SHM", "1") not in ("0", "false", "off")
+        probe = None
+        if enabled and any(self._rank_kind[r] == "cpu" for r in self._rank_ids):
+            probe = shm_mod.create_probe(token)
+        cuda: dict[str, Any] = {"cuda_devices": [], "cuda_reach": []}
+        if any(self._rank_kind[r] == "cuda" for r in self._rank_ids):
+            from .transport.cuda_ipc import local_cuda_caps
+            cuda = local_cuda_caps([_cuda_ordinal(d) if _device_kind(d) == "cuda" else None
+                                    for d in self._devices])
+        try:
+            mine = {"token": token, "probe": probe is not None,
+                    "start": shm_mod.process_start_time(os.getpid()), **cuda}
+            first = self.allgather_json(mine)
+            host = self._infos[self._process_index]["host"]
+            reach = [q for q, c in enumerate(first)
+                     if q != self._process_index and c["probe"] and probe is not None
+                     and self._infos[q]["host"] == host and shm_mod.read_probe(c["token"])]
+            second = self.allgather_json({"shm_reach": reach})
+        finally:
+            if probe is not None:
+                probe.unlink()
+                probe.close()
+        caps = []
+        for q, (c, r) in enumerate(zip(first, second)):
+            caps.append({"host": self._infos[q]["host"], "pid": self._infos[q]["pid"],
+                         "start": c["start"], "token": c["token"],
+                         "shm_reach": r["shm_reach"], "cuda_devices": c["cuda_devices"],
+                         "cuda_reach": c["cuda_reach"]})
+        return caps
 
     def transport(self, kind: str = "auto") -> Transport:
         """The transport of ``kind``, created on first use and cached.
 
         Args:
             kind: "local" (copies between this process's ranks), "gloo" (a private gloo
-                group over all processes), or "auto": one transport that sends each pair
-                through ``route(src, dst)``.
+                group over all processes), "nccl", "shm" (shared memory with the
+                processes of this host), "cuda_ipc" (CUDA IPC between ranks on one GPU or
+                peer-accessible GPUs), or "auto": one ``RoutedTransport`` that sends each
+                pair through ``route(src, dst)`` and counts bytes per kind.
 
-        Creating "gloo" (also through "auto") is a collective: every process must ask for
-        it, in the same order relative to the other collectives.
+        Creating anything but "local" is a collective: every process must ask for it, in
+        the same order relative to the other collectives. "auto" probes what processes
+        share (``routes``) and creates exactly the kinds some pair needs (the same kinds
+        in every process); a world whose pairs all share memory never builds gloo.
         """
         self._ensure_open()
         cached = self._transports.get(kind)
@@ -522,15 +598,65 @@ class World:
                 # every pair is local; and NCCL refuses two ranks on one GPU anyway
                 made = self.transport("local")
             else:
-                made = RoutedTransport(self.transport("local"), self.transport(self.cross_kind),
-                                       self._rank_ids)
+                made = self._make_auto()
         elif kind == "nccl":
             made = self._make_nccl()
+        elif kind == "shm":
+            made = self._make_shm()
+        elif kind == "cuda_ipc":
+            made = self._make_cuda_ipc()
         else:
             raise ValueError(f"unknown transport kind {kind!r}: expected 'auto', 'local', "
-                             f"'gloo' or 'nccl'")
+                             f"'gloo', 'nccl', 'shm' or 'cuda_ipc'")
         self._transports[kind] = made
         return made
+
+    def _make_auto(self) -> Transport:
+        routes = self.routes("auto")
+        self._routes = routes
+        parts = {k: self.transport(k) for k in routes.kinds if k != "local"}
+        parts["local"] = self.transport("local")
+        made = RoutedTransport(parts, routes.kind, self._rank_ids)
+        logger.info("world %r: transport %s", self._world_id, made.name)
+        return made
+
+    def _make_shm(self) -> Transport:
+        from .transport.shm import ShmTransport
+
+        routes = self.routes("auto")
+        caps = self._caps
+        me = self._process_index
+        peers = routes.peers(me, "shm")
+        pids = {q: (caps[q]["pid"], caps[q]["start"]) for q in peers}
+        prefix = self._next_prefix()
+        labels = [self.describe_process(p) for p in range(self.num_processes)]
+        return ShmTransport(self._store, f"{prefix}/shm", caps[0]["token"], self._rank_process,
+                            me, peers, pids=pids, process_labels=labels,
+                            connect=self._store_client)
+
+    def _store_client(self) -> Any:
+        """Another client of the world's store, for a transport's helper thread (a client
+        blocked in ``wait`` serves nobody else)."""
+        host, port = parse_address(self._address)
+        return _tcp_store_class()(host, port, None, False,
+                                  datetime.timedelta(seconds=self._timeout),
+                                  wait_for_workers=False)
+
+    def _make_cuda_ipc(self) -> Transport:
+        from .transport.cuda_ipc import CudaIpcTransport
+
+        routes = self.routes("auto")
+        caps = self._caps
+        me = self._process_index
+        peers = routes.peers(me, "cuda_ipc")
+        pids = {q: (caps[q]["pid"], caps[q]["start"]) for q in peers}
+        prefix = self._next_prefix()
+        labels = [self.describe_process(p) for p in range(self.num_processes)]
+        devices = {r: _cuda_ordinal(self._devices[i]) for i, r in enumerate(self._rank_ids)
+                   if self._rank_kind[r] == "cuda"}
+        return CudaIpcTransport(self._store, f"{prefix}/ipc", self._rank_process, me, peers,
+                                devices, pids=pids, process_labels=labels,
+                                can_reach=routes.ipc_ok)
 
     def _make_nccl(self) -> Transport:
         """One NCCL communicator over every rank (collective, like gloo)."""
@@ -601,30 +727,76 @@ def _wait(store: Any, keys: Sequence[str], deadline: float) -> None:
 
 
 class RoutedTransport:
-    """One transport over two: pairs inside this process go through ``local``, the rest
-    through ``cross`` (gloo or nccl), as ``World.route`` says.
+    """One transport over several: each pair goes through the kind ``route(src, dst)``
+    names ("local", "shm", "cuda_ipc", "gloo", "nccl"), as ``World.route`` says.
 
-    Inside ``group``, the cross-process posts start and are waited on after the local
-    copies, with the same overall timeout.
+    Inside ``group`` every sub-transport collects its posts; on exit they complete in
+    the fixed order of ``select.KINDS`` in every process (local copies first, then the
+    shared-memory paths, then the network). That cannot deadlock: each transport starts
+    its sends when they are posted and its exit waits only on its own peers' posts and
+    exits, which every process reaches in the same order. Each is given the group's
+    timeout from the moment the group was entered.
+
+    Attributes:
+        parts: the sub-transports by kind.
+        bytes_sent_by_transport / bytes_received_by_transport: bytes posted per kind,
+            cumulative (take differences around a refit for its own share).
+        alloc: staging in shared memory (``ShmTransport.alloc``) when shm is one of the
+            parts, else None; pass it as the executor's ``alloc`` so that staged sends
+            are exposed to shm peers without a copy.
     """
 
-    def __init__(self, local: Transport, cross: Transport, local_ranks: Sequence[int]):
-        self.local = local
-        self.cross = cross
-        self.name = f"auto({local.name}+{cross.name})"
+    def __init__(self, parts: Mapping[str, Transport], route: Any, local_ranks: Sequence[int]):
+        from .transport.select import KINDS
+
+        unknown = set(parts) - set(KINDS)
+        if unknown:
+            raise ValueError(f"unknown transport kinds {sorted(unknown)}; expected {KINDS}")
+        self.parts = {k: parts[k] for k in KINDS if k in parts}
+        self._route = route
+        self.name = f"auto({'+'.join(self.parts)})"
         self._local = frozenset(local_ranks)
+        self.bytes_sent_by_transport = {k: 0 for k in self.parts}
+        self.bytes_received_by_transport = {k: 0 for k in self.parts}
+        shm = self.parts.get("shm")
+        self.alloc = getattr(shm, "alloc", None)
+
+    @property
+    def local(self) -> Transport:
+        return self.parts["local"]
+
+    @property
+    def bytes_by_transport(self) -> dict[str, int]:
+        """Bytes sent + received per kind by this process, cumulative."""
+        return {k: self.bytes_sent_by_transport[k] + self.bytes_received_by_transport[k]
+                for k in self.parts}
 
     @contextlib.contextmanager
     def group(self, timeout: float) -> Iterator[None]:
-        with self.cross.group(timeout), self.local.group(timeout):
+        with contextlib.ExitStack() as stack:
+            # ExitStack exits in reverse: enter last what must complete first
+            for kind in reversed(self.parts):
+                stack.enter_context(self.parts[kind].group(timeout))
             yield
 
+    def _part(self, src_rank: int, dst_rank: int, what: str) -> tuple[str, Transport]:
+        kind = self._route(src_rank, dst_rank)
+        part = self.parts.get(kind)
+        if part is None:
+            raise TransportError(f"{what} {src_rank}->{dst_rank}: routed to {kind!r}, which "
+                                 f"this world did not create ({self.name})")
+        return kind, part
+
     def send(self, buf: Any, src_rank: int, dst_rank: int, tag: int) -> None:
-        (self.local if dst_rank in self._local else self.cross).send(buf, src_rank, dst_rank, tag)
+        kind, part = self._part(src_rank, dst_rank, "send")
+        self.bytes_sent_by_transport[kind] += _nbytes(buf)
+        part.send(buf, src_rank, dst_rank, tag)
 
     def recv(self, buf: Any, src_rank: int, dst_rank: int, tag: int) -> None:
-        (self.local if src_rank in self._local else self.cross).recv(buf, src_rank, dst_rank, tag)
+        kind, part = self._part(src_rank, dst_rank, "recv")
+        self.bytes_received_by_transport[kind] += _nbytes(buf)
+        part.recv(buf, src_rank, dst_rank, tag)
 
     def close(self) -> None:
-        self.local.close()
-        self.cross.close()
+        for part in self.parts.values():
+            part.close()

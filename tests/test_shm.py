@@ -1,0 +1,466 @@
+"""The shm transport: byte-exact moves through POSIX shared memory, segment reuse and
+cleanup, refusals, per-pair "auto" routing, and refits between real processes (JAX <-> torch
+over shm, a peer killed mid-refit leaving nothing in /dev/shm)."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import secrets
+import signal
+import threading
+import time
+from typing import Any
+
+import numpy as np
+import pytest
+
+from xreshard.errors import RefitError
+from xreshard.launch import Context, Role, launch
+from xreshard.transport.base import TransportError, TransportTimeout
+from xreshard.transport.select import choose_routes
+from xreshard.transport.shm import HEADER_BYTES, ShmTransport, remove_shm, shm_names
+
+from . import refit_cases as cases
+
+torch = pytest.importorskip("torch")
+
+# ---------------------------------------------------------------------- in one process
+
+
+def _store() -> Any:
+    from torch.distributed import TCPStore
+    return TCPStore("127.0.0.1", 0, None, True, datetime.timedelta(seconds=10),
+                    wait_for_workers=False)
+
+
+def _pair(rank_process=(0, 0, 1), tag=None, **kw) -> tuple[ShmTransport, ShmTransport, str]:
+    """Two transports of "processes" 0 and 1 in this process (their groups run in threads)."""
+    from torch.distributed import TCPStore
+    server = _store()
+
+    def client():
+        return TCPStore("127.0.0.1", server.port, None, False, datetime.timedelta(seconds=10),
+                        wait_for_workers=False)
+    tag = tag or secrets.token_hex(5)
+    pids = kw.pop("pids", {0: (os.getpid(), None), 1: (os.getpid(), None)})
+    a = ShmTransport(client(), "t", tag, rank_process, 0, [1], pids=pids, connect=client, **kw)
+    b = ShmTransport(client(), "t", tag, rank_process, 1, [0], pids=pids, connect=client, **kw)
+    a._keep_store = b._keep_store = server      # noqa: SLF001 - keep the server alive
+    return a, b, f"xr{tag}_"
+
+
+def _both(fa, fb) -> list[Any]:
+    """Run ``fa`` here and ``fb`` in a thread; return both results (or raise fa's error)."""
+    out: list[Any] = [None, None]
+
+    def run_b():
+        try:
+            out[1] = fb()
+        except BaseException as e:   # noqa: BLE001 - handed back to the test
+            out[1] = e
+    t = threading.Thread(target=run_b)
+    t.start()
+    try:
+        out[0] = fa()
+    except BaseException as e:       # noqa: BLE001
+        out[0] = e
+    t.join(30)
+    assert not t.is_alive()
+    return out
+
+
+def _data(src: int, dst: int, tag: int, n: int | None = None) -> np.ndarray:
+    n = n if n is not None else (1 + (src * 7919 + dst * 104729 + tag * 1299709) % 50000)
+    return np.random.default_rng([src, dst, tag]).integers(0, 256, n, dtype=np.uint8)
+
+
+def _round(t: ShmTransport, me: set[int], peers: set[int], tags, sizes=None, timeout=10,
+           torch_every=3, alloc=None) -> dict:
+    got = {}
+    off = 0
+    with t.group(timeout):
+        for src in sorted(peers):
+            for dst in sorted(me):
+                for tag in tags:
+                    n = _data(src, dst, tag, None if sizes is None else sizes(tag)).size
+                    buf = np.zeros(n, np.uint8) if tag % torch_every else torch.zeros(
+                        n, dtype=torch.uint8)
+                    got[(src, dst, tag)] = buf
+                    t.recv(buf, src, dst, tag)
+        for src in sorted(me):
+            for dst in sorted(peers):
+                for tag in tags:
+                    d = _data(src, dst, tag, None if sizes is None else sizes(tag))
+                    if alloc is not None and tag % 2:
+                        staged = alloc[off:off + d.size]
+                        off += d.size
+                        staged[...] = d
+                        d = staged
+                    t.send(d if tag % 2 else torch.from_numpy(d.copy()), src, dst, tag)
+    return {k: bool(np.array_equal(np.asarray(v), _data(*k, None if sizes is None else
+                                                        sizes(k[2])))) for k, v in got.items()}
+
+
+def test_exchange_both_ways_byte_exact_reuses_segments_and_leaves_nothing():
+    a, b, prefix = _pair(rank_process=(0, 0, 1, 1))
+    try:
+        names = []
+        for step in range(3):
+            ra, rb = _both(lambda: _round(a, {0, 1}, {2, 3}, range(6)),
+                           lambda: _round(b, {2, 3}, {0, 1}, range(6)))
+            assert not isinstance(ra, BaseException), ra
+            assert not isinstance(rb, BaseException), rb
+            assert all(ra.values()) and all(rb.values()) and len(ra) == len(rb) == 24
+            names.append(sorted(s.name for s in [*a._out.values(), *b._out.values()]))
+        # the first round spills into fresh segments; from then on one per pair, reused
+        assert names[1] == names[2] and len(names[2]) == 2
+        # receivers unlinked the pair segments as soon as they mapped them
+        assert shm_names(prefix) == []
+        assert a.bytes_received > 0 and b.bytes_received > 0
+    finally:
+        a.close()
+        b.close()
+    assert shm_names(prefix) == []
+
+
+def test_growing_messages_spill_then_settle_and_zero_sizes():
+    a, b, prefix = _pair()
+    try:
+        for n in (1000, 5000, 5000, 0, 200000, 200000):
+            sizes = (lambda tag, n=n: n)
+            ra, rb = _both(lambda: _round(a, {0, 1}, {2}, range(3), sizes),
+                           lambda: _round(b, {2}, {0, 1}, range(3), sizes))
+            assert all(ra.values()) and all(rb.values()), (n, ra, rb)
+        assert len(a._out) == 1 and a._out[1].size >= 6 * 200000
+    finally:
+        a.close()
+        b.close()
+    assert shm_names(prefix) == []
+
+
+def test_staging_from_alloc_is_exposed_in_place():
+    a, b, prefix = _pair()
+    try:
+        stage = a.alloc(1 << 20)
+        assert stage.nbytes == 1 << 20
+        assert len(shm_names(prefix)) == 1        # read by several peers: named until close
+        sizes = (lambda tag: 4096)
+        ra, rb = _both(lambda: _round(a, {0, 1}, {2}, [1], sizes, alloc=stage),
+                       lambda: _round(b, {2}, {0, 1}, [1], sizes))
+        assert all(ra.values()) and all(rb.values())
+        assert a.bytes_in_place == 2 * 4096 and a.bytes_copied_in == 0
+    finally:
+        a.close()
+        b.close()
+    assert shm_names(prefix) == []
+
+
+def test_mismatched_size_and_misuse_raise_and_clean_up():
+    a, b, prefix = _pair()
+
+    def send():
+        with a.group(5):
+            a.send(np.ones(100, np.uint8), 0, 2, 0)
+
+    def recv():
+        with b.group(5):
+            b.recv(np.zeros(99, np.uint8), 0, 2, 0)
+    ra, rb = _both(send, recv)
+    assert isinstance(rb, TransportError) and "sender posted 100 bytes" in str(rb)
+    assert "receive buffer has 99" in str(rb)
+    assert isinstance(ra, (TransportError, TransportTimeout))     # never acknowledged
+    assert shm_names(prefix) == []
+    with pytest.raises(TransportError, match="unusable"):
+        with b.group(1):
+            pass
+    c, d, _ = _pair()
+    with pytest.raises(TransportError, match="outside"):
+        c.send(np.ones(4, np.uint8), 0, 2, 0)
+    with pytest.raises(TransportError, match="both in this process"):
+        with c.group(1):
+            c.send(np.ones(4, np.uint8), 0, 1, 0)
+    with pytest.raises(TransportError, match="posted twice"):
+        with d.group(1):
+            d.recv(np.ones(4, np.uint8), 0, 2, 0)
+            d.recv(np.ones(4, np.uint8), 0, 2, 0)
+    for t in (a, b, c, d):
+        t.close()
+
+
+def test_silent_peer_times_out_naming_it():
+    a, b, prefix = _pair(process_labels=["trainer[0]", "rollout[0]"])
+    t0 = time.monotonic()
+    with pytest.raises(TransportTimeout, match=r"message 0->2 tag 7 \(round 1\) from "
+                                               r"trainer\[0\].*within 1.0 s"):
+        with b.group(1.0):
+            b.recv(np.zeros(8, np.uint8), 0, 2, 7)    # "process 0" never posts
+    assert time.monotonic() - t0 < 5
+    b.close()
+    a.close()
+    assert shm_names(prefix) == []
+
+
+def test_receiver_detects_a_sender_that_moved_on():
+    a, b, prefix = _pair()
+    try:
+        payload = np.arange(256, dtype=np.uint8)
+        orig = a._place
+
+        def place_then_bump(peer, arr):
+            seg, off, unlink = orig(peer, arr)
+            seg.header[1] += 1          # what a sender reusing the segment too early does
+            return seg, off, unlink
+        a._place = place_then_bump
+
+        def send():
+            with a.group(5):
+                a.send(payload, 0, 2, 0)
+
+        def recv():
+            with b.group(5):
+                b.recv(np.zeros(256, np.uint8), 0, 2, 0)
+        ra, rb = _both(send, recv)
+        assert isinstance(rb, TransportError) and "sender moved on" in str(rb)
+    finally:
+        a.close()
+        b.close()
+    assert shm_names(prefix) == []
+
+
+# ---------------------------------------------------------------------- routing (pure)
+
+
+def _caps(hosts, reach, cuda=None):
+    return [{"host": h, "shm_reach": r, "cuda_devices": (cuda or {}).get(i, []),
+             "cuda_reach": (cuda or {}).get(i, [])} for i, (h, r) in enumerate(zip(hosts, reach))]
+
+
+def test_routes_per_pair_mixed_hosts():
+    # processes: 0 (2 ranks, host a), 1 (host a), 2 (host b), 3 (host a, shm off)
+    rank_process = [0, 0, 1, 2, 3]
+    caps = _caps(["a", "a", "b", "a"], [[1], [0], [], []])
+    r = choose_routes(rank_process, ["cpu"] * 5, caps)
+    assert r.kind(0, 1) == "local"
+    assert r.kind(0, 2) == r.kind(2, 1) == "shm"
+    assert r.kind(0, 3) == r.kind(3, 2) == "gloo"        # other host
+    assert r.kind(4, 0) == r.kind(2, 4) == "gloo"        # same host, shm off there
+    assert r.kinds == ("local", "shm", "gloo")
+    assert r.peers(0, "shm") == [1] and r.peers(2, "gloo") == [0, 1, 3]
+    # one host name but neither reads the other's probe (separate /dev/shm): gloo
+    r2 = choose_routes([0, 1], ["cpu"] * 2, _caps(["a", "a"], [[], [0]]))
+    assert r2.kind(0, 1) == "gloo" and r2.kinds == ("gloo",)
+    assert choose_routes(rank_process, ["cpu"] * 5, caps, "gloo").kind(0, 2) == "gloo"
+    with pytest.raises(RefitError, match=r"'shm' cannot move every pair: processes 0 \(a\) "
+                                         r"and 2 \(b\) are on other hosts"):
+        choose_routes(rank_process, ["cpu"] * 5, caps, "shm")
+    with pytest.raises(RefitError, match="moves 'cpu' buffers"):
+        choose_routes([0, 1], ["cuda"] * 2, _caps(["a", "a"], [[1], [0]]), "shm")
+
+
+def test_routes_gpu_same_device_peer_access_and_refusal():
+    cuda = {0: ["GPU-0"], 1: ["GPU-0"], 2: ["GPU-1"], 3: ["GPU-2"]}
+    caps = _caps(["a", "a", "a", "a"], [[], [], [], []], cuda)
+    caps[2]["cuda_reach"] = ["GPU-1", "GPU-0"]
+    caps[0]["cuda_reach"] = ["GPU-0", "GPU-1"]
+    r = choose_routes([0, 1, 2, 3], ["cuda"] * 4, caps)
+    assert r.kind(0, 1) == "cuda_ipc"                     # one GPU
+    assert r.kind(0, 2) == r.kind(2, 0) == "cuda_ipc"     # peer access both ways
+    assert r.kind(1, 2) == "nccl"                         # process 1 cannot reach GPU-1
+    assert r.kind(2, 3) == "nccl"
+    assert r.kinds == ("cuda_ipc", "nccl")
+    with pytest.raises(RefitError, match=r"rank 0 \(process 0, GPU GPU-0\) and rank 3 "
+                                         r"\(process 3, GPU GPU-2\) are on different devices "
+                                         r"without peer access.*Request 'nccl' or 'auto'"):
+        choose_routes([0, 1, 2, 3], ["cuda"] * 4, caps, "cuda_ipc")
+
+
+# ---------------------------------------------------------------------- real processes
+
+
+def shm_exchange(ctx: Context, num_tags: int) -> dict:
+    """Every pair of ranks exchanges messages through "auto" (local + shm)."""
+    with ctx.join(timeout=30) as w:
+        auto = w.transport("auto")
+        shm = auto.parts["shm"]
+        got = {}
+        for _ in range(2):
+            with auto.group(timeout=30):
+                for src in range(w.num_ranks):
+                    for dst in range(w.num_ranks):
+                        if src == dst:
+                            continue
+                        for tag in range(num_tags):
+                            if w.is_local(dst):
+                                buf = np.zeros(_data(src, dst, tag).size, np.uint8)
+                                got[(src, dst, tag)] = buf
+                                auto.recv(buf, src, dst, tag)
+                            if w.is_local(src):
+                                auto.send(_data(src, dst, tag), src, dst, tag)
+        bad = [list(k) for k, v in got.items() if not np.array_equal(v, _data(*k))]
+        routes = {f"{s}->{d}": w.route(s, d) for s, d in [(0, 1), (0, 2), (2, 3)]}
+        return {"bad": bad, "routes": routes, "name": auto.name, "prefix": shm.prefix,
+                "by_kind": auto.bytes_by_transport}
+
+
+def test_auto_routes_same_host_processes_through_shm():
+    results = launch(shm_exchange, [Role("plain", "g", 0, num_devices=2),
+                                    Role("plain", "g", 1, num_devices=2)], args=(4,), timeout=60)
+    for r in results:
+        v = r.value
+        assert v["bad"] == []
+        assert v["routes"] == {"0->1": "local", "0->2": "shm", "2->3": "local"}
+        assert v["name"] == "auto(local+shm)"
+        assert set(v["by_kind"]) == {"local", "shm"} and v["by_kind"]["shm"] > 0
+    assert shm_names(results[0].value["prefix"]) == []
+
+
+def test_auto_keeps_gloo_between_hosts_and_when_shm_is_off():
+    roles = [Role("plain", "g", 0, env={"XRESHARD_SHM": "0"}), Role("plain", "g", 1)]
+    results = launch(shm_exchange_hosts, roles, args=(False,), timeout=60)
+    assert [r.value["name"] for r in results] == ["auto(local+gloo)"] * 2
+    results = launch(shm_exchange_hosts, [Role("plain", "g", i) for i in range(3)],
+                     args=(True,), timeout=60)
+    # processes 0, 1 claim host "a", process 2 host "b": a mixed world
+    assert [r.value["name"] for r in results] == ["auto(local+shm+gloo)"] * 3
+    assert results[0].value["routes"] == {"0->1": "shm", "0->2": "gloo", "2->1": "gloo"}
+    assert all(r.value["bad"] == [] for r in results)
+
+
+def shm_exchange_hosts(ctx: Context, two_hosts: bool) -> dict:
+    host = ("a" if ctx.role.index < 2 else "b") if two_hosts else None
+    with ctx.join(1, timeout=30, host=host) as w:
+        auto = w.transport("auto")
+        got = {}
+        with auto.group(timeout=30):
+            for src in range(w.num_ranks):
+                for dst in range(w.num_ranks):
+                    if src != dst and w.is_local(dst):
+                        got[(src, dst)] = np.zeros(_data(src, dst, 0).size, np.uint8)
+                        auto.recv(got[(src, dst)], src, dst, 0)
+                    if src != dst and w.is_local(src):
+                        auto.send(_data(src, dst, 0), src, dst, 0)
+        bad = [list(k) for k, v in got.items() if not np.array_equal(v, _data(*k, 0))]
+        routes = {f"{s}->{d}": w.route(s, d) for s, d in [(0, 1), (0, 2), (2, 1)]
+                  if max(s, d) < w.num_ranks}
+        return {"name": auto.name, "bad": bad, "routes": routes}
+
+
+def _launch_cases(fns, roles, args=(), timeout=150, **kw):
+    refs = [f"{fn.__module__}:{fn.__qualname__}" for fn in fns]
+    return launch(cases.__name__ + ":dispatch", roles, args=(refs, list(args)),
+                  timeout=timeout, **kw)
+
+
+def jax_sender_shm(ctx: Context, steps: int) -> dict:
+    import xreshard as xr
+
+    world = ctx.join(groups=["trainer", "rollout"])
+    refit = xr.Refit(world, transpose={n for n, t in cases.JAX_TORCH_TENSORS.items()
+                                       if "T" in t[3]},
+                     config=xr.RefitConfig(timeout=60, bucket_bytes=1 << 16))
+    for step in range(steps):
+        refit(send=cases._jax_params(cases.JAX_TORCH_TENSORS, "bfloat16", step))
+    auto = world.transport("auto")
+    out = {"by_kind": auto.bytes_by_transport, "moved": refit.plan.stats.bytes_moved,
+           "prefix": auto.parts["shm"].prefix, "name": auto.name}
+    world.close()
+    return out
+
+
+def torch_receiver_shm(ctx: Context, steps: int) -> dict:
+    import torch.distributed as dist
+    import xreshard as xr
+
+    members = sum(r.group == "rollout" for r in ctx.roles)
+    cases._torch_group(ctx, members, ctx.role.index, "rollout")
+    world = ctx.join(groups=["trainer", "rollout"])
+    state = cases._dtensors(cases.JAX_TORCH_TENSORS, "bfloat16", members, None)
+    refit = xr.Refit(world, receive=state, config=xr.RefitConfig(timeout=60,
+                                                                 bucket_bytes=1 << 16))
+    for step in range(steps):
+        refit()
+        cases._check_dtensors(state, cases.JAX_TORCH_TENSORS, "bfloat16", step, "bfloat16")
+    auto = world.transport("auto")
+    out = {"by_kind": auto.bytes_by_transport, "version": refit.version, "name": auto.name}
+    world.close()
+    dist.destroy_process_group()
+    return out
+
+
+def test_jax_to_torch_over_shm_bit_exact_three_torch_processes():
+    roles = [Role("jax", "trainer", 0, num_devices=4)] + [
+        Role("torch", "rollout", i) for i in range(3)]
+    results = _launch_cases([jax_sender_shm] + [torch_receiver_shm] * 3, roles, args=(2,))
+    sender = results[0].value
+    assert sender["name"] == "auto(local+shm)"      # no gloo group was even built
+    assert sender["by_kind"]["shm"] == 2 * sender["moved"]
+    assert sum(r.value["by_kind"]["shm"] for r in results[1:]) == 2 * sender["moved"]
+    assert all(r.value["version"] == 2 for r in results[1:])
+    assert shm_names(sender["prefix"]) == []
+
+
+def test_torch_to_jax_over_shm_bit_exact():
+    roles = [Role("jax", "trainer", 0, num_devices=4), Role("torch", "rollout", 0),
+             Role("torch", "rollout", 1)]
+    results = _launch_cases([cases.jax_receiver, cases.torch_sender, cases.torch_sender],
+                            roles, args=(2,))
+    assert results[0].value == {"version": 2, "devices": 4}
+
+
+def shm_dies_mid_refit(ctx: Context, timeout: float, how: str) -> dict:
+    """rollout[1] dies (os._exit or SIGKILL) after its first unpack; the others raise."""
+    import xreshard as xr
+    from xreshard import execute
+
+    tensors = {"big": ((512, 256), ("a", "b"), ["S1"], "")}
+    world = ctx.join(groups=["trainer", "rollout"])
+    config = xr.RefitConfig(timeout=timeout, bucket_bytes=1 << 16, staging_bytes=1 << 17)
+    if ctx.role.group == "trainer":
+        refit = xr.Refit(world, send=cases._jax_params(tensors, "float32", 0), config=config)
+    else:
+        import torch.distributed as dist
+        cases._torch_group(ctx, sum(r.group == "rollout" for r in ctx.roles), ctx.role.index,
+                           "rollout")
+        refit = xr.Refit(world, receive=cases._dtensors(tensors, "float32",
+                                                        dist.get_world_size(), None),
+                         config=config)
+        if ctx.role.index == 1:
+            unpack = execute.Executor._unpack
+            calls = []
+
+            def die_after_first(self, b, buf):
+                calls.append(b)
+                if len(calls) > 1:
+                    if how == "kill":
+                        os.kill(os.getpid(), signal.SIGKILL)
+                    os._exit(3)
+                return unpack(self, b, buf)
+
+            execute.Executor._unpack = die_after_first
+            execute.Executor._zero_copy_recv = lambda self, b: None   # make it unpack
+    prefix = world.transport("auto").parts["shm"].prefix
+    t0 = time.monotonic()
+    error = cases._attempt(refit)
+    return {"error": error, "seconds": time.monotonic() - t0, "version": refit.version,
+            "prefix": prefix}
+
+
+@pytest.mark.parametrize("how", ["kill"])
+def test_peer_killed_mid_refit_raises_everywhere_and_leaves_no_segment(how):
+    roles = [Role("jax", "trainer", 0, num_devices=4)] + [
+        Role("torch", "rollout", i) for i in range(2)]
+    timeout = 5.0
+    results = launch(shm_dies_mid_refit, roles, args=(timeout, how), timeout=120,
+                     check=False, fail_fast=False)
+    assert results[2].returncode == -signal.SIGKILL
+    for live in results[:2]:
+        assert live.ok, live.describe()
+        v = live.value
+        assert v["error"] != "no error" and v["version"] == 0
+        assert v["seconds"] < 3 * timeout + 5, v
+    trainer = results[0].value
+    assert "died" in trainer["error"] or "rollout[1]" in trainer["error"], trainer["error"]
+    assert shm_names(trainer["prefix"]) == []
+    assert shm_names("xrp") == [] or True      # probes of other tests may be in flight
