@@ -647,3 +647,79 @@ def test_replicate_layout_stacks_engines_on_a_major_axis():
     both = xv.replicate_layout(padded, [[10, 11], [20, 21]])
     assert both.regions(21) == padded.regions(1) and both.regions(10) == padded.regions(0)
     assert xv.replicate_layout(shard, [[5, 6]]).mesh == Mesh((2,), (5, 6), ("tp",))
+
+
+# ---------------------------------------------------------------------------- digests
+
+def _processed_qwen2(seed, monkeypatch=None, fallback=False):
+    """The tiny Qwen2 (bf16) on CPU, loaded from random full tensors and processed by
+    vLLM's own ``process_weights_after_loading`` - on this CPU's path, or (``fallback``)
+    on the one an AVX2 CPU takes for bf16, where oneDNN refuses the matmul (and no AMX
+    sgl kernel) so ``F.linear`` keeps multiplying the parameter. Returns (the processed
+    model, the same weights loaded and left unprocessed)."""
+    from vllm.config import set_current_vllm_config
+    from vllm.model_executor.layers import utils as vllm_utils
+    from vllm.model_executor.model_loader.utils import process_weights_after_loading
+
+    if fallback:
+        def refuse(*args, **kwargs):
+            raise RuntimeError("could not create a primitive descriptor (forced: AVX2 bf16)")
+        monkeypatch.setattr(vllm_utils.ops, "create_onednn_mm", refuse)
+        monkeypatch.setattr(vllm_utils, "check_cpu_sgl_kernel", lambda *a: False)
+    cfg = _config("qwen2")
+    vllm_config = xv.make_vllm_config(cfg, dtype="bfloat16")
+    specs = xv.hf_tensor_specs(cfg, "bfloat16")
+    gen = torch.Generator().manual_seed(seed)
+    full = {n: torch.randn(s, generator=gen).to(torch.bfloat16) for n, (s, _) in specs.items()}
+    models = []
+    with xv.fake_tp(0, 1), set_current_vllm_config(vllm_config):
+        for _ in range(2):
+            m = xv.build_model(vllm_config, device="cpu")
+            m.load_weights(iter(full.items()))
+            models.append(m)
+        process_weights_after_loading(models[0], vllm_config.model_config, torch.device("cpu"))
+    return models[0], models[1]
+
+
+@pytest.mark.parametrize("fallback", [False, True], ids=["this-cpu", "avx2-bf16-fallback"])
+def test_digest_sees_the_weights_cpu_kernels_compute_with(fallback, monkeypatch):
+    """vLLM's CPU processing may move a linear weight into a prepacked kernel (oneDNN on
+    AVX-512, sgl on AMX) and leave the parameter empty; the digest reads it back through
+    the kernel, so it equals the loaded weights' hash on every path, and moves with them."""
+    import hashlib
+
+    processed, loaded = _processed_qwen2(0, monkeypatch, fallback)
+    qkv = "model.layers.0.self_attn.qkv_proj.weight"
+    live = dict(processed.named_parameters())[qkv]
+    if fallback:
+        assert live.numel() > 0                # F.linear multiplies the parameter itself
+    digest = xv.weights_digest(processed)
+    want = {n: hashlib.sha256(t.reshape(-1).view(torch.uint8).numpy().tobytes()).hexdigest()
+            for n, t in loaded.state_dict().items()}
+    assert digest == want
+    # the read-back is the loaded weight itself, whatever the kernel holds
+    module = processed.get_submodule(qkv.rpartition(".")[0])
+    assert torch.equal(xv.gemm_weight(module), dict(loaded.named_parameters())[qkv])
+    # other weights, other digests: no comparison is vacuous
+    other = xv.weights_digest(_processed_qwen2(1, monkeypatch, fallback)[0])
+    weights = dict(loaded.named_parameters())       # not the attention scales, rotary cache
+    assert "lm_head.weight" in digest and qkv in weights
+    assert sorted(n for n in weights if other[n] == digest[n]) == []
+
+
+def test_digest_sees_a_replaced_weight_and_a_stale_prepacked_copy():
+    """As vLLM does it: the parameter emptied and the weight held by the kernel only; and a
+    stale kernel copy beside an up-to-date parameter (a tied head a reload did not re-process)."""
+    import hashlib
+
+    lin = torch.nn.Linear(6, 4, bias=False)
+    w = lin.weight.detach().clone()
+    lin.cpu_linear = lambda x, weight, bias, _w=w.clone(): torch.nn.functional.linear(x, _w, bias)
+    lin.input_size_per_partition = 6
+    lin.weight = torch.nn.Parameter(torch.empty(0), requires_grad=False)
+    sha = hashlib.sha256(w.reshape(-1).view(torch.uint8).numpy().tobytes()).hexdigest()
+    assert xv.weights_digest(lin) == {"weight": sha}
+    lin.weight = torch.nn.Parameter(w + 1, requires_grad=False)     # the kernel kept w
+    assert xv.weights_digest(lin)["weight"] != sha
+    lin.weight = torch.nn.Parameter(w.clone(), requires_grad=False)
+    assert xv.weights_digest(lin) == {"weight": sha}

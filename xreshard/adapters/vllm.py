@@ -87,7 +87,7 @@ __all__ = [
     "record_from_config", "record_in_worker", "worker_record", "fake_tp", "build_model",
     "hf_tensor_specs", "make_vllm_config", "shard_weight", "parts_from_full",
     "reload_from_shards", "reprocess_tied", "WorkerExtension", "checkpoint_specs",
-    "register_backend", "Destination",
+    "register_backend", "Destination", "weights_digest", "gemm_weight",
 ]
 
 
@@ -708,15 +708,85 @@ def worker_record(worker: Any, specs: Mapping[str, Sequence] | None = None) -> d
 
 
 def weights_digest(model: Any) -> dict[str, str]:
-    """Name -> sha256 of the bytes of each tensor in ``model.state_dict()``."""
+    """Name -> sha256 of each tensor of ``model.state_dict()`` *as the model computes with it*.
+
+    On CPU, vLLM's ``process_weights_after_loading`` may hand a linear layer's weight to a
+    prepacked kernel and leave the parameter empty or stale; hashing the state dict then
+    says nothing about the weights in use. Which path a layer takes depends on the CPU
+    (vLLM 0.32, ``dispatch_cpu_unquantized_gemm``):
+
+    ==========================  ====================================  ==================
+    CPU / dtype                 kernel (``layer.cpu_linear``)          ``layer.weight``
+    ==========================  ====================================  ==================
+    AMX, bf16/fp16, small       sgl ``weight_packed_linear`` (copy)   ``empty(0)``
+    x86 with oneDNN (AVX-512,   ``onednn_mm`` on a oneDNN-packed      ``empty(0)``
+    or AVX2 where oneDNN
+    accepts the dtype)          copy
+    oneDNN refuses (e.g. bf16   ``F.linear`` on the parameter         kept
+    on AVX2), other arches
+    zen CPUs (zentorch)         ``zentorch_linear_unary``             ``empty(0)``
+    embeddings / LM head        as above, ``remove_weight=False``     kept (lookup)
+    MoE ``w13``/``w2``          ``cpu_fused_moe`` on the parameter,   replaced by its
+                                repacked by ``prepack_moe_weight``    prepacked bytes
+    ==========================  ====================================  ==================
+
+    So for every ``weight`` of a module that has ``cpu_linear``, the weight the kernel
+    multiplies with is read back through the kernel itself (:func:`gemm_weight`: the
+    layer applied to the identity, exact in every dtype); the digest is that of those
+    bytes when the parameter is empty or holds the same bytes, and of both otherwise (a
+    lookup table and a stale prepacked copy - a tied head reload forgot - differ). It is
+    therefore the same on every CPU path: ``sha256`` of the loaded weight. Other tensors
+    (norms, biases, MoE weights, whose replacement *is* what the kernel reads) are hashed
+    as they are.
+    """
     import hashlib
 
     torch = _import_torch()
+    modules = dict(model.named_modules(remove_duplicate=False))
     out = {}
-    for name, t in model.state_dict().items():
-        raw = t.detach().reshape(-1).contiguous().view(torch.uint8)
-        out[name] = hashlib.sha256(raw.cpu().numpy().tobytes()).hexdigest()
+    with torch.no_grad():
+        for name, t in model.state_dict().items():
+            mod_name, _, leaf = name.rpartition(".")
+            module = modules.get(mod_name)
+            raw = _bytes_of(t)
+            if leaf == "weight" and callable(getattr(module, "cpu_linear", None)):
+                used = _bytes_of(gemm_weight(module))
+                raw = used if t.numel() == 0 or raw == used else raw + b"|gemm|" + used
+            out[name] = hashlib.sha256(raw).hexdigest()
     return out
+
+
+def _bytes_of(t: Any) -> bytes:
+    torch = _import_torch()
+    return t.detach().reshape(-1).contiguous().view(torch.uint8).cpu().numpy().tobytes()
+
+
+def gemm_weight(module: Any, *, rows: int = 1024) -> Any:
+    """The ``[out, in]`` weight a CPU-dispatched vLLM layer multiplies with, read back
+    through its own kernel: ``cpu_linear(I, weight, None)`` is ``W.T`` (each output is one
+    weight times 1 plus zeros, exact in fp32/bf16/fp16). Works whether the kernel holds a
+    prepacked copy (oneDNN, sgl, zentorch: the parameter is then empty) or multiplies the
+    parameter itself. ``rows`` bounds the identity block fed at once.
+    """
+    torch = _import_torch()
+    weight = module.weight
+    if weight.ndim == 2 and weight.numel():
+        k = weight.shape[1]
+    else:
+        # the input size on this rank (a row-parallel layer's input_size is the global one)
+        k = next((getattr(module, a) for a in ("input_size_per_partition", "embedding_dim",
+                                                "input_size") if getattr(module, a, None)), None)
+        if not k:
+            raise RecordError(f"{type(module).__name__}: its weight was replaced by a prepacked "
+                              "kernel and the module names no input size "
+                              "(input_size_per_partition, embedding_dim, input_size) to read it back")
+    cols = []
+    for a in range(0, int(k), rows):
+        b = min(int(k), a + rows)
+        eye = torch.zeros(b - a, int(k), dtype=weight.dtype, device=weight.device)
+        eye[:, a:b] = torch.eye(b - a, dtype=weight.dtype, device=weight.device)
+        cols.append(module.cpu_linear(eye, weight, None))
+    return torch.cat(cols).t().contiguous()
 
 
 class WorkerExtension:
@@ -742,7 +812,8 @@ class WorkerExtension:
 
     def xreshard_weights_digest(self) -> dict[str, str]:
         """sha256 of every tensor in the live model's state dict (parameters and persistent
-        buffers, as processed after loading), by name: compare two engines' weights, or one
+        buffers, as processed after loading; a linear weight as its prepacked CPU kernel
+        holds it, see :func:`weights_digest`), by name: compare two engines' weights, or one
         engine's weights after a refit and after ``reload_weights``, bit for bit."""
         return weights_digest(self.model_runner.get_model())
 
