@@ -723,3 +723,32 @@ def test_digest_sees_a_replaced_weight_and_a_stale_prepacked_copy():
     assert xv.weights_digest(lin)["weight"] != sha
     lin.weight = torch.nn.Parameter(w.clone(), requires_grad=False)
     assert xv.weights_digest(lin) == {"weight": sha}
+
+
+def test_workers_exchange_recordings_as_json_not_pickle(monkeypatch):
+    """The recording all-gather over vLLM's gloo CPU group moves JSON bytes (two ranks as
+    threads on one store); pickling is made to fail to prove it is never used."""
+    import datetime
+    import pickle
+    import threading
+
+    import torch.distributed as dist
+
+    def no_pickle(*args, **kwargs):
+        raise AssertionError("pickle used")
+
+    monkeypatch.setattr(pickle, "dumps", no_pickle)
+    monkeypatch.setattr(pickle, "Pickler", no_pickle)
+    store, out = dist.HashStore(), {}
+
+    def run(rank):
+        group = dist.ProcessGroupGloo(store, rank, 2, datetime.timedelta(seconds=30))
+        out[rank] = xv._allgather_json({"rank": rank, "text": "é" * (7 * rank)}, group)
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    want = [{"rank": 0, "text": ""}, {"rank": 1, "text": "é" * 7}]
+    assert out == {0: want, 1: want}

@@ -46,8 +46,10 @@ Decision record.
 * Loading from shards reuses the probe: :func:`shard_weight` is a full-shape stand-in
   holding only this rank's regions, so vLLM's own loaders (inside layerwise reload, which
   re-processes and copies into the existing kernel tensors) load a rank from its shards.
-* In an engine, call by method name through :class:`WorkerExtension`; a callable passed
-  to a multiprocess engine's ``collective_rpc`` needs ``VLLM_ALLOW_INSECURE_SERIALIZATION=1``.
+* No pickle anywhere: in an engine, call by method name through :class:`WorkerExtension`
+  (vLLM pickles a *callable* passed to a multiprocess engine's ``collective_rpc``, and
+  refuses to unless ``VLLM_ALLOW_INSECURE_SERIALIZATION=1``: don't); the workers exchange
+  their recordings as JSON bytes (:func:`_allgather_json`), never ``all_gather_object``.
 * :class:`Destination` is one worker as a refit destination (global layouts from every TP
   rank's recording, bindings into receive buffers, loading through layerwise reload);
   :mod:`xreshard.adapters.vllm_backend` wraps it as vLLM's weight-transfer backend
@@ -368,20 +370,38 @@ def _record_workers(vllm_config: Any, specs: Mapping[str, Any] | None
         specs = {n: (tuple(s[0]), str(s[1])) for n, s in specs.items()}
     with set_current_vllm_config(vllm_config):
         rec = _record_here(build_model(vllm_config), specs)
-    texts = [rec.to_json()]
     if rec.num_workers > 1:     # the world group of an engine without DP: its workers
         group = ps.get_world_group()
         if group.world_size != rec.num_workers:
             raise RecordError(f"vLLM's world group has {group.world_size} workers but "
                               f"pp x tp = {rec.num_workers}; data parallelism is not supported")
-        texts = [None] * group.world_size
-        _import_torch().distributed.all_gather_object(texts, rec.to_json(),
-                                                      group=group.cpu_group)
-    recs = [Recording.from_dict(json.loads(t)) for t in texts]
+        dicts = _allgather_json(rec.to_dict(), group.cpu_group)
+    else:
+        dicts = [rec.to_dict()]
+    recs = [Recording.from_dict(d) for d in dicts]
     if [r.worker for r in recs] != list(range(rec.num_workers)):
         raise RecordError("the all-gather of recordings returned workers "
                           f"{[r.worker for r in recs]}, not 0..{rec.num_workers - 1}")
     return recs, rec.worker, specs
+
+
+def _allgather_json(obj: Any, group: Any) -> list[Any]:
+    """Every member's ``obj`` over a torch process group (vLLM's gloo CPU group), as JSON
+    bytes in uint8 tensors - ``all_gather_object`` would pickle. Two all-gathers: the
+    lengths, then the bytes padded to the longest."""
+    torch = _import_torch()
+    dist = torch.distributed
+    data = torch.frombuffer(bytearray(json.dumps(obj, separators=(",", ":")).encode()),
+                            dtype=torch.uint8)
+    n = dist.get_world_size(group)
+    sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(n)]
+    dist.all_gather(sizes, torch.tensor([data.numel()], dtype=torch.int64), group=group)
+    longest = max(int(s) for s in sizes)
+    padded = torch.zeros(longest, dtype=torch.uint8)
+    padded[:data.numel()] = data
+    out = [torch.empty(longest, dtype=torch.uint8) for _ in range(n)]
+    dist.all_gather(out, padded, group=group)
+    return [json.loads(bytes(b[:int(s)].numpy())) for b, s in zip(out, sizes)]
 
 
 def _record_here(model: Any, specs: Mapping[str, Any]) -> Recording:
@@ -693,9 +713,9 @@ def record_in_worker(worker: Any, specs: Mapping[str, tuple[Sequence[int], Any]]
 
 
 def worker_record(worker: Any, specs: Mapping[str, Sequence] | None = None) -> dict:
-    """``LLM.collective_rpc`` target: ``llm.collective_rpc(worker_record, args=(specs,))``
-    (a multiprocess engine only ships callables with ``VLLM_ALLOW_INSECURE_SERIALIZATION=1``;
-    prefer :class:`WorkerExtension` there).
+    """What ``WorkerExtension.xreshard_record`` runs: ``llm.collective_rpc("xreshard_record",
+    args=(specs,))``. (Passing this function itself to ``collective_rpc`` works only in an
+    in-process engine: a multiprocess one would pickle it.)
 
     ``specs`` is JSON-like (``{name: [shape, dtype_name]}``) since tensors do not survive
     the RPC; returns ``Recording.to_dict()`` plus ``"rank"``, the worker's global rank.
