@@ -472,3 +472,71 @@ def test_install_hints_name_both_cuda_majors():
     assert "xreshard[nccl-cu12]" in install_hint(12) and "nvidia-nccl-cu12" in install_hint(12)
     both = install_hint(0)
     assert "nccl-cu13" in both and "nccl-cu12" in both
+
+
+def test_widened_copies_move_fewer_larger_elements_only_when_aligned():
+    from xreshard.execute import widened
+    ptr = lambda a: a.__array_interface__["data"][0]      # noqa: E731
+    base = np.zeros((8, 128), np.uint16)
+    out = np.zeros((8, 64), np.uint16)
+    o, s = widened(out, base[:, :64], ptr)                  # 128 B runs, 8-byte aligned
+    assert o.dtype == s.dtype == np.uint64 and o.shape == s.shape == (8, 16)
+    assert np.shares_memory(o, out) and np.shares_memory(s, base)
+    assert widened(out, base[:, 2:66], ptr)[1].dtype == np.uint32    # 4-byte aligned start
+    assert widened(out, base[:, 1:65], ptr)[1].dtype == np.uint16    # 2-byte aligned only
+    assert widened(out[:, :63], base[:, :63], ptr)[0].dtype == np.uint16   # odd run
+    t = base[:64, :8].T                                     # transposed: last dim strided
+    assert widened(np.zeros((8, 64), np.uint16), t, ptr)[1] is t
+    # a widened copy is the same bytes
+    src = np.arange(8 * 128, dtype=np.uint16).reshape(8, 128)
+    o, s = widened(out, src[:, 64:], ptr)
+    np.copyto(o, s)
+    assert out.tobytes() == np.ascontiguousarray(src[:, 64:]).tobytes()
+
+
+# ---------------------------------------------------------------------------- gpu_check dry runs
+
+def test_gpu_check_executor_cases_dry_run_on_cpu():
+    """scripts/gpu_check.sh part (a), its logic on CPU: same cases, numpy bindings, the
+    local transport in place of the folded NCCL communicator."""
+    pytest.importorskip("jax")
+    pytest.importorskip("torch")
+    from .test_gpu_refit import executor_cases
+    report = executor_cases("cpu")
+    assert report["ok"], json.dumps(report, indent=1, default=str)[-4000:]
+    cases = report["cases"]
+    assert len(cases) == 7
+    assert cases["bf16_in_place_row_range"]["pointer_identity"]
+    assert cases["several_staging_rounds"]["num_rounds"] >= 4
+    assert cases["fp32_to_bf16_wire_cast"]["matches_torch_cast"]
+
+
+@pytest.mark.slow
+def test_gpu_check_two_processes_dry_run_on_cpu(tmp_path):
+    """Part (b)'s harness on CPU: two real processes (JAX, torch) over gloo, JSON back."""
+    pytest.importorskip("jax")
+    pytest.importorskip("torch")
+    from .test_gpu_refit import two_processes
+    report = two_processes("cpu", timeout=60, logs=tmp_path)
+    assert report["ok"], json.dumps(report, indent=1, default=str)[-4000:]
+    assert list(report["attempts"]) == ["hostid"]
+    assert {p["returncode"] for p in report["attempts"]["hostid"]["processes"].values()} == {0}
+
+
+def test_gpu_check_bandwidth_dry_run_on_cpu(tmp_path):
+    """Part (c)'s benchmark with numpy: the executor's copy path is exact on every region."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    try:
+        import bench_gpu
+    finally:
+        sys.path.remove(str(REPO / "benchmarks"))
+    out = tmp_path / "c.json"
+    bench_gpu.main(["--device", "cpu", "--pack-size", "256", "--iters", "1", "--json", str(out)])
+    report = json.loads(out.read_text())
+    assert len(report["pack"]["regions"]) == 6
+    assert all(r["exact"] for r in report["pack"]["regions"])
+
+
+def test_gpu_check_script_parses():
+    subprocess.run(["bash", "-n", str(REPO / "scripts" / "gpu_check.sh")], check=True,
+                   timeout=30)

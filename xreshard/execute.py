@@ -35,7 +35,7 @@ logger = logging.getLogger(__name__)
 Bindings = Mapping[tuple[int, str], Any]
 
 __all__ = ["Bindings", "ExecStats", "Executor", "check_bindings", "copy_into", "cuda_preflight",
-           "cupy_knows", "device_of", "numpy_dtype", "view_of"]
+           "cupy_knows", "device_of", "numpy_dtype", "view_of", "widened"]
 
 
 def _xp(arr: Any) -> Any:
@@ -63,6 +63,8 @@ def copy_into(xp: Any, out: Any, out_dtype: str, src: Any, src_dtype: str) -> No
     """
     if out_dtype == src_dtype:
         out, src = bits(out), bits(src)
+        if xp is not np:
+            out, src = widened(out, src, _device_ptr)
         casting = "no"
     else:
         out, src = as_dtype(out, out_dtype), as_dtype(src, src_dtype)
@@ -76,6 +78,33 @@ def copy_into(xp: Any, out: Any, out_dtype: str, src: Any, src_dtype: str) -> No
                           casting=casting)
         return
     xp.copyto(out, src, casting=casting)
+
+
+def widened(out: Any, src: Any, ptr: Callable[[Any], int]) -> tuple[Any, Any]:
+    """Same-shape bit views ``(out, src)`` re-viewed with the widest unsigned element (up
+    to 8 bytes) that both allow, so a copy kernel moves fewer, larger elements.
+
+    Both must have a contiguous last dim whose byte length, every other stride and the data
+    pointer (``ptr(arr)``) divide by the new size: a bf16 region with 16 KiB runs copies as
+    uint64, 4x fewer elements. Anything else (a transposed view) comes back unchanged.
+    """
+    k = out.dtype.itemsize
+    if out.ndim == 0 or out.size == 0 or k >= 8:
+        return out, src
+    row = out.shape[-1] * k
+    for w in (8, 4, 2):
+        if w <= k:
+            break
+        if row % w == 0 and all(a.strides[-1] == k and ptr(a) % w == 0
+                                and all(st % w == 0 for st in a.strides[:-1])
+                                for a in (out, src)):
+            wide = bits_dtype(w)
+            return out.view(wide), src.view(wide)
+    return out, src
+
+
+def _device_ptr(arr: Any) -> int:
+    return int(arr.data.ptr)
 
 
 def view_of(binding: Any, layout: Layout, rank: int, region: Region) -> Any:
