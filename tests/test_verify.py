@@ -272,6 +272,16 @@ def test_sample_mode_covers_everything_over_a_period(monkeypatch):
     assert len(caught) == 1
 
 
+def test_send_and_recv_halves_merge_into_the_whole():
+    src, dst, values = _model()
+    p, src_b, dst_b = _refit(src, dst, values)
+    whole = verify.digests(p, range(6), src_b, dst_b)
+    half = verify.digests(p, range(6), src_b, dst_b, sides="send").merge(
+        verify.digests(p, range(6), src_b, dst_b, sides="recv"))
+    assert (half.send, half.recv, half.nbytes) == (whole.send, whole.recv, whole.nbytes)
+    assert verify.compare([half.summary]) == []
+
+
 def test_sample_mode_always_hashes_small_transfers():
     src, dst, values = _model()
     p, src_b, dst_b = _refit(src, dst, values)

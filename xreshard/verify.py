@@ -78,7 +78,7 @@ __all__ = ["Digests", "Mismatch", "checksum", "compare", "digests", "key_of", "m
 #: words (8 bytes) per row of the checksum's 2-D layout of a region's bytes
 ROW_WORDS = 512
 #: rows per numpy tile: rowsums and colsums of a tile come from cache, one read of memory
-_TILE_ROWS = 64
+_TILE_ROWS = 128
 #: a strided or cast region is copied into scratch at most this many bytes at a time
 _SCRATCH_BYTES = 16 << 20
 #: verify="sample": a transfer is hashed in one call out of this many ...
@@ -362,6 +362,12 @@ class Digests:
             out["detail"] = self.details(None)
         return out
 
+    def merge(self, other: Digests) -> Digests:
+        """This process's two halves (``sides="send"`` and ``"recv"``) as one."""
+        return Digests({**self.send, **other.send}, {**self.recv, **other.recv},
+                       self.nbytes + other.nbytes, self.seconds + other.seconds, self.mode,
+                       self.version)
+
     def details(self, pairs: Iterable[Mismatch] | Iterable[str] | None) -> dict[str, Any]:
         """Per-transfer digests (JSON) of the rank pairs in ``pairs`` (``Mismatch`` objects
         or ``"src->dst"`` strings; None: all)."""
@@ -376,7 +382,7 @@ class Digests:
 
 def digests(plan: Any, local_ranks: Iterable[int], src_bindings: Mapping[tuple[int, str], Any],
             dst_bindings: Mapping[tuple[int, str], Any], *, mode: bool | str = True,
-            version: int = 0) -> Digests:
+            version: int = 0, sides: str = "both") -> Digests:
     """Digest every transfer (and local copy) of ``plan`` that ``local_ranks`` take part in.
 
     Call after the executor ran, with the bindings it used (``refit._fit`` output:
@@ -390,6 +396,10 @@ def digests(plan: Any, local_ranks: Iterable[int], src_bindings: Mapping[tuple[i
             ``False`` (nothing: empty digests, which compare equal).
         version: the version this refit would commit; picks the sample, and must be the
             same in every process.
+        sides: "send", "recv" or "both". Sources do not change during a refit, so the
+            "send" half may run in a thread while the executor moves bytes (numpy releases
+            the GIL in the reductions) and be merged with the "recv" half afterwards
+            (:meth:`Digests.merge`).
 
     Returns:
         This process's :class:`Digests`.
@@ -399,6 +409,12 @@ def digests(plan: Any, local_ranks: Iterable[int], src_bindings: Mapping[tuple[i
     """
     if mode not in (True, False, "sample"):
         raise RefitError(f"verify must be False, True or 'sample', got {mode!r}")
+    if sides not in ("send", "recv", "both"):
+        raise RefitError(f"sides must be 'send', 'recv' or 'both', got {sides!r}")
+    if sides == "recv":
+        src_bindings = {}
+    elif sides == "send":
+        dst_bindings = {}
     t0 = time.perf_counter()
     out = Digests({}, {}, mode="off" if mode is False else ("sample" if mode == "sample"
                                                               else "full"), version=version)
