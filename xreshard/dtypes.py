@@ -52,7 +52,8 @@ def dtype_name(dtype: object) -> str:
 
 def itemsize(dtype: object) -> int:
     """Bytes per element of ``dtype``."""
-    return ITEMSIZE[dtype_name(dtype)]
+    n = ITEMSIZE.get(dtype) if isinstance(dtype, str) else None   # canonical: the hot path
+    return n if n is not None else ITEMSIZE[dtype_name(dtype)]
 
 
 #: what numpy calls the types it lacks (bf16, float8): their ml_dtypes names

@@ -23,7 +23,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
-from .dtypes import as_dtype, bits, bits_dtype, dtype_name, itemsize, numpy_dtype
+from .dtypes import ITEMSIZE, as_dtype, bits, bits_dtype, dtype_name, itemsize, numpy_dtype
 from .errors import RefitError
 from .layout import Layout, Region
 from .schedule import Bucket, Schedule
@@ -165,7 +165,8 @@ class Executor:
         self.src_layouts = src_layouts
         self.dst_layouts = dst_layouts
         # canonical names: an array's own dtype may be raw bits (see copy_into)
-        self.wire = {n: dtype_name(d) for n, d in wire_dtypes.items()}
+        self.wire = {n: d if isinstance(d, str) and d in ITEMSIZE else dtype_name(d)
+                     for n, d in wire_dtypes.items()}
         self.src_bindings = src_bindings
         self.dst_bindings = dst_bindings
         self.transport = transport
