@@ -34,7 +34,7 @@ logger = logging.getLogger(__name__)
 #: (rank, tensor name) -> binding
 Bindings = Mapping[tuple[int, str], Any]
 
-__all__ = ["Bindings", "ExecStats", "Executor", "check_bindings", "copy_into", "cuda_preflight",
+__all__ = ["Bindings", "ExecStats", "Executor", "copy_into", "cuda_preflight",
            "cupy_knows", "device_of", "numpy_dtype", "view_of", "widened"]
 
 
@@ -557,23 +557,3 @@ def cuda_preflight(device: int) -> None:
             f"(they bring NVRTC through cuda-toolkit[nvrtc,cudart]), or install the CUDA "
             f"toolkit matching the CuPy wheel") from e
     _PREFLIGHT_DONE.add(device)
-
-
-def check_bindings(layouts: Mapping[str, Layout], bindings: Bindings, side: str) -> None:
-    """Every binding has the shape and dtype its layout says (before any byte moves)."""
-    bad = []
-    for (rank, name), b in bindings.items():
-        lay = layouts[name]
-        arrays = [b] if lay.is_product else list(b)
-        shapes = [lay.local_shape(rank)] if lay.is_product else [r.shape for r in lay.regions(rank)]
-        if len(arrays) != len(shapes):
-            bad.append(f"{name!r} on rank {rank}: {len(arrays)} arrays for {len(shapes)} regions")
-            continue
-        for a, shape in zip(arrays, shapes):
-            if tuple(a.shape) != tuple(shape):
-                bad.append(f"{name!r} on rank {rank}: local shape {tuple(a.shape)}, layout says "
-                           f"{tuple(shape)}")
-            elif a.dtype.itemsize != itemsize(lay.dtype):
-                bad.append(f"{name!r} on rank {rank}: local dtype {a.dtype}, layout says {lay.dtype}")
-    if bad:
-        raise RefitError(f"{side} bindings do not match their layouts: " + "; ".join(bad[:20]))

@@ -4,91 +4,118 @@
 world = xr.World.join(address, group="trainer", devices=jax.local_devices(), num_processes=3)
 refit = xr.Refit(world, send=params)          # trainer: a pytree of jax.Arrays / a state dict
 refit = xr.Refit(world, receive=state_dict)   # inference side: DTensors are written in place
-report = refit()                              # collective; plans once, reuses the plan
+report = refit(send=new_params)               # collective; plans once, reuses the plan
 ```
 
-Every call is collective over the whole world. The first call (and any call after a layout
-changed) all-gathers the layouts as JSON, validates them identically in every process and
-plans; errors (missing names, shape or dtype mismatches, uncovered regions, bindings that
-do not fit) are raised on every rank before any byte moves. A call that fails mid-way
-raises on every rank within the timeout and leaves the destination stale: ``version``
-advances only when every process finished.
+One call is a fixed sequence of steps, the same in every process. Every step that may
+fail locally (binding, naming, adapters, planning, moving) catches what it raises and
+carries it into the next metadata collective, so every process learns of it at the same
+step and raises the same error (same class, same message):
 
-JAX arrays are immutable: a JAX destination never has its live arrays written. It gets new
-arrays built from the received buffers (``refit.received``).
+```
+ step           collective (kind)        what it carries
+ identity       refit/identity           first call only: torch ranks, JAX device ids
+ bind + check   refit/check              version, layout generation, every bind/check error
+ (re)plan       refit/layouts            only when some process's layouts changed
+ schedule       refit/schedule           peer counts, planning errors
+ move           (transport)
+ outcome        refit/outcome            each process's error, checksums (verify=)
+```
+
+Bad input (a ``XreshardError``) is refused at ``refit/check`` or ``refit/schedule``,
+before any byte moves; the world stays usable. A failure while moving (a dead or silent
+peer) raises on every live process within ``RefitConfig.timeout`` plus a few seconds,
+keeps the first cause, leaves ``version`` unchanged and ``stale`` set, and marks the world
+broken (its transports are in an unknown state): later calls raise ``WorldBroken``.
+
+JAX arrays are immutable: a JAX destination never has its live arrays written; it gets new
+arrays built from the received buffers (``refit.received``). A refit keeps no reference to
+sent JAX arrays after a call returns (so the trainer's next step can donate them): pass
+``send=`` on every call.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import math
+import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Mapping
 
-from .errors import RefitError
-from .execute import Executor, check_bindings
+from .binding import Bound, binding_problems
+from .dtypes import dtype_name
+from .errors import (CommunicationError, RefitError, TransportTimeout, VerificationError,
+                     XreshardError, error_from, error_name)
+from .execute import Executor
 from .layout import Layout, Mesh, Region
 from .plan import Plan, PlanCache, plan
 from .schedule import Schedule, peer_counts, schedule
 
+__all__ = ["Bound", "Refit", "RefitConfig", "RefitReport"]
+
 logger = logging.getLogger(__name__)
+
+#: seconds a process that already failed waits for the others' outcomes
+_GRACE = 5.0
 
 
 @dataclass(frozen=True)
 class RefitConfig:
-    """How a refit moves bytes. Every process of a world must pass the same values."""
+    """How a refit moves bytes. Every process of a world must pass the same values
+    (checked: a difference is refused before any byte moves)."""
 
     bucket_bytes: int = 64 << 20
-    """The most bytes in one message between two ranks."""
+    """The most bytes in one message between two ranks (> 0)."""
     staging_bytes: int = 256 << 20
-    """The most bytes one rank has in flight in one round (staging included)."""
+    """The most bytes one rank has in flight in one round, staging included (> 0)."""
     timeout: float = 300.0
-    """Seconds any wait may take (a round, a metadata exchange) before raising."""
+    """Seconds any wait may take (a round, a metadata exchange) before raising (> 0)."""
     wire_dtype: str | Mapping[str, str] | None = None
     """Cast to this dtype on the sender (e.g. "bfloat16" for fp32 master weights), for every
     tensor or, as a mapping, per tensor name; None requires equal dtypes on both sides."""
     transport: str = "auto"
-    """"auto" (local copies inside a process, gloo or nccl across), or a kind the world knows."""
+    """"auto" (per pair: local copies inside a process, shared memory or CUDA IPC on one
+    host or GPU, gloo or nccl across), or a kind the world knows."""
+    verify: bool | str = False
+    """Compare a checksum of every region on its sender and its receiver after moving
+    (True), of a rotating subset ("sample"), or not (False). A mismatch raises
+    ``VerificationError`` on every rank and the version does not advance."""
+
+    def __post_init__(self) -> None:
+        for name in ("bucket_bytes", "staging_bytes"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise RefitError(f"RefitConfig.{name} must be a positive int of bytes, "
+                                 f"got {value!r}")
+        t = self.timeout
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) \
+                or t <= 0:
+            raise RefitError(f"RefitConfig.timeout must be a positive finite number of "
+                             f"seconds, got {t!r}")
+        if isinstance(self.wire_dtype, Mapping):
+            for k, v in self.wire_dtype.items():
+                if not isinstance(k, str):
+                    raise RefitError(f"RefitConfig.wire_dtype maps tensor names (str) to "
+                                     f"dtypes, got key {k!r}")
+                dtype_name(v)
+        elif self.wire_dtype is not None:
+            dtype_name(self.wire_dtype)
+        if not isinstance(self.transport, str):
+            raise RefitError(f"RefitConfig.transport must be a str, got {self.transport!r}")
+        if self.verify not in (False, True, "sample") or (
+                not isinstance(self.verify, (bool, str))):
+            raise RefitError(f"RefitConfig.verify must be False, True or 'sample', got "
+                             f"{self.verify!r}")
 
     def to_dict(self) -> dict[str, Any]:
         d = {k: getattr(self, k) for k in self.__dataclass_fields__}
         if isinstance(self.wire_dtype, Mapping):
-            d["wire_dtype"] = dict(sorted(self.wire_dtype.items()))
+            d["wire_dtype"] = {k: dtype_name(v) for k, v in sorted(self.wire_dtype.items())}
+        elif self.wire_dtype is not None:
+            d["wire_dtype"] = dtype_name(self.wire_dtype)
         return d
-
-
-@dataclass
-class Bound:
-    """One side of a refit in this process: layouts plus where the bytes live.
-
-    Adapters produce it from framework objects; custom engines can build it directly.
-
-    Attributes:
-        layouts: global layout of every tensor of this side.
-        bindings: ``(world rank, name) -> array`` for this process's ranks, in canonical
-            coordinates (see :mod:`xreshard.execute`).
-        finish: called after a successful receive (JAX builds its new arrays here).
-        errors: problems found while binding, raised on every rank by the refit.
-        local_only: names whose layout covers only this process's ranks (e.g. a plain
-            tensor each process holds whole); the refit unions them over processes.
-    """
-
-    layouts: dict[str, Layout]
-    bindings: dict[tuple[int, str], Any]
-    finish: Callable[[], Any] | None = None
-    errors: list[str] = field(default_factory=list)
-    local_only: set[str] = field(default_factory=set)
-
-    def describe(self) -> dict[str, dict]:
-        """JSON description of the layouts, for the metadata exchange."""
-        out = {}
-        for name, lay in self.layouts.items():
-            d = lay.to_dict()
-            if name in self.local_only:
-                d["local_only"] = True
-            out[name] = d
-        return out
 
 
 @dataclass(frozen=True)
@@ -108,6 +135,11 @@ class RefitReport:
     num_zero_copy: int
     staging_bytes: int
     replanned: bool
+    bytes_by_transport: Mapping[str, int] | None = None
+    """Bytes this process sent and received through each transport kind ("local", "shm",
+    "gloo", ...), when the transport counts them."""
+    verified: int = 0
+    """Regions whose checksums this process compared (``RefitConfig.verify``)."""
 
     @property
     def gbps(self) -> float:
@@ -121,13 +153,26 @@ class RefitReport:
                 f"vs {self.bytes_gather_broadcast_world / 2**20:.1f} MiB gather+broadcast")
 
 
+class _Failed(Exception):
+    """A failure every process agreed on: raise ``error`` (the same everywhere)."""
+
+    def __init__(self, error: Exception):
+        super().__init__(str(error))
+        self.error = error
+
+
+def _entry(exc: BaseException) -> list[str]:
+    """How a local exception crosses processes: [class name, message]."""
+    return [error_name(exc), str(exc) or type(exc).__name__]
+
+
 class Refit:
     """A collective weight refit between the processes of a world.
 
     Args:
         world: the joined :class:`xreshard.world.World`.
         send: what this process sends: a JAX pytree, a torch state dict / module, or a
-            :class:`Bound`.
+            :class:`Bound`. A JAX pytree is not kept after a call: pass it on every call.
         receive: what this process receives into: a torch state dict / module (written in
             place), a JAX pytree of arrays or ``ShapeDtypeStruct`` with shardings (new
             arrays in ``received``), or a :class:`Bound`.
@@ -142,6 +187,8 @@ class Refit:
     def __init__(self, world: Any, *, send: Any = None, receive: Any = None,
                  names: Mapping[str, str] | Callable[[str], str] | None = None,
                  transpose: Iterable[str] = (), config: RefitConfig | None = None):
+        if config is not None and not isinstance(config, RefitConfig):
+            raise RefitError(f"config must be a RefitConfig, got {type(config).__name__}")
         self.world = world
         self.config = config or RefitConfig()
         self.version = 0
@@ -151,19 +198,113 @@ class Refit:
         self._receive = receive
         self._names = names
         self._transpose = frozenset(transpose)
+        self._busy = threading.Lock()
         self._last_layouts: tuple | None = None     # this process's layouts, last call
         self._generation = 0                        # bumped when they change
         self._generations: tuple | None = None      # every process's, at the last plan
         self._plan: Plan | None = None
         self._schedule: Schedule | None = None
-        self._executor: Executor | None = None
+        self._arena: Any = None                     # staging, reused across calls
         self._cache = PlanCache()
         self._identity: list[dict] | None = None
+        self._sent_jax = False
 
     @property
     def plan(self) -> Plan | None:
         """The current plan (after the first call)."""
         return self._plan
+
+    # ------------------------------------------------------------ the collective
+
+    def __call__(self, send: Any = None, receive: Any = None) -> RefitReport:
+        """Run one refit (collective over the world). New ``send``/``receive`` objects may be
+        passed for this and later calls (e.g. the trainer's params after an optimizer step).
+
+        Raises:
+            XreshardError (RefitError, BindingError, PlanError, LayoutError): bad input on
+                any process, identically on every process, before any byte moves.
+            CommunicationError (TransportTimeout, TransportError, CollectiveMismatch,
+                VerificationError, WorldBroken, AuthenticationError): moving failed, within
+                the timeout plus a few seconds; the version stays.
+        """
+        if not self._busy.acquire(blocking=False):
+            raise RefitError("this Refit is already running a call in another thread; a "
+                             "refit is collective and runs one call at a time")
+        try:
+            with self.world.exclusive("refit"):
+                return self._call(send, receive)
+        except _Failed as f:
+            raise f.error from None
+        finally:
+            self._busy.release()
+
+    def _call(self, send: Any, receive: Any) -> RefitReport:
+        t0 = time.perf_counter()
+        timeout = self.config.timeout
+        target = self.version + 1
+        if send is not None:
+            self._send = send
+        if receive is not None:
+            self._receive = receive
+        errors: list[list[str]] = []
+        if send is None and self._sent_jax:
+            errors.append(["RefitError", "this process sent JAX arrays before and passed no "
+                           "send= now: a Refit keeps no reference to sent JAX arrays (so the "
+                           "trainer can donate them); pass send=params on every call"])
+        src = dst = None
+        try:
+            maps = self._rank_maps()
+            src = self._bind(self._send, "send", maps)
+            dst = self._bind(self._receive, "receive", maps)
+            errors += self._local_problems(src, dst)
+        except Exception as e:      # noqa: BLE001 - every local failure reaches every rank
+            if isinstance(e, CommunicationError) and self.world.broken:
+                raise       # a collective failed: nobody is in step to hear about it
+            errors.append(_entry(e))
+        finally:
+            self._forget_sent()
+        replanned = self._prepare(src, dst, errors, target)
+        assert self._plan is not None and self._schedule is not None
+        plan_seconds = time.perf_counter() - t0
+
+        error: list[str] | None = None
+        stats = None
+        digests: dict[str, Any] = {}
+        transport = None
+        self.stale = True
+        try:
+            transport = self.world.transport(self.config.transport)
+            executor = Executor(self._schedule, self._plan.src, self._plan.dst,
+                                self._plan.wire_dtypes, _fit(src, self._plan.src),
+                                _fit(dst, self._plan.dst), transport, timeout)
+            if self._arena is not None:
+                executor._arena = self._arena       # staging is reused across calls
+            stats = executor.run()
+            self._arena = executor._arena
+            if self.config.verify:
+                digests = self._digests(executor, target)
+        except Exception as e:      # noqa: BLE001 - reported to the others before raising
+            error = _entry(e)
+            logger.debug("refit v%d failed here while moving", target, exc_info=True)
+        finally:
+            executor = None         # no reference to the sent arrays survives the call
+        verified = self._commit(error, digests, target)
+        if dst is not None and dst.finish is not None:
+            self.received = dst.finish()
+        self.stale = False
+        self.version = target
+        counts = getattr(transport, "bytes_by_transport", None)
+        report = RefitReport(
+            version=self.version, seconds=time.perf_counter() - t0, plan_seconds=plan_seconds,
+            bytes_sent=stats.bytes_sent, bytes_received=stats.bytes_received,
+            bytes_local=stats.bytes_local, bytes_moved_world=self._plan.stats.bytes_moved,
+            bytes_gather_broadcast_world=self._plan.stats.bytes_gather_broadcast,
+            num_rounds=stats.num_rounds, num_messages=stats.num_messages,
+            num_zero_copy=stats.num_zero_copy, staging_bytes=stats.staging_bytes,
+            replanned=replanned, bytes_by_transport=dict(counts) if counts else None,
+            verified=verified)
+        logger.info("%s", report)
+        return report
 
     # ------------------------------------------------------------ binding
 
@@ -172,34 +313,33 @@ class Refit:
 
         A DTensor's mesh names torch default-group ranks and a JAX mesh names device ids;
         both are resolved among the processes of this process's world group, which is
-        therefore expected to be one torch job / one JAX job.
+        therefore expected to be one torch job / one JAX job. A process may mix JAX and
+        other devices: each JAX device publishes its id for its own rank.
         """
         if self._identity is None:
-            me: dict[str, Any] = {"ranks": list(self.world.rank_ids)}
+            me: dict[str, Any] = {"ranks": list(self.world.rank_ids), "torch_rank": None,
+                                  "jax_ids": []}
             try:
-                import sys
-                if "torch" in sys.modules:
-                    import torch.distributed as dist
-                    if dist.is_available() and dist.is_initialized():
-                        me["torch_rank"] = dist.get_rank()
-            except Exception:   # pragma: no cover - torch half-installed
-                pass
-            devs = [self.world.local_device(r) for r in self.world.rank_ids]
-            if devs and all(type(d).__module__.startswith("jax") or hasattr(d, "platform")
-                            for d in devs):
-                me["jax_ids"] = [int(d.id) for d in devs]
-            self._identity = self.world.allgather_json(me, timeout=self.config.timeout)
-        # torch ranks and JAX device ids are only unique within one job; a job is one group
-        # of the world (the trainer's processes, the engine's workers)
-        torch_ranks, jax_ids = {}, {}
-        my_group = self.world.processes[self.world.process_index]["group"]
+                me.update(_identity_of([self.world.local_device(r) for r in self.world.rank_ids],
+                                       self.world.rank_ids))
+            except Exception as e:      # noqa: BLE001 - reported at refit/check instead
+                me["error"] = _entry(e)
+            self._identity = self.world.allgather_json(me, timeout=self.config.timeout,
+                                                       kind="refit/identity")
+        torch_ranks: dict[int, int] = {}
+        jax_ids: dict[int, int] = {}
+        processes = self.world.processes
+        my_group = processes[self.world.process_index]["group"]
         for p, info in enumerate(self._identity):
-            if self.world.processes[p]["group"] != my_group:
+            if processes[p]["group"] != my_group:
                 continue
             if info.get("torch_rank") is not None:
                 torch_ranks[int(info["torch_rank"])] = info["ranks"][0]
-            for i, r in zip(info.get("jax_ids", ()), info["ranks"]):
-                jax_ids[int(i)] = r
+            for device_id, rank in info.get("jax_ids", ()):
+                jax_ids[int(device_id)] = int(rank)
+        mine = self._identity[self.world.process_index].get("error")
+        if mine:
+            raise error_from(*mine)
         return {"torch": torch_ranks, "jax": jax_ids, "local": list(self.world.rank_ids)}
 
     def _bind(self, obj: Any, side: str, maps: dict[str, Any]) -> Bound | None:
@@ -220,111 +360,101 @@ class Refit:
         raise RefitError(f"cannot tell which framework {side}={type(obj).__name__} belongs to; "
                          "pass a JAX pytree, a torch state dict or module, or an xreshard Bound")
 
-    # ------------------------------------------------------------ the collective
+    def _forget_sent(self) -> None:
+        """Keep no reference to JAX arrays: sent ones are dropped (pass ``send=`` again),
+        received templates are kept as ``ShapeDtypeStruct``s."""
+        if _framework_of(self._send) == "jax":
+            self._send = None
+            self._sent_jax = True
+        if _framework_of(self._receive) == "jax":
+            import jax
+            self._receive = jax.tree_util.tree_map(
+                lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
+                self._receive)
 
-    def __call__(self, send: Any = None, receive: Any = None) -> RefitReport:
-        """Run one refit (collective over the world). New ``send``/``receive`` objects may be
-        passed for this and later calls (e.g. the trainer's params after an optimizer step).
+    def _local_problems(self, src: Bound | None, dst: Bound | None) -> list[list[str]]:
+        """This process's own problems with its sides (before any exchange)."""
+        out = []
+        for side, bound in (("send", src), ("receive", dst)):
+            if bound is None:
+                continue
+            out += [["RefitError", e] for e in bound.errors]
+            for name in bound.layouts:
+                if not isinstance(name, str):
+                    out.append(["RefitError", f"{side} tensor name {name!r} is not a str"])
+            problems = binding_problems(bound.layouts, bound.bindings, side,
+                                        local_ranks=self.world.rank_ids)
+            if problems:
+                out.append(["BindingError", f"{side} bindings do not match their layouts: "
+                            + "; ".join(problems[:20])])
+            for (rank, _), _b in bound.bindings.items():
+                if not self.world.is_local(rank):
+                    out.append(["BindingError", f"{side} binds world rank {rank}, which is not "
+                                f"one of this process's ranks {list(self.world.rank_ids)}"])
+                    break
+        return out
 
-        Raises:
-            RefitError (and its PlanError/LayoutError/TransportTimeout kin): on every rank,
-                before any byte moves for metadata problems, within the timeout for failures
-                while moving.
-        """
-        if send is not None:
-            self._send = send
-        if receive is not None:
-            self._receive = receive
-        t0 = time.perf_counter()
-        maps = self._rank_maps()
-        src = self._bind(self._send, "send", maps)
-        dst = self._bind(self._receive, "receive", maps)
-        replanned = self._prepare(src, dst)
-        assert self._plan is not None and self._schedule is not None
-        plan_seconds = time.perf_counter() - t0
-        executor = Executor(self._schedule, self._plan.src, self._plan.dst,
-                            self._plan.wire_dtypes, _fit(src, self._plan.src),
-                            _fit(dst, self._plan.dst), self.world.transport(self.config.transport),
-                            self.config.timeout)
-        if self._executor is not None:
-            executor._arena = self._executor._arena     # staging is reused across calls
-        self._executor = executor
-        self.stale = True
-        error = None
-        try:
-            stats = executor.run()
-        except Exception as e:   # report to the others before raising here
-            error = f"{type(e).__name__}: {e}"
-            self._commit(error)
-            raise
-        self._commit(None)
-        if dst is not None and dst.finish is not None:
-            self.received = dst.finish()
-        self.stale = False
-        self.version += 1
-        report = RefitReport(
-            version=self.version, seconds=time.perf_counter() - t0, plan_seconds=plan_seconds,
-            bytes_sent=stats.bytes_sent, bytes_received=stats.bytes_received,
-            bytes_local=stats.bytes_local, bytes_moved_world=self._plan.stats.bytes_moved,
-            bytes_gather_broadcast_world=self._plan.stats.bytes_gather_broadcast,
-            num_rounds=stats.num_rounds, num_messages=stats.num_messages,
-            num_zero_copy=stats.num_zero_copy, staging_bytes=stats.staging_bytes,
-            replanned=replanned)
-        logger.info("%s", report)
-        return report
+    # ------------------------------------------------------------ metadata steps
 
-    def _commit(self, error: str | None) -> None:
-        """All-gather every process's outcome; raise if any failed (the version stays)."""
-        outcomes = self.world.allgather_json({"error": error}, timeout=self.config.timeout)
-        failed = [(p, o["error"]) for p, o in enumerate(outcomes) if o["error"]]
-        if failed and error is None:
-            where = "; ".join(f"{self.world.describe_process(p)}: {e}" for p, e in failed)
-            raise RefitError(f"refit v{self.version + 1} failed on {len(failed)} process(es), "
-                             f"destination left stale at v{self.version}: {where}")
+    def _agree(self, kind: str, body: dict[str, Any], what: str,
+               timeout: float | None = None) -> list[dict[str, Any]]:
+        """All-gather ``body`` (with its ``errors``); raise the same error everywhere if any
+        process reported one."""
+        gathered = self.world.allgather_json(body, timeout=timeout or self.config.timeout,
+                                             kind=kind)
+        failed = []
+        for p, g in enumerate(gathered):
+            entries = g.get("errors") if isinstance(g, dict) else None
+            if not isinstance(entries, list):
+                raise _Failed(error_from("CollectiveMismatch", f"{kind}: "
+                              f"{self.world.describe_process(p)} sent a malformed payload"))
+            failed += [(p, e) for e in entries]
+        if failed:
+            first = failed[0][1]
+            lines = [f"{self.world.describe_process(p)}: {e[1]}" for p, e in failed[:20]]
+            more = f"\n  ... and {len(failed) - 20} more" if len(failed) > 20 else ""
+            raise _Failed(error_from(first[0], f"{what}:\n  " + "\n  ".join(lines) + more))
+        return gathered
 
-    def _prepare(self, src: Bound | None, dst: Bound | None) -> bool:
-        """Exchange metadata and (re)plan when any layout changed. Returns whether it planned."""
-        errors = (src.errors if src else []) + (dst.errors if dst else [])
-        try:
-            if src:
-                check_bindings(src.layouts, src.bindings, "send")
-            if dst:
-                check_bindings(dst.layouts, dst.bindings, "receive")
-        except RefitError as e:
-            errors.append(str(e))
+    def _prepare(self, src: Bound | None, dst: Bound | None, errors: list[list[str]],
+                 target: int) -> bool:
+        """Exchange errors and metadata; (re)plan when any layout changed. Every process
+        takes the same steps. Returns whether it planned."""
+        refused = f"refit v{target} refused before moving anything"
         # a process says only whether its layouts changed since its last call (comparing
         # Layout objects is cheap; serializing every layout on every refit is not)
         mine = tuple((b.layouts, frozenset(b.local_only)) if b else None for b in (src, dst))
         if mine != self._last_layouts:
             self._last_layouts = mine
             self._generation += 1
-        gathered = self.world.allgather_json({"generation": self._generation, "errors": errors},
-                                             timeout=self.config.timeout)
-        problems = [f"{self.world.describe_process(p)}: {e}"
-                    for p, g in enumerate(gathered) for e in g["errors"]]
-        if problems:
-            raise RefitError("refit refused before moving anything:\n  " + "\n  ".join(problems))
-        key = tuple(g["generation"] for g in gathered)
+        gathered = self._agree("refit/check", {"version": self.version,
+                                               "generation": self._generation,
+                                               "errors": errors}, refused)
+        versions = {g.get("version") for g in gathered}
+        if len(versions) > 1:
+            where = ", ".join(f"{self.world.describe_process(p)} at v{g.get('version')}"
+                              for p, g in enumerate(gathered))
+            raise _Failed(RefitError(f"{refused}: processes are at different refit versions "
+                                     f"({where}); every process must call the same Refit "
+                                     f"the same number of times"))
+        key = tuple(g.get("generation") for g in gathered)
         if key == self._generations and self._plan is not None:
             return False
+        errors = []
         meta = {"send": src.describe() if src else {},
                 "receive": dst.describe() if dst else {},
-                "config": self.config.to_dict()}
-        metas = self.world.allgather_json(meta, timeout=self.config.timeout)
-        src_layouts = _merge([m["send"] for m in metas], "send", self.world)
-        dst_layouts = _merge([m["receive"] for m in metas], "receive", self.world)
-        configs = {json.dumps(m["config"], sort_keys=True) for m in metas}
-        if len(configs) > 1:
-            raise RefitError(f"processes pass different RefitConfigs: {sorted(configs)}; every "
-                             "process must use the same config")
-        new_plan = plan(src_layouts, dst_layouts, self.world, wire_dtype=self.config.wire_dtype,
-                        cache=self._cache)
-        local = list(self.world.rank_ids)
-        counts = peer_counts(new_plan, local)
-        everyone = self.world.allgather_json({str(r): c for r, c in counts.items()},
-                                             timeout=self.config.timeout)
-        all_counts = {int(r): c for d in everyone for r, c in d.items()}
-        self._schedule = schedule(new_plan, local, all_counts,
+                "config": self.config.to_dict(), "errors": []}
+        metas = self._agree("refit/layouts", meta, refused)
+        new_plan = None
+        counts: dict[str, int] = {}
+        try:
+            new_plan = self._plan_from(metas, src, dst)
+            counts = {str(r): c for r, c in peer_counts(new_plan, self.world.rank_ids).items()}
+        except Exception as e:      # noqa: BLE001 - every local failure reaches every rank
+            errors.append(_entry(e))
+        everyone = self._agree("refit/schedule", {"counts": counts, "errors": errors}, refused)
+        all_counts = {int(r): c for d in everyone for r, c in d["counts"].items()}
+        self._schedule = schedule(new_plan, list(self.world.rank_ids), all_counts,
                                   bucket_bytes=self.config.bucket_bytes,
                                   staging_bytes=self.config.staging_bytes)
         self._plan = new_plan
@@ -332,15 +462,114 @@ class Refit:
         logger.debug("refit planned: %s", new_plan.stats.to_dict())
         return True
 
+    def _plan_from(self, metas: list[dict], src: Bound | None, dst: Bound | None) -> Plan:
+        """The plan from every process's layouts (identical in every process), after
+        checking what only the merged layouts can tell."""
+        configs = {json.dumps(m["config"], sort_keys=True) for m in metas}
+        if len(configs) > 1:
+            raise RefitError(f"processes pass different RefitConfigs: {sorted(configs)}; "
+                             f"every process must use the same config")
+        src_layouts = _merge([m["send"] for m in metas], "send", self.world)
+        dst_layouts = _merge([m["receive"] for m in metas], "receive", self.world)
+        num_ranks = self.world.num_ranks
+        for side, layouts in (("send", src_layouts), ("receive", dst_layouts)):
+            for name, lay in layouts.items():
+                outside = [r for r in lay.ranks if not 0 <= r < num_ranks]
+                if outside:
+                    raise RefitError(f"{side} layout of {name!r} places ranks {outside[:5]}, "
+                                     f"but world {self.world.world_id!r} has ranks "
+                                     f"0..{num_ranks - 1}; check the rank map of its mesh")
+        problems = []
+        for side, layouts, bound in (("send", src_layouts, src), ("receive", dst_layouts, dst)):
+            bindings = _fit(bound, layouts)
+            problems += binding_problems(layouts, bindings, side, self.world.rank_ids)
+        if problems:
+            from .errors import BindingError
+            raise BindingError("bindings do not cover what the merged layouts give this "
+                               "process's ranks: " + "; ".join(problems[:20]))
+        return plan(src_layouts, dst_layouts, self.world, wire_dtype=self.config.wire_dtype,
+                    cache=self._cache)
+
+    # ------------------------------------------------------------ outcome
+
+    def _digests(self, executor: Executor, target: int) -> dict[str, Any]:
+        from . import verify
+        return verify.digests(self._plan, executor, self.world.rank_ids,
+                              sample=self.config.verify == "sample", version=target)
+
+    def _commit(self, error: list[str] | None, digests: dict[str, Any], target: int) -> int:
+        """All-gather every process's outcome; raise the first cause if any failed (the
+        version stays). A process that already failed waits only a short grace for the
+        others. Returns how many checksums this process compared."""
+        timeout = self.config.timeout if error is None else min(_GRACE, self.config.timeout)
+        try:
+            outcomes = self.world.allgather_json({"errors": [error] if error else [],
+                                                  "digests": digests},
+                                                 timeout=timeout, kind="refit/outcome")
+        except CommunicationError as e:
+            if error is None:
+                self._broken(f"refit v{target}: {e}")
+                raise
+            cause = error_from(*error)
+            self._broken(f"refit v{target}: {error[0]}: {error[1]}")
+            raise _Failed(type(cause)(f"refit v{target} failed here while moving, destination "
+                                      f"left stale at v{self.version}: {error[1]} (and the "
+                                      f"outcome exchange failed: {e})")) from None
+        failed = [(p, o["errors"][0]) for p, o in enumerate(outcomes) if o.get("errors")]
+        if failed:
+            p, first = failed[0]
+            where = "; ".join(f"{self.world.describe_process(q)}: {e[0]}: {e[1]}"
+                              for q, e in failed[:10])
+            self._broken(f"refit v{target} failed while moving: {where}")
+            raise _Failed(error_from(first[0], f"refit v{target} failed while moving on "
+                                     f"{len(failed)} process(es), destination left stale at "
+                                     f"v{self.version}: {where}"))
+        if not self.config.verify:
+            return 0
+        from . import verify
+        mismatches, compared = verify.compare([o.get("digests") or {} for o in outcomes],
+                                              self.world)
+        if mismatches:
+            raise _Failed(VerificationError(
+                f"refit v{target}: {len(mismatches)} region(s) differ between sender and "
+                f"receiver, destination left stale at v{self.version}: "
+                + "; ".join(mismatches[:10])))
+        return compared
+
+    def _broken(self, cause: str) -> None:
+        """A failure while moving leaves the transports in an unknown state."""
+        self.world.mark_broken(cause)
+
+
+def _identity_of(devices: list[Any], ranks: Iterable[int]) -> dict[str, Any]:
+    """This process's torch rank (when torch.distributed is initialized) and the JAX
+    device id of each of its JAX ranks."""
+    import sys
+    out: dict[str, Any] = {"torch_rank": None, "jax_ids": []}
+    dist = sys.modules.get("torch.distributed")
+    if dist is not None and dist.is_available() and dist.is_initialized():
+        out["torch_rank"] = int(dist.get_rank())
+    jax = sys.modules.get("jax")
+    if jax is not None:
+        for device, rank in zip(devices, ranks):
+            if isinstance(device, jax.Device):
+                out["jax_ids"].append([int(device.id), int(rank)])
+    return out
+
 
 def _framework_of(obj: Any) -> str:
     import sys
+    if obj is None or isinstance(obj, Bound):
+        return "none"
     torch = sys.modules.get("torch")
     if torch is not None:
         if isinstance(obj, torch.nn.Module):
             return "torch"
+        from_torch = sys.modules.get("xreshard.adapters.torch")
+        sharded = getattr(from_torch, "Sharded", ()) if from_torch else ()
         if isinstance(obj, Mapping) and obj and all(
-                isinstance(v, torch.Tensor) or type(v).__name__ == "Sharded" for v in obj.values()):
+                isinstance(v, torch.Tensor) or (sharded and isinstance(v, sharded))
+                for v in obj.values()):
             return "torch"
     jax = sys.modules.get("jax")
     if jax is not None:
@@ -355,23 +584,36 @@ def _merge(per_process: list[dict[str, dict]], side: str, world: Any) -> dict[st
 
     Global layouts (product form, or explicit) must agree between the processes that
     describe them; explicit layouts that each process gives for its own ranks only are
-    unioned.
+    unioned, and must agree on shape and dtype.
     """
     seen: dict[str, tuple[int, dict]] = {}
     explicit_parts: dict[str, dict[int, list]] = {}
     problems = []
     for p, layouts in enumerate(per_process):
         for name, d in layouts.items():
+            if name in seen:
+                first_p, first = seen[name]
+                if bool(d.get("local_only")) != bool(first.get("local_only")):
+                    problems.append(f"{name!r}: {world.describe_process(first_p)} and "
+                                    f"{world.describe_process(p)} hold it differently (a plain "
+                                    f"whole tensor on one, sharded on the other)")
+                    continue
+                if d.get("local_only"):
+                    for field_name in ("shape", "dtype"):
+                        if d.get(field_name) != first.get(field_name):
+                            problems.append(
+                                f"{name!r}: {world.describe_process(first_p)} holds it with "
+                                f"{field_name} {first.get(field_name)}, "
+                                f"{world.describe_process(p)} with {d.get(field_name)}")
+                elif d != first:
+                    problems.append(f"{name!r}: {world.describe_process(first_p)} and "
+                                    f"{world.describe_process(p)} describe different layouts")
+            else:
+                seen[name] = (p, d)
             if d.get("local_only"):
                 part = explicit_parts.setdefault(name, {})
                 for rank, regions in d["explicit"]:
                     part[int(rank)] = regions
-                seen.setdefault(name, (p, d))
-                continue
-            if name in seen and seen[name][1] != d:
-                problems.append(f"{name!r}: {world.describe_process(seen[name][0])} and "
-                                f"{world.describe_process(p)} describe different layouts")
-            seen.setdefault(name, (p, d))
     if problems:
         raise RefitError(f"the {side} side's processes disagree on layouts: "
                          + "; ".join(problems[:20]))
@@ -389,8 +631,9 @@ def _fit(bound: Bound | None, layouts: Mapping[str, Layout]) -> dict:
     one-array list (explicit form), and ``_union_layout`` may have made it product form."""
     if bound is None:
         return {}
-    return {key: b[0] if isinstance(b, list) and len(b) == 1 and layouts[key[1]].is_product
-            else b for key, b in bound.bindings.items()}
+    return {key: b[0] if isinstance(b, list) and len(b) == 1 and key[1] in layouts
+            and layouts[key[1]].is_product else b
+            for key, b in bound.bindings.items()}
 
 
 def _union_layout(d: dict, parts: dict[int, list]) -> Layout:
@@ -402,4 +645,3 @@ def _union_layout(d: dict, parts: dict[int, list]) -> Layout:
         return Layout.replicated(shape, d["dtype"], Mesh((len(ranks),), tuple(ranks)))
     return Layout.explicit_form(shape, d["dtype"], {
         r: [Region(tuple(a), tuple(b)) for a, b in parts[r]] for r in ranks})
-

@@ -21,16 +21,21 @@ timeout raises ``TransportTimeout`` naming the processes that never arrived.
 from __future__ import annotations
 
 import contextlib
-import datetime
+import hashlib
 import json
 import logging
 import os
 import socket
+import secrets
 import sys
+import threading
 import time
 from typing import Any, Iterator, Mapping, Sequence
 
-from .errors import RefitError
+from .errors import (AuthenticationError, CollectiveMismatch, CommunicationError, RefitError,
+                     WorldBroken)
+from .store import (Seal, StoreServer, connect, format_address, parse_address, serve,
+                    token_from, wait_keys)
 from .topology import Topology
 from .transport.base import Transport, TransportError, TransportTimeout, _nbytes
 from .transport.local import LocalTransport
@@ -40,76 +45,6 @@ __all__ = ["StoreServer", "World", "RoutedTransport", "serve", "parse_address"]
 logger = logging.getLogger(__name__)
 
 _KEY_ROOT = "xreshard"
-
-
-def _tcp_store_class() -> Any:
-    try:
-        from torch.distributed import TCPStore
-    except ImportError as e:
-        raise ImportError("the refit world rendezvous needs PyTorch's TCPStore: "
-                          "pip install 'xreshard[torch]'") from e
-    return TCPStore
-
-
-def parse_address(address: str) -> tuple[str, int]:
-    """``"tcp://host:port"``, ``"host:port"`` or ``"tcp://[::1]:port"`` -> ``(host, port)``."""
-    rest = address[len("tcp://"):] if address.startswith("tcp://") else address
-    host, sep, port = rest.rpartition(":")
-    if not sep or not host or not port.isdigit():
-        raise ValueError(f"store address {address!r} is not 'tcp://host:port'")
-    return host.strip("[]"), int(port)
-
-
-def _format_address(host: str, port: int) -> str:
-    return f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}"
-
-
-class StoreServer:
-    """Holds the master ``TCPStore`` every process of a world joins through.
-
-    Keep it alive (and its process running) until every process has closed its world.
-
-    Attributes:
-        host: the host it listens on.
-        port: the port it got (the OS picks one when asked for port 0).
-        address: ``"tcp://host:port"``, what to pass to ``World.join``.
-        store: the master ``TCPStore`` itself.
-    """
-
-    def __init__(self, host: str = "127.0.0.1", port: int = 0, *, timeout: float = 300.0):
-        tcp_store = _tcp_store_class()
-        self.store = tcp_store(host, port, None, True, datetime.timedelta(seconds=timeout),
-                               wait_for_workers=False)
-        self.host = host
-        self.port = int(self.store.port)
-        self.address = _format_address(host, self.port)
-
-    def close(self) -> None:
-        """Stop serving (drops the store; clients still connected then fail)."""
-        self.store = None
-
-    def __enter__(self) -> StoreServer:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def __repr__(self) -> str:
-        return f"StoreServer(address={self.address!r})"
-
-
-def serve(host: str = "127.0.0.1", port: int = 0, *, timeout: float = 300.0) -> StoreServer:
-    """Start a rendezvous store server; ``port=0`` (the default) lets the OS pick a free port.
-
-    Args:
-        host: the interface to listen on ("0.0.0.0" for other hosts to reach it).
-        port: the port; 0 for a free one (read it back from ``.port`` / ``.address``).
-        timeout: default timeout of the server's own store operations, in seconds.
-
-    Returns:
-        The running ``StoreServer``.
-    """
-    return StoreServer(host, port, timeout=timeout)
 
 
 def _device_kind(device: Any) -> str:
@@ -162,6 +97,71 @@ def _label(info: Mapping[str, Any]) -> str:
     return f"{info['group']}[{info['index']}]"
 
 
+def _join_records(store: Any, seal: Seal, world_id: str, me: dict[str, Any],
+                  expect: dict[str, Any], num_processes: int, deadline: float,
+                  address: str) -> list[dict[str, Any]]:
+    """Append this process's signed join record and wait for ``num_processes`` valid ones.
+
+    Records go to one append-only key, so nothing an outsider writes can take a member's
+    slot: records that are not JSON, not of this shape, or (with a token) not signed with
+    it are skipped; the first ``num_processes`` valid records, in append order (the same
+    order for every reader), are the world.
+    """
+    key = f"{_KEY_ROOT}/{world_id}/join"
+    mine = {"info": me, "expect": expect, "nonce": secrets.token_hex(16)}
+    store.append(key, seal.seal("join", 0, -1, json.dumps(mine)) + "\n")
+    rejected: list[str] = []
+    valid: list[dict[str, Any]] = []
+    pause = 0.002
+    while True:
+        try:
+            wait_keys(store, [key], deadline)
+            raw = store.get(key)
+        except TransportTimeout:
+            raw = b""
+        valid, rejected = [], []
+        for n, line in enumerate(raw.decode(errors="replace").splitlines()):
+            try:
+                rec = seal.open(line, key=key, kind="join", op=0, process=-1)
+                info = rec["info"]
+                if not (isinstance(info, dict) and isinstance(info.get("group"), str)
+                        and isinstance(info.get("index"), int)
+                        and isinstance(info.get("num_ranks"), int) and info["num_ranks"] >= 0
+                        and isinstance(info.get("device_kinds"), list)
+                        and len(info["device_kinds"]) == info["num_ranks"]
+                        and isinstance(rec.get("nonce"), str)):
+                    raise CollectiveMismatch("not a join record")
+            except (CommunicationError, KeyError, TypeError) as e:
+                rejected.append(f"line {n}: {type(e).__name__}")
+                continue
+            valid.append(rec)
+        if len(valid) >= num_processes or time.monotonic() >= deadline:
+            break
+        time.sleep(pause)
+        pause = min(pause * 2, 0.05)
+    if rejected:
+        logger.warning("world %r: skipped %d join record(s) that are not this world's "
+                       "(%s)", world_id, len(rejected), ", ".join(rejected[:5]))
+    if len(valid) < num_processes:
+        arrived = ", ".join(_label(r["info"]) for r in valid)
+        if rejected and seal.signed:
+            raise AuthenticationError(
+                f"world {world_id!r} at {address}: {len(valid)} of {num_processes} processes "
+                f"joined with this process's token ({arrived}); {len(rejected)} record(s) "
+                f"carry another token or none: every process must pass the same token")
+        raise TransportTimeout(
+            f"world {world_id!r} at {address}: {len(valid)} of {num_processes} processes "
+            f"joined in time ({arrived}); {num_processes - len(valid)} never did")
+    members = valid[:num_processes]
+    if not any(r["nonce"] == mine["nonce"] for r in members):
+        raise RefitError(f"{_label(me)} came too late to world {world_id!r}: "
+                         f"{num_processes} processes joined before it "
+                         f"({', '.join(_label(r['info']) for r in members)}); give every "
+                         f"world on one store its own world_id and every process the same "
+                         f"num_processes")
+    return members
+
+
 class World:
     """The processes of one refit and the world ranks each one hosts.
 
@@ -190,8 +190,12 @@ class World:
 
     def __init__(self, *, store: Any, server: StoreServer | None, address: str,
                  world_id: str, timeout: float, infos: list[dict[str, Any]],
-                 process_index: int, devices: Sequence[Any]):
+                 process_index: int, devices: Sequence[Any], seal: Seal | None = None):
         self._store = store
+        self._seal = seal or Seal(None, world_id)
+        self._broken: str | None = None
+        self._lock = threading.RLock()
+        self._limit: float | None = None      # a deadline every wait stops at (``limited``)
         self._server = server
         self._address = address
         self._world_id = world_id
@@ -222,7 +226,7 @@ class World:
              num_processes: int, index: int | None = None,
              groups: Sequence[str] | None = None, host: str | None = None,
              timeout: float = 300.0, world_id: str = "default",
-             is_server: bool = False) -> World:
+             is_server: bool = False, token: str | bytes | None = None) -> World:
         """Join a world; returns once all ``num_processes`` processes have joined.
 
         Args:
@@ -241,6 +245,10 @@ class World:
             world_id: distinguishes several worlds on one store; unique per store.
             is_server: host the store in this process at ``address`` (its port must be
                 free and known to the others, so launchers should prefer ``serve()``).
+            token: a secret shared by the world's processes (default ``XRESHARD_TOKEN``,
+                else none): join records and every metadata payload are signed with it, so
+                a process without it can neither join nor inject metadata
+                (``xreshard.store`` says what it does and does not protect).
 
         Returns:
             The joined world.
@@ -249,6 +257,8 @@ class World:
             TransportTimeout: not every process joined within ``timeout``; names those that did.
             RefitError: processes disagree (two with one group and index, different
                 ``num_processes`` or ``groups``), or too many joined.
+            AuthenticationError: join records signed with another token were found and
+                too few with this process's token.
         """
         if not isinstance(group, str) or not group:
             raise RefitError(f"group must be a non-empty string, got {group!r}")
@@ -269,43 +279,22 @@ class World:
             index = _default_index(local_devices)
         kinds = [_device_kind(d) for d in local_devices]
 
-        host_name, port = parse_address(address)
+        token_bytes = token_from(token)
+        deadline = time.monotonic() + timeout
         server = None
-        tcp_store = _tcp_store_class()
-        try:
-            if is_server:
-                server = StoreServer(host_name, port, timeout=timeout)
-                store, address = server.store, server.address
-            else:
-                store = tcp_store(host_name, port, None, False,
-                                  datetime.timedelta(seconds=timeout), wait_for_workers=False)
-        except (RuntimeError, TimeoutError) as e:
-            raise TransportTimeout(f"could not reach the rendezvous store at {address} "
-                                   f"within {timeout} s: {e}") from e
+        if is_server:
+            host_name, port = parse_address(address)
+            server = StoreServer(host_name, port, timeout=timeout)
+            store, address = server.store, server.address
+        else:
+            store = connect(address, timeout)
 
-        root = f"{_KEY_ROOT}/{world_id}"
         me = {"group": group, "index": int(index), "host": host or socket.gethostname(),
               "pid": os.getpid(), "num_ranks": len(local_devices), "device_kinds": kinds,
               "devices": [str(d) for d in local_devices]}
         expect = {"num_processes": num_processes, "groups": groups}
-        slot = int(store.add(f"{root}/join/n", 1)) - 1
-        if slot >= num_processes:
-            raise RefitError(f"{_label(me)} is process #{slot + 1} to join world {world_id!r}, "
-                             f"but num_processes={num_processes}; give every world on one "
-                             f"store its own world_id and every process the same num_processes")
-        store.set(f"{root}/join/{slot}", json.dumps({"info": me, "expect": expect}))
-        keys = [f"{root}/join/{i}" for i in range(num_processes)]
-        deadline = time.monotonic() + timeout
-        try:
-            _wait(store, keys, deadline)
-        except TransportTimeout as e:
-            arrived = [json.loads(store.get(k))["info"] for k in keys if store.check([k])]
-            raise TransportTimeout(
-                f"world {world_id!r} at {address}: {len(arrived)} of {num_processes} processes "
-                f"joined within {timeout} s ({', '.join(map(_label, arrived))}); "
-                f"{num_processes - len(arrived)} never did") from e
-        records = [json.loads(v) for v in store.multi_get(keys)]
-
+        records = _join_records(store, Seal(token_bytes, world_id), world_id, me, expect,
+                                num_processes, deadline, address)
         for rec in records:
             if rec["expect"] != expect:
                 raise RefitError(f"processes of world {world_id!r} disagree: "
@@ -324,9 +313,11 @@ class World:
             first += info["num_ranks"]
         position = next(p for p, info in enumerate(infos)
                         if (info["group"], info["index"]) == (group, index))
+        nonce = hashlib.sha256(json.dumps(sorted(rec["nonce"] for rec in records))
+                               .encode()).hexdigest()[:32]
         world = cls(store=store, server=server, address=address, world_id=world_id,
                     timeout=timeout, infos=infos, process_index=position,
-                    devices=local_devices)
+                    devices=local_devices, seal=Seal(token_bytes, world_id, nonce))
         logger.debug("joined %r", world)
         return world
 
@@ -420,67 +411,150 @@ class World:
 
     # ------------------------------------------------------------------ collectives
 
-    def _next_prefix(self) -> str:
+    @property
+    def broken(self) -> str | None:
+        """Why this world can run no further collectives (the first cause), or None.
+
+        A metadata collective that timed out, went out of step or read a payload that
+        failed its checks leaves the processes' step counters apart, and a refit that
+        failed while moving bytes leaves the transports in an unknown state: either marks
+        the world broken, and every later collective or refit raises ``WorldBroken`` at
+        once. Bad input never does (it is refused identically everywhere, in step).
+        """
+        return self._broken
+
+    def mark_broken(self, cause: str) -> None:
+        """Refuse every later collective, naming ``cause`` (the first cause is kept)."""
+        if self._broken is None:
+            self._broken = cause
+            logger.warning("world %r is broken: %s", self._world_id, cause)
+
+    @contextlib.contextmanager
+    def exclusive(self, what: str = "a collective") -> Iterator[None]:
+        """Hold the world for one thread: collectives (and refits) of a world run one at a
+        time, so the processes' step counters stay in step.
+
+        Raises:
+            RefitError: another thread of this process is inside a collective of this world.
+        """
+        if not self._lock.acquire(blocking=False):
+            raise RefitError(f"{what} was called on world {self._world_id!r} while another "
+                             f"thread of this process runs one; a world's collectives and "
+                             f"refits run one at a time (use one thread, or a lock)")
+        try:
+            yield
+        finally:
+            self._lock.release()
+
+    @contextlib.contextmanager
+    def limited(self, seconds: float) -> Iterator[None]:
+        """Every wait inside (collectives, creating transports) ends within ``seconds``
+        from now, whatever its own timeout: a refit bounds its whole call this way."""
+        outer = self._limit
+        self._limit = time.monotonic() + seconds
+        if outer is not None:
+            self._limit = min(self._limit, outer)
+        try:
+            yield
+        finally:
+            self._limit = outer
+
+    def _wait_seconds(self, timeout: float | None = None) -> float:
+        """``timeout`` (default the world's), cut to what ``limited`` leaves."""
+        timeout = self._timeout if timeout is None else float(timeout)
+        if self._limit is not None:
+            timeout = min(timeout, max(self._limit - time.monotonic(), 0.05))
+        return timeout
+
+    def _next_prefix(self, kind: str = "transport") -> str:
+        return self._next_op(kind)[0]
+
+    def _next_op(self, kind: str) -> tuple[str, int]:
         self._ensure_open()
         self._num_ops += 1
-        return f"{self._root}/op{self._num_ops}"
+        return f"{self._root}/op{self._num_ops}", self._num_ops
 
-    def _collect(self, what: str, prefix: str, keys: Sequence[str], owners: Sequence[int],
-                 timeout: float | None) -> list[bytes]:
-        """Wait for ``keys`` (written by processes ``owners``), read them, clean up."""
-        timeout = self._timeout if timeout is None else timeout
-        try:
-            _wait(self._store, keys, time.monotonic() + timeout)
-        except TransportTimeout as e:
+    def _fail(self, error: CommunicationError) -> CommunicationError:
+        self.mark_broken(f"{type(error).__name__}: {error}")
+        return error
+
+    def _exchange(self, kind: str, obj: Any, writes: bool, readers: Sequence[int],
+                  timeout: float | None) -> list[Any]:
+        """One collective step: write a sealed ``obj`` (when ``writes``), wait for the
+        payloads of processes ``readers``, check and open them, clean up."""
+        body = json.dumps(obj)      # TypeError before anything is posted
+        with self.exclusive(kind):
+            prefix, op = self._next_op(kind)
+            me = self._process_index
+            timeout = self._wait_seconds(timeout)
+            keys = [f"{prefix}/{p}" for p in readers]
             try:
-                missing = [p for k, p in zip(keys, owners) if not self._store.check([k])]
-            except RuntimeError:
-                missing = list(owners)
-            names = "; ".join(self.describe_process(p) for p in missing)
-            raise TransportTimeout(f"{what} ({prefix}) in world {self._world_id!r} timed out "
-                                   f"after {timeout} s: never arrived: {names}") from e
-        values = self._store.multi_get(list(keys))
-        # The last reader deletes the keys, so a long-lived world does not grow the store.
-        if int(self._store.add(f"{prefix}/done", 1)) == self.num_processes:
-            for k in (*keys, f"{prefix}/done"):
-                self._store.delete_key(k)
-        return values
+                if writes:
+                    self._store.set(f"{prefix}/{me}", self._seal.seal(kind, op, me, body))
+                try:
+                    wait_keys(self._store, keys, time.monotonic() + timeout)
+                except TransportTimeout as e:
+                    try:
+                        missing = [p for k, p in zip(keys, readers) if not self._store.check([k])]
+                    except RuntimeError:
+                        missing = list(readers)
+                    names = "; ".join(self.describe_process(p) for p in missing)
+                    raise TransportTimeout(f"{kind} (collective #{op}) in world "
+                                           f"{self._world_id!r} timed out after {timeout} s: "
+                                           f"never arrived: {names}") from e
+                values = self._store.multi_get(keys)
+                # the last reader deletes the keys, so a long-lived world does not grow the store
+                if int(self._store.add(f"{prefix}/done", 1)) == self.num_processes:
+                    self._store.delete_key(f"{prefix}/done")
+                    for k in keys:
+                        self._store.delete_key(k)
+            except CommunicationError as e:
+                raise self._fail(e) from e.__cause__
+            except RuntimeError as e:       # the store connection itself failed
+                raise self._fail(CommunicationError(
+                    f"{kind} (collective #{op}) in world {self._world_id!r}: the rendezvous "
+                    f"store failed: {e}")) from e
+            try:
+                return [self._seal.open(v, key=k, kind=kind, op=op, process=p,
+                                        what=f"from {self.describe_process(p)}")
+                        for k, p, v in zip(keys, readers, values)]
+            except CommunicationError as e:
+                raise self._fail(e) from None
 
-    def allgather_json(self, obj: Any, *, timeout: float | None = None) -> list[Any]:
+    def allgather_json(self, obj: Any, *, timeout: float | None = None,
+                       kind: str = "allgather") -> list[Any]:
         """Every process's ``obj``, in process order. JSON values only.
+
+        Args:
+            obj: this process's value.
+            timeout: seconds to wait for the others (default: the world's).
+            kind: names the collective; every process must pass the same, and a process
+                that entered another one at this step is reported (``CollectiveMismatch``).
 
         Raises:
             TypeError: ``obj`` is not JSON-serializable (raised before anything is posted,
                 so the other processes are not left waiting on a half-done collective).
-            TransportTimeout: some process never called it; names them.
+            TransportTimeout: some process never called it; names them. The world is
+                then broken (``broken``), as after any communication failure here.
+            CollectiveMismatch / AuthenticationError: a payload was from another
+                collective, not one of this world's, or (with a token) not signed.
         """
-        payload = json.dumps(obj)
-        prefix = self._next_prefix()
-        self._store.set(f"{prefix}/{self._process_index}", payload)
-        keys = [f"{prefix}/{p}" for p in range(self.num_processes)]
-        values = self._collect("allgather_json", prefix, keys, range(self.num_processes), timeout)
-        return [json.loads(v) for v in values]
+        return self._exchange(kind, obj, True, range(self.num_processes), timeout)
 
     def broadcast_json(self, obj: Any = None, root_process: int = 0, *,
-                       timeout: float | None = None) -> Any:
+                       timeout: float | None = None, kind: str = "broadcast") -> Any:
         """``obj`` of process ``root_process``, in every process. JSON values only."""
         if not 0 <= root_process < self.num_processes:
             raise RefitError(f"root_process {root_process} is not a process position "
                              f"(0..{self.num_processes - 1})")
-        payload = json.dumps(obj) if self._process_index == root_process else None
-        prefix = self._next_prefix()
-        key = f"{prefix}/b"
-        if payload is not None:
-            self._store.set(key, payload)
-        (value,) = self._collect("broadcast_json", prefix, [key], [root_process], timeout)
-        return json.loads(value)
+        (value,) = self._exchange(kind, obj if self._process_index == root_process else None,
+                                  self._process_index == root_process, [root_process],
+                                  timeout)
+        return value
 
-    def barrier(self, *, timeout: float | None = None) -> None:
+    def barrier(self, *, timeout: float | None = None, kind: str = "barrier") -> None:
         """Wait until every process reaches this barrier."""
-        prefix = self._next_prefix()
-        self._store.set(f"{prefix}/{self._process_index}", b"")
-        keys = [f"{prefix}/{p}" for p in range(self.num_processes)]
-        self._collect("barrier", prefix, keys, range(self.num_processes), timeout)
+        self._exchange(kind, None, True, range(self.num_processes), timeout)
 
     # ------------------------------------------------------------------ transports
 
@@ -540,7 +614,11 @@ class World:
         from .transport import shm as shm_mod
 
         token = secrets.token_hex(5)
-        enabled = os.environ.get("XRESHARD_SHM", "1") not in ("0", "false", "off")
+        off = ("0", "false", "off")
+        enabled = os.environ.get("XRESHARD_SHM", "1") not in off
+        pull_ok = enabled and os.environ.get("XRESHARD_SHM_PULL", "1") not in off
+        import numpy as np
+        mark = np.frombuffer(token.encode(), np.uint8).copy()    # what peers pull to probe
         probe = None
         if enabled and any(self._rank_kind[r] == "cpu" for r in self._rank_ids):
             probe = shm_mod.create_probe(token)
@@ -551,13 +629,17 @@ class World:
                                     for d in self._devices])
         try:
             mine = {"token": token, "probe": probe is not None,
+                    "mark": int(mark.ctypes.data) if pull_ok and probe is not None else None,
                     "start": shm_mod.process_start_time(os.getpid()), **cuda}
             first = self.allgather_json(mine)
             host = self._infos[self._process_index]["host"]
             reach = [q for q, c in enumerate(first)
                      if q != self._process_index and c["probe"] and probe is not None
                      and self._infos[q]["host"] == host and shm_mod.read_probe(c["token"])]
-            second = self.allgather_json({"shm_reach": reach})
+            pulls = [q for q in reach if first[q]["mark"] is not None and pull_ok
+                     and shm_mod.can_pull(self._infos[q]["pid"], first[q]["mark"],
+                                          first[q]["token"].encode())]
+            second = self.allgather_json({"shm_reach": reach, "pull_reach": pulls})
         finally:
             if probe is not None:
                 probe.unlink()
@@ -566,7 +648,8 @@ class World:
         for q, (c, r) in enumerate(zip(first, second)):
             caps.append({"host": self._infos[q]["host"], "pid": self._infos[q]["pid"],
                          "start": c["start"], "token": c["token"],
-                         "shm_reach": r["shm_reach"], "cuda_devices": c["cuda_devices"],
+                         "shm_reach": r["shm_reach"], "pull_reach": r["pull_reach"],
+                         "cuda_devices": c["cuda_devices"],
                          "cuda_reach": c["cuda_reach"]})
         return caps
 
@@ -630,17 +713,16 @@ class World:
         pids = {q: (caps[q]["pid"], caps[q]["start"]) for q in peers}
         prefix = self._next_prefix()
         labels = [self.describe_process(p) for p in range(self.num_processes)]
+        # both ways, so that sender and receiver agree on every message's path
+        pulls = [q for q in peers if q in caps[me]["pull_reach"] and me in caps[q]["pull_reach"]]
         return ShmTransport(self._store, f"{prefix}/shm", caps[0]["token"], self._rank_process,
                             me, peers, pids=pids, process_labels=labels,
-                            connect=self._store_client)
+                            connect=self._store_client, pull_peers=pulls)
 
     def _store_client(self) -> Any:
         """Another client of the world's store, for a transport's helper thread (a client
         blocked in ``wait`` serves nobody else)."""
-        host, port = parse_address(self._address)
-        return _tcp_store_class()(host, port, None, False,
-                                  datetime.timedelta(seconds=self._timeout),
-                                  wait_for_workers=False)
+        return connect(self._address, self._timeout)
 
     def _make_cuda_ipc(self) -> Transport:
         from .transport.cuda_ipc import CudaIpcTransport
@@ -667,7 +749,7 @@ class World:
         prefix = self._next_prefix()
         devices = {r: _cuda_ordinal(self._devices[i]) for i, r in enumerate(self._rank_ids)}
         return NcclTransport(self._store, self.num_ranks, devices, key=f"{prefix}/nccl",
-                             timeout=self._timeout)
+                             timeout=self._wait_seconds())
 
     def _make_gloo(self) -> Transport:
         from .transport.gloo import GlooTransport, create_gloo_group
@@ -677,7 +759,7 @@ class World:
         self.barrier()
         store_host, _ = parse_address(self._address)
         pg = create_gloo_group(self._store, f"{prefix}/gloo/", rank=self._process_index,
-                               size=self.num_processes, timeout=self._timeout,
+                               size=self.num_processes, timeout=self._wait_seconds(),
                                store_host=store_host)
         labels = [self.describe_process(p) for p in range(self.num_processes)]
         return GlooTransport(pg, rank_process=self._rank_process, process_index=self._process_index,
@@ -688,6 +770,10 @@ class World:
     def _ensure_open(self) -> None:
         if self._closed:
             raise RefitError(f"world {self._world_id!r} is closed")
+        if self._broken is not None:
+            raise WorldBroken(f"world {self._world_id!r} is broken and runs no further "
+                              f"collectives: {self._broken}; join a new world (another "
+                              f"world_id) to continue")
 
     def close(self) -> None:
         """Close the transports and leave the store. Idempotent."""
@@ -712,18 +798,6 @@ class World:
         return (f"World(world_id={self._world_id!r}, address={self._address!r}, "
                 f"process_index={self._process_index}, num_processes={self.num_processes}, "
                 f"rank_ids={list(self._rank_ids)}, num_ranks={self.num_ranks})")
-
-
-def _wait(store: Any, keys: Sequence[str], deadline: float) -> None:
-    """``store.wait(keys)`` until ``deadline``; TransportTimeout on timeout, TransportError
-    when the store itself fails."""
-    remaining = max(deadline - time.monotonic(), 0.001)
-    try:
-        store.wait(list(keys), datetime.timedelta(seconds=remaining))
-    except RuntimeError as e:   # torch's DistStoreError / DistNetworkError derive from it
-        if time.monotonic() >= deadline - 0.01 or "timeout" in str(e).lower():
-            raise TransportTimeout(str(e)) from e
-        raise TransportError(f"the rendezvous store failed: {e}") from e
 
 
 class RoutedTransport:

@@ -15,15 +15,9 @@ from __future__ import annotations
 import contextlib
 from typing import Any, Iterator, Protocol, runtime_checkable
 
-from ..errors import RefitError
+from ..errors import TransportError, TransportTimeout
 
-
-class TransportTimeout(RefitError, TimeoutError):
-    """A bounded wait ran out: a peer never posted its side, or died."""
-
-
-class TransportError(RefitError):
-    """The transport failed (a peer closed its connection, NCCL reported an error, ...)."""
+__all__ = ["RecordingTransport", "Transport", "TransportError", "TransportTimeout"]
 
 
 @runtime_checkable

@@ -1,0 +1,194 @@
+"""Bindings: where, in this process's memory, each held region lives, and their checks.
+
+A binding is what a rank holds of a tensor, in the tensor's canonical coordinates: an array
+(numpy on CPU, CuPy on GPU) for product layouts, a list of arrays (one per region, in
+``layout.regions(rank)`` order) for explicit ones. Adapters produce a :class:`Bound` (the
+layouts of one side plus the bindings of this process's ranks); custom engines can build
+one directly.
+
+``binding_problems`` is what stands between a careless caller and a silent wrong weight:
+every binding must have its layout's exact shape and dtype (not only its element size),
+be writable when it receives, never write one element twice (no stride-0 or overlapping
+views), and every rank of this process that a layout says holds a region must bind it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Mapping
+
+import numpy as np
+
+from .dtypes import dtype_name
+from .errors import XreshardError
+from .layout import Layout
+
+__all__ = ["Bindings", "Bound", "binding_problems"]
+
+#: (rank, tensor name) -> binding
+Bindings = Mapping[tuple[int, str], Any]
+
+
+@dataclass
+class Bound:
+    """One side of a refit in this process: layouts plus where the bytes live.
+
+    Attributes:
+        layouts: global layout of every tensor of this side.
+        bindings: ``(world rank, name) -> array`` for this process's ranks, in canonical
+            coordinates, each array of its layout's dtype.
+        finish: called after a successful receive (JAX builds its new arrays here).
+        errors: problems found while binding, raised on every rank by the refit.
+        local_only: names whose layout covers only this process's ranks (e.g. a plain
+            tensor each process holds whole); the refit unions them over processes.
+    """
+
+    layouts: dict[str, Layout]
+    bindings: dict[tuple[int, str], Any]
+    finish: Callable[[], Any] | None = None
+    errors: list[str] = field(default_factory=list)
+    local_only: set[str] = field(default_factory=set)
+
+    def describe(self) -> dict[str, dict]:
+        """JSON description of the layouts, for the metadata exchange."""
+        out = {}
+        for name, lay in self.layouts.items():
+            d = lay.to_dict()
+            if name in self.local_only:
+                d["local_only"] = True
+            out[name] = d
+        return out
+
+
+def _arrays(binding: Any, layout: Layout) -> list[Any]:
+    if layout.is_product:
+        return [binding]
+    if not isinstance(binding, (list, tuple)):
+        raise XreshardError("an explicit layout binds a list of arrays, one per region")
+    return list(binding)
+
+
+def _array_problem(a: Any, shape: tuple[int, ...], dtype: str, writes: bool) -> str | None:
+    """What is wrong with one bound array, or None."""
+    a_shape = getattr(a, "shape", None)
+    a_dtype = getattr(a, "dtype", None)
+    if a_shape is None or a_dtype is None or not hasattr(a, "strides"):
+        return f"bound a {type(a).__name__}, expected an array (numpy, CuPy)"
+    if tuple(a_shape) != tuple(shape):
+        return f"local shape {tuple(a_shape)}, layout says {tuple(shape)}"
+    try:
+        got = dtype_name(a_dtype)
+    except XreshardError:
+        got = str(a_dtype)
+    if got != dtype:
+        hint = (" (view the memory as its real dtype; a raw-bits view would make the executor "
+                "write the layout's bits into it)" if np.dtype(a_dtype).itemsize
+                == np.dtype(_np_dtype(dtype)).itemsize else "")
+        return f"local dtype {got}, layout says {dtype}{hint}"
+    if writes:
+        flags = getattr(a, "flags", None)
+        if flags is not None and not getattr(flags, "writeable", True):
+            return "read-only memory cannot receive (bind a writable array)"
+    if a.size > 1:
+        for n, s in zip(a.shape, a.strides):
+            if n > 1 and s == 0:
+                return ("aliased memory: a dim of stride 0 (expand()/broadcast_to) would write "
+                        "every element of it to one place; bind a real buffer")
+        extent = sum((n - 1) * abs(s) for n, s in zip(a.shape, a.strides)) + a.itemsize
+        if extent < a.nbytes:
+            return "self-overlapping strides: some elements share memory"
+    return None
+
+
+def _np_dtype(name: str) -> Any:
+    from .dtypes import numpy_dtype
+    return numpy_dtype(name)
+
+
+def _extent(a: Any) -> tuple[int, int] | None:
+    """[lo, hi) bytes the host array ``a`` spans, or None when not a numpy array."""
+    if not isinstance(a, np.ndarray) or a.size == 0:
+        return None
+    lo = hi = a.__array_interface__["data"][0]
+    for n, s in zip(a.shape, a.strides):
+        if s < 0:
+            lo += (n - 1) * s
+        else:
+            hi += (n - 1) * s
+    return lo, hi + a.itemsize
+
+
+def _overlaps(items: list[tuple[str, Any]]) -> list[str]:
+    """Pairs of receiving host arrays that share an element (sweep by address)."""
+    spans = sorted((span, label, a) for label, a in items if (span := _extent(a)) is not None)
+    problems: list[str] = []
+    active: list[tuple[tuple[int, int], str, Any]] = []
+    for span, label, a in spans:
+        active = [x for x in active if x[0][1] > span[0]]
+        for _, other_label, other in active:
+            try:
+                shared = np.shares_memory(a, other, max_work=100_000)
+            except np.exceptions.TooHardError:
+                shared = True
+            if shared:
+                problems.append(f"{label} and {other_label} share memory: a receive would "
+                                f"write the same bytes twice")
+                if len(problems) >= 5:
+                    return problems
+        active.append((span, label, a))
+    return problems
+
+
+def binding_problems(layouts: Mapping[str, Layout], bindings: Bindings, side: str,
+                     local_ranks: Iterable[int] = ()) -> list[str]:
+    """Everything wrong with this process's bindings of one side; empty when all is well.
+
+    Args:
+        layouts: the side's layouts (merged over processes or this process's own).
+        bindings: ``(rank, name) -> binding``.
+        side: "send" or "receive" (receiving memory must also be writable and unaliased).
+        local_ranks: this process's ranks: each one a layout assigns a non-empty region
+            must bind it.
+
+    Returns:
+        Messages naming tensor and rank, at most a few per kind of problem.
+    """
+    writes = side == "receive"
+    bad: list[str] = []
+    receiving: list[tuple[str, Any]] = []
+    for (rank, name), b in bindings.items():
+        lay = layouts.get(name)
+        if lay is None:
+            bad.append(f"{name!r} on rank {rank}: bound but not in the {side} layouts")
+            continue
+        if lay.is_product:
+            shapes = [lay.local_shape(rank)]
+        else:
+            shapes = [r.shape for r in lay.regions(rank)]
+        try:
+            arrays = _arrays(b, lay)
+        except XreshardError as e:
+            bad.append(f"{name!r} on rank {rank}: {e}")
+            continue
+        if len(arrays) != len(shapes):
+            bad.append(f"{name!r} on rank {rank}: {len(arrays)} arrays for {len(shapes)} "
+                       f"regions")
+            continue
+        for i, (a, shape) in enumerate(zip(arrays, shapes)):
+            problem = _array_problem(a, tuple(shape), lay.dtype, writes)
+            if problem:
+                bad.append(f"{name!r} on rank {rank}: {problem}")
+            elif writes:
+                receiving.append((f"{name!r} on rank {rank}"
+                                  + (f" (region {i})" if not lay.is_product else ""), a))
+    for rank in local_ranks:
+        for name, lay in layouts.items():
+            if (rank, name) in bindings or rank not in lay.rank_set \
+                    or lay.num_elements(rank) == 0:
+                continue
+            bad.append(f"{name!r} on rank {rank}: its {side} layout gives this rank "
+                       f"{[str(r) for r in lay.regions(rank)][:3]}, but nothing is bound "
+                       f"there")
+    if writes:
+        bad.extend(_overlaps(receiving))
+    return bad
