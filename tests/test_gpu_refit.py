@@ -491,11 +491,12 @@ def two_processes(device: str = "cuda", *, timeout: float = 30.0, logs: Path | N
     "plain" is what NCCL does without it (runs only when "hostid" failed, to record the
     refusal). Each attempt is bounded by ``timeout`` (the refit's own) plus a grace.
     """
+    import tempfile
     import xreshard as xr
-    logs = Path(logs) if logs is not None else None
-    if logs is not None:
-        logs.mkdir(parents=True, exist_ok=True)
-    report: dict[str, Any] = {"device": device, "attempts": {}}
+    # children write to files, never to pipes: NCCL_DEBUG=INFO fills a pipe nobody reads
+    logs = Path(logs) if logs is not None else Path(tempfile.mkdtemp(prefix="gpu-check-b-"))
+    logs.mkdir(parents=True, exist_ok=True)
+    report: dict[str, Any] = {"device": device, "attempts": {}, "logs": str(logs)}
     for attempt in attempts:
         t0 = time.perf_counter()
         env_common = {**os.environ, "PYTHONPATH": os.pathsep.join(
@@ -506,40 +507,44 @@ def two_processes(device: str = "cuda", *, timeout: float = 30.0, logs: Path | N
             env_common["JAX_PLATFORMS"] = "cpu"
         if attempt == "hostid":
             env_common.update({"NCCL_SOCKET_IFNAME": "lo", "NCCL_IB_DISABLE": "1"})
-        procs, files = {}, {}
+        procs, paths = {}, {}
         with xr.serve(timeout=timeout + 30) as server:
             for role in ("jax", "torch"):
                 env = dict(env_common)
                 if attempt == "hostid":
                     env["NCCL_HOSTID"] = f"xreshard-gpu-check-{role}"
-                if logs is not None:
-                    files[role] = (logs / f"b_{attempt}_{role}.log").open("w")
-                procs[role] = subprocess.Popen(
-                    [sys.executable, "-m", "tests.test_gpu_refit", "two-processes-child",
-                     "--role", role, "--address", server.address, "--device", device,
-                     "--timeout", str(timeout)],
-                    cwd=REPO, env=env, stdout=subprocess.PIPE,
-                    stderr=files.get(role, subprocess.PIPE), text=True)
+                paths[role] = (logs / f"b_{attempt}_{role}.stdout.log",
+                               logs / f"b_{attempt}_{role}.log")
+                with paths[role][0].open("w") as out, paths[role][1].open("w") as err:
+                    procs[role] = subprocess.Popen(
+                        [sys.executable, "-m", "tests.test_gpu_refit", "two-processes-child",
+                         "--role", role, "--address", server.address, "--device", device,
+                         "--timeout", str(timeout)],
+                        cwd=REPO, env=env, stdout=out, stderr=err, text=True)
             results: dict[str, Any] = {}
             deadline = time.monotonic() + timeout + 40      # imports + the refit's timeout
+            killed: set[str] = set()
+            failed_at: float | None = None
+            while any(p.poll() is None for p in procs.values()):
+                now = time.monotonic()
+                if failed_at is None and any(p.poll() not in (None, 0) for p in procs.values()):
+                    failed_at = now     # a peer failed: the other gets 15 s to say why
+                if now >= deadline or (failed_at is not None and now - failed_at > 15):
+                    for role, p in procs.items():
+                        if p.poll() is None:
+                            p.kill()
+                            killed.add(role)
+                    break
+                time.sleep(0.2)
             for role, p in procs.items():
-                try:
-                    stdout, stderr = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
-                    timed_out = False
-                except subprocess.TimeoutExpired:
-                    p.kill()
-                    stdout, stderr = p.communicate()
-                    timed_out = True
-                lines = [ln for ln in (stdout or "").splitlines() if ln.startswith("{")]
+                p.wait()
+                stdout = paths[role][0].read_text(errors="replace")
+                stderr = paths[role][1].read_text(errors="replace")
+                lines = [ln for ln in stdout.splitlines() if ln.startswith("{")]
                 res = json.loads(lines[-1]) if lines else {"ok": False}
-                res.update(returncode=p.returncode, timed_out=timed_out)
-                if role in files:
-                    files[role].close()
-                    stderr = (logs / f"b_{attempt}_{role}.log").read_text(errors="replace")
-                    # NCCL_DEBUG writes to stdout
-                    (logs / f"b_{attempt}_{role}.stdout.log").write_text(stdout or "")
-                res["stderr_tail"] = (stderr or "")[-3000:]
-                res["nccl_errors"] = _nccl_errors((stdout or "") + "\n" + (stderr or ""))
+                res.update(returncode=p.returncode, killed=role in killed)
+                res["stderr_tail"] = stderr[-3000:]
+                res["nccl_errors"] = _nccl_errors(stdout + "\n" + stderr)
                 results[role] = res
         ok = all(r.get("ok") and r["returncode"] == 0 for r in results.values())
         report["attempts"][attempt] = {"ok": ok, "seconds": round(time.perf_counter() - t0, 1),
@@ -661,7 +666,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  attempt {name}: {'ok' if att['ok'] else 'FAILED'} ({att['seconds']} s)")
         for role, r in att["processes"].items():
             print(f"    {role}: ok={r.get('ok')} rc={r['returncode']} "
-                  f"timed_out={r['timed_out']} error={r.get('error')} "
+                  f"killed={r['killed']} error={r.get('error')} "
                   f"nccl={r['nccl_errors'][:3]}")
     return 0 if report["ok"] else 1
 
