@@ -540,3 +540,19 @@ def test_gpu_check_bandwidth_dry_run_on_cpu(tmp_path):
 def test_gpu_check_script_parses():
     subprocess.run(["bash", "-n", str(REPO / "scripts" / "gpu_check.sh")], check=True,
                    timeout=30)
+
+
+def test_cuda_preflight_names_what_is_missing():
+    """Here CuPy is installed but no CUDA driver is: the preflight fails before any byte
+    moves, naming the step and the packages of the installed CUDA major."""
+    cupy = pytest.importorskip("cupy")
+    try:
+        if cupy.cuda.runtime.getDeviceCount() > 0:
+            pytest.skip("a CUDA device is visible here")
+    except Exception:
+        pass
+    from xreshard.execute import cuda_preflight
+    with pytest.raises(xr.RefitError, match=r"CUDA device 0 cannot run the refit's copy kernels: "
+                                            r"allocating on the device failed: .*pip install "
+                                            r"'xreshard\[nccl-cu1[23]\]'"):
+        cuda_preflight(0)
