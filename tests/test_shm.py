@@ -45,8 +45,11 @@ def _pair(rank_process=(0, 0, 1), tag=None, **kw) -> tuple[ShmTransport, ShmTran
                         wait_for_workers=False)
     tag = tag or secrets.token_hex(5)
     pids = kw.pop("pids", {0: (os.getpid(), None), 1: (os.getpid(), None)})
-    a = ShmTransport(client(), "t", tag, rank_process, 0, [1], pids=pids, connect=client, **kw)
-    b = ShmTransport(client(), "t", tag, rank_process, 1, [0], pids=pids, connect=client, **kw)
+    pulls = kw.pop("pulls", False)
+    a = ShmTransport(client(), "t", tag, rank_process, 0, [1], pids=pids, connect=client,
+                     pull_peers=[1] if pulls else [], **kw)
+    b = ShmTransport(client(), "t", tag, rank_process, 1, [0], pids=pids, connect=client,
+                     pull_peers=[0] if pulls else [], **kw)
     a._keep_store = b._keep_store = server      # noqa: SLF001 - keep the server alive
     return a, b, f"xr{tag}_"
 
@@ -103,8 +106,9 @@ def _round(t: ShmTransport, me: set[int], peers: set[int], tags, sizes=None, tim
                                                         sizes(k[2])))) for k, v in got.items()}
 
 
-def test_exchange_both_ways_byte_exact_reuses_segments_and_leaves_nothing():
-    a, b, prefix = _pair(rank_process=(0, 0, 1, 1))
+@pytest.mark.parametrize("pull", [False, True], ids=["copy", "pull"])
+def test_exchange_both_ways_byte_exact_reuses_segments_and_leaves_nothing(pull):
+    a, b, prefix = _pair(rank_process=(0, 0, 1, 1), pulls=pull)
     try:
         names = []
         for step in range(3):
@@ -114,8 +118,11 @@ def test_exchange_both_ways_byte_exact_reuses_segments_and_leaves_nothing():
             assert not isinstance(rb, BaseException), rb
             assert all(ra.values()) and all(rb.values()) and len(ra) == len(rb) == 24
             names.append(sorted(s.name for s in [*a._out.values(), *b._out.values()]))
-        # the first round spills into fresh segments; from then on one per pair, reused
-        assert names[1] == names[2] and len(names[2]) == 2
+        if pull:    # read in place from the sender's memory: no segment, no sender copy
+            assert names[2] == [] and a.bytes_copied_in == b.bytes_copied_in == 0
+            assert a.bytes_pulled == a.bytes_received > 0
+        else:       # the first round spills into fresh segments; then one per pair, reused
+            assert names[1] == names[2] and len(names[2]) == 2 and a.bytes_pulled == 0
         # receivers unlinked the pair segments as soon as they mapped them
         assert shm_names(prefix) == []
         assert a.bytes_received > 0 and b.bytes_received > 0

@@ -4,12 +4,21 @@ Decision record: gloo over TCP loopback moves 2-8 GB/s on a host whose memcpy do
 because every byte crosses the kernel's socket buffers twice. Processes of one host can
 instead share pages. The sender exposes what it sends in a POSIX shared-memory segment and
 the receiver copies it straight into its receive buffer (the destination view itself when
-the executor receives in place): a send buffer that already lives in one of this
-transport's segments (staging from :meth:`ShmTransport.alloc`) is exposed where it is, with
-no copy on the sender; any other buffer is copied once into the segment this process keeps
-for that peer. Segment names, offsets and sizes travel through the world's store as JSON,
-one record per message, written after the bytes are in place (the store round trip orders
-the write before the receiver's read).
+the executor receives in place), one copy in all:
+
+- a send buffer that lives in one of this transport's segments (staging from
+  :meth:`ShmTransport.alloc`) is exposed where it is;
+- a contiguous source buffer in the sender's private memory (a JAX shard, a torch
+  parameter: neither can be moved into a POSIX segment) is exposed in place too: the
+  receiver reads it with ``process_vm_readv`` (Linux cross-memory attach, the one-copy path
+  of MPI's shared-memory transports), straight into its receive buffer. The world probes
+  it per pair at creation (seccomp, ptrace policy or pid namespaces may refuse it);
+- only where that probe failed is the buffer copied into the segment this process keeps
+  for that peer (two copies: into the segment, out of it).
+
+Segment names, offsets and sizes (or the pid and address to read) travel through the
+world's store as JSON, one record per message, written after the bytes are in place (the
+store round trip orders the write before the receiver's read).
 
 Segments: one per (sender process, receiver process), sized by the largest round and
 reused across refits while the sizes stay; a round that needs more spills into a new
@@ -29,7 +38,10 @@ receiver checks before and after its copy. Every wait is bounded by the group's 
 and a watcher thread checks the awaited peers' pids (same host) and wakes the wait when
 one died, so a killed peer raises in about a quarter second, naming it.
 
-Rejected: ``multiprocessing.shared_memory`` (its resource tracker unlinks and warns about
+Rejected: copying every private buffer into a segment (measured: the sender's copy makes
+a one-sender refit 0.37 of the memcpy bound, the pull 1.0+); ``vmsplice`` through pipes
+(one copy too, but pipe-sized chunks and two syscalls per chunk);
+``multiprocessing.shared_memory`` (its resource tracker unlinks and warns about
 segments another process created; ``track=False`` needs Python 3.13), so segments are made
 with ``_posixshmem`` + ``mmap`` as that module does underneath; readiness flags polled in
 the segment itself (faster for tiny messages, but a busy loop on two shared cores, and the
@@ -55,7 +67,7 @@ import numpy as np
 from .base import TransportError, TransportTimeout
 
 __all__ = ["ShmTransport", "shm_names", "remove_shm", "HEADER_BYTES", "probe_name",
-           "create_probe", "read_probe", "process_start_time"]
+           "create_probe", "read_probe", "process_start_time", "pull", "can_pull"]
 
 logger = logging.getLogger(__name__)
 
@@ -117,6 +129,65 @@ def _alive(pid: int, start: str | None) -> bool:
     if not fields or fields[0] in ("Z", "X"):
         return False
     return start is None or (len(fields) > 19 and fields[19] == start)
+
+
+_CMA: Any = None
+
+
+def _process_vm_readv() -> Any:
+    """libc's ``process_vm_readv`` through ctypes (the call releases the GIL), or None."""
+    global _CMA
+    if _CMA is None:
+        import ctypes
+
+        class IoVec(ctypes.Structure):
+            _fields_ = [("iov_base", ctypes.c_void_p), ("iov_len", ctypes.c_size_t)]
+        try:
+            libc = ctypes.CDLL(None, use_errno=True)
+            fn = libc.process_vm_readv
+        except (OSError, AttributeError):
+            _CMA = False
+            return None
+        fn.restype = ctypes.c_ssize_t
+        fn.argtypes = [ctypes.c_int, ctypes.POINTER(IoVec), ctypes.c_ulong,
+                       ctypes.POINTER(IoVec), ctypes.c_ulong, ctypes.c_ulong]
+        _CMA = (fn, IoVec, ctypes)
+    return _CMA or None
+
+
+_PULL_CHUNK = 1 << 30
+
+
+def pull(pid: int, local_addr: int, remote_addr: int, nbytes: int) -> None:
+    """Copy ``nbytes`` at ``remote_addr`` in process ``pid`` to ``local_addr`` here.
+
+    Raises:
+        OSError: the kernel refused or the peer is gone (errno says which).
+    """
+    cma = _process_vm_readv()
+    if cma is None:
+        raise OSError("process_vm_readv is not available")
+    fn, iovec, ctypes = cma
+    done = 0
+    while done < nbytes:
+        n = min(nbytes - done, _PULL_CHUNK)
+        local = iovec(local_addr + done, n)
+        remote = iovec(remote_addr + done, n)
+        got = fn(pid, ctypes.byref(local), 1, ctypes.byref(remote), 1, 0)
+        if got <= 0:
+            err = ctypes.get_errno()
+            raise OSError(err, f"process_vm_readv from pid {pid}: {os.strerror(err)}")
+        done += got
+
+
+def can_pull(pid: int, remote_addr: int, expect: bytes) -> bool:
+    """Whether ``pull`` reads ``expect`` at ``remote_addr`` in process ``pid`` (the probe)."""
+    buf = np.zeros(len(expect), np.uint8)
+    try:
+        pull(pid, int(buf.ctypes.data), remote_addr, len(expect))
+    except OSError:
+        return False
+    return buf.tobytes() == expect
 
 
 class _Segment:
@@ -227,6 +298,9 @@ class _Round:
     send_seq: dict[int, int] = field(default_factory=dict)    # peer -> seq this round
     recv_seq: dict[int, int] = field(default_factory=dict)
     used: dict[int, int] = field(default_factory=dict)        # peer -> bytes put in its segment
+    keep: list[np.ndarray] = field(default_factory=list)      # buffers peers pull from
+    pending: dict[str, str] = field(default_factory=dict)     # pull records to publish
+    fetched: dict[str, bytes] = field(default_factory=dict)   # records read ahead
     keys: set[tuple[int, int, int]] = field(default_factory=set)
 
 
@@ -246,6 +320,8 @@ class ShmTransport:
         connect: makes a second client of the store, for the thread that wakes a wait on
             a peer that died (it sets the awaited key to ``{"dead": pid}``). Without it a
             dead peer is noticed at the timeout.
+        pull_peers: the peers that can read this process's memory and this process theirs
+            with ``process_vm_readv`` (probed both ways by the world; needs their pids).
     """
 
     name = "shm"
@@ -253,7 +329,8 @@ class ShmTransport:
     def __init__(self, store: Any, key: str, tag: str, rank_process: Sequence[int],
                  process_index: int, peers: Sequence[int],
                  pids: Mapping[int, tuple[int, str | None]] | None = None,
-                 process_labels: Sequence[str] | None = None, connect: Any = None):
+                 process_labels: Sequence[str] | None = None, connect: Any = None,
+                 pull_peers: Sequence[int] = ()):
         self._store = store
         self._key = key
         self.prefix = f"xr{tag}_"
@@ -276,6 +353,8 @@ class ShmTransport:
         self._round: _Round | None = None
         self._broken: str | None = None
         self._watch = _Watch(connect, self._pids)
+        self._pull = frozenset(p for p in pull_peers if p in self._pids)
+        self.bytes_pulled = 0           # received straight from the sender's memory
         self.bytes_copied_in = 0        # sender-side copies into pair segments
         self.bytes_in_place = 0         # sends exposed where they were (staging)
         self.bytes_received = 0
@@ -390,6 +469,17 @@ class ShmTransport:
         if seq is None:
             seq = rnd.send_seq[peer] = self._seq_out.get(peer, 0) + 1
         where = self._exposed(arr)
+        if where is None and peer in self._pull:
+            # the receiver reads it where it is; the group's exit waits for its ack, so the
+            # buffer stays alive and unchanged until then
+            rnd.keep.append(arr)
+            self.bytes_in_place += arr.nbytes
+            record = {"addr": int(arr.ctypes.data), "n": arr.nbytes, "gen": self._gen,
+                      "drop": self._drop.pop(peer, [])}
+            # published together at the group's exit (one store round trip): there is no
+            # copy here for the receiver to overlap with
+            rnd.pending[self._msg_key(seq, src_rank, dst_rank, tag)] = json.dumps(record)
+            return
         if where is not None:
             seg, off = where
             seg.header[1] = self._gen
@@ -476,6 +566,8 @@ class ShmTransport:
                                 json.dumps({"error": f"{self._labels[self._me]}: {why}"}))
 
     def _complete(self, rnd: _Round, timeout: float) -> None:
+        if rnd.pending:
+            self._store.multi_set(list(rnd.pending), list(rnd.pending.values()))
         remaining: dict[int, int] = {}
         for r in rnd.recvs:
             remaining[r.peer] = remaining.get(r.peer, 0) + 1
@@ -491,9 +583,9 @@ class ShmTransport:
         for peer, seq in sorted(rnd.send_seq.items()):
             key = self._ack_key(self._me, peer, seq)
             what = f"the ack of this process's sends (round {seq}) from"
-            self._wait(key, peer, rnd.deadline, timeout, what)
+            self._wait([key], peer, rnd.deadline, timeout, what)
             ack = json.loads(self._store.get(key))
-            self._store.delete_key(key)
+            self._watch.discard([key])
             if "error" in ack:
                 raise TransportError(f"shm: {what} {self._labels[peer]}: the receiver failed: "
                                      f"{ack['error']}")
@@ -506,10 +598,20 @@ class ShmTransport:
     def _receive(self, r: _Recv, rnd: _Round, timeout: float) -> None:
         seq = rnd.recv_seq[r.peer]
         key = self._msg_key(seq, r.src, r.dst, r.tag)
-        self._wait(key, r.peer, rnd.deadline, timeout,
-                   f"message {r.src}->{r.dst} tag {r.tag} (round {seq}) from")
-        rec = json.loads(self._store.get(key))
-        self._store.delete_key(key)
+        if r.peer in self._pull and key not in rnd.fetched:
+            # a pulling sender publishes its round at once: read all of it in two trips
+            keys = [self._msg_key(seq, x.src, x.dst, x.tag) for x in rnd.recvs
+                    if x.peer == r.peer]
+            self._wait(keys, r.peer, rnd.deadline, timeout,
+                       f"{len(keys)} message(s) to this process (round {seq}) from")
+            rnd.fetched.update(zip(keys, self._store.multi_get(keys)))
+        raw = rnd.fetched.pop(key, None)
+        if raw is None:
+            self._wait([key], r.peer, rnd.deadline, timeout,
+                       f"message {r.src}->{r.dst} tag {r.tag} (round {seq}) from")
+            raw = self._store.get(key)
+        self._watch.discard([key])
+        rec = json.loads(raw)
         if "dead" in rec:     # the watcher's wake-up; _wait raised unless it raced a record
             raise TransportError(f"shm: {self._labels[r.peer]} (pid {rec['dead']}) died")
         where = f"shm recv {r.src}->{r.dst} tag {r.tag} from {self._labels[r.peer]}"
@@ -520,6 +622,18 @@ class ShmTransport:
         if rec["n"] != r.buf.nbytes:
             raise TransportError(f"{where}: the sender posted {rec['n']} bytes, the receive "
                                  f"buffer has {r.buf.nbytes}")
+        if "addr" in rec:
+            if r.peer not in self._pull:
+                raise TransportError(f"{where}: the sender asks to be read in place, but this "
+                                     f"pair was not probed for process_vm_readv")
+            try:
+                pull(self._pids[r.peer][0], int(r.buf.ctypes.data), rec["addr"], rec["n"])
+            except OSError as e:
+                raise TransportError(f"{where}: reading {rec['n']} bytes in place failed "
+                                     f"(did the sender die?): {e}") from e
+            self.bytes_received += rec["n"]
+            self.bytes_pulled += rec["n"]
+            return
         seg = self._mapped.get(rec["seg"])
         if seg is None or seg.size != rec["size"]:
             try:
@@ -560,13 +674,15 @@ class ShmTransport:
         self._spill.clear()
         self._want.clear()
 
-    def _wait(self, key: str, peer: int, deadline: float, timeout: float, what: str) -> None:
-        """Wait for ``key`` until ``deadline``; the watcher wakes us if ``peer`` dies."""
+    def _wait(self, keys: str | list[str], peer: int, deadline: float, timeout: float,
+              what: str) -> None:
+        """Wait for ``keys`` until ``deadline``; the watcher wakes us if ``peer`` dies."""
+        keys = [keys] if isinstance(keys, str) else keys
         left = deadline - time.monotonic()
         if left > 0:
-            with self._watch.waiting(key, peer):
+            with self._watch.waiting(keys, peer):
                 try:
-                    self._store.wait([key], datetime.timedelta(seconds=left))
+                    self._store.wait(keys, datetime.timedelta(seconds=left))
                     ok = True
                 except RuntimeError as e:
                     msg = str(e).lower()
@@ -575,7 +691,7 @@ class ShmTransport:
                                              f"{self._labels[peer]}: {e}") from e
                     ok = False
             if ok:
-                dead = self._watch.dead.get(key)
+                dead = next((self._watch.dead[k] for k in keys if k in self._watch.dead), None)
                 if dead is not None:
                     raise TransportError(f"shm: {what} {self._labels[peer]} never came: that "
                                          f"process (pid {dead}) died")
@@ -623,8 +739,10 @@ class ShmTransport:
 
 class _Watch:
     """Wakes a store wait on a peer that died: a thread checks the awaited peers' pids and
-    sets the awaited key to ``{"dead": pid}`` through its own store client (the waiting
-    client is blocked inside ``wait``)."""
+    sets the awaited keys to ``{"dead": pid}`` through its own store client (the waiting
+    client is blocked inside ``wait``). The same thread deletes the keys this process has
+    consumed (``discard``), off the critical path, so a long-lived world does not grow the
+    store."""
 
     INTERVAL_S = 0.25
 
@@ -632,47 +750,81 @@ class _Watch:
         self._connect = connect
         self._pids = pids
         self._active: dict[str, int] = {}
+        self._trash: list[str] = []
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._client: Any = None
         self.dead: dict[str, int] = {}
 
+    def _start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._loop, name="xreshard-shm-watch",
+                                            daemon=True)
+            self._thread.start()
+
     @contextlib.contextmanager
-    def waiting(self, key: str, peer: int) -> Iterator[None]:
+    def waiting(self, keys: list[str], peer: int) -> Iterator[None]:
         if self._connect is None or peer not in self._pids:
             yield
             return
         with self._lock:
-            self._active[key] = peer
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._loop, name="xreshard-shm-watch",
-                                                daemon=True)
-                self._thread.start()
+            for key in keys:
+                self._active[key] = peer
+            self._start()
         try:
             yield
         finally:
             with self._lock:
-                self._active.pop(key, None)
+                for key in keys:
+                    self._active.pop(key, None)
+
+    def discard(self, keys: list[str]) -> None:
+        """Delete ``keys`` from the store soon (they were read and are never read again)."""
+        if self._connect is None:
+            return      # no second client: the keys stay (tests with fake stores)
+        with self._lock:
+            self._trash.extend(keys)
+            self._start()
+
+    def _client_or_none(self) -> Any:
+        if self._client is None:
+            try:
+                self._client = self._connect()
+            except Exception:   # noqa: BLE001 - the waiter still has its timeout
+                logger.debug("shm watcher could not connect to the store", exc_info=True)
+        return self._client
 
     def _loop(self) -> None:
         while not self._stop.wait(self.INTERVAL_S):
             with self._lock:
                 active = list(self._active.items())
+                trash, self._trash = self._trash, []
+            client = self._client_or_none() if (trash or active) else None
+            for key in trash:
+                with contextlib.suppress(Exception):
+                    client.delete_key(key)
             for key, peer in active:
                 pid = self._pids[peer]
                 if _alive(*pid):
                     continue
                 try:
-                    if self._client is None:
-                        self._client = self._connect()
                     self.dead[key] = pid[0]
-                    self._client.set(key, json.dumps({"dead": pid[0]}))
+                    client.set(key, json.dumps({"dead": pid[0]}))
                 except Exception:   # noqa: BLE001 - the waiter still has its timeout
                     logger.debug("shm watcher could not wake %s", key, exc_info=True)
 
     def stop(self) -> None:
+        """Stop the thread; delete what is still in the trash (best effort)."""
         self._stop.set()
+        if self._thread is not None:
+            self._thread.join(2 * self.INTERVAL_S + 1)
+        with self._lock:
+            trash, self._trash = self._trash, []
+        client = self._client_or_none() if trash else None
+        for key in trash:
+            with contextlib.suppress(Exception):
+                client.delete_key(key)
 
 
 def _aligned(n: int) -> int:
