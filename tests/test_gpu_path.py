@@ -505,7 +505,7 @@ def test_gpu_check_executor_cases_dry_run_on_cpu():
     report = executor_cases("cpu")
     assert report["ok"], json.dumps(report, indent=1, default=str)[-4000:]
     cases = report["cases"]
-    assert len(cases) == 7
+    assert len(cases) == 8
     assert cases["bf16_in_place_row_range"]["pointer_identity"]
     assert cases["several_staging_rounds"]["num_rounds"] >= 4
     assert cases["fp32_to_bf16_wire_cast"]["matches_torch_cast"]

@@ -377,6 +377,58 @@ def _side_stream_consumer(env: Env, tr: PostLog) -> dict:
     return {"bit_exact": ok, "control_without_wait_saw_stale_data": not control}
 
 
+def _refit_side_stream_consumer(env: Env, tr: PostLog) -> dict:
+    """The same contract through ``Refit`` itself: a one-process world (JAX rank 0, torch
+    rank 1 on the same GPU, the local transport), a strided torch destination, the unpack
+    slowed down, and a side-stream read right after ``refit()`` returns."""
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    import xreshard as xr
+    from xreshard.adapters.torch import tensor_view
+    from xreshard.execute import Executor
+    torch, jax = env.torch, env.jax
+    shape = (1024, 1024)
+    value = _rng_values(shape, "bfloat16", 13)
+    mesh = jax.sharding.Mesh(np.array([env.jax_dev]), ("x",))
+    params = {"w": jax.device_put(jnp.asarray(value), NamedSharding(mesh, P("x")))}
+    buf = env.torch_full((shape[0], shape[1] + 64), "bfloat16", 0)
+    layout = xr.Layout.replicated(shape, "bfloat16", xr.Mesh((1,), (1,)))
+    unpack = Executor._unpack
+    if env.cuda:
+        cupy = env.cupy
+
+        def delayed(self, b, staged):
+            ptr = cupy.cuda.get_current_stream().ptr
+            with torch.cuda.stream(torch.cuda.default_stream() if ptr == 0 else
+                                   torch.cuda.ExternalStream(ptr)):
+                torch.cuda._sleep(100_000_000)
+            unpack(self, b, staged)
+        Executor._unpack = delayed
+    try:
+        with xr.serve() as server:
+            world = xr.World.join(server.address, "local",
+                                  [env.jax_dev, "cuda:0" if env.cuda else "cpu"],
+                                  num_processes=1, index=0, timeout=60)
+            try:
+                refit = xr.Refit(world, send=params, receive=xr.Bound(
+                    {"w": layout}, {(1, "w"): tensor_view(buf[:, 32:-32])}))
+                report = refit()
+                if env.cuda:
+                    side = torch.cuda.Stream()
+                    with torch.cuda.stream(side):
+                        snap = buf[:, 32:-32].clone()
+                    side.synchronize()
+                else:
+                    snap = buf[:, 32:-32].clone()
+            finally:
+                world.close()
+    finally:
+        Executor._unpack = unpack
+    return {"bit_exact": bool(np.array_equal(env.host_bits(snap), _bits(value))),
+            "staged": report.staging_bytes > 0}
+
+
 CASES: dict[str, Callable[[Env, PostLog], dict]] = {
     "bf16_in_place_row_range": _bf16_in_place,
     "bf16_strided_destination": _strided,
@@ -385,6 +437,7 @@ CASES: dict[str, Callable[[Env, PostLog], dict]] = {
     "fp32_to_bf16_wire_cast": _fp32_to_bf16,
     "several_staging_rounds": _staging_rounds,
     "side_stream_consumer_without_sync": _side_stream_consumer,
+    "refit_side_stream_consumer_without_sync": _refit_side_stream_consumer,
 }
 
 
