@@ -410,10 +410,7 @@ class Refit:
                               f"{self.world.describe_process(p)} sent a malformed payload"))
             failed += [(p, e) for e in entries]
         if failed:
-            first = failed[0][1]
-            lines = [f"{self.world.describe_process(p)}: {e[1]}" for p, e in failed[:20]]
-            more = f"\n  ... and {len(failed) - 20} more" if len(failed) > 20 else ""
-            raise _Failed(error_from(first[0], f"{what}:\n  " + "\n  ".join(lines) + more))
+            raise _Failed(error_from(failed[0][1][0], f"{what}:\n  " + _lines(failed, self.world)))
         return gathered
 
     def _prepare(self, src: Bound | None, dst: Bound | None, errors: list[list[str]],
@@ -517,13 +514,12 @@ class Refit:
                                       f"outcome exchange failed: {e})")) from None
         failed = [(p, o["errors"][0]) for p, o in enumerate(outcomes) if o.get("errors")]
         if failed:
-            p, first = failed[0]
-            where = "; ".join(f"{self.world.describe_process(q)}: {e[0]}: {e[1]}"
-                              for q, e in failed[:10])
+            first = failed[0][1]
+            where = _lines([(q, [e[0], f"{e[0]}: {e[1]}"]) for q, e in failed], self.world, 10)
             self._broken(f"refit v{target} failed while moving: {where}")
             raise _Failed(error_from(first[0], f"refit v{target} failed while moving on "
                                      f"{len(failed)} process(es), destination left stale at "
-                                     f"v{self.version}: {where}"))
+                                     f"v{self.version}:\n  {where}"))
         if not self.config.verify:
             return 0
         from . import verify
@@ -539,6 +535,23 @@ class Refit:
     def _broken(self, cause: str) -> None:
         """A failure while moving leaves the transports in an unknown state."""
         self.world.mark_broken(cause)
+
+
+def _lines(failed: list[tuple[int, list[str]]], world: Any, limit: int = 20) -> str:
+    """One line per distinct error, naming the processes that reported it ("every
+    process" for an error every process found in the same gathered metadata)."""
+    by_error: dict[tuple[str, str], list[int]] = {}
+    for p, (cls, msg) in failed:
+        by_error.setdefault((cls, msg), []).append(p)
+    lines = []
+    for (cls, msg), procs in list(by_error.items())[:limit]:
+        who = ("every process" if len(procs) == world.num_processes and len(procs) > 1
+               else ", ".join(world.describe_process(p) for p in procs[:4])
+               + (f" and {len(procs) - 4} more" if len(procs) > 4 else ""))
+        lines.append(f"{who}: {msg}")
+    if len(by_error) > limit:
+        lines.append(f"... and {len(by_error) - limit} more")
+    return "\n  ".join(lines)
 
 
 def _identity_of(devices: list[Any], ranks: Iterable[int]) -> dict[str, Any]:
@@ -589,8 +602,18 @@ def _merge(per_process: list[dict[str, dict]], side: str, world: Any) -> dict[st
     seen: dict[str, tuple[int, dict]] = {}
     explicit_parts: dict[str, dict[int, list]] = {}
     problems = []
+    num_ranks = world.num_ranks
     for p, layouts in enumerate(per_process):
         for name, d in layouts.items():
+            ranks = ([r for r, _ in d["explicit"]] if "explicit" in d
+                     else d.get("mesh", {}).get("ranks", []))
+            outside = [r for r in ranks if not (isinstance(r, int) and 0 <= r < num_ranks)]
+            if outside:
+                problems.append(f"{name!r}: {world.describe_process(p)} describes its {side} "
+                                f"layout over ranks {outside[:5]}, but world "
+                                f"{world.world_id!r} has ranks 0..{num_ranks - 1}; check the "
+                                f"rank map of its mesh")
+                continue
             if name in seen:
                 first_p, first = seen[name]
                 if bool(d.get("local_only")) != bool(first.get("local_only")):

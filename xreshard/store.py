@@ -271,6 +271,10 @@ class Seal:
             raise cls(f"{where} does not hold an xreshard payload ({type(e).__name__}: {e}); "
                       f"something other than a member wrote it") from None
         env_kind, env_op, env_process, body, mac = fields
+        if not self.signed and mac:
+            raise AuthenticationError(f"{where} is signed with a token this process does not "
+                                      f"have; pass the world's token (token= or "
+                                      f"XRESHARD_TOKEN)")
         if self.signed and not hmac.compare_digest(
                 mac, self._mac(env_kind, env_op, env_process, body)):
             raise AuthenticationError(f"{where} is not signed with this world's token; a "

@@ -112,14 +112,16 @@ def _join_records(store: Any, seal: Seal, world_id: str, me: dict[str, Any],
     store.append(key, seal.seal("join", 0, -1, json.dumps(mine)) + "\n")
     rejected: list[str] = []
     valid: list[dict[str, Any]] = []
+    foreign = 0         # records signed with another token (or signed, and we have none)
     pause = 0.002
     while True:
         try:
-            wait_keys(store, [key], deadline)
+            wait_keys(store, [key], deadline)       # it exists: our own record is there
             raw = store.get(key)
-        except TransportTimeout:
-            raw = b""
-        valid, rejected = [], []
+        except (TransportTimeout, RuntimeError) as e:
+            raise TransportTimeout(f"world {world_id!r} at {address}: the store lost the join "
+                                   f"records: {e}") from e
+        valid, rejected, foreign = [], [], 0
         for n, line in enumerate(raw.decode(errors="replace").splitlines()):
             try:
                 rec = seal.open(line, key=key, kind="join", op=0, process=-1)
@@ -133,6 +135,7 @@ def _join_records(store: Any, seal: Seal, world_id: str, me: dict[str, Any],
                     raise CollectiveMismatch("not a join record")
             except (CommunicationError, KeyError, TypeError) as e:
                 rejected.append(f"line {n}: {type(e).__name__}")
+                foreign += isinstance(e, AuthenticationError)
                 continue
             valid.append(rec)
         if len(valid) >= num_processes or time.monotonic() >= deadline:
@@ -144,11 +147,12 @@ def _join_records(store: Any, seal: Seal, world_id: str, me: dict[str, Any],
                        "(%s)", world_id, len(rejected), ", ".join(rejected[:5]))
     if len(valid) < num_processes:
         arrived = ", ".join(_label(r["info"]) for r in valid)
-        if rejected and seal.signed:
+        if foreign:
             raise AuthenticationError(
                 f"world {world_id!r} at {address}: {len(valid)} of {num_processes} processes "
-                f"joined with this process's token ({arrived}); {len(rejected)} record(s) "
-                f"carry another token or none: every process must pass the same token")
+                f"joined with this process's token ({arrived or 'none'}); {foreign} record(s) "
+                f"are signed with another token: every process must pass the same token "
+                f"(token= or XRESHARD_TOKEN)")
         raise TransportTimeout(
             f"world {world_id!r} at {address}: {len(valid)} of {num_processes} processes "
             f"joined in time ({arrived}); {num_processes - len(valid)} never did")
