@@ -4,14 +4,19 @@ Importing this package imports numpy only; framework bridges live in ``xreshard.
 and import their framework when used.
 """
 
-from .errors import LayoutError, PlanError, RefitError, XreshardError
+from .errors import (AuthenticationError, BindingError, CollectiveMismatch, CommunicationError,
+                     LayoutError, PlanError, RefitError, TransportError, TransportTimeout,
+                     VerificationError, WorldBroken, XreshardError)
 from .layout import Layout, Mesh, Region, Split
 from .plan import Plan, PlanCache, PlanStats, Transfer, plan
-from .refit import Bound, Refit, RefitConfig, RefitReport
+from .binding import Bound
+from .refit import Refit, RefitConfig, RefitReport
 from .topology import Topology
 from .world import StoreServer, World, serve
 
 __all__ = [
+    "AuthenticationError", "BindingError", "CollectiveMismatch", "CommunicationError",
+    "TransportError", "TransportTimeout", "VerificationError", "WorldBroken",
     "Bound", "Layout", "LayoutError", "Mesh", "Plan", "PlanCache", "PlanError", "PlanStats",
     "Refit", "RefitConfig", "RefitError", "RefitReport", "Region", "Split", "StoreServer",
     "Topology", "Transfer", "World", "XreshardError", "plan", "serve",
