@@ -1,0 +1,436 @@
+"""The cuda_ipc transport.
+
+On CPU: its logic over a fake of the CUDA calls (``FakeCuda``: "device memory" is numpy,
+two "processes" share one fake GPU), two transports in one process with their groups in
+threads: byte-exact moves, one handle per allocation (not per message), handles cached
+across refits and re-exported for a new allocation, the receiver's stream waiting on the
+sender's event before copying, the LRU of opened handles, refusals and timeouts.
+
+On a GPU (``gpu`` marker, skipped without one): a JAX process and a torch process on one
+GPU refit through ``transport="auto"`` (which routes them to cuda_ipc), bit-exact.
+scripts/gpu_check.sh runs the 8 GiB version with the bandwidth ratio (``bench``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import sys
+import threading
+import time
+from typing import Any
+
+import numpy as np
+import pytest
+
+from xreshard.transport.base import TransportError, TransportTimeout
+from xreshard.transport.cuda_ipc import CudaIpcTransport, local_cuda_caps
+
+MAPPED = 1 << 40        # a peer's mapping of an allocation lives at base + MAPPED
+
+
+class FakeGpu:
+    """One GPU's memory, shared by the fake "processes" on it."""
+
+    def __init__(self):
+        self.allocs: dict[int, tuple[np.ndarray, int]] = {}     # base -> (bytes, buffer id)
+        self.next_base = 1 << 20
+        self.next_id = 1
+        self.events: dict[int, int] = {}                        # event -> times recorded
+        self.lock = threading.Lock()
+
+    def malloc(self, nbytes: int) -> "FakeBuf":
+        with self.lock:
+            base = self.next_base
+            self.next_base += (nbytes + 4095) // 4096 * 4096 + 4096
+            self.allocs[base] = (np.zeros(nbytes, np.uint8), self.next_id)
+            self.next_id += 1
+        return FakeBuf(self, base, 0, nbytes)
+
+    def bytes_at(self, addr: int, n: int) -> np.ndarray:
+        addr = addr - MAPPED if addr >= MAPPED else addr
+        for base, (arr, _) in self.allocs.items():
+            if base <= addr and addr + n <= base + arr.size:
+                return arr[addr - base:addr - base + n]
+        raise AssertionError(f"no allocation holds [{addr:#x}, +{n})")
+
+
+class FakeBuf:
+    """A contiguous device buffer: ``nbytes`` at ``offset`` of the allocation at ``base``."""
+
+    def __init__(self, gpu: FakeGpu, base: int, offset: int, nbytes: int):
+        self.gpu, self.base, self.offset, self.nbytes = gpu, base, offset, nbytes
+
+    @property
+    def ptr(self) -> int:
+        return self.base + self.offset
+
+    def view(self, offset: int, nbytes: int) -> "FakeBuf":
+        return FakeBuf(self.gpu, self.base, self.offset + offset, nbytes)
+
+    @property
+    def host(self) -> np.ndarray:
+        return self.gpu.bytes_at(self.ptr, self.nbytes)
+
+
+class FakeCuda:
+    """The ``CupyCuda`` interface over a ``FakeGpu``; logs what a process asked for."""
+
+    def __init__(self, gpu: FakeGpu):
+        self.gpu = gpu
+        self.log: list[tuple] = []
+        self.exports = self.opens = 0
+        self.closed: list[int] = []
+        self.complete = True
+
+    def pointer(self, buf, device):
+        self.log.append(("import", buf.ptr))
+        return buf.ptr, buf.nbytes, buf
+
+    def allocation(self, ptr, device):
+        for base, (arr, bid) in self.gpu.allocs.items():
+            if base <= ptr < base + arr.size:
+                return base, arr.size, bid
+        raise AssertionError(ptr)
+
+    def mem_handle(self, base, device):
+        self.exports += 1
+        return b"H" + base.to_bytes(8, "little") + bytes(55)
+
+    def open_mem(self, handle, device):
+        self.opens += 1
+        return int.from_bytes(handle[1:9], "little") + MAPPED
+
+    def close_mem(self, ptr, device):
+        self.closed.append(ptr)
+
+    def _new_event(self):
+        with self.gpu.lock:
+            ev = len(self.gpu.events) + 1
+            self.gpu.events[ev] = 0
+        return ev
+
+    def ipc_event(self, device):
+        return self._new_event()
+
+    def event(self, device):
+        return self._new_event()
+
+    def event_handle(self, ev):
+        return b"E" + ev.to_bytes(8, "little") + bytes(55)
+
+    def open_event(self, handle, device):
+        return int.from_bytes(handle[1:9], "little")
+
+    def destroy_event(self, ev):
+        pass
+
+    def record(self, ev, device):
+        self.gpu.events[ev] += 1
+        self.log.append(("record", ev))
+
+    def wait_event(self, device, ev):
+        assert self.gpu.events[ev] > 0, "waiting on an event never recorded"
+        self.log.append(("wait", ev))
+
+    def copy(self, dst, src, n, device):
+        self.gpu.bytes_at(dst, n)[...] = self.gpu.bytes_at(src, n)
+        self.log.append(("copy", dst, src, n))
+
+    def query(self, ev):
+        return self.complete
+
+
+def _store_pair():
+    torch = pytest.importorskip("torch")
+    server = torch.distributed.TCPStore("127.0.0.1", 0, None, True,
+                                        datetime.timedelta(seconds=10), wait_for_workers=False)
+
+    def client():
+        return torch.distributed.TCPStore("127.0.0.1", server.port, None, False,
+                                          datetime.timedelta(seconds=10), wait_for_workers=False)
+    return server, client
+
+
+def _pair(**kw):
+    """Processes 0 (rank 0) and 1 (rank 1) on one fake GPU (ordinal 0 in both)."""
+    server, client = _store_pair()
+    gpu = FakeGpu()
+    apis = FakeCuda(gpu), FakeCuda(gpu)
+    ts = [CudaIpcTransport(client(), "ipc", [0, 1], p, [1 - p], {p: 0}, api=apis[p],
+                           process_labels=["trainer[0]", "rollout[0]"], **kw)
+          for p in (0, 1)]
+    ts[0]._server = server
+    return gpu, apis, ts
+
+
+def _both(fa, fb):
+    out: list[Any] = [None, None]
+
+    def run(i, f):
+        try:
+            out[i] = f()
+        except BaseException as e:   # noqa: BLE001 - returned to the test
+            out[i] = e
+    t = threading.Thread(target=run, args=(1, fb))
+    t.start()
+    run(0, fa)
+    t.join(30)
+    assert not t.is_alive()
+    return out
+
+
+def _fill(buf: FakeBuf, seed: int) -> np.ndarray:
+    data = np.random.default_rng(seed).integers(0, 256, buf.nbytes, dtype=np.uint8)
+    buf.host[...] = data
+    return data
+
+
+def _refit(ts, sends, recvs, timeout=10):
+    def a():
+        with ts[0].group(timeout):
+            for tag, buf in enumerate(sends):
+                ts[0].send(buf, 0, 1, tag)
+
+    def b():
+        with ts[1].group(timeout):
+            for tag, buf in enumerate(recvs):
+                ts[1].recv(buf, 0, 1, tag)
+    return _both(a, b)
+
+
+def test_one_handle_per_allocation_cached_across_refits_and_events_before_copies():
+    gpu, apis, ts = _pair()
+    pool, other = gpu.malloc(1 << 16), gpu.malloc(5000)       # the sender's allocations
+    sends = [pool.view(i * 8192, 8000) for i in range(5)] + [other.view(8, 4000)]
+    dst_pool = gpu.malloc(1 << 16)
+    recvs = [dst_pool.view(i * 8192, s.nbytes) for i, s in enumerate(sends)]
+    for step in range(3):
+        want = [_fill(s, 10 * step + i) for i, s in enumerate(sends)]
+        ra, rb = _refit(ts, sends, recvs)
+        assert ra is None and rb is None, (ra, rb)
+        assert all(np.array_equal(r.host, w) for r, w in zip(recvs, want))
+        # six messages from two allocations: two handles, exported and opened once
+        assert apis[0].exports == 2 and apis[1].opens == 2 == ts[1].num_opened
+    # the receiver's stream waits on the sender's event before its first copy
+    kinds = [e[0] for e in apis[1].log]
+    assert kinds.index("wait") < kinds.index("copy")
+    assert ("record", apis[1].log[kinds.index("wait")][1]) in apis[0].log
+    # a new allocation is a new buffer id: a new handle
+    fresh = gpu.malloc(8000)
+    want = _fill(fresh, 99)
+    ra, rb = _refit(ts, [fresh], [recvs[0]])
+    assert ra is None and rb is None and np.array_equal(recvs[0].host, want)
+    assert apis[0].exports == 3 and apis[1].opens == 3
+    for t in ts:
+        t.close()
+    assert len(apis[1].closed) == 3                         # every mapping closed
+
+
+def test_opened_handles_are_bounded_least_recently_used_first():
+    gpu, apis, ts = _pair(max_open=2)
+    bufs = [gpu.malloc(1024) for _ in range(3)]
+    dst = gpu.malloc(1024)
+    for b in bufs:
+        want = _fill(b, b.base)
+        ra, rb = _refit(ts, [b], [dst])
+        assert ra is None and rb is None and np.array_equal(dst.host, want)
+    assert apis[1].opens == 3 and apis[1].closed == [bufs[0].base + MAPPED]
+    for t in ts:
+        t.close()
+
+
+def test_refusals_mismatches_and_timeouts():
+    gpu, apis, ts = _pair(can_reach=lambda s, d: False)
+    with pytest.raises(TransportError, match=r"send 0->1: the ranks are on different devices "
+                                             r"without peer access.*transport='nccl'"):
+        with ts[0].group(1):
+            ts[0].send(gpu.malloc(8), 0, 1, 0)
+    gpu, apis, ts = _pair()
+    with pytest.raises(TransportError, match="outside"):
+        ts[0].send(gpu.malloc(8), 0, 1, 0)
+    with pytest.raises(TransportError, match="both in this process"):
+        with ts[0].group(1):
+            ts[0].send(gpu.malloc(8), 0, 0, 0)
+    with pytest.raises(TransportError, match="unusable after an earlier failure"):
+        with ts[0].group(1):
+            pass
+    gpu, apis, ts = _pair()
+    ra, rb = _refit(ts, [gpu.malloc(100)], [gpu.malloc(99)], timeout=5)
+    assert isinstance(rb, TransportError) and "sender posted 100 bytes" in str(rb)
+    assert isinstance(ra, TransportError) and "the receiver failed" in str(ra)
+    # copies that never finish: the receiver's poll runs into the deadline
+    gpu, apis, ts = _pair()
+    apis[1].complete = False
+    t0 = time.monotonic()
+    ra, rb = _refit(ts, [gpu.malloc(64)], [gpu.malloc(64)], timeout=1)
+    assert isinstance(rb, TransportTimeout) and "did not finish within 1" in str(rb)
+    assert isinstance(ra, TransportError) and time.monotonic() - t0 < 5
+    # a sender that never posts
+    gpu, apis, ts = _pair()
+    with pytest.raises(TransportTimeout, match=r"1 message\(s\) .* from trainer\[0\] did not "
+                                               r"arrive within 0.5 s"):
+        with ts[1].group(0.5):
+            ts[1].recv(gpu.malloc(8), 0, 1, 3)
+
+
+def test_caps_without_cupy_or_driver_take_no_ipc_pair():
+    class Broken:
+        def device_count(self):
+            raise RuntimeError("no driver")
+    assert local_cuda_caps([0, None], api=Broken()) == {"cuda_devices": [None, None],
+                                                         "cuda_reach": []}
+
+    class TwoGpus:
+        def device_count(self):
+            return 3
+
+        def device_uuid(self, i):
+            return f"GPU-{i}"
+
+        def can_access_peer(self, i, j):
+            return (i, j) in {(0, 1)}
+    caps = local_cuda_caps([0, None], api=TwoGpus())
+    assert caps == {"cuda_devices": ["GPU-0", None], "cuda_reach": ["GPU-0", "GPU-1"]}
+
+
+def test_importing_the_module_imports_no_cupy():
+    code = ("import sys, xreshard.transport.cuda_ipc; "
+            "assert 'cupy' not in sys.modules and 'torch' not in sys.modules")
+    import subprocess
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+# ---------------------------------------------------------------------------- on a GPU
+
+def _why_no_gpu() -> str | None:
+    try:
+        import cupy
+        if cupy.cuda.runtime.getDeviceCount() < 1:
+            return "CuPy sees no CUDA device"
+    except Exception as e:   # noqa: BLE001
+        return f"no CUDA device through CuPy ({type(e).__name__})"
+    try:
+        import torch
+        if not torch.cuda.is_available():
+            return "torch sees no CUDA device"
+    except ImportError:
+        return "torch is not installed"
+    return None
+
+
+def colocated(ctx: Any, gib: float, reps: int) -> dict:
+    """A JAX trainer and a torch engine on GPU 0 of one host refit through "auto"; returns
+    the route, bit-exactness and (with ``reps``) the refit and device-copy bandwidths."""
+    import xreshard as xr
+
+    nbytes = int(gib * 2**30) // 2 * 2
+    rows = 4096
+    cols = nbytes // 2 // rows
+    world = ctx.join(groups=["trainer", "rollout"], timeout=120)
+    config = xr.RefitConfig(timeout=120, bucket_bytes=1 << 30, staging_bytes=2 << 30)
+    out: dict[str, Any] = {}
+    if ctx.role.group == "trainer":
+        import jax
+        import jax.numpy as jnp
+        dev = jax.devices("gpu")[0]
+        # values exact in bf16 and position-dependent (a misplaced byte shows)
+        x = jax.device_put(((jnp.arange(rows * cols, dtype=jnp.int32) % 251) - 125)
+                           .astype(jnp.bfloat16).reshape(rows, cols), dev)
+        refit = xr.Refit(world, config=config)
+        refit(send={"w": x})
+    else:
+        import torch
+        from xreshard.adapters.torch import tensor_view
+        w = torch.zeros((rows, cols), dtype=torch.bfloat16, device="cuda:0")
+        layout = xr.Layout.replicated((rows, cols), "bfloat16",
+                                      xr.Mesh((1,), (world.rank_ids[0],)))
+        bound = xr.Bound({"w": layout}, {(world.rank_ids[0], "w"): tensor_view(w)})
+        refit = xr.Refit(world, receive=bound, config=config)
+        refit()
+        torch.cuda.synchronize()
+        want = ((torch.arange(rows * cols, dtype=torch.int32, device="cuda:0") % 251) - 125
+                ).to(torch.bfloat16).reshape(rows, cols)
+        out["exact"] = bool(torch.equal(w.view(torch.int16), want.view(torch.int16)))
+    auto = world.transport("auto")
+    out["name"] = auto.name
+    out["by_kind"] = auto.bytes_by_transport
+    if reps:
+        times = []
+        for _ in range(reps):
+            world.barrier()
+            t0 = time.perf_counter()
+            if ctx.role.group == "trainer":
+                refit(send={"w": x})
+            else:
+                refit()
+            times.append(time.perf_counter() - t0)
+        out["refit_s"] = sorted(times)[len(times) // 2]
+        if ctx.role.group != "trainer":
+            import torch
+            src = torch.empty(nbytes, dtype=torch.uint8, device="cuda:0")
+            dst = torch.empty_like(src)
+            dst.copy_(src)
+            torch.cuda.synchronize()
+            copies = []
+            for _ in range(reps):
+                t0 = time.perf_counter()
+                dst.copy_(src)
+                torch.cuda.synchronize()
+                copies.append(time.perf_counter() - t0)
+            out["copy_s"] = sorted(copies)[len(copies) // 2]
+            out["bytes"] = nbytes
+    world.close()
+    return out
+
+
+def _launch_colocated(gib: float, reps: int, timeout: float) -> list[Any]:
+    from xreshard.launch import Role, launch
+    env = {"XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
+    roles = [Role("jax", "trainer", 0, gpus=(0,), env=env),
+             Role("torch", "rollout", 0, gpus=(0,), env=env)]
+    return launch(colocated, roles, args=(gib, reps), timeout=timeout)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(_why_no_gpu() is not None, reason=str(_why_no_gpu()))
+def test_jax_and_torch_on_one_gpu_refit_through_cuda_ipc_bit_exact():
+    results = _launch_colocated(0.0625, 0, 240)
+    trainer, engine = (r.value for r in results)
+    assert trainer["name"] == engine["name"] == "auto(local+cuda_ipc)"
+    assert engine["exact"] is True
+    assert engine["by_kind"]["cuda_ipc"] == trainer["by_kind"]["cuda_ipc"] == 2**26
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m tests.test_cuda_ipc bench --gib 8 --json OUT``: the gpu_check.sh step."""
+    ap = argparse.ArgumentParser()
+    ap.add_argument("what", choices=["bench"])
+    ap.add_argument("--gib", type=float, default=8.0)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--json", required=True)
+    ap.add_argument("--timeout", type=float, default=50)
+    args = ap.parse_args(argv)
+    report: dict[str, Any] = {"gib": args.gib}
+    try:
+        results = _launch_colocated(args.gib, args.reps, args.timeout)
+        trainer, engine = (r.value for r in results)
+        report.update(route=engine["name"], exact=engine["exact"], refit_s=engine["refit_s"],
+                      copy_s=engine["copy_s"], by_kind=engine["by_kind"])
+        report["refit_gbps"] = engine["bytes"] / engine["refit_s"] / 1e9
+        report["copy_gbps"] = engine["bytes"] / engine["copy_s"] / 1e9
+        report["fraction_of_copy"] = engine["copy_s"] / engine["refit_s"]
+        report["ok"] = bool(engine["exact"] and report["fraction_of_copy"] >= 0.7
+                            and "cuda_ipc" in engine["name"])
+    except Exception as e:   # noqa: BLE001 - reported, not raised
+        report.update(ok=False, error=f"{type(e).__name__}: {e}"[-4000:])
+    with open(args.json, "w") as f:
+        json.dump(report, f, indent=1)
+    print(json.dumps(report, indent=1))
+    return 0 if report.get("ok") else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,566 @@
+"""The ``cuda_ipc`` transport: device buffers between processes on one GPU (or GPUs with peer
+access) through CUDA IPC handles.
+
+Decision record: NCCL refuses two ranks on one device, so a trainer and an inference engine
+colocated on one GPU had no path at all; and between peer-accessible GPUs of one host a
+direct device-to-device copy needs no communicator. The sender exports what it sends as a
+CUDA IPC memory handle (CuPy's runtime ``ipcGetMemHandle``) and the receiver maps it
+(``ipcOpenMemHandle``) and copies straight into its receive buffer with ``memcpyAsync`` on
+its own stream: one device-to-device copy in all.
+
+- **Few handles.** A handle names a whole allocation, not a tensor: the sender exports one
+  handle per allocation its sends live in (the executor's staging, JAX's BFC pool, torch's
+  caching-allocator segments) and every message carries (handle, offset). Awex exhausted
+  the driver with one handle per tensor; here an 8 GiB model in a handful of pools opens a
+  handful of handles.
+- **Cached while the buffers live.** An allocation is known by its CUDA buffer id
+  (``CU_POINTER_ATTRIBUTE_BUFFER_ID``, never reused in a process), so a handle is exported
+  and opened once and reused across refits; a freed and reallocated buffer gets a new id,
+  hence a new handle. The receiver keeps at most ``max_open`` mappings (least recently used
+  closed first).
+- **Ordering with events, not syncs.** The sender imports each buffer through DLPack with
+  its stream current (the producer's stream is ordered before it, as in the nccl transport)
+  and records an interprocess event after it; the receiver's stream waits on that event
+  before its copies. The receiver polls its own event with the group's deadline, then
+  acknowledges; the sender's group exit waits for the acks, so a buffer is never reused
+  while a peer still reads it.
+- **A clear refusal.** Ranks on different devices without peer access are refused when
+  posted (and "auto" never routes them here: ``select.choose_routes``).
+
+Metadata (handles as hex, offsets, sizes, event handles) travels through the world's store
+as JSON, one record per message, published together at the group's exit.
+Rejected: copying tensors into ≤ 5 GB dtype blocks before exporting (Awex; a second copy of
+every byte on the sender); torch's ``_share_cuda_`` (torch only, not JAX or CuPy buffers);
+NCCL over two ranks of one device (refused by NCCL).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import json
+import logging
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator, Mapping, Sequence
+
+from .base import TransportError, TransportTimeout
+from .shm import _Watch
+
+__all__ = ["CudaIpcTransport", "local_cuda_caps", "CupyCuda"]
+
+logger = logging.getLogger(__name__)
+
+_EVENT_DISABLE_TIMING = 0x2
+_EVENT_INTERPROCESS = 0x4
+_IPC_LAZY_PEER_ACCESS = 0x1
+_MEMCPY_DEFAULT = 4
+_NOT_READY = 600
+_POINTER_ATTRIBUTE_BUFFER_ID = 7
+
+
+def _import_cupy() -> Any:
+    try:
+        import cupy
+    except ImportError as e:
+        raise ImportError("the cuda_ipc transport needs CuPy: pip install 'xreshard[nccl]'") from e
+    return cupy
+
+
+class CupyCuda:
+    """The CUDA calls the transport makes, through CuPy's runtime and the driver (ctypes).
+
+    Everything device-specific sits here so that the transport's logic (grouping, caching,
+    acknowledgements, refusals) is tested on CPU with a fake of this class.
+    """
+
+    def __init__(self) -> None:
+        import ctypes
+        self.cp = _import_cupy()
+        self.rt = self.cp.cuda.runtime
+        self._ctypes = ctypes
+        try:
+            self._cu = ctypes.CDLL("libcuda.so.1")
+        except OSError as e:
+            raise ImportError(f"the cuda_ipc transport needs the CUDA driver (libcuda.so.1): "
+                              f"{e}") from e
+        self._streams: dict[int, Any] = {}
+
+    # -------------------------------------------------------------- devices
+
+    def device_count(self) -> int:
+        return int(self.rt.getDeviceCount())
+
+    def device_uuid(self, device: int) -> str:
+        raw = self.rt.getDeviceProperties(device).get("uuid", b"")
+        if isinstance(raw, str):
+            raw = raw.encode("latin-1")
+        h = bytes(raw).hex()
+        return f"GPU-{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:32]}"
+
+    def can_access_peer(self, device: int, peer: int) -> bool:
+        return bool(self.rt.deviceCanAccessPeer(device, peer))
+
+    def stream(self, device: int) -> Any:
+        s = self._streams.get(device)
+        if s is None:
+            with self.cp.cuda.Device(device):
+                s = self._streams[device] = self.cp.cuda.Stream(non_blocking=True)
+        return s
+
+    # -------------------------------------------------------------- buffers
+
+    def pointer(self, buf: Any, device: int) -> tuple[int, int, Any]:
+        """(device pointer, bytes, keep-alive) of a contiguous device buffer, with our stream
+        ordered after the buffer's producer (DLPack for torch/JAX, an event for CuPy)."""
+        cp = self.cp
+        stream = self.stream(device)
+        with cp.cuda.Device(device):
+            if isinstance(buf, cp.ndarray):
+                stream.wait_event(cp.cuda.get_current_stream().record())
+                arr = buf
+            else:
+                with stream:
+                    arr = cp.from_dlpack(buf)
+        if not arr.flags.c_contiguous:
+            raise TransportError("cuda_ipc moves contiguous buffers only")
+        if arr.device.id != device:
+            raise TransportError(f"cuda_ipc: the buffer is on cuda:{arr.device.id}, its rank "
+                                 f"on cuda:{device}")
+        return int(arr.data.ptr), int(arr.nbytes), arr
+
+    def allocation(self, ptr: int, device: int) -> tuple[int, int, int]:
+        """(base, size, buffer id) of the allocation holding ``ptr``."""
+        c = self._ctypes
+        base, size, bid = c.c_uint64(), c.c_size_t(), c.c_uint64()
+        with self.cp.cuda.Device(device):
+            err = self._cu.cuMemGetAddressRange_v2(c.byref(base), c.byref(size), c.c_uint64(ptr))
+            if err == 0:
+                err = self._cu.cuPointerGetAttribute(c.byref(bid), _POINTER_ATTRIBUTE_BUFFER_ID,
+                                                     c.c_uint64(ptr))
+        if err != 0:
+            raise TransportError(f"cuda_ipc: the driver cannot find the allocation of pointer "
+                                 f"{ptr:#x} (CUresult {err})")
+        return int(base.value), int(size.value), int(bid.value)
+
+    def mem_handle(self, base: int, device: int) -> bytes:
+        with self.cp.cuda.Device(device):
+            return bytes(self.rt.ipcGetMemHandle(base))
+
+    def open_mem(self, handle: bytes, device: int) -> int:
+        with self.cp.cuda.Device(device):
+            return int(self.rt.ipcOpenMemHandle(handle, _IPC_LAZY_PEER_ACCESS))
+
+    def close_mem(self, ptr: int, device: int) -> None:
+        with self.cp.cuda.Device(device):
+            self.rt.ipcCloseMemHandle(ptr)
+
+    # -------------------------------------------------------------- events and copies
+
+    def ipc_event(self, device: int) -> int:
+        with self.cp.cuda.Device(device):
+            return int(self.rt.eventCreateWithFlags(_EVENT_DISABLE_TIMING | _EVENT_INTERPROCESS))
+
+    def event(self, device: int) -> int:
+        with self.cp.cuda.Device(device):
+            return int(self.rt.eventCreateWithFlags(_EVENT_DISABLE_TIMING))
+
+    def event_handle(self, event: int) -> bytes:
+        return bytes(self.rt.ipcGetEventHandle(event))
+
+    def open_event(self, handle: bytes, device: int) -> int:
+        with self.cp.cuda.Device(device):
+            return int(self.rt.ipcOpenEventHandle(handle))
+
+    def destroy_event(self, event: int) -> None:
+        self.rt.eventDestroy(event)
+
+    def record(self, event: int, device: int) -> None:
+        self.rt.eventRecord(event, self.stream(device).ptr)
+
+    def wait_event(self, device: int, event: int) -> None:
+        self.rt.streamWaitEvent(self.stream(device).ptr, event, 0)
+
+    def copy(self, dst: int, src: int, nbytes: int, device: int) -> None:
+        with self.cp.cuda.Device(device):
+            self.rt.memcpyAsync(dst, src, nbytes, _MEMCPY_DEFAULT, self.stream(device).ptr)
+
+    def query(self, event: int) -> bool:
+        try:
+            status = self.rt.eventQuery(event)
+        except self.rt.CUDARuntimeError as e:
+            if getattr(e, "status", None) == _NOT_READY:
+                return False
+            raise
+        return status != _NOT_READY
+
+
+def local_cuda_caps(ordinals: Sequence[int | None], api: Any = None) -> dict[str, Any]:
+    """What this process publishes for ``choose_routes``: the uuid of each rank's device
+    (``None`` for CPU ranks) and the device uuids it can read through IPC (its own, and
+    every visible device all of its devices have peer access to).
+
+    Without CuPy or a driver the process takes no IPC pair (a warning says why).
+    """
+    try:
+        api = api or CupyCuda()
+        count = api.device_count()
+        uuids = [api.device_uuid(i) for i in range(count)]
+    except Exception as e:      # noqa: BLE001 - any failure: this process takes no IPC pair
+        logger.warning("cuda_ipc unavailable in this process (%s: %s); its GPU pairs go "
+                       "through nccl", type(e).__name__, e)
+        return {"cuda_devices": [None] * len(ordinals), "cuda_reach": []}
+    own = sorted({o for o in ordinals if o is not None})
+    reach = [uuids[j] for j in range(count)
+             if j in own or (own and all(api.can_access_peer(i, j) for i in own))]
+    return {"cuda_devices": [None if o is None else uuids[o] for o in ordinals],
+            "cuda_reach": reach}
+
+
+@dataclass
+class _Recv:
+    buf: Any
+    src: int
+    dst: int
+    tag: int
+    peer: int
+    device: int
+
+
+@dataclass
+class _Round:
+    deadline: float
+    recvs: list[_Recv] = field(default_factory=list)
+    send_seq: dict[int, int] = field(default_factory=dict)
+    recv_seq: dict[int, int] = field(default_factory=dict)
+    pending: dict[str, str] = field(default_factory=dict)
+    keep: list[Any] = field(default_factory=list)
+    keys: set[tuple] = field(default_factory=set)
+    recorded: set[int] = field(default_factory=set)       # devices whose IPC event is set
+
+
+class CudaIpcTransport:
+    """Grouped point-to-point moves of device byte buffers through CUDA IPC handles.
+
+    Args:
+        store: the world's store.
+        key: a key prefix unique to this transport.
+        rank_process: process position of every world rank.
+        process_index: this process's position.
+        peers: the processes this transport exchanges with.
+        devices: ``{local rank: CUDA ordinal}`` for this process's CUDA ranks.
+        pids: ``{process: (pid, start time)}`` for the dead-peer watcher (same host).
+        process_labels: names of the processes, for errors.
+        can_reach: ``can_reach(src_rank, dst_rank)``: both devices readable by both sides
+            (``Routes.ipc_ok``); a post for a pair it refuses raises.
+        connect: a second store client for the watcher (see ``ShmTransport``).
+        api: the CUDA calls (``CupyCuda()`` by default; a fake in CPU tests).
+        max_open: the most peer allocations kept mapped here.
+    """
+
+    name = "cuda_ipc"
+
+    def __init__(self, store: Any, key: str, rank_process: Sequence[int], process_index: int,
+                 peers: Sequence[int], devices: Mapping[int, int], *,
+                 pids: Mapping[int, tuple[int, str | None]] | None = None,
+                 process_labels: Sequence[str] | None = None,
+                 can_reach: Callable[[int, int], bool] | None = None, connect: Any = None,
+                 api: Any = None, max_open: int = 256):
+        self._store = store
+        self._key = key
+        self._rank_process = tuple(rank_process)
+        self._me = process_index
+        self._peers = frozenset(peers)
+        self._devices = dict(devices)
+        self._pids = dict(pids or {})
+        n = max(self._rank_process, default=0) + 1
+        self._labels = tuple(process_labels or (f"process {p}" for p in range(n)))
+        self._can_reach = can_reach
+        self._api = api if api is not None else CupyCuda()
+        self._max_open = max_open
+        self._watch = _Watch(connect, self._pids)
+        self._handles: dict[int, tuple[str, int, int]] = {}       # buffer id -> (hex, base, size)
+        self._events: dict[int, tuple[int, str]] = {}             # device -> (ipc event, hex)
+        self._done: dict[int, int] = {}                           # device -> completion event
+        self._opened: OrderedDict[tuple, tuple[int, int]] = OrderedDict()  # -> (ptr, device)
+        self._peer_events: dict[tuple, int] = {}
+        self._gen = 0
+        self._seq_out: dict[int, int] = {}
+        self._seq_in: dict[int, int] = {}
+        self._round: _Round | None = None
+        self._broken: str | None = None
+        self.num_exported = 0       # handles exported (allocations), cumulative
+        self.num_opened = 0         # peer handles opened here, cumulative
+        self.bytes_received = 0
+
+    # ------------------------------------------------------------------ posts
+
+    def _check_usable(self) -> None:
+        if self._broken is not None:
+            raise TransportError(f"cuda_ipc transport unusable after an earlier failure: "
+                                 f"{self._broken}")
+
+    def _peer_of(self, local_rank: int, remote_rank: int, src: int, dst: int, what: str) -> int:
+        n = len(self._rank_process)
+        if not (0 <= local_rank < n and 0 <= remote_rank < n):
+            raise TransportError(f"cuda_ipc {what}: ranks {local_rank}, {remote_rank} not in "
+                                 f"0..{n - 1}")
+        if self._rank_process[local_rank] != self._me or local_rank not in self._devices:
+            raise TransportError(f"cuda_ipc {what}: rank {local_rank} is not a CUDA rank of "
+                                 f"this process ({self._labels[self._me]})")
+        peer = self._rank_process[remote_rank]
+        if peer == self._me:
+            raise TransportError(f"cuda_ipc {what}: ranks {local_rank} and {remote_rank} are "
+                                 f"both in this process; move them with the local transport")
+        if self._can_reach is not None and not self._can_reach(src, dst):
+            raise TransportError(f"cuda_ipc {what} {src}->{dst}: the ranks are on different "
+                                 f"devices without peer access ({self._labels[peer]}); use "
+                                 f"transport='nccl', or 'auto' which routes such pairs there")
+        if peer not in self._peers:
+            raise TransportError(f"cuda_ipc {what} {src}->{dst}: {self._labels[peer]} is not "
+                                 f"an IPC peer of this process (another host?)")
+        return peer
+
+    def _open_round(self, what: str, src: int, dst: int, tag: int, kind: str) -> _Round:
+        rnd = self._round
+        if rnd is None:
+            raise TransportError(f"cuda_ipc {what} {src}->{dst} tag {tag} posted outside "
+                                 f"`with transport.group(timeout=...)`")
+        key = (kind, src, dst, tag)
+        if key in rnd.keys:
+            raise TransportError(f"cuda_ipc {what} {src}->{dst} tag {tag} posted twice in "
+                                 f"one group")
+        rnd.keys.add(key)
+        return rnd
+
+    def _msg_key(self, seq: int, src: int, dst: int, tag: int) -> str:
+        return f"{self._key}/m/{src}/{dst}/{tag}/{seq}"
+
+    def _ack_key(self, sender: int, receiver: int, seq: int) -> str:
+        return f"{self._key}/a/{sender}/{receiver}/{seq}"
+
+    def _export(self, ptr: int, device: int) -> tuple[str, int, int, int]:
+        """(handle hex, buffer id, allocation size, offset of ``ptr``): one handle per
+        allocation, cached by buffer id."""
+        base, size, bid = self._api.allocation(ptr, device)
+        got = self._handles.get(bid)
+        if got is None or got[1] != base:
+            try:
+                handle = self._api.mem_handle(base, device)
+            except Exception as e:   # noqa: BLE001 - the driver says why
+                raise TransportError(
+                    f"cuda_ipc: cannot export the allocation at {base:#x} ({size} bytes) on "
+                    f"cuda:{device}: {e}. Memory from cudaMallocAsync pools or torch's "
+                    f"expandable segments has no IPC handle; use transport='nccl' or plain "
+                    f"cudaMalloc allocations") from e
+            got = self._handles[bid] = (handle.hex(), base, size)
+            self.num_exported += 1
+        return got[0], bid, got[2], ptr - got[1]
+
+    def _event(self, device: int) -> tuple[int, str]:
+        got = self._events.get(device)
+        if got is None:
+            ev = self._api.ipc_event(device)
+            got = self._events[device] = (ev, self._api.event_handle(ev).hex())
+        return got
+
+    def send(self, buf: Any, src_rank: int, dst_rank: int, tag: int) -> None:
+        self._check_usable()
+        rnd = self._open_round("send", src_rank, dst_rank, tag, "s")
+        peer = self._peer_of(src_rank, dst_rank, src_rank, dst_rank, "send")
+        device = self._devices[src_rank]
+        ptr, nbytes, keep = self._api.pointer(buf, device)
+        if nbytes == 0:
+            return
+        rnd.keep.append(keep)
+        handle, bid, size, off = self._export(ptr, device)
+        ev, ev_hex = self._event(device)
+        if device not in rnd.recorded:
+            rnd.recorded.add(device)
+        # recorded after each import: the event covers every producer ordered so far
+        self._api.record(ev, device)
+        seq = rnd.send_seq.get(peer)
+        if seq is None:
+            seq = rnd.send_seq[peer] = self._seq_out.get(peer, 0) + 1
+        rnd.pending[self._msg_key(seq, src_rank, dst_rank, tag)] = json.dumps(
+            {"h": handle, "bid": bid, "size": size, "off": off, "n": nbytes, "ev": ev_hex,
+             "gen": self._gen})
+
+    def recv(self, buf: Any, src_rank: int, dst_rank: int, tag: int) -> None:
+        self._check_usable()
+        rnd = self._open_round("recv", src_rank, dst_rank, tag, "r")
+        peer = self._peer_of(dst_rank, src_rank, src_rank, dst_rank, "recv")
+        if peer not in rnd.recv_seq:
+            rnd.recv_seq[peer] = self._seq_in.get(peer, 0) + 1
+        rnd.recvs.append(_Recv(buf, src_rank, dst_rank, tag, peer, self._devices[dst_rank]))
+
+    # ------------------------------------------------------------------ the group
+
+    @contextlib.contextmanager
+    def group(self, timeout: float) -> Iterator[None]:
+        """Collect posts; on exit publish the sends, copy every receive on this process's
+        streams after its producer's event, wait for the copies, acknowledge, and wait for
+        the acks of this process's sends, all within ``timeout`` s of entering.
+
+        Raises:
+            TransportTimeout: a peer did not publish or acknowledge, or the copies did not
+                finish, in time; names the peer.
+            TransportError: a refused pair, a size mismatch, a dead peer, or a CUDA error.
+        """
+        self._check_usable()
+        if self._round is not None:
+            raise TransportError("cuda_ipc transport groups do not nest")
+        self._gen += 1
+        self._round = _Round(deadline=time.monotonic() + timeout)
+        try:
+            yield
+            rnd = self._round
+        except BaseException:
+            self._broken = "a group's block raised before its posts completed"
+            raise
+        finally:
+            self._round = None
+        try:
+            self._complete(rnd, timeout)
+        except BaseException as e:
+            for peer, seq in rnd.recv_seq.items():
+                if self._seq_in.get(peer) != seq:
+                    with contextlib.suppress(Exception):
+                        self._store.set(self._ack_key(peer, self._me, seq), json.dumps(
+                            {"error": f"{self._labels[self._me]}: {type(e).__name__}: {e}"}))
+            self._broken = str(e)
+            raise
+
+    def _wait(self, keys: list[str], peer: int, deadline: float, timeout: float,
+              what: str) -> None:
+        left = deadline - time.monotonic()
+        if left > 0:
+            with self._watch.waiting(keys, peer):
+                try:
+                    self._store.wait(keys, datetime.timedelta(seconds=left))
+                    dead = next((self._watch.dead[k] for k in keys if k in self._watch.dead),
+                                None)
+                    if dead is not None:
+                        raise TransportError(f"cuda_ipc: {what} {self._labels[peer]} never "
+                                             f"came: that process (pid {dead}) died")
+                    return
+                except RuntimeError as e:
+                    msg = str(e).lower()
+                    if "timeout" not in msg and "timed out" not in msg:
+                        raise TransportError(f"cuda_ipc: the store failed while waiting for "
+                                             f"{what} {self._labels[peer]}: {e}") from e
+        raise TransportTimeout(f"cuda_ipc: {what} {self._labels[peer]} did not arrive within "
+                               f"{timeout} s: the peer never posted its side or is stuck")
+
+    def _open(self, peer: int, rec: Mapping[str, Any], device: int) -> int:
+        key = (peer, rec["bid"], rec["h"], device)
+        got = self._opened.get(key)
+        if got is not None:
+            self._opened.move_to_end(key)
+            return got[0]
+        ptr = self._api.open_mem(bytes.fromhex(rec["h"]), device)
+        self.num_opened += 1
+        self._opened[key] = (ptr, device)
+        while len(self._opened) > self._max_open:
+            _, (old, dev) = self._opened.popitem(last=False)
+            with contextlib.suppress(Exception):
+                self._api.close_mem(old, dev)
+        return ptr
+
+    def _complete(self, rnd: _Round, timeout: float) -> None:
+        if rnd.pending:
+            self._store.multi_set(list(rnd.pending), list(rnd.pending.values()))
+        by_peer: dict[int, list[_Recv]] = {}
+        for r in rnd.recvs:
+            by_peer.setdefault(r.peer, []).append(r)
+        used: set[int] = set()
+        for peer, recvs in by_peer.items():
+            seq = rnd.recv_seq[peer]
+            keys = [self._msg_key(seq, r.src, r.dst, r.tag) for r in recvs]
+            self._wait(keys, peer, rnd.deadline, timeout,
+                       f"{len(keys)} message(s) to this process (round {seq}) from")
+            records = [json.loads(v) for v in self._store.multi_get(keys)]
+            self._watch.discard(keys)
+            waited: set[tuple] = set()
+            for r, rec in zip(recvs, records):
+                where = f"cuda_ipc recv {r.src}->{r.dst} tag {r.tag} from {self._labels[peer]}"
+                if "dead" in rec:
+                    raise TransportError(f"{where}: that process (pid {rec['dead']}) died")
+                ptr, nbytes, keep = self._api.pointer(r.buf, r.device)
+                rnd.keep.append(keep)
+                if rec["n"] != nbytes:
+                    raise TransportError(f"{where}: the sender posted {rec['n']} bytes, the "
+                                         f"receive buffer has {nbytes}")
+                base = self._open(peer, rec, r.device)
+                ev_key = (peer, rec["ev"], r.device)
+                ev = self._peer_events.get(ev_key)
+                if ev is None:
+                    ev = self._peer_events[ev_key] = self._api.open_event(
+                        bytes.fromhex(rec["ev"]), r.device)
+                if ev_key not in waited:      # once per producer event and round
+                    waited.add(ev_key)
+                    self._api.wait_event(r.device, ev)
+                self._api.copy(ptr, base + rec["off"], nbytes, r.device)
+                used.add(r.device)
+                self.bytes_received += nbytes
+        self._finish_copies(used, rnd, timeout)
+        for peer, seq in rnd.recv_seq.items():
+            self._store.set(self._ack_key(peer, self._me, seq), b"{}")
+            self._seq_in[peer] = seq
+        for peer, seq in sorted(rnd.send_seq.items()):
+            key = self._ack_key(self._me, peer, seq)
+            what = f"the ack of this process's sends (round {seq}) from"
+            self._wait([key], peer, rnd.deadline, timeout, what)
+            ack = json.loads(self._store.get(key))
+            self._watch.discard([key])
+            if "error" in ack:
+                raise TransportError(f"cuda_ipc: {what} {self._labels[peer]}: the receiver "
+                                     f"failed: {ack['error']}")
+            if "dead" in ack:
+                raise TransportError(f"cuda_ipc: {what} {self._labels[peer]} never came: "
+                                     f"that process (pid {ack['dead']}) died")
+            self._seq_out[peer] = seq
+
+    def _finish_copies(self, devices: set[int], rnd: _Round, timeout: float) -> None:
+        """Record an event after the copies on each used device and poll it to the deadline
+        (the bytes have landed when this returns; later work on any stream sees them)."""
+        events = []
+        for d in sorted(devices):
+            ev = self._done.get(d)
+            if ev is None:
+                ev = self._done[d] = self._api.event(d)
+            self._api.record(ev, d)
+            events.append((d, ev))
+        pause = 1e-4
+        for d, ev in events:
+            while not self._api.query(ev):
+                if time.monotonic() >= rnd.deadline:
+                    raise TransportTimeout(f"cuda_ipc: the copies on cuda:{d} did not finish "
+                                           f"within {timeout} s (a producer event never fired?)")
+                time.sleep(pause)
+                pause = min(pause * 2, 2e-3)
+
+    # ------------------------------------------------------------------ lifetime
+
+    def close(self) -> None:
+        """Unmap peers' allocations and destroy the events; the transport is unusable after."""
+        if self._broken == "closed":
+            return
+        self._broken = "closed"
+        self._watch.stop()
+        for ptr, dev in self._opened.values():
+            with contextlib.suppress(Exception):
+                self._api.close_mem(ptr, dev)
+        self._opened.clear()
+        for ev in [*(e for e, _ in self._events.values()), *self._done.values()]:
+            with contextlib.suppress(Exception):
+                self._api.destroy_event(ev)
+        self._events.clear()
+        self._done.clear()
+        self._peer_events.clear()
+        self._handles.clear()
+
+    def __repr__(self) -> str:
+        return (f"CudaIpcTransport(process={self._me}, peers={sorted(self._peers)}, "
+                f"devices={self._devices})")
