@@ -53,7 +53,7 @@ from .layout import Layout, Mesh, Region
 from .plan import Plan, PlanCache, plan
 from .schedule import Schedule, peer_counts, schedule
 
-__all__ = ["Bound", "Refit", "RefitConfig", "RefitReport"]
+__all__ = ["Bound", "Refit", "RefitConfig", "RefitHandle", "RefitReport"]
 
 logger = logging.getLogger(__name__)
 
@@ -82,6 +82,11 @@ class RefitConfig:
     """Compare a checksum of every region on its sender and its receiver after moving
     (True), of a rotating subset ("sample"), or not (False). A mismatch raises
     ``VerificationError`` on every rank and the version does not advance."""
+
+    check_writes: bool = False
+    """Debug: fail the refit (on every rank) when a sent torch tensor was written while
+    the refit read it (its version counter moved), e.g. an optimizer step before
+    ``handle.wait()`` of a started refit."""
 
     def __post_init__(self) -> None:
         for name in ("bucket_bytes", "staging_bytes"):
@@ -238,7 +243,49 @@ class Refit:
         finally:
             self._busy.release()
 
-    def _call(self, send: Any, receive: Any) -> RefitReport:
+    def start(self, send: Any = None, receive: Any = None) -> RefitHandle:
+        """Start one refit in the background and return at once (collective, like a call).
+
+        The caller keeps computing meanwhile; ``handle.wait()`` returns the report (or
+        raises what the call raised, the same error on every rank), ``handle.done()``
+        polls. The handle keeps ``send`` alive until the refit is done, so a JAX trainer
+        can send step k's arrays while step k+1 runs: JAX arrays are immutable, no
+        snapshot copy is needed (a step that donates them gets a copy from JAX instead).
+        Torch senders must not write the sent tensors before ``wait()`` returns;
+        ``RefitConfig(check_writes=True)`` detects it (torch version counters) and fails
+        the refit on every rank. Receivers hold the new version only once ``wait()``
+        returned. While a refit runs, the world's other collectives from this process are
+        refused (they would interleave with the refit's).
+
+        Raises:
+            RefitError: a call (or a started refit) of this Refit is still running.
+        """
+        if not self._busy.acquire(blocking=False):
+            raise RefitError("this Refit is already running a call; wait() for it before "
+                             "starting another")
+        handle = RefitHandle(self, send, receive)
+        if self.config.check_writes:      # before the caller's next line can write them
+            handle._versions = _torch_versions(send if send is not None else self._send)
+        try:
+            handle._thread.start()
+        except BaseException:
+            self._busy.release()
+            raise
+        return handle
+
+    def _run_started(self, handle: RefitHandle) -> None:
+        try:
+            with self.world.exclusive("refit"):
+                handle._report = self._call(handle._send, handle._receive, handle._versions)
+        except _Failed as f:
+            handle._error = f.error
+        except BaseException as e:      # noqa: BLE001 - raised again from wait()
+            handle._error = e
+        finally:
+            self._busy.release()
+
+    def _call(self, send: Any, receive: Any,
+              versions: Mapping[str, int] | None = None) -> RefitReport:
         t0 = time.perf_counter()
         timeout = self.config.timeout
         target = self.version + 1
@@ -247,6 +294,8 @@ class Refit:
         if receive is not None:
             self._receive = receive
         errors: list[list[str]] = []
+        if versions is None:
+            versions = _torch_versions(self._send) if self.config.check_writes else {}
         if send is None and self._sent_jax:
             errors.append(["RefitError", "this process sent JAX arrays before and passed no "
                            "send= now: a Refit keeps no reference to sent JAX arrays (so the "
@@ -283,6 +332,8 @@ class Refit:
             self._arena = executor._arena
             if self.config.verify:
                 digests = self._digests(executor, target)
+            if versions:
+                _check_unwritten(self._send, versions)
         except Exception as e:      # noqa: BLE001 - reported to the others before raising
             error = _entry(e)
             logger.debug("refit v%d failed here while moving", target, exc_info=True)
@@ -516,7 +567,9 @@ class Refit:
         if failed:
             first = failed[0][1]
             where = _lines([(q, [e[0], f"{e[0]}: {e[1]}"]) for q, e in failed], self.world, 10)
-            self._broken(f"refit v{target} failed while moving: {where}")
+            if any(not isinstance(error_from(*e), XreshardError) for _, e in failed):
+                # a peer failed or went silent: the transports are in an unknown state
+                self._broken(f"refit v{target} failed while moving: {where}")
             raise _Failed(error_from(first[0], f"refit v{target} failed while moving on "
                                      f"{len(failed)} process(es), destination left stale at "
                                      f"v{self.version}:\n  {where}"))
@@ -535,6 +588,76 @@ class Refit:
     def _broken(self, cause: str) -> None:
         """A failure while moving leaves the transports in an unknown state."""
         self.world.mark_broken(cause)
+
+
+class RefitHandle:
+    """A refit started with :meth:`Refit.start`, running in a background thread."""
+
+    def __init__(self, refit: Refit, send: Any, receive: Any):
+        self._refit = refit
+        self._send = send           # kept alive until the refit is done
+        self._receive = receive
+        self._versions: dict[str, int] | None = None
+        self._report: RefitReport | None = None
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=refit._run_started, args=(self,),
+                                        name="xreshard-refit", daemon=True)
+
+    def done(self) -> bool:
+        """Whether the refit finished (successfully or not)."""
+        return not self._thread.is_alive()
+
+    def wait(self, timeout: float | None = None) -> RefitReport:
+        """The report, once the refit finished; raises what it raised.
+
+        Args:
+            timeout: seconds to wait; None waits as long as the refit may take (its own
+                waits are bounded by ``RefitConfig.timeout``).
+
+        Raises:
+            TimeoutError: still running after ``timeout`` seconds (the refit goes on).
+        """
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            raise TimeoutError(f"refit v{self._refit.version + 1} still running after "
+                               f"{timeout} s")
+        self._send = self._receive = None
+        if self._error is not None:
+            raise self._error
+        assert self._report is not None
+        return self._report
+
+
+def _torch_values(obj: Any) -> dict[str, Any]:
+    import sys
+    torch = sys.modules.get("torch")
+    if torch is None or _framework_of(obj) != "torch":
+        return {}
+    items = obj.state_dict(keep_vars=True).items() if isinstance(obj, torch.nn.Module) \
+        else obj.items()
+    out = {}
+    for key, value in items:
+        local = getattr(value, "local", value)                      # Sharded
+        if hasattr(local, "to_local"):                              # DTensor
+            local = local.to_local()
+        if isinstance(local, torch.Tensor):
+            out[key] = local
+    return out
+
+
+def _torch_versions(obj: Any) -> dict[str, int]:
+    """Version counters of the torch tensors of a send object (views share them)."""
+    return {k: int(t._version) for k, t in _torch_values(obj).items()}
+
+
+def _check_unwritten(obj: Any, versions: Mapping[str, int]) -> None:
+    now = _torch_versions(obj)
+    moved = [f"{k!r} ({v} -> {now[k]})" for k, v in versions.items()
+             if k in now and now[k] != v]
+    if moved:
+        raise RefitError(f"sent torch tensors were written while the refit read them: "
+                         f"{', '.join(moved[:10])}; do not write sent tensors before "
+                         f"handle.wait() (or the call) returns")
 
 
 def _lines(failed: list[tuple[int, list[str]]], world: Any, limit: int = 20) -> str:
