@@ -177,3 +177,13 @@ part pytest_gpu 90 "$PY" -m pytest -m gpu tests/test_gpu.py tests/test_gpu_refit
 # Sections below may use the reserve: `part NAME SECONDS COMMAND...` (it records the part
 # in summary.json on exit); write details to $OUT_DIR/NAME.json to have them included.
 PART_BUDGET_S=$BUDGET_S
+
+# ================================================================ cuda_ipc (issue 10)
+# Self-contained: one JAX process and one torch process on GPU 0 refit 8 GiB of bf16
+# through transport="auto", which must route them to cuda_ipc (NCCL refuses two ranks on
+# one GPU); bit-exact check of every element, then the median refit time against the
+# median device-to-device copy of the same bytes in the same script (bar: >= 0.7).
+# Details in $OUT_DIR/cuda_ipc.json (route, exact, refit_s, copy_s, fraction_of_copy).
+# Under 60 s: the launch itself is cut at 50 s (CUDA_IPC_GIB=1 for a quicker look).
+part cuda_ipc 58 "$PY" -m tests.test_cuda_ipc bench --gib "${CUDA_IPC_GIB:-8}" --reps 3 \
+    --timeout 50 --json "$OUT_DIR/cuda_ipc.json"

@@ -391,7 +391,8 @@ def _launch_colocated(gib: float, reps: int, timeout: float) -> list[Any]:
     env = {"XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
     roles = [Role("jax", "trainer", 0, gpus=(0,), env=env),
              Role("torch", "rollout", 0, gpus=(0,), env=env)]
-    return launch(colocated, roles, args=(gib, reps), timeout=timeout)
+    # by name: under ``python -m tests.test_cuda_ipc`` this module is __main__
+    return launch("tests.test_cuda_ipc:colocated", roles, args=(gib, reps), timeout=timeout)
 
 
 @pytest.mark.gpu
