@@ -68,11 +68,11 @@ def verify_directly(world: Any, refit: Any, mode: Any, version: int) -> dict[str
 
     src, dst = bindings_of(refit)
     t0 = time.perf_counter()
-    mine = verify.digests(refit.plan, world.rank_ids, src, dst, mode=mode, version=version)
+    mine = verify.digest_bindings(refit.plan, world.rank_ids, src, dst, mode=mode, version=version)
     t1 = time.perf_counter()
     summaries = world.allgather_json(mine.summary, timeout=TIMEOUT)
     t2 = time.perf_counter()
-    bad = verify.compare(summaries)
+    bad = verify.mismatches(summaries)
     t3 = time.perf_counter()
     if bad:
         raise AssertionError("verify found differences in a good refit:\n"
@@ -91,13 +91,13 @@ def flip_is_caught(world: Any, refit: Any, is_trainer: bool) -> str:
         (rank, name), arr = next(iter(sorted(dst.items(), key=lambda kv: kv[0][1])))
         flipped = arr.reshape(-1)[:1].view(np.uint8)
         flipped[0] ^= 0x10
-    mine = verify.digests(refit.plan, world.rank_ids, src, dst, mode=True,
+    mine = verify.digest_bindings(refit.plan, world.rank_ids, src, dst, mode=True,
                           version=refit.version)
     summaries = world.allgather_json(mine.summary, timeout=TIMEOUT)
-    bad = verify.compare(summaries)
+    bad = verify.mismatches(summaries)
     if bad and not all(m.located for m in bad):
         more = world.allgather_json(mine.details(bad), timeout=TIMEOUT)
-        bad = verify.compare(summaries, details=more)
+        bad = verify.mismatches(summaries, details=more)
     if flipped is not None:
         flipped[0] ^= 0x10
     if len(bad) != 1 or not bad[0].located:

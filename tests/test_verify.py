@@ -63,14 +63,14 @@ def _refit(src, dst, values, *, wire=None, procs=PROCS, src_view=None):
 
 
 def _digests(p, src_b, dst_b, procs=PROCS, **kw):
-    return [verify.digests(p, ranks, {k: v for k, v in src_b.items() if k[0] in ranks},
+    return [verify.digest_bindings(p, ranks, {k: v for k, v in src_b.items() if k[0] in ranks},
                            {k: v for k, v in dst_b.items() if k[0] in ranks}, **kw)
             for ranks in procs]
 
 
 def _compare(ds):
     summaries = json.loads(json.dumps([d.summary for d in ds]))     # they travel as JSON
-    return verify.compare(summaries)
+    return verify.mismatches(summaries)
 
 
 def _flip(dst_b, p, rank, name, index=0):
@@ -275,11 +275,38 @@ def test_sample_mode_covers_everything_over_a_period(monkeypatch):
 def test_send_and_recv_halves_merge_into_the_whole():
     src, dst, values = _model()
     p, src_b, dst_b = _refit(src, dst, values)
-    whole = verify.digests(p, range(6), src_b, dst_b)
-    half = verify.digests(p, range(6), src_b, dst_b, sides="send").merge(
-        verify.digests(p, range(6), src_b, dst_b, sides="recv"))
+    whole = verify.digest_bindings(p, range(6), src_b, dst_b)
+    half = verify.digest_bindings(p, range(6), src_b, dst_b, sides="send").merge(
+        verify.digest_bindings(p, range(6), src_b, dst_b, sides="recv"))
     assert (half.send, half.recv, half.nbytes) == (whole.send, whole.recv, whole.nbytes)
-    assert verify.compare([half.summary]) == []
+    assert verify.mismatches([half.summary]) == []
+
+
+def test_what_refit_calls_digests_from_an_executor_and_compare_with_names():
+    """``Refit`` passes its executor and gathers the JSON; compare returns messages."""
+    from types import SimpleNamespace
+
+    src, dst, values = _model()
+    p, src_b, dst_b = _refit(src, dst, values)
+    outcomes = []
+    for ranks in PROCS:
+        ex = SimpleNamespace(src_bindings={k: v for k, v in src_b.items() if k[0] in ranks},
+                             dst_bindings={k: v for k, v in dst_b.items() if k[0] in ranks})
+        outcomes.append(verify.digests(p, ex, ranks, version=2))
+    outcomes = json.loads(json.dumps(outcomes))
+    world = SimpleNamespace(describe_process=lambda i: f"proc#{i}")
+    messages, compared = verify.compare(outcomes, world)
+    assert messages == [] and compared == sum(1 for _ in p.iter_transfers())
+    t = _flip(dst_b, p, 4, "w")
+    outcomes[1] = verify.digests(p, SimpleNamespace(src_bindings={}, dst_bindings={
+        k: v for k, v in dst_b.items() if k[0] == 4}), (4,), version=2)
+    messages, _ = verify.compare(outcomes, world)
+    assert messages == [verify.mismatches(outcomes)[0].describe(world.describe_process)]
+    assert f"tensor 'w' region {t.region}" in messages[0]
+    assert f"sender rank {t.src} (proc#0) -> receiver rank 4 (proc#1)" in messages[0]
+    sampled = verify.digests(p, SimpleNamespace(src_bindings=src_b, dst_bindings={}), TRAINER,
+                             sample=True, version=2)
+    assert sampled["mode"] == "sample"
 
 
 def test_sample_mode_always_hashes_small_transfers():
@@ -296,7 +323,7 @@ def test_off_hashes_nothing_and_bad_mode_is_refused():
     ds = _digests(p, src_b, dst_b, mode=False)
     assert all(not d.send and not d.recv for d in ds) and _compare(ds) == []
     with pytest.raises(xr.RefitError, match="verify must be False, True or 'sample'"):
-        verify.digests(p, TRAINER, src_b, {}, mode="all")
+        verify.digest_bindings(p, TRAINER, src_b, {}, mode="all")
 
 
 def test_big_plans_summarize_per_rank_pair_then_locate(monkeypatch):
@@ -307,13 +334,13 @@ def test_big_plans_summarize_per_rank_pair_then_locate(monkeypatch):
     ds = _digests(p, src_b, dst_b)
     summaries = json.loads(json.dumps([d.summary for d in ds]))
     assert all("detail" not in s for s in summaries)
-    bad = verify.compare(summaries)
+    bad = verify.mismatches(summaries)
     assert [(m.pair, m.located) for m in bad] == [(f"{t.src}->4", False)]
     assert "transfer(s) differ" in str(bad[0])
     # the second exchange carries only that pair's digests
     more = json.loads(json.dumps([d.details(bad) for d in ds]))
     assert all(k.endswith(f"|{t.src}->4") for d in more for side in d.values() for k in side)
-    located = verify.compare(summaries, details=more)
+    located = verify.mismatches(summaries, details=more)
     assert [(m.name, m.region, m.src, m.dst, m.located) for m in located] == [
         ("emb", str(t.region), t.src, 4, True)]
 
@@ -374,3 +401,81 @@ def test_import_is_light():
             "print(sorted(m for m in ('torch', 'jax', 'cupy') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+# ---------------------------------------------------------------------------- real processes
+
+
+def verify_child(ctx, mode):
+    """trainer[0] (2 ranks) -> rollout[0], rollout[1]; rollout[1] corrupts one received
+    byte in the first call (after the executor ran), then behaves."""
+    import xreshard as xr
+    from xreshard import execute
+
+    world = ctx.join(groups=["trainer", "rollout"], timeout=60)
+    t_ranks, r_ranks = world.group_ranks("trainer"), world.group_ranks("rollout")
+    names = {"w": ((16, 12), "S0", "S1"), "u": ((12, 10), "S1", "S0")}
+    values = {n: _values(s, "float32", i, special=False) for i, (n, (s, _, _)) in
+              enumerate(names.items())}
+    if ctx.role.group == "trainer":
+        lays = {n: _tp(s, "float32", t_ranks, a) for n, (s, a, _) in names.items()}
+        arrays = {(r, n): local_arrays_from_global(lays[n], r, values[n])
+                  for r in world.rank_ids for n in names}
+        side = {"send": xr.Bound(lays, arrays)}
+    else:
+        lays = {n: _tp(s, "float32", r_ranks, b) for n, (s, _, b) in names.items()}
+        arrays = {(r, n): np.zeros(lays[n].local_shape(r), np.float32)
+                  for r in world.rank_ids for n in names}
+        side = {"receive": xr.Bound(lays, arrays)}
+        if ctx.role.index == 1:
+            run = execute.Executor.run
+            calls = []
+
+            def corrupting_run(self):
+                stats = run(self)
+                calls.append(1)
+                if len(calls) == 1:
+                    _flip_first(next(iter(sorted(self.dst_bindings.items())))[1])
+                return stats
+
+            execute.Executor.run = corrupting_run
+    refit = xr.Refit(world, config=xr.RefitConfig(timeout=20, verify=mode), **side)
+    out = {}
+    try:
+        refit()
+        out["first"] = "no error"
+    except Exception as e:     # noqa: BLE001
+        out["first"] = f"{type(e).__name__}: {e}"
+    out.update(version=refit.version, stale=refit.stale)
+    report = refit()
+    out.update(second_version=refit.version, verified=getattr(report, "verified", None))
+    if ctx.role.group == "rollout":
+        for (r, n), a in arrays.items():
+            want = local_arrays_from_global(lays[n], r, values[n])
+            assert a.tobytes() == np.ascontiguousarray(want).tobytes(), n
+    world.close()
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", [True, "sample"])
+def test_refit_verify_catches_a_corrupted_byte_on_every_rank(mode):
+    import dataclasses
+
+    from xreshard.launch import Role, launch
+
+    if "verify" not in {f.name for f in dataclasses.fields(xr.RefitConfig)}:
+        pytest.skip("RefitConfig has no verify= yet")
+    roles = [Role("plain", "trainer", 0, num_devices=2), Role("plain", "rollout", 0),
+             Role("plain", "rollout", 1)]
+    results = launch(f"{__name__}:verify_child", roles, args=(mode,), timeout=120)
+    outs = [r.value for r in results]
+    firsts = {o["first"] for o in outs}
+    assert len(firsts) == 1, firsts                       # the same error everywhere
+    first = firsts.pop()
+    assert first.startswith("VerificationError: "), first
+    assert "'u'" in first or "'w'" in first
+    assert "rollout[1]" in first and "trainer[0]" in first and "receiver rank 3" in first
+    assert all(o["version"] == 0 and o["stale"] for o in outs)
+    assert all(o["second_version"] == 1 for o in outs)   # the next refit works
+    assert all(o["verified"] for o in outs)

@@ -35,25 +35,24 @@ of at most ``SAMPLE_SMALL_BYTES`` and those whose key falls in this call's slot
 (``crc32(key) % SAMPLE_PERIOD == version % SAMPLE_PERIOD``): about 1/16 of the bytes per
 call, and over any ``SAMPLE_PERIOD`` consecutive refits of one plan every transfer once.
 
-Usage (what ``Refit.__call__`` does; ``version`` is the version this call would commit)::
+Usage (what ``Refit.__call__`` does; ``target`` is the version this call would commit)::
 
     from xreshard import verify
 
-    mine = verify.digests(plan, world.rank_ids, src_bindings, dst_bindings,
-                          mode=config.verify, version=refit.version + 1)
-    outcomes = world.allgather_json({"error": None, "verify": mine.summary})
-    bad = verify.compare([o["verify"] for o in outcomes])
-    if bad and not all(m.located for m in bad):
-        # big plans send one digest per rank pair; every process saw the same summaries,
-        # so all of them take this second exchange, for the pairs that differ only
-        more = world.allgather_json(mine.details(bad))
-        bad = verify.compare([o["verify"] for o in outcomes], details=more)
-    if bad:
-        raise VerificationError(verify.message(bad, world.describe_process))
+    stats = executor.run()
+    mine = verify.digests(plan, executor, world.rank_ids, sample=config.verify == "sample",
+                          version=target)                                  # JSON
+    outcomes = world.allgather_json({"errors": [], "digests": mine})      # the outcome
+    messages, compared = verify.compare([o["digests"] for o in outcomes], world)
+    if messages:
+        raise VerificationError("; ".join(messages))    # the same list on every rank
 
-The summary is small: one digest per (src rank, dst rank) pair, plus every transfer's
-digest inline when this process has at most ``INLINE_TRANSFERS`` of them (then ``compare``
-names tensors and regions from the summaries alone).
+The digests are small: one digest per (src rank, dst rank) pair, plus every transfer's
+digest inline while this process has at most ``INLINE_TRANSFERS`` transfers (then the
+messages name tensors and regions; above it, rank pairs and processes). Below that, the
+pieces: :func:`digest_bindings` (a :class:`Digests` of any bindings, ``sides=`` to hash
+the sources while the move runs), :func:`mismatches` (``details=`` takes a second exchange
+of ``Digests.details(bad)`` to locate transfers in big plans), :func:`checksum`.
 """
 
 from __future__ import annotations
@@ -72,7 +71,8 @@ from .errors import RefitError
 from .execute import copy_into, view_of
 from .layout import Layout, Region
 
-__all__ = ["Digests", "Mismatch", "checksum", "compare", "digests", "key_of", "message",
+__all__ = ["Digests", "Mismatch", "checksum", "compare", "digest_bindings", "digests", "key_of",
+           "message", "mismatches",
            "INLINE_TRANSFERS", "ROW_WORDS", "SAMPLE_PERIOD", "SAMPLE_SMALL_BYTES"]
 
 #: words (8 bytes) per row of the checksum's 2-D layout of a region's bytes
@@ -86,7 +86,7 @@ SAMPLE_PERIOD = 16
 #: ... unless it is this small, then always
 SAMPLE_SMALL_BYTES = 1 << 16
 #: per-transfer digests travel in the summary while a process has at most this many
-INLINE_TRANSFERS = 4096
+INLINE_TRANSFERS = 20000
 
 _M64 = (1 << 64) - 1
 
@@ -380,9 +380,10 @@ class Digests:
                 "recv": {k: v for k, v in self.recv.items() if keep(k)}}
 
 
-def digests(plan: Any, local_ranks: Iterable[int], src_bindings: Mapping[tuple[int, str], Any],
-            dst_bindings: Mapping[tuple[int, str], Any], *, mode: bool | str = True,
-            version: int = 0, sides: str = "both") -> Digests:
+def digest_bindings(plan: Any, local_ranks: Iterable[int],
+                    src_bindings: Mapping[tuple[int, str], Any],
+                    dst_bindings: Mapping[tuple[int, str], Any], *, mode: bool | str = True,
+                    version: int = 0, sides: str = "both") -> Digests:
     """Digest every transfer (and local copy) of ``plan`` that ``local_ranks`` take part in.
 
     Call after the executor ran, with the bindings it used (``refit._fit`` output:
@@ -526,8 +527,8 @@ class Mismatch:
         return self.describe()
 
 
-def compare(summaries: Sequence[Mapping[str, Any] | None],
-            details: Sequence[Mapping[str, Any] | None] | None = None) -> list[Mismatch]:
+def mismatches(summaries: Sequence[Mapping[str, Any] | None],
+               details: Sequence[Mapping[str, Any] | None] | None = None) -> list[Mismatch]:
     """The transfers whose sender and receiver digests differ, from every process's
     ``Digests.summary`` (in process order, as ``allgather_json`` returns them).
 
@@ -604,3 +605,49 @@ def message(mismatches: Sequence[Mismatch], describe_process: Callable[[int], st
     more = f"\n  ... and {len(mismatches) - limit} more" if len(mismatches) > limit else ""
     return (f"verify: {len(mismatches)} transfer(s) arrived with other bytes than were sent "
             "(checksums differ); the destination is stale:\n  " + "\n  ".join(lines) + more)
+
+
+# ---------------------------------------------------------------------------- what Refit calls
+
+
+def digests(plan: Any, executor: Any, local_ranks: Iterable[int], *, sample: bool = False,
+            version: int = 0) -> dict[str, Any]:
+    """This process's digests after ``executor.run()``, as JSON for the outcome exchange.
+
+    Args:
+        plan: the refit's plan.
+        executor: the :class:`xreshard.execute.Executor` that just ran (its bindings are
+            what is hashed).
+        local_ranks: this process's world ranks.
+        sample: hash the sample (``verify="sample"``) instead of every transfer.
+        version: the version this refit would commit (the same in every process).
+
+    Returns:
+        ``Digests.summary`` (see :func:`digest_bindings`).
+    """
+    return digest_bindings(plan, local_ranks, executor.src_bindings, executor.dst_bindings,
+                           mode="sample" if sample else True, version=version).summary
+
+
+def compare(outcomes: Sequence[Mapping[str, Any] | None], world: Any = None
+            ) -> tuple[list[str], int]:
+    """Compare every process's :func:`digests` (in process order).
+
+    Args:
+        outcomes: one digests dict per process (empty or None where a process hashed
+            nothing).
+        world: names the processes in messages (``world.describe_process``), if given.
+
+    Returns:
+        ``(messages, compared)``: one message per transfer whose sender and receiver
+        digests differ, naming tensor, region, sender rank and process, receiver rank and
+        process (rank pairs when a process had too many transfers to send each digest:
+        see ``INLINE_TRANSFERS``); and how many transfers were compared.
+    """
+    found = mismatches(outcomes)
+    describe = getattr(world, "describe_process", None)
+    compared = 0
+    for s in outcomes:
+        for _, count in ((s or {}).get("recv") or {}).values():
+            compared += int(count)
+    return [m.describe(describe) for m in found], compared
