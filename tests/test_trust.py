@@ -284,3 +284,74 @@ def test_error_kinds_are_apart():
                 AuthenticationError):
         assert not issubclass(cls, ValueError)
     assert issubclass(AuthenticationError, PermissionError)
+
+
+# ---------------------------------------------------------------------------- verify
+
+class _FlipOneByte:
+    """Wraps a transport; flips one bit of the first buffer received (in transit)."""
+
+    def __init__(self, inner):
+        self.inner, self.name, self.flipped, self._recvs = inner, inner.name, False, []
+
+    def group(self, timeout):
+        import contextlib
+
+        @contextlib.contextmanager
+        def cm():
+            with self.inner.group(timeout):
+                yield
+            if self._recvs and not self.flipped:
+                buf = self._recvs[0]
+                buf[len(buf) // 2] ^= 1
+                self.flipped = True
+            self._recvs.clear()
+        return cm()
+
+    def send(self, buf, src, dst, tag):
+        self.inner.send(buf, src, dst, tag)
+
+    def recv(self, buf, src, dst, tag):
+        self._recvs.append(buf)
+        self.inner.recv(buf, src, dst, tag)
+
+    def close(self):
+        self.inner.close()
+
+
+def verified(ctx: Context, mode) -> dict:
+    out: dict = {}
+    config = xr.RefitConfig(timeout=20, verify=mode, bucket_bytes=1 << 20)
+    with ctx.join(1, timeout=30) as world:
+        rank = world.rank_ids[0]
+        trainer = ctx.role.group == "trainer"
+        dest = np.zeros(SHAPE, np.float32)
+        side = {"send": _trainer_bound(1, rank)} if trainer else \
+            {"receive": _plain_receiver(rank, dest)}
+        refit = xr.Refit(world, config=config, **side)
+        out["clean"] = _attempt(refit)
+        real = world.transport
+        flips = {}
+
+        def corrupting(kind="auto"):
+            if kind not in flips:
+                flips[kind] = _FlipOneByte(real(kind))
+            return flips[kind]
+
+        world.transport = corrupting
+        out["corrupt"] = _attempt(refit)
+        out["version"] = refit.version
+        out["broken"] = world.broken
+    return out
+
+
+def test_verify_catches_a_flipped_byte_on_every_rank():
+    roles = [Role("plain", "trainer", 0), Role("plain", "rollout", 0),
+             Role("plain", "rollout", 1)]
+    values = [r.value for r in launch(verified, roles, args=(True,), timeout=120)]
+    assert all(v["clean"] == {"ok": 1} for v in values)
+    seen = [v["corrupt"] for v in values]
+    assert {s["error"] for s in seen} == {"VerificationError"}, seen
+    assert len({s["message"] for s in seen}) == 1
+    assert "'w'" in seen[0]["message"] and "trainer[0]" in seen[0]["message"]
+    assert all(v["version"] == 1 and v["broken"] is None for v in values)

@@ -318,20 +318,25 @@ class Refit:
 
         error: list[str] | None = None
         stats = None
-        digests: dict[str, Any] = {}
+        digests: Any = None
         transport = None
         self.stale = True
         try:
             transport = self.world.transport(self.config.transport)
+            src_bindings = _fit(src, self._plan.src)
+            dst_bindings = _fit(dst, self._plan.dst)
             executor = Executor(self._schedule, self._plan.src, self._plan.dst,
-                                self._plan.wire_dtypes, _fit(src, self._plan.src),
-                                _fit(dst, self._plan.dst), transport, timeout)
+                                self._plan.wire_dtypes, src_bindings, dst_bindings,
+                                transport, timeout)
             if self._arena is not None:
                 executor._arena = self._arena       # staging is reused across calls
             stats = executor.run()
             self._arena = executor._arena
             if self.config.verify:
-                digests = self._digests(executor, target)
+                from . import verify
+                digests = verify.digests(self._plan, executor, self.world.rank_ids,
+                                         sample=self.config.verify == "sample",
+                                         version=target)
             if versions:
                 _check_unwritten(self._send, versions)
         except Exception as e:      # noqa: BLE001 - reported to the others before raising
@@ -540,20 +545,16 @@ class Refit:
 
     # ------------------------------------------------------------ outcome
 
-    def _digests(self, executor: Executor, target: int) -> dict[str, Any]:
-        from . import verify
-        return verify.digests(self._plan, executor, self.world.rank_ids,
-                              sample=self.config.verify == "sample", version=target)
-
-    def _commit(self, error: list[str] | None, digests: dict[str, Any], target: int) -> int:
+    def _commit(self, error: list[str] | None, digests: Any, target: int) -> int:
         """All-gather every process's outcome; raise the first cause if any failed (the
         version stays). A process that already failed waits only a short grace for the
         others. Returns how many checksums this process compared."""
         timeout = self.config.timeout if error is None else min(_GRACE, self.config.timeout)
         try:
-            outcomes = self.world.allgather_json({"errors": [error] if error else [],
-                                                  "digests": digests},
-                                                 timeout=timeout, kind="refit/outcome")
+            outcomes = self.world.allgather_json(
+                {"errors": [error] if error else [],
+                 "digests": digests},
+                timeout=timeout, kind="refit/outcome")
         except CommunicationError as e:
             if error is None:
                 self._broken(f"refit v{target}: {e}")
@@ -576,13 +577,13 @@ class Refit:
         if not self.config.verify:
             return 0
         from . import verify
-        mismatches, compared = verify.compare([o.get("digests") or {} for o in outcomes],
-                                              self.world)
-        if mismatches:
+        messages, compared = verify.compare([o.get("digests") for o in outcomes], self.world)
+        if messages:        # the same list on every process: it compared the same digests
             raise _Failed(VerificationError(
-                f"refit v{target}: {len(mismatches)} region(s) differ between sender and "
-                f"receiver, destination left stale at v{self.version}: "
-                + "; ".join(mismatches[:10])))
+                f"refit v{target}: {len(messages)} transfer(s) arrived with other bytes than "
+                f"were sent (checksums differ), destination left stale at v{self.version}:\n  "
+                + "\n  ".join(messages[:20])
+                + (f"\n  ... and {len(messages) - 20} more" if len(messages) > 20 else "")))
         return compared
 
     def _broken(self, cause: str) -> None:
