@@ -355,3 +355,14 @@ def test_verify_catches_a_flipped_byte_on_every_rank():
     assert len({s["message"] for s in seen}) == 1
     assert "'w'" in seen[0]["message"] and "trainer[0]" in seen[0]["message"]
     assert all(v["version"] == 1 and v["broken"] is None for v in values)
+
+
+def test_garbage_in_the_join_records_does_not_block_joining():
+    from xreshard.store import connect
+    with xr.serve() as server:
+        store = connect(server.address, 5)
+        store.add("xreshard/default/join/n", 5)             # the old slot counter: ignored
+        store.append("xreshard/default/join", "garbage\n{\"kind\": 1}\n")
+        with xr.World.join(server.address, "solo", 1, num_processes=1, index=0,
+                           timeout=5) as world:
+            assert world.allgather_json("x") == ["x"]

@@ -693,7 +693,7 @@ class World:
         elif kind == "cuda_ipc":
             made = self._make_cuda_ipc()
         else:
-            raise ValueError(f"unknown transport kind {kind!r}: expected 'auto', 'local', "
+            raise RefitError(f"unknown transport kind {kind!r}: expected 'auto', 'local', "
                              f"'gloo', 'nccl', 'shm' or 'cuda_ipc'")
         self._transports[kind] = made
         return made
@@ -829,7 +829,7 @@ class RoutedTransport:
 
         unknown = set(parts) - set(KINDS)
         if unknown:
-            raise ValueError(f"unknown transport kinds {sorted(unknown)}; expected {KINDS}")
+            raise RefitError(f"unknown transport kinds {sorted(unknown)}; expected {KINDS}")
         self.parts = {k: parts[k] for k in KINDS if k in parts}
         self._route = route
         self.name = f"auto({'+'.join(self.parts)})"
