@@ -348,7 +348,7 @@ def edge_model(draw, k: int) -> dict:
             st.sampled_from(EDGE_DTYPES))
         places = ["R"] + [f"S{d}" for d in range(len(shape))]
         src = draw(st.sampled_from(places))
-        dst = draw(st.sampled_from(places + ["plain"]))
+        dst = draw(st.sampled_from(places + ([] if 0 in shape else ["plain"])))
         two = len(shape) == 2
         model[f"t{j}"] = [list(shape), dtype, src, dst,
                           two and draw(st.booleans()), two and draw(st.booleans())]
@@ -365,6 +365,7 @@ def all_cases(draw) -> list[dict]:
     for kind in BAD_SENDER:
         cases.append({"kind": kind, "targets": ["trainer[0]"]})
     cases.append({"kind": "edge", "targets": [], "model": FIXED_EDGE})
+    cases.append({"kind": "edge", "targets": [], "model": ZERO_PLAIN})
     for k in range(len(EDGE_DTYPES)):
         cases.append({"kind": "edge", "targets": [], "model": draw(edge_model(k))})
     cases.append({"kind": "late", "targets": [draw(st.sampled_from(ROLES_ALL))]})
@@ -378,13 +379,18 @@ def all_cases(draw) -> list[dict]:
 FIXED_EDGE = {
     "scalar": [[], "float32", "R", "plain", False, False],
     "scalar_sharded_side": [[], "bfloat16", "R", "R", False, False],
-    "zero_plain": [[0, 3], "bfloat16", "R", "plain", False, False],
     "zero_sharded": [[0, 4], "float32", "S0", "S1", False, False],
     "noncontiguous": [[6, 4], "bfloat16", "S1", "S0", True, True],
     "f8": [[5, 3], "float8_e4m3fn", "S0", "S1", False, True],
     "flags": [[7], "bool", "S0", "R", False, False],
     "i8": [[3, 5], "int8", "R", "S1", True, False],
 }
+
+#: a zero-size tensor each receiving process holds whole (a plain torch tensor), on its
+#: own: drawn models leave this combination out, so that a failure here does not hide
+#: the other edge cases
+ZERO_PLAIN = {"zero_plain": [[0, 3], "bfloat16", "R", "plain", False, False],
+              "one_more": [[4], "float32", "S0", "S0", False, False]}
 
 _RESULTS: dict[str, Any] = {}
 
@@ -574,7 +580,6 @@ def test_the_cases_cover_the_brief():
     specs = [t for m in models for t in m.values()]
     assert {t[1] for t in specs} >= set(EDGE_DTYPES)
     assert any(t[0] == [] for t in specs)
-    assert any(0 in t[0] and t[3] == "plain" for t in specs) or \
-        any(0 in t[0] and t[2] == "R" for t in specs)
+    assert ZERO_PLAIN in models
     assert any(0 in t[0] and t[3].startswith("S") for t in specs)
     assert any(t[4] for t in specs) and any(t[5] for t in specs)
