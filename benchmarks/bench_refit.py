@@ -1,4 +1,5 @@
-"""JAX -> torch refit on CPU over gloo: xreshard vs the gloo bound vs gather-and-broadcast.
+"""JAX -> torch refit on CPU over gloo and shm: xreshard vs the gloo and memcpy bounds vs
+gather-and-broadcast.
 
 One JAX process (4 CPU devices, TP=4) sends a Llama-like bf16 model to two torch processes
 holding DTensors (TP=2). The three ways of moving it run in the same processes, interleaved,
@@ -21,10 +22,25 @@ default): column-parallel weights (q, k, v, gate, up, embed, lm_head, qkv biases
 linear weights as Flax ``[in, out]`` kernels instead (same canonical layouts; the JAX side
 binds transposed views, so the trainer packs them through staging).
 
+``--transport both`` (the default) runs two refits of the same model in the same
+processes, interleaved: one with ``transport="auto"`` (all processes share a host, so every
+pair takes the ``shm`` transport) and one with ``transport="gloo"``. Against them:
+
+d. **memcpy bound**: the bytes through the busiest process (sent + received) divided by
+   the bandwidth of one ``np.copyto`` of a ``--p2p-mib`` buffer in that process (median
+   over the repetitions; in each one the processes copy in turn while the others wait at
+   a barrier): what one copy of every byte it moves costs it alone.
+   ``fraction of memcpy bound`` = bound time / refit time.
+
+The shm table also shows each process's shared memory (pair segments + staging from the
+transport) beside the executor's staging, against ``staging_bytes`` x its ranks.
+``--transport shm`` / ``gloo`` runs only that refit (the tables then compare it alone).
+
 Each timed phase starts after a world barrier; its time is the slowest process's. Every
-destination byte is checked once after the warm-up refit and once after a baseline run.
+destination byte is checked once after each warm-up refit and once after a baseline run.
 
     python benchmarks/bench_refit.py [--quick] [--gib 1.0] [--reps 7] [--kernels out_in]
+                                     [--transport both|shm|gloo]
 """
 
 from __future__ import annotations
@@ -292,16 +308,21 @@ PROFILED = [
     ("execute.py", "_pack", "    pack (sender copies)"),
     ("execute.py", "_unpack", "    unpack (receiver copies)"),
     ("gloo.py", "_run", "    gloo post + wait"),
+    ("shm.py", "_place", "    shm copy into segments (sender)"),
+    ("shm.py", "_receive", "    shm copy out (receiver)"),
+    ("shm.py", "_wait", "    shm waits (store)"),
 ]
 
 
 def pack_census(refit: Any) -> dict[str, int]:
     """Bytes this process copies through staging, and how many of them sit in regions that
     are one contiguous run on this side (packed only because they share a bucket)."""
-    ex, sched = refit._executor, refit._schedule
+    out = {"pack": 0, "pack_contig": 0, "unpack": 0, "unpack_contig": 0}
+    ex, sched = getattr(refit, "_executor", None), getattr(refit, "_schedule", None)
+    if ex is None or sched is None:     # internals moved: no census
+        return out
     src_ranks = {r for r, _ in ex.src_bindings}
     dst_ranks = {r for r, _ in ex.dst_bindings}
-    out = {"pack": 0, "pack_contig": 0, "unpack": 0, "unpack_contig": 0}
 
     def contiguous(view: Any, name: str) -> bool:
         return view.flags.c_contiguous and view.dtype == ex.wire[name]
@@ -319,12 +340,13 @@ def pack_census(refit: Any) -> dict[str, int]:
     return out
 
 
-def per_call_overheads(refit: Any, is_trainer: bool, reps: int = 5) -> dict[str, float]:
+def per_call_overheads(refit: Any, is_trainer: bool, obj: Any,
+                       reps: int = 5) -> dict[str, float]:
     """Unprofiled medians of the per-call local work that is not moving bytes: binding the
     framework objects, and describing + hashing the layouts for the digest exchange."""
     import hashlib
     import json
-    obj, side = (refit._send, "send") if is_trainer else (refit._receive, "receive")
+    side = "send" if is_trainer else "receive"
     maps = refit._rank_maps()
     bind_s, digest_s = [], []
     for _ in range(reps):
@@ -355,6 +377,39 @@ def profile_rows(prof: cProfile.Profile) -> dict[str, float]:
     return out
 
 
+def arena_bytes(arena: Any) -> int:
+    """Bytes of the executor's staging (one array, or one per device)."""
+    if arena is None:
+        return 0
+    arrays = arena.values() if isinstance(arena, dict) else [arena]
+    return sum(int(a.nbytes) for a in arrays if a is not None)
+
+
+class Memcpy:
+    """This process's ``np.copyto`` bandwidth, measured once per repetition (interleaved
+    with the refits, so both see the same machine load) while every other process waits
+    at a barrier: the processes take turns."""
+
+    def __init__(self, nbytes: int):
+        self.src = np.ones(nbytes, np.uint8)
+        self.dst = np.zeros(nbytes, np.uint8)
+        np.copyto(self.dst, self.src)
+        self.seconds: list[float] = []
+
+    def turn(self, world: Any) -> None:
+        for p in range(world.num_processes):
+            world.barrier(timeout=TIMEOUT)
+            if p == world.process_index:
+                t0 = time.perf_counter()
+                np.copyto(self.dst, self.src)
+                self.seconds.append(time.perf_counter() - t0)
+        world.barrier(timeout=TIMEOUT)
+
+    @property
+    def bandwidth(self) -> float:
+        return self.src.nbytes / statistics.median(self.seconds)
+
+
 # ---------------------------------------------------------------------------- child
 
 
@@ -373,33 +428,51 @@ def child(ctx: Any, cfg: dict) -> dict:
     me = set(world.rank_ids)
     trainer_rank = world.group_ranks("trainer")[0]
     rollout_ranks = list(world.group_ranks("rollout"))
-    config = xr.RefitConfig(bucket_bytes=cfg["bucket_mib"] * MiB,
-                            staging_bytes=cfg["staging_mib"] * MiB, timeout=TIMEOUT)
+    kinds = ["shm", "gloo"] if cfg["transport"] == "both" else [cfg["transport"]]
+    configs = {k: xr.RefitConfig(bucket_bytes=cfg["bucket_mib"] * MiB,
+                                 staging_bytes=cfg["staging_mib"] * MiB, timeout=TIMEOUT,
+                                 transport="auto" if k == "shm" else k)
+               for k in kinds}
     t_setup = time.perf_counter()
+    refits = {}
     if is_trainer:
         params = jax_params(specs, dtype, cfg["kernels"])
         transpose = {n for n, s, _ in specs if is_kernel(n, s, cfg["kernels"])}
-        refit = xr.Refit(world, send=params, transpose=transpose, config=config)
+        for k in kinds:
+            refits[k] = xr.Refit(world, send=params, transpose=transpose, config=configs[k])
         max_bytes = max(math.prod(s) for _, s, _ in specs) * 2
         gather_buf = np.empty(max_bytes, np.uint8)
         gather_buf[:] = 1                                       # resident, like a real buffer
     else:
         state = dtensors(specs, dtype)
         views = local_views(state)
-        refit = xr.Refit(world, receive=state, config=config)
+        for k in kinds:
+            refits[k] = xr.Refit(world, receive=state, config=configs[k])
         max_bytes = max(math.prod(s) for _, s, _ in specs) * 2
         recv_buf = np.ones(max_bytes, np.uint8)
     setup_s = time.perf_counter() - t_setup
+    refit = refits[kinds[0]]
 
-    # warm-up: plans, creates the gloo group; then check every byte
-    world.barrier(timeout=TIMEOUT)
-    t0 = time.perf_counter()
-    first = refit()
-    first_s = time.perf_counter() - t0
-    if not is_trainer:
-        check_rollout(views, specs, dtype, rollout_rank, "xreshard refit")
-        zero(views)
+    def call(r: Any) -> Any:
+        """One refit; the trainer passes its arrays on every call (a Refit keeps none)."""
+        return r(send=params) if is_trainer else r()
+
+    # warm-up: plans, creates the transports; then check every byte
+    firsts = {}
+    for k in kinds:
+        world.barrier(timeout=TIMEOUT)
+        t0 = time.perf_counter()
+        firsts[k] = (call(refits[k]), time.perf_counter() - t0)
+        if not is_trainer:
+            check_rollout(views, specs, dtype, rollout_rank, f"xreshard refit over {k}")
+            zero(views)
+    first, first_s = firsts[kinds[0]]
+    auto = world.transport("auto")
+    if "shm" in kinds and "gloo" in auto.parts:
+        raise RuntimeError(f"'auto' built {auto.name}: some pair of this one-host world did "
+                           f"not get shared memory (XRESHARD_SHM=0 set?)")
     gloo = world.transport("gloo")
+    memcpy = Memcpy(cfg["p2p_mib"] * MiB)
 
     def baseline() -> None:
         if is_trainer:
@@ -419,29 +492,47 @@ def child(ctx: Any, cfg: dict) -> dict:
     fwd()
 
     times: dict[str, list[float]] = {k: [] for k in ("p2p", "p2p_rev", "fanout", "refit",
-                                                      "baseline")}
+                                                      "baseline", *(f"refit:{k}" for k in kinds))}
     reports = []
+    by_kind_before = dict(auto.bytes_by_transport)
     for _ in range(cfg["reps"]):
         times["p2p"].append(timed(world, fwd))
         times["p2p_rev"].append(timed(world, rev))
         times["fanout"].append(timed(world, fan))
-        box: list = []
-        times["refit"].append(timed(world, lambda: box.append(refit())))
-        reports.append(box[0])
+        for k in kinds:
+            box: list = []
+            times[f"refit:{k}"].append(timed(world, lambda: box.append(call(refits[k]))))
+            if k == kinds[0]:
+                times["refit"].append(times[f"refit:{k}"][-1])
+                reports.append(box[0])
         times["baseline"].append(timed(world, baseline))
+        memcpy.turn(world)
+    by_kind = {k: (v - by_kind_before.get(k, 0)) // cfg["reps"]
+               for k, v in auto.bytes_by_transport.items()}
+    shm = auto.parts.get("shm")
+    shm_info = {"segment_bytes": shm.segment_bytes if shm is not None else 0,
+                "copied_in": shm.bytes_copied_in if shm is not None else 0,
+                "in_place": shm.bytes_in_place if shm is not None else 0}
+    staging = {k: arena_bytes(getattr(refits[k], "_arena", None)
+                              if hasattr(refits[k], "_arena")
+                              else getattr(getattr(refits[k], "_executor", None), "_arena", None))
+               for k in kinds}
 
     # one more refit under cProfile: where the time goes (not part of the medians)
     prof = cProfile.Profile()
     world.barrier(timeout=TIMEOUT)
     prof.enable()
     t0 = time.perf_counter()
-    refit()
+    call(refit)
     prof_wall = time.perf_counter() - t0
     prof.disable()
     profile = profile_rows(prof)
     profile["wall (profiled call)"] = prof_wall
     census = pack_census(refit)
-    profile.update(per_call_overheads(refit, is_trainer))
+    try:
+        profile.update(per_call_overheads(refit, is_trainer, params if is_trainer else state))
+    except (AttributeError, TypeError):     # refit internals moved: skip those two rows
+        pass
     top = profile_top(prof, cfg["profile_top"]) if cfg["profile_top"] else []
 
     last = reports[-1]
@@ -456,6 +547,8 @@ def child(ctx: Any, cfg: dict) -> dict:
         "report_seconds": [r.seconds for r in reports],
         "setup_s": setup_s, "profile": profile, "census": census, "top": top,
         "world_moved": last.bytes_moved_world, "world_gb": last.bytes_gather_broadcast_world,
+        "kinds": kinds, "memcpy_bw": memcpy.bandwidth, "by_kind": by_kind, "shm": shm_info,
+        "arena": staging, "num_ranks": len(world.rank_ids), "auto": auto.name,
     }
     everyone = world.allgather_json(mine, timeout=TIMEOUT)
     world.close()
@@ -506,6 +599,33 @@ def summarize(res: dict, cfg: dict, command: str) -> str:
       f"({spread['baseline'][0]:.3f}-{spread['baseline'][1]:.3f}) | {gb_bytes / MiB:.0f} MiB "
       f"(trainer) | {gb_bytes / med['baseline'] / 1e9:.2f} "
       f"| baseline / xreshard **{med['baseline'] / med['refit']:.2f}x** |")
+    w("")
+    kinds = procs[0]["kinds"]
+    memcpy_bw = busiest["memcpy_bw"]
+    memcpy_bound = busiest_bytes / memcpy_bw
+    w(f"Side by side, same model and processes ({', '.join(kinds)}; `auto` built "
+      f"`{procs[0]['auto']}`): memcpy bound = {busiest_bytes / MiB:.0f} MiB through "
+      f"{busiest['label']} / its `np.copyto` bandwidth {memcpy_bw / 1e9:.2f} GB/s = "
+      f"{memcpy_bound:.3f} s.")
+    w("")
+    w("| refit over | time (s) | GB/s (busiest) | fraction of memcpy bound | vs gloo refit |")
+    w("|---|---|---|---|---|")
+    for k in kinds:
+        t = med[f"refit:{k}"]
+        lo, hi = spread[f"refit:{k}"]
+        vs = (f"**{med['refit:gloo'] / t:.2f}x**" if "refit:gloo" in med else "-")
+        w(f"| {k} | {t:.3f} ({lo:.3f}-{hi:.3f}) | {busiest_bytes / t / 1e9:.2f} "
+          f"| **{memcpy_bound / t:.2f}** | {vs} |")
+    w("")
+    w("| process | bytes per refit by transport | shm segments MiB | shm staging copies "
+      "(copied in / in place, MiB, all calls) | executor staging MiB | staging_bytes x ranks MiB |")
+    w("|---|---|---|---|---|---|")
+    for p in procs:
+        kb = ", ".join(f"{k} {v / MiB:.1f} MiB" for k, v in p["by_kind"].items() if v)
+        arena = " / ".join(f"{k} {v / MiB:.1f}" for k, v in p["arena"].items())
+        w(f"| {p['label']} | {kb or '-'} | {p['shm']['segment_bytes'] / MiB:.1f} "
+          f"| {p['shm']['copied_in'] / MiB:.0f} / {p['shm']['in_place'] / MiB:.0f} "
+          f"| {arena} | {cfg['staging_mib'] * p['num_ranks']} |")
     w("")
     first = next(p for p in procs if p["label"].startswith("trainer"))
     w(f"Planning (first call, excluded above): first `refit()` took "
@@ -572,6 +692,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--staging-mib", type=int, default=256)
     ap.add_argument("--p2p-mib", type=int, default=256, help="p2p bandwidth buffer size")
     ap.add_argument("--timeout", type=float, default=1200.0)
+    ap.add_argument("--transport", choices=("both", "shm", "gloo"), default="both",
+                    help="refit over shm ('auto' on one host), gloo, or both side by side")
     ap.add_argument("--profile-top", type=int, default=0,
                     help="also list the N most expensive functions of the profiled call")
     args = ap.parse_args(argv)
@@ -581,7 +703,8 @@ def main(argv: list[str] | None = None) -> None:
         args.p2p_mib = min(args.p2p_mib, 64)
     cfg = {"gib": args.gib, "reps": args.reps, "kernels": args.kernels,
            "bucket_mib": args.bucket_mib, "staging_mib": args.staging_mib,
-           "p2p_mib": args.p2p_mib, "profile_top": args.profile_top}
+           "p2p_mib": args.p2p_mib, "profile_top": args.profile_top,
+           "transport": args.transport}
     command = "python " + " ".join([sys.argv[0] if argv is None else "benchmarks/bench_refit.py",
                                     *(sys.argv[1:] if argv is None else argv)])
     from xreshard.launch import Role, launch

@@ -360,10 +360,14 @@ def _launch_cases(fns, roles, args=(), timeout=150, **kw):
                   timeout=timeout, **kw)
 
 
-def jax_sender_shm(ctx: Context, steps: int) -> dict:
+def _host(ctx: Context, hosts: list[str] | None) -> str | None:
+    return None if hosts is None else hosts[ctx.launch_index]
+
+
+def jax_sender_shm(ctx: Context, steps: int, hosts: list[str] | None = None) -> dict:
     import xreshard as xr
 
-    world = ctx.join(groups=["trainer", "rollout"])
+    world = ctx.join(groups=["trainer", "rollout"], host=_host(ctx, hosts))
     refit = xr.Refit(world, transpose={n for n, t in cases.JAX_TORCH_TENSORS.items()
                                        if "T" in t[3]},
                      config=xr.RefitConfig(timeout=60, bucket_bytes=1 << 16))
@@ -371,18 +375,20 @@ def jax_sender_shm(ctx: Context, steps: int) -> dict:
         refit(send=cases._jax_params(cases.JAX_TORCH_TENSORS, "bfloat16", step))
     auto = world.transport("auto")
     out = {"by_kind": auto.bytes_by_transport, "moved": refit.plan.stats.bytes_moved,
-           "prefix": auto.parts["shm"].prefix, "name": auto.name}
+           "prefix": auto.parts["shm"].prefix, "name": auto.name,
+           "routes": {str(r): world.route(world.rank_ids[0], r)
+                      for r in world.group_ranks("rollout")}}
     world.close()
     return out
 
 
-def torch_receiver_shm(ctx: Context, steps: int) -> dict:
+def torch_receiver_shm(ctx: Context, steps: int, hosts: list[str] | None = None) -> dict:
     import torch.distributed as dist
     import xreshard as xr
 
     members = sum(r.group == "rollout" for r in ctx.roles)
     cases._torch_group(ctx, members, ctx.role.index, "rollout")
-    world = ctx.join(groups=["trainer", "rollout"])
+    world = ctx.join(groups=["trainer", "rollout"], host=_host(ctx, hosts))
     state = cases._dtensors(cases.JAX_TORCH_TENSORS, "bfloat16", members, None)
     refit = xr.Refit(world, receive=state, config=xr.RefitConfig(timeout=60,
                                                                  bucket_bytes=1 << 16))
@@ -405,6 +411,21 @@ def test_jax_to_torch_over_shm_bit_exact_three_torch_processes():
     assert sender["by_kind"]["shm"] == 2 * sender["moved"]
     assert sum(r.value["by_kind"]["shm"] for r in results[1:]) == 2 * sender["moved"]
     assert all(r.value["version"] == 2 for r in results[1:])
+    assert shm_names(sender["prefix"]) == []
+
+
+def test_mixed_world_colocated_engine_over_shm_remote_engine_over_gloo_in_one_refit():
+    # trainer and rollout[0] on host "a", rollout[1] on "b": one refit, two transports
+    roles = [Role("jax", "trainer", 0, num_devices=4)] + [
+        Role("torch", "rollout", i) for i in range(2)]
+    results = _launch_cases([jax_sender_shm] + [torch_receiver_shm] * 2, roles,
+                            args=(1, ["a", "a", "b"]))
+    sender = results[0].value
+    assert sender["name"] == "auto(local+shm+gloo)"
+    assert sender["routes"] == {"4": "shm", "5": "gloo"}
+    near, far = results[1].value["by_kind"], results[2].value["by_kind"]
+    assert near["shm"] > 0 and near["gloo"] == 0 and far["gloo"] > 0 and far["shm"] == 0
+    assert sender["by_kind"]["shm"] + sender["by_kind"]["gloo"] == sender["moved"]
     assert shm_names(sender["prefix"]) == []
 
 
