@@ -19,7 +19,7 @@ from typing import Any, Callable, Iterable, Mapping
 
 import numpy as np
 
-from .dtypes import dtype_name
+from .dtypes import dtype_name, numpy_dtype
 from .errors import XreshardError
 from .layout import Layout
 
@@ -74,13 +74,13 @@ def _array_problem(a: Any, shape: tuple[int, ...], dtype: str, writes: bool) -> 
     a_dtype = getattr(a, "dtype", None)
     if a_shape is None or a_dtype is None or not hasattr(a, "strides"):
         return f"bound a {type(a).__name__}, expected an array (numpy, CuPy)"
-    if tuple(a_shape) != tuple(shape):
-        return f"local shape {tuple(a_shape)}, layout says {tuple(shape)}"
-    try:
-        got = dtype_name(a_dtype)
-    except XreshardError:
-        got = str(a_dtype)
-    if got != dtype:
+    if tuple(a_shape) != shape:
+        return f"local shape {tuple(a_shape)}, layout says {shape}"
+    if a_dtype != _np_dtype(dtype):
+        try:
+            got = dtype_name(a_dtype)
+        except XreshardError:
+            got = str(a_dtype)
         hint = (" (view the memory as its real dtype; a raw-bits view would make the executor "
                 "write the layout's bits into it)" if np.dtype(a_dtype).itemsize
                 == np.dtype(_np_dtype(dtype)).itemsize else "")
@@ -89,7 +89,7 @@ def _array_problem(a: Any, shape: tuple[int, ...], dtype: str, writes: bool) -> 
         flags = getattr(a, "flags", None)
         if flags is not None and not getattr(flags, "writeable", True):
             return "read-only memory cannot receive (bind a writable array)"
-    if a.size > 1:
+    if writes and a.size > 1 and not _contiguous(a):
         for n, s in zip(a.shape, a.strides):
             if n > 1 and s == 0:
                 return ("aliased memory: a dim of stride 0 (expand()/broadcast_to) would write "
@@ -100,8 +100,12 @@ def _array_problem(a: Any, shape: tuple[int, ...], dtype: str, writes: bool) -> 
     return None
 
 
+def _contiguous(a: Any) -> bool:
+    flags = getattr(a, "flags", None)
+    return bool(flags is not None and (flags.c_contiguous or flags.f_contiguous))
+
+
 def _np_dtype(name: str) -> Any:
-    from .dtypes import numpy_dtype
     return numpy_dtype(name)
 
 
@@ -162,9 +166,9 @@ def binding_problems(layouts: Mapping[str, Layout], bindings: Bindings, side: st
             bad.append(f"{name!r} on rank {rank}: bound but not in the {side} layouts")
             continue
         if lay.is_product:
-            shapes = [lay.local_shape(rank)]
+            shapes = [tuple(lay.local_shape(rank))]
         else:
-            shapes = [r.shape for r in lay.regions(rank)]
+            shapes = [tuple(r.shape) for r in lay.regions(rank)]
         try:
             arrays = _arrays(b, lay)
         except XreshardError as e:
@@ -175,7 +179,7 @@ def binding_problems(layouts: Mapping[str, Layout], bindings: Bindings, side: st
                        f"regions")
             continue
         for i, (a, shape) in enumerate(zip(arrays, shapes)):
-            problem = _array_problem(a, tuple(shape), lay.dtype, writes)
+            problem = _array_problem(a, shape, lay.dtype, writes)
             if problem:
                 bad.append(f"{name!r} on rank {rank}: {problem}")
             elif writes:
