@@ -76,9 +76,9 @@ __all__ = ["Digests", "Mismatch", "checksum", "compare", "digest_bindings", "dig
            "INLINE_TRANSFERS", "ROW_WORDS", "SAMPLE_PERIOD", "SAMPLE_SMALL_BYTES"]
 
 #: words (8 bytes) per row of the checksum's 2-D layout of a region's bytes
-ROW_WORDS = 512
+ROW_WORDS = 2048
 #: rows per numpy tile: rowsums and colsums of a tile come from cache, one read of memory
-_TILE_ROWS = 128
+_TILE_ROWS = 64
 #: a strided or cast region is copied into scratch at most this many bytes at a time
 _SCRATCH_BYTES = 16 << 20
 #: verify="sample": a transfer is hashed in one call out of this many ...
