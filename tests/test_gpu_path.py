@@ -198,29 +198,38 @@ def test_torch_tensor_view_is_one_path_for_cpu_and_cuda(monkeypatch):
         assert view.tobytes() == t[:, 1:5].contiguous().view(torch.uint8).numpy().tobytes()
 
 
-def test_refit_into_raw_bf16_bindings_is_bit_exact():
+def test_refit_into_raw_bf16_bindings_never_corrupts():
     """The issue's repro, end to end: JAX bf16 -> a torch bf16 tensor bound through a raw
-    int16 view (what the CUDA branch used to bind). The refit must deliver 6.84375."""
+    int16 view (what the CUDA branch used to bind), then through tensor_view. The refit
+    either delivers 6.84375 bit for bit or refuses before moving anything (the binding
+    check may insist on typed views); it never reports success over wrong bytes."""
     jax = pytest.importorskip("jax")
     torch = pytest.importorskip("torch")
     import jax.numpy as jnp
     from jax.sharding import NamedSharding, PartitionSpec as P
+    from xreshard.adapters.torch import tensor_view
 
     cpu, other = jax.devices("cpu")[:2]     # rank 1 (other) holds the torch tensor
     value = _values("bfloat16", (16, 8))
-    out = torch.zeros((16, 8), dtype=torch.bfloat16)
+    layout = xr.Layout.replicated((16, 8), "bfloat16", xr.Mesh((1,), (1,)))
     with xr.serve() as server:
         with xr.World.join(server.address, "local", [cpu, other], num_processes=1, index=0,
                            timeout=30) as world:
             mesh = jax.sharding.Mesh(np.array([cpu]), ("x",))
             params = {"w": jax.device_put(jnp.asarray(value), NamedSharding(mesh, P("x")))}
-            layout = xr.Layout.replicated((16, 8), "bfloat16", xr.Mesh((1,), (1,)))
-            raw = out.view(torch.int16).numpy()[:, :]          # int16 over the bf16 bytes
-            refit = xr.Refit(world, send=params,
-                             receive=xr.Bound({"w": layout}, {(1, "w"): raw}))
-            refit()
-    assert out.view(torch.int16).numpy().tobytes() == value.tobytes()
-    assert float(out[0, 0]) == 6.84375
+            for bind in (lambda t: t.view(torch.int16).numpy(), tensor_view):
+                out = torch.zeros((16, 8), dtype=torch.bfloat16)
+                refit = xr.Refit(world, send=params,
+                                 receive=xr.Bound({"w": layout}, {(1, "w"): bind(out)}))
+                try:
+                    refit()
+                except xr.RefitError as e:
+                    assert bind is not tensor_view, e
+                    assert "int16" in str(e) and "bfloat16" in str(e), e
+                    assert not out.view(torch.int16).numpy().any()
+                    continue
+                assert out.view(torch.int16).numpy().tobytes() == value.tobytes()
+                assert float(out[0, 0]) == 6.84375
 
 
 # ---------------------------------------------------------------------------- item 5
