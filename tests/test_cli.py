@@ -107,3 +107,17 @@ def test_python_dash_m():
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert json.loads(out.stdout)["num_tensors"] == 290
+
+
+def test_plan_describe_rank(capsys):
+    assert main(PLAN + ["--describe", "4", "--max-rows", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "bytes moved" in out                                   # the summary still comes first
+    assert "rank 4: receives " in out and "from 4 peers; sends 0 B in 0 regions" in out
+    assert "peer | direction | regions |" in out
+    assert "direction | peer | tensor" in out and "more regions (describe(rank" in out
+    r = run_json(capsys, PLAN + ["--describe", "0", "--max-rows", "0"])
+    assert r["describe"].startswith("rank 0: receives 0 B in 0 regions")
+    assert "send to" in r["describe"] and "direction | peer | tensor" not in r["describe"]
+    assert main(PLAN + ["--describe", "8"]) == 1
+    assert "--describe 8 is outside the world" in capsys.readouterr().err

@@ -161,3 +161,14 @@ def test_placement_subclasses_are_recognised():
     mesh = xr.Mesh((2, 2))
     a = xr.Layout.from_placements((8,), "float32", mesh, [_StridedShard(0, 2), MyShard(0)])
     assert a == xr.Layout.from_placements((8,), "float32", mesh, ["SS0/2", "S0"])
+
+
+def test_rank_groups_group_replicas_and_skip_empty_ranks():
+    lay = xr.Layout.from_placements((4,), "float32", xr.Mesh((2, 2)), ["S0", "R"])
+    rows_0_2, rows_2_4 = (((0, 2),),), (((2, 4),),)       # per dim, that dim's intervals
+    assert lay.rank_groups() == ((rows_0_2, (0, 1)), (rows_2_4, (2, 3)))
+    assert lay.rank_groups() is lay.rank_groups()                  # cached by the layout
+    empty = xr.Layout.from_placements((3,), "float32", xr.Mesh((4,)), ["S0"])
+    assert [ranks for _, ranks in empty.rank_groups()] == [(0,), (1,), (2,)]
+    with pytest.raises(xr.LayoutError, match="rank_groups needs a product-form layout"):
+        xr.Layout.explicit_form((2,), "float32", {0: [[(0, 2)]]}).rank_groups()

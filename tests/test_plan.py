@@ -220,3 +220,53 @@ def test_deterministic_regardless_of_dict_order():
     b = xr.plan(dict(reversed(src.items())), dict(reversed(dst.items())))
     for r in range(7):
         assert a.transfers_for(r) == b.transfers_for(r)
+
+
+def test_layout_names_and_read_only_aliases():
+    src = {"w": xr.Layout.replicated((4,), "float32", xr.Mesh((2,)))}
+    dst = {"w": xr.Layout.replicated((4,), "float32", xr.Mesh((1,), (2,)))}
+    plan = xr.plan(src, dst)
+    assert plan.src_layouts is src and plan.dst_layouts is dst
+    assert plan.src is plan.src_layouts and plan.dst is plan.dst_layouts
+    with pytest.raises(AttributeError):
+        plan.src = dst
+
+
+def test_topology_takes_a_world_or_a_topology_and_world_is_an_alias():
+    src = {"w": xr.Layout.replicated((4, 4), "float32", xr.Mesh((4,)))}
+    dst = {"w": xr.Layout.replicated((4, 4), "float32", xr.Mesh((1,), (10,)))}
+    topo = xr.Topology.of({0: (0, "a"), 1: (1, "b"), 2: (2, "c"), 3: (3, "d"), 10: (2, "c")})
+
+    class FakeWorld:
+        topology = topo
+
+    expected = xr.plan(src, dst, topo).transfers_for(10)
+    assert [t.src for t in expected] == [2]
+    for kwargs in ({"topology": topo}, {"topology": FakeWorld()}, {"world": topo},
+                   {"world": FakeWorld()}):
+        assert xr.plan(src, dst, **kwargs).transfers_for(10) == expected
+    with pytest.raises(TypeError, match="topology= or its alias world=, not both"):
+        xr.plan(src, dst, topo, world=topo)
+    with pytest.raises(TypeError, match="takes a World or a Topology"):
+        xr.plan(src, dst, topology="host-a")
+
+
+def test_describe_lists_regions_peers_and_bytes():
+    src = {"w": xr.Layout.from_placements((8, 4), "float32", xr.Mesh((4,)), ["S0"])}
+    dst = {"w": xr.Layout.replicated((8, 4), "float32", xr.Mesh((2,), (0, 4)))}
+    plan = xr.plan(src, dst)
+    text = plan.describe(4)
+    lines = text.splitlines()
+    assert lines[0] == ("rank 4: receives 128 B in 4 regions from 4 peers; sends 0 B in 0 regions "
+                        "to 0 peers; copies 0 B locally in 0 regions")
+    assert lines[2] == "peer | direction | regions | bytes"
+    assert lines[3] == "   0 | recv from |       1 |    32"
+    assert "recv from |    3 | w      | [6:8, 0:4] |    32" in text
+    # rank 0 is on both sides: it copies rows 0:2, receives 2:8 and sends 0:2 to rank 4
+    text0 = plan.describe(0)
+    assert "local     |    0 | w      | [0:2, 0:4] |    32" in text0
+    assert "send to   |    4 | w      | [0:2, 0:4] |    32" in text0
+    assert "copies 32 B locally in 1 regions" in text0.splitlines()[0]
+    short = plan.describe(4, max_rows=1).splitlines()
+    assert short[-1] == "... and 3 more regions (describe(rank, max_rows=None) lists all)"
+    assert plan.describe(99).startswith("rank 99: receives 0 B in 0 regions")

@@ -8,6 +8,7 @@ never imports torch or jax.
 
     xreshard plan --model deepseek_v3 --src "megatron:pp=4,ep=16,dp=2" --dst "vllm:tp=8,dp=16"
     xreshard plan --model qwen2_5_0_5b --src fsdp:dp=4 --dst vllm:tp=2 --json --rank 4
+    xreshard plan --model qwen2_5_0_5b --src fsdp:dp=4 --dst vllm:tp=2 --describe 4
 """
 
 from __future__ import annotations
@@ -99,26 +100,42 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="cast on the sender to this dtype (default: no cast)")
     parser.add_argument("--rank", type=int, default=None,
                         help="also time plan.transfers_for(RANK), one rank's share")
+    parser.add_argument("--describe", type=int, default=None, metavar="RANK",
+                        help="also print RANK's share of the plan as a table: bytes per peer, "
+                             "then every region it receives, sends or copies locally")
+    parser.add_argument("--max-rows", type=int, default=100, metavar="N",
+                        help="with --describe, list at most N regions (default 100; 0: none, "
+                             "-1: all)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
 
 
 def run(args: argparse.Namespace) -> int:
     result = plan_summary(args.model, args.src, args.dst, layout=args.layout,
-                          rank=args.rank, wire_dtype=args.wire_dtype)
+                          rank=args.rank, wire_dtype=args.wire_dtype, describe=args.describe,
+                          max_rows=None if args.max_rows < 0 else args.max_rows)
     if args.json:
         print(json.dumps(result, sort_keys=True))
     else:
         print(format_summary(result))
+        if "describe" in result:
+            print()
+            print(result["describe"])
     return 0
 
 
 def plan_summary(model: str, src: str, dst: str, *, layout: str = "per_expert",
-                 rank: int | None = None, wire_dtype: str | None = None) -> dict[str, Any]:
+                 rank: int | None = None, wire_dtype: str | None = None,
+                 describe: int | None = None, max_rows: int | None = 100) -> dict[str, Any]:
     """Plan ``model`` from recipe ``src`` (ranks 0..) to ``dst`` (ranks after the source's)
     and return the statistics as a JSON-able dict.
 
+    Args:
+        rank: also time ``plan.transfers_for(rank)`` and count its bytes.
+        describe: also return ``plan.describe(describe, max_rows)`` under ``"describe"``.
+
     Raises:
-        XreshardError: unknown model, bad recipe, or a plan error; ``rank`` outside the world.
+        XreshardError: unknown model, bad recipe, or a plan error; ``rank`` or ``describe``
+            outside the world.
     """
     from .models import load_model
     from .plan import plan
@@ -127,10 +144,11 @@ def plan_summary(model: str, src: str, dst: str, *, layout: str = "per_expert",
     m = load_model(model, layout)
     src_recipe, dst_recipe = parse_recipe(src), parse_recipe(dst)
     world = src_recipe.world_size + dst_recipe.world_size
-    if rank is not None and not 0 <= rank < world:
-        raise RecipeError(f"--rank {rank} is outside the world: ranks 0..{world - 1} "
-                          f"({src_recipe.world_size} source, then {dst_recipe.world_size} "
-                          "destination)")
+    for flag, value in (("--rank", rank), ("--describe", describe)):
+        if value is not None and not 0 <= value < world:
+            raise RecipeError(f"{flag} {value} is outside the world: ranks 0..{world - 1} "
+                              f"({src_recipe.world_size} source, then {dst_recipe.world_size} "
+                              "destination)")
     t0 = time.perf_counter()
     src_layouts = recipe_layouts(m, src_recipe, 0)
     dst_layouts = recipe_layouts(m, dst_recipe, src_recipe.world_size)
@@ -153,6 +171,8 @@ def plan_summary(model: str, src: str, dst: str, *, layout: str = "per_expert",
                    rank_num_transfers=len(transfers),
                    rank_bytes_sent=sum(t.nbytes for t in transfers if t.src == rank),
                    rank_bytes_received=sum(t.nbytes for t in transfers if t.dst == rank))
+    if describe is not None:
+        out.update(describe=p.describe(describe, max_rows=max_rows))
     return out
 
 

@@ -25,8 +25,10 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 
 from .dtypes import dtype_name
 from .errors import LayoutError
+from .intervals import Interval, chunk, split_intervals
 
-Interval = tuple[int, int]
+__all__ = ["Interval", "Layout", "LayoutMemo", "Mesh", "Region", "Split", "chunk",
+           "parse_placement", "split_intervals", "splits_of_placements"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -203,59 +205,6 @@ def _flat(xs: Any) -> list:
             out.extend(_flat(x) if isinstance(x, (list, tuple)) or hasattr(x, "tolist") else [x])
         return out
     return [xs]
-
-
-# ---------------------------------------------------------------------------- interval math
-
-def chunk(n: int, k: int, i: int) -> tuple[int, int]:
-    """torch.chunk: (offset, length) of block ``i`` of ``n`` elements split ``k`` ways."""
-    c = -(-n // k)
-    start = min(c * i, n)
-    return start, max(0, min(c * (i + 1), n) - start)
-
-
-def _take(intervals: Sequence[Interval], offset: int, length: int) -> list[Interval]:
-    """Positions ``[offset, offset+length)`` of the concatenation of ``intervals``."""
-    out: list[Interval] = []
-    pos, end = 0, offset + length
-    for s, e in intervals:
-        n = e - s
-        lo, hi = max(offset - pos, 0), min(end - pos, n)
-        if lo < hi:
-            out.append((s + lo, s + hi))
-        pos += n
-        if pos >= end:
-            break
-    return out
-
-
-def _merge(intervals: list[Interval]) -> tuple[Interval, ...]:
-    out: list[Interval] = []
-    for s, e in intervals:
-        if out and out[-1][1] == s:
-            out[-1] = (out[-1][0], e)
-        else:
-            out.append((s, e))
-    return tuple(out)
-
-
-def split_intervals(intervals: Sequence[Interval], num: int, index: int,
-                    split_factor: int = 1) -> tuple[Interval, ...]:
-    """Block ``index`` of ``num`` of the current extent ``intervals``.
-
-    With ``split_factor`` sf > 1 (DTensor ``_StridedShard``) the extent is first chunked
-    into sf pieces and each piece is chunked ``num`` ways; the result concatenates block
-    ``index`` of every piece.
-    """
-    total = sum(e - s for s, e in intervals)
-    if split_factor == 1:
-        return _merge(_take(intervals, *chunk(total, num, index)))
-    out: list[Interval] = []
-    for j in range(split_factor):
-        o1, l1 = chunk(total, split_factor, j)
-        piece = _take(intervals, o1, l1)
-        out += _take(piece, *chunk(l1, num, index))
-    return _merge(out)
 
 
 # ---------------------------------------------------------------------------- Layout
@@ -504,6 +453,29 @@ class Layout:
         got = None if coord is None else tuple(
             self.dim_table(d)[tuple(coord[a] for a in self.dim_axes(d))] for d in range(self.ndim))
         self._cache[key] = got
+        return got
+
+    def rank_groups(self) -> tuple[tuple[tuple[tuple[Interval, ...], ...], tuple[int, ...]], ...]:
+        """Product form: the ranks holding anything, grouped by the intervals they hold
+        (replicas share a group), as (per-dim intervals, ranks) in mesh order. Cached.
+
+        Example: 4 rows on mesh (2, 2) with placements (S0, R)::
+
+            # per-dim intervals | ranks
+            # (((0, 2),),)      | (0, 1)
+            # (((2, 4),),)      | (2, 3)
+        """
+        if self.explicit is not None:
+            raise LayoutError("rank_groups needs a product-form layout; an explicit-form "
+                              "layout has only regions(rank)")
+        got = self._cache.get("groups")
+        if got is None:
+            groups: dict[tuple, list[int]] = {}
+            for rank in self.mesh.ranks:
+                per_dim = self.dim_intervals(rank)
+                if all(per_dim):
+                    groups.setdefault(per_dim, []).append(rank)
+            got = self._cache["groups"] = tuple((k, tuple(v)) for k, v in groups.items())
         return got
 
     def regions(self, rank: int) -> tuple[Region, ...]:
