@@ -742,7 +742,7 @@ class World:
                    if self._rank_kind[r] == "cuda"}
         return CudaIpcTransport(self._store, f"{prefix}/ipc", self._rank_process, me, peers,
                                 devices, pids=pids, process_labels=labels,
-                                can_reach=routes.ipc_ok)
+                                can_reach=routes.ipc_ok, connect=self._store_client)
 
     def _make_nccl(self) -> Transport:
         """One NCCL communicator over every rank (collective, like gloo)."""
