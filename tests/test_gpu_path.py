@@ -256,8 +256,6 @@ def test_jax_adapter_keeps_no_sent_array_alive():
     assert [r() for r in refs] == [None, None]
 
 
-@pytest.mark.xfail(strict=False, reason="until Refit drops its executor bindings and send= "
-                                        "after each call (refit.py); then remove this mark")
 def test_refit_keeps_no_sent_jax_array_alive():
     """After refit() returns, dropping the caller's params frees them (the issue measured
     donated params staying alive). Needs the adapter (above) and Refit dropping its

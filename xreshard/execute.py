@@ -254,18 +254,7 @@ class Executor:
 
     def _devices(self) -> dict[int, int | None]:
         """CUDA device ordinal of each local rank's bindings (None: host memory)."""
-        out: dict[int, int | None] = {}
-        for bindings in (self.src_bindings, self.dst_bindings):
-            for (rank, name), b in bindings.items():
-                arrays = b if isinstance(b, list) else [b]
-                for a in arrays:
-                    dev = device_of(a)
-                    if out.setdefault(rank, dev) != dev:
-                        raise RefitError(
-                            f"rank {rank} has bindings in two places ({_where(out[rank])} and "
-                            f"{_where(dev)}, tensor {name!r}); a rank is one device - bind "
-                            f"each rank's tensors on its own device")
-        return out
+        return binding_devices(self.src_bindings, self.dst_bindings)
 
     def _on(self, rank: int) -> Any:
         """Context for work on ``rank``'s device: ``cupy.cuda.Device`` or nothing."""
@@ -276,18 +265,8 @@ class Executor:
         problems = []
         for side, bindings, layouts in (("send", self.src_bindings, self.src_layouts),
                                         ("receive", self.dst_bindings, self.dst_layouts)):
-            for (rank, name) in bindings:
-                if self._device.get(rank) is None:
-                    continue
-                have, wire = layouts[name].dtype, self.wire[name]
-                if have == wire:
-                    continue
-                for d in (have, wire):
-                    if not cupy_knows(d):
-                        problems.append(f"{name!r} ({side}, rank {rank}): {have} <-> {wire} "
-                                        f"on CUDA device {self._device[rank]}: "
-                                        f"{cupy_missing(d)}")
-                        break
+            problems += cast_problems(bindings, layouts, lambda n: self.wire[n], self._device,
+                                      side)
         return sorted(set(problems))
 
     # ------------------------------------------------------------ run
@@ -557,3 +536,76 @@ def cuda_preflight(device: int) -> None:
             f"(they bring NVRTC through cuda-toolkit[nvrtc,cudart]), or install the CUDA "
             f"toolkit matching the CuPy wheel") from e
     _PREFLIGHT_DONE.add(device)
+
+
+def binding_devices(*sides: Bindings) -> dict[int, int | None]:
+    """CUDA device ordinal of each rank's bindings over ``sides`` (None: host memory).
+
+    Raises:
+        RefitError: a rank has bindings on two devices.
+    """
+    out: dict[int, int | None] = {}
+    for bindings in sides:
+        for (rank, name), b in bindings.items():
+            arrays = b if isinstance(b, list) else [b]
+            for a in arrays:
+                dev = device_of(a)
+                if out.setdefault(rank, dev) != dev:
+                    raise RefitError(
+                        f"rank {rank} has bindings in two places ({_where(out[rank])} and "
+                        f"{_where(dev)}, tensor {name!r}); a rank is one device - bind "
+                        f"each rank's tensors on its own device")
+    return out
+
+
+def cast_problems(bindings: Bindings, layouts: Mapping[str, Layout],
+                  wire: Callable[[str], str], devices: Mapping[int, int | None],
+                  side: str) -> list[str]:
+    """Casts between a binding's dtype and its wire dtype that would run on a GPU where
+    CuPy cannot compute them."""
+    problems = []
+    for (rank, name) in bindings:
+        if devices.get(rank) is None or name not in layouts:
+            continue
+        have, want = layouts[name].dtype, wire(name)
+        if have == want:
+            continue
+        for d in (have, want):
+            if not cupy_knows(d):
+                problems.append(f"{name!r} ({side}, rank {rank}): {have} <-> {want} on CUDA "
+                                f"device {devices[rank]}: {cupy_missing(d)}")
+                break
+    return problems
+
+
+def device_problems(sides: Mapping[str, tuple[Bindings, Mapping[str, Layout]]],
+                    wire: Callable[[str, str], str]) -> list[str]:
+    """What would make this process's part of a refit fail on its devices, found before
+    any byte moves (so the refit can refuse it on every rank): bindings of one rank on
+    two devices, casts CuPy cannot run, a device whose copy kernels do not compile.
+
+    Args:
+        sides: ``{"send" | "receive": (bindings, layouts)}``.
+        wire: ``wire(side, name)`` -> the wire dtype of that tensor.
+    """
+    try:
+        devices = binding_devices(*(b for b, _ in sides.values()))
+    except RefitError as e:
+        return [str(e)]
+    gpus = sorted({d for d in devices.values() if d is not None})
+    if not gpus:
+        return []
+    problems = []
+    for side, (bindings, layouts) in sides.items():
+        problems += cast_problems(bindings, layouts, lambda n, s=side: wire(s, n), devices,
+                                  side)
+    if problems:
+        return ["casts this refit needs cannot run on the GPU: " + "; ".join(
+            sorted(set(problems))[:10]) + " - send the tensor in its own dtype (wire_dtype), "
+            "or cast it in the framework first"]
+    for dev in gpus:
+        try:
+            cuda_preflight(dev)
+        except (ImportError, RuntimeError, RefitError) as e:
+            problems.append(str(e))
+    return problems

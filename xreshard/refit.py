@@ -28,6 +28,10 @@ peer) raises on every live process within ``RefitConfig.timeout`` plus a few sec
 keeps the first cause, leaves ``version`` unchanged and ``stale`` set, and marks the world
 broken (its transports are in an unknown state): later calls raise ``WorldBroken``.
 
+When a call returns, every destination byte has landed and every source byte was read, on
+any stream: a consumer may read destinations on its current CUDA stream (torch, vLLM, a
+side stream) and overwrite or donate sources without a device synchronize.
+
 JAX arrays are immutable: a JAX destination never has its live arrays written; it gets new
 arrays built from the received buffers (``refit.received``). A refit keeps no reference to
 sent JAX arrays after a call returns (so the trainer's next step can donate them): pass
@@ -48,7 +52,7 @@ from .binding import Bound, binding_problems
 from .dtypes import dtype_name
 from .errors import (CommunicationError, RefitError, TransportTimeout, VerificationError,
                      XreshardError, error_from, error_name)
-from .execute import Executor
+from .execute import Executor, device_problems
 from .layout import Layout, Mesh, Region
 from .plan import Plan, PlanCache, plan
 from .schedule import Schedule, peer_counts, schedule
@@ -448,7 +452,20 @@ class Refit:
                     out.append(["BindingError", f"{side} binds world rank {rank}, which is not "
                                 f"one of this process's ranks {list(self.world.rank_ids)}"])
                     break
+        if not out:
+            sides = {side: (b.bindings, b.layouts) for side, b in (("send", src),
+                                                                   ("receive", dst)) if b}
+            out += [["RefitError", e] for e in device_problems(
+                sides, lambda side, name: self._wire_of(name, sides[side][1][name]))]
         return out
+
+    def _wire_of(self, name: str, layout: Layout) -> str:
+        """The wire dtype of ``name`` as this process knows it before planning: the cast
+        the config asks for, else the tensor's own dtype (both sides must then agree)."""
+        wire = self.config.wire_dtype
+        if isinstance(wire, Mapping):
+            wire = wire.get(name)
+        return dtype_name(wire) if wire is not None else layout.dtype
 
     # ------------------------------------------------------------ metadata steps
 
