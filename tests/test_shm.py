@@ -192,8 +192,23 @@ def test_mismatched_size_and_misuse_raise_and_clean_up():
         with d.group(1):
             d.recv(np.ones(4, np.uint8), 0, 2, 0)
             d.recv(np.ones(4, np.uint8), 0, 2, 0)
-    for t in (a, b, c, d):
+    e, f, _ = _pair()
+    with pytest.raises(TransportError, match="contiguous buffers"):
+        with f.group(1):
+            f.recv(np.zeros((4, 4), np.uint8)[:, 1], 0, 2, 0)
+    for t in (a, b, c, d, e, f):
         t.close()
+
+
+def test_pull_probe_reads_another_process_memory_or_says_no():
+    from xreshard.transport.shm import can_pull, pull
+    mark = np.frombuffer(b"token-123", np.uint8).copy()
+    assert can_pull(os.getpid(), int(mark.ctypes.data), b"token-123")
+    assert not can_pull(os.getpid(), int(mark.ctypes.data), b"token-124")
+    assert not can_pull(2**22 + 12345, int(mark.ctypes.data), b"token-123")   # no such pid
+    out = np.zeros(9, np.uint8)
+    pull(os.getpid(), int(out.ctypes.data), int(mark.ctypes.data), 9)
+    assert out.tobytes() == b"token-123"
 
 
 def test_silent_peer_times_out_naming_it():

@@ -277,7 +277,11 @@ def _as_numpy(buf: Any) -> np.ndarray:
         arr = buf.detach().numpy()
     else:
         arr = np.asarray(buf)
-    if arr.dtype != np.uint8 or arr.ndim != 1 or not arr.flags.c_contiguous:
+    if not arr.flags.c_contiguous:
+        # reshape would copy, and a receive would land in the copy
+        raise TransportError(f"the shm transport moves contiguous buffers, got one of shape "
+                             f"{arr.shape} with strides {arr.strides}")
+    if arr.dtype != np.uint8 or arr.ndim != 1:
         arr = arr.reshape(-1).view(np.uint8)
     return arr
 
