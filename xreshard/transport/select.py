@@ -175,7 +175,16 @@ class Routes:
         n = len(self._reps())
         if len(self.rank_process) > len(set(self.rank_process)):
             used.add("local")
-        for p in range(n):
+        if n > 1 and self.requested in BACKENDS:
+            used.add(self.cross)
+        elif n > 1 and "cuda" not in self.rank_kind:
+            # CPU worlds: count pairs instead of asking each (thousands of processes)
+            if self.shm_pairs:
+                used.add("shm")
+            if len(self.shm_pairs) < n * (n - 1) // 2:
+                used.add(self.cross)
+        for p in range(n if "cuda" in self.rank_kind and self.requested not in BACKENDS
+                       else 0):
             for q in range(p + 1, n):
                 used |= self.process_kind(p, q) | self.process_kind(q, p)
         return tuple(k for k in KINDS if k in used)
@@ -229,20 +238,24 @@ def choose_routes(rank_process: Sequence[int], rank_kind: Sequence[str],
     cross = select_backend(rank_kind, backend_request)
     n = len(caps)
     shm_pairs = set()
+    by_host: dict[str, list[int]] = {}
     for p in range(n):
-        for q in range(p + 1, n):
-            if (caps[p]["host"] == caps[q]["host"] and q in caps[p].get("shm_reach", ())
-                    and p in caps[q].get("shm_reach", ())):
-                shm_pairs.add((p, q))
+        by_host.setdefault(caps[p]["host"], []).append(p)
+    reach = [set(c.get("shm_reach", ())) for c in caps]
+    for members in by_host.values():            # only processes of one host can share
+        for i, p in enumerate(members):
+            for q in members[i + 1:]:
+                if q in reach[p] and p in reach[q]:
+                    shm_pairs.add((p, q))
     rank_device: list[str | None] = []
     for p, c in enumerate(caps):
         devs = list(c.get("cuda_devices") or [])
         count = sum(1 for x in rank_process if x == p)
         devs += [None] * (count - len(devs))
         rank_device.extend(devs[:count])
-    reach = tuple(frozenset(c.get("cuda_reach") or ()) for c in caps)
+    ipc_reach = tuple(frozenset(c.get("cuda_reach") or ()) for c in caps)
     routes = Routes(tuple(rank_process), tuple(rank_kind), cross, frozenset(shm_pairs),
-                    tuple(rank_device), reach, requested)
+                    tuple(rank_device), ipc_reach, requested)
     if requested in FAST_PATHS:
         _refuse_unreachable(routes, caps, requested)
     return routes
