@@ -22,6 +22,7 @@ local process alone (processes could disagree about a pair).
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
@@ -248,9 +249,10 @@ def choose_routes(rank_process: Sequence[int], rank_kind: Sequence[str],
                 if q in reach[p] and p in reach[q]:
                     shm_pairs.add((p, q))
     rank_device: list[str | None] = []
+    counts = Counter(rank_process)
     for p, c in enumerate(caps):
         devs = list(c.get("cuda_devices") or [])
-        count = sum(1 for x in rank_process if x == p)
+        count = counts[p]
         devs += [None] * (count - len(devs))
         rank_device.extend(devs[:count])
     ipc_reach = tuple(frozenset(c.get("cuda_reach") or ()) for c in caps)
