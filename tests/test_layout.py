@@ -172,3 +172,44 @@ def test_rank_groups_group_replicas_and_skip_empty_ranks():
     assert [ranks for _, ranks in empty.rank_groups()] == [(0,), (1,), (2,)]
     with pytest.raises(xr.LayoutError, match="rank_groups needs a product-form layout"):
         xr.Layout.explicit_form((2,), "float32", {0: [[(0, 2)]]}).rank_groups()
+
+
+def test_equal_meshes_and_layouts_are_one_object():
+    import copy
+    import gc
+    import pickle
+
+    from xreshard import layout as layout_module
+
+    mesh = xr.Mesh((2, 2), axis_names=("dp", "tp"))
+    assert xr.Mesh([2, 2], ranks=[0, 1, 2, 3], axis_names=["dp", "tp"]) is mesh
+    a = xr.Layout.from_spec((8, 4), "float32", mesh, ("dp",))
+    b = xr.Layout.from_placements((8, 4), "float32", xr.Mesh((2, 2), axis_names=("dp", "tp")),
+                                  ["S0", "R"])
+    assert a is b                                   # built two ways, one object
+    a.regions(3)
+    assert ("iv", 3) in b._cache                    # so geometry is computed once
+    assert pickle.loads(pickle.dumps(a)) is a and copy.deepcopy(a) is a
+    assert xr.Layout.from_json(a.to_json()) is a
+    assert xr.Layout.replicated((8, 4), "bfloat16", mesh) is not a
+    # held weakly: a layout nobody holds leaves the table
+    key = ((3, 3, 3), "float32")
+    c = xr.Layout.replicated(key[0], key[1], xr.Mesh((5,), ranks=(9, 8, 7, 6, 5)))
+    assert any(k[:2] == key for k in layout_module._LAYOUTS.keys())
+    del c
+    gc.collect()
+    assert not any(k[:2] == key for k in layout_module._LAYOUTS.keys())
+
+
+def test_layout_memo_disabled_builds_cold_twins():
+    from xreshard.layout import LayoutMemo
+
+    memo = LayoutMemo()
+    make = lambda: xr.Layout.from_placements((4,), "float32", xr.Mesh((2,)), ["S0"])  # noqa: E731
+    warm = memo.get("k", make)
+    assert memo.get("k", make) is warm and make() is warm
+    memo.enabled = False
+    cold = memo.get("k", make)
+    assert cold == warm and hash(cold) == hash(warm) and cold is not warm
+    assert cold.mesh == warm.mesh and cold.mesh is not warm.mesh and not cold._cache
+    assert cold.regions(1) == warm.regions(1)

@@ -12,6 +12,12 @@ framework object, no memory. Two forms, one meaning (see DESIGN.md):
 
 The one geometry query is ``layout.regions(rank)``; everything else derives from it or from
 the per-dim interval lists it is built from.
+
+Equal meshes and equal layouts are one object: constructing a ``Mesh`` or ``Layout`` equal
+to one that is alive returns that one, geometry caches warm (as ``jax.sharding.Mesh`` does
+with its cache). The intern tables hold their values weakly, so nothing outlives its users;
+a refit rebuilding thousands of equal layouts every step pays for their geometry once.
+See docs/architecture.md.
 """
 
 from __future__ import annotations
@@ -25,186 +31,14 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 
 from .dtypes import dtype_name
 from .errors import LayoutError
+from .geometry import SLOTS, Mesh, Region, Split, interned, new_table
 from .intervals import Interval, chunk, split_intervals
 
 __all__ = ["Interval", "Layout", "LayoutMemo", "Mesh", "Region", "Split", "chunk",
            "parse_placement", "split_intervals", "splits_of_placements"]
 
-
-@dataclass(frozen=True, slots=True)
-class Region:
-    """A box in a tensor's global coordinates: one ``[start, stop)`` per dim."""
-
-    starts: tuple[int, ...]
-    stops: tuple[int, ...]
-
-    def __post_init__(self) -> None:
-        if len(self.starts) != len(self.stops):
-            raise LayoutError(f"region starts {self.starts} and stops {self.stops} differ in rank")
-        if any(a < 0 or b < a for a, b in zip(self.starts, self.stops)):
-            raise LayoutError(f"region {self.starts}..{self.stops} needs 0 <= start <= stop per dim")
-
-    @classmethod
-    def of(cls, bounds: Iterable[Sequence[int]]) -> Region:
-        """``Region.of([(0, 4), (2, 6)])`` from one ``(start, stop)`` pair per dim."""
-        pairs = [tuple(b) for b in bounds]
-        return cls(tuple(int(p[0]) for p in pairs), tuple(int(p[1]) for p in pairs))
-
-    @property
-    def ndim(self) -> int:
-        return len(self.starts)
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        return tuple(b - a for a, b in zip(self.starts, self.stops))
-
-    @property
-    def size(self) -> int:
-        """Number of elements."""
-        return math.prod(b - a for a, b in zip(self.starts, self.stops))
-
-    @property
-    def is_empty(self) -> bool:
-        return any(b == a for a, b in zip(self.starts, self.stops))
-
-    def intersect(self, other: Region) -> Region | None:
-        """The overlap of two regions, or None when they do not overlap."""
-        starts = tuple(map(max, self.starts, other.starts))
-        stops = tuple(map(min, self.stops, other.stops))
-        if any(b <= a for a, b in zip(starts, stops)):
-            return None
-        return Region(starts, stops)
-
-    def contains(self, other: Region) -> bool:
-        return all(a <= c and d <= b for a, b, c, d in
-                   zip(self.starts, self.stops, other.starts, other.stops))
-
-    def slices(self) -> tuple[slice, ...]:
-        return tuple(slice(a, b) for a, b in zip(self.starts, self.stops))
-
-    def __str__(self) -> str:
-        return "[" + ", ".join(f"{a}:{b}" for a, b in zip(self.starts, self.stops)) + "]"
-
-
-@dataclass(frozen=True, slots=True)
-class Mesh:
-    """An n-d grid of world ranks with optional axis names.
-
-    ``ranks`` lists the world rank at each mesh coordinate in row-major order (default
-    ``range(prod(shape))``).
-    """
-
-    shape: tuple[int, ...]
-    ranks: tuple[int, ...] | None = None
-    axis_names: tuple[str, ...] | None = None
-    _hash: int = field(init=False, repr=False, compare=False)
-    _coords: dict = field(init=False, repr=False, compare=False)
-
-    def __post_init__(self) -> None:
-        shape = tuple(int(s) for s in self.shape)
-        if any(s < 1 for s in shape):
-            raise LayoutError(f"mesh shape {shape} needs every axis size >= 1")
-        size = math.prod(shape)
-        ranks = tuple(range(size)) if self.ranks is None else tuple(int(r) for r in _flat(self.ranks))
-        if len(ranks) != size:
-            raise LayoutError(f"mesh of shape {shape} has {size} positions but {len(ranks)} ranks "
-                              "were given; list one world rank per mesh position, row-major")
-        if len(set(ranks)) != len(ranks):
-            dups = sorted({r for r in ranks if ranks.count(r) > 1})
-            raise LayoutError(f"mesh ranks {dups} appear more than once; each world rank may sit "
-                              "at one mesh position only")
-        if any(r < 0 for r in ranks):
-            raise LayoutError(f"mesh ranks must be >= 0, got {min(ranks)}")
-        names = self.axis_names
-        if names is not None:
-            names = tuple(str(n) for n in names)
-            if len(names) != len(shape):
-                raise LayoutError(f"mesh of shape {shape} needs {len(shape)} axis names, got {names}")
-            if len(set(names)) != len(names):
-                raise LayoutError(f"mesh axis names {names} must be distinct")
-        object.__setattr__(self, "shape", shape)
-        object.__setattr__(self, "ranks", ranks)
-        object.__setattr__(self, "axis_names", names)
-        object.__setattr__(self, "_hash", hash((shape, ranks, names)))
-        object.__setattr__(self, "_coords", {})
-
-    def __hash__(self) -> int:
-        return self._hash
-
-    @property
-    def ndim(self) -> int:
-        return len(self.shape)
-
-    @property
-    def size(self) -> int:
-        return len(self.ranks)
-
-    def coord(self, rank: int) -> tuple[int, ...] | None:
-        """Mesh coordinate of a world rank, or None when the rank is not in the mesh."""
-        if not self._coords:
-            for pos, coord in enumerate(itertools.product(*map(range, self.shape))):
-                self._coords[self.ranks[pos]] = coord
-        return self._coords.get(rank)
-
-    def rank_at(self, coord: Sequence[int]) -> int:
-        pos = 0
-        for c, s in zip(coord, self.shape):
-            pos = pos * s + c
-        return self.ranks[pos]
-
-    def axis_index(self, axis: int | str) -> int:
-        """Index of a mesh axis given by index or name."""
-        if isinstance(axis, str):
-            if self.axis_names is None or axis not in self.axis_names:
-                raise LayoutError(f"mesh axis {axis!r} is not one of the mesh axis names "
-                                  f"{self.axis_names}; name the axes with Mesh(..., axis_names=...)")
-            return self.axis_names.index(axis)
-        if not 0 <= axis < self.ndim:
-            raise LayoutError(f"mesh axis {axis} out of range for a {self.ndim}-d mesh")
-        return int(axis)
-
-    def axis_label(self, axis: int) -> str:
-        return self.axis_names[axis] if self.axis_names else str(axis)
-
-    def to_dict(self) -> dict:
-        return {"shape": list(self.shape), "ranks": list(self.ranks),
-                "axis_names": None if self.axis_names is None else list(self.axis_names)}
-
-    @classmethod
-    def from_dict(cls, d: Mapping) -> Mesh:
-        names = d.get("axis_names")
-        return cls(tuple(d["shape"]), tuple(d["ranks"]), None if names is None else tuple(names))
-
-    def __str__(self) -> str:
-        axes = ",".join(f"{self.axis_label(i)}={s}" for i, s in enumerate(self.shape))
-        span = (f"{self.ranks[0]}..{self.ranks[-1]}"
-                if self.size > 1 and self.ranks == tuple(range(self.ranks[0],
-                                                               self.ranks[0] + self.size))
-                else ",".join(map(str, self.ranks[:8])) + (",..." if self.size > 8 else ""))
-        return f"mesh({axes})[{span}]"
-
-
-@dataclass(frozen=True, slots=True)
-class Split:
-    """Mesh axis ``axis`` splits tensor dim ``dim``; ``split_factor`` > 1 is a strided split."""
-
-    dim: int
-    axis: int
-    split_factor: int = 1
-
-    def __str__(self) -> str:
-        return f"S({self.dim})" if self.split_factor == 1 else f"SS({self.dim},{self.split_factor})"
-
-
-def _flat(xs: Any) -> list:
-    if hasattr(xs, "tolist"):
-        xs = xs.tolist()
-    if isinstance(xs, (list, tuple)):
-        out = []
-        for x in xs:
-            out.extend(_flat(x) if isinstance(x, (list, tuple)) or hasattr(x, "tolist") else [x])
-        return out
-    return [xs]
+#: the live layouts by value (see the module docstring)
+_LAYOUTS = new_table()
 
 
 # ---------------------------------------------------------------------------- Layout
@@ -213,12 +47,13 @@ _PLACEMENT_HELP = ('placements are one entry per mesh axis: "R" (Replicate), "S<
                    '"SS<dim>/<split_factor>" (_StridedShard), or torch placement objects')
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, init=False, **SLOTS)
 class Layout:
     """Which region(s) of one tensor (shape, dtype) each rank holds.
 
     Build it with ``Layout.from_placements`` (DTensor), ``Layout.from_spec`` (JAX),
-    ``Layout.replicated``, ``Layout.product`` or ``Layout.explicit``.
+    ``Layout.replicated``, ``Layout.product`` or ``Layout.explicit_form``. Equal layouts
+    are one object (interned), so their geometry caches are computed once.
     """
 
     shape: tuple[int, ...]
@@ -229,7 +64,37 @@ class Layout:
     _hash: int = field(init=False, repr=False, compare=False)
     _cache: dict = field(init=False, repr=False, compare=False)
 
-    def __post_init__(self) -> None:
+    def __new__(cls, shape: Sequence[int], dtype: object, mesh: Mesh | None = None,
+                splits: tuple[Split, ...] = (),
+                explicit: tuple[tuple[int, tuple[Region, ...]], ...] | None = None) -> Layout:
+        self = object.__new__(cls)
+        for name, value in (("shape", shape), ("dtype", dtype), ("mesh", mesh),
+                            ("splits", splits), ("explicit", explicit)):
+            object.__setattr__(self, name, value)
+        self._normalize()
+        return interned(_LAYOUTS, (self.shape, self.dtype, self.mesh, self.splits,
+                                  self.explicit), self)
+
+    def __reduce__(self) -> tuple:
+        return Layout, (self.shape, self.dtype, self.mesh, self.splits, self.explicit)
+
+    def _uninterned(self) -> Layout:
+        """An equal layout (and mesh) outside the intern tables, its caches cold: what a
+        fresh build was before interning (``LayoutMemo(enabled=False)`` hands these out)."""
+        twin = object.__new__(Layout)
+        mesh = self.mesh
+        if mesh is not None:
+            mesh = object.__new__(Mesh)
+            for name in ("shape", "ranks", "axis_names", "_hash"):
+                object.__setattr__(mesh, name, getattr(self.mesh, name))
+            object.__setattr__(mesh, "_coords", None)
+        for name, value in (("shape", self.shape), ("dtype", self.dtype), ("mesh", mesh),
+                            ("splits", self.splits), ("explicit", self.explicit),
+                            ("_hash", self._hash), ("_cache", {})):
+            object.__setattr__(twin, name, value)
+        return twin
+
+    def _normalize(self) -> None:
         shape = tuple(int(s) for s in self.shape)
         if any(s < 0 for s in shape):
             raise LayoutError(f"tensor shape {shape} has a negative size")
@@ -647,7 +512,13 @@ class LayoutMemo:
 
     ``ranks_id`` turns a rank map into a small int once per bind, so keys stay cheap to hash.
     Bounded: it forgets everything when it holds ``limit`` layouts. ``enabled = False``
-    makes every ``get`` build anew (benchmarks compare both).
+    makes every ``get`` build anew, handing out an equal layout outside the intern tables
+    with cold caches (benchmarks compare both).
+
+    Layouts are interned now (equal layouts are one object, caches warm), so this memo only
+    saves an adapter's own conversion work; it stays for the adapters that hold one as
+    module state (``xreshard.adapters.jax._MEMO``, ``torch._MEMO``) until they move to a
+    memo per bind or per Refit. New code should not use it.
     """
 
     def __init__(self, limit: int = 1 << 16) -> None:
@@ -672,7 +543,9 @@ class LayoutMemo:
     def get(self, key: Any, make: Callable[[], Layout]) -> Layout:
         """The layout remembered under ``key``, else ``make()`` (remembered). A ``None`` key
         (nothing to key on) or an unhashable one is never remembered."""
-        if key is None or not self.enabled:
+        if not self.enabled:
+            return make()._uninterned()
+        if key is None:
             return make()
         try:
             return self._layouts[key]
