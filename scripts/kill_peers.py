@@ -7,9 +7,9 @@ from 2 ranks to rollout[0] and rollout[1] (1 rank each), over ``--transport`` (g
 default: its process group is created on the first call). Every process calls the refit
 in a loop; the victim (the sender, or a receiver) SIGKILLs itself:
 
-- ``transport``: on its first ``World.transport(...)`` call (the first refit's transport
-  creation, the gloo group), after a random 0-0.4 s, so the kill lands before, inside or
-  just after the group creation;
+- ``transport``: in the first refit's transport creation: right before it enters the
+  gloo group rendezvous, or 0-50 ms into it (``xreshard.transport.gloo.create_gloo_group``
+  wrapped; other transports: 0-50 ms after the first ``World.transport`` call);
 - ``random``: a random 0-2 s after the world's first barrier, wherever the loop is.
 
 For every survivor the script records: whether its call raised or hung (not returned
@@ -80,16 +80,31 @@ def trial(ctx: Any, spec: dict) -> dict:
     victim = me == spec["victim"]
     rng = random.Random(spec["seed"])
     if victim and spec["mode"] == "transport":
-        original = World.transport
-        fired = []
+        import xreshard.transport.gloo as gloo_module    # world.py imports it per call
+        create = getattr(gloo_module, "create_gloo_group", None)
+        if create is not None and spec["transport"] == "gloo":
+            # die right before this process enters the gloo rendezvous, or inside it
+            def create_and_die(*args, **kwargs):
+                delay = rng.choice([0.0, rng.uniform(0, 0.05)])
+                if delay == 0.0:
+                    _die(spec["kill_file"], "before its gloo group creation")
+                _timer(delay, spec["kill_file"], f"{delay * 1e3:.0f} ms into its gloo group "
+                                                 f"creation")
+                return create(*args, **kwargs)
 
-        def transport(self, *args, **kwargs):
-            if not fired:
-                fired.append(1)
-                _timer(rng.uniform(0, 0.4), spec["kill_file"], "in transport creation")
-            return original(self, *args, **kwargs)
+            gloo_module.create_gloo_group = create_and_die
+        else:
+            original = World.transport
+            fired = []
 
-        World.transport = transport
+            def transport(self, *args, **kwargs):
+                if not fired:
+                    fired.append(1)
+                    _timer(rng.uniform(0, 0.05), spec["kill_file"],
+                           "in its first transport creation")
+                return original(self, *args, **kwargs)
+
+            World.transport = transport
     world = ctx.join(groups=["trainer", "rollout"], timeout=60)
     trainer = ctx.role.group == "trainer"
     t_ranks = world.group_ranks("trainer")
@@ -170,7 +185,7 @@ def run_trial(i: int, victim_side: str, mode: str, args: argparse.Namespace) -> 
                  Role("plain", "rollout", 1)]
         # startup (imports, join) + the loop until the kill (< 30 s) + timeout + slack,
         # + the follow-up call: anything beyond is a hang
-        limit = 60 + 30 + 2 * (args.timeout + SLACK)
+        limit = 60 + 30 + 2 * (args.timeout + SLACK) + 70     # + a 60 s join timeout
         t0 = time.time()
         try:
             results = launch("kill_peers:trial", roles, args=(spec,), timeout=limit,
