@@ -17,7 +17,7 @@ def regions(layout, rank):
 
 
 def test_nested_chunk_is_not_flat():
-    # 5 rows on (S0, S0) over 2x2: [0,1],[2],[3],[4] (layouts.md 4.3)
+    # 5 rows on (S0, S0) over 2x2: [0,1],[2],[3],[4] (nested torch.chunk, docs/vocabulary.md: split)
     lay = xr.Layout.from_placements((5, 3), "float32", xr.Mesh((2, 2)), ["S0", "S0"])
     assert [regions(lay, r) for r in range(4)] == [["[0:2, 0:3]"], ["[2:3, 0:3]"],
                                                    ["[3:4, 0:3]"], ["[4:5, 0:3]"]]

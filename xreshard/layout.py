@@ -1,7 +1,7 @@
 """The neutral layout IR: Mesh, Region, Split and Layout.
 
 A layout says which region(s) of one tensor every rank holds. It is geometry only: no
-framework object, no memory. Two forms, one meaning (see DESIGN.md):
+framework object, no memory. Two forms, one meaning (see docs/architecture.md):
 
 * product form: a mesh plus an ordered tuple of ``Split(dim, axis, split_factor)``. Splits
   of one dim apply in order, each re-splitting that rank's current extent with torch.chunk
@@ -177,7 +177,7 @@ class Layout:
         """A JAX PartitionSpec: per dim ``None``, an axis name, or a tuple of names (major first).
 
         Raises:
-            LayoutError: unknown or repeated axis names, a spec longer than the tensor rank,
+            LayoutError: unknown or repeated axis names, a spec longer than the tensor has dims,
                 an unreduced (pending reduction) spec, or a split that is not even.
         """
         where = f"tensor {name!r}: " if name else ""
