@@ -382,7 +382,7 @@ def bind(obj: Any, side: str, *, ranks: RankMap, local_ranks: Sequence[int], nam
             layout = layout.permuted((1, 0))
             local = local.t()
         layouts[name] = layout
-        if me in layout.rank_set:
+        if me in layout.rank_set and layout.num_elements(me):
             view = tensor_view(local)
             bindings[(me, name)] = view if layout.is_product else [view]
         elif local.numel():
