@@ -98,7 +98,7 @@ def test_usage(capsys):
     with pytest.raises(SystemExit):
         main(["plan", "--model", "qwen2_5_0_5b"])    # --src and --dst are required
     assert "required" in capsys.readouterr().err
-    assert set(COMMANDS) == {"plan", "demo"}
+    assert {"plan", "demo"} <= set(COMMANDS)             # others (simulate) may register more
 
 
 def test_python_dash_m():

@@ -53,7 +53,8 @@ class Region:
 
     def __post_init__(self) -> None:
         if len(self.starts) != len(self.stops):
-            raise LayoutError(f"region starts {self.starts} and stops {self.stops} differ in length (one start and one stop per dim)")
+            raise LayoutError(f"region starts {self.starts} and stops {self.stops} differ in "
+                              "length (one start and one stop per dim)")
         if any(a < 0 or b < a for a, b in zip(self.starts, self.stops)):
             raise LayoutError(f"region {self.starts}..{self.stops} needs 0 <= start <= stop per dim")
 

@@ -397,10 +397,10 @@ class Plan:
                  f"regions to {len({t.dst for t in send})} peers; copies {total(copies)} "
                  f"locally in {len(copies):,} regions"]
         if per_peer:
+            order = sorted(per_peer, key=lambda pd: (pd[1] != "recv from", pd[0]))
             lines += [""] + _table(("peer", "direction", "regions", "bytes"),
-                                   [(str(p), d, f"{n:,}", f"{b:,}") for (p, d), (n, b)
-                                    in sorted(per_peer.items(), key=lambda kv: (kv[0][1] != "recv from", kv[0][0]))],
-                                   right=(0, 2, 3))
+                                   [(str(p), d, f"{per_peer[p, d][0]:,}", f"{per_peer[p, d][1]:,}")
+                                    for p, d in order], right=(0, 2, 3))
         if rows:
             shown = rows if max_rows is None else rows[:max(max_rows, 0)]
             if shown:
