@@ -359,14 +359,20 @@ class Plan:
         """``rank``'s share of the plan, for people: a summary line, bytes per peer, then
         one row per region it receives, sends or copies locally (plan order).
 
-        Example (rows 0:8 of ``w`` on ranks 0..3, wanted whole by rank 4)::
+        Example (``w`` float32 [8, 4], rows split over ranks 0..3, wanted whole by rank 4)::
 
-            rank 4: receives 128 B in 4 regions from 4 peers; sends 0 B; copies 0 B locally
+            rank 4: receives 128 B in 4 regions from 4 peers; sends 0 B in 0 regions to 0
+            peers; copies 0 B locally in 0 regions     (one line)
+
             peer | direction | regions | bytes
                0 | recv from |       1 |    32
-            ...
+               ...
+               3 | recv from |       1 |    32
+
             direction | peer | tensor | region     | bytes
             recv from |    0 | w      | [0:2, 0:4] |    32
+            ...
+            recv from |    3 | w      | [6:8, 0:4] |    32
 
         Args:
             rank: a world rank (one with no part in the plan gets an empty table).
