@@ -41,6 +41,12 @@ destination byte is checked once after each warm-up refit and once after a basel
 
     python benchmarks/bench_refit.py [--quick] [--gib 1.0] [--reps 7] [--kernels out_in]
                                      [--transport both|shm|gloo]
+                                     [--executor both|pipelined|rounds] [--json]
+
+``--executor both`` (the default) adds, for each transport, a refit with the old
+round-by-round executor (``Refit.executor_kind = "rounds"``) in the same processes,
+interleaved: the side-by-side column "rounds / pipelined" is its time over the
+pipelined one's.
 """
 
 from __future__ import annotations
@@ -428,10 +434,14 @@ def child(ctx: Any, cfg: dict) -> dict:
     me = set(world.rank_ids)
     trainer_rank = world.group_ranks("trainer")[0]
     rollout_ranks = list(world.group_ranks("rollout"))
-    kinds = ["shm", "gloo"] if cfg["transport"] == "both" else [cfg["transport"]]
+    transports = ["shm", "gloo"] if cfg["transport"] == "both" else [cfg["transport"]]
+    executors = (["pipelined", "rounds"] if cfg["executor"] == "both"
+                 else [cfg["executor"]])
+    # a key per (transport, executor): "shm", "gloo" pipelined, "shm+rounds" the old one
+    kinds = [t if e == "pipelined" else f"{t}+rounds" for e in executors for t in transports]
     configs = {k: xr.RefitConfig(bucket_bytes=cfg["bucket_mib"] * MiB,
                                  staging_bytes=cfg["staging_mib"] * MiB, timeout=TIMEOUT,
-                                 transport="auto" if k == "shm" else k)
+                                 transport="auto" if k.startswith("shm") else "gloo")
                for k in kinds}
     t_setup = time.perf_counter()
     refits = {}
@@ -440,6 +450,7 @@ def child(ctx: Any, cfg: dict) -> dict:
         transpose = {n for n, s, _ in specs if is_kernel(n, s, cfg["kernels"])}
         for k in kinds:
             refits[k] = xr.Refit(world, send=params, transpose=transpose, config=configs[k])
+            refits[k].executor_kind = "rounds" if k.endswith("+rounds") else "pipelined"
         max_bytes = max(math.prod(s) for _, s, _ in specs) * 2
         gather_buf = np.empty(max_bytes, np.uint8)
         gather_buf[:] = 1                                       # resident, like a real buffer
@@ -448,6 +459,7 @@ def child(ctx: Any, cfg: dict) -> dict:
         views = local_views(state)
         for k in kinds:
             refits[k] = xr.Refit(world, receive=state, config=configs[k])
+            refits[k].executor_kind = "rounds" if k.endswith("+rounds") else "pipelined"
         max_bytes = max(math.prod(s) for _, s, _ in specs) * 2
         recv_buf = np.ones(max_bytes, np.uint8)
     setup_s = time.perf_counter() - t_setup
@@ -468,7 +480,7 @@ def child(ctx: Any, cfg: dict) -> dict:
             zero(views)
     first, first_s = firsts[kinds[0]]
     auto = world.transport("auto")
-    if "shm" in kinds and "gloo" in auto.parts:
+    if "shm" in transports and "gloo" in auto.parts:
         raise RuntimeError(f"'auto' built {auto.name}: some pair of this one-host world did "
                            f"not get shared memory (XRESHARD_SHM=0 set?)")
     gloo = world.transport("gloo")
@@ -608,14 +620,19 @@ def summarize(res: dict, cfg: dict, command: str) -> str:
       f"{busiest['label']} / its `np.copyto` bandwidth {memcpy_bw / 1e9:.2f} GB/s = "
       f"{memcpy_bound:.3f} s.")
     w("")
-    w("| refit over | time (s) | GB/s (busiest) | fraction of memcpy bound | vs gloo refit |")
-    w("|---|---|---|---|---|")
+    w("| refit over (executor) | time (s) | GB/s (busiest) | fraction of gloo bound "
+      "| fraction of memcpy bound | vs gloo refit | rounds / pipelined |")
+    w("|---|---|---|---|---|---|---|")
     for k in kinds:
         t = med[f"refit:{k}"]
         lo, hi = spread[f"refit:{k}"]
         vs = (f"**{med['refit:gloo'] / t:.2f}x**" if "refit:gloo" in med else "-")
-        w(f"| {k} | {t:.3f} ({lo:.3f}-{hi:.3f}) | {busiest_bytes / t / 1e9:.2f} "
-          f"| **{memcpy_bound / t:.2f}** | {vs} |")
+        old = f"refit:{k}+rounds"
+        speedup = f"**{med[old] / t:.2f}x**" if old in med else "-"
+        name = (f"{k.split('+')[0]} (rounds: the old executor)" if k.endswith("+rounds")
+                else f"{k} (pipelined)")
+        w(f"| {name} | {t:.3f} ({lo:.3f}-{hi:.3f}) | {busiest_bytes / t / 1e9:.2f} "
+          f"| {bound / t:.2f} | **{memcpy_bound / t:.2f}** | {vs} | {speedup} |")
     w("")
     w("| process | bytes per refit by transport | shm segments MiB | shm staging copies "
       "(copied in / in place, MiB, all calls) | executor staging MiB | staging_bytes x ranks MiB |")
@@ -681,6 +698,33 @@ def summarize(res: dict, cfg: dict, command: str) -> str:
     return "\n".join(lines)
 
 
+def figures(res: dict, cfg: dict) -> dict[str, Any]:
+    """The headline numbers as JSON: times and fractions of the gloo and memcpy bounds per
+    (transport, executor); ``fraction_of_bound`` is the first refit's (the table's top
+    row: pipelined, shm when both transports run) against the gloo bound."""
+    procs = res["processes"]
+    reps = cfg["reps"]
+    med = {k: statistics.median([max(p["times"][k][i] for p in procs) for i in range(reps)])
+           for k in procs[0]["times"]}
+    busiest = max(procs, key=lambda p: p["sent"] + p["received"])
+    nbytes = busiest["sent"] + busiest["received"]
+    bound = nbytes / (cfg["p2p_mib"] * MiB / med["p2p"])
+    memcpy_bound = nbytes / busiest["memcpy_bw"]
+    kinds = procs[0]["kinds"]
+    out: dict[str, Any] = {
+        "kernels": cfg["kernels"], "gib": cfg["gib"], "reps": reps,
+        "busiest_bytes": nbytes, "gloo_bound_s": bound, "memcpy_bound_s": memcpy_bound,
+        "refit_s": med["refit"], "fraction_of_bound": bound / med["refit"],
+        "baseline_s": med["baseline"], "refits": {}}
+    for k in kinds:
+        t = med[f"refit:{k}"]
+        out["refits"][k] = {"transport": k.split("+")[0],
+                            "executor": "rounds" if k.endswith("+rounds") else "pipelined",
+                            "seconds": t, "fraction_of_bound": bound / t,
+                            "fraction_of_memcpy_bound": memcpy_bound / t}
+    return out
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--gib", type=float, default=1.0, help="model size in GiB (bf16)")
@@ -694,6 +738,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--timeout", type=float, default=1200.0)
     ap.add_argument("--transport", choices=("both", "shm", "gloo"), default="both",
                     help="refit over shm ('auto' on one host), gloo, or both side by side")
+    ap.add_argument("--executor", choices=("both", "pipelined", "rounds"), default="both",
+                    help="the pipelined executor, the old round-by-round one (rounds), or "
+                         "both side by side in the same processes")
+    ap.add_argument("--json", action="store_true",
+                    help="print the headline numbers as one JSON object (after the tables)")
     ap.add_argument("--profile-top", type=int, default=0,
                     help="also list the N most expensive functions of the profiled call")
     args = ap.parse_args(argv)
@@ -704,7 +753,7 @@ def main(argv: list[str] | None = None) -> None:
     cfg = {"gib": args.gib, "reps": args.reps, "kernels": args.kernels,
            "bucket_mib": args.bucket_mib, "staging_mib": args.staging_mib,
            "p2p_mib": args.p2p_mib, "profile_top": args.profile_top,
-           "transport": args.transport}
+           "transport": args.transport, "executor": args.executor}
     command = "python " + " ".join([sys.argv[0] if argv is None else "benchmarks/bench_refit.py",
                                     *(sys.argv[1:] if argv is None else argv)])
     from xreshard.launch import Role, launch
@@ -715,6 +764,9 @@ def main(argv: list[str] | None = None) -> None:
     results = launch("bench_refit:child", roles, args=(cfg,), timeout=args.timeout)
     res = results[0].value
     print(summarize(res, cfg, command))
+    if args.json:
+        import json
+        print(json.dumps(figures(res, cfg)))
     print(f"\nMachine: {platform.machine()}, {platform.python_implementation()} "
           f"{platform.python_version()}, {__import__('os').cpu_count()} CPUs; whole run "
           f"{time.perf_counter() - t0:.0f} s.")

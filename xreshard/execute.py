@@ -6,6 +6,27 @@ of the round in one transport group, then unpacks received staging into destinat
 bindings. Casting happens on the sender at pack time, so the wire carries the smaller
 dtype.
 
+Pipelined (the default for host bindings): one thread, the *wire*, runs the transport
+groups one after another, while the calling thread packs and unpacks around it:
+
+```
+ calling thread  pack 0 | pack 1 | local copies  | unpack 0 | pack 2 | unpack 1 | pack 3 ...
+ wire thread          group 0 ........ | group 1 ............... | group 2 .........
+```
+
+Each send is handed to the wire as soon as it is packed (a transport that starts posts at
+once, gloo or shm, moves message i while i+1 packs), round k+1 is packed while round k is
+in flight, and round k is unpacked while round k+1 is. Staging is double-buffered: round
+k and k+1 live in the arena side by side (round k at its bottom when k is even, at its
+top when odd), so the arena is the largest sum of two consecutive rounds' staging, which
+must fit ``staging_bytes`` x the ranks sharing it (the refit schedules with half the
+budget per round for that); a schedule whose consecutive rounds do not fit runs round
+after round. Only one thread ever touches the transport, so a transport needs nothing
+beyond the grouped protocol (and NCCL's groupStart/End semantics hold: the wire opens a
+group, posts, closes it). Device (CUDA) bindings run round after round: their copies and
+NCCL calls are queued asynchronously on the device's current stream already, and that
+stream is per thread in CuPy, so a second thread would need cross-stream events.
+
 A *binding* is what a rank holds of a tensor, in the tensor's canonical coordinates: an
 array (numpy on CPU, CuPy on GPU) for product layouts, a list of arrays (one per region)
 for explicit ones. Bindings may be strided views (a transposed Flax kernel, one row range
@@ -17,6 +38,9 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import os
+import queue
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
@@ -125,6 +149,7 @@ class ExecStats:
     num_zero_copy: int = 0
     num_rounds: int = 0
     staging_bytes: int = 0
+    pipelined: bool = False
     seconds: float = 0.0
     per_round_seconds: list[float] = field(default_factory=list)
 
@@ -155,12 +180,20 @@ class Executor:
         alloc: ``alloc(nbytes)`` -> a 1-D uint8 staging array; called under the rank's
             CUDA device for device bindings. Default: numpy for host bindings, CuPy for
             device ones.
+        pipeline: overlap packing, the wire and unpacking (see the module docstring);
+            None reads ``XRESHARD_EXECUTOR`` (``pipelined``, the default, or ``rounds``).
+            Every process of a refit must choose the same (the refit schedules rounds of
+            half the budget when pipelining).
+        staging_bytes: the most staging one rank may hold; the pipelined arena (two
+            rounds) stays within it times the ranks sharing the arena, else rounds run one
+            after another. None: no cap.
     """
 
     def __init__(self, schedule: Schedule, src_layouts: Mapping[str, Layout],
                  dst_layouts: Mapping[str, Layout], wire_dtypes: Mapping[str, str],
                  src_bindings: Bindings, dst_bindings: Bindings, transport: Transport,
-                 timeout: float, alloc: Callable[[int], Any] | None = None):
+                 timeout: float, alloc: Callable[[int], Any] | None = None,
+                 pipeline: bool | None = None, staging_bytes: int | None = None):
         self.schedule = schedule
         self.src_layouts = src_layouts
         self.dst_layouts = dst_layouts
@@ -172,6 +205,9 @@ class Executor:
         self.transport = transport
         self.timeout = timeout
         self._alloc = alloc
+        self.pipeline = pipelined_by_default() if pipeline is None else bool(pipeline)
+        self._programs = _programs_for(schedule, src_layouts, dst_layouts, wire_dtypes)
+        self.staging_bytes = staging_bytes
         #: staging per CUDA device ordinal (None: host memory), reused across runs
         self._arena: dict[int | None, Any] = {}
 
@@ -183,13 +219,35 @@ class Executor:
     def _dst(self, rank: int, name: str, region: Region) -> Any:
         return view_of(self.dst_bindings[(rank, name)], self.dst_layouts[name], rank, region)
 
+    def _program(self, b: Bucket, side: int) -> list[tuple]:
+        """How to pack (side 0) or unpack (side 1) bucket ``b``: per item, in message order,
+        (binding key, buffer index or None, slices, byte range, wire bits dtype, shape,
+        wire dtype, binding dtype). Geometry only, so it is computed once per bucket and
+        reused by every call with the same schedule and layouts (see ``_programs_for``)."""
+        key = (id(b), side)
+        prog = self._programs.get(key)
+        if prog is None:
+            layouts = self.src_layouts if side == 0 else self.dst_layouts
+            rank = b.src if side == 0 else b.dst
+            prog = []
+            for it, off in self._packed(b):
+                lay = layouts[it.name]
+                i, slices = lay.locate(rank, it.region)
+                wire = self.wire[it.name]
+                prog.append(((rank, it.name), None if lay.is_product else i,
+                             slices + (Ellipsis,), off, off + it.nbytes,
+                             bits_dtype(itemsize(wire)), it.region.shape, wire, lay.dtype))
+            self._programs[key] = prog
+        return prog
+
     def _zero_copy_send(self, b: Bucket) -> Any:
         if len(b.items) != 1:
             return None
-        it = b.items[0]
-        if self.src_layouts[it.name].dtype != self.wire[it.name]:
+        key, i, sl, _, _, _, _, wire, dtype = self._program(b, 0)[0]
+        if dtype != wire:
             return None
-        view = self._src(b.src, it.name, it.region)
+        arr = self.src_bindings[key]
+        view = (arr if i is None else arr[i])[sl]
         if not view.flags.c_contiguous:
             return None
         return view.reshape(-1).view(np.uint8)
@@ -197,10 +255,11 @@ class Executor:
     def _zero_copy_recv(self, b: Bucket) -> Any:
         if len(b.items) != 1:
             return None
-        it = b.items[0]
-        if self.dst_layouts[it.name].dtype != self.wire[it.name]:
+        key, i, sl, _, _, _, _, wire, dtype = self._program(b, 1)[0]
+        if dtype != wire:
             return None
-        view = self._dst(b.dst, it.name, it.region)
+        arr = self.dst_bindings[key]
+        view = (arr if i is None else arr[i])[sl]
         if not view.flags.c_contiguous or not getattr(view.flags, "writeable", True):
             return None
         return view.reshape(-1).view(np.uint8)
@@ -223,20 +282,20 @@ class Executor:
         return out
 
     def _pack(self, b: Bucket, buf: Any) -> None:
-        for it, off in self._packed(b):
-            src = self._src(b.src, it.name, it.region)
-            wire = self.wire[it.name]
-            out = buf[off:off + it.nbytes].view(bits_dtype(itemsize(wire))).reshape(
-                it.region.shape)
-            copy_into(_xp(out), out, wire, src, self.src_layouts[it.name].dtype)
+        bindings = self.src_bindings
+        xp = _xp(buf)
+        for key, i, sl, lo, hi, wide, shape, wire, dtype in self._program(b, 0):
+            arr = bindings[key]
+            out = buf[lo:hi].view(wide).reshape(shape)
+            copy_into(xp, out, wire, (arr if i is None else arr[i])[sl], dtype)
 
     def _unpack(self, b: Bucket, buf: Any) -> None:
-        for it, off in self._packed(b):
-            dst = self._dst(b.dst, it.name, it.region)
-            wire = self.wire[it.name]
-            data = buf[off:off + it.nbytes].view(bits_dtype(itemsize(wire))).reshape(
-                it.region.shape)
-            copy_into(_xp(dst), dst, self.dst_layouts[it.name].dtype, data, wire)
+        bindings = self.dst_bindings
+        for key, i, sl, lo, hi, wide, shape, wire, dtype in self._program(b, 1):
+            arr = bindings[key]
+            dst = (arr if i is None else arr[i])[sl]
+            data = buf[lo:hi].view(wide).reshape(shape)
+            copy_into(_xp(dst), dst, dtype, data, wire)
 
     def _local_copy(self, t: Any) -> int:
         src = self._src(t.src, t.name, t.region)
@@ -271,8 +330,9 @@ class Executor:
 
     # ------------------------------------------------------------ run
 
-    def _staging_needed(self) -> dict[int | None, int]:
-        need: dict[int | None, int] = {}
+    def _round_needs(self) -> list[dict[int | None, int]]:
+        """Staging bytes each round takes, per device (None: host memory)."""
+        needs = []
         for buckets in self.schedule.rounds:
             total: dict[int | None, int] = {}
             for b in buckets:
@@ -282,9 +342,34 @@ class Executor:
                 if b.dst in self._local_dst and self._zero_copy_recv(b) is None:
                     dev = self._device.get(b.dst)
                     total[dev] = total.get(dev, 0) + _aligned(b.nbytes)
+            needs.append(total)
+        return needs
+
+    def _staging_needed(self) -> dict[int | None, int]:
+        need: dict[int | None, int] = {}
+        for total in self._round_needs():
             for dev, n in total.items():
                 need[dev] = max(need.get(dev, 0), n)
         return need
+
+    def _double_buffered(self, needs: list[dict[int | None, int]]
+                         ) -> dict[int | None, int] | None:
+        """Arena bytes per device that hold any two consecutive rounds side by side, or
+        None when that exceeds ``staging_bytes`` x the local ranks on the device."""
+        arena: dict[int | None, int] = {}
+        for k, total in enumerate(needs):
+            nxt = needs[k + 1] if k + 1 < len(needs) else {}
+            for dev in set(total) | set(nxt):
+                arena[dev] = max(arena.get(dev, 0), total.get(dev, 0) + nxt.get(dev, 0))
+        if self.staging_bytes is not None:
+            ranks: dict[int | None, int] = {}
+            for r in self._local_src | self._local_dst:
+                dev = self._device.get(r)
+                ranks[dev] = ranks.get(dev, 0) + 1
+            for dev, n in arena.items():
+                if n > self.staging_bytes * max(ranks.get(dev, 1), 1):
+                    return None
+        return arena
 
     def _staging(self, need: dict[int | None, int]) -> None:
         if self._arena is None:         # a caller reset it
@@ -326,14 +411,24 @@ class Executor:
                 cuda_preflight(dev)
         ok = False
         try:
-            for t in self.schedule.local_copies:
-                with self._on(t.dst):
-                    stats.bytes_local += self._local_copy(t)
-            need = self._staging_needed()
-            self._staging(need)
-            stats.staging_bytes = sum(need.values())
-            for buckets in self.schedule.rounds:
-                self._round(buckets, stats)
+            arena = None
+            if self.pipeline and not gpus and len(self.schedule.rounds) > 0:
+                needs = self._round_needs()
+                arena = self._double_buffered(needs)
+            if arena is not None:
+                self._staging(arena)
+                stats.staging_bytes = sum(arena.values())
+                stats.pipelined = True
+                self._pipelined(needs, arena, stats)
+            else:
+                for t in self.schedule.local_copies:
+                    with self._on(t.dst):
+                        stats.bytes_local += self._local_copy(t)
+                need = self._staging_needed()
+                self._staging(need)
+                stats.staging_bytes = sum(need.values())
+                for buckets in self.schedule.rounds:
+                    self._round(buckets, stats)
             ok = True
         finally:
             if gpus:    # also after a failure: no copy may still read or write afterwards
@@ -381,6 +476,205 @@ class Executor:
             with self._on(b.dst):
                 self._unpack(b, buf)
         stats.per_round_seconds.append(time.perf_counter() - tr)
+
+    # ------------------------------------------------------------ pipelined run
+
+    def _pipelined(self, needs: list[dict[int | None, int]], arena: dict[int | None, int],
+                   stats: ExecStats) -> None:
+        """Rounds overlapped: the wire thread runs round k's group while this thread packs
+        round k+1 and unpacks round k-1 (host bindings only)."""
+        rounds = self.schedule.rounds
+        wire = _Wire(self.transport, self.timeout)
+        pending: dict[int, list[tuple[Bucket, Any]]] = {}
+        started: dict[int, float] = {}
+
+        def finish(k: int) -> None:
+            wire.wait(k)
+            for b, buf in pending.pop(k):
+                self._unpack(b, buf)
+            stats.per_round_seconds.append(time.perf_counter() - started.pop(k))
+
+        try:
+            for k, buckets in enumerate(rounds):
+                if k >= 2:
+                    finish(k - 2)       # frees round k's half of the arena
+                started[k] = time.perf_counter()
+                # round k sits at the bottom of the arena when k is even, at its top when
+                # odd: two consecutive rounds never overlap (see _double_buffered)
+                offsets = {dev: 0 if k % 2 == 0 else arena[dev] - needs[k].get(dev, 0)
+                           for dev in arena}
+                recvs, unpack = [], []
+                for b in buckets:
+                    if b.dst in self._local_dst:
+                        buf = self._zero_copy_recv(b)
+                        if buf is None:
+                            buf = self._take(offsets, b.dst, b.nbytes)
+                            unpack.append((b, buf))
+                        else:
+                            stats.num_zero_copy += 1
+                        recvs.append((buf, b))
+                        stats.bytes_received += b.nbytes
+                pending[k] = unpack
+                wire.open(k, recvs)
+                for b in buckets:
+                    if b.src in self._local_src:
+                        buf = self._zero_copy_send(b)
+                        if buf is None:
+                            buf = self._take(offsets, b.src, b.nbytes)
+                            self._pack(b, buf)
+                        else:
+                            stats.num_zero_copy += 1
+                        wire.send(buf, b)
+                        stats.bytes_sent += b.nbytes
+                        stats.num_messages += 1
+                wire.close(k)
+                if k == 0:      # same-rank copies overlap the first round's wire
+                    for t in self.schedule.local_copies:
+                        stats.bytes_local += self._local_copy(t)
+            if not rounds:
+                for t in self.schedule.local_copies:
+                    stats.bytes_local += self._local_copy(t)
+            for k in sorted(pending):
+                finish(k)
+        except BaseException as e:
+            wire.abort(e)
+            raise
+        finally:
+            wire.stop()
+
+
+class _Wire:
+    """The thread that runs an executor's transport groups, one after another.
+
+    The calling thread hands it ``open(k, receives)``, then each send as soon as it is
+    packed, then ``close(k)``; the wire opens round k's group, posts the receives, posts
+    each send as it comes and closes the group (which waits for every post, within the
+    timeout). ``wait(k)`` returns once round k's group exited, or raises what it raised.
+    """
+
+    def __init__(self, transport: Transport, timeout: float):
+        self.transport = transport
+        self.timeout = timeout
+        self._q: queue.SimpleQueue = queue.SimpleQueue()
+        self._done: dict[int, threading.Event] = {}
+        self._error: BaseException | None = None
+        self._failed = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="xreshard-wire", daemon=True)
+        self._thread.start()
+
+    def open(self, k: int, recvs: list[tuple[Any, Bucket]]) -> None:
+        self._check()
+        self._done[k] = threading.Event()
+        self._q.put(("open", k, recvs))
+
+    def send(self, buf: Any, b: Bucket) -> None:
+        self._check()
+        self._q.put(("send", buf, b))
+
+    def close(self, k: int) -> None:
+        self._q.put(("close", k, None))
+
+    def _check(self) -> None:
+        if self._failed.is_set():
+            assert self._error is not None
+            raise self._error
+
+    def wait(self, k: int) -> None:
+        """Until round k's group exited; raises the wire's error (a timeout names the peer)."""
+        done = self._done[k]
+        # the group bounds its own waits by the timeout; this bound only guards against a
+        # transport that does not
+        deadline = time.monotonic() + 2 * self.timeout + 5.0
+        while not done.wait(0.05):
+            if self._failed.is_set():
+                break
+            if time.monotonic() >= deadline:
+                raise TransportTimeout(f"{self.transport.name}: round {k} did not complete "
+                                       f"within {self.timeout} s (the transport did not "
+                                       f"return from its group)")
+        self._check()
+
+    def abort(self, e: BaseException) -> None:
+        """The calling thread failed: the open group exits with ``e`` (no more posts)."""
+        self._q.put(("abort", e, None))
+
+    def stop(self) -> None:
+        """End the thread once it finished what it was handed (its waits are bounded)."""
+        self._q.put(("stop", None, None))
+        self._thread.join(2 * self.timeout + 5.0)
+
+    def _loop(self) -> None:
+        group = None
+        k = -1
+        while True:
+            op, a, b = self._q.get()
+            if op == "stop":
+                if group is not None:       # never closed: the caller failed
+                    with contextlib.suppress(BaseException):
+                        group.__exit__(RuntimeError, RuntimeError("executor stopped"), None)
+                return
+            if self._failed.is_set():
+                continue                    # drain: nothing more is posted after a failure
+            try:
+                if op == "open":
+                    k = a
+                    group = self.transport.group(self.timeout)
+                    group.__enter__()
+                    for buf, bk in b:
+                        self.transport.recv(buf, bk.src, bk.dst, bk.tag)
+                elif op == "send":
+                    self.transport.send(a, b.src, b.dst, b.tag)
+                elif op == "close":
+                    g, group = group, None
+                    g.__exit__(None, None, None)
+                    self._done[a].set()
+                elif op == "abort":
+                    g, group = group, None
+                    if g is not None:
+                        with contextlib.suppress(BaseException):
+                            g.__exit__(type(a), a, a.__traceback__)
+                    self._fail(a)
+            except BaseException as e:      # noqa: BLE001 - raised in the calling thread
+                if group is not None and op != "close":
+                    g, group = group, None
+                    with contextlib.suppress(BaseException):
+                        g.__exit__(type(e), e, e.__traceback__)
+                group = None
+                self._fail(e)
+                if k in self._done:
+                    self._done[k].set()
+
+    def _fail(self, e: BaseException) -> None:
+        if self._error is None:
+            self._error = e
+        self._failed.set()
+
+
+#: id(schedule) -> (schedule, src layouts, dst layouts, wire dtypes, programs): the pack
+#: and unpack programs of the last few schedules, valid while the same objects are passed
+_PROGRAMS: dict[int, tuple] = {}
+
+
+def _programs_for(schedule: Schedule, src_layouts: Mapping[str, Layout],
+                  dst_layouts: Mapping[str, Layout], wire_dtypes: Mapping[str, str]) -> dict:
+    """The program cache of this schedule (refits pass the same plan and schedule objects on
+    every call until they replan; layouts and schedules are immutable)."""
+    ent = _PROGRAMS.get(id(schedule))
+    if ent is None or not (ent[0] is schedule and ent[1] is src_layouts
+                           and ent[2] is dst_layouts and ent[3] is wire_dtypes):
+        if len(_PROGRAMS) >= 8:
+            _PROGRAMS.clear()
+        ent = (schedule, src_layouts, dst_layouts, wire_dtypes, {})
+        _PROGRAMS[id(schedule)] = ent
+    return ent[4]
+
+
+def pipelined_by_default() -> bool:
+    """``XRESHARD_EXECUTOR``: ``pipelined`` (default) or ``rounds``."""
+    kind = os.environ.get("XRESHARD_EXECUTOR", "pipelined").strip().lower()
+    if kind not in ("pipelined", "rounds"):
+        raise RefitError(f"XRESHARD_EXECUTOR={kind!r}: expected 'pipelined' or 'rounds'")
+    return kind == "pipelined"
 
 
 _ALIGN = 256    # staging offsets: what cudaMalloc guarantees, enough for any element

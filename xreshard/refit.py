@@ -52,7 +52,7 @@ from .binding import Bound, binding_problems
 from .dtypes import dtype_name
 from .errors import (CommunicationError, RefitError, TransportTimeout, VerificationError,
                      XreshardError, error_from, error_name)
-from .execute import Executor, device_problems
+from .execute import Executor, device_problems, pipelined_by_default
 from .layout import Layout, Mesh, Region
 from .plan import Plan, PlanCache, plan
 from .schedule import Schedule, peer_counts, schedule
@@ -329,9 +329,27 @@ class Refit:
             transport = self.world.transport(self.config.transport)
             src_bindings = _fit(src, self._plan.src)
             dst_bindings = _fit(dst, self._plan.dst)
-            executor = Executor(self._schedule, self._plan.src, self._plan.dst,
+            # pipelined: two rounds share the staging budget, so rounds of half of it
+            # (every process picks the same: XRESHARD_EXECUTOR, or refit.executor_kind)
+            kind = getattr(self, "executor_kind", None)
+            pipeline = pipelined_by_default() if kind is None else kind == "pipelined"
+            sched = self._schedule
+            if pipeline:
+                half = getattr(self, "_half_schedule", None)
+                if half is None or half[0] is not self._plan:
+                    mine = self.world.rank_ids
+                    paired = {r for m in mine for t in self._plan.transfers_for(m)
+                              for r in (t.src, t.dst)}
+                    half = (self._plan, schedule(
+                        self._plan, list(mine), peer_counts(self._plan, sorted(paired)),
+                        bucket_bytes=self.config.bucket_bytes,
+                        staging_bytes=max(1, self.config.staging_bytes // 2)))
+                    self._half_schedule = half
+                sched = half[1]
+            executor = Executor(sched, self._plan.src, self._plan.dst,
                                 self._plan.wire_dtypes, src_bindings, dst_bindings,
-                                transport, timeout)
+                                transport, timeout, pipeline=pipeline,
+                                staging_bytes=self.config.staging_bytes)
             if self._arena is not None:
                 executor._arena = self._arena       # staging is reused across calls
             stats = executor.run()
