@@ -435,3 +435,40 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+# ---------------------------------------------------------------------------- mixed GPU worlds
+
+def test_nccl_members_when_a_colocated_engine_takes_ipc_and_a_remote_one_nccl():
+    from xreshard.transport.select import choose_routes
+    # process 0: trainer on host a GPU-A (rank 0); 1: engine on the same GPU (rank 1);
+    # 2: engine on host b (rank 2)
+    caps = [{"host": "a", "cuda_devices": ["GPU-A"], "cuda_reach": ["GPU-A"]},
+            {"host": "a", "cuda_devices": ["GPU-A"], "cuda_reach": ["GPU-A"]},
+            {"host": "b", "cuda_devices": ["GPU-B"], "cuda_reach": ["GPU-B"]}]
+    r = choose_routes([0, 1, 2], ["cuda"] * 3, caps)
+    assert r.kind(0, 1) == "cuda_ipc" and r.kind(0, 2) == "nccl"
+    assert r.kinds == ("cuda_ipc", "nccl")
+    # between jobs only: the two engines never exchange, so NCCL spans ranks 0 and 2 and
+    # never sees two ranks on GPU-A
+    assert r.ranks_using("nccl", ["trainer", "rollout", "rollout"]) == (0, 2)
+    assert r.ranks_using("nccl") == (0, 1, 2)
+
+
+def test_renumbered_transport_maps_world_ranks_into_its_communicator():
+    from xreshard.transport.local import LocalTransport
+    from xreshard.world import RenumberedTransport
+    t = RenumberedTransport(LocalTransport(), {0: 0, 5: 1}, "nccl")
+    out = np.zeros(4, np.uint8)
+    with t.group(1):
+        t.send(np.arange(4, dtype=np.uint8), 0, 5, 3)
+        t.recv(out, 0, 5, 3)
+    assert out.tolist() == [0, 1, 2, 3]
+    with pytest.raises(TransportError, match=r"nccl send 0->4: not both in its communicator "
+                                             r"\(ranks \[0, 5\]\)"):
+        t.send(out, 0, 4, 0)
+    absent = RenumberedTransport(None, {0: 0, 5: 1}, "nccl")
+    with absent.group(1):
+        pass
+    with pytest.raises(TransportError, match="not both in its communicator"):
+        absent.recv(out, 0, 5, 0)

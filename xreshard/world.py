@@ -40,7 +40,8 @@ from .topology import Topology
 from .transport.base import Transport, TransportError, TransportTimeout, _nbytes
 from .transport.local import LocalTransport
 
-__all__ = ["StoreServer", "World", "RoutedTransport", "serve", "parse_address"]
+__all__ = ["StoreServer", "World", "RoutedTransport", "RenumberedTransport", "serve",
+           "parse_address"]
 
 logger = logging.getLogger(__name__)
 
@@ -701,7 +702,17 @@ class World:
     def _make_auto(self) -> Transport:
         routes = self.routes("auto")
         self._routes = routes
-        parts = {k: self.transport(k) for k in routes.kinds if k != "local"}
+        parts = {}
+        for k in routes.kinds:
+            if k == "nccl" and "cuda_ipc" in routes.kinds:
+                # some GPU pairs take IPC: NCCL gets only the ranks that need it between
+                # groups, so an engine sharing a GPU with its trainer (IPC) does not make
+                # NCCL refuse the communicator the trainer shares with a remote engine
+                groups = [info["group"] for info in self._infos]
+                parts[k] = self._transports["nccl"] = self._make_nccl_among(
+                    routes.ranks_using("nccl", groups), routes)
+            elif k != "local":
+                parts[k] = self.transport(k)
         parts["local"] = self.transport("local")
         made = RoutedTransport(parts, routes.kind, self._rank_ids)
         logger.info("world %r: transport %s", self._world_id, made.name)
@@ -755,6 +766,32 @@ class World:
         return NcclTransport(self._store, self.num_ranks, devices, key=f"{prefix}/nccl",
                              timeout=self._wait_seconds())
 
+    def _make_nccl_among(self, members: Sequence[int], routes: Any) -> Transport:
+        """An NCCL communicator over ``members`` only (world ranks, ascending), renumbered
+        0..len-1 (collective over the whole world: every process advances the prefix; only
+        processes with members join NCCL)."""
+        from .transport.nccl import NcclTransport
+
+        prefix = self._next_prefix()
+        by_device: dict[Any, int] = {}
+        for r in members:
+            dev = routes.rank_device[r]
+            if dev is not None and dev in by_device:
+                raise RefitError(
+                    f"ranks {by_device[dev]} and {r} share GPU {dev} and both need NCCL for "
+                    f"pairs without an IPC path; NCCL allows one rank per GPU in a "
+                    f"communicator: give them GPUs of their own, or keep each colocated rank's "
+                    f"peers reachable by cuda_ipc")
+            by_device[dev] = r
+        index = {r: i for i, r in enumerate(members)}
+        mine = {index[r]: _cuda_ordinal(self._devices[i])
+                for i, r in enumerate(self._rank_ids) if r in index}
+        if not mine:
+            return RenumberedTransport(None, index, "nccl")
+        inner = NcclTransport(self._store, len(members), mine, key=f"{prefix}/nccl",
+                              timeout=self._wait_seconds())
+        return RenumberedTransport(inner, index, "nccl")
+
     def _make_gloo(self) -> Transport:
         from .transport.gloo import GlooTransport, create_gloo_group
 
@@ -802,6 +839,39 @@ class World:
         return (f"World(world_id={self._world_id!r}, address={self._address!r}, "
                 f"process_index={self._process_index}, num_processes={self.num_processes}, "
                 f"rank_ids={list(self._rank_ids)}, num_ranks={self.num_ranks})")
+
+
+class RenumberedTransport:
+    """A transport over a subset of the world's ranks, numbered 0..n-1 inside (NCCL over
+    the ranks that need it); posts name world ranks and are renumbered here. ``inner`` is
+    None in a process with no member: it never posts to this transport (routing says so),
+    and a post raises."""
+
+    def __init__(self, inner: Transport | None, index: Mapping[int, int], name: str):
+        self.inner = inner
+        self._index = dict(index)
+        self.name = name
+
+    def group(self, timeout: float) -> contextlib.AbstractContextManager[None]:
+        return contextlib.nullcontext() if self.inner is None else self.inner.group(timeout)
+
+    def _inner(self, what: str, src_rank: int, dst_rank: int) -> tuple[Transport, int, int]:
+        if self.inner is None or src_rank not in self._index or dst_rank not in self._index:
+            raise TransportError(f"{self.name} {what} {src_rank}->{dst_rank}: not both in its "
+                                 f"communicator (ranks {sorted(self._index)})")
+        return self.inner, self._index[src_rank], self._index[dst_rank]
+
+    def send(self, buf: Any, src_rank: int, dst_rank: int, tag: int) -> None:
+        inner, s, d = self._inner("send", src_rank, dst_rank)
+        inner.send(buf, s, d, tag)
+
+    def recv(self, buf: Any, src_rank: int, dst_rank: int, tag: int) -> None:
+        inner, s, d = self._inner("recv", src_rank, dst_rank)
+        inner.recv(buf, s, d, tag)
+
+    def close(self) -> None:
+        if self.inner is not None:
+            self.inner.close()
 
 
 class RoutedTransport:

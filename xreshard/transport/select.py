@@ -190,6 +190,30 @@ class Routes:
                 used |= self.process_kind(p, q) | self.process_kind(q, p)
         return tuple(k for k in KINDS if k in used)
 
+    def ranks_using(self, kind: str, groups: Sequence[str] | None = None) -> tuple[int, ...]:
+        """The ranks that move some pair over ``kind`` (ascending): the members NCCL needs
+        in its communicator when "auto" routes only some pairs to it.
+
+        ``groups[p]`` is process ``p``'s group: when given, only pairs of processes in
+        different groups count (a refit moves bytes from one job to another; two engines
+        that share nothing need no communicator between them).
+        """
+        reps = self._reps()
+        members: dict[tuple[int, str | None], list[int]] = {}
+        for r, p in enumerate(self.rank_process):
+            members.setdefault((p, self.rank_device[r]), []).append(r)
+        used: set[int] = set()
+        for p in range(len(reps)):
+            for q in range(len(reps)):
+                if p == q or (groups is not None and groups[p] == groups[q]):
+                    continue
+                for da, a in reps[p].items():
+                    for db, b in reps[q].items():
+                        if self.kind(a, b) == kind:
+                            used.update(members[(p, da)])
+                            used.update(members[(q, db)])
+        return tuple(sorted(used))
+
     def peers(self, process: int, kind: str) -> list[int]:
         """The processes that ``process`` exchanges with over ``kind``."""
         n = len(self._reps())
