@@ -5,7 +5,6 @@ over shm, a peer killed mid-refit leaving nothing in /dev/shm)."""
 from __future__ import annotations
 
 import datetime
-import json
 import os
 import secrets
 import signal
@@ -20,7 +19,7 @@ from xreshard.errors import RefitError
 from xreshard.launch import Context, Role, launch
 from xreshard.transport.base import TransportError, TransportTimeout
 from xreshard.transport.select import choose_routes
-from xreshard.transport.shm import HEADER_BYTES, ShmTransport, remove_shm, shm_names
+from xreshard.transport.shm import ShmTransport, shm_names
 
 from . import refit_cases as cases
 
