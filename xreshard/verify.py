@@ -328,7 +328,7 @@ def _pair_digest(entries: Iterable[tuple[str, str]]) -> str:
 
 @dataclass
 class Digests:
-    """This process's digests of one refit (see :func:`digests`).
+    """This process's digests of one refit (see :func:`digest_bindings`).
 
     Attributes:
         send: ``key -> digest`` of every transfer a local rank sent (hashed).
