@@ -508,3 +508,35 @@ def test_peer_killed_mid_refit_raises_everywhere_and_leaves_no_segment():
     assert "died" in trainer["error"] or "rollout[1]" in trainer["error"], trainer["error"]
     assert trainer["copied_in"] > 0 and trainer["pulled"] == 0 and trainer["created"]
     assert shm_names(trainer["prefix"]) == []       # none of them is left in /dev/shm
+
+
+def test_records_are_sealed_and_bound_to_key_round_and_writer():
+    from xreshard.errors import AuthenticationError
+    from xreshard.store import Seal
+    from xreshard.transport.shm import _Records
+    seal = Seal(b"secret", "w", "nonce")
+    a, b, prefix = _pair(seal=seal)
+    try:
+        ra, rb = _both(lambda: _round(a, {0, 1}, {2}, range(2)),
+                       lambda: _round(b, {2}, {0, 1}, range(2)))
+        assert all(ra.values()) and all(rb.values())
+        # a process without the token writes round 2's record before the sender does
+        import json as _json
+        key = b._msg_key(2, 0, 2, 0)
+        b._store.set(key, _json.dumps({"key": key, "addr": 0, "n": 8, "gen": 2}))
+        with pytest.raises(AuthenticationError, match="does not hold an xreshard payload"):
+            with b.group(5):
+                b.recv(np.zeros(8, np.uint8), 0, 2, 0)
+    finally:
+        a.close()
+        b.close()
+    assert shm_names(prefix) == []
+    signed = _Records(seal, 0)
+    raw = signed.pack("shm", "k/1", 1, {"n": 8})
+    assert signed.unpack("shm", "k/1", 1, 0, raw, {})["n"] == 8
+    with pytest.raises(TransportError, match="replayed or misplaced"):
+        signed.unpack("shm", "k/2", 1, 0, raw, {})            # moved to another message
+    with pytest.raises(AuthenticationError):
+        signed.unpack("shm", "k/1", 2, 0, raw, {})            # replayed in another round
+    with pytest.raises(AuthenticationError):
+        signed.unpack("shm", "k/1", 1, 3, raw, {})            # claimed by another writer

@@ -732,7 +732,7 @@ class World:
         pulls = [q for q in peers if q in caps[me]["pull_reach"] and me in caps[q]["pull_reach"]]
         return ShmTransport(self._store, f"{prefix}/shm", caps[0]["token"], self._rank_process,
                             me, peers, pids=pids, process_labels=labels,
-                            connect=self._store_client, pull_peers=pulls)
+                            connect=self._store_client, pull_peers=pulls, seal=self._seal)
 
     def _store_client(self) -> Any:
         """Another client of the world's store, for a transport's helper thread (a client
@@ -753,7 +753,8 @@ class World:
                    if self._rank_kind[r] == "cuda"}
         return CudaIpcTransport(self._store, f"{prefix}/ipc", self._rank_process, me, peers,
                                 devices, pids=pids, process_labels=labels,
-                                can_reach=routes.ipc_ok, connect=self._store_client)
+                                can_reach=routes.ipc_ok, connect=self._store_client,
+                                seal=self._seal)
 
     def _make_nccl(self) -> Transport:
         """One NCCL communicator over every rank (collective, like gloo)."""

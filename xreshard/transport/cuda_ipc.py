@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import contextlib
 import datetime
-import json
 import logging
 import time
 from collections import OrderedDict
@@ -46,7 +45,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
 from .base import TransportError, TransportTimeout
-from .shm import _Watch
+from .shm import _Records, _Watch
 
 __all__ = ["CudaIpcTransport", "local_cuda_caps", "CupyCuda"]
 
@@ -257,6 +256,7 @@ class CudaIpcTransport:
         connect: a second store client for the watcher (see ``ShmTransport``).
         api: the CUDA calls (``CupyCuda()`` by default; a fake in CPU tests).
         max_open: the most peer allocations kept mapped here.
+        seal: the world's ``Seal`` for the records (see ``ShmTransport``).
     """
 
     name = "cuda_ipc"
@@ -266,8 +266,9 @@ class CudaIpcTransport:
                  pids: Mapping[int, tuple[int, str | None]] | None = None,
                  process_labels: Sequence[str] | None = None,
                  can_reach: Callable[[int, int], bool] | None = None, connect: Any = None,
-                 api: Any = None, max_open: int = 256):
+                 api: Any = None, max_open: int = 256, seal: Any = None):
         self._store = store
+        self._records = _Records(seal, process_index)
         self._key = key
         self._rank_process = tuple(rank_process)
         self._me = process_index
@@ -383,9 +384,10 @@ class CudaIpcTransport:
         seq = rnd.send_seq.get(peer)
         if seq is None:
             seq = rnd.send_seq[peer] = self._seq_out.get(peer, 0) + 1
-        rnd.pending[self._msg_key(seq, src_rank, dst_rank, tag)] = json.dumps(
-            {"h": handle, "bid": bid, "size": size, "off": off, "n": nbytes, "ev": ev_hex,
-             "gen": self._gen})
+        key = self._msg_key(seq, src_rank, dst_rank, tag)
+        rnd.pending[key] = self._records.pack(
+            "ipc", key, seq, {"h": handle, "bid": bid, "size": size, "off": off, "n": nbytes,
+                              "ev": ev_hex, "gen": self._gen})
 
     def recv(self, buf: Any, src_rank: int, dst_rank: int, tag: int) -> None:
         self._check_usable()
@@ -426,9 +428,10 @@ class CudaIpcTransport:
         except BaseException as e:
             for peer, seq in rnd.recv_seq.items():
                 if self._seq_in.get(peer) != seq:
+                    key = self._ack_key(peer, self._me, seq)
                     with contextlib.suppress(Exception):
-                        self._store.set(self._ack_key(peer, self._me, seq), json.dumps(
-                            {"error": f"{self._labels[self._me]}: {type(e).__name__}: {e}"}))
+                        self._store.set(key, self._records.pack("ipc-ack", key, seq, {
+                            "error": f"{self._labels[self._me]}: {type(e).__name__}: {e}"}))
             self._broken = str(e)
             raise
 
@@ -480,7 +483,8 @@ class CudaIpcTransport:
             keys = [self._msg_key(seq, r.src, r.dst, r.tag) for r in recvs]
             self._wait(keys, peer, rnd.deadline, timeout,
                        f"{len(keys)} message(s) to this process (round {seq}) from")
-            records = [json.loads(v) for v in self._store.multi_get(keys)]
+            records = [self._records.unpack("ipc", k, seq, peer, v, self._watch.dead)
+                       for k, v in zip(keys, self._store.multi_get(keys))]
             self._watch.discard(keys)
             waited: set[tuple] = set()
             for r, rec in zip(recvs, records):
@@ -506,13 +510,15 @@ class CudaIpcTransport:
                 self.bytes_received += nbytes
         self._finish_copies(used, rnd, timeout)
         for peer, seq in rnd.recv_seq.items():
-            self._store.set(self._ack_key(peer, self._me, seq), b"{}")
+            key = self._ack_key(peer, self._me, seq)
+            self._store.set(key, self._records.pack("ipc-ack", key, seq, {}))
             self._seq_in[peer] = seq
         for peer, seq in sorted(rnd.send_seq.items()):
             key = self._ack_key(self._me, peer, seq)
             what = f"the ack of this process's sends (round {seq}) from"
             self._wait([key], peer, rnd.deadline, timeout, what)
-            ack = json.loads(self._store.get(key))
+            ack = self._records.unpack("ipc-ack", key, seq, peer, self._store.get(key),
+                                       self._watch.dead)
             self._watch.discard([key])
             if "error" in ack:
                 raise TransportError(f"cuda_ipc: {what} {self._labels[peer]}: the receiver "

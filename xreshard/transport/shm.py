@@ -326,6 +326,8 @@ class ShmTransport:
             dead peer is noticed at the timeout.
         pull_peers: the peers that can read this process's memory and this process theirs
             with ``process_vm_readv`` (probed both ways by the world; needs their pids).
+        seal: the world's ``xreshard.store.Seal``: records are signed and bound to their
+            key, round and writer (None: plain JSON, for tests).
     """
 
     name = "shm"
@@ -334,8 +336,9 @@ class ShmTransport:
                  process_index: int, peers: Sequence[int],
                  pids: Mapping[int, tuple[int, str | None]] | None = None,
                  process_labels: Sequence[str] | None = None, connect: Any = None,
-                 pull_peers: Sequence[int] = ()):
+                 pull_peers: Sequence[int] = (), seal: Any = None):
         self._store = store
+        self._records = _Records(seal, process_index)
         self._key = key
         self.prefix = f"xr{tag}_"
         self._me = process_index
@@ -482,7 +485,8 @@ class ShmTransport:
                       "drop": self._drop.pop(peer, [])}
             # published together at the group's exit (one store round trip): there is no
             # copy here for the receiver to overlap with
-            rnd.pending[self._msg_key(seq, src_rank, dst_rank, tag)] = json.dumps(record)
+            key = self._msg_key(seq, src_rank, dst_rank, tag)
+            rnd.pending[key] = self._records.pack("shm", key, seq, record)
             return
         if where is not None:
             seg, off = where
@@ -493,7 +497,8 @@ class ShmTransport:
             seg, off, unlink = self._place(peer, arr)
         record = {"seg": seg.name, "size": seg.size, "off": off, "n": arr.nbytes,
                   "gen": self._gen, "unlink": unlink, "drop": self._drop.pop(peer, [])}
-        self._store.set(self._msg_key(seq, src_rank, dst_rank, tag), json.dumps(record))
+        key = self._msg_key(seq, src_rank, dst_rank, tag)
+        self._store.set(key, self._records.pack("shm", key, seq, record))
 
     def recv(self, buf: Any, src_rank: int, dst_rank: int, tag: int) -> None:
         rnd = self._open_round("recv", src_rank, dst_rank, tag)
@@ -565,9 +570,10 @@ class ShmTransport:
         for peer, seq in rnd.recv_seq.items():
             if self._seq_in.get(peer) == seq:
                 continue        # acknowledged already
+            key = self._ack_key(peer, self._me, seq)
             with contextlib.suppress(Exception):
-                self._store.set(self._ack_key(peer, self._me, seq),
-                                json.dumps({"error": f"{self._labels[self._me]}: {why}"}))
+                self._store.set(key, self._records.pack(
+                    "shm-ack", key, seq, {"error": f"{self._labels[self._me]}: {why}"}))
 
     def _complete(self, rnd: _Round, timeout: float) -> None:
         if rnd.pending:
@@ -580,7 +586,8 @@ class ShmTransport:
             remaining[r.peer] -= 1
             if remaining[r.peer] == 0:
                 seq = rnd.recv_seq[r.peer]
-                self._store.set(self._ack_key(r.peer, self._me, seq), b"{}")
+                key = self._ack_key(r.peer, self._me, seq)
+                self._store.set(key, self._records.pack("shm-ack", key, seq, {}))
                 self._seq_in[r.peer] = seq
         for peer, seq in rnd.recv_seq.items():
             self._seq_in[peer] = seq
@@ -588,7 +595,8 @@ class ShmTransport:
             key = self._ack_key(self._me, peer, seq)
             what = f"the ack of this process's sends (round {seq}) from"
             self._wait([key], peer, rnd.deadline, timeout, what)
-            ack = json.loads(self._store.get(key))
+            ack = self._records.unpack("shm-ack", key, seq, peer, self._store.get(key),
+                                       self._watch.dead)
             self._watch.discard([key])
             if "error" in ack:
                 raise TransportError(f"shm: {what} {self._labels[peer]}: the receiver failed: "
@@ -615,7 +623,7 @@ class ShmTransport:
                        f"message {r.src}->{r.dst} tag {r.tag} (round {seq}) from")
             raw = self._store.get(key)
         self._watch.discard([key])
-        rec = json.loads(raw)
+        rec = self._records.unpack("shm", key, seq, r.peer, raw, self._watch.dead)
         if "dead" in rec:     # the watcher's wake-up; _wait raised unless it raced a record
             raise TransportError(f"shm: {self._labels[r.peer]} (pid {rec['dead']}) died")
         where = f"shm recv {r.src}->{r.dst} tag {r.tag} from {self._labels[r.peer]}"
@@ -739,6 +747,34 @@ class ShmTransport:
     def __repr__(self) -> str:
         return (f"ShmTransport(prefix={self.prefix!r}, process={self._me}, "
                 f"peers={sorted(self._peers)})")
+
+
+class _Records:
+    """The JSON records a transport writes into the store, sealed with the world's ``Seal``
+    when it has one (signed with the world's token: a process without it can neither forge
+    a record nor move one to another message, round or writer) and bound to their key."""
+
+    def __init__(self, seal: Any, me: int):
+        self.seal = seal
+        self.me = me
+
+    def pack(self, kind: str, key: str, seq: int, obj: Mapping[str, Any]) -> str:
+        body = json.dumps({"key": key, **obj})
+        return body if self.seal is None else self.seal.seal(kind, seq, self.me, body)
+
+    def unpack(self, kind: str, key: str, seq: int, writer: int, raw: bytes | str,
+               dead: Mapping[str, int]) -> dict[str, Any]:
+        if key in dead:     # our watcher's wake-up overwrote it: the writer died
+            return {"dead": dead[key]}
+        if self.seal is None:
+            rec = json.loads(raw)
+        else:
+            rec = self.seal.open(raw, key=key, kind=kind, op=seq, process=writer)
+        if not isinstance(rec, dict) or rec.get("key", key) != key:
+            raise TransportError(f"store key {key!r} holds a record written for "
+                                 f"{rec.get('key') if isinstance(rec, dict) else rec!r}: "
+                                 f"replayed or misplaced")
+        return rec
 
 
 class _Watch:
