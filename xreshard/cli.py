@@ -26,6 +26,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
                              "statistics"),
     "demo": ("xreshard.demo", "train a small transformer in JAX and refit it shard to shard "
                               "into torch DTensors, verifying every byte"),
+    "simulate": ("xreshard.simulate", "predict a refit's time on a cluster model (GB200 NVL72, "
+                                      "DGX H100, ...) by replaying its schedule"),
 }
 
 #: what ``plan`` prints; (key in the result, label, unit) - unit "GiB" divides bytes

@@ -1,0 +1,280 @@
+"""The cluster model and the refit simulator: hand-computable cases, and the direct
+schedule it replays is the one ``schedule.schedule`` builds."""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections import Counter
+
+import numpy as np
+import pytest
+
+from xreshard.cli import main
+from xreshard.cluster import Cluster, ClusterError, Placement, default_placement, \
+    load_cluster, placement_of_world
+from xreshard.layout import Layout, Mesh
+from xreshard.models import load_model
+from xreshard.plan import plan
+from xreshard.recipes import parse_recipe, recipe_layouts
+from xreshard.schedule import peer_counts, schedule
+from xreshard.sim.engine import Network, maxmin_rates, replay
+from xreshard.sim.relay import build_relay
+from xreshard.sim.traffic import Traffic, direct_traffic, receive_lists, split_sizes
+from xreshard.simulate import SimulationError, lower_bound, simulate, simulate_plan
+
+GB = 1e9
+
+
+def toy(gpus_per_node: int = 1, domain_size: int = 1, **kw) -> Cluster:
+    """NIC 10 GB/s, NVLink 100 GB/s, no latency, no channel cap unless asked."""
+    args = dict(name="toy", gpus_per_node=gpus_per_node, domain_size=domain_size,
+                nvlink_bw=100 * GB, nic_bw=10 * GB, nics_per_node=gpus_per_node,
+                nvlink_latency=0.0, network_latency=0.0, net_channel_bw=0.0)
+    args.update(kw)
+    return Cluster(**args)
+
+
+def run_traffic(cluster: Cluster, placement: Placement, rows, **kw) -> float:
+    return replay(Network(cluster, placement, **kw), Traffic.of(rows)).seconds
+
+
+# ---------------------------------------------------------------------------- links
+
+def test_one_link():
+    c = toy(network_latency=2e-6)
+    pl = Placement((0, 1), (0, 1), (0, 0))
+    assert run_traffic(c, pl, [(0, 0, 1, 10**9)]) == pytest.approx(0.1 + 2e-6)
+
+
+def test_two_flows_share_a_nic_max_min():
+    # ranks 0 and 1 (one node) send to rank 2: both through rank 2's NIC in
+    c = toy(gpus_per_node=2, domain_size=2)
+    pl = Placement((0, 0, 1), (0, 0, 1), (0, 1, 0))
+    assert run_traffic(c, pl, [(0, 0, 2, 10**9), (0, 1, 2, 10**9)]) == pytest.approx(0.2)
+    # unequal: both at 5 GB/s until the small one lands at 0.1 s, then 10 GB/s alone
+    assert run_traffic(c, pl, [(0, 0, 2, 10**9), (0, 1, 2, 5 * 10**8)]) == pytest.approx(0.15)
+
+
+def test_rounds_add_up():
+    c = toy()
+    pl = Placement((0, 1), (0, 1), (0, 0))
+    assert run_traffic(c, pl, [(0, 0, 1, 10**9), (1, 0, 1, 10**9)]) == pytest.approx(0.2)
+
+
+def test_pxn_routes_through_the_destination_rail():
+    # node A = ranks 0 (GPU 0), 1 (GPU 1); rank 2 = node B GPU 1; rank 3 = node C GPU 1
+    c = toy(gpus_per_node=2, domain_size=2)
+    pl = Placement((0, 0, 1, 2), (0, 0, 1, 2), (0, 1, 1, 1))
+    net = Network(c, pl)
+    links, _ = net.paths(np.array([0]), np.array([2]))
+    assert [net.describe_link(int(x))[1] for x in links[0]] == [
+        "nvlink out of node 0 GPU 0", "nvlink in of node 0 GPU 1",
+        "nic out of node 0 rail 1", "nic in of node 1 rail 1"]
+    # both senders leave node A through its rail-1 NIC: they share it
+    assert run_traffic(c, pl, [(0, 0, 2, 10**9), (0, 1, 3, 10**9)]) == pytest.approx(0.2)
+    # to rail-0 and rail-1 destinations they use two NICs
+    pl2 = Placement((0, 0, 1, 2), (0, 0, 1, 2), (0, 1, 0, 1))
+    assert run_traffic(c, pl2, [(0, 1, 2, 10**9), (0, 0, 3, 10**9)]) == pytest.approx(0.1)
+
+
+def test_nvlink_inside_a_domain_and_local_copies_are_free():
+    c = toy(gpus_per_node=2, domain_size=2)
+    pl = Placement((0, 0, 0), (0, 0, 0), (0, 1, 1))     # ranks 1, 2 share a GPU
+    assert run_traffic(c, pl, [(0, 0, 1, 10**9)]) == pytest.approx(0.01)
+    assert run_traffic(c, pl, [(0, 1, 2, 10**9)]) == 0.0
+
+
+def test_peer_channel_cap():
+    c = toy(net_channel_bw=3 * GB, net_channels_min=2, p2p_channels=32)
+    pl = Placement((0, 1), (0, 1), (0, 0))
+    assert c.peer_cap(2, 2) == 6 * GB
+    assert run_traffic(c, pl, [(0, 0, 1, 6 * 10**8)]) == pytest.approx(0.1)
+    assert run_traffic(c, pl, [(0, 0, 1, 6 * 10**8)], peer_cap=False) == pytest.approx(0.06)
+    # NCCL halves channels per peer in big communicators: 4 -> 1 at 256 ranks
+    assert load_cluster("gb200-nvl72").channels_per_peer(256, 64) == 1
+    assert load_cluster("gb200-nvl72").channels_per_peer(8, 2) == 4
+
+
+def test_maxmin_is_progressive_filling():
+    # links 0 (cap 1), 1 (cap 3); sentinel 2. f0 on 0; f1 on 0 and 1; f2, f3 on 1
+    links = np.array([[0, 2], [0, 1], [1, 2], [1, 2]])
+    rates = maxmin_rates(links, np.array([1.0, 3.0, np.inf]), np.inf)
+    assert rates == pytest.approx([0.5, 0.5, 1.25, 1.25])
+
+
+# ---------------------------------------------------------------------------- cluster
+
+def test_default_placement_gb200_m2n():
+    c = load_cluster("gb200-nvl72")
+    pl = default_placement(c, [128, 128])
+    assert Counter(pl.domain) == {0: 64, 1: 64, 2: 64, 3: 64}
+    assert pl.domain[127] == 1 and pl.domain[128] == 2
+    assert pl.node[:5] == (0, 0, 0, 0, 1) and pl.gpu[:5] == (0, 1, 2, 3, 0)
+    assert len(set(pl.node)) == 64
+    pl.check(c, 256)
+    # uneven: 100 ranks on 72-GPU domains -> 50 + 50
+    assert Counter(default_placement(c, [100]).domain) == {0: 50, 1: 50}
+
+
+def test_placement_json_and_errors(tmp_path):
+    pl = default_placement(load_cluster("dgx-h100"), [16, 8])
+    assert Placement.from_dict(json.loads(json.dumps(pl.to_dict()))) == pl
+    assert Placement.from_dict({"0": {"domain": 0, "node": 0, "gpu": 0},
+                                "1": [1, 1, 0]}) == Placement((0, 1), (0, 1), (0, 0))
+    with pytest.raises(ClusterError, match="node 0 is in domain 0 and in domain 1"):
+        Placement((0, 1), (0, 0), (0, 1))
+    with pytest.raises(ClusterError, match="GPU 9 but dgx-h100 nodes have GPUs 0..7"):
+        Placement((0,), (0,), (9,)).check(load_cluster("dgx-h100"), 1)
+    with pytest.raises(ClusterError, match="unknown cluster 'h300'; presets are"):
+        load_cluster("h300")
+    path = tmp_path / "c.json"
+    path.write_text(json.dumps({"preset": "dgx-h100", "nic_gbps": 90}))
+    assert load_cluster(str(path)).nic_bw == 90 * GB
+    path.write_text(json.dumps({"gpus_per_node": 8}))
+    with pytest.raises(ClusterError, match="missing keys"):
+        load_cluster(str(path))
+
+
+def test_placement_of_world():
+    class FakeWorld:
+        processes = [
+            {"host": "a", "ranks": [0, 1], "devices": ["cuda:0", "cuda:1"]},
+            {"host": "b", "ranks": [2], "devices": ["cpu"]},
+            {"host": "c", "ranks": [3], "devices": ["cuda:2"], "nvlink_clique": "rack1"},
+            {"host": "d", "ranks": [4], "devices": ["cuda:0"], "nvlink_clique": "rack1"},
+        ]
+    pl = placement_of_world(FakeWorld())
+    assert pl.gpu == (0, 1, 0, 2, 0)
+    assert pl.node == (0, 0, 1, 2, 3)
+    assert pl.domain == (0, 0, 1, 2, 2)
+
+
+# ---------------------------------------------------------------------------- schedules
+
+@pytest.mark.parametrize("model,src,dst,bucket,staging", [
+    ("qwen2_5_0_5b", "megatron:dp=2,tp=2", "vllm:dp=2,tp=2", 1 << 20, 4 << 20),
+    ("qwen2_5_0_5b", "fsdp:dp=4", "vllm:tp=2", 64 << 20, 256 << 20),
+    ("qwen3_30b_a3b", "megatron:pp=2,ep=2", "vllm:tp=2", 8 << 20, 16 << 20),
+])
+def test_direct_traffic_is_the_schedule(model, src, dst, bucket, staging):
+    m = load_model(model)
+    s, d = parse_recipe(src), parse_recipe(dst)
+    p = plan(recipe_layouts(m, s, 0), recipe_layouts(m, d, s.world_size))
+    ranks = list(range(s.world_size + d.world_size))
+    sch = schedule(p, ranks, peer_counts(p, ranks), bucket_bytes=bucket, staging_bytes=staging)
+    want = sorted((b.round, b.src, b.dst, b.nbytes) for bs in sch.rounds for b in bs)
+    tr = direct_traffic(p, receive_lists(p), bucket_bytes=bucket, staging_bytes=staging)
+    got = sorted(zip(tr.round.tolist(), tr.src.tolist(), tr.dst.tolist(), tr.nbytes.tolist()))
+    assert got == want
+
+
+def test_split_sizes_matches_split_region():
+    from xreshard.layout import Region
+    from xreshard.schedule import split_region
+    for shape in [(7, 5), (3, 1000, 4), (1, 1, 9000), (64,), (5, 3, 2)]:
+        for limit in (1 << 10, 3000, 1 << 20):
+            region = Region((0,) * len(shape), shape)
+            assert split_sizes(shape, 2, limit) == tuple(
+                r.size * 2 for r in split_region(region, 2, limit))
+
+
+def replicated_plan(num_dst: int, rows: int = 1024, cols: int = 4096):
+    """One bf16 tensor (8 MiB by default) on rank 0, wanted whole by ranks 1..num_dst."""
+    src = {"w": Layout.replicated((rows, cols), "bfloat16", Mesh((1,), ranks=(0,)))}
+    dst = {"w": Layout.replicated((rows, cols), "bfloat16",
+                                  Mesh((num_dst,), ranks=tuple(range(1, num_dst + 1))))}
+    return plan(src, dst)
+
+
+def test_relay_chain():
+    # rank 0 in domain 0; ranks 1, 2 in domain 1 both need the 8 MiB tensor
+    p = replicated_plan(2)
+    mib = 1 << 20
+    sched = build_relay(p, receive_lists(p), [0, 1, 1], bucket_bytes=mib,
+                        staging_bytes=1 << 30)
+    assert sched.network_bytes == 8 * mib and sched.forwarded_bytes == 8 * mib
+    tr = sched.traffic(p.names, p.wire_dtypes)
+    assert tr.num_rounds == 9 and tr.forward.sum() == 8
+    # two GPUs and one NIC per node: the direct schedule's two copies share both NICs
+    c = toy(gpus_per_node=2, domain_size=2, nics_per_node=1, network_latency=1e-5,
+            nvlink_latency=1e-6)
+    pl = Placement((0, 1, 1), (0, 1, 1), (0, 0, 1))
+    # 8 rounds bound by the network chunk, then the last chunk's forward over NVLink
+    want = 8 * (mib / (10 * GB) + 1e-5) + mib / (100 * GB) + 1e-6
+    assert replay(Network(c, pl), tr).seconds == pytest.approx(want)
+    # direct: two 8 MiB copies through one NIC out and one NIC in
+    direct = direct_traffic(p, receive_lists(p), bucket_bytes=mib, staging_bytes=1 << 30)
+    assert replay(Network(c, pl), direct).seconds == pytest.approx(
+        8 * (2 * mib / (10 * GB) + 1e-5))
+
+
+def test_relay_sends_one_copy_per_domain():
+    p = replicated_plan(8, rows=256, cols=256)
+    domain = [0] + [1] * 4 + [2] * 4
+    sched = build_relay(p, receive_lists(p), domain, bucket_bytes=1 << 20,
+                        staging_bytes=1 << 30)
+    assert sched.network_bytes == 2 * 256 * 256 * 2
+    assert sched.forwarded_bytes == 6 * 256 * 256 * 2
+    assert {s.relay for s in sched.streams} <= set(range(1, 9))
+
+
+def test_lower_bound_one_domain_ingress():
+    p = replicated_plan(2)
+    c = toy(gpus_per_node=2, domain_size=2, nics_per_node=1)
+    pl = Placement((0, 1, 1), (0, 1, 1), (0, 0, 1))
+    lb = lower_bound(p, Network(c, pl))
+    # 8 MiB must leave domain 0 and enter domain 1 once, each through one NIC
+    assert lb["seconds"] == pytest.approx(8 * (1 << 20) / (10 * GB))
+    out = simulate_plan(p, c, pl, schedule="auto", bucket_bytes=1 << 20, progress=False)
+    assert out["schedule"] == "relay"
+    assert out["bytes_by_link"]["network"] == 8 << 20
+    assert out["seconds"] >= out["lower_bound_seconds"]
+
+
+# ---------------------------------------------------------------------------- API, CLI
+
+def test_simulate_small_model_and_errors():
+    out = simulate("qwen2_5_0_5b", "megatron:dp=2,tp=2", "vllm:dp=4,tp=2", "dgx-h100",
+                   gpus=12, schedule="auto", progress=False)
+    assert set(out["schedules"]) == {"direct", "relay"}
+    assert out["seconds"] >= out["lower_bound_seconds"] > 0
+    assert out["bytes_by_link"]["network"] <= out["bytes_moved"]
+    with pytest.raises(SimulationError, match="--gpus 10 but the recipes need 12 GPUs"):
+        simulate("qwen2_5_0_5b", "megatron:dp=2,tp=2", "vllm:dp=4,tp=2", "dgx-h100", gpus=10)
+
+
+def test_cli_json(capsys):
+    rc = main(["simulate", "--model", "qwen2_5_0_5b", "--src", "fsdp:dp=4", "--dst",
+               "vllm:dp=2,tp=2", "--cluster", "dgx-h100", "--gpus", "8", "--schedule",
+               "relay", "--json"])
+    assert rc == 0
+    out = json.loads(capsys.readouterr().out)
+    for key in ("seconds", "lower_bound_seconds", "bytes_by_link", "critical", "sim_seconds"):
+        assert key in out
+    assert set(out["bytes_by_link"]) == {"nvlink", "network"}
+    assert out["critical"]["link"] in ("nvlink", "network")
+
+
+def test_cli_plot_needs_matplotlib(tmp_path, capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    rc = main(["simulate", "--model", "qwen2_5_0_5b", "--src", "fsdp:dp=2", "--dst",
+               "vllm:tp=2", "--cluster", "dgx-h100", "--plot", str(tmp_path / "x.png")])
+    assert rc == 1
+    assert "pip install 'xreshard[plot]'" in capsys.readouterr().err
+
+
+def test_cli_plot(tmp_path):
+    pytest.importorskip("matplotlib")
+    path = tmp_path / "sim.png"
+    assert main(["simulate", "--model", "qwen2_5_0_5b", "--src", "fsdp:dp=2", "--dst",
+                 "vllm:dp=2,tp=2", "--cluster", "dgx-h100", "--schedule", "relay",
+                 "--plot", str(path)]) == 0
+    assert path.stat().st_size > 1000
+
+
+def test_import_stays_light():
+    import subprocess
+    code = ("import sys, xreshard, xreshard.simulate, xreshard.cluster; "
+            "print(any(m in sys.modules for m in ('torch', 'jax', 'matplotlib')))")
+    assert subprocess.check_output([sys.executable, "-c", code], text=True).strip() == "False"
