@@ -752,3 +752,106 @@ def test_workers_exchange_recordings_as_json_not_pickle(monkeypatch):
         t.join(60)
     want = [{"rank": 0, "text": ""}, {"rank": 1, "text": "é" * 7}]
     assert out == {0: want, 1: want}
+
+
+# ---------------------------------------------------------------------------- in place or reload
+
+def _meta_model(cfg, tp_rank=0, tp_size=1, **kwargs):
+    from vllm.config import set_current_vllm_config
+
+    vllm_config = xv.make_vllm_config(cfg, dtype="bfloat16", tp_size=tp_size, **kwargs)
+    with xv.fake_tp(tp_rank, tp_size), set_current_vllm_config(vllm_config):
+        return vllm_config, xv.build_model(vllm_config)
+
+
+def test_inplace_is_allowed_for_unquantized_dense_layers_on_cuda_only():
+    """vLLM's own Qwen2 modules (built on meta): on CUDA every module's processing leaves
+    the loaded weights as its kernels read them (linear, embedding, norms, attention); on
+    CPU the linears and the embedding prepack, so in place is refused, naming each."""
+    cfg = _config("qwen2")
+    vllm_config, model = _meta_model(cfg)
+    specs = xv.hf_tensor_specs(cfg, "bfloat16")
+    rec = xv.record_from_config(vllm_config, 0, 1, specs)
+    dest = xv.Destination([rec], 0, specs)
+    assert dest.inplace_refusals(model, "cuda") == []
+    assert dest.fits_inplace(model, "cuda")
+    refusals = dest.inplace_refusals(model, "cpu")
+    assert "module 'model.layers.0.self_attn.qkv_proj' (QKVParallelLinear): quant method " \
+        "UnquantizedLinearMethod is not known to leave loaded weights as its kernels read " \
+        "them on cpu" in "\n".join(refusals)
+    refused = {r.split("'")[1] for r in refusals}
+    assert "model.embed_tokens" in refused and "model.layers.1.mlp.down_proj" in refused
+    assert not any("norm" in m or m.endswith(".attn") for m in refused), refused
+
+
+def test_inplace_refuses_moe_backends_that_convert_w13():
+    """Unquantized fused MoE is in place only with a backend that uses w13/w2 as loaded
+    (Triton); FlashInfer CUTLASS swaps w13's halves, the CPU kernel prepacks."""
+    from vllm.model_executor.layers.fused_moe.oracle.unquantized import UnquantizedMoeBackend
+
+    cfg, p, specs = _tiny_mixtral_specs()
+    _, model = _meta_model(cfg)
+    experts = model.get_submodule(f"{p}.experts.routed_experts")
+    method = experts.quant_method
+    assert type(method).__name__ == "UnquantizedFusedMoEMethod"
+    assert "backend CPU" in xv.inplace_refusal(experts, "cuda")
+    method.unquantized_backend = UnquantizedMoeBackend.TRITON
+    assert xv.inplace_refusal(experts, "cuda") is None
+    assert xv.inplace_refusal(experts, "cpu") is not None
+    method.unquantized_backend = UnquantizedMoeBackend.FLASHINFER_CUTLASS
+    assert "backend FLASHINFER_CUTLASS: its processing converts w13/w2" in \
+        xv.inplace_refusal(experts, "cuda")
+
+
+def test_inplace_refuses_mla_attention_which_derives_from_kv_b_proj():
+    """DeepSeek-V3's MLA (one dense layer, built on meta): kv_b_proj is a plain linear, but
+    the attention derives W_UK/W_UV from it after loading - refused by the attention."""
+    cfg = transformers.DeepseekV3Config(
+        vocab_size=256, hidden_size=128, intermediate_size=256, moe_intermediate_size=64,
+        num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=4, n_routed_experts=4,
+        n_shared_experts=1, num_experts_per_tok=2, kv_lora_rank=32, q_lora_rank=None,
+        qk_rope_head_dim=16, qk_nope_head_dim=32, v_head_dim=32, first_k_dense_replace=1,
+        max_position_embeddings=256, n_group=1, topk_group=1)
+    cfg.architectures = ["DeepseekV3ForCausalLM"]
+    _, model = _meta_model(cfg)
+    refused = {n: xv.inplace_refusal(m, "cuda") for n, m in model.named_modules()
+               if xv.inplace_refusal(m, "cuda")}
+    assert list(refused) == ["model.layers.0.self_attn.mla_attn.mla_attn"], refused
+    assert "derives W_UK/W_UV from kv_b_proj" in refused[
+        "model.layers.0.self_attn.mla_attn.mla_attn"]
+
+
+# ---------------------------------------------------------------------------- streaming groups
+
+def test_stream_groups_keep_modules_whole_and_fit_the_budget(recordings):
+    """Groups for a streamed refit (Qwen2, TP=2): derived from the recordings alone, so
+    every worker gets the same; every tensor once, in layerwise order; q/k/v (one
+    qkv_proj) and gate/up never apart; each group's worst-worker cost within half the
+    budget; a budget above the model gives one group."""
+    from xreshard.dtypes import itemsize
+
+    recs, specs = recordings
+    ordered = [recs["qwen2", 2][r] for r in range(2)]
+    dests = [xv.Destination(ordered, w, specs["qwen2"]) for w in range(2)]
+    budget = 96 << 10
+    groups = dests[0].groups(budget)
+    assert groups == dests[1].groups(budget)
+    flat = [n for g in groups for n in g]
+    assert sorted(flat) == sorted(dests[0].names) and len(flat) == len(set(flat))
+    assert flat[0] == "model.embed_tokens.weight" and flat[-1] == "model.norm.weight"
+    where = {n: i for i, g in enumerate(groups) for n in g}
+    for layer in range(2):
+        p = f"model.layers.{layer}."
+        assert len({where[p + f"self_attn.{w}_proj.{k}"] for w in "qkv"
+                    for k in ("weight", "bias")}) == 1
+        assert where[p + "mlp.gate_proj.weight"] == where[p + "mlp.up_proj.weight"]
+    for g in groups:
+        for rec in ordered:
+            params = {q.param for n in g for q in rec.pieces[n]}
+            mods: dict = {}
+            for q in params:
+                mods[q.rpartition(".")[0]] = mods.get(q.rpartition(".")[0], 0) + \
+                    math.prod(rec.param_shapes[q]) * itemsize(rec.param_dtypes[q])
+            assert len(mods) == 1 or sum(mods.values()) + 2 * max(mods.values()) <= budget // 2
+    assert len(groups) > 4
+    assert dests[0].groups(1 << 30) == [flat]

@@ -72,6 +72,7 @@ import contextlib
 import functools
 import json
 import logging
+import math
 from typing import Any, Iterable, Iterator, Mapping, Sequence
 
 from xreshard.errors import LayoutError
@@ -89,7 +90,8 @@ __all__ = [
     "record_from_config", "record_in_worker", "worker_record", "fake_tp", "build_model",
     "hf_tensor_specs", "make_vllm_config", "shard_weight", "parts_from_full",
     "reload_from_shards", "reprocess_tied", "WorkerExtension", "checkpoint_specs",
-    "register_backend", "Destination", "weights_digest", "gemm_weight",
+    "register_backend", "Destination", "weights_digest", "gemm_weight", "inplace_refusal",
+    "INPLACE_ALLOWED",
 ]
 
 
@@ -273,28 +275,132 @@ class Destination:
         return sum(r.size * itemsize(lay.dtype) for lay in self.layouts.values()
                    for r in lay.regions(self.rank))
 
-    def _touched(self) -> list[str]:
-        return sorted({p.param for ps in self.rec.pieces.values() for p in ps})
+    def _touched(self, names: Iterable[str] | None = None) -> list[str]:
+        """Parameters the pieces of ``names`` (default: every tensor) write on this rank."""
+        names = self.names if names is None else names
+        return sorted({p.param for n in names for p in self.rec.pieces.get(n, ())})
 
-    def fits_inplace(self, model: Any) -> bool:
-        """Every parameter the loaders write is live with its loader-visible shape/dtype."""
+    # ------------------------------------------------------------ in place or reload
+
+    def inplace_refusals(self, model: Any, device_type: str) -> list[str]:
+        """Why the live parameters may not be written in place (empty: they may).
+
+        An in-place write is right only where vLLM's ``process_weights_after_loading`` left
+        the loader-visible parameters as the tensors the kernels read. That is decided per
+        module from an allow-list (:data:`INPLACE_ALLOWED`), for every module of the model
+        that processes weights after loading - not only those the refit writes: an MLA
+        attention derives ``W_UK``/``W_UV`` from another module's ``kv_b_proj`` weight.
+        Anything not on the list (FP8 and other quantized methods, whose block scales or
+        transforms are derived at load time; FlashInfer/AITER MoE backends, which permute or
+        shuffle ``w13``; CPU kernels, which prepack) is refused, naming the module.
+
+        Args:
+            model: the live (or a meta-built) vLLM model of this rank.
+            device_type: ``"cuda"``, ``"cpu"``, ...: the platform the model runs on.
+        """
         live = dict(model.named_parameters())
+        out = []
         for name in self._touched():
             t = live.get(name)
-            if t is None or tuple(t.shape) != tuple(self.rec.param_shapes[name]) or \
+            if t is None:
+                out.append(f"parameter {name!r} is not a live parameter (vLLM replaced it "
+                           "after loading)")
+            elif tuple(t.shape) != tuple(self.rec.param_shapes[name]) or \
                     _dtype_str(t.dtype) != self.rec.param_dtypes[name] or not t.is_contiguous():
-                return False
-        return True
+                out.append(f"parameter {name!r} is live as {tuple(t.shape)} {t.dtype} but "
+                           f"loaded as {tuple(self.rec.param_shapes[name])} "
+                           f"{self.rec.param_dtypes[name]} (processing changed it)")
+        for mod_name, module in model.named_modules():
+            why = inplace_refusal(module, device_type)
+            if why:
+                out.append(f"module {mod_name!r} ({type(module).__name__}): {why}")
+        return out
 
-    def buffers(self, model: Any, inplace: bool, device: Any) -> dict[str, Any]:
-        """Parameter name -> the tensor the pieces are written into."""
+    def fits_inplace(self, model: Any, device_type: str = "cuda") -> bool:
+        """No :meth:`inplace_refusals`."""
+        return not self.inplace_refusals(model, device_type)
+
+    # ------------------------------------------------------------ groups
+
+    def groups(self, budget_bytes: int) -> list[list[str]]:
+        """The tensors in groups whose receive buffers (plus vLLM's processing of them) fit
+        ``budget_bytes`` on every worker; one collective refit and one reload per group.
+
+        Deterministic from the recordings (identical on every worker of every identical
+        engine): tensors that write one vLLM module (q/k/v into ``qkv_proj``) are never
+        split, since vLLM processes a module once all its parameters are loaded; modules
+        come in vLLM's layerwise order (embeddings, layers, head). On a worker, a group
+        costs the bytes of the loader-visible parameters it writes (its receive buffers)
+        plus twice its largest module (vLLM materializes a module and builds its processed
+        copy, e.g. a oneDNN-packed weight, next to it); the worst worker decides, and each
+        group may cost half the budget: the other half is for the refit's staging, which
+        holds at most one group's bytes and is kept from group to group. So a worker's
+        extra memory stays under the budget. A module costing more is a group of its own
+        (the budget cannot be kept; logged).
+        """
+        from vllm.distributed.weight_transfer.base import layerwise_groups
+
+        from xreshard.dtypes import itemsize
+
+        parent = {n: n for n in self.names}
+
+        def find(x: str) -> str:
+            while parent[x] != x:
+                parent[x] = parent[parent[x]]
+                x = parent[x]
+            return x
+
+        owner: dict[str, str] = {}
+        for rec in self.recordings:
+            for name in self.names:
+                for p in rec.pieces.get(name, ()):
+                    mod = p.param.rpartition(".")[0]
+                    if mod in owner:
+                        parent[find(name)] = find(owner[mod])
+                    else:
+                        owner[mod] = name
+        order = [n for g in layerwise_groups(list(self.names)) for n in g]
+        components: dict[str, list[str]] = {}
+        for name in order:
+            components.setdefault(find(name), []).append(name)
+
+        def cost(names: Sequence[str]) -> int:
+            worst = 0
+            for rec in self.recordings:
+                mods: dict[str, int] = {}
+                params = {p.param for n in names for p in rec.pieces.get(n, ())}
+                for param in params:
+                    nbytes = math.prod(rec.param_shapes[param]) * itemsize(rec.param_dtypes[param])
+                    mod = param.rpartition(".")[0]
+                    mods[mod] = mods.get(mod, 0) + nbytes
+                worst = max(worst, sum(mods.values()) + 2 * max(mods.values(), default=0))
+            return worst
+
+        cap = budget_bytes // 2
+        out: list[list[str]] = []
+        for comp in components.values():
+            if out and cost(out[-1] + comp) <= cap:
+                out[-1] = out[-1] + comp
+                continue
+            if cost(comp) > cap:
+                logger.warning("xreshard: tensors %s need %d bytes to receive and process, over "
+                               "half the streaming budget of %d bytes; they go as one group",
+                               comp, cost(comp), budget_bytes)
+            out.append(list(comp))
+        return out
+
+    # ------------------------------------------------------------ receiving
+
+    def buffers(self, model: Any, inplace: bool, device: Any,
+                names: Iterable[str] | None = None) -> dict[str, Any]:
+        """Parameter name -> the tensor the pieces of ``names`` (default all) are written into."""
         if inplace:
             live = dict(model.named_parameters())
-            return {name: live[name].data for name in self._touched()}
+            return {name: live[name].data for name in self._touched(names)}
         torch = _import_torch()
         return {name: torch.zeros(self.rec.param_shapes[name],
                                   dtype=getattr(torch, self.rec.param_dtypes[name]),
-                                  device=device) for name in self._touched()}
+                                  device=device) for name in self._touched(names)}
 
     @staticmethod
     def _view(buffers: Mapping[str, Any], piece: Piece) -> Any:
@@ -307,12 +413,15 @@ class Destination:
                                   f"region's shape {piece.region.shape} without a copy") from e
         return t
 
-    def bind(self, buffers: Mapping[str, Any], errors: list[str]) -> Bound:
-        """The receive side of a refit: every held region bound to its parameter slice."""
+    def bind(self, buffers: Mapping[str, Any], errors: list[str],
+             names: Iterable[str] | None = None) -> Bound:
+        """The receive side of a refit of ``names`` (default all): every held region bound
+        to its parameter slice."""
         from xreshard.adapters.torch import tensor_view
 
+        names = self.names if names is None else list(names)
         bindings: dict[tuple[int, str], Any] = {}
-        for name in self.names:
+        for name in names:
             lay = self.layouts[name]
             regions = lay.regions(self.rank)
             if not regions:
@@ -322,14 +431,17 @@ class Destination:
                 first.setdefault(p.region, p)
             views = [tensor_view(self._view(buffers, first[r])) for r in regions]
             bindings[(self.rank, name)] = views[0] if lay.is_product else views
-        return Bound(dict(self.layouts), bindings, errors=errors)
+        return Bound({n: self.layouts[n] for n in names}, bindings, errors=errors)
 
-    def load(self, model: Any, model_config: Any, buffers: Mapping[str, Any], inplace: bool) -> None:
-        """Hand the received shards to vLLM (or, in place, finish the duplicates)."""
+    def load(self, model: Any, model_config: Any, buffers: Mapping[str, Any], inplace: bool,
+             names: Iterable[str] | None = None) -> None:
+        """Hand the received shards of ``names`` (default all) to vLLM (in place: copy the
+        regions a rank holds twice)."""
+        names = self.names if names is None else list(names)
         if inplace:
-            for pieces in self.rec.pieces.values():
+            for name in names:
                 first: dict[Any, Piece] = {}
-                for p in pieces:
+                for p in self.rec.pieces.get(name, ()):
                     if p.region in first:           # a region held twice: copy the received one
                         self._view(buffers, p).copy_(self._view(buffers, first[p.region]))
                     first.setdefault(p.region, p)
@@ -337,7 +449,7 @@ class Destination:
         from vllm.distributed.weight_transfer.base import layerwise_groups
 
         weights = []
-        for group in layerwise_groups(self.names):  # layer by layer bounds vLLM's buffering
+        for group in layerwise_groups(names):       # layer by layer bounds vLLM's buffering
             for name in group:
                 parts, seen = [], set()
                 for p in self.rec.pieces.get(name, ()):
@@ -346,8 +458,55 @@ class Destination:
                         parts.append((p.region, self._view(buffers, p)))
                 if parts:
                     weights.append((name, shard_weight(name, self.shapes[name], parts)))
-        reload_from_shards(model, model_config, weights)
+        modules = sorted({param.rpartition(".")[0] for param in self._touched(names)})
+        reload_from_shards(model, model_config, weights, modules=modules)
 
+
+#: (quant method or module class name) -> platforms where its processing after loading leaves
+#: the loader-visible parameters as the tensors its kernels read (so an in-place write is
+#: all a refit needs). Exact class names: a subclass may process differently.
+INPLACE_ALLOWED: dict[str, frozenset[str]] = {
+    # process_weights_after_loading is a no-op on CUDA (CPU prepacks, XPU may re-stride)
+    "UnquantizedLinearMethod": frozenset({"cuda"}),
+    "UnquantizedEmbeddingMethod": frozenset({"cuda"}),
+    # plain attention processes only its kv-cache scales, which no checkpoint tensor of a
+    # refit writes; MLA attention (refused) derives W_UK/W_UV from kv_b_proj
+    "Attention": frozenset({"cuda", "cpu"}),
+}
+
+#: unquantized fused-MoE backends that use w13/w2 as loaded (vLLM's
+#: convert_to_unquantized_kernel_format returns them unchanged)
+INPLACE_MOE_BACKENDS = frozenset({"TRITON", "BATCHED_TRITON"})
+
+
+def inplace_refusal(module: Any, device_type: str) -> str | None:
+    """Why writing ``module``'s loader-visible parameters in place would leave what its
+    kernels read stale on ``device_type``; None when it would not (or it processes nothing).
+    """
+    quant_method = getattr(module, "quant_method", None)
+    kind = type(quant_method).__name__ if quant_method is not None else None
+    if kind == "UnquantizedFusedMoEMethod":
+        backend = getattr(getattr(quant_method, "unquantized_backend", None), "name", None)
+        if backend in INPLACE_MOE_BACKENDS and device_type == "cuda":
+            return None
+        return (f"UnquantizedFusedMoEMethod with backend {backend}: its processing converts "
+                "w13/w2 to a kernel format (FlashInfer swaps or permutes w13, AITER shuffles, "
+                "the CPU kernel prepacks) that an in-place write of loaded weights would break")
+    if kind is not None:
+        if device_type in INPLACE_ALLOWED.get(kind, ()):
+            return None
+        return (f"quant method {kind} is not known to leave loaded weights as its kernels "
+                f"read them on {device_type} (quantized scales, prepacking or other tensors "
+                "derived at load time would stay stale)")
+    cls = type(module).__name__
+    if callable(getattr(module, "process_weights_after_loading", None)) and \
+            device_type not in INPLACE_ALLOWED.get(cls, ()):
+        if "MLA" in cls:
+            return ("MLA attention derives W_UK/W_UV from kv_b_proj's weight after loading; "
+                    "an in-place write of kv_b_proj would leave them stale")
+        return (f"{cls}.process_weights_after_loading is not known to leave the loaded "
+                "weights as its kernels read them")
+    return None
 
 
 def _default_specs(vllm_config: Any) -> dict:
@@ -416,8 +575,8 @@ def _record_here(model: Any, specs: Mapping[str, Any]) -> Recording:
 
 # ---------------------------------------------------------------------------- reloading
 
-def reload_from_shards(model: Any, model_config: Any,
-                       weights: Iterable[tuple[str, Any]]) -> None:
+def reload_from_shards(model: Any, model_config: Any, weights: Iterable[tuple[str, Any]], *,
+                       modules: Iterable[str] | None = None) -> None:
     """Replace a live model's weights through vLLM's layerwise reload.
 
     ``initialize_layerwise_reload`` -> ``model.load_weights(weights)`` ->
@@ -426,30 +585,47 @@ def reload_from_shards(model: Any, model_config: Any,
     kernel tensors (CUDA graphs stay valid), then :func:`reprocess_tied`. ``weights`` may
     mix full tensors and :func:`shard_weight` stand-ins; feed them layer by layer to bound
     vLLM's buffering.
+
+    Args:
+        modules: reload only these modules (names in ``model``), which ``weights`` load
+            completely: the others keep their tensors untouched (a streamed refit reloads a
+            group at a time; reloading the whole model per group would put every other
+            layer back with a warning). None: the whole model.
     """
     _import_vllm()
+    torch = _import_torch()
     from vllm.model_executor.model_loader.reload import (finalize_layerwise_reload,
                                                          initialize_layerwise_reload)
 
-    initialize_layerwise_reload(model)
+    scope = model
+    if modules is not None:
+        modules = list(modules)
+        scope = torch.nn.ModuleList([model.get_submodule(m) for m in modules])
+    initialize_layerwise_reload(scope)
     model.load_weights(weights)
-    finalize_layerwise_reload(model, model_config)
-    reprocess_tied(model)
+    finalize_layerwise_reload(scope, model_config)
+    reprocess_tied(model, modules)
 
 
-def reprocess_tied(model: Any) -> list[str]:
+def reprocess_tied(model: Any, modules: Iterable[str] | None = None) -> list[str]:
     """Re-run ``process_weights_after_loading`` on modules that share a tied parameter.
 
     Layerwise reload processes a tied parameter only through the first module that owns it
     (vLLM's documented limitation 2); on CPU the tied ``lm_head`` keeps a prepacked copy of
     the old embedding and keeps producing the old logits. Returns the modules re-processed.
+
+    Args:
+        modules: only parameters owned by these modules were reloaded (default: all).
     """
+    only = None if modules is None else set(modules)
     owners: dict[int, list[tuple[str, Any]]] = {}
     for mod_name, module in model.named_modules(remove_duplicate=False):
         for _, param in module.named_parameters(recurse=False):
             owners.setdefault(id(param), []).append((mod_name, module))
     done = []
     for mods in owners.values():
+        if only is not None and mods[0][0] not in only:
+            continue
         for mod_name, module in mods[1:]:
             quant_method = getattr(module, "quant_method", None)
             if quant_method is not None and mod_name not in done:
