@@ -25,6 +25,11 @@ import numpy as np
 CONFIG = dict(vocab_size=1000, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
               num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True,
               max_position_embeddings=256, rms_norm_eps=1e-6, rope_theta=10000.0)
+#: a larger Qwen2 (53 MB in fp32, its largest module 2.4 MB) refit through a streaming
+#: budget of a third of that: the worker receives and reloads it in groups of layers
+STREAM_CONFIG = dict(CONFIG, hidden_size=384, intermediate_size=768, num_hidden_layers=10,
+                     num_attention_heads=6, num_key_value_heads=2)
+STREAM_BUDGET = 16 << 20
 PROMPTS = [[1, 2, 3, 4, 5, 6, 7, 8], [100, 200, 300, 400], [7] * 12, [999, 0, 512, 513, 17]]
 MAX_TOKENS = 10
 ENGINE_START_TIMEOUT = 240.0
@@ -125,15 +130,15 @@ def save_checkpoint(flat: dict[str, np.ndarray], path: str, table: Any = None) -
     return sum(t.nbytes for t in tensors.values())
 
 
-def write_model_dir(path: str, seed: int = 0) -> None:
+def write_model_dir(path: str, seed: int = 0, c: dict = CONFIG) -> None:
     """config.json + a random fp32 checkpoint the engine starts from."""
     from transformers import Qwen2Config
 
-    cfg = Qwen2Config(**CONFIG)
+    cfg = Qwen2Config(**c)
     cfg.architectures = ["Qwen2ForCausalLM"]
     os.makedirs(path, exist_ok=True)
     cfg.to_json_file(os.path.join(path, "config.json"))
-    save_checkpoint(init_params(seed), path)
+    save_checkpoint(init_params(seed, tree_shapes(c)), path)
 
 
 # ---------------------------------------------------------------------------- control plane
@@ -221,13 +226,13 @@ def sample(llm: Any) -> dict:
     return {"tokens": tokens, "logprobs": logprobs}
 
 
-def engine(ctx: Any, tp: int, dtype: str, tmp: str) -> dict:
+def engine(ctx: Any, tp: int, dtype: str, tmp: str, kind: str = "jax") -> dict:
     """Build the engine, then answer the trainer's requests until it says stop."""
     from vllm import LLM
 
     control = _store(ctx.address, ENGINE_START_TIMEOUT)
     model_dir = os.path.join(tmp, f"engine{ctx.role.index}")
-    write_model_dir(model_dir)
+    write_model_dir(model_dir, c=STREAM_CONFIG if kind == "jax-stream" else CONFIG)
     t0 = time.monotonic()
     llm = LLM(model=model_dir, skip_tokenizer_init=True, tensor_parallel_size=tp, dtype=dtype,
               enforce_eager=True, max_model_len=64, max_num_seqs=4, seed=0, max_logprobs=-1,
@@ -265,21 +270,26 @@ def trainer(ctx: Any, tp: int, dtype: str, tmp: str, kind: str = "jax") -> dict:
     """Serve the world, hand it to the engine, refit A -> B -> A, check each round.
 
     ``kind`` "jax": a pytree sharded over 4 CPU devices, named by the JAX Llama rules;
+    "jax-stream": the same for :data:`STREAM_CONFIG`'s larger model, streamed to the
+    workers within :data:`STREAM_BUDGET` (their peak RSS growth is reported);
     "torch": a plain HF-named state dict of CPU tensors in one process (one world rank).
     """
     from xreshard.adapters.vllm_backend import (XreshardTrainerInitInfo,
                                                 XreshardTrainerWeightTransferEngine)
 
-    weights = {name: init_params(seed) for name, seed in (("A", 1), ("B", 2))}
+    shapes = tree_shapes(STREAM_CONFIG if kind == "jax-stream" else CONFIG)
+    weights = {name: init_params(seed, shapes) for name, seed in (("A", 1), ("B", 2))}
     full_bytes = {name: save_checkpoint(w, os.path.join(tmp, name)) for name, w in weights.items()}
-    if kind == "jax":
+    if kind.startswith("jax"):
         import jax
 
         mesh = jax.make_mesh((2, 2), ("fsdp", "tp"), devices=jax.local_devices())
         naming = {"rules": rules()}
+        if kind == "jax-stream":
+            naming.update(stream_bytes=STREAM_BUDGET, measure_memory=True)
 
         def make(flat: dict) -> Any:
-            return shard(flat, mesh)
+            return shard(flat, mesh, shapes)
     else:
         import torch
 
@@ -307,11 +317,11 @@ def trainer(ctx: Any, tp: int, dtype: str, tmp: str, kind: str = "jax") -> dict:
                            "send_seconds": seconds, **out})
         # bad rounds are refused on every process before anything moves; the engine keeps A
         bad = [make({n: a for n, a in weights["B"].items() if n != "final_norm/scale"})]
-        if kind == "jax":       # a shard the naming rules cannot view as an HF box
+        if kind.startswith("jax"):      # a shard the naming rules cannot view as an HF box
             import jax
             from jax.sharding import NamedSharding, PartitionSpec as P
 
-            tree = shard(weights["B"], mesh)
+            tree = shard(weights["B"], mesh, shapes)
             q = tree["layers"][0]["attn"]["q"]
             q["kernel"] = jax.device_put(np.asarray(q["kernel"]),
                                          NamedSharding(mesh, P(None, None, "tp")))
@@ -336,7 +346,7 @@ def dispatch(ctx: Any, args: list) -> Any:
     """One launch, two roles: the trainer (args: tp, dtype, tmp, kind) and the engine."""
     if ctx.role.group == "trainer":
         return trainer(ctx, *args)
-    return engine(ctx, *args[:3])
+    return engine(ctx, *args)
 
 
 # ---------------------------------------------------------------------------- the HTTP server
@@ -548,3 +558,71 @@ def engines_dispatch(ctx: Any, args: list) -> Any:
     if ctx.role.group == "trainer":
         return engines_trainer(ctx, num_engines, tmp)
     return engine(ctx, 1, "float32", tmp)
+
+
+# ---------------------------------------------------------------------------- streaming, no engine
+
+def stream_errors(ctx: Any) -> dict:
+    """A trainer and one worker stream three one-tensor groups through ``Stream``, as the
+    backend does, round after round: a good round; a round whose worker fails to bind its
+    buffers (the GPU-only binding errors: DLPack, strides); a round whose worker fails to
+    load group 1; a round where the trainer sends a tensor the worker lacks; a good round.
+    Returns what each round did on this side: the error text, the version, the buffers."""
+    import torch
+    from xreshard.adapters.torch import tensor_view
+    from xreshard.adapters.vllm_backend import GROUPS, Stream
+    from xreshard.layout import Layout, Mesh
+    from xreshard.refit import Bound, RefitConfig
+
+    world = ctx.join(groups=GROUPS, timeout=60)
+    side = "send" if ctx.role.group == "trainer" else "receive"
+    stream = Stream(world, side, config=RefitConfig(timeout=60))
+    names = ["t0", "t1", "t2"]
+    rank = world.rank_ids[0]
+    if side == "receive":
+        stream.set_groups([[n] for n in names])
+    lay = {n: Layout.replicated((4,), "float32", Mesh((1,), (rank,))) for n in names}
+    out = []
+    for k, case in enumerate(["good", "bind", "load", "extra", "good"]):
+        errors: list[str] = []
+        if side == "send":
+            extra = ["t3"] if case == "extra" else []
+            tensors = {n: torch.full((4,), float(10 * k + i)) for i, n in enumerate(names + extra)}
+            layouts = {n: Layout.replicated((4,), "float32", Mesh((1,), (rank,)))
+                       for n in tensors}
+
+            def part(g, group, errs):
+                return Bound({n: layouts[n] for n in group if n in layouts},
+                             {(rank, n): tensor_view(tensors[n]) for n in group},
+                             errors=errs)
+            shapes = {n: (4,) for n in tensors}
+            done = None
+        else:
+            buffers = {n: torch.zeros(4) for n in names}
+            loaded = []
+
+            def part(g, group, errs):
+                if case == "bind" and g == 0:      # as XreshardWeightTransferEngine._bind_group
+                    errs.append("worker 0 could not bind its receive buffers: RuntimeError: "
+                                "forced")
+                    return Bound({n: lay[n] for n in group}, {}, errors=errs)
+                return Bound({n: lay[n] for n in group},
+                             {(rank, n): tensor_view(buffers[n]) for n in group}, errors=errs)
+
+            def done(g, group):
+                if case == "load" and g == 1:
+                    raise RuntimeError("forced load failure")
+                loaded.extend(group)
+            shapes = {n: (4,) for n in names}
+        try:
+            report = stream.run(shapes, errors, part, done)
+            error, moved = None, report.bytes_received + report.bytes_sent
+        except Exception as e:  # noqa: BLE001 - the test compares the messages
+            error, moved = f"{type(e).__name__}: {e}", None
+        row = {"case": case, "error": error, "version": stream.version, "moved": moved}
+        if side == "receive":
+            row["buffers"] = {n: b.tolist() for n, b in buffers.items()}
+            row["loaded"] = loaded
+        out.append(row)
+    world.close()
+    return {"rounds": out}

@@ -17,12 +17,15 @@ four-call control plane with :class:`XreshardTrainerWeightTransferEngine`::
 The plugin entry point (``vllm.general_plugins``, :func:`xreshard.adapters.vllm.register_backend`)
 registers both classes with vLLM's factories in every vLLM process.
 
-Worker side, per round: one collective :class:`~xreshard.refit.Refit` into receive buffers
-shaped like the loader-visible parameters (fused ``qkv_proj``: q, k and v are three
-``Shard(0)`` tensors bound to row ranges of one buffer; the padded vocab tail belongs to no
-tensor and stays zero), then vLLM's layerwise reload loads the rank from those shards
-(:func:`~xreshard.adapters.vllm.shard_weight`), re-processes them (CPU prepacking) and
-re-processes the tied head. Each worker receives exactly the bytes its shards hold.
+Worker side, per round, streamed in groups of layers (:class:`Stream`): per group, one
+collective :class:`~xreshard.refit.Refit` into receive buffers shaped like that group's
+loader-visible parameters (fused ``qkv_proj``: q, k and v are three ``Shard(0)`` tensors
+bound to row ranges of one buffer; the padded vocab tail belongs to no tensor and stays
+zero), then vLLM's layerwise reload of that group's modules loads the rank from those
+shards (:func:`~xreshard.adapters.vllm.shard_weight`), re-processes them (CPU prepacking)
+and re-processes the tied head. Each worker receives exactly the bytes its shards hold,
+and holds at most one group's buffers: its extra memory stays within ``stream_bytes``
+(default ``RefitConfig.staging_bytes``), not its whole shard.
 
 Decision record.
 
@@ -32,32 +35,46 @@ Decision record.
   process count through ``init_weight_transfer_engine``; workers join as group
   ``"rollout"`` with index = worker (stage-major, then TP rank), trainer processes as
   ``"trainer"``.
-* The workers all-gather their recordings over vLLM's own world group (its gloo CPU group),
-  so every worker describes the same global layouts (product form where vLLM's sharding is
+* The workers all-gather their recordings over vLLM's own world group (its gloo CPU group,
+  JSON bytes, never pickle), so every worker describes the same global layouts (product form where vLLM's sharding is
   one, explicit for the padded vocab). Rejected: marking per-rank layouts ``local_only``
   and letting the refit union them (explicit form only, so the planner loses the per-dim
   intersection), and an extra all-gather over the xreshard world (the trainer would need
-  to know about it). The trainer's protocol stays "join, then ``Refit(send=...)``".
+  to know about it). The trainer's protocol is "join, then :class:`Stream`".
 * Everything happens in ``update_weights``; ``start_weight_update`` and
-  ``finish_weight_update`` do nothing. The refit commits collectively (every process learns
-  every other's outcome before anyone loads), so a failed round fails on every rank and
-  leaves the model on its previous weights; loading into vLLM starts only after that
-  (in place, see below, a failed round leaves the live parameters partly written, and the
-  error says so). TODO(memory): receive buffers hold one rank's whole shard at once;
-  stream by layer.
-* A failed round (a refit error, raised on every rank alike) raises from the last TP
-  rank's ``update_weights`` only; the others log it and return. vLLM 0.32's multiproc
-  executor stops reading replies at the first failed worker and leaves the rest queued for
-  the next RPC, so errors from every worker would desynchronize the engine's control
-  plane. The trainer then closes the update session with ``finish_weight_update()`` and no
-  version, so the weight version advances only on rounds every rank completed.
-* CPU: fresh receive buffers each round, loaded through layerwise reload (the live
-  ``weight`` params are empty placeholders after oneDNN prepacking). GPU (``mode="auto"``
-  on CUDA when every live parameter has its loader-visible shape): the bindings are views
-  of the live parameters, written in place, no reload. TODO(gpu): the in-place path is
-  untested here (no CUDA vLLM on the CPU dev box); it assumes
-  ``process_weights_after_loading`` is the identity (expected for unquantized models on
-  CUDA, not verified); ``mode="reload"`` is the safe choice there until it is.
+  ``finish_weight_update`` do nothing.
+* Streaming: the groups come from the recorded layouts (:meth:`Destination.groups
+  <xreshard.adapters.vllm.Destination.groups>`: modules never split, layerwise order, each
+  group within half the budget, the other half for staging), identical on every worker;
+  the first worker broadcasts them to the trainer (JSON) the first time, and every process
+  then runs the same refits in the same order, each with its plan cached across rounds.
+  Rejected: one Refit re-fed a subset per group (re-exchanging layouts and re-planning
+  every group of every round), and receiving the whole shard then reloading layer by layer
+  (the old way: the whole shard in buffers at once).
+* Errors reach every rank through the refits' error gather, never a raise on one rank
+  (which would leave the others waiting until the timeout): what is known before a round
+  (a binding that fails - on GPU, DLPack or strides -, tensors on one side only, a missed
+  version, a refused ``mode="inplace"``) goes into the first group's refit, so the round
+  is refused everywhere before a byte moves; a failure while vLLM loads group g goes into
+  group g+1's refit (or a last all-gather). Once a group has loaded, a failure leaves the
+  engine holding two rounds' weights (the price of not holding a whole shard); the error
+  says so, and the version advances only on rounds every process completed.
+* A failed round (raised on every rank alike) raises from the last TP rank's
+  ``update_weights`` only; the others log it and return. vLLM 0.32's multiproc executor
+  stops reading replies at the first failed worker and leaves the rest queued for the next
+  RPC, so errors from every worker would desynchronize the engine's control plane. The
+  trainer then closes the update session with ``finish_weight_update()`` and no version.
+* CPU: fresh receive buffers per group, loaded through layerwise reload of the group's
+  modules (the live ``weight`` params are empty placeholders after oneDNN prepacking).
+  GPU (``mode="auto"`` on CUDA): the bindings are views of the live parameters, written in
+  place, no reload - but only where known right: every module that processes weights
+  after loading must be on an allow-list (:data:`~xreshard.adapters.vllm.INPLACE_ALLOWED`:
+  unquantized linear and embedding methods, plain attention; unquantized fused MoE with a
+  backend that uses w13/w2 as loaded). MLA attention (``W_UK``/``W_UV`` derived from
+  ``kv_b_proj``), FlashInfer/AITER MoE layouts, FP8 and other quantized methods (scales
+  derived at load time) are refused by name: ``"auto"`` then reloads, ``"inplace"`` is
+  refused on every rank. TODO(gpu): the in-place path is untested here (no CUDA vLLM on
+  the CPU dev box).
 """
 
 from __future__ import annotations
@@ -95,7 +112,7 @@ from .naming import Split as SplitDim
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["BACKEND", "GROUPS", "XreshardInitInfo", "XreshardUpdateInfo",
+__all__ = ["BACKEND", "GROUPS", "XreshardInitInfo", "XreshardUpdateInfo", "Stream",
            "XreshardWeightTransferEngine", "XreshardTrainerInitInfo",
            "XreshardTrainerWeightTransferEngine", "WeightSender", "LLMClient", "bind_named"]
 
@@ -125,6 +142,11 @@ class XreshardInitInfo(WeightTransferInitInfo):
         engine, num_engines: this engine's index among the identical engines the trainer
             refits together, and their number.
         engine_world_size: the workers per engine the trainer expects (None: not checked).
+        stream_bytes: a worker's budget for the extra memory of a refit (receive buffers and
+            vLLM's re-processing); the round goes in groups of layers that fit it (None:
+            ``config["staging_bytes"]``, i.e. ``RefitConfig.staging_bytes``).
+        measure_memory: report each round's peak RSS growth of the worker process (Linux:
+            resets the process's VmHWM through ``/proc/self/clear_refs``).
     """
 
     address: str
@@ -137,6 +159,8 @@ class XreshardInitInfo(WeightTransferInitInfo):
     engine: int = 0
     num_engines: int = 1
     engine_world_size: int | None = None
+    stream_bytes: int | None = None
+    measure_memory: bool = False
 
     def __post_init__(self) -> None:
         if self.mode not in _MODES:
@@ -166,12 +190,16 @@ class XreshardWeightTransferEngine(WeightTransferEngine[XreshardInitInfo, Xresha
     def __init__(self, config: Any, vllm_config: Any, device: Any, model: Any) -> None:
         super().__init__(config, vllm_config, device, model)
         self.world: World | None = None
-        self.refit: Refit | None = None
+        self.stream: Stream | None = None
         self.last_report: RefitReport | None = None
         self.last_error: str | None = None
+        self.peak_rss_growth: int | None = None
+        self.budget: int | None = None
         self._dest: xv.Destination | None = None
         self._specs_key: Any = None
         self._inplace = False
+        self._measure = False
+        self._init_errors: list[str] = []
 
     def init_transfer_engine(self, init_info: XreshardInitInfo) -> None:
         """Record (once), then join the trainer's world as ``rollout[worker]`` (vLLM's rank
@@ -196,9 +224,21 @@ class XreshardWeightTransferEngine(WeightTransferEngine[XreshardInitInfo, Xresha
                             self._dest.unused)
         dest = self._dest
         mode = init_info.mode
+        self._init_errors = []
+        refusals = dest.inplace_refusals(self.model, self.device.type) if mode != "reload" else []
         if mode == "auto":
-            mode = "inplace" if self.device.type == "cuda" and dest.fits_inplace(self.model) \
-                else "reload"
+            mode = "inplace" if self.device.type == "cuda" and not refusals else "reload"
+            if self.device.type == "cuda" and refusals:
+                logger.info("xreshard: reloading through vLLM, not writing in place: %s "
+                            "(%d more)", refusals[0], len(refusals) - 1)
+        elif mode == "inplace" and refusals:
+            # refused through the refit's error gather on every rank, round after round:
+            # raising here on one worker would leave the trainer waiting for it to join
+            self._init_errors.append(
+                f"mode 'inplace' refused on worker {dest.rec.worker}: "
+                + "; ".join(refusals[:5]) + (f"; and {len(refusals) - 5} more" if
+                                             len(refusals) > 5 else "")
+                + " - use mode 'reload' (or 'auto')")
         self._inplace = mode == "inplace"
         device = "cpu" if self.device.type == "cpu" else self.device
         workers = dest.rec.num_workers
@@ -221,10 +261,15 @@ class XreshardWeightTransferEngine(WeightTransferEngine[XreshardInitInfo, Xresha
         dest.place(ranks, init_info.engine)
         config = dict(init_info.config)
         config.setdefault("timeout", init_info.timeout)
-        self.refit = Refit(self.world, config=RefitConfig(**config))
+        refit_config = RefitConfig(**config)
+        self.budget = init_info.stream_bytes or refit_config.staging_bytes
+        self._measure = init_info.measure_memory
+        self.stream = Stream(self.world, "receive", config=refit_config)
+        self.stream.set_groups(dest.groups(self.budget))
         logger.info("xreshard: worker %d (pp %d, tp %d) joined %r as world rank %d (%s, %d "
-                    "shard bytes)", dest.rec.worker, dest.rec.pp_rank, dest.rec.tp_rank,
-                    self.world, dest.rank, mode, dest.shard_bytes())
+                    "shard bytes in %d group(s) of at most %d bytes)", dest.rec.worker,
+                    dest.rec.pp_rank, dest.rec.tp_rank, self.world, dest.rank, mode,
+                    dest.shard_bytes(), len(self.stream.groups), self.budget)
 
     def start_weight_update(self) -> None:
         """Nothing: the round is received and loaded in ``update_weights``."""
@@ -238,22 +283,39 @@ class XreshardWeightTransferEngine(WeightTransferEngine[XreshardInitInfo, Xresha
             torch.accelerator.synchronize()
 
     def receive_weights(self, update_info: XreshardUpdateInfo) -> None:
-        """One collective refit into this rank's buffers, then load them into the model."""
-        if self.refit is None or self._dest is None:
+        """One streamed round: per group of layers, a collective refit into receive buffers
+        for that group only (in place: views of the live parameters), then vLLM loads them;
+        so the extra memory stays within the budget, not the whole shard."""
+        if self.stream is None or self._dest is None:
             raise RefitError("the xreshard backend is not initialized: call "
                              "init_weight_transfer_engine first")
-        errors = []
-        if update_info.version is not None and update_info.version != self.refit.version + 1:
+        dest, stream = self._dest, self.stream
+        errors = list(self._init_errors)
+        if update_info.version is not None and update_info.version != stream.version + 1:
             errors.append(f"the trainer sends version {update_info.version} but this worker "
-                          f"holds version {self.refit.version}; a round was missed")
-        buffers = self._dest.buffers(self.model, self._inplace, self.device)
+                          f"holds version {stream.version}; a round was missed")
+        held: dict[int, Any] = {}
+        if self._inplace:
+            # views of the live parameters cost nothing: bind every group now, so a binding
+            # error (GPU only: DLPack, strides) refuses the round before anything is written
+            for g, names in enumerate(stream.groups):
+                held[g] = self._bind_group(names, errors)
+
+        def part(g: int, names: list[str], errs: list[str]) -> Bound:
+            if g not in held:
+                held[g] = self._bind_group(names, errs)
+            buffers, bound = held[g]
+            bound.errors = errs + bound.errors
+            return bound
+
+        def done(g: int, names: list[str]) -> None:
+            buffers, _ = held.pop(g)
+            dest.load(self.model, self.model_config, buffers, self._inplace, names)
+
+        rss0 = _reset_peak_rss() if self._measure else None
         try:
-            bound = self._dest.bind(buffers, errors)
-        except XreshardError as e:      # refused on every process, not a hang on the others
-            bound = Bound(dict(self._dest.layouts), {}, errors=errors + [str(e)])
-        try:
-            report = self.refit(receive=bound)
-        except XreshardError as e:      # collective: every rank raises the same error
+            report = stream.run({n: dest.shapes[n] for n in dest.names}, errors, part, done)
+        except Exception as e:  # noqa: BLE001 - collective: every rank raises alike
             self.last_error = f"{type(e).__name__}: {e}"
             if self._inplace:
                 e = RefitError(f"{e} (mode 'inplace': the live parameters may be partly "
@@ -264,12 +326,26 @@ class XreshardWeightTransferEngine(WeightTransferEngine[XreshardInitInfo, Xresha
                 # last rank raises (its reply is read last) and the others log it.
                 # TODO(vllm): drop once collective_rpc drains every reply on failure.
                 logger.error("xreshard: refit v%d failed on every rank: %s",
-                             self.refit.version + 1, self.last_error)
+                             stream.version + 1, self.last_error)
                 return
             raise e
+        finally:
+            held.clear()
+        self.peak_rss_growth = None if rss0 is None else _peak_rss() - rss0
         self.last_error = None
-        self._dest.load(self.model, self.model_config, buffers, self._inplace)
         self.last_report = report
+
+    def _bind_group(self, names: list[str], errors: list[str]) -> tuple[Any, Bound]:
+        """(buffers, receive side) of one group; any failure becomes an error of the refit,
+        raised on every rank by its error gather, never here on this rank alone."""
+        dest = self._dest
+        try:
+            buffers = dest.buffers(self.model, self._inplace, self.device, names)
+            return buffers, dest.bind(buffers, [], names)
+        except Exception as e:  # noqa: BLE001 - reported to every rank
+            errors.append(f"worker {dest.rec.worker} could not bind its receive buffers: "
+                          f"{type(e).__name__}: {e}")
+            return {}, Bound({n: dest.layouts[n] for n in names}, {})
 
     def report(self) -> dict[str, Any]:
         """The last round as seen by this worker (JSON)."""
@@ -278,8 +354,12 @@ class XreshardWeightTransferEngine(WeightTransferEngine[XreshardInitInfo, Xresha
                 "pp_rank": rec.rec.pp_rank if rec else None,
                 "worker": rec.rec.worker if rec else None,
                 "world_rank": rec.rank if rec else None,
-                "version": self.refit.version if self.refit else 0,
+                "version": self.stream.version if self.stream else 0,
                 "mode": "inplace" if self._inplace else "reload",
+                "num_groups": len(self.stream.groups) if self.stream else None,
+                "budget_bytes": self.budget,
+                "peak_rss_growth": self.peak_rss_growth,
+                "staging_bytes": r.staging_bytes if r else None,
                 "shard_bytes": rec.shard_bytes() if rec and rec.layouts else None,
                 "bytes_received": r.bytes_received if r else None,
                 "bytes_local": r.bytes_local if r else None,
@@ -290,7 +370,7 @@ class XreshardWeightTransferEngine(WeightTransferEngine[XreshardInitInfo, Xresha
     def shutdown(self) -> None:
         if self.world is not None:
             self.world.close()
-        self.world = self.refit = None
+        self.world = self.stream = None
 
 
 # ---------------------------------------------------------------------------- trainer side
@@ -365,7 +445,8 @@ class XreshardTrainerInitInfo(TrainerInitInfo):
         world_id, timeout: as for ``World.join``; ``timeout`` bounds every wait.
         wire_dtype, bucket_bytes, staging_bytes: :class:`~xreshard.refit.RefitConfig`
             fields (``wire_dtype="bfloat16"`` for an fp32 trainer and a bf16 engine).
-        mode, specs: passed to the workers (see :class:`XreshardInitInfo`).
+        mode, specs, stream_bytes, measure_memory: passed to the workers (see
+            :class:`XreshardInitInfo`).
         rules, rule_params, names, transpose: how trainer arrays become HF tensors
             (see :class:`WeightSender`).
         devices: this process's devices (default ``jax.local_devices()`` when JAX is
@@ -387,6 +468,8 @@ class XreshardTrainerInitInfo(TrainerInitInfo):
     staging_bytes: int = RefitConfig.staging_bytes
     mode: str = "auto"
     specs: dict[str, Any] | None = None
+    stream_bytes: int | None = None
+    measure_memory: bool = False
     rules: Sequence[Any] | None = None
     rule_params: Mapping[str, int] | None = None
     names: Any = None
@@ -455,23 +538,29 @@ class XreshardTrainerWeightTransferEngine(TrainerWeightTransferEngine[XreshardTr
                        "world_id": info.world_id, "timeout": info.timeout,
                        "config": config.to_dict(), "mode": info.mode, "specs": info.specs,
                        "num_engines": info.num_engines,
-                       "engine_world_size": info.engine_world_size}
+                       "engine_world_size": info.engine_world_size,
+                       "stream_bytes": info.stream_bytes,
+                       "measure_memory": info.measure_memory}
         devices = _default_devices() if info.devices is None else info.devices
 
-        def join() -> World:
-            return World.join(address, "trainer", devices,
-                              num_processes=worker_info["num_processes"], index=info.rank,
-                              groups=GROUPS, timeout=info.timeout, world_id=info.world_id)
+        def join() -> tuple[World, WeightSender]:
+            world = World.join(address, "trainer", devices,
+                               num_processes=worker_info["num_processes"], index=info.rank,
+                               groups=GROUPS, timeout=info.timeout, world_id=info.world_id)
+            engine.world = world
+            # collective with the workers' init (their side of the stream)
+            return world, WeightSender(world, rules=info.rules, rule_params=info.rule_params,
+                                       names=info.names, transpose=info.transpose,
+                                       config=config)
 
         calls = [functools.partial(c.init_weight_transfer_engine, {**worker_info, "engine": e})
                  for e, c in enumerate(engine.clients)]
         try:
-            engine.world = _concurrently(calls, join, info.timeout, "init_weight_transfer_engine")
+            engine.world, engine.sender = _concurrently(calls, join, info.timeout,
+                                                        "init_weight_transfer_engine")
         except BaseException:
             engine.shutdown()
             raise
-        engine.sender = WeightSender(engine.world, rules=info.rules, rule_params=info.rule_params,
-                                     names=info.names, transpose=info.transpose, config=config)
         return engine
 
     def send_weights(self, weights: Any = None) -> RefitReport:
@@ -544,12 +633,16 @@ class LLMClient:
 class WeightSender:
     """One trainer process's side of refits into vLLM: binds and sends each round.
 
+    Constructing it is collective with the workers joining (their backend builds its side
+    of the :class:`Stream` in ``init_transfer_engine``): build it right after joining, as
+    :meth:`XreshardTrainerWeightTransferEngine.trainer_init` does.
+
     Args:
         world: the joined world (group ``"trainer"``).
         rules: naming rules (e.g. ``jax_llama_rules(tied=True)``) turning a JAX pytree
-            into HF tensors as views of its shards (:func:`bind_named`); None: the
-            refit binds the weights itself (HF-named torch state dicts, or ``names`` /
-            ``transpose``).
+            into HF tensors as views of its shards (:func:`bind_named`); None: an HF-named
+            torch state dict or module (``names`` / ``transpose`` map its keys), or a
+            :class:`~xreshard.refit.Bound`.
         rule_params: sizes the rules name (``NameMap(params=...)``).
         names, transpose: as for :class:`~xreshard.refit.Refit` (without ``rules``).
         config: the :class:`~xreshard.refit.RefitConfig` every process uses.
@@ -560,24 +653,263 @@ class WeightSender:
                  transpose: Iterable[str] = (), config: RefitConfig | None = None) -> None:
         self.world = world
         self._namemap = None if rules is None else NameMap(rules, rule_params)
-        self.refit = Refit(world, names=names, transpose=transpose, config=config)
+        self._names = names
+        self._transpose = frozenset(transpose)
+        self.stream = Stream(world, "send", config=config or RefitConfig(), names=names,
+                             transpose=transpose)
 
     @property
     def version(self) -> int:
-        return self.refit.version
+        """Rounds every process completed."""
+        return self.stream.version
 
     def send_weights(self, weights: Any) -> RefitReport:
-        """Send this round's weights (collective with the workers' ``update_weights``)."""
-        if self._namemap is not None and not isinstance(weights, Bound):
-            ranks = self.refit._rank_maps()["jax"]     # the refit's own first all-gather
+        """Send this round's weights (collective with the workers' ``update_weights``), one
+        group of layers at a time, in the groups the workers derived from their layouts."""
+        errors: list[str] = []
+        try:
+            obj, shapes = self._bind(weights)
+        except XreshardError as e:   # refused on every process, not a hang on the others
+            obj, shapes = Bound({}, {}), {}
+            errors.append(f"{type(e).__name__}: {e}")
+
+        def part(g: int, names: list[str], errs: list[str]) -> Any:
+            wanted = set(names)
+            if isinstance(obj, Bound):
+                return Bound({n: lay for n, lay in obj.layouts.items() if n in wanted},
+                             {k: b for k, b in obj.bindings.items() if k[1] in wanted},
+                             errors=errs + (obj.errors if g == 0 else []),
+                             local_only={n for n in obj.local_only if n in wanted})
+            sub = {k: t for k, t in obj.items() if self._canonical(k) in wanted}
+            return sub if sub and not errs else Bound({}, {}, errors=errs)
+
+        return self.stream.run(shapes, errors, part)
+
+    def _canonical(self, key: str) -> str:
+        if self._names is None:
+            return key
+        return self._names(key) if callable(self._names) else self._names.get(key, key)
+
+    def _bind(self, weights: Any) -> tuple[Any, dict[str, tuple[int, ...]]]:
+        """(what to split into groups, canonical name -> global shape)."""
+        if isinstance(weights, Bound):
+            return weights, {n: lay.shape for n, lay in weights.layouts.items()}
+        if self._namemap is not None:
+            ranks = self.stream.jax_ranks
+            if not ranks:
+                raise RefitError("naming rules bind JAX pytrees: join the world with JAX "
+                                 "devices (jax.local_devices())")
+            bound = bind_named(weights, self._namemap, ranks)
+            return bound, {n: lay.shape for n, lay in bound.layouts.items()}
+        if isinstance(weights, torch.nn.Module):
+            weights = weights.state_dict()
+        if isinstance(weights, Mapping) and all(hasattr(t, "shape") for t in weights.values()):
+            shapes = {}
+            for k, t in weights.items():
+                name = self._canonical(k)
+                shape = tuple(int(n) for n in t.shape)
+                shapes[name] = shape[::-1] if name in self._transpose else shape
+            return dict(weights), shapes
+        raise RefitError(f"cannot send {type(weights).__name__} into vLLM: pass a JAX pytree "
+                         "with naming rules (rules=...), an HF-named torch state dict or "
+                         "module, or an xreshard Bound")
+
+
+# ---------------------------------------------------------------------------- streaming
+
+class Stream:
+    """One process's side of streamed refits between a trainer and vLLM workers.
+
+    A round is a sequence of collective :class:`~xreshard.refit.Refit` calls, one per
+    group of tensors, so that a worker holds receive buffers for one group at a time
+    (:meth:`xreshard.adapters.vllm.Destination.groups`, derived from the recorded layouts
+    and the budget). Every process of the world runs the same collectives in the same
+    order:
+
+    1. (construction) an all-gather of every process's world ranks and JAX device ids,
+       so the trainer can bind JAX arrays without a collective of its own later;
+    2. an all-gather of (side, groups id, names id); if a sender lacks the workers' groups,
+       the first worker broadcasts them (JSON); if the names differ, an all-gather of the
+       names finds which, and the round is refused before anything moves;
+    3. one refit per group, each with its own plan, cached across rounds; errors known
+       before the round (binding, names, versions) go into the first group's, so its
+       error gather raises them on every rank before a byte moves; an error while loading
+       group g into vLLM goes into group g+1's;
+    4. an all-gather of the last group's load errors.
+
+    A failure after the first group has loaded leaves the engine holding a mix of two
+    rounds (the price of not holding a whole shard); the error says so, and the version
+    advances only on rounds every process completed.
+    """
+
+    def __init__(self, world: World, side: str, *, config: RefitConfig, names: Any = None,
+                 transpose: Iterable[str] = ()) -> None:
+        self.world, self.side, self.config = world, side, config
+        self.groups: list[list[str]] = []
+        self.groups_id: str | None = None
+        self.version = 0
+        self._refits: dict[int, Refit] = {}
+        self._arena: Any = None
+        self._refit_kwargs = {"names": names, "transpose": tuple(transpose)}
+        devs = [world.local_device(r) for r in world.rank_ids]
+        jax_ids = [int(d.id) for d in devs] if devs and all(
+            type(d).__module__.startswith("jax") for d in devs) else []
+        me = {"group": world.processes[world.process_index]["group"],
+              "ranks": list(world.rank_ids), "jax_ids": jax_ids}
+        everyone = world.allgather_json(me, timeout=config.timeout)
+        self.jax_ranks = {int(i): int(r) for p in everyone if p["group"] == me["group"]
+                          for i, r in zip(p["jax_ids"], p["ranks"])}
+
+    def set_groups(self, groups: Sequence[Sequence[str]]) -> None:
+        groups = [list(g) for g in groups]
+        gid = _json_digest(groups)
+        if gid != self.groups_id:
+            self.groups, self.groups_id, self._refits = groups, gid, {}
+
+    def run(self, shapes: Mapping[str, Sequence[int]], errors: list[str],
+            part: Callable[[int, list[str], list[str]], Any],
+            done: Callable[[int, list[str]], None] | None = None) -> RefitReport:
+        """One round. ``shapes``: this side's tensors; ``errors``: problems found before the
+        round; ``part(g, names, errors)``: this side of group g's refit (a Bound carrying
+        ``errors``, or a state dict when there are none); ``done(g, names)``: after group g
+        committed (a worker loads it)."""
+        world, timeout = self.world, self.config.timeout
+        names_id = _json_digest(sorted([n, [int(x) for x in s]] for n, s in shapes.items()))
+        info = world.allgather_json({"side": self.side, "groups": self.groups_id,
+                                     "names": names_id}, timeout=timeout)
+        receivers = [p for p, i in enumerate(info) if i["side"] == "receive"]
+        ids = {info[p]["groups"] for p in receivers}
+        if len(ids) != 1:
+            raise RefitError("the vLLM workers stream in different groups (engines with "
+                             "different models, parallel configs or budgets?); refit engines "
+                             "together only when they are identical" if ids else
+                             "no vLLM worker in the world")
+        (gid,) = ids
+        if any(i["groups"] != gid for i in info):
+            root = receivers[0]
+            groups = world.broadcast_json(self.groups if world.process_index == root else None,
+                                          root_process=root, timeout=timeout)
+            self.set_groups(groups)
+        errors = list(errors)
+        if len({i["names"] for i in info}) > 1:
+            every = world.allgather_json({"side": self.side, "shapes": {
+                n: [int(x) for x in s] for n, s in shapes.items()}}, timeout=timeout)
+            problem = _names_problem(every)
+            if problem and world.process_index == 0:
+                errors.append(problem)
+        reports: list[RefitReport] = []
+        carried: str | None = None
+        for g, names in enumerate(self.groups):
+            errs = errors if g == 0 else []
+            if carried is not None:
+                errs, carried = errs + [carried], None
+            obj = part(g, names, list(errs))
+            refit = self._refits.get(g)
+            if refit is None:
+                refit = self._refits[g] = Refit(world, config=self.config, **self._refit_kwargs)
+            # one staging arena for every group, handed from refit to refit: each group's
+            # refit would otherwise keep its own, and their sum is the whole shard again
+            # TODO(refit): a public way to share staging between Refit objects
+            if hasattr(refit, "_arena"):
+                refit._arena, self._arena = self._arena, None
             try:
-                if not ranks:
-                    raise RefitError("naming rules bind JAX pytrees: join the world with JAX "
-                                     "devices (jax.local_devices())")
-                weights = bind_named(weights, self._namemap, ranks)
-            except XreshardError as e:   # refused on every process, not a hang on the others
-                weights = Bound({}, {}, errors=[f"{type(e).__name__}: {e}"])
-        return self.refit(send=weights)
+                reports.append(refit(**{self.side: obj}))
+            except XreshardError as e:
+                if g == 0:
+                    raise
+                raise RefitError(f"{e}\n(streamed round: groups 0..{g - 1} of "
+                                 f"{len(self.groups)} were already loaded, so the engine "
+                                 "holds a mix of two rounds; refit again before generating)"
+                                 ) from e
+            finally:
+                if hasattr(refit, "_arena"):
+                    self._arena, refit._arena = refit._arena, None
+                # the refit keeps its last send/receive object for argument-less calls:
+                # emptied, it holds no group's buffers (or trainer arrays) past the call
+                if isinstance(obj, Bound):
+                    obj.bindings.clear()
+                elif isinstance(obj, dict):
+                    obj.clear()
+            if done is not None:
+                try:
+                    done(g, names)
+                except Exception as e:  # noqa: BLE001 - reported to every rank below
+                    logger.exception("xreshard: loading group %d failed", g)
+                    carried = (f"{world.describe_process(world.process_index)} failed to "
+                               f"load group {g} ({len(names)} tensors from "
+                               f"{names[0]!r}): {type(e).__name__}: {e}")
+        outcomes = world.allgather_json({"error": carried}, timeout=timeout)
+        failed = [o["error"] for o in outcomes if o["error"]]
+        if failed:
+            raise RefitError("; ".join(failed) + " - the engine holds a mix of two rounds; "
+                             "refit again before generating")
+        self.version += 1
+        return _combine(reports, self.version)
+
+
+def _json_digest(obj: Any) -> str:
+    import hashlib
+    import json
+    return hashlib.sha256(json.dumps(obj, separators=(",", ":")).encode()).hexdigest()
+
+
+def _names_problem(every: Sequence[Mapping[str, Any]]) -> str | None:
+    """What differs between the tensors the senders and the receivers describe."""
+    sides: dict[str, dict[str, tuple]] = {"send": {}, "receive": {}}
+    for p in every:
+        sides[p["side"]].update({n: tuple(s) for n, s in p["shapes"].items()})
+    src, dst = sides["send"], sides["receive"]
+
+    def listed(names: list[str]) -> str:
+        more = f" and {len(names) - 20} more" if len(names) > 20 else ""
+        return ", ".join(repr(n) for n in names[:20]) + more
+
+    problems = []
+    only_src, only_dst = sorted(set(src) - set(dst)), sorted(set(dst) - set(src))
+    if only_src:
+        problems.append(f"{len(only_src)} tensor(s) only on the source side: {listed(only_src)}")
+    if only_dst:
+        problems.append(f"{len(only_dst)} tensor(s) only on the destination side: "
+                        f"{listed(only_dst)}")
+    bad = [f"{n!r} source {src[n]} vs destination {dst[n]}" for n in sorted(set(src) & set(dst))
+           if src[n] != dst[n]]
+    if bad:
+        problems.append(f"shape mismatch in {len(bad)} tensor(s): " + "; ".join(bad[:20]))
+    return "; ".join(problems) or None
+
+
+def _combine(reports: Sequence[RefitReport], version: int) -> RefitReport:
+    """One round's report from its groups' reports."""
+    def total(field: str) -> Any:
+        return sum(getattr(r, field) for r in reports)
+    return RefitReport(
+        version=version, seconds=total("seconds"), plan_seconds=total("plan_seconds"),
+        bytes_sent=total("bytes_sent"), bytes_received=total("bytes_received"),
+        bytes_local=total("bytes_local"), bytes_moved_world=total("bytes_moved_world"),
+        bytes_gather_broadcast_world=total("bytes_gather_broadcast_world"),
+        num_rounds=total("num_rounds"), num_messages=total("num_messages"),
+        num_zero_copy=total("num_zero_copy"),
+        staging_bytes=max((r.staging_bytes for r in reports), default=0),
+        replanned=any(r.replanned for r in reports))
+
+
+def _proc_status(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise RefitError(f"/proc/self/status has no {field}; measure_memory needs Linux")
+
+
+def _reset_peak_rss() -> int:
+    """Reset this process's peak RSS (VmHWM) to its current RSS; return that RSS."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    return _proc_status("VmRSS")
+
+
+def _peak_rss() -> int:
+    return _proc_status("VmHWM")
 
 
 # ---------------------------------------------------------------------------- naming -> layouts
