@@ -169,6 +169,8 @@ def test_bad_input_same_error_everywhere_nothing_written_world_still_works():
 def token_world(ctx: Context, token: str | None, forge: bool) -> dict:
     out: dict = {}
     if ctx.role.group == "intruder":
+        from xreshard.store import connect
+        connect(ctx.address, 30).wait([f"xreshard/{ctx.world_id}/joined"])
         # same group and index as a member: a process that knows only the address
         out["join"] = _attempt(lambda: xr.World.join(ctx.address, "rollout", 1,
                                                      num_processes=2, index=0, timeout=4,
@@ -185,6 +187,9 @@ def token_world(ctx: Context, token: str | None, forge: bool) -> dict:
     with xr.World.join(ctx.address, ctx.role.group, 1, num_processes=2, index=0, timeout=30,
                        token=token) as world:
         out["ranks"] = list(world.rank_ids)
+        if ctx.role.group == "trainer":
+            from xreshard.store import connect
+            connect(ctx.address, 10).set(f"xreshard/{ctx.world_id}/joined", "1")
         if forge:
             from xreshard.store import connect
             store = connect(ctx.address, 10)

@@ -62,7 +62,7 @@ __all__ = ["Bound", "Refit", "RefitConfig", "RefitHandle", "RefitReport"]
 logger = logging.getLogger(__name__)
 
 #: seconds a process that already failed waits for the others' outcomes
-_GRACE = 5.0
+_GRACE = 3.0
 
 
 @dataclass(frozen=True)
@@ -326,7 +326,8 @@ class Refit:
         transport = None
         self.stale = True
         try:
-            transport = self.world.transport(self.config.transport)
+            with self.world.limited(timeout):     # creating it (first call) is collective
+                transport = self.world.transport(self.config.transport)
             src_bindings = _fit(src, self._plan.src)
             dst_bindings = _fit(dst, self._plan.dst)
             # pipelined: two rounds share the staging budget, so rounds of half of it
@@ -583,32 +584,28 @@ class Refit:
     def _commit(self, error: list[str] | None, digests: Any, target: int) -> int:
         """All-gather every process's outcome; raise the first cause if any failed (the
         version stays). A process that already failed waits only a short grace for the
-        others. Returns how many checksums this process compared."""
+        others; a process that never reports is named, and every survivor builds its
+        message from the outcomes that did arrive (the same ones, as a rule). Returns how
+        many checksums this process compared."""
         timeout = self.config.timeout if error is None else min(_GRACE, self.config.timeout)
-        try:
-            outcomes = self.world.allgather_json(
-                {"errors": [error] if error else [],
-                 "digests": digests},
-                timeout=timeout, kind="refit/outcome")
-        except CommunicationError as e:
-            if error is None:
-                self._broken(f"refit v{target}: {e}")
-                raise
-            cause = error_from(*error)
-            self._broken(f"refit v{target}: {error[0]}: {error[1]}")
-            raise _Failed(type(cause)(f"refit v{target} failed here while moving, destination "
-                                      f"left stale at v{self.version}: {error[1]} (and the "
-                                      f"outcome exchange failed: {e})")) from None
-        failed = [(p, o["errors"][0]) for p, o in enumerate(outcomes) if o.get("errors")]
-        if failed:
-            first = failed[0][1]
-            where = _lines([(q, [e[0], f"{e[0]}: {e[1]}"]) for q, e in failed], self.world, 10)
-            if any(not isinstance(error_from(*e), XreshardError) for _, e in failed):
+        outcomes = self.world.allgather_json(
+            {"errors": [error] if error else [], "digests": digests},
+            timeout=timeout, kind="refit/outcome", partial=True)
+        missing = [p for p, o in enumerate(outcomes) if o is None]
+        failed = [(p, o["errors"][0]) for p, o in enumerate(outcomes)
+                  if o is not None and o.get("errors")]
+        if failed or missing:
+            lines = [_lines([(q, [e[0], f"{e[0]}: {e[1]}"]) for q, e in failed], self.world, 10)]
+            if missing:
+                lines.append("never reported its outcome (dead, or stuck past the timeout): "
+                             + "; ".join(self.world.describe_process(p) for p in missing[:10]))
+            where = "\n  ".join(x for x in lines if x)
+            if missing or any(not isinstance(error_from(*e), XreshardError) for _, e in failed):
                 # a peer failed or went silent: the transports are in an unknown state
                 self._broken(f"refit v{target} failed while moving: {where}")
-            raise _Failed(error_from(first[0], f"refit v{target} failed while moving on "
-                                     f"{len(failed)} process(es), destination left stale at "
-                                     f"v{self.version}:\n  {where}"))
+            cls = failed[0][1][0] if failed else "TransportTimeout"
+            raise _Failed(error_from(cls, f"refit v{target} failed while moving, destination "
+                                          f"left stale at v{self.version}:\n  {where}"))
         if not self.config.verify:
             return 0
         from . import verify

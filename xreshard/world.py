@@ -117,8 +117,7 @@ def _join_records(store: Any, seal: Seal, world_id: str, me: dict[str, Any],
     pause = 0.002
     while True:
         try:
-            wait_keys(store, [key], deadline)       # it exists: our own record is there
-            raw = store.get(key)
+            raw = store.get(key)        # it exists: this process's own record is there
         except (TransportTimeout, RuntimeError) as e:
             raise TransportTimeout(f"world {world_id!r} at {address}: the store lost the join "
                                    f"records: {e}") from e
@@ -484,9 +483,11 @@ class World:
         return error
 
     def _exchange(self, kind: str, obj: Any, writes: bool, readers: Sequence[int],
-                  timeout: float | None) -> list[Any]:
+                  timeout: float | None, partial: bool = False) -> list[Any]:
         """One collective step: write a sealed ``obj`` (when ``writes``), wait for the
-        payloads of processes ``readers``, check and open them, clean up."""
+        payloads of processes ``readers``, check and open them, clean up. With
+        ``partial``, a timeout returns what did arrive (None for the rest) instead of
+        raising, and the caller must mark the world broken (it knows the first cause)."""
         body = json.dumps(obj)      # TypeError before anything is posted
         with self.exclusive(kind):
             prefix, op = self._next_op(kind)
@@ -504,9 +505,17 @@ class World:
                     except RuntimeError:
                         missing = list(readers)
                     names = "; ".join(self.describe_process(p) for p in missing)
-                    raise TransportTimeout(f"{kind} (collective #{op}) in world "
-                                           f"{self._world_id!r} timed out after {timeout} s: "
-                                           f"never arrived: {names}") from e
+                    error = TransportTimeout(f"{kind} (collective #{op}) in world "
+                                             f"{self._world_id!r} timed out after {timeout} s: "
+                                             f"never arrived: {names}")
+                    if not partial:
+                        raise error from e
+                    got = [None if p in missing else self._store.get(k)
+                           for k, p in zip(keys, readers)]
+                    return [None if v is None else self._seal.open(
+                        v, key=k, kind=kind, op=op, process=p,
+                        what=f"from {self.describe_process(p)}")
+                        for k, p, v in zip(keys, readers, got)]
                 values = self._store.multi_get(keys)
                 # the last reader deletes the keys, so a long-lived world does not grow the store
                 if int(self._store.add(f"{prefix}/done", 1)) == self.num_processes:
@@ -527,7 +536,7 @@ class World:
                 raise self._fail(e) from None
 
     def allgather_json(self, obj: Any, *, timeout: float | None = None,
-                       kind: str = "allgather") -> list[Any]:
+                       kind: str = "allgather", partial: bool = False) -> list[Any]:
         """Every process's ``obj``, in process order. JSON values only.
 
         Args:
@@ -543,8 +552,13 @@ class World:
                 then broken (``broken``), as after any communication failure here.
             CollectiveMismatch / AuthenticationError: a payload was from another
                 collective, not one of this world's, or (with a token) not signed.
+
+        With ``partial=True`` a timeout returns the values that arrived, None for the
+        processes that never did; the caller must then mark the world broken
+        (``mark_broken``), naming the first cause. A refit's outcome exchange builds the
+        same message on every survivor from it.
         """
-        return self._exchange(kind, obj, True, range(self.num_processes), timeout)
+        return self._exchange(kind, obj, True, range(self.num_processes), timeout, partial)
 
     def broadcast_json(self, obj: Any = None, root_process: int = 0, *,
                        timeout: float | None = None, kind: str = "broadcast") -> Any:
