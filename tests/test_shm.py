@@ -540,3 +540,18 @@ def test_records_are_sealed_and_bound_to_key_round_and_writer():
         signed.unpack("shm", "k/1", 2, 0, raw, {})            # replayed in another round
     with pytest.raises(AuthenticationError):
         signed.unpack("shm", "k/1", 1, 3, raw, {})            # claimed by another writer
+
+
+def test_a_process_that_exits_without_closing_leaves_no_segment():
+    import subprocess
+    import sys
+    tag = secrets.token_hex(5)
+    code = (f"import numpy as np\n"
+            f"from xreshard.transport.shm import ShmTransport\n"
+            f"t = ShmTransport(None, 'k', {tag!r}, [0, 1], 0, [1])\n"
+            f"t.alloc(1 << 16)[:] = 1\n"
+            f"import os; assert any(n.startswith('xr{tag}_') for n in os.listdir('/dev/shm'))\n"
+            f"raise SystemExit(3)   # no close()\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert proc.returncode == 3, proc.stderr
+    assert shm_names(f"xr{tag}_") == []

@@ -50,6 +50,7 @@ store already gives bounded waits); one segment per message (thousands of mmaps 
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import datetime
 import glob
@@ -59,6 +60,7 @@ import mmap
 import os
 import threading
 import time
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Mapping, Sequence
 
@@ -351,6 +353,7 @@ class ShmTransport:
         self._seq_out: dict[int, int] = {}              # peer -> sends-rounds so far
         self._seq_in: dict[int, int] = {}
         self._out: dict[int, _Segment] = {}             # peer -> its pair segment
+        self._next_size: dict[int, int] = {}            # peer -> size of its next one
         self._spill: dict[int, list[_Segment]] = {}     # this round's overflow segments
         self._want: dict[int, int] = {}                 # peer -> bytes the next round needs
         self._drop: dict[int, list[str]] = {}           # names the peer may unmap
@@ -371,6 +374,7 @@ class ShmTransport:
     def _new_segment(self, kind: str, size: int) -> _Segment:
         self._num += 1
         name = f"{self.prefix}{self._me}_{kind}{self._num}"
+        _unlink_at_exit(self)       # if never closed (an exception on the way out, exit())
         return _Segment(name, HEADER_BYTES + size, create=True)
 
     def alloc(self, nbytes: int) -> np.ndarray:
@@ -409,6 +413,10 @@ class ShmTransport:
         want = self._want.get(peer, 0)
         self._want[peer] = want + _aligned(n)
         seg = self._out.get(peer)
+        if seg is None and peer in self._next_size:
+            # made when first needed, so its receiver maps and unlinks it this round: a
+            # segment made ahead for a round that never comes would outlive a crash
+            seg = self._out[peer] = self._new_segment("p", self._next_size.pop(peer))
         used = rnd.used.get(peer, 0)
         if seg is not None and HEADER_BYTES + used + n <= seg.size:
             if used == 0:
@@ -682,7 +690,7 @@ class ShmTransport:
                 s.unlink()
                 s.close()
             self._drop.setdefault(peer, []).extend(drop)
-            self._out[peer] = self._new_segment("p", self._want.get(peer, 0))
+            self._next_size[peer] = self._want.get(peer, 0)
         self._spill.clear()
         self._want.clear()
 
@@ -865,6 +873,26 @@ class _Watch:
         for key in trash:
             with contextlib.suppress(Exception):
                 client.delete_key(key)
+
+
+_LIVE: "weakref.WeakSet[ShmTransport]" = weakref.WeakSet()
+
+
+def _unlink_at_exit(transport: ShmTransport) -> None:
+    """Remember ``transport`` so that a process exiting without closing it (an exception on
+    the way out) still removes the names of the segments it made. Only SIGKILL skips this;
+    then the receivers (who unlink what they mapped) and the survivors' failure path cover
+    it. The exit hook is registered on the first segment, not at import."""
+    if not _LIVE and not getattr(_unlink_at_exit, "registered", False):
+        atexit.register(_at_exit)
+        _unlink_at_exit.registered = True   # type: ignore[attr-defined]
+    _LIVE.add(transport)
+
+
+def _at_exit() -> None:
+    for t in list(_LIVE):
+        with contextlib.suppress(Exception):
+            remove_shm(f"{t.prefix}{t._me}_")
 
 
 def _aligned(n: int) -> int:
