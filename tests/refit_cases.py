@@ -369,13 +369,18 @@ def dies_mid_refit(ctx: Any, timeout: float) -> dict:
 
     tensors = {"big": ((512, 256), ("a", "b"), ["S1"], "")}
     world = ctx.join(groups=["trainer", "rollout"])
-    config = xr.RefitConfig(timeout=timeout, bucket_bytes=1 << 16, staging_bytes=1 << 17)
+    # a first refit with a generous timeout: slow starts on a loaded machine are not the test
+    warm = dict(bucket_bytes=1 << 16, staging_bytes=1 << 17)
+    config = xr.RefitConfig(timeout=timeout, **warm)
     if ctx.role.group == "trainer":
-        refit = xr.Refit(world, send=_jax_params(tensors, "float32", 0), config=config)
+        params = _jax_params(tensors, "float32", 0)
+        xr.Refit(world, send=params, config=xr.RefitConfig(timeout=120, **warm))()
+        refit = xr.Refit(world, send=params, config=config)
     else:
         _torch_group(ctx, sum(r.group == "rollout" for r in ctx.roles), ctx.role.index, "rollout")
-        refit = xr.Refit(world, receive=_dtensors(tensors, "float32", dist.get_world_size(), None),
-                         config=config)
+        state = _dtensors(tensors, "float32", dist.get_world_size(), None)
+        xr.Refit(world, receive=state, config=xr.RefitConfig(timeout=120, **warm))()
+        refit = xr.Refit(world, receive=state, config=config)
         if ctx.role.index == 1:
             unpack = execute.Executor._unpack
             calls = []

@@ -98,5 +98,5 @@ def test_peer_killed_mid_refit_others_raise_within_timeout():
         assert live.ok, live.describe()
         v = live.value
         assert v["error"] != "no error"
-        assert v["seconds"] < 3 * timeout + 5, v
+        assert v["seconds"] < timeout + 5, v      # bounded: one timeout plus the grace
         assert v["version"] == 0 and v["stale"] is True
