@@ -646,6 +646,7 @@ class World:
             from .transport.cuda_ipc import local_cuda_caps
             cuda = local_cuda_caps([_cuda_ordinal(d) if _device_kind(d) == "cuda" else None
                                     for d in self._devices])
+        first: list[dict[str, Any]] = []
         try:
             mine = {"token": token, "probe": probe is not None,
                     "mark": int(mark.ctypes.data) if pull_ok and probe is not None else None,
@@ -659,6 +660,12 @@ class World:
                      and shm_mod.can_pull(self._infos[q]["pid"], first[q]["mark"],
                                           first[q]["token"].encode())]
             second = self.allgather_json({"shm_reach": reach, "pull_reach": pulls})
+        except BaseException:
+            # a peer that died after publishing its token cannot remove its probe
+            for c in first:
+                if c.get("probe"):
+                    shm_mod.remove_shm(shm_mod.probe_name(c["token"]))
+            raise
         finally:
             if probe is not None:
                 probe.unlink()
