@@ -328,8 +328,8 @@ class Refit:
         try:
             with self.world.limited(timeout):     # creating it (first call) is collective
                 transport = self.world.transport(self.config.transport)
-            src_bindings = _fit(src, self._plan.src)
-            dst_bindings = _fit(dst, self._plan.dst)
+            src_bindings = _fit(src, self._plan.src_layouts)
+            dst_bindings = _fit(dst, self._plan.dst_layouts)
             # pipelined: two rounds share the staging budget, so rounds of half of it
             # (every process picks the same: XRESHARD_EXECUTOR, or refit.executor_kind)
             kind = getattr(self, "executor_kind", None)
@@ -347,7 +347,7 @@ class Refit:
                         staging_bytes=max(1, self.config.staging_bytes // 2)))
                     self._half_schedule = half
                 sched = half[1]
-            executor = Executor(sched, self._plan.src, self._plan.dst,
+            executor = Executor(sched, self._plan.src_layouts, self._plan.dst_layouts,
                                 self._plan.wire_dtypes, src_bindings, dst_bindings,
                                 transport, timeout, pipeline=pipeline,
                                 staging_bytes=self.config.staging_bytes)
@@ -576,8 +576,8 @@ class Refit:
             from .errors import BindingError
             raise BindingError("bindings do not cover what the merged layouts give this "
                                "process's ranks: " + "; ".join(problems[:20]))
-        return plan(src_layouts, dst_layouts, self.world, wire_dtype=self.config.wire_dtype,
-                    cache=self._cache)
+        return plan(src_layouts, dst_layouts, topology=self.world,
+                    wire_dtype=self.config.wire_dtype, cache=self._cache)
 
     # ------------------------------------------------------------ outcome
 
