@@ -24,6 +24,7 @@ tensors; warm keeps the rule check, layout memo and geometry caches, cold clears
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import time
@@ -39,19 +40,45 @@ if str(ROOT) not in sys.path:
 SHAPE = (16, 8)
 
 
-def _calls(refit: Any, side: dict, memo: Any, reps: int) -> dict[str, list[float]]:
-    out: dict[str, list[float]] = {"warm": [], "cold": []}
+def _calls(refit: Any, side: dict, memo: Any, reps: int,
+           profile: int = 0) -> dict[str, Any]:
+    from xreshard import execute
+    out: dict[str, Any] = {"warm": [], "cold": [], "old": []}
     refit(**side)                                   # plans; the memo fills
+    if os.environ.get("BENCH_GC_FREEZE"):
+        import gc
+        gc.collect()
+        gc.freeze()
+    if profile:
+        import cProfile
+        import io
+        import pstats
+        refit(**side)
+        prof = cProfile.Profile()
+        prof.enable()
+        refit(**side)
+        prof.disable()
+        buf = io.StringIO()
+        pstats.Stats(prof, stream=buf).sort_stats("cumulative").print_stats("xreshard", profile)
+        out["profile"] = buf.getvalue()
     for _ in range(reps):
-        for kind in ("warm", "cold"):
-            memo.enabled = kind == "warm"
+        for kind in ("warm", "cold", "old"):
+            memo.enabled = kind != "cold"
+            # old: what a call did before the overlap work (round-by-round executor, pack
+            # programs rebuilt every call, the garbage collector running through the call)
+            old = kind == "old"
+            refit.executor_kind = "rounds" if old else None
+            execute.PAUSE_GC = not old
+            if old:
+                execute._PROGRAMS.clear()
             t0 = time.perf_counter()
             refit(**side)
             out[kind].append(time.perf_counter() - t0)
+    execute.PAUSE_GC = True
     return out
 
 
-def child(ctx: Any, n: int, reps: int) -> dict[str, list[float]]:
+def child(ctx: Any, n: int, reps: int, profile: int = 0) -> dict[str, Any]:
     import numpy as np
     import xreshard as xr
 
@@ -78,7 +105,7 @@ def child(ctx: Any, n: int, reps: int) -> dict[str, list[float]]:
                                                          run_check=False) for i in range(n)}}
     refit = xr.Refit(world, config=xr.RefitConfig(timeout=300), **side)
     try:
-        return _calls(refit, side, memo_owner._MEMO, reps)
+        return _calls(refit, side, memo_owner._MEMO, reps, profile)
     finally:
         world.close()
 
@@ -131,6 +158,9 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--naming", action="store_true",
                     help="bind a JAX MoE tree through the vLLM naming rules, in this process")
+    ap.add_argument("--profile", type=int, default=0,
+                    help="print the N functions with the most own time of one warm call "
+                         "(cProfile in each process)")
     args = ap.parse_args()
     if args.naming:
         return naming(args.reps)
@@ -138,16 +168,21 @@ def main() -> None:
 
     roles = [Role("jax", "trainer", 0, num_devices=4),
              Role("torch", "rollout", 0), Role("torch", "rollout", 1)]
-    results = launch("bench_overhead:child", roles, args=(args.tensors, args.reps),
+    results = launch("bench_overhead:child", roles, args=(args.tensors, args.reps, args.profile),
                      timeout=900)
     print(f"{args.tensors} tensors of {SHAPE} float32, JAX TP=4 -> torch TP=2, "
           f"{args.reps} calls of each kind (median seconds per call)\n")
-    print("| process | warm (memo on) | cold (memo off: layouts rebuilt) | cold / warm |")
-    print("|---|---|---|---|")
+    print("| process | warm (memo on) | cold (memo off: layouts rebuilt) | cold / warm "
+          "| old (warm, as before the overlap work) | old / warm |")
+    print("|---|---|---|---|---|---|")
     for r in results:
         warm, cold = statistics.median(r.value["warm"]), statistics.median(r.value["cold"])
+        old = statistics.median(r.value["old"])
         print(f"| {r.role.group}[{r.role.index}] | {warm:.3f} | {cold:.3f} | "
-              f"{cold / warm:.2f}x |")
+              f"{cold / warm:.2f}x | {old:.3f} | {old / warm:.2f}x |")
+    for r in results:
+        if r.value.get("profile"):
+            print(f"\n{r.role.group}[{r.role.index}]:\n{r.value['profile']}")
 
 
 if __name__ == "__main__":

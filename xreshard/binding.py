@@ -157,6 +157,13 @@ def binding_problems(layouts: Mapping[str, Layout], bindings: Bindings, side: st
     Returns:
         Messages naming tensor and rank, at most a few per kind of problem.
     """
+    from .execute import gc_paused
+    with gc_paused():
+        return _binding_problems(layouts, bindings, side, local_ranks)
+
+
+def _binding_problems(layouts: Mapping[str, Layout], bindings: Bindings, side: str,
+                      local_ranks: Iterable[int]) -> list[str]:
     writes = side == "receive"
     bad: list[str] = []
     receiving: list[tuple[str, Any]] = []

@@ -336,6 +336,13 @@ def bind(tree: Any, side: str, *, ranks: Mapping[int, int], names: Any = None,
         names: default path name -> canonical name (mapping or callable).
         transpose: canonical names stored as ``[in, out]`` kernels of ``[out, in]`` tensors.
     """
+    from xreshard.execute import gc_paused
+    with gc_paused():
+        return _bind(tree, side, ranks=ranks, names=names, transpose=transpose)
+
+
+def _bind(tree: Any, side: str, *, ranks: Mapping[int, int], names: Any = None,
+          transpose: frozenset[str] = frozenset()) -> Any:
     jax = _import_jax()
     import numpy as np
     from xreshard.execute import numpy_dtype
@@ -369,7 +376,9 @@ def bind(tree: Any, side: str, *, ranks: Mapping[int, int], names: Any = None,
         layouts[name] = layout
         if side == "send":
             for shard in leaf.addressable_shards:
-                arr = _host_view(shard.data)
+                # a CPU shard is a numpy view at once (no device set built per shard)
+                arr = (np.asarray(shard.data) if shard.device.platform == "cpu"
+                       else _host_view(shard.data))
                 arr = arr.T if flip else arr
                 bindings[(rank_of(shard.device), name)] = arr if layout.is_product else [arr]
         else:

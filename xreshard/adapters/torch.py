@@ -342,6 +342,14 @@ def bind(obj: Any, side: str, *, ranks: RankMap, local_ranks: Sequence[int], nam
         names: state-dict key -> canonical name (mapping or callable).
         transpose: canonical names whose local tensors are stored transposed.
     """
+    from xreshard.execute import gc_paused
+    with gc_paused():
+        return _bind(obj, side, ranks=ranks, local_ranks=local_ranks, names=names,
+                     transpose=transpose)
+
+
+def _bind(obj: Any, side: str, *, ranks: RankMap, local_ranks: Sequence[int], names: Any = None,
+          transpose: frozenset[str] = frozenset()) -> Any:
     import torch
     from torch.distributed.tensor import DTensor
     from xreshard.refit import Bound

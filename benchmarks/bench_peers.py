@@ -1,0 +1,211 @@
+"""xreshard against what the frameworks do themselves, same machine, same run.
+
+a. **JAX -> JAX in one process**: 4 CPU devices, a ``--mib`` MiB bf16 array sharded
+   ``P("x", "y")`` on a 2x2 mesh, resharded to ``P("z")`` on a 4-device mesh, once with the
+   same device order and once reversed. ``jax.device_put(x, new_sharding)`` (blocked until
+   ready) against ``Refit(world, send={"w": x}, receive={"w": template})()`` in a
+   one-process world whose 4 ranks are the 4 devices (same-rank bytes are local copies,
+   the rest goes through the ``local`` transport). Every received byte is checked once.
+b. **torch DTensor in 4 processes**: a ``--mib`` MiB bf16 tensor ``Shard(0)`` -> ``Shard(1)``
+   on a 4-rank CPU mesh: ``DTensor.redistribute`` (the default gloo group) against a refit
+   of the same processes (``send=`` the Shard(0) DTensor, ``receive=`` a Shard(1) one) over
+   ``--transport`` (``auto``: shm on one host; or ``gloo``), checked once.
+
+Timings alternate in the same processes, ``--reps`` times; medians (min-max) and the
+ratio xreshard / framework (lower is better).
+
+    python benchmarks/bench_peers.py [--mib 128] [--reps 5] [--transport auto|gloo]
+                                     [--only jax|torch] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_refit import ROOT, torch_group  # noqa: E402
+
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+MiB = 2 ** 20
+
+
+def _summary(xs: list[float]) -> dict[str, float]:
+    return {"median": statistics.median(xs), "min": min(xs), "max": max(xs)}
+
+
+# ---------------------------------------------------------------------------- JAX -> JAX
+
+
+def jax_child(ctx: Any, cfg: dict) -> dict:
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    import xreshard as xr
+
+    devs = jax.local_devices()
+    assert len(devs) == 4, devs
+    side = int(np.sqrt(cfg["mib"] * MiB // 2))
+    shape = (side, cfg["mib"] * MiB // 2 // side)
+    shape = (shape[0] // 4 * 4, shape[1] // 4 * 4)
+    src_mesh = jax.sharding.Mesh(np.array(devs).reshape(2, 2), ("x", "y"))
+    rng = np.random.default_rng(0)
+    value = rng.integers(0, 1 << 16, size=shape, dtype=np.uint16)
+    x = jax.device_put(jnp.asarray(value).view(jnp.bfloat16), NamedSharding(src_mesh, P("x", "y")))
+    x.block_until_ready()
+    out: dict[str, Any] = {"shape": list(shape), "orders": {}}
+    world = ctx.join(timeout=300)
+    try:
+        for order in ("same", "reversed"):
+            ds = devs if order == "same" else devs[::-1]
+            dst = NamedSharding(jax.sharding.Mesh(np.array(ds), ("z",)), P("z"))
+            template = jax.ShapeDtypeStruct(shape, jnp.bfloat16, sharding=dst)
+            refit = xr.Refit(world, receive={"w": template},
+                             config=xr.RefitConfig(timeout=300))
+            refit(send={"w": x})
+            got = refit.received["w"]
+            ok = np.asarray(got).view(np.uint16).tobytes() == value.tobytes()
+            ok = ok and got.sharding.is_equivalent_to(dst, 2)
+            y = jax.device_put(x, dst)
+            y.block_until_ready()
+            times: dict[str, list[float]] = {"xreshard": [], "device_put": []}
+            for _ in range(cfg["reps"]):
+                t0 = time.perf_counter()
+                y = jax.device_put(x, dst)
+                y.block_until_ready()
+                times["device_put"].append(time.perf_counter() - t0)
+                del y
+                t0 = time.perf_counter()
+                refit(send={"w": x})
+                jax.block_until_ready(refit.received)
+                times["xreshard"].append(time.perf_counter() - t0)
+            out["orders"][order] = {"bit_exact": bool(ok),
+                                    **{k: _summary(v) for k, v in times.items()}}
+    finally:
+        world.close()
+    return out
+
+
+# ---------------------------------------------------------------------------- torch
+
+
+def torch_child(ctx: Any, cfg: dict) -> dict:
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    import xreshard as xr
+
+    torch.set_num_threads(1)
+    me = ctx.role.index
+    torch_group(ctx, 4, me, "peers")
+    mesh = init_device_mesh("cpu", (4,))
+    n = cfg["mib"] * MiB // 2
+    side = int(np.sqrt(n)) // 4 * 4
+    shape = (side, n // side // 4 * 4)
+    g = torch.Generator().manual_seed(1)
+    full = torch.randint(0, 1 << 15, shape, dtype=torch.int16, generator=g).view(torch.bfloat16)
+    rows = shape[0] // 4
+    src = DTensor.from_local(full[me * rows:(me + 1) * rows].clone(), mesh, [Shard(0)],
+                             run_check=False)
+    cols = shape[1] // 4
+    dst_local = torch.zeros((shape[0], cols), dtype=torch.bfloat16)
+    dst = DTensor.from_local(dst_local, mesh, [Shard(1)], run_check=False)
+    world = ctx.join(timeout=300)
+    try:
+        refit = xr.Refit(world, send={"w": src}, receive={"w": dst},
+                         config=xr.RefitConfig(timeout=300, transport=cfg["transport"]))
+        refit()
+        want = full[:, me * cols:(me + 1) * cols]
+        ok = bool(torch.equal(dst_local.view(torch.int16), want.contiguous().view(torch.int16)))
+        r = src.redistribute(mesh, [Shard(1)])
+        ok = ok and bool(torch.equal(r.to_local().view(torch.int16),
+                                     want.contiguous().view(torch.int16)))
+        times: dict[str, list[float]] = {"xreshard": [], "redistribute": []}
+        for _ in range(cfg["reps"]):
+            dist.barrier()
+            t0 = time.perf_counter()
+            r = src.redistribute(mesh, [Shard(1)])
+            r.to_local()
+            dist.barrier()
+            times["redistribute"].append(time.perf_counter() - t0)
+            del r
+            dist.barrier()
+            t0 = time.perf_counter()
+            refit()
+            dist.barrier()
+            times["xreshard"].append(time.perf_counter() - t0)
+        return {"shape": list(shape), "bit_exact": ok,
+                **{k: _summary(v) for k, v in times.items()}}
+    finally:
+        world.close()
+        dist.destroy_process_group()
+
+
+# ---------------------------------------------------------------------------- parent
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--mib", type=int, default=128)
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--transport", choices=("auto", "gloo"), default="auto")
+    ap.add_argument("--only", choices=("jax", "torch"), default=None)
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args()
+    cfg = {"mib": args.mib, "reps": args.reps, "transport": args.transport}
+    from xreshard.launch import Role, launch
+
+    res: dict[str, Any] = {"mib": args.mib, "reps": args.reps}
+    lines = []
+    if args.only in (None, "jax"):
+        r = launch("bench_peers:jax_child", [Role("jax", "jax", 0, num_devices=4)],
+                   args=(cfg,), timeout=900)[0].value
+        res["jax"] = r
+        lines += [f"JAX -> JAX, one process, 4 CPU devices, bf16 {tuple(r['shape'])} "
+                  f"({args.mib} MiB), P('x','y') on 2x2 -> P('z') on 4; median (min-max) s:",
+                  "", "| device order | jax.device_put | xreshard refit | xreshard / device_put "
+                  "| bit-exact |", "|---|---|---|---|---|"]
+        for order, o in r["orders"].items():
+            d, x = o["device_put"], o["xreshard"]
+            o["ratio"] = x["median"] / d["median"]
+            lines.append(f"| {order} | {d['median']:.3f} ({d['min']:.3f}-{d['max']:.3f}) "
+                         f"| {x['median']:.3f} ({x['min']:.3f}-{x['max']:.3f}) "
+                         f"| **{o['ratio']:.2f}x** | {o['bit_exact']} |")
+        lines.append("")
+    if args.only in (None, "torch"):
+        rs = launch("bench_peers:torch_child", [Role("torch", "torch", i) for i in range(4)],
+                    args=(cfg,), timeout=900)
+        per = [x.value for x in rs]
+        # each process timed between barriers: the slowest process is the phase's time
+        red = max(p["redistribute"]["median"] for p in per)
+        xre = max(p["xreshard"]["median"] for p in per)
+        res["torch"] = {"processes": per, "redistribute_s": red, "xreshard_s": xre,
+                        "ratio": xre / red, "bit_exact": all(p["bit_exact"] for p in per)}
+        lines += [f"torch DTensor, 4 processes, bf16 {tuple(per[0]['shape'])} ({args.mib} MiB), "
+                  f"Shard(0) -> Shard(1); xreshard over `{args.transport}`; median s "
+                  "(slowest process):", "",
+                  "| DTensor.redistribute (gloo) | xreshard refit | xreshard / redistribute "
+                  "| bit-exact |", "|---|---|---|---|",
+                  f"| {red:.3f} | {xre:.3f} | **{xre / red:.2f}x** | {res['torch']['bit_exact']} |"]
+    print("\n".join(lines))
+    print(f"\nCommand: `python benchmarks/bench_peers.py {' '.join(sys.argv[1:])}`; "
+          f"{os.cpu_count()} CPUs")
+    if args.json:
+        print(json.dumps(res))
+
+
+if __name__ == "__main__":
+    main()
