@@ -145,8 +145,8 @@ class RefitReport:
     staging_bytes: int
     replanned: bool
     bytes_by_transport: Mapping[str, int] | None = None
-    """Bytes this process sent and received through each transport kind ("local", "shm",
-    "gloo", ...), when the transport counts them."""
+    """Bytes this process sent and received in this call through each transport kind
+    ("local", "shm", "gloo", ...), when the transport counts them."""
     verified: int = 0
     """Regions whose checksums this process compared (``RefitConfig.verify``)."""
 
@@ -159,7 +159,10 @@ class RefitReport:
         return (f"refit v{self.version}: sent {self.bytes_sent / 2**20:.1f} MiB, received "
                 f"{self.bytes_received / 2**20:.1f} MiB in {self.seconds * 1e3:.1f} ms "
                 f"({self.gbps:.2f} GB/s); world moved {self.bytes_moved_world / 2**20:.1f} MiB "
-                f"vs {self.bytes_gather_broadcast_world / 2**20:.1f} MiB gather+broadcast")
+                f"vs {self.bytes_gather_broadcast_world / 2**20:.1f} MiB gather+broadcast"
+                + ("; " + ", ".join(f"{k} {v / 2**20:.1f} MiB" for k, v in
+                                    sorted(self.bytes_by_transport.items()))
+                   if self.bytes_by_transport else ""))
 
 
 class _Failed(Exception):
@@ -324,6 +327,7 @@ class Refit:
         stats = None
         digests: Any = None
         transport = None
+        by_kind: dict[str, int] = {}
         self.stale = True
         try:
             with self.world.limited(timeout):     # creating it (first call) is collective
@@ -353,13 +357,17 @@ class Refit:
                                 staging_bytes=self.config.staging_bytes)
             if self._arena is not None:
                 executor._arena = self._arena       # staging is reused across calls
+            before = dict(getattr(transport, "bytes_by_transport", None) or {})
+            # sources do not change during a refit: their checksums overlap the move
+            sent_half = _Background(lambda: self._digest(src_bindings, {}, target, "send")) \
+                if self.config.verify else None
             stats = executor.run()
             self._arena = executor._arena
-            if self.config.verify:
-                from . import verify
-                digests = verify.digests(self._plan, executor, self.world.rank_ids,
-                                         sample=self.config.verify == "sample",
-                                         version=target)
+            after = getattr(transport, "bytes_by_transport", None) or {}
+            by_kind = {k: v - before.get(k, 0) for k, v in after.items() if v - before.get(k, 0)}
+            if sent_half is not None:
+                received = self._digest({}, dst_bindings, target, "recv")
+                digests = sent_half.result().merge(received).summary
             if versions:
                 _check_unwritten(self._send, versions)
         except Exception as e:      # noqa: BLE001 - reported to the others before raising
@@ -372,7 +380,6 @@ class Refit:
             self.received = dst.finish()
         self.stale = False
         self.version = target
-        counts = getattr(transport, "bytes_by_transport", None)
         report = RefitReport(
             version=self.version, seconds=time.perf_counter() - t0, plan_seconds=plan_seconds,
             bytes_sent=stats.bytes_sent, bytes_received=stats.bytes_received,
@@ -380,10 +387,16 @@ class Refit:
             bytes_gather_broadcast_world=self._plan.stats.bytes_gather_broadcast,
             num_rounds=stats.num_rounds, num_messages=stats.num_messages,
             num_zero_copy=stats.num_zero_copy, staging_bytes=stats.staging_bytes,
-            replanned=replanned, bytes_by_transport=dict(counts) if counts else None,
+            replanned=replanned, bytes_by_transport=by_kind or None,
             verified=verified)
         logger.info("%s", report)
         return report
+
+    def _digest(self, src_bindings: Any, dst_bindings: Any, target: int, sides: str) -> Any:
+        from . import verify
+        return verify.digest_bindings(self._plan, self.world.rank_ids, src_bindings,
+                                      dst_bindings, mode=self.config.verify, version=target,
+                                      sides=sides)
 
     # ------------------------------------------------------------ binding
 
@@ -621,6 +634,28 @@ class Refit:
     def _broken(self, cause: str) -> None:
         """A failure while moving leaves the transports in an unknown state."""
         self.world.mark_broken(cause)
+
+
+class _Background:
+    """Runs ``fn`` in a thread; ``result()`` joins it and returns or raises its outcome."""
+
+    def __init__(self, fn: Callable[[], Any]):
+        self._value: Any = None
+        self._error: BaseException | None = None
+
+        def run() -> None:
+            try:
+                self._value = fn()
+            except BaseException as e:      # noqa: BLE001 - raised again from result()
+                self._error = e
+        self._thread = threading.Thread(target=run, name="xreshard-verify", daemon=True)
+        self._thread.start()
+
+    def result(self) -> Any:
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        return self._value
 
 
 class RefitHandle:
