@@ -1,6 +1,7 @@
 """Train a tiny Qwen2-style model in JAX, refit it shard to shard into a running vLLM engine.
 
     python examples/jax_to_vllm.py            # vLLM TP=2 on CPU (~1 min); --tp 1 is faster
+    python examples/jax_to_vllm.py --tp 1 --stream-kib 512   # refit in groups of layers
 
 1. A tiny Qwen2 (tied embeddings, GQA, q/k/v bias, padded vocab) in plain JAX, sharded
    over a 2x2 mesh (fsdp x tp) of CPU devices, in the canonical JAX Llama/Qwen2 tree that
@@ -216,6 +217,10 @@ def main():
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--steps", type=int, default=60, help="optax steps")
     ap.add_argument("--workdir", default=None, help="where checkpoints go (default: a temp dir)")
+    ap.add_argument("--stream-kib", type=int, default=None,
+                    help="each vLLM worker's memory budget for a refit: it receives and "
+                         "reloads in groups of layers that fit (default: 256 MiB, the "
+                         "staging budget)")
     ap.add_argument("--reference-of", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.reference_of:
@@ -251,7 +256,9 @@ def main():
 
     engine = XreshardTrainerWeightTransferEngine.trainer_init(
         XreshardTrainerInitInfo(rank=0, engine_world_size=args.tp, rules=rules, timeout=120,
-                                wire_dtype=None if args.dtype == "float32" else args.dtype),
+                                wire_dtype=None if args.dtype == "float32" else args.dtype,
+                                stream_bytes=None if args.stream_kib is None
+                                else args.stream_kib << 10, measure_memory=True),
         client=LLMClient(llm))
     print(f"train {args.steps} optax steps on a {len(SEQUENCE)}-token sequence "
           f"(JAX mesh {dict(mesh.shape)}):")
@@ -263,7 +270,10 @@ def main():
     model_bytes = sum(x.size for x in jax.tree_util.tree_leaves(params)) * itemsize
     for w in sorted(llm.collective_rpc("xreshard_transfer_report"), key=lambda w: w["tp_rank"]):
         print(f"  vLLM TP rank {w['tp_rank']}: received {w['bytes_received']} bytes = its shard "
-              f"bytes {w['shard_bytes']} (vLLM's nccl backend: {model_bytes}, every tensor)")
+              f"bytes {w['shard_bytes']} (vLLM's nccl backend: {model_bytes}, every tensor), "
+              f"in {w['num_groups']} group(s) within a budget of {w['budget_bytes']} bytes "
+              f"(peak RSS growth {w['peak_rss_growth']} bytes, one-time setup of the first "
+              "refit included)")
 
     trained = os.path.join(work, "trained")
     save_checkpoint(params, trained, rules)
