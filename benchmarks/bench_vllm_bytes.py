@@ -40,6 +40,9 @@ def main() -> None:
                     help="identical engines refit together (the backend's num_engines)")
     ap.add_argument("--ep", action="store_true",
                     help="vLLM's enable_expert_parallel: experts whole, split over the ranks")
+    ap.add_argument("--stream-mib", type=int, default=256,
+                    help="a worker's streaming budget (the backend's stream_bytes): the "
+                         "summary says how many groups of layers a refit then takes")
     args = ap.parse_args()
 
     import transformers
@@ -86,12 +89,16 @@ def main() -> None:
                     for reg in lay.regions(w)) for w in workers}
     product = sum(lay.is_product for lay in dst.values())
     mib = 2 ** 20
+    dest = xv.Destination([recs[r] for r in range(args.tp)], 0, specs)
+    groups = dest.groups(args.stream_mib * mib)
     print(f"{model.name}: {model.num_tensors} tensors, {full / mib:.1f} MiB ({dtype}); trainer "
           f"`{args.trainer}` -> {args.engines} x vLLM TP={args.tp}{' EP' if args.ep else ''}; "
           f"trainer ranks send {stats.bytes_moved / mib:.1f} MiB in all, the busiest "
           f"{max(stats.bytes_sent.values()) / mib:.1f} MiB (sender balance "
           f"{stats.sender_balance:.4f} x lower bound); recorded in {record_s:.1f} s, planned in "
-          f"{plan_s * 1e3:.0f} ms; {product}/{len(dst)} destination layouts in product form\n",
+          f"{plan_s * 1e3:.0f} ms; {product}/{len(dst)} destination layouts in product form; "
+          f"streamed in {len(groups)} group(s) of layers within {args.stream_mib} MiB per "
+          "worker\n",
           file=sys.stderr)
     print("| vLLM rank | xreshard: received (= shard bytes) | nccl backend: received (full "
           "tensors) | xreshard / nccl |")
