@@ -513,7 +513,7 @@ def test_peer_killed_mid_refit_raises_everywhere_and_leaves_no_segment():
 def test_records_are_sealed_and_bound_to_key_round_and_writer():
     from xreshard.errors import AuthenticationError
     from xreshard.store import Seal
-    from xreshard.transport.shm import _Records
+    from xreshard.transport.peers import Records
     seal = Seal(b"secret", "w", "nonce")
     a, b, prefix = _pair(seal=seal)
     try:
@@ -531,7 +531,7 @@ def test_records_are_sealed_and_bound_to_key_round_and_writer():
         a.close()
         b.close()
     assert shm_names(prefix) == []
-    signed = _Records(seal, 0)
+    signed = Records(seal, 0)
     raw = signed.pack("shm", "k/1", 1, {"n": 8})
     assert signed.unpack("shm", "k/1", 1, 0, raw, {})["n"] == 8
     with pytest.raises(TransportError, match="replayed or misplaced"):

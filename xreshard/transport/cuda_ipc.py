@@ -37,15 +37,14 @@ NCCL over two ranks of one device (refused by NCCL).
 from __future__ import annotations
 
 import contextlib
-import datetime
 import logging
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 from .base import TransportError, TransportTimeout
-from .shm import _Records, _Watch
+from .peers import PeerTransport, Recv, Round
 
 __all__ = ["CudaIpcTransport", "local_cuda_caps", "CupyCuda"]
 
@@ -218,28 +217,16 @@ def local_cuda_caps(ordinals: Sequence[int | None], api: Any = None) -> dict[str
 
 
 @dataclass
-class _Recv:
-    buf: Any
-    src: int
-    dst: int
-    tag: int
-    peer: int
+class _Recv(Recv):
     device: int
 
 
 @dataclass
-class _Round:
-    deadline: float
-    recvs: list[_Recv] = field(default_factory=list)
-    send_seq: dict[int, int] = field(default_factory=dict)
-    recv_seq: dict[int, int] = field(default_factory=dict)
-    pending: dict[str, str] = field(default_factory=dict)
-    keep: list[Any] = field(default_factory=list)
-    keys: set[tuple] = field(default_factory=set)
+class _Round(Round):
     recorded: set[int] = field(default_factory=set)       # devices whose IPC event is set
 
 
-class CudaIpcTransport:
+class CudaIpcTransport(PeerTransport):
     """Grouped point-to-point moves of device byte buffers through CUDA IPC handles.
 
     Args:
@@ -260,6 +247,7 @@ class CudaIpcTransport:
     """
 
     name = "cuda_ipc"
+    _kind = "ipc"
 
     def __init__(self, store: Any, key: str, rank_process: Sequence[int], process_index: int,
                  peers: Sequence[int], devices: Mapping[int, int], *,
@@ -267,40 +255,22 @@ class CudaIpcTransport:
                  process_labels: Sequence[str] | None = None,
                  can_reach: Callable[[int, int], bool] | None = None, connect: Any = None,
                  api: Any = None, max_open: int = 256, seal: Any = None):
-        self._store = store
-        self._records = _Records(seal, process_index)
-        self._key = key
-        self._rank_process = tuple(rank_process)
-        self._me = process_index
-        self._peers = frozenset(peers)
+        super().__init__(store, key, rank_process, process_index, peers, pids,
+                         process_labels, connect, seal)
         self._devices = dict(devices)
-        self._pids = dict(pids or {})
-        n = max(self._rank_process, default=0) + 1
-        self._labels = tuple(process_labels or (f"process {p}" for p in range(n)))
         self._can_reach = can_reach
         self._api = api if api is not None else CupyCuda()
         self._max_open = max_open
-        self._watch = _Watch(connect, self._pids)
         self._handles: dict[int, tuple[str, int, int]] = {}       # buffer id -> (hex, base, size)
         self._events: dict[int, tuple[int, str]] = {}             # device -> (ipc event, hex)
         self._done: dict[int, int] = {}                           # device -> completion event
         self._opened: OrderedDict[tuple, tuple[int, int]] = OrderedDict()  # -> (ptr, device)
         self._peer_events: dict[tuple, int] = {}
-        self._gen = 0
-        self._seq_out: dict[int, int] = {}
-        self._seq_in: dict[int, int] = {}
-        self._round: _Round | None = None
-        self._broken: str | None = None
         self.num_exported = 0       # handles exported (allocations), cumulative
         self.num_opened = 0         # peer handles opened here, cumulative
         self.bytes_received = 0
 
     # ------------------------------------------------------------------ posts
-
-    def _check_usable(self) -> None:
-        if self._broken is not None:
-            raise TransportError(f"cuda_ipc transport unusable after an earlier failure: "
-                                 f"{self._broken}")
 
     def _peer_of(self, local_rank: int, remote_rank: int, src: int, dst: int, what: str) -> int:
         n = len(self._rank_process)
@@ -322,24 +292,6 @@ class CudaIpcTransport:
             raise TransportError(f"cuda_ipc {what} {src}->{dst}: {self._labels[peer]} is not "
                                  f"an IPC peer of this process (another host?)")
         return peer
-
-    def _open_round(self, what: str, src: int, dst: int, tag: int, kind: str) -> _Round:
-        rnd = self._round
-        if rnd is None:
-            raise TransportError(f"cuda_ipc {what} {src}->{dst} tag {tag} posted outside "
-                                 f"`with transport.group(timeout=...)`")
-        key = (kind, src, dst, tag)
-        if key in rnd.keys:
-            raise TransportError(f"cuda_ipc {what} {src}->{dst} tag {tag} posted twice in "
-                                 f"one group")
-        rnd.keys.add(key)
-        return rnd
-
-    def _msg_key(self, seq: int, src: int, dst: int, tag: int) -> str:
-        return f"{self._key}/m/{src}/{dst}/{tag}/{seq}"
-
-    def _ack_key(self, sender: int, receiver: int, seq: int) -> str:
-        return f"{self._key}/a/{sender}/{receiver}/{seq}"
 
     def _export(self, ptr: int, device: int) -> tuple[str, int, int, int]:
         """(handle hex, buffer id, allocation size, offset of ``ptr``): one handle per
@@ -368,7 +320,8 @@ class CudaIpcTransport:
 
     def send(self, buf: Any, src_rank: int, dst_rank: int, tag: int) -> None:
         self._check_usable()
-        rnd = self._open_round("send", src_rank, dst_rank, tag, "s")
+        rnd = self._open_round("send", src_rank, dst_rank, tag)
+        self._dup(rnd, ("s", src_rank, dst_rank, tag), "send")
         peer = self._peer_of(src_rank, dst_rank, src_rank, dst_rank, "send")
         device = self._devices[src_rank]
         ptr, nbytes, keep = self._api.pointer(buf, device)
@@ -381,9 +334,7 @@ class CudaIpcTransport:
             rnd.recorded.add(device)
         # recorded after each import: the event covers every producer ordered so far
         self._api.record(ev, device)
-        seq = rnd.send_seq.get(peer)
-        if seq is None:
-            seq = rnd.send_seq[peer] = self._seq_out.get(peer, 0) + 1
+        seq = self._send_seq(rnd, peer)
         key = self._msg_key(seq, src_rank, dst_rank, tag)
         rnd.pending[key] = self._records.pack(
             "ipc", key, seq, {"h": handle, "bid": bid, "size": size, "off": off, "n": nbytes,
@@ -391,16 +342,14 @@ class CudaIpcTransport:
 
     def recv(self, buf: Any, src_rank: int, dst_rank: int, tag: int) -> None:
         self._check_usable()
-        rnd = self._open_round("recv", src_rank, dst_rank, tag, "r")
+        rnd = self._open_round("recv", src_rank, dst_rank, tag)
+        self._dup(rnd, ("r", src_rank, dst_rank, tag), "recv")
         peer = self._peer_of(dst_rank, src_rank, src_rank, dst_rank, "recv")
-        if peer not in rnd.recv_seq:
-            rnd.recv_seq[peer] = self._seq_in.get(peer, 0) + 1
-        rnd.recvs.append(_Recv(buf, src_rank, dst_rank, tag, peer, self._devices[dst_rank]))
+        self._add_recv(rnd, _Recv(buf, src_rank, dst_rank, tag, peer, self._devices[dst_rank]))
 
     # ------------------------------------------------------------------ the group
 
-    @contextlib.contextmanager
-    def group(self, timeout: float) -> Iterator[None]:
+    def group(self, timeout: float) -> contextlib.AbstractContextManager[None]:
         """Collect posts; on exit publish the sends, copy every receive on this process's
         streams after its producer's event, wait for the copies, acknowledge, and wait for
         the acks of this process's sends, all within ``timeout`` s of entering.
@@ -410,51 +359,10 @@ class CudaIpcTransport:
                 finish, in time; names the peer.
             TransportError: a refused pair, a size mismatch, a dead peer, or a CUDA error.
         """
-        self._check_usable()
-        if self._round is not None:
-            raise TransportError("cuda_ipc transport groups do not nest")
-        self._gen += 1
-        self._round = _Round(deadline=time.monotonic() + timeout)
-        try:
-            yield
-            rnd = self._round
-        except BaseException:
-            self._broken = "a group's block raised before its posts completed"
-            raise
-        finally:
-            self._round = None
-        try:
-            self._complete(rnd, timeout)
-        except BaseException as e:
-            for peer, seq in rnd.recv_seq.items():
-                if self._seq_in.get(peer) != seq:
-                    key = self._ack_key(peer, self._me, seq)
-                    with contextlib.suppress(Exception):
-                        self._store.set(key, self._records.pack("ipc-ack", key, seq, {
-                            "error": f"{self._labels[self._me]}: {type(e).__name__}: {e}"}))
-            self._broken = str(e)
-            raise
+        return self._group(timeout)
 
-    def _wait(self, keys: list[str], peer: int, deadline: float, timeout: float,
-              what: str) -> None:
-        left = deadline - time.monotonic()
-        if left > 0:
-            with self._watch.waiting(keys, peer):
-                try:
-                    self._store.wait(keys, datetime.timedelta(seconds=left))
-                    dead = next((self._watch.dead[k] for k in keys if k in self._watch.dead),
-                                None)
-                    if dead is not None:
-                        raise TransportError(f"cuda_ipc: {what} {self._labels[peer]} never "
-                                             f"came: that process (pid {dead}) died")
-                    return
-                except RuntimeError as e:
-                    msg = str(e).lower()
-                    if "timeout" not in msg and "timed out" not in msg:
-                        raise TransportError(f"cuda_ipc: the store failed while waiting for "
-                                             f"{what} {self._labels[peer]}: {e}") from e
-        raise TransportTimeout(f"cuda_ipc: {what} {self._labels[peer]} did not arrive within "
-                               f"{timeout} s: the peer never posted its side or is stuck")
+    def _new_round(self, deadline: float) -> _Round:
+        return _Round(deadline=deadline)
 
     def _open(self, peer: int, rec: Mapping[str, Any], device: int) -> int:
         key = (peer, rec["bid"], rec["h"], device)
@@ -472,8 +380,7 @@ class CudaIpcTransport:
         return ptr
 
     def _complete(self, rnd: _Round, timeout: float) -> None:
-        if rnd.pending:
-            self._store.multi_set(list(rnd.pending), list(rnd.pending.values()))
+        self._publish(rnd)
         by_peer: dict[int, list[_Recv]] = {}
         for r in rnd.recvs:
             by_peer.setdefault(r.peer, []).append(r)
@@ -481,10 +388,8 @@ class CudaIpcTransport:
         for peer, recvs in by_peer.items():
             seq = rnd.recv_seq[peer]
             keys = [self._msg_key(seq, r.src, r.dst, r.tag) for r in recvs]
-            self._wait(keys, peer, rnd.deadline, timeout,
-                       f"{len(keys)} message(s) to this process (round {seq}) from")
             records = [self._records.unpack("ipc", k, seq, peer, v, self._watch.dead)
-                       for k, v in zip(keys, self._store.multi_get(keys))]
+                       for k, v in zip(keys, self._fetch(keys, peer, seq, rnd, timeout))]
             self._watch.discard(keys)
             waited: set[tuple] = set()
             for r, rec in zip(recvs, records):
@@ -510,23 +415,8 @@ class CudaIpcTransport:
                 self.bytes_received += nbytes
         self._finish_copies(used, rnd, timeout)
         for peer, seq in rnd.recv_seq.items():
-            key = self._ack_key(peer, self._me, seq)
-            self._store.set(key, self._records.pack("ipc-ack", key, seq, {}))
-            self._seq_in[peer] = seq
-        for peer, seq in sorted(rnd.send_seq.items()):
-            key = self._ack_key(self._me, peer, seq)
-            what = f"the ack of this process's sends (round {seq}) from"
-            self._wait([key], peer, rnd.deadline, timeout, what)
-            ack = self._records.unpack("ipc-ack", key, seq, peer, self._store.get(key),
-                                       self._watch.dead)
-            self._watch.discard([key])
-            if "error" in ack:
-                raise TransportError(f"cuda_ipc: {what} {self._labels[peer]}: the receiver "
-                                     f"failed: {ack['error']}")
-            if "dead" in ack:
-                raise TransportError(f"cuda_ipc: {what} {self._labels[peer]} never came: "
-                                     f"that process (pid {ack['dead']}) died")
-            self._seq_out[peer] = seq
+            self._ack(peer, seq)
+        self._await_acks(rnd, timeout)
 
     def _finish_copies(self, devices: set[int], rnd: _Round, timeout: float) -> None:
         """Record an event after the copies on each used device and poll it to the deadline
@@ -551,10 +441,8 @@ class CudaIpcTransport:
 
     def close(self) -> None:
         """Unmap peers' allocations and destroy the events; the transport is unusable after."""
-        if self._broken == "closed":
+        if not self._closing():
             return
-        self._broken = "closed"
-        self._watch.stop()
         for ptr, dev in self._opened.values():
             with contextlib.suppress(Exception):
                 self._api.close_mem(ptr, dev)

@@ -52,21 +52,18 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import datetime
 import glob
-import json
 import logging
 import mmap
 import os
-import threading
-import time
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from .base import TransportError, TransportTimeout
+from .base import TransportError
+from .peers import PeerTransport, Recv, Round, alive, process_start_time
 
 __all__ = ["ShmTransport", "shm_names", "remove_shm", "HEADER_BYTES", "probe_name",
            "create_probe", "read_probe", "process_start_time", "pull", "can_pull"]
@@ -107,30 +104,6 @@ def _unlink(name: str) -> bool:
         return True
     except FileNotFoundError:
         return False
-
-
-def process_start_time(pid: int) -> str | None:
-    """Field 22 of ``/proc/<pid>/stat`` (tells a live pid from a reused one); None if unknown."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            stat = f.read()
-    except OSError:
-        return None
-    fields = stat.rsplit(")", 1)[-1].split()
-    return fields[19] if len(fields) > 19 else None
-
-
-def _alive(pid: int, start: str | None) -> bool:
-    """Whether process ``pid`` (started at ``start``) still runs; zombies count as dead."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            stat = f.read()
-    except OSError:
-        return False
-    fields = stat.rsplit(")", 1)[-1].split()
-    if not fields or fields[0] in ("Z", "X"):
-        return False
-    return start is None or (len(fields) > 19 and fields[19] == start)
 
 
 _CMA: Any = None
@@ -289,28 +262,12 @@ def _as_numpy(buf: Any) -> np.ndarray:
 
 
 @dataclass
-class _Recv:
-    buf: np.ndarray
-    src: int
-    dst: int
-    tag: int
-    peer: int
-
-
-@dataclass
-class _Round:
-    deadline: float
-    recvs: list[_Recv] = field(default_factory=list)
-    send_seq: dict[int, int] = field(default_factory=dict)    # peer -> seq this round
-    recv_seq: dict[int, int] = field(default_factory=dict)
+class _Round(Round):
     used: dict[int, int] = field(default_factory=dict)        # peer -> bytes put in its segment
-    keep: list[np.ndarray] = field(default_factory=list)      # buffers peers pull from
-    pending: dict[str, str] = field(default_factory=dict)     # pull records to publish
     fetched: dict[str, bytes] = field(default_factory=dict)   # records read ahead
-    keys: set[tuple[int, int, int]] = field(default_factory=set)
 
 
-class ShmTransport:
+class ShmTransport(PeerTransport):
     """Grouped point-to-point moves of CPU byte buffers through POSIX shared memory.
 
     Args:
@@ -333,25 +290,16 @@ class ShmTransport:
     """
 
     name = "shm"
+    _kind = "shm"
 
     def __init__(self, store: Any, key: str, tag: str, rank_process: Sequence[int],
                  process_index: int, peers: Sequence[int],
                  pids: Mapping[int, tuple[int, str | None]] | None = None,
                  process_labels: Sequence[str] | None = None, connect: Any = None,
                  pull_peers: Sequence[int] = (), seal: Any = None):
-        self._store = store
-        self._records = _Records(seal, process_index)
-        self._key = key
+        super().__init__(store, key, rank_process, process_index, peers, pids,
+                         process_labels, connect, seal)
         self.prefix = f"xr{tag}_"
-        self._me = process_index
-        self._rank_process = tuple(rank_process)
-        self._peers = frozenset(peers)
-        self._pids = dict(pids or {})
-        n = max(self._rank_process, default=0) + 1
-        self._labels = tuple(process_labels or (f"process {p}" for p in range(n)))
-        self._gen = 0                                   # groups this process ran
-        self._seq_out: dict[int, int] = {}              # peer -> sends-rounds so far
-        self._seq_in: dict[int, int] = {}
         self._out: dict[int, _Segment] = {}             # peer -> its pair segment
         self._next_size: dict[int, int] = {}            # peer -> size of its next one
         self._spill: dict[int, list[_Segment]] = {}     # this round's overflow segments
@@ -360,9 +308,6 @@ class ShmTransport:
         self._staging: list[_Segment] = []              # from alloc(), exposed in place
         self._mapped: dict[str, _Segment] = {}          # peers' segments mapped here
         self._num = 0
-        self._round: _Round | None = None
-        self._broken: str | None = None
-        self._watch = _Watch(connect, self._pids)
         self._pull = frozenset(p for p in pull_peers if p in self._pids)
         self.bytes_pulled = 0           # received straight from the sender's memory
         self.bytes_copied_in = 0        # sender-side copies into pair segments
@@ -442,11 +387,6 @@ class ShmTransport:
 
     # ------------------------------------------------------------------ posts
 
-    def _check_usable(self) -> None:
-        if self._broken is not None:
-            raise TransportError(f"shm transport unusable after an earlier failure: "
-                                 f"{self._broken}")
-
     def _peer_of(self, local_rank: int, remote_rank: int, tag: int, what: str) -> int:
         n = len(self._rank_process)
         if not (0 <= local_rank < n and 0 <= remote_rank < n):
@@ -467,12 +407,6 @@ class ShmTransport:
             raise TransportError(f"shm {what}: tag {tag} is negative")
         return peer
 
-    def _msg_key(self, seq: int, src: int, dst: int, tag: int) -> str:
-        return f"{self._key}/m/{src}/{dst}/{tag}/{seq}"
-
-    def _ack_key(self, sender: int, receiver: int, seq: int) -> str:
-        return f"{self._key}/a/{sender}/{receiver}/{seq}"
-
     def send(self, buf: Any, src_rank: int, dst_rank: int, tag: int) -> None:
         rnd = self._open_round("send", src_rank, dst_rank, tag)
         peer = self._peer_of(src_rank, dst_rank, tag, "send")
@@ -480,9 +414,7 @@ class ShmTransport:
         arr = _as_numpy(buf)
         if arr.nbytes == 0:
             return                      # both sides skip: the protocol gives equal lengths
-        seq = rnd.send_seq.get(peer)
-        if seq is None:
-            seq = rnd.send_seq[peer] = self._seq_out.get(peer, 0) + 1
+        seq = self._send_seq(rnd, peer)
         where = self._exposed(arr)
         if where is None and peer in self._pull:
             # the receiver reads it where it is; the group's exit waits for its ack, so the
@@ -518,27 +450,11 @@ class ShmTransport:
                                  f"buffer is read-only")
         if arr.nbytes == 0:
             return
-        if peer not in rnd.recv_seq:
-            rnd.recv_seq[peer] = self._seq_in.get(peer, 0) + 1
-        rnd.recvs.append(_Recv(arr, src_rank, dst_rank, tag, peer))
-
-    def _open_round(self, what: str, src: int, dst: int, tag: int) -> _Round:
-        if self._round is None:
-            raise TransportError(f"shm {what} {src}->{dst} tag {tag} posted outside "
-                                 f"`with transport.group(timeout=...)`")
-        return self._round
-
-    @staticmethod
-    def _dup(rnd: _Round, key: tuple, what: str) -> None:
-        if key in rnd.keys:
-            raise TransportError(f"shm {what} {key[1]}->{key[2]} tag {key[3]} posted twice in "
-                                 f"one group")
-        rnd.keys.add(key)
+        self._add_recv(rnd, Recv(arr, src_rank, dst_rank, tag, peer))
 
     # ------------------------------------------------------------------ the group
 
-    @contextlib.contextmanager
-    def group(self, timeout: float) -> Iterator[None]:
+    def group(self, timeout: float) -> contextlib.AbstractContextManager[None]:
         """Collect posts (sends are copied and published as they are posted); on exit copy
         every receive out of its sender's segment, acknowledge, and wait for the acks of
         this process's sends, all within ``timeout`` s of entering.
@@ -550,42 +466,13 @@ class ShmTransport:
             TransportError: a peer died (its pid is gone), a record disagrees with the
                 receive (size, sequence), or the transport was closed.
         """
-        self._check_usable()
-        if self._round is not None:
-            raise TransportError("shm transport groups do not nest")
-        self._gen += 1
-        self._round = _Round(deadline=time.monotonic() + timeout)
-        try:
-            yield
-            rnd = self._round
-        except BaseException:
-            # posts of a block that raised are never completed: peers time out like with
-            # gloo; our published records must not be read after we reuse the segments
-            self._fail("a group's block raised before its posts completed")
-            raise
-        finally:
-            self._round = None
-        try:
-            self._complete(rnd, timeout)
-        except BaseException as e:
-            self._tell_senders(rnd, f"{type(e).__name__}: {e}")
-            self._fail(str(e))
-            raise
+        return self._group(timeout)
 
-    def _tell_senders(self, rnd: _Round, why: str) -> None:
-        """A failed receiver answers its senders' pending acks with the error, so they raise
-        at once instead of at the timeout."""
-        for peer, seq in rnd.recv_seq.items():
-            if self._seq_in.get(peer) == seq:
-                continue        # acknowledged already
-            key = self._ack_key(peer, self._me, seq)
-            with contextlib.suppress(Exception):
-                self._store.set(key, self._records.pack(
-                    "shm-ack", key, seq, {"error": f"{self._labels[self._me]}: {why}"}))
+    def _new_round(self, deadline: float) -> _Round:
+        return _Round(deadline=deadline)
 
     def _complete(self, rnd: _Round, timeout: float) -> None:
-        if rnd.pending:
-            self._store.multi_set(list(rnd.pending), list(rnd.pending.values()))
+        self._publish(rnd)
         remaining: dict[int, int] = {}
         for r in rnd.recvs:
             remaining[r.peer] = remaining.get(r.peer, 0) + 1
@@ -593,38 +480,18 @@ class ShmTransport:
             self._receive(r, rnd, timeout)
             remaining[r.peer] -= 1
             if remaining[r.peer] == 0:
-                seq = rnd.recv_seq[r.peer]
-                key = self._ack_key(r.peer, self._me, seq)
-                self._store.set(key, self._records.pack("shm-ack", key, seq, {}))
-                self._seq_in[r.peer] = seq
-        for peer, seq in rnd.recv_seq.items():
-            self._seq_in[peer] = seq
-        for peer, seq in sorted(rnd.send_seq.items()):
-            key = self._ack_key(self._me, peer, seq)
-            what = f"the ack of this process's sends (round {seq}) from"
-            self._wait([key], peer, rnd.deadline, timeout, what)
-            ack = self._records.unpack("shm-ack", key, seq, peer, self._store.get(key),
-                                       self._watch.dead)
-            self._watch.discard([key])
-            if "error" in ack:
-                raise TransportError(f"shm: {what} {self._labels[peer]}: the receiver failed: "
-                                     f"{ack['error']}")
-            if "dead" in ack:
-                raise TransportError(f"shm: {what} {self._labels[peer]} never came: that "
-                                     f"process (pid {ack['dead']}) died")
-            self._seq_out[peer] = seq
+                self._ack(r.peer, rnd.recv_seq[r.peer])
+        self._await_acks(rnd, timeout)
         self._resize(rnd)
 
-    def _receive(self, r: _Recv, rnd: _Round, timeout: float) -> None:
+    def _receive(self, r: Recv, rnd: _Round, timeout: float) -> None:
         seq = rnd.recv_seq[r.peer]
         key = self._msg_key(seq, r.src, r.dst, r.tag)
         if r.peer in self._pull and key not in rnd.fetched:
             # a pulling sender publishes its round at once: read all of it in two trips
             keys = [self._msg_key(seq, x.src, x.dst, x.tag) for x in rnd.recvs
                     if x.peer == r.peer]
-            self._wait(keys, r.peer, rnd.deadline, timeout,
-                       f"{len(keys)} message(s) to this process (round {seq}) from")
-            rnd.fetched.update(zip(keys, self._store.multi_get(keys)))
+            rnd.fetched.update(zip(keys, self._fetch(keys, r.peer, seq, rnd, timeout)))
         raw = rnd.fetched.pop(key, None)
         if raw is None:
             self._wait([key], r.peer, rnd.deadline, timeout,
@@ -694,31 +561,6 @@ class ShmTransport:
         self._spill.clear()
         self._want.clear()
 
-    def _wait(self, keys: str | list[str], peer: int, deadline: float, timeout: float,
-              what: str) -> None:
-        """Wait for ``keys`` until ``deadline``; the watcher wakes us if ``peer`` dies."""
-        keys = [keys] if isinstance(keys, str) else keys
-        left = deadline - time.monotonic()
-        if left > 0:
-            with self._watch.waiting(keys, peer):
-                try:
-                    self._store.wait(keys, datetime.timedelta(seconds=left))
-                    ok = True
-                except RuntimeError as e:
-                    msg = str(e).lower()
-                    if "timeout" not in msg and "timed out" not in msg:
-                        raise TransportError(f"shm: the store failed while waiting for {what} "
-                                             f"{self._labels[peer]}: {e}") from e
-                    ok = False
-            if ok:
-                dead = next((self._watch.dead[k] for k in keys if k in self._watch.dead), None)
-                if dead is not None:
-                    raise TransportError(f"shm: {what} {self._labels[peer]} never came: that "
-                                         f"process (pid {dead}) died")
-                return
-        raise TransportTimeout(f"shm: {what} {self._labels[peer]} did not arrive within "
-                               f"{timeout} s: the peer never posted its side or is stuck")
-
     # ------------------------------------------------------------------ lifetime
 
     def _fail(self, why: str) -> None:
@@ -741,138 +583,18 @@ class ShmTransport:
 
     def close(self) -> None:
         """Unmap and unlink every segment this process made; remove those of dead peers."""
-        if self._broken == "closed":
+        if not self._closing():
             return
-        self._broken = "closed"
-        self._watch.stop()
         self._release()
         remove_shm(f"{self.prefix}{self._me}_")
         for peer in self._peers:
             pid = self._pids.get(peer)
-            if pid is not None and not _alive(*pid):
+            if pid is not None and not alive(*pid):
                 remove_shm(f"{self.prefix}{peer}_")
 
     def __repr__(self) -> str:
         return (f"ShmTransport(prefix={self.prefix!r}, process={self._me}, "
                 f"peers={sorted(self._peers)})")
-
-
-class _Records:
-    """The JSON records a transport writes into the store, sealed with the world's ``Seal``
-    when it has one (signed with the world's token: a process without it can neither forge
-    a record nor move one to another message, round or writer) and bound to their key."""
-
-    def __init__(self, seal: Any, me: int):
-        self.seal = seal
-        self.me = me
-
-    def pack(self, kind: str, key: str, seq: int, obj: Mapping[str, Any]) -> str:
-        body = json.dumps({"key": key, **obj})
-        return body if self.seal is None else self.seal.seal(kind, seq, self.me, body)
-
-    def unpack(self, kind: str, key: str, seq: int, writer: int, raw: bytes | str,
-               dead: Mapping[str, int]) -> dict[str, Any]:
-        if key in dead:     # our watcher's wake-up overwrote it: the writer died
-            return {"dead": dead[key]}
-        if self.seal is None:
-            rec = json.loads(raw)
-        else:
-            rec = self.seal.open(raw, key=key, kind=kind, op=seq, process=writer)
-        if not isinstance(rec, dict) or rec.get("key", key) != key:
-            raise TransportError(f"store key {key!r} holds a record written for "
-                                 f"{rec.get('key') if isinstance(rec, dict) else rec!r}: "
-                                 f"replayed or misplaced")
-        return rec
-
-
-class _Watch:
-    """Wakes a store wait on a peer that died: a thread checks the awaited peers' pids and
-    sets the awaited keys to ``{"dead": pid}`` through its own store client (the waiting
-    client is blocked inside ``wait``). The same thread deletes the keys this process has
-    consumed (``discard``), off the critical path, so a long-lived world does not grow the
-    store."""
-
-    INTERVAL_S = 0.25
-
-    def __init__(self, connect: Any, pids: Mapping[int, tuple[int, str | None]]):
-        self._connect = connect
-        self._pids = pids
-        self._active: dict[str, int] = {}
-        self._trash: list[str] = []
-        self._lock = threading.Lock()
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-        self._client: Any = None
-        self.dead: dict[str, int] = {}
-
-    def _start(self) -> None:
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._loop, name="xreshard-shm-watch",
-                                            daemon=True)
-            self._thread.start()
-
-    @contextlib.contextmanager
-    def waiting(self, keys: list[str], peer: int) -> Iterator[None]:
-        if self._connect is None or peer not in self._pids:
-            yield
-            return
-        with self._lock:
-            for key in keys:
-                self._active[key] = peer
-            self._start()
-        try:
-            yield
-        finally:
-            with self._lock:
-                for key in keys:
-                    self._active.pop(key, None)
-
-    def discard(self, keys: list[str]) -> None:
-        """Delete ``keys`` from the store soon (they were read and are never read again)."""
-        if self._connect is None:
-            return      # no second client: the keys stay (tests with fake stores)
-        with self._lock:
-            self._trash.extend(keys)
-            self._start()
-
-    def _client_or_none(self) -> Any:
-        if self._client is None:
-            try:
-                self._client = self._connect()
-            except Exception:   # noqa: BLE001 - the waiter still has its timeout
-                logger.debug("shm watcher could not connect to the store", exc_info=True)
-        return self._client
-
-    def _loop(self) -> None:
-        while not self._stop.wait(self.INTERVAL_S):
-            with self._lock:
-                active = list(self._active.items())
-                trash, self._trash = self._trash, []
-            client = self._client_or_none() if (trash or active) else None
-            for key in trash:
-                with contextlib.suppress(Exception):
-                    client.delete_key(key)
-            for key, peer in active:
-                pid = self._pids[peer]
-                if _alive(*pid):
-                    continue
-                try:
-                    self.dead[key] = pid[0]
-                    client.set(key, json.dumps({"dead": pid[0]}))
-                except Exception:   # noqa: BLE001 - the waiter still has its timeout
-                    logger.debug("shm watcher could not wake %s", key, exc_info=True)
-
-    def stop(self) -> None:
-        """Stop the thread; delete what is still in the trash (best effort)."""
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(2 * self.INTERVAL_S + 1)
-        with self._lock:
-            trash, self._trash = self._trash, []
-        client = self._client_or_none() if trash else None
-        for key in trash:
-            with contextlib.suppress(Exception):
-                client.delete_key(key)
 
 
 _LIVE: "weakref.WeakSet[ShmTransport]" = weakref.WeakSet()
