@@ -240,10 +240,10 @@ class CudaIpcTransport(PeerTransport):
         process_labels: names of the processes, for errors.
         can_reach: ``can_reach(src_rank, dst_rank)``: both devices readable by both sides
             (``Routes.ipc_ok``); a post for a pair it refuses raises.
-        connect: a second store client for the watcher (see ``ShmTransport``).
+        connect: a second store client for the watcher (see ``PeerTransport``).
         api: the CUDA calls (``CupyCuda()`` by default; a fake in CPU tests).
         max_open: the most peer allocations kept mapped here.
-        seal: the world's ``Seal`` for the records (see ``ShmTransport``).
+        seal: the world's ``Seal`` for the records (see ``PeerTransport``).
     """
 
     name = "cuda_ipc"
@@ -272,18 +272,13 @@ class CudaIpcTransport(PeerTransport):
 
     # ------------------------------------------------------------------ posts
 
+    _owned = "a CUDA rank of this process"
+
+    def _owns(self, rank: int) -> bool:
+        return super()._owns(rank) and rank in self._devices
+
     def _peer_of(self, local_rank: int, remote_rank: int, src: int, dst: int, what: str) -> int:
-        n = len(self._rank_process)
-        if not (0 <= local_rank < n and 0 <= remote_rank < n):
-            raise TransportError(f"cuda_ipc {what}: ranks {local_rank}, {remote_rank} not in "
-                                 f"0..{n - 1}")
-        if self._rank_process[local_rank] != self._me or local_rank not in self._devices:
-            raise TransportError(f"cuda_ipc {what}: rank {local_rank} is not a CUDA rank of "
-                                 f"this process ({self._labels[self._me]})")
-        peer = self._rank_process[remote_rank]
-        if peer == self._me:
-            raise TransportError(f"cuda_ipc {what}: ranks {local_rank} and {remote_rank} are "
-                                 f"both in this process; move them with the local transport")
+        peer = self._remote(local_rank, remote_rank, what)
         if self._can_reach is not None and not self._can_reach(src, dst):
             raise TransportError(f"cuda_ipc {what} {src}->{dst}: the ranks are on different "
                                  f"devices without peer access ({self._labels[peer]}); use "

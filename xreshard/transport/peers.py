@@ -264,6 +264,29 @@ class PeerTransport:
     def _ack_key(self, sender: int, receiver: int, seq: int) -> str:
         return f"{self._key}/a/{sender}/{receiver}/{seq}"
 
+    def _owns(self, rank: int) -> bool:
+        """Whether this transport may post for ``rank`` here (its process is this one)."""
+        return self._rank_process[rank] == self._me
+
+    _owned = "in this process"      # what ``_owns`` checks, for its error
+
+    def _remote(self, local_rank: int, remote_rank: int, what: str) -> int:
+        """The process of ``remote_rank``, after checking both ranks, that this process
+        owns ``local_rank`` and that the pair spans two processes."""
+        n = len(self._rank_process)
+        if not (0 <= local_rank < n and 0 <= remote_rank < n):
+            raise TransportError(f"{self.name} {what}: ranks {local_rank}, {remote_rank} not "
+                                 f"in 0..{n - 1}")
+        if not self._owns(local_rank):
+            raise TransportError(f"{self.name} {what}: rank {local_rank} is not {self._owned} "
+                                 f"({self._labels[self._me]})")
+        peer = self._rank_process[remote_rank]
+        if peer == self._me:
+            raise TransportError(f"{self.name} {what}: ranks {local_rank} and {remote_rank} "
+                                 f"are both in this process; move them with the local "
+                                 f"transport")
+        return peer
+
     def _open_round(self, what: str, src: int, dst: int, tag: int) -> Any:
         if self._round is None:
             raise TransportError(f"{self.name} {what} {src}->{dst} tag {tag} posted outside "

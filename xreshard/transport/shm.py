@@ -271,22 +271,12 @@ class ShmTransport(PeerTransport):
     """Grouped point-to-point moves of CPU byte buffers through POSIX shared memory.
 
     Args:
-        store: the world's store (``TCPStore``-like: set/get/wait/delete_key/add).
-        key: a key prefix unique to this transport (the world's collective prefix).
         tag: the segment name tag, unique to this transport on this host (from the world).
-        rank_process: ``rank_process[rank]`` is the process position of world ``rank``.
-        process_index: this process's position.
-        peers: the process positions this transport may exchange with (same host).
-        pids: ``{process: (pid, start time or None)}`` for the liveness checks; a process
-            missing here is only waited for until the timeout.
-        process_labels: a name per process position, for error messages.
-        connect: makes a second client of the store, for the thread that wakes a wait on
-            a peer that died (it sets the awaited key to ``{"dead": pid}``). Without it a
-            dead peer is noticed at the timeout.
         pull_peers: the peers that can read this process's memory and this process theirs
             with ``process_vm_readv`` (probed both ways by the world; needs their pids).
-        seal: the world's ``xreshard.store.Seal``: records are signed and bound to their
-            key, round and writer (None: plain JSON, for tests).
+
+    The other arguments are ``PeerTransport``'s (store, key, ranks, peers, pids, labels,
+    the watcher's ``connect``, the records' ``seal``).
     """
 
     name = "shm"
@@ -388,17 +378,7 @@ class ShmTransport(PeerTransport):
     # ------------------------------------------------------------------ posts
 
     def _peer_of(self, local_rank: int, remote_rank: int, tag: int, what: str) -> int:
-        n = len(self._rank_process)
-        if not (0 <= local_rank < n and 0 <= remote_rank < n):
-            raise TransportError(f"shm {what}: ranks {local_rank}, {remote_rank} not in "
-                                 f"0..{n - 1}")
-        if self._rank_process[local_rank] != self._me:
-            raise TransportError(f"shm {what}: rank {local_rank} is not in this process "
-                                 f"({self._labels[self._me]})")
-        peer = self._rank_process[remote_rank]
-        if peer == self._me:
-            raise TransportError(f"shm {what}: ranks {local_rank} and {remote_rank} are both in "
-                                 f"this process; move them with the local transport")
+        peer = self._remote(local_rank, remote_rank, what)
         if peer not in self._peers:
             raise TransportError(f"shm {what}: rank {remote_rank} is on "
                                  f"{self._labels[peer]}, which shares no memory with this "
