@@ -445,3 +445,24 @@ def test_stream_errors_reach_every_rank_and_nothing_moves_when_known_before():
         assert "failed to load group 1" in r["error"] and "forced load failure" in r["error"]
         assert "groups 0..1 of 3 were already loaded" in r["error"]
     assert again["error"] is None and again["buffers"]["t2"] == [42.0] * 4
+
+
+def test_a_binding_error_becomes_an_error_of_the_refit_not_a_raise_here():
+    """GPU-only binding failures (DLPack, strides) on one worker are handed to the refit's
+    error gather, which raises them on every rank; the worker itself does not raise."""
+    from types import SimpleNamespace
+
+    from xreshard.adapters.vllm_backend import XreshardWeightTransferEngine
+    from xreshard.layout import Layout, Mesh
+
+    def buffers(*args):
+        raise RuntimeError("DLPack: cannot export a tensor with negative strides")
+
+    lay = Layout.replicated((4,), "float32", Mesh((1,), (1,)))
+    fake = SimpleNamespace(model=None, device="cuda:0", _inplace=True, _dest=SimpleNamespace(
+        buffers=buffers, layouts={"w": lay}, rec=SimpleNamespace(worker=3)))
+    errors: list[str] = []
+    held, bound = XreshardWeightTransferEngine._bind_group(fake, ["w"], errors)
+    assert errors == ["worker 3 could not bind its receive buffers: RuntimeError: DLPack: "
+                      "cannot export a tensor with negative strides"]
+    assert held == {} and bound.layouts == {"w": lay} and bound.bindings == {}
