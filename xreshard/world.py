@@ -21,6 +21,7 @@ timeout raises ``TransportTimeout`` naming the processes that never arrived.
 from __future__ import annotations
 
 import contextlib
+import datetime
 import hashlib
 import json
 import logging
@@ -821,9 +822,17 @@ class World:
         # gloo's own rendezvous cannot say who is missing; a barrier first can.
         self.barrier()
         store_host, _ = parse_address(self._address)
-        pg = create_gloo_group(self._store, f"{prefix}/gloo/", rank=self._process_index,
-                               size=self.num_processes, timeout=self._wait_seconds(),
-                               store_host=store_host)
+        seconds = self._wait_seconds()
+        # gloo's rendezvous reads peers' addresses through the store with the store's own
+        # timeout (the join's, minutes): cut it to this wait, or a peer that died here
+        # holds the others for the whole join timeout
+        self._store.set_timeout(datetime.timedelta(seconds=seconds))
+        try:
+            pg = create_gloo_group(self._store, f"{prefix}/gloo/", rank=self._process_index,
+                                   size=self.num_processes, timeout=seconds,
+                                   store_host=store_host)
+        finally:
+            self._store.set_timeout(datetime.timedelta(seconds=self._timeout))
         labels = [self.describe_process(p) for p in range(self.num_processes)]
         return GlooTransport(pg, rank_process=self._rank_process, process_index=self._process_index,
                              process_labels=labels)
