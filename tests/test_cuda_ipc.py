@@ -275,6 +275,26 @@ def test_refusals_mismatches_and_timeouts():
             ts[1].recv(gpu.malloc(8), 0, 1, 3)
 
 
+def test_a_dead_sender_is_named_at_once():
+    import subprocess
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()                         # a pid that no longer runs: the watcher sees it
+    server, client = _store_pair()
+    gpu = FakeGpu()
+    t = CudaIpcTransport(client(), "ipc", [0, 1], 1, [0], {1: 0}, api=FakeCuda(gpu),
+                         process_labels=["trainer[0]", "rollout[0]"],
+                         pids={0: (gone.pid, None)}, connect=client)
+    t0 = time.monotonic()
+    with pytest.raises(TransportError, match=rf"^cuda_ipc: 1 message\(s\) to this process "
+                                             rf"\(round 1\) from trainer\[0\] never came: "
+                                             rf"that process \(pid {gone.pid}\) died$"):
+        with t.group(10):
+            t.recv(gpu.malloc(8), 0, 1, 0)
+    assert time.monotonic() - t0 < 5
+    t.close()
+    del server
+
+
 def test_caps_without_cupy_or_driver_take_no_ipc_pair():
     class Broken:
         def device_count(self):

@@ -4,13 +4,14 @@ over shm, a peer killed mid-refit leaving nothing in /dev/shm)."""
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import secrets
 import signal
 import threading
 import time
-from typing import Any
+from typing import Any, Iterator
 
 import numpy as np
 import pytest
@@ -51,6 +52,18 @@ def _pair(rank_process=(0, 0, 1), tag=None, **kw) -> tuple[ShmTransport, ShmTran
                      pull_peers=[0] if pulls else [], **kw)
     a._keep_store = b._keep_store = server      # noqa: SLF001 - keep the server alive
     return a, b, f"xr{tag}_"
+
+
+@contextlib.contextmanager
+def _pair_cleaned(**kw) -> Iterator[tuple[ShmTransport, ShmTransport, str]]:
+    """``_pair``, closed on the way out; then no segment of theirs is left in /dev/shm."""
+    a, b, prefix = _pair(**kw)
+    try:
+        yield a, b, prefix
+    finally:
+        a.close()
+        b.close()
+    assert shm_names(prefix) == []
 
 
 def _both(fa, fb) -> list[Any]:
@@ -107,8 +120,7 @@ def _round(t: ShmTransport, me: set[int], peers: set[int], tags, sizes=None, tim
 
 @pytest.mark.parametrize("pull", [False, True], ids=["copy", "pull"])
 def test_exchange_both_ways_byte_exact_reuses_segments_and_leaves_nothing(pull):
-    a, b, prefix = _pair(rank_process=(0, 0, 1, 1), pulls=pull)
-    try:
+    with _pair_cleaned(rank_process=(0, 0, 1, 1), pulls=pull) as (a, b, prefix):
         names = []
         for step in range(3):
             ra, rb = _both(lambda: _round(a, {0, 1}, {2, 3}, range(6)),
@@ -125,30 +137,20 @@ def test_exchange_both_ways_byte_exact_reuses_segments_and_leaves_nothing(pull):
         # receivers unlinked the pair segments as soon as they mapped them
         assert shm_names(prefix) == []
         assert a.bytes_received > 0 and b.bytes_received > 0
-    finally:
-        a.close()
-        b.close()
-    assert shm_names(prefix) == []
 
 
 def test_growing_messages_spill_then_settle_and_zero_sizes():
-    a, b, prefix = _pair()
-    try:
+    with _pair_cleaned() as (a, b, prefix):
         for n in (1000, 5000, 5000, 0, 200000, 200000):
             sizes = (lambda tag, n=n: n)
             ra, rb = _both(lambda: _round(a, {0, 1}, {2}, range(3), sizes),
                            lambda: _round(b, {2}, {0, 1}, range(3), sizes))
             assert all(ra.values()) and all(rb.values()), (n, ra, rb)
         assert len(a._out) == 1 and a._out[1].size >= 6 * 200000
-    finally:
-        a.close()
-        b.close()
-    assert shm_names(prefix) == []
 
 
 def test_staging_from_alloc_is_exposed_in_place():
-    a, b, prefix = _pair()
-    try:
+    with _pair_cleaned() as (a, b, prefix):
         stage = a.alloc(1 << 20)
         assert stage.nbytes == 1 << 20
         assert len(shm_names(prefix)) == 1        # read by several peers: named until close
@@ -157,10 +159,6 @@ def test_staging_from_alloc_is_exposed_in_place():
                        lambda: _round(b, {2}, {0, 1}, [1], sizes))
         assert all(ra.values()) and all(rb.values())
         assert a.bytes_in_place == 2 * 4096 and a.bytes_copied_in == 0
-    finally:
-        a.close()
-        b.close()
-    assert shm_names(prefix) == []
 
 
 def test_mismatched_size_and_misuse_raise_and_clean_up():
@@ -224,8 +222,7 @@ def test_silent_peer_times_out_naming_it():
 
 
 def test_receiver_detects_a_sender_that_moved_on():
-    a, b, prefix = _pair()
-    try:
+    with _pair_cleaned() as (a, b, prefix):
         payload = np.arange(256, dtype=np.uint8)
         orig = a._place
 
@@ -244,10 +241,6 @@ def test_receiver_detects_a_sender_that_moved_on():
                 b.recv(np.zeros(256, np.uint8), 0, 2, 0)
         ra, rb = _both(send, recv)
         assert isinstance(rb, TransportError) and "sender moved on" in str(rb)
-    finally:
-        a.close()
-        b.close()
-    assert shm_names(prefix) == []
 
 
 # ---------------------------------------------------------------------- routing (pure)
@@ -515,8 +508,7 @@ def test_records_are_sealed_and_bound_to_key_round_and_writer():
     from xreshard.store import Seal
     from xreshard.transport.peers import Records
     seal = Seal(b"secret", "w", "nonce")
-    a, b, prefix = _pair(seal=seal)
-    try:
+    with _pair_cleaned(seal=seal) as (a, b, prefix):
         ra, rb = _both(lambda: _round(a, {0, 1}, {2}, range(2)),
                        lambda: _round(b, {2}, {0, 1}, range(2)))
         assert all(ra.values()) and all(rb.values())
@@ -527,10 +519,6 @@ def test_records_are_sealed_and_bound_to_key_round_and_writer():
         with pytest.raises(AuthenticationError, match="does not hold an xreshard payload"):
             with b.group(5):
                 b.recv(np.zeros(8, np.uint8), 0, 2, 0)
-    finally:
-        a.close()
-        b.close()
-    assert shm_names(prefix) == []
     signed = Records(seal, 0)
     raw = signed.pack("shm", "k/1", 1, {"n": 8})
     assert signed.unpack("shm", "k/1", 1, 0, raw, {})["n"] == 8
