@@ -28,7 +28,8 @@ its own stream: one device-to-device copy in all.
   posted (and "auto" never routes them here: ``select.choose_routes``).
 
 Metadata (handles as hex, offsets, sizes, event handles) travels through the world's store
-as JSON, one record per message, published together at the group's exit.
+as JSON, one record per message, published together at the group's exit, under the peer
+protocol of ``peers.py`` (sealed records, round numbers, acks, the dead-peer watcher).
 Rejected: copying tensors into ≤ 5 GB dtype blocks before exporting (Awex; a second copy of
 every byte on the sender); torch's ``_share_cuda_`` (torch only, not JAX or CuPy buffers);
 NCCL over two ranks of one device (refused by NCCL).

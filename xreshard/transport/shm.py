@@ -18,7 +18,9 @@ the executor receives in place), one copy in all:
 
 Segment names, offsets and sizes (or the pid and address to read) travel through the
 world's store as JSON, one record per message, written after the bytes are in place (the
-store round trip orders the write before the receiver's read).
+store round trip orders the write before the receiver's read). That protocol (sealed
+records, round numbers, acks, bounded waits, the dead-peer watcher) is ``peers.py``'s,
+shared with cuda_ipc; this module decides only where the bytes are and how they move.
 
 Segments: one per (sender process, receiver process), sized by the largest round and
 reused across refits while the sizes stay; a round that needs more spills into a new
