@@ -105,7 +105,15 @@ def child(ctx: Any, n: int, reps: int, profile: int = 0) -> dict[str, Any]:
                                                          run_check=False) for i in range(n)}}
     refit = xr.Refit(world, config=xr.RefitConfig(timeout=300), **side)
     try:
-        return _calls(refit, side, memo_owner._MEMO, reps, profile)
+        out = _calls(refit, side, memo_owner._MEMO, reps, profile)
+        # one metadata round trip (what refit/check and refit/outcome each cost)
+        world.barrier(timeout=300)
+        out["round_trip"] = []
+        for _ in range(20):
+            t0 = time.perf_counter()
+            world.allgather_json({"errors": []}, timeout=300, kind="bench/rtt")
+            out["round_trip"].append(time.perf_counter() - t0)
+        return out
     finally:
         world.close()
 
@@ -180,6 +188,9 @@ def main() -> None:
         old = statistics.median(r.value["old"])
         print(f"| {r.role.group}[{r.role.index}] | {warm:.3f} | {cold:.3f} | "
               f"{cold / warm:.2f}x | {old:.3f} | {old / warm:.2f}x |")
+    rtt = max(statistics.median(r.value["round_trip"]) for r in results)
+    print(f"\nOne metadata all-gather (a store round trip, what refit/check and refit/outcome "
+          f"each cost): {rtt * 1e3:.2f} ms (median of 20, slowest process)")
     for r in results:
         if r.value.get("profile"):
             print(f"\n{r.role.group}[{r.role.index}]:\n{r.value['profile']}")

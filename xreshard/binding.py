@@ -100,6 +100,23 @@ def _array_problem(a: Any, shape: tuple[int, ...], dtype: str, writes: bool) -> 
     return None
 
 
+#: id(layout) -> (layout, {rank: local shape}): layouts are immutable and a refit passes
+#: the same layout objects on every call (the adapters' memo), so the geometry is asked once
+_SHAPES: dict[int, tuple[Layout, dict[int, tuple[int, ...]]]] = {}
+
+
+def _local_shape(lay: Layout, rank: int) -> tuple[int, ...]:
+    ent = _SHAPES.get(id(lay))
+    if ent is None or ent[0] is not lay:
+        if len(_SHAPES) > 200_000:
+            _SHAPES.clear()
+        ent = _SHAPES[id(lay)] = (lay, {})
+    shape = ent[1].get(rank)
+    if shape is None:
+        shape = ent[1][rank] = tuple(lay.local_shape(rank))
+    return shape
+
+
 def _contiguous(a: Any) -> bool:
     flags = getattr(a, "flags", None)
     return bool(flags is not None and (flags.c_contiguous or flags.f_contiguous))
@@ -173,7 +190,7 @@ def _binding_problems(layouts: Mapping[str, Layout], bindings: Bindings, side: s
             bad.append(f"{name!r} on rank {rank}: bound but not in the {side} layouts")
             continue
         if lay.is_product:
-            shapes = [tuple(lay.local_shape(rank))]
+            shapes = [_local_shape(lay, rank)]
         else:
             shapes = [tuple(r.shape) for r in lay.regions(rank)]
         try:
