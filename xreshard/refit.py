@@ -42,18 +42,18 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import threading
 import time
-from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Mapping
 
 from .binding import Bound, binding_problems
 from .dtypes import dtype_name
-from .errors import (CommunicationError, RefitError, TransportTimeout, VerificationError,
-                     XreshardError, error_from, error_name)
+from .errors import (CommunicationError, RefitError, VerificationError, XreshardError,
+                     error_from, error_name)
 from .execute import Executor, device_problems, pipelined_by_default
-from .layout import Layout, Mesh, Region
+from .config import RefitConfig, RefitReport
+from .layout import Layout
+from .metadata import fit, framework_of, identity_of, merge
 from .plan import Plan, PlanCache, plan
 from .schedule import Schedule, peer_counts, schedule
 
@@ -63,106 +63,6 @@ logger = logging.getLogger(__name__)
 
 #: seconds a process that already failed waits for the others' outcomes
 _GRACE = 3.0
-
-
-@dataclass(frozen=True)
-class RefitConfig:
-    """How a refit moves bytes. Every process of a world must pass the same values
-    (checked: a difference is refused before any byte moves)."""
-
-    bucket_bytes: int = 64 << 20
-    """The most bytes in one message between two ranks (> 0)."""
-    staging_bytes: int = 256 << 20
-    """The most bytes one rank has in flight in one round, staging included (> 0)."""
-    timeout: float = 300.0
-    """Seconds any wait may take (a round, a metadata exchange) before raising (> 0)."""
-    wire_dtype: str | Mapping[str, str] | None = None
-    """Cast to this dtype on the sender (e.g. "bfloat16" for fp32 master weights), for every
-    tensor or, as a mapping, per tensor name; None requires equal dtypes on both sides."""
-    transport: str = "auto"
-    """"auto" (per pair: local copies inside a process, shared memory or CUDA IPC on one
-    host or GPU, gloo or nccl across), or a kind the world knows."""
-    verify: bool | str = False
-    """Compare a checksum of every region on its sender and its receiver after moving
-    (True), of a rotating subset ("sample"), or not (False). A mismatch raises
-    ``VerificationError`` on every rank and the version does not advance."""
-
-    check_writes: bool = False
-    """Debug: fail the refit (on every rank) when a sent torch tensor was written while
-    the refit read it (its version counter moved), e.g. an optimizer step before
-    ``handle.wait()`` of a started refit."""
-
-    def __post_init__(self) -> None:
-        for name in ("bucket_bytes", "staging_bytes"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise RefitError(f"RefitConfig.{name} must be a positive int of bytes, "
-                                 f"got {value!r}")
-        t = self.timeout
-        if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) \
-                or t <= 0:
-            raise RefitError(f"RefitConfig.timeout must be a positive finite number of "
-                             f"seconds, got {t!r}")
-        if isinstance(self.wire_dtype, Mapping):
-            for k, v in self.wire_dtype.items():
-                if not isinstance(k, str):
-                    raise RefitError(f"RefitConfig.wire_dtype maps tensor names (str) to "
-                                     f"dtypes, got key {k!r}")
-                dtype_name(v)
-        elif self.wire_dtype is not None:
-            dtype_name(self.wire_dtype)
-        if not isinstance(self.transport, str):
-            raise RefitError(f"RefitConfig.transport must be a str, got {self.transport!r}")
-        if self.verify not in (False, True, "sample") or (
-                not isinstance(self.verify, (bool, str))):
-            raise RefitError(f"RefitConfig.verify must be False, True or 'sample', got "
-                             f"{self.verify!r}")
-
-    def to_dict(self) -> dict[str, Any]:
-        d = {k: getattr(self, k) for k in self.__dataclass_fields__}
-        if isinstance(self.wire_dtype, Mapping):
-            d["wire_dtype"] = {k: dtype_name(v) for k, v in sorted(self.wire_dtype.items())}
-        elif self.wire_dtype is not None:
-            d["wire_dtype"] = dtype_name(self.wire_dtype)
-        return d
-
-
-@dataclass(frozen=True)
-class RefitReport:
-    """What one call moved, seen from this process."""
-
-    version: int
-    seconds: float
-    plan_seconds: float
-    bytes_sent: int
-    bytes_received: int
-    bytes_local: int
-    bytes_moved_world: int
-    bytes_gather_broadcast_world: int
-    num_rounds: int
-    num_messages: int
-    num_zero_copy: int
-    staging_bytes: int
-    replanned: bool
-    bytes_by_transport: Mapping[str, int] | None = None
-    """Bytes this process sent and received in this call through each transport kind
-    ("local", "shm", "gloo", ...), when the transport counts them."""
-    verified: int = 0
-    """Regions whose checksums this process compared (``RefitConfig.verify``)."""
-
-    @property
-    def gbps(self) -> float:
-        """GB/s through this process (sent + received)."""
-        return (self.bytes_sent + self.bytes_received) / max(self.seconds, 1e-9) / 1e9
-
-    def __str__(self) -> str:
-        return (f"refit v{self.version}: sent {self.bytes_sent / 2**20:.1f} MiB, received "
-                f"{self.bytes_received / 2**20:.1f} MiB in {self.seconds * 1e3:.1f} ms "
-                f"({self.gbps:.2f} GB/s); world moved {self.bytes_moved_world / 2**20:.1f} MiB "
-                f"vs {self.bytes_gather_broadcast_world / 2**20:.1f} MiB gather+broadcast"
-                + ("; " + ", ".join(f"{k} {v / 2**20:.1f} MiB" for k, v in
-                                    sorted(self.bytes_by_transport.items()))
-                   if self.bytes_by_transport else ""))
 
 
 class _Failed(Exception):
@@ -332,8 +232,8 @@ class Refit:
         try:
             with self.world.limited(timeout):     # creating it (first call) is collective
                 transport = self.world.transport(self.config.transport)
-            src_bindings = _fit(src, self._plan.src_layouts)
-            dst_bindings = _fit(dst, self._plan.dst_layouts)
+            src_bindings = fit(src, self._plan.src_layouts)
+            dst_bindings = fit(dst, self._plan.dst_layouts)
             # pipelined: two rounds share the staging budget, so rounds of half of it
             # (every process picks the same: XRESHARD_EXECUTOR, or refit.executor_kind)
             kind = getattr(self, "executor_kind", None)
@@ -412,7 +312,7 @@ class Refit:
             me: dict[str, Any] = {"ranks": list(self.world.rank_ids), "torch_rank": None,
                                   "jax_ids": []}
             try:
-                me.update(_identity_of([self.world.local_device(r) for r in self.world.rank_ids],
+                me.update(identity_of([self.world.local_device(r) for r in self.world.rank_ids],
                                        self.world.rank_ids))
             except Exception as e:      # noqa: BLE001 - reported at refit/check instead
                 me["error"] = _entry(e)
@@ -439,7 +339,7 @@ class Refit:
             return None
         if isinstance(obj, Bound):
             return obj
-        kind = _framework_of(obj)
+        kind = framework_of(obj)
         if kind == "torch":
             from xreshard.adapters import torch as adapter
             ranks = maps["torch"] or None
@@ -455,10 +355,10 @@ class Refit:
     def _forget_sent(self) -> None:
         """Keep no reference to JAX arrays: sent ones are dropped (pass ``send=`` again),
         received templates are kept as ``ShapeDtypeStruct``s."""
-        if _framework_of(self._send) == "jax":
+        if framework_of(self._send) == "jax":
             self._send = None
             self._sent_jax = True
-        if _framework_of(self._receive) == "jax":
+        if framework_of(self._receive) == "jax":
             import jax
             self._receive = jax.tree_util.tree_map(
                 lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
@@ -571,8 +471,8 @@ class Refit:
         if len(configs) > 1:
             raise RefitError(f"processes pass different RefitConfigs: {sorted(configs)}; "
                              f"every process must use the same config")
-        src_layouts = _merge([m["send"] for m in metas], "send", self.world)
-        dst_layouts = _merge([m["receive"] for m in metas], "receive", self.world)
+        src_layouts = merge([m["send"] for m in metas], "send", self.world)
+        dst_layouts = merge([m["receive"] for m in metas], "receive", self.world)
         num_ranks = self.world.num_ranks
         for side, layouts in (("send", src_layouts), ("receive", dst_layouts)):
             for name, lay in layouts.items():
@@ -583,7 +483,7 @@ class Refit:
                                      f"0..{num_ranks - 1}; check the rank map of its mesh")
         problems = []
         for side, layouts, bound in (("send", src_layouts, src), ("receive", dst_layouts, dst)):
-            bindings = _fit(bound, layouts)
+            bindings = fit(bound, layouts)
             problems += binding_problems(layouts, bindings, side, self.world.rank_ids)
         if problems:
             from .errors import BindingError
@@ -699,7 +599,7 @@ class RefitHandle:
 def _torch_values(obj: Any) -> dict[str, Any]:
     import sys
     torch = sys.modules.get("torch")
-    if torch is None or _framework_of(obj) != "torch":
+    if torch is None or framework_of(obj) != "torch":
         return {}
     items = obj.state_dict(keep_vars=True).items() if isinstance(obj, torch.nn.Module) \
         else obj.items()
@@ -743,119 +643,3 @@ def _lines(failed: list[tuple[int, list[str]]], world: Any, limit: int = 20) -> 
     if len(by_error) > limit:
         lines.append(f"... and {len(by_error) - limit} more")
     return "\n  ".join(lines)
-
-
-def _identity_of(devices: list[Any], ranks: Iterable[int]) -> dict[str, Any]:
-    """This process's torch rank (when torch.distributed is initialized) and the JAX
-    device id of each of its JAX ranks."""
-    import sys
-    out: dict[str, Any] = {"torch_rank": None, "jax_ids": []}
-    dist = sys.modules.get("torch.distributed")
-    if dist is not None and dist.is_available() and dist.is_initialized():
-        out["torch_rank"] = int(dist.get_rank())
-    jax = sys.modules.get("jax")
-    if jax is not None:
-        for device, rank in zip(devices, ranks):
-            if isinstance(device, jax.Device):
-                out["jax_ids"].append([int(device.id), int(rank)])
-    return out
-
-
-def _framework_of(obj: Any) -> str:
-    import sys
-    if obj is None or isinstance(obj, Bound):
-        return "none"
-    torch = sys.modules.get("torch")
-    if torch is not None:
-        if isinstance(obj, torch.nn.Module):
-            return "torch"
-        from_torch = sys.modules.get("xreshard.adapters.torch")
-        sharded = getattr(from_torch, "Sharded", ()) if from_torch else ()
-        if isinstance(obj, Mapping) and obj and all(
-                isinstance(v, torch.Tensor) or (sharded and isinstance(v, sharded))
-                for v in obj.values()):
-            return "torch"
-    jax = sys.modules.get("jax")
-    if jax is not None:
-        leaves = jax.tree_util.tree_leaves(obj)
-        if leaves and all(isinstance(x, (jax.Array, jax.ShapeDtypeStruct)) for x in leaves):
-            return "jax"
-    return "unknown"
-
-
-def _merge(per_process: list[dict[str, dict]], side: str, world: Any) -> dict[str, Layout]:
-    """One layout per tensor from every process's description of its side.
-
-    Global layouts (product form, or explicit) must agree between the processes that
-    describe them; explicit layouts that each process gives for its own ranks only are
-    unioned, and must agree on shape and dtype.
-    """
-    seen: dict[str, tuple[int, dict]] = {}
-    explicit_parts: dict[str, dict[int, list]] = {}
-    problems = []
-    num_ranks = world.num_ranks
-    for p, layouts in enumerate(per_process):
-        for name, d in layouts.items():
-            ranks = ([r for r, _ in d["explicit"]] if "explicit" in d
-                     else d.get("mesh", {}).get("ranks", []))
-            outside = [r for r in ranks if not (isinstance(r, int) and 0 <= r < num_ranks)]
-            if outside:
-                problems.append(f"{name!r}: {world.describe_process(p)} describes its {side} "
-                                f"layout over ranks {outside[:5]}, but world "
-                                f"{world.world_id!r} has ranks 0..{num_ranks - 1}; check the "
-                                f"rank map of its mesh")
-                continue
-            if name in seen:
-                first_p, first = seen[name]
-                if bool(d.get("local_only")) != bool(first.get("local_only")):
-                    problems.append(f"{name!r}: {world.describe_process(first_p)} and "
-                                    f"{world.describe_process(p)} hold it differently (a plain "
-                                    f"whole tensor on one, sharded on the other)")
-                    continue
-                if d.get("local_only"):
-                    for field_name in ("shape", "dtype"):
-                        if d.get(field_name) != first.get(field_name):
-                            problems.append(
-                                f"{name!r}: {world.describe_process(first_p)} holds it with "
-                                f"{field_name} {first.get(field_name)}, "
-                                f"{world.describe_process(p)} with {d.get(field_name)}")
-                elif d != first:
-                    problems.append(f"{name!r}: {world.describe_process(first_p)} and "
-                                    f"{world.describe_process(p)} describe different layouts")
-            else:
-                seen[name] = (p, d)
-            if d.get("local_only"):
-                part = explicit_parts.setdefault(name, {})
-                for rank, regions in d["explicit"]:
-                    part[int(rank)] = regions
-    if problems:
-        raise RefitError(f"the {side} side's processes disagree on layouts: "
-                         + "; ".join(problems[:20]))
-    out = {}
-    for name, (_, d) in seen.items():
-        if name in explicit_parts:
-            out[name] = _union_layout(d, explicit_parts[name])
-        else:
-            out[name] = Layout.from_dict(d)
-    return out
-
-
-def _fit(bound: Bound | None, layouts: Mapping[str, Layout]) -> dict:
-    """The bindings as the merged layouts want them: a ``local_only`` name is bound as a
-    one-array list (explicit form), and ``_union_layout`` may have made it product form."""
-    if bound is None:
-        return {}
-    return {key: b[0] if isinstance(b, list) and len(b) == 1 and key[1] in layouts
-            and layouts[key[1]].is_product else b
-            for key, b in bound.bindings.items()}
-
-
-def _union_layout(d: dict, parts: dict[int, list]) -> Layout:
-    """Ranks that each hold a whole tensor -> a replicated product layout over them."""
-    shape = tuple(d["shape"])
-    full = [[0] * len(shape), list(shape)]
-    ranks = sorted(parts)
-    if all(regions == [full] for regions in parts.values()):
-        return Layout.replicated(shape, d["dtype"], Mesh((len(ranks),), tuple(ranks)))
-    return Layout.explicit_form(shape, d["dtype"], {
-        r: [Region(tuple(a), tuple(b)) for a, b in parts[r]] for r in ranks})

@@ -1,0 +1,116 @@
+"""How a refit moves bytes (``RefitConfig``) and what one call moved (``RefitReport``).
+
+Both are plain values: the config crosses processes as JSON (every process must pass the
+same), the report is what ``Refit.__call__`` returns.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+from .dtypes import dtype_name
+from .errors import RefitError
+
+__all__ = ["RefitConfig", "RefitReport"]
+
+
+@dataclass(frozen=True)
+class RefitConfig:
+    """How a refit moves bytes. Every process of a world must pass the same values
+    (checked: a difference is refused before any byte moves)."""
+
+    bucket_bytes: int = 64 << 20
+    """The most bytes in one message between two ranks (> 0)."""
+    staging_bytes: int = 256 << 20
+    """The most bytes one rank has in flight in one round, staging included (> 0)."""
+    timeout: float = 300.0
+    """Seconds any wait may take (a round, a metadata exchange) before raising (> 0)."""
+    wire_dtype: str | Mapping[str, str] | None = None
+    """Cast to this dtype on the sender (e.g. "bfloat16" for fp32 master weights), for every
+    tensor or, as a mapping, per tensor name; None requires equal dtypes on both sides."""
+    transport: str = "auto"
+    """"auto" (per pair: local copies inside a process, shared memory or CUDA IPC on one
+    host or GPU, gloo or nccl across), or a kind the world knows."""
+    verify: bool | str = False
+    """Compare a checksum of every region on its sender and its receiver after moving
+    (True), of a rotating subset ("sample"), or not (False). A mismatch raises
+    ``VerificationError`` on every rank and the version does not advance."""
+
+    check_writes: bool = False
+    """Debug: fail the refit (on every rank) when a sent torch tensor was written while
+    the refit read it (its version counter moved), e.g. an optimizer step before
+    ``handle.wait()`` of a started refit."""
+
+    def __post_init__(self) -> None:
+        for name in ("bucket_bytes", "staging_bytes"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise RefitError(f"RefitConfig.{name} must be a positive int of bytes, "
+                                 f"got {value!r}")
+        t = self.timeout
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) \
+                or t <= 0:
+            raise RefitError(f"RefitConfig.timeout must be a positive finite number of "
+                             f"seconds, got {t!r}")
+        if isinstance(self.wire_dtype, Mapping):
+            for k, v in self.wire_dtype.items():
+                if not isinstance(k, str):
+                    raise RefitError(f"RefitConfig.wire_dtype maps tensor names (str) to "
+                                     f"dtypes, got key {k!r}")
+                dtype_name(v)
+        elif self.wire_dtype is not None:
+            dtype_name(self.wire_dtype)
+        if not isinstance(self.transport, str):
+            raise RefitError(f"RefitConfig.transport must be a str, got {self.transport!r}")
+        if self.verify not in (False, True, "sample") or (
+                not isinstance(self.verify, (bool, str))):
+            raise RefitError(f"RefitConfig.verify must be False, True or 'sample', got "
+                             f"{self.verify!r}")
+
+    def to_dict(self) -> dict[str, Any]:
+        d = {k: getattr(self, k) for k in self.__dataclass_fields__}
+        if isinstance(self.wire_dtype, Mapping):
+            d["wire_dtype"] = {k: dtype_name(v) for k, v in sorted(self.wire_dtype.items())}
+        elif self.wire_dtype is not None:
+            d["wire_dtype"] = dtype_name(self.wire_dtype)
+        return d
+
+
+@dataclass(frozen=True)
+class RefitReport:
+    """What one call moved, seen from this process."""
+
+    version: int
+    seconds: float
+    plan_seconds: float
+    bytes_sent: int
+    bytes_received: int
+    bytes_local: int
+    bytes_moved_world: int
+    bytes_gather_broadcast_world: int
+    num_rounds: int
+    num_messages: int
+    num_zero_copy: int
+    staging_bytes: int
+    replanned: bool
+    bytes_by_transport: Mapping[str, int] | None = None
+    """Bytes this process sent and received in this call through each transport kind
+    ("local", "shm", "gloo", ...), when the transport counts them."""
+    verified: int = 0
+    """Regions whose checksums this process compared (``RefitConfig.verify``)."""
+
+    @property
+    def gbps(self) -> float:
+        """GB/s through this process (sent + received)."""
+        return (self.bytes_sent + self.bytes_received) / max(self.seconds, 1e-9) / 1e9
+
+    def __str__(self) -> str:
+        return (f"refit v{self.version}: sent {self.bytes_sent / 2**20:.1f} MiB, received "
+                f"{self.bytes_received / 2**20:.1f} MiB in {self.seconds * 1e3:.1f} ms "
+                f"({self.gbps:.2f} GB/s); world moved {self.bytes_moved_world / 2**20:.1f} MiB "
+                f"vs {self.bytes_gather_broadcast_world / 2**20:.1f} MiB gather+broadcast"
+                + ("; " + ", ".join(f"{k} {v / 2**20:.1f} MiB" for k, v in
+                                    sorted(self.bytes_by_transport.items()))
+                   if self.bytes_by_transport else ""))
