@@ -42,8 +42,7 @@ SHAPE = (16, 8)
 
 def _calls(refit: Any, side: dict, memo: Any, reps: int,
            profile: int = 0) -> dict[str, Any]:
-    from xreshard import execute
-    out: dict[str, Any] = {"warm": [], "cold": [], "old": []}
+    out: dict[str, Any] = {"warm": [], "cold": [], "warm_cpu": [], "cold_cpu": []}
     refit(**side)                                   # plans; the memo fills
     if os.environ.get("BENCH_GC_FREEZE"):
         import gc
@@ -62,19 +61,14 @@ def _calls(refit: Any, side: dict, memo: Any, reps: int,
         pstats.Stats(prof, stream=buf).sort_stats("cumulative").print_stats("xreshard", profile)
         out["profile"] = buf.getvalue()
     for _ in range(reps):
-        for kind in ("warm", "cold", "old"):
-            memo.enabled = kind != "cold"
-            # old: what a call did before the overlap work (round-by-round executor, pack
-            # programs rebuilt every call, the garbage collector running through the call)
-            old = kind == "old"
-            refit.executor_kind = "rounds" if old else None
-            execute.PAUSE_GC = not old
-            if old:
-                execute._PROGRAMS.clear()
-            t0 = time.perf_counter()
+        for kind in ("warm", "cold"):
+            memo.enabled = kind == "warm"
+            t0, c0 = time.perf_counter(), time.process_time()
             refit(**side)
             out[kind].append(time.perf_counter() - t0)
-    execute.PAUSE_GC = True
+            # CPU seconds of this process (all its threads): what a call costs it, less
+            # sensitive than wall time to other jobs on a shared machine
+            out[kind + "_cpu"].append(time.process_time() - c0)
     return out
 
 
@@ -181,13 +175,13 @@ def main() -> None:
     print(f"{args.tensors} tensors of {SHAPE} float32, JAX TP=4 -> torch TP=2, "
           f"{args.reps} calls of each kind (median seconds per call)\n")
     print("| process | warm (memo on) | cold (memo off: layouts rebuilt) | cold / warm "
-          "| old (warm, as before the overlap work) | old / warm |")
+          "| warm, CPU s | cold, CPU s |")
     print("|---|---|---|---|---|---|")
     for r in results:
         warm, cold = statistics.median(r.value["warm"]), statistics.median(r.value["cold"])
-        old = statistics.median(r.value["old"])
         print(f"| {r.role.group}[{r.role.index}] | {warm:.3f} | {cold:.3f} | "
-              f"{cold / warm:.2f}x | {old:.3f} | {old / warm:.2f}x |")
+              f"{cold / warm:.2f}x | {statistics.median(r.value['warm_cpu']):.3f} "
+              f"| {statistics.median(r.value['cold_cpu']):.3f} |")
     rtt = max(statistics.median(r.value["round_trip"]) for r in results)
     print(f"\nOne metadata all-gather (a store round trip, what refit/check and refit/outcome "
           f"each cost): {rtt * 1e3:.2f} ms (median of 20, slowest process)")
