@@ -200,8 +200,9 @@ def simulate_plan(plan: Any, cluster: Cluster, placement: Placement, *,
                             staging_bytes=staging_bytes, progress=Progress("direct", progress))
         predictions["direct"] = _predict("direct", tr, net, Progress("replay direct", progress))
     if schedule in ("relay", "auto"):
+        nic = list(zip(placement.node, (int(r) for r in net.rank_rail)))
         tr = relay_traffic(plan, by_pair, placement.domain, bucket_bytes=bucket_bytes,
-                           staging_bytes=staging_bytes)
+                           staging_bytes=staging_bytes, nic=nic)
         predictions["relay"] = _predict("relay", tr, net, Progress("replay relay", progress))
     best = min(predictions.values(), key=lambda p: p.seconds)
     bound = lower_bound(plan, net)

@@ -181,9 +181,10 @@ class RoundResult:
 #: of bandwidth (the earlier ones' bandwidth idles until the last of them lands)
 EVENT_WINDOW = 0.02
 
-#: at most this many bandwidth shares per round; after the last, every message keeps
-#: its rate, so bandwidth freed afterwards idles (the round can only come out longer)
-MAX_RESHARES = 8
+#: at most this many bandwidth shares per round; what is left then drains at the link-load
+#: bound of the remainder (each link busy until its last byte: the tail can only come out
+#: shorter than max-min would make it, never shorter than any schedule could)
+MAX_RESHARES = 16
 
 
 def _fluid(links: np.ndarray, capacity: np.ndarray, caps: np.ndarray, nbytes: np.ndarray,
@@ -195,8 +196,14 @@ def _fluid(links: np.ndarray, capacity: np.ndarray, caps: np.ndarray, nbytes: np
     solves = 0
     while len(moving):
         solves += 1
-        if solves >= max_reshares:
-            window = np.inf
+        if solves > max_reshares:
+            left = remaining[moving]
+            load = np.bincount(links[moving].ravel(), weights=np.repeat(left, links.shape[1]),
+                               minlength=len(capacity))[:-1]
+            tail = max(float((load / capacity[:-1]).max()),
+                       float((left / caps[moving]).max()))
+            finish[moving] = t + tail
+            break
         lk = links[moving]
         fc = caps[moving]
         if (fc == fc[0]).all():

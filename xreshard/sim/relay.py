@@ -11,17 +11,19 @@ arrival::
 
 Choices (greedy, deterministic, in plan order):
 
-* the sender of a region is the least loaded (bytes sent so far) of the ranks the plan
-  already picked for that region's receivers in the domain - all of them hold it;
-* the relay is the least loaded receiver of the set (bytes received over the network
-  so far), which balances the domain's NICs; it stays with a sender it already pairs
-  with while that is within ``STICKY_BYTES`` of the least loaded, so a relay talks to few
-  senders and its chunks stay large under the staging budget;
+* the relay is the least loaded receiver of the set (bytes received over the network so
+  far), which balances the domain's NICs, and the sender the least loaded (bytes sent so
+  far) of the ranks the plan already picked for that region's receivers in the domain
+  (all of them hold it);
+* except that a receiver within ``STICKY_BYTES`` of the least loaded that already pairs
+  with one of those senders takes the region from it: a relay talks to few senders, so
+  its chunks stay large under the staging budget;
 * pairs inside one domain (colocated layouts) keep their direct transfers, over NVLink.
 
-Staging: a relay's bytes in flight per round are its network chunks, plus the same bytes
-forwarded to each other member of the set, plus what the other relays forward to it;
-chunk sizes are cut so that this stays within ``staging_bytes``.
+Chunks: every (sender, relay) pair moves its bytes in the same number of rounds (its
+chunk is its share of the round), the fewest that keep a relay's staged bytes - its
+network chunks and about as many forwarded to it - within ``staging_bytes`` (its own
+forwards leave from its destination binding).
 
 This is a pure function of the plan, the domain of every rank and the two byte budgets,
 so every rank can derive the same relay schedule, as with the direct one.
@@ -41,7 +43,10 @@ from .traffic import Traffic, pair_messages, split_sizes
 __all__ = ["RelayStream", "RelaySchedule", "build_relay", "relay_traffic", "STICKY_BYTES"]
 
 #: a relay keeps its current senders while within this many bytes of the least loaded
-STICKY_BYTES = 64 << 20
+STICKY_BYTES = 512 << 20
+
+#: a (sender, relay) pair carries at most 1/PAIR_SHARE of a relay's expected bytes
+PAIR_SHARE = 4
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,7 +126,8 @@ class RelaySchedule:
 
 
 def build_relay(plan, by_pair: dict[tuple[int, int], list], domain: Sequence[int], *,
-                bucket_bytes: int, staging_bytes: int) -> RelaySchedule:
+                bucket_bytes: int, staging_bytes: int,
+                nic: Sequence[tuple[int, int]] | None = None) -> RelaySchedule:
     """The relay schedule of ``plan`` when rank ``r`` lives in NVLink domain ``domain[r]``.
 
     Args:
@@ -129,9 +135,14 @@ def build_relay(plan, by_pair: dict[tuple[int, int], list], domain: Sequence[int
         by_pair: its transfers by (src, dst) pair (``traffic.receive_lists``).
         domain: NVLink domain of every world rank.
         bucket_bytes / staging_bytes: as ``RefitConfig``.
+        nic: per rank, (node, NIC rail); when given, a sender is chosen by the load of the
+            NIC its bytes leave through (PXN: the sender's node, the relay's rail), so no
+            sender-side NIC is left with more than its share.
     """
     order = {name: i for i, name in enumerate(plan.names)}
-    # 1. per (domain, region): the receivers there, and the senders the plan chose
+    # 1. per (domain, region): the receivers there, and the senders the plan chose.
+    # Replicas of a region share its Region object, so identity is a cheap key (a region
+    # the plan split at a quota boundary becomes pieces of its own: correct, rarely bigger)
     pieces: dict[tuple, list] = {}
     direct: list[tuple[int, int, list]] = []
     for (src, dst), transfers in by_pair.items():
@@ -140,49 +151,77 @@ def build_relay(plan, by_pair: dict[tuple[int, int], list], domain: Sequence[int
             direct.append((src, dst, transfers))
             continue
         for t in transfers:
-            key = (dm, order[t.name], t.region.starts, t.region.stops)
+            key = (dm, t.name, id(t.region))
             got = pieces.get(key)
             if got is None:
                 pieces[key] = [t.name, t.region, t.nbytes, {src}, [dst]]
             else:
                 got[3].add(src)
                 got[4].append(dst)
-    # 2. sender and relay of every piece, greedily in plan order
-    sent: dict[int, int] = {}
+    # 2. relay and sender of every piece, greedily in plan order: the least loaded
+    # receiver, unless one within STICKY_BYTES of it already pairs with a candidate sender
+    sent: dict[object, int] = {}
     got_net: dict[int, int] = {}
+    # a pair stays sticky up to a quarter of its relay's expected load, so a relay has
+    # at least ~4 senders at once: one NCCL network peer is capped below a NIC's rate
+    dom_bytes: dict[int, int] = {}
+    dom_ranks: dict[int, set[int]] = {}
+    for v in pieces.values():
+        dm = domain[v[4][0]]
+        dom_bytes[dm] = dom_bytes.get(dm, 0) + v[2]
+        dom_ranks.setdefault(dm, set()).update(v[4])
+    pair_cap = {dm: dom_bytes[dm] // (PAIR_SHARE * len(dom_ranks[dm])) for dm in dom_bytes}
+    pair_load: dict[tuple[int, int], int] = {}
+
+    def out_key(x: int, relay: int) -> object:
+        return x if nic is None else (nic[x][0], nic[relay][1])
     partners: dict[int, set[int]] = {}
     streams: dict[tuple[int, int, tuple[int, ...]], list] = {}
-    for key in sorted(pieces):
-        name, region, nb, senders, receivers = pieces[key]
-        src = min(senders, key=lambda r: (sent.get(r, 0), r))
+    ordered = sorted(pieces.values(), key=lambda v: (order[v[0]], v[1].starts, v[1].stops,
+                                                     min(v[4])))
+    for name, region, nb, senders, receivers in ordered:
         receivers = sorted(set(receivers))
         least = min(got_net.get(r, 0) for r in receivers)
-        mine = partners.setdefault(src, set())
-        sticky = [r for r in receivers if r in mine and got_net.get(r, 0) <= least + STICKY_BYTES]
-        relay = min(sticky or receivers, key=lambda r: (got_net.get(r, 0), r))
-        mine.add(relay)
-        sent[src] = sent.get(src, 0) + nb
+        relay, src = None, None
+        for r in sorted(receivers, key=lambda r: (got_net.get(r, 0), r)):
+            if got_net.get(r, 0) > least + STICKY_BYTES:
+                break
+            cap = pair_cap[domain[r]]
+            common = {x for x in partners.get(r, set()) & senders
+                      if pair_load.get((x, r), 0) + nb <= cap}
+            if common:
+                relay = r
+                src = min(common, key=lambda x: (sent.get(out_key(x, r), 0), x))
+                break
+        if relay is None:
+            relay = min(receivers, key=lambda r: (got_net.get(r, 0), r))
+            src = min(senders, key=lambda x: (sent.get(out_key(x, relay), 0), x))
+        partners.setdefault(relay, set()).add(src)
+        pair_load[(src, relay)] = pair_load.get((src, relay), 0) + nb
+        k = out_key(src, relay)
+        sent[k] = sent.get(k, 0) + nb
         got_net[relay] = got_net.get(relay, 0) + nb
         fwd = tuple(r for r in receivers if r != relay)
         streams.setdefault((src, relay, fwd), []).append((name, region, nb))
-    # 3. chunk sizes: a relay's bytes in flight per round stay within staging_bytes
-    net_in: dict[int, set[int]] = {}
-    net_out: dict[int, set[int]] = {}
-    fan: dict[int, int] = {}
-    fwd_in: dict[int, set[int]] = {}
-    for src, relay, fwd in streams:
-        net_in.setdefault(relay, set()).add(src)
-        net_out.setdefault(src, set()).add(relay)
-        fan[relay] = max(fan.get(relay, 0), len(fwd))
-        for x in fwd:
-            fwd_in.setdefault(x, set()).add(relay)
-    def weight(r: int) -> int:
-        return (len(net_in.get(r, ())) * (1 + fan.get(r, 0))
-                + sum(len(net_in.get(q, ())) for q in fwd_in.get(r, ())))
+    # 3. chunk sizes: every pair moves its bytes in the same number of rounds, so each
+    # round carries every pair's share and no NIC idles while a few long pairs finish.
+    # The rounds are as few as staging allows: a relay stages its network chunks and
+    # about as many bytes again forwarded to it by the other relays of its sets (its own
+    # forwards leave from its destination binding; TODO(part 4): count packed forwards).
+    pair_bytes: dict[tuple[int, int], int] = {}
+    into: dict[int, int] = {}
+    out_of: dict[int, int] = {}
+    for (src, relay, _), items in streams.items():
+        nb = sum(x[2] for x in items)
+        pair_bytes[(src, relay)] = pair_bytes.get((src, relay), 0) + nb
+        into[relay] = into.get(relay, 0) + nb
+        out_of[src] = out_of.get(src, 0) + nb
+    need = max([2 * b for b in into.values()] + list(out_of.values()) + [0])
+    num_rounds = max(1, -(-need // max(staging_bytes, 1)))
     out = []
     for (src, relay, fwd), items in sorted(streams.items()):
-        peers = max(weight(relay), len(net_out[src]), 1)
-        chunk = max(MIN_BUCKET_BYTES, min(bucket_bytes, staging_bytes // peers))
+        chunk = -(-pair_bytes[(src, relay)] // num_rounds)
+        chunk = max(MIN_BUCKET_BYTES, min(bucket_bytes, chunk))
         out.append(RelayStream(src, relay, fwd, tuple(items), chunk))
     peers_d: dict[int, int] = {}
     for src, dst, _ in direct:
@@ -198,8 +237,9 @@ def build_relay(plan, by_pair: dict[tuple[int, int], list], domain: Sequence[int
 
 
 def relay_traffic(plan, by_pair: dict[tuple[int, int], list], domain: Sequence[int], *,
-                  bucket_bytes: int, staging_bytes: int) -> Traffic:
+                  bucket_bytes: int, staging_bytes: int,
+                  nic: Sequence[tuple[int, int]] | None = None) -> Traffic:
     """The messages of :func:`build_relay`'s schedule."""
     sched = build_relay(plan, by_pair, domain, bucket_bytes=bucket_bytes,
-                        staging_bytes=staging_bytes)
+                        staging_bytes=staging_bytes, nic=nic)
     return sched.traffic(plan.names, plan.wire_dtypes)
