@@ -21,7 +21,6 @@ timeout raises ``TransportTimeout`` naming the processes that never arrived.
 from __future__ import annotations
 
 import contextlib
-import datetime
 import hashlib
 import json
 import logging
@@ -35,11 +34,12 @@ from typing import Any, Iterator, Mapping, Sequence
 
 from .errors import (AuthenticationError, CollectiveMismatch, CommunicationError, RefitError,
                      WorldBroken)
-from .store import (Seal, StoreServer, connect, format_address, parse_address, serve,
-                    token_from, wait_keys)
+from .store import (Seal, StoreServer, connect, parse_address, serve, token_from,
+                    wait_keys)
 from .topology import Topology
-from .transport.base import Transport, TransportError, TransportTimeout, _nbytes
-from .transport.local import LocalTransport
+from .transport.base import Transport, TransportTimeout
+from .transport.routed import RenumberedTransport, RoutedTransport
+from .world_transports import WorldTransports, device_kind
 
 __all__ = ["StoreServer", "World", "RoutedTransport", "RenumberedTransport", "serve",
            "parse_address"]
@@ -47,31 +47,6 @@ __all__ = ["StoreServer", "World", "RoutedTransport", "RenumberedTransport", "se
 logger = logging.getLogger(__name__)
 
 _KEY_ROOT = "xreshard"
-
-
-def _device_kind(device: Any) -> str:
-    """"cpu" / "cuda" / ... for a JAX device, a torch device or a device string."""
-    platform = getattr(device, "platform", None)         # jax.Device
-    if isinstance(platform, str):
-        return "cuda" if platform == "gpu" else platform
-    kind = getattr(device, "type", None)                 # torch.device
-    if isinstance(kind, str):
-        return kind
-    if isinstance(device, str):
-        return device.split(":", 1)[0]
-    raise ValueError(f"cannot tell the kind of device {device!r}: pass JAX devices, torch "
-                     f"devices, strings like 'cuda:0', or an int count of CPU ranks")
-
-
-def _cuda_ordinal(device: Any) -> int:
-    """The CUDA device ordinal of a JAX device, a torch device or a "cuda:N" string."""
-    for attr in ("local_hardware_id", "index"):
-        value = getattr(device, attr, None)
-        if isinstance(value, int):
-            return value
-    if isinstance(device, str) and ":" in device:
-        return int(device.split(":", 1)[1])
-    return 0
 
 
 def _default_index(devices: Any) -> int:
@@ -167,7 +142,7 @@ def _join_records(store: Any, seal: Seal, world_id: str, me: dict[str, Any],
     return members
 
 
-class World:
+class World(WorldTransports):
     """The processes of one refit and the world ranks each one hosts.
 
     Build it with ``World.join`` in every process. Rank numbering (the same in every
@@ -282,7 +257,7 @@ class World:
             local_devices = list(devices)
         if index is None:
             index = _default_index(local_devices)
-        kinds = [_device_kind(d) for d in local_devices]
+        kinds = [device_kind(d) for d in local_devices]
 
         token_bytes = token_from(token)
         deadline = time.monotonic() + timeout
@@ -576,267 +551,6 @@ class World:
         """Wait until every process reaches this barrier."""
         self._exchange(kind, None, True, range(self.num_processes), timeout)
 
-    # ------------------------------------------------------------------ transports
-
-    @property
-    def cross_kind(self) -> str:
-        """The transport that reaches every pair across processes: "nccl" when every rank
-        is a CUDA rank, "gloo" when every rank is a CPU rank; a mixed world is refused
-        (``select_backend``). Pairs with a fast path (``route``) bypass it."""
-        from .transport.select import select_backend
-        return select_backend(self._rank_kind)
-
-    def route(self, src_rank: int, dst_rank: int) -> str:
-        """Which transport "auto" moves ``src_rank -> dst_rank`` with: "local" when one
-        process hosts both; "shm" between CPU processes of one host, "cuda_ipc" between
-        ranks on one GPU (or GPUs with peer access); else ``cross_kind``. The same answer
-        in every process.
-
-        Until ``transport("auto")`` (or "shm"/"cuda_ipc") probed what processes share,
-        the answer is from the hosts alone: same-host CPU pairs say "shm", GPU pairs
-        ``cross_kind``.
-        """
-        self._check_rank(src_rank)
-        self._check_rank(dst_rank)
-        routes = getattr(self, "_routes", None)
-        if routes is not None:
-            return routes.kind(src_rank, dst_rank)
-        p, q = self._rank_process[src_rank], self._rank_process[dst_rank]
-        if p == q:
-            return "local"
-        if (self._rank_kind[src_rank] == "cpu" and self._rank_kind[dst_rank] == "cpu"
-                and self._infos[p]["host"] == self._infos[q]["host"]
-                and self.cross_kind == "gloo"):
-            return "shm"
-        return self.cross_kind
-
-    def routes(self, requested: str = "auto") -> Any:
-        """The per-pair transport choice (``xreshard.transport.select.Routes``).
-
-        The first call is a collective (every process publishes what it can share and
-        probes the others); later calls reuse what it gathered.
-        """
-        from .transport.select import choose_routes
-        caps = getattr(self, "_caps", None)
-        if caps is None:
-            caps = self._caps = self._gather_caps()
-        return choose_routes(self._rank_process, self._rank_kind, caps, requested)
-
-    def _gather_caps(self) -> list[dict[str, Any]]:
-        """Every process's capabilities (collective: two JSON all-gathers).
-
-        Each process with CPU ranks publishes a token in a tiny shared-memory probe; every
-        process then says which same-host probes it could read, so a pair takes shm only
-        when both sides can open each other's segments. CUDA processes publish the uuid of
-        each rank's device and those they can reach by peer access.
-        """
-        import secrets
-        from .transport import shm as shm_mod
-
-        token = secrets.token_hex(5)
-        off = ("0", "false", "off")
-        enabled = os.environ.get("XRESHARD_SHM", "1") not in off
-        pull_ok = enabled and os.environ.get("XRESHARD_SHM_PULL", "1") not in off
-        import numpy as np
-        mark = np.frombuffer(token.encode(), np.uint8).copy()    # what peers pull to probe
-        probe = None
-        if enabled and any(self._rank_kind[r] == "cpu" for r in self._rank_ids):
-            probe = shm_mod.create_probe(token)
-        cuda: dict[str, Any] = {"cuda_devices": [], "cuda_reach": []}
-        if any(self._rank_kind[r] == "cuda" for r in self._rank_ids):
-            from .transport.cuda_ipc import local_cuda_caps
-            cuda = local_cuda_caps([_cuda_ordinal(d) if _device_kind(d) == "cuda" else None
-                                    for d in self._devices])
-        first: list[dict[str, Any]] = []
-        try:
-            mine = {"token": token, "probe": probe is not None,
-                    "mark": int(mark.ctypes.data) if pull_ok and probe is not None else None,
-                    "start": shm_mod.process_start_time(os.getpid()), **cuda}
-            first = self.allgather_json(mine)
-            host = self._infos[self._process_index]["host"]
-            reach = [q for q, c in enumerate(first)
-                     if q != self._process_index and c["probe"] and probe is not None
-                     and self._infos[q]["host"] == host and shm_mod.read_probe(c["token"])]
-            pulls = [q for q in reach if first[q]["mark"] is not None and pull_ok
-                     and shm_mod.can_pull(self._infos[q]["pid"], first[q]["mark"],
-                                          first[q]["token"].encode())]
-            second = self.allgather_json({"shm_reach": reach, "pull_reach": pulls})
-        except BaseException:
-            # a peer that died after publishing its token cannot remove its probe
-            for c in first:
-                if c.get("probe"):
-                    shm_mod.remove_shm(shm_mod.probe_name(c["token"]))
-            raise
-        finally:
-            if probe is not None:
-                probe.unlink()
-                probe.close()
-        caps = []
-        for q, (c, r) in enumerate(zip(first, second)):
-            caps.append({"host": self._infos[q]["host"], "pid": self._infos[q]["pid"],
-                         "start": c["start"], "token": c["token"],
-                         "shm_reach": r["shm_reach"], "pull_reach": r["pull_reach"],
-                         "cuda_devices": c["cuda_devices"],
-                         "cuda_reach": c["cuda_reach"]})
-        return caps
-
-    def transport(self, kind: str = "auto") -> Transport:
-        """The transport of ``kind``, created on first use and cached.
-
-        Args:
-            kind: "local" (copies between this process's ranks), "gloo" (a private gloo
-                group over all processes), "nccl", "shm" (shared memory with the
-                processes of this host), "cuda_ipc" (CUDA IPC between ranks on one GPU or
-                peer-accessible GPUs), or "auto": one ``RoutedTransport`` that sends each
-                pair through ``route(src, dst)`` and counts bytes per kind.
-
-        Creating anything but "local" is a collective: every process must ask for it, in
-        the same order relative to the other collectives. "auto" probes what processes
-        share (``routes``) and creates exactly the kinds some pair needs (the same kinds
-        in every process); a world whose pairs all share memory never builds gloo.
-        """
-        self._ensure_open()
-        cached = self._transports.get(kind)
-        if cached is not None:
-            return cached
-        if kind == "local":
-            made: Transport = LocalTransport(self._rank_ids)
-        elif kind == "gloo":
-            made = self._make_gloo()
-        elif kind == "auto":
-            if self.num_processes == 1:
-                # every pair is local; and NCCL refuses two ranks on one GPU anyway
-                made = self.transport("local")
-            else:
-                made = self._make_auto()
-        elif kind == "nccl":
-            made = self._make_nccl()
-        elif kind == "shm":
-            made = self._make_shm()
-        elif kind == "cuda_ipc":
-            made = self._make_cuda_ipc()
-        else:
-            raise RefitError(f"unknown transport kind {kind!r}: expected 'auto', 'local', "
-                             f"'gloo', 'nccl', 'shm' or 'cuda_ipc'")
-        self._transports[kind] = made
-        return made
-
-    def _make_auto(self) -> Transport:
-        routes = self.routes("auto")
-        self._routes = routes
-        parts = {}
-        for k in routes.kinds:
-            if k == "nccl" and "cuda_ipc" in routes.kinds:
-                # some GPU pairs take IPC: NCCL gets only the ranks that need it between
-                # groups, so an engine sharing a GPU with its trainer (IPC) does not make
-                # NCCL refuse the communicator the trainer shares with a remote engine
-                groups = [info["group"] for info in self._infos]
-                parts[k] = self._transports["nccl"] = self._make_nccl_among(
-                    routes.ranks_using("nccl", groups), routes)
-            elif k != "local":
-                parts[k] = self.transport(k)
-        parts["local"] = self.transport("local")
-        made = RoutedTransport(parts, routes.kind, self._rank_ids)
-        logger.info("world %r: transport %s", self._world_id, made.name)
-        return made
-
-    def _make_shm(self) -> Transport:
-        from .transport.shm import ShmTransport
-
-        routes = self.routes("auto")
-        caps = self._caps
-        me = self._process_index
-        peers = routes.peers(me, "shm")
-        pids = {q: (caps[q]["pid"], caps[q]["start"]) for q in peers}
-        prefix = self._next_prefix()
-        labels = [self.describe_process(p) for p in range(self.num_processes)]
-        # both ways, so that sender and receiver agree on every message's path
-        pulls = [q for q in peers if q in caps[me]["pull_reach"] and me in caps[q]["pull_reach"]]
-        return ShmTransport(self._store, f"{prefix}/shm", caps[0]["token"], self._rank_process,
-                            me, peers, pids=pids, process_labels=labels,
-                            connect=self._store_client, pull_peers=pulls, seal=self._seal)
-
-    def _store_client(self) -> Any:
-        """Another client of the world's store, for a transport's helper thread (a client
-        blocked in ``wait`` serves nobody else)."""
-        return connect(self._address, self._timeout)
-
-    def _make_cuda_ipc(self) -> Transport:
-        from .transport.cuda_ipc import CudaIpcTransport
-
-        routes = self.routes("auto")
-        caps = self._caps
-        me = self._process_index
-        peers = routes.peers(me, "cuda_ipc")
-        pids = {q: (caps[q]["pid"], caps[q]["start"]) for q in peers}
-        prefix = self._next_prefix()
-        labels = [self.describe_process(p) for p in range(self.num_processes)]
-        devices = {r: _cuda_ordinal(self._devices[i]) for i, r in enumerate(self._rank_ids)
-                   if self._rank_kind[r] == "cuda"}
-        return CudaIpcTransport(self._store, f"{prefix}/ipc", self._rank_process, me, peers,
-                                devices, pids=pids, process_labels=labels,
-                                can_reach=routes.ipc_ok, connect=self._store_client,
-                                seal=self._seal)
-
-    def _make_nccl(self) -> Transport:
-        """One NCCL communicator over every rank (collective, like gloo)."""
-        from .transport.nccl import NcclTransport
-        from .transport.select import select_backend
-
-        select_backend(self._rank_kind, "nccl")       # refuses CPU ranks, naming them
-        prefix = self._next_prefix()
-        devices = {r: _cuda_ordinal(self._devices[i]) for i, r in enumerate(self._rank_ids)}
-        return NcclTransport(self._store, self.num_ranks, devices, key=f"{prefix}/nccl",
-                             timeout=self._wait_seconds())
-
-    def _make_nccl_among(self, members: Sequence[int], routes: Any) -> Transport:
-        """An NCCL communicator over ``members`` only (world ranks, ascending), renumbered
-        0..len-1 (collective over the whole world: every process advances the prefix; only
-        processes with members join NCCL)."""
-        from .transport.nccl import NcclTransport
-
-        prefix = self._next_prefix()
-        by_device: dict[Any, int] = {}
-        for r in members:
-            dev = routes.rank_device[r]
-            if dev is not None and dev in by_device:
-                raise RefitError(
-                    f"ranks {by_device[dev]} and {r} share GPU {dev} and both need NCCL for "
-                    f"pairs without an IPC path; NCCL allows one rank per GPU in a "
-                    f"communicator: give them GPUs of their own, or keep each colocated rank's "
-                    f"peers reachable by cuda_ipc")
-            by_device[dev] = r
-        index = {r: i for i, r in enumerate(members)}
-        mine = {index[r]: _cuda_ordinal(self._devices[i])
-                for i, r in enumerate(self._rank_ids) if r in index}
-        if not mine:
-            return RenumberedTransport(None, index, "nccl")
-        inner = NcclTransport(self._store, len(members), mine, key=f"{prefix}/nccl",
-                              timeout=self._wait_seconds())
-        return RenumberedTransport(inner, index, "nccl")
-
-    def _make_gloo(self) -> Transport:
-        from .transport.gloo import GlooTransport, create_gloo_group
-
-        prefix = self._next_prefix()
-        # gloo's own rendezvous cannot say who is missing; a barrier first can.
-        self.barrier()
-        store_host, _ = parse_address(self._address)
-        seconds = self._wait_seconds()
-        # gloo's rendezvous reads peers' addresses through the store with the store's own
-        # timeout (the join's, minutes): cut it to this wait, or a peer that died here
-        # holds the others for the whole join timeout
-        self._store.set_timeout(datetime.timedelta(seconds=seconds))
-        try:
-            pg = create_gloo_group(self._store, f"{prefix}/gloo/", rank=self._process_index,
-                                   size=self.num_processes, timeout=seconds,
-                                   store_host=store_host)
-        finally:
-            self._store.set_timeout(datetime.timedelta(seconds=self._timeout))
-        labels = [self.describe_process(p) for p in range(self.num_processes)]
-        return GlooTransport(pg, rank_process=self._rank_process, process_index=self._process_index,
-                             process_labels=labels)
-
     # ------------------------------------------------------------------ lifetime
 
     def _ensure_open(self) -> None:
@@ -870,112 +584,3 @@ class World:
         return (f"World(world_id={self._world_id!r}, address={self._address!r}, "
                 f"process_index={self._process_index}, num_processes={self.num_processes}, "
                 f"rank_ids={list(self._rank_ids)}, num_ranks={self.num_ranks})")
-
-
-class RenumberedTransport:
-    """A transport over a subset of the world's ranks, numbered 0..n-1 inside (NCCL over
-    the ranks that need it); posts name world ranks and are renumbered here. ``inner`` is
-    None in a process with no member: it never posts to this transport (routing says so),
-    and a post raises."""
-
-    def __init__(self, inner: Transport | None, index: Mapping[int, int], name: str):
-        self.inner = inner
-        self._index = dict(index)
-        self.name = name
-
-    def group(self, timeout: float) -> contextlib.AbstractContextManager[None]:
-        return contextlib.nullcontext() if self.inner is None else self.inner.group(timeout)
-
-    def _inner(self, what: str, src_rank: int, dst_rank: int) -> tuple[Transport, int, int]:
-        if self.inner is None or src_rank not in self._index or dst_rank not in self._index:
-            raise TransportError(f"{self.name} {what} {src_rank}->{dst_rank}: not both in its "
-                                 f"communicator (ranks {sorted(self._index)})")
-        return self.inner, self._index[src_rank], self._index[dst_rank]
-
-    def send(self, buf: Any, src_rank: int, dst_rank: int, tag: int) -> None:
-        inner, s, d = self._inner("send", src_rank, dst_rank)
-        inner.send(buf, s, d, tag)
-
-    def recv(self, buf: Any, src_rank: int, dst_rank: int, tag: int) -> None:
-        inner, s, d = self._inner("recv", src_rank, dst_rank)
-        inner.recv(buf, s, d, tag)
-
-    def close(self) -> None:
-        if self.inner is not None:
-            self.inner.close()
-
-
-class RoutedTransport:
-    """One transport over several: each pair goes through the kind ``route(src, dst)``
-    names ("local", "shm", "cuda_ipc", "gloo", "nccl"), as ``World.route`` says.
-
-    Inside ``group`` every sub-transport collects its posts; on exit they complete in
-    the fixed order of ``select.KINDS`` in every process (local copies first, then the
-    shared-memory paths, then the network). That cannot deadlock: each transport starts
-    its sends when they are posted and its exit waits only on its own peers' posts and
-    exits, which every process reaches in the same order. Each is given the group's
-    timeout from the moment the group was entered.
-
-    Attributes:
-        parts: the sub-transports by kind.
-        bytes_sent_by_transport / bytes_received_by_transport: bytes posted per kind,
-            cumulative (take differences around a refit for its own share).
-        alloc: staging in shared memory (``ShmTransport.alloc``) when shm is one of the
-            parts, else None; pass it as the executor's ``alloc`` so that staged sends
-            are exposed to shm peers without a copy.
-    """
-
-    def __init__(self, parts: Mapping[str, Transport], route: Any, local_ranks: Sequence[int]):
-        from .transport.select import KINDS
-
-        unknown = set(parts) - set(KINDS)
-        if unknown:
-            raise RefitError(f"unknown transport kinds {sorted(unknown)}; expected {KINDS}")
-        self.parts = {k: parts[k] for k in KINDS if k in parts}
-        self._route = route
-        self.name = f"auto({'+'.join(self.parts)})"
-        self._local = frozenset(local_ranks)
-        self.bytes_sent_by_transport = {k: 0 for k in self.parts}
-        self.bytes_received_by_transport = {k: 0 for k in self.parts}
-        shm = self.parts.get("shm")
-        self.alloc = getattr(shm, "alloc", None)
-
-    @property
-    def local(self) -> Transport:
-        return self.parts["local"]
-
-    @property
-    def bytes_by_transport(self) -> dict[str, int]:
-        """Bytes sent + received per kind by this process, cumulative."""
-        return {k: self.bytes_sent_by_transport[k] + self.bytes_received_by_transport[k]
-                for k in self.parts}
-
-    @contextlib.contextmanager
-    def group(self, timeout: float) -> Iterator[None]:
-        with contextlib.ExitStack() as stack:
-            # ExitStack exits in reverse: enter last what must complete first
-            for kind in reversed(self.parts):
-                stack.enter_context(self.parts[kind].group(timeout))
-            yield
-
-    def _part(self, src_rank: int, dst_rank: int, what: str) -> tuple[str, Transport]:
-        kind = self._route(src_rank, dst_rank)
-        part = self.parts.get(kind)
-        if part is None:
-            raise TransportError(f"{what} {src_rank}->{dst_rank}: routed to {kind!r}, which "
-                                 f"this world did not create ({self.name})")
-        return kind, part
-
-    def send(self, buf: Any, src_rank: int, dst_rank: int, tag: int) -> None:
-        kind, part = self._part(src_rank, dst_rank, "send")
-        self.bytes_sent_by_transport[kind] += _nbytes(buf)
-        part.send(buf, src_rank, dst_rank, tag)
-
-    def recv(self, buf: Any, src_rank: int, dst_rank: int, tag: int) -> None:
-        kind, part = self._part(src_rank, dst_rank, "recv")
-        self.bytes_received_by_transport[kind] += _nbytes(buf)
-        part.recv(buf, src_rank, dst_rank, tag)
-
-    def close(self) -> None:
-        for part in self.parts.values():
-            part.close()
