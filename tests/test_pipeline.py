@@ -204,3 +204,54 @@ def test_a_silent_peer_mid_pipeline_raises_the_transport_timeout():
                   _Silent(ranks, -1, None), timeout=0.5, pipeline=True)
     with pytest.raises(TransportTimeout, match="silent peer"):
         ex.run()
+
+
+class _BadPost(_Failing):
+    """A transport whose third send post raises (gloo: a post that fails at once)."""
+
+    def send(self, *a):
+        self.sends = getattr(self, "sends", 0) + 1
+        if self.sends == 3:
+            raise TransportError("post failed")
+        self.inner.send(*a)
+
+
+def test_a_failing_post_mid_pipeline_raises_and_exits_its_group():
+    src, dst, plan, ranks, sched, values, src_b, dst_b = _many_rounds(1 << 13)
+    tr = _BadPost(ranks, -1, None)
+    ex = Executor(sched, plan.src, plan.dst, plan.wire_dtypes, src_b, dst_b, tr,
+                  timeout=10, pipeline=True)
+    with pytest.raises(TransportError, match="post failed"):
+        ex.run()
+    assert tr.inner._sends is None
+    assert not [t for t in threading.enumerate() if t.name == "xreshard-wire"]
+
+
+def test_executor_kind_from_the_environment(monkeypatch):
+    from xreshard.errors import RefitError
+    from xreshard.execute import pipelined_by_default
+    monkeypatch.setenv("XRESHARD_EXECUTOR", "rounds")
+    assert not pipelined_by_default()
+    monkeypatch.setenv("XRESHARD_EXECUTOR", "pipelined")
+    assert pipelined_by_default()
+    monkeypatch.setenv("XRESHARD_EXECUTOR", "fast")
+    with pytest.raises(RefitError, match="XRESHARD_EXECUTOR='fast'"):
+        pipelined_by_default()
+
+
+def test_gc_paused_nests_and_restores():
+    import gc
+    from xreshard.execute import gc_paused
+    assert gc.isenabled()
+    with gc_paused():
+        with gc_paused():
+            assert not gc.isenabled()
+        assert not gc.isenabled()
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        with gc_paused():
+            pass
+        assert not gc.isenabled()       # a caller's own choice is kept
+    finally:
+        gc.enable()
