@@ -78,7 +78,9 @@ def gc_paused() -> Any:
     with thousands of tensors that triggers collections that traverse the whole heap of the
     process (a JAX or torch process holds millions of objects): measured, about half of a
     3,000-tensor call. Nothing the block allocates is cyclic garbage, and what it leaves is
-    collected at the collector's next turn after the block.
+    collected at the collector's next turn after the block. The collector is per process:
+    while a refit started with ``Refit.start`` runs, the caller's own cyclic garbage waits
+    for the refit's end too (reference counting still frees everything else).
     """
     if not PAUSE_GC:
         yield
