@@ -120,6 +120,7 @@ class Refit:
         self._cache = PlanCache()
         self._identity: list[dict] | None = None
         self._sent_jax = False
+        self._pipeline: bool | None = None
 
     @property
     def plan(self) -> Plan | None:
@@ -209,6 +210,8 @@ class Refit:
                            "trainer can donate them); pass send=params on every call"])
         src = dst = None
         try:
+            self._pipeline = None
+            self._pipeline = self._pipelined()
             maps = self._rank_maps()
             src = self._bind(self._send, "send", maps)
             dst = self._bind(self._receive, "receive", maps)
@@ -235,9 +238,8 @@ class Refit:
             src_bindings = fit(src, self._plan.src_layouts)
             dst_bindings = fit(dst, self._plan.dst_layouts)
             # pipelined: two rounds share the staging budget, so rounds of half of it
-            # (every process picks the same: XRESHARD_EXECUTOR, or refit.executor_kind)
-            kind = getattr(self, "executor_kind", None)
-            pipeline = pipelined_by_default() if kind is None else kind == "pipelined"
+            # (every process picks the same: checked at refit/check)
+            pipeline = bool(self._pipeline)
             sched = self._schedule
             if pipeline:
                 half = getattr(self, "_half_schedule", None)
@@ -291,6 +293,12 @@ class Refit:
             verified=verified)
         logger.info("%s", report)
         return report
+
+    def _pipelined(self) -> bool:
+        """Whether this process runs the pipelined executor (``refit.executor_kind``, else
+        ``XRESHARD_EXECUTOR``); every process of a refit must agree."""
+        kind = getattr(self, "executor_kind", None)
+        return pipelined_by_default() if kind is None else kind == "pipelined"
 
     def _digest(self, src_bindings: Any, dst_bindings: Any, target: int, sides: str) -> Any:
         from . import verify
@@ -431,7 +439,15 @@ class Refit:
             self._generation += 1
         gathered = self._agree("refit/check", {"version": self.version,
                                                "generation": self._generation,
+                                               "pipelined": self._pipeline,
                                                "errors": errors}, refused)
+        if len({g.get("pipelined") for g in gathered}) > 1:
+            where = ", ".join(f"{self.world.describe_process(p)}: "
+                              f"{'pipelined' if g.get('pipelined') else 'rounds'}"
+                              for p, g in enumerate(gathered))
+            raise _Failed(RefitError(f"{refused}: processes run different executors ({where}); "
+                                     f"set XRESHARD_EXECUTOR (or refit.executor_kind) the same "
+                                     f"in every process"))
         versions = {g.get("version") for g in gathered}
         if len(versions) > 1:
             where = ", ".join(f"{self.world.describe_process(p)} at v{g.get('version')}"
