@@ -427,7 +427,7 @@ def test_stream_errors_reach_every_rank_and_nothing_moves_when_known_before():
     for t, w in zip(trainer, worker):
         assert (t["error"] is None) == (w["error"] is None), (t, w)
         assert t["version"] == w["version"]
-    assert [r["version"] for r in worker] == [1, 1, 1, 1, 2]
+    assert [r["version"] for r in worker] == [1, 1, 1, 1, 2], [r["error"] for r in worker]
     good, bind, load, extra, again = worker
     assert good["buffers"] == {f"t{i}": [float(i)] * 4 for i in range(3)}
     assert good["moved"] == 3 * 16 and good["loaded"] == ["t0", "t1", "t2"]
