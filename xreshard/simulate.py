@@ -147,10 +147,16 @@ def _predict(name: str, traffic: Any, net: Any,
              progress: Callable[[int, int], None] | None) -> Prediction:
     from .sim.engine import NETWORK, NVLINK, replay
     rep = replay(net, traffic, progress)
-    links, kind = net.paths(traffic.src, traffic.dst)
-    net_bytes = int(traffic.nbytes[kind == NETWORK].sum())
+    # bytes per link class, from the bytes per (src, dst) pair
+    n = max(int(traffic.src.max(initial=0)), int(traffic.dst.max(initial=0))) + 1
+    pair_bytes = np.bincount(traffic.src.astype(np.int64) * n + traffic.dst,
+                             weights=traffic.nbytes.astype(float), minlength=n * n)
+    pairs = np.flatnonzero(pair_bytes)
+    b = pair_bytes[pairs]
+    links, kind = net.paths(pairs // n, pairs % n)
+    net_bytes = int(round(b[kind == NETWORK].sum()))
     hop = (kind == NETWORK) & (links[:, 0] != net.num_links)
-    nv_bytes = int(traffic.nbytes[kind == NVLINK].sum() + traffic.nbytes[hop].sum())
+    nv_bytes = int(round(b[kind == NVLINK].sum() + b[hop].sum()))
     if rep.critical_link >= 0:
         cls, what, ranks = net.describe_link(rep.critical_link)
     else:

@@ -92,15 +92,18 @@ class RelaySchedule:
         for st in self.streams:
             by_pair.setdefault((st.src, st.relay), []).append(st)
         memo: dict[tuple, list[tuple[int, int]]] = {}
+        net: dict[tuple[int, int, int], int] = {}
         for (src, relay), streams in by_pair.items():
             rnd = used = 0
             for st in streams:
                 size = st.chunk_bytes
+                # parts of at most a quarter chunk fill each round to >= 3/4 of its chunk
+                part = max(MIN_BUCKET_BYTES, size // 4)
                 key = (size,) + tuple((reg.shape, isz[n]) for n, reg, _ in st.items)
                 msgs = memo.get(key)
                 if msgs is None:
                     parts = (nb for n, reg, _ in st.items
-                             for nb in split_sizes(reg.shape, isz[n], size))
+                             for nb in split_sizes(reg.shape, isz[n], part))
                     msgs = memo[key] = pair_messages(parts, size)
                 last = -1
                 for r, nb in msgs:
@@ -109,10 +112,13 @@ class RelaySchedule:
                             rnd, used = rnd + 1, 0
                         last = r
                     used += nb
-                    rows.append((rnd, src, relay, nb))
+                    # one peer's messages in one round run in order: one flow
+                    k = (rnd, src, relay)
+                    net[k] = net.get(k, 0) + nb
                     for x in st.forward_to:
                         k = (rnd + 1, relay, x)
                         fwd[k] = fwd.get(k, 0) + nb
+        rows.extend((r, s_, d, nb) for (r, s_, d), nb in net.items())
         n_net = len(rows)
         for (rnd, relay, x), nb in fwd.items():
             rows.append((rnd, relay, x, nb))
