@@ -105,8 +105,8 @@ class Network:
         if link < 2 * n_g:
             phys = link % n_g
             ranks = np.flatnonzero(self.rank_phys == phys).tolist()
-            return "nvlink", _LINK_KINDS[link // n_g] + f" of node {inv[phys // c.gpus_per_node]} " \
-                                                       f"GPU {phys % c.gpus_per_node}", ranks
+            node, gpu = divmod(phys, c.gpus_per_node)
+            return "nvlink", f"{_LINK_KINDS[link // n_g]} of node {inv[node]} GPU {gpu}", ranks
         k = link - 2 * n_g
         direction, nic = divmod(k, self.num_nics)
         node, rail = divmod(nic, c.nics_per_node)
