@@ -38,6 +38,14 @@ class RefitConfig:
     (True), of a rotating subset ("sample"), or not (False). A mismatch raises
     ``VerificationError`` on every rank and the version does not advance."""
 
+    relay: str = "off"
+    """Relay through destination replicas (see :mod:`xreshard.relay`): "off" (the direct
+    plan: every destination rank receives its bytes from a source rank), "on" (two stages:
+    bytes needed by several destination ranks of one domain - a host - cross to that
+    domain once, then its ranks forward them to each other), or "auto" ("on" when some
+    region is needed by two or more destination ranks of a domain that holds none of its
+    sources, else "off")."""
+
     check_writes: bool = False
     """Debug: fail the refit (on every rank) when a sent torch tensor was written while
     the refit read it (its version counter moved), e.g. an optimizer step before
@@ -68,6 +76,9 @@ class RefitConfig:
                 not isinstance(self.verify, (bool, str))):
             raise RefitError(f"RefitConfig.verify must be False, True or 'sample', got "
                              f"{self.verify!r}")
+        if self.relay not in ("off", "on", "auto"):
+            raise RefitError(f"RefitConfig.relay must be 'off', 'on' or 'auto', got "
+                             f"{self.relay!r}")
 
     def to_dict(self) -> dict[str, Any]:
         d = {k: getattr(self, k) for k in self.__dataclass_fields__}
@@ -100,6 +111,9 @@ class RefitReport:
     ("local", "shm", "gloo", ...), when the transport counts them."""
     verified: int = 0
     """Regions whose checksums this process compared (``RefitConfig.verify``)."""
+    bytes_forwarded: int = 0
+    """Bytes this process's destination ranks forwarded to others of their domain
+    (``RefitConfig(relay=...)``); ``bytes_sent`` counts only what its sources sent."""
 
     @property
     def gbps(self) -> float:

@@ -116,6 +116,7 @@ class Refit:
         self._generations: tuple | None = None      # every process's, at the last plan
         self._plan: Plan | None = None
         self._schedule: Schedule | None = None
+        self._relay: _Stages | None = None           # RefitConfig.relay: the two stages
         self._arena: Any = None                     # staging, reused across calls
         self._cache = PlanCache()
         self._identity: list[dict] | None = None
@@ -124,7 +125,7 @@ class Refit:
 
     @property
     def plan(self) -> Plan | None:
-        """The current plan (after the first call)."""
+        """The current plan (after the first call); when relaying, stage 1's."""
         return self._plan
 
     # ------------------------------------------------------------ the collective
@@ -227,7 +228,7 @@ class Refit:
         plan_seconds = time.perf_counter() - t0
 
         error: list[str] | None = None
-        stats = None
+        stats = stats2 = relay_digests = None
         digests: Any = None
         transport = None
         by_kind: dict[str, int] = {}
@@ -235,8 +236,15 @@ class Refit:
         try:
             with self.world.limited(timeout):     # creating it (first call) is collective
                 transport = self.world.transport(self.config.transport)
+            relay = self._relay
             src_bindings = fit(src, self._plan.src_layouts)
-            dst_bindings = fit(dst, self._plan.dst_layouts)
+            if relay is None:
+                dst_bindings = fit(dst, self._plan.dst_layouts)
+            else:       # stage 1 writes views of the real destination memory
+                from .relay import stage_views
+                real_dst = fit(dst, relay.dst_layouts)
+                dst_bindings = stage_views(relay.dst_layouts, real_dst,
+                                           relay.layouts.stage1_dst, self.world.rank_ids)
             # pipelined: two rounds share the staging budget, so rounds of half of it
             # (every process picks the same: checked at refit/check)
             pipeline = bool(self._pipeline)
@@ -265,11 +273,20 @@ class Refit:
                 if self.config.verify else None
             stats = executor.run()
             self._arena = executor._arena
+            if relay is not None and relay.plan2 is not None:
+                # stage 2 (inside domains): this process's stage 1 is complete, and a
+                # forward leaves only once its sender's own stage 1 completed
+                forwarded = self._forward(relay, sched, pipeline, real_dst, timeout,
+                                          transport, target)
+                stats2, relay_digests = forwarded
             after = getattr(transport, "bytes_by_transport", None) or {}
             by_kind = {k: v - before.get(k, 0) for k, v in after.items() if v - before.get(k, 0)}
             if sent_half is not None:
                 received = self._digest({}, dst_bindings, target, "recv")
-                digests = sent_half.result().merge(received).summary
+                merged = sent_half.result().merge(received)
+                if relay_digests is not None:
+                    merged = merged.merge(relay_digests)
+                digests = merged.summary
             if versions:
                 _check_unwritten(self._send, versions)
         except Exception as e:      # noqa: BLE001 - reported to the others before raising
@@ -282,17 +299,55 @@ class Refit:
             self.received = dst.finish()
         self.stale = False
         self.version = target
+        moved_world = self._plan.stats.bytes_moved
+        gather_broadcast = self._plan.stats.bytes_gather_broadcast
+        if self._relay is not None:
+            gather_broadcast = self._relay.bytes_gather_broadcast
+            if self._relay.plan2 is not None:
+                moved_world += self._relay.plan2.stats.bytes_moved
+        two = [s for s in (stats, stats2) if s is not None]
         report = RefitReport(
             version=self.version, seconds=time.perf_counter() - t0, plan_seconds=plan_seconds,
-            bytes_sent=stats.bytes_sent, bytes_received=stats.bytes_received,
-            bytes_local=stats.bytes_local, bytes_moved_world=self._plan.stats.bytes_moved,
-            bytes_gather_broadcast_world=self._plan.stats.bytes_gather_broadcast,
-            num_rounds=stats.num_rounds, num_messages=stats.num_messages,
-            num_zero_copy=stats.num_zero_copy, staging_bytes=stats.staging_bytes,
+            bytes_sent=stats.bytes_sent, bytes_received=sum(s.bytes_received for s in two),
+            bytes_local=sum(s.bytes_local for s in two), bytes_moved_world=moved_world,
+            bytes_gather_broadcast_world=gather_broadcast,
+            num_rounds=sum(s.num_rounds for s in two),
+            num_messages=sum(s.num_messages for s in two),
+            num_zero_copy=sum(s.num_zero_copy for s in two),
+            staging_bytes=max(s.staging_bytes for s in two),
             replanned=replanned, bytes_by_transport=by_kind or None,
-            verified=verified)
+            verified=verified, bytes_forwarded=stats2.bytes_sent if stats2 else 0)
         logger.info("%s", report)
         return report
+
+    def _forward(self, relay: _Stages, sched1: Schedule, pipeline: bool, real_dst: dict,
+                 timeout: float, transport: Any, target: int) -> tuple[Any, Any]:
+        """Stage 2 of a relayed refit: forward inside each domain what stage 1 brought.
+        Returns its executor stats and, with ``verify``, its digests (both sides)."""
+        from .relay import stage_views
+        sched = relay.schedules.get(pipeline)
+        if sched is None or sched[0] is not sched1:
+            staging = self.config.staging_bytes // 2 if pipeline else self.config.staging_bytes
+            sched = relay.schedules[pipeline] = (sched1, _stage2_schedule(
+                relay.plan2, sched1, list(self.world.rank_ids), self.config.bucket_bytes,
+                max(1, staging)))
+        ranks = self.world.rank_ids
+        layouts = relay.layouts
+        src2 = stage_views(relay.dst_layouts, real_dst, layouts.stage2_src, ranks)
+        dst2 = stage_views(relay.dst_layouts, real_dst, layouts.stage2_dst, ranks)
+        executor = Executor(sched[1], layouts.stage2_src, layouts.stage2_dst,
+                            relay.plan2.wire_dtypes, src2, dst2, transport, timeout,
+                            pipeline=pipeline, staging_bytes=self.config.staging_bytes)
+        if self._arena is not None:
+            executor._arena = self._arena
+        stats = executor.run()
+        self._arena = executor._arena
+        digests = None
+        if self.config.verify:
+            from . import verify
+            digests = verify.digest_bindings(relay.plan2, ranks, src2, dst2,
+                                             mode=self.config.verify, version=target)
+        return stats, digests
 
     def _pipelined(self) -> bool:
         """Whether this process runs the pipelined executor (``refit.executor_kind``, else
@@ -464,9 +519,13 @@ class Refit:
                 "config": self.config.to_dict(), "errors": []}
         metas = self._agree("refit/layouts", meta, refused)
         new_plan = None
+        relay = None
         counts: dict[str, int] = {}
         try:
             new_plan = self._plan_from(metas, src, dst)
+            relay = self._stages(new_plan)
+            if relay is not None:
+                new_plan = relay.plan1
             counts = {str(r): c for r, c in peer_counts(new_plan, self.world.rank_ids).items()}
         except Exception as e:      # noqa: BLE001 - every local failure reaches every rank
             errors.append(_entry(e))
@@ -476,6 +535,7 @@ class Refit:
                                   bucket_bytes=self.config.bucket_bytes,
                                   staging_bytes=self.config.staging_bytes)
         self._plan = new_plan
+        self._relay = relay
         self._generations = key
         logger.debug("refit planned: %s", new_plan.stats.to_dict())
         return True
@@ -507,6 +567,23 @@ class Refit:
                                "process's ranks: " + "; ".join(problems[:20]))
         return plan(src_layouts, dst_layouts, topology=self.world,
                     wire_dtype=self.config.wire_dtype, cache=self._cache)
+
+    def _stages(self, direct: Plan) -> _Stages | None:
+        """The two plans of a relayed refit (``RefitConfig.relay``), or None for the direct
+        plan: "off", or "auto" when nothing would be forwarded."""
+        if self.config.relay == "off":
+            return None
+        from .relay import relay_layouts
+        layouts = relay_layouts(direct.src_layouts, direct.dst_layouts, self.world)
+        if self.config.relay == "auto" and not layouts.forwards:
+            return None
+        plan1 = plan(direct.src_layouts, layouts.stage1_dst, topology=self.world,
+                     wire_dtype=self.config.wire_dtype, cache=self._cache)
+        plan2 = plan(layouts.stage2_src, layouts.stage2_dst, topology=self.world,
+                     cache=self._cache) if layouts.forwards else None
+        logger.debug("refit relays %d bytes inside domains", layouts.bytes_relayed)
+        return _Stages(dict(direct.dst_layouts), layouts, plan1, plan2,
+                       direct.stats.bytes_gather_broadcast)
 
     # ------------------------------------------------------------ outcome
 
@@ -550,6 +627,42 @@ class Refit:
     def _broken(self, cause: str) -> None:
         """A failure while moving leaves the transports in an unknown state."""
         self.world.mark_broken(cause)
+
+
+class _Stages:
+    """A relayed refit (``RefitConfig.relay``): stage 1 sends across domains into views of
+    the real destination memory, stage 2 forwards inside domains (see xreshard/relay.py)."""
+
+    def __init__(self, dst_layouts: dict[str, Layout], layouts: Any, plan1: Plan,
+                 plan2: Plan | None, bytes_gather_broadcast: int):
+        self.dst_layouts = dst_layouts          # the real (merged) destination layouts
+        self.layouts = layouts                  # relay.RelayLayouts
+        self.plan1 = plan1
+        self.plan2 = plan2
+        self.bytes_gather_broadcast = bytes_gather_broadcast
+        #: pipelined? -> (the stage-1 schedule it follows, the stage-2 schedule)
+        self.schedules: dict[bool, tuple[Schedule, Schedule]] = {}
+
+
+def _stage2_schedule(plan2: Plan, sched1: Schedule, ranks: list[int], bucket_bytes: int,
+                     staging_bytes: int) -> Schedule:
+    """Stage 2's schedule for this process's ranks. A pair that also talked in stage 1
+    continues its message numbers (tags) after stage 1's: no barrier separates the stages,
+    so a tag is never reused within a call. Both ends of a pair see the pair's stage-1
+    buckets, so they agree on the offset."""
+    import dataclasses
+    paired = {r for m in ranks for t in plan2.transfers_for(m) for r in (t.src, t.dst)}
+    sched = schedule(plan2, ranks, peer_counts(plan2, sorted(paired)),
+                     bucket_bytes=bucket_bytes, staging_bytes=staging_bytes)
+    first: dict[tuple[int, int], int] = {}
+    for rnd in sched1.rounds:
+        for b in rnd:
+            first[(b.src, b.dst)] = max(first.get((b.src, b.dst), 0), b.tag + 1)
+    if not first:
+        return sched
+    rounds = tuple(tuple(dataclasses.replace(b, tag=b.tag + first.get((b.src, b.dst), 0))
+                         for b in rnd) for rnd in sched.rounds)
+    return Schedule(rounds, sched.local_copies, sched.max_round_bytes)
 
 
 class _Background:

@@ -1,0 +1,230 @@
+"""Relay through destination replicas (issue 12 part 4): the pure stage layouts, and real
+processes on declared hosts moving each byte across hosts once per host."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import xreshard as xr
+from xreshard.errors import RefitError
+from xreshard.geometry import Region
+from xreshard.launch import Context, Role, launch
+from xreshard.plan import plan
+from xreshard.relay import relay_layouts
+from xreshard.topology import Topology
+
+# ---------------------------------------------------------------------------- pure
+
+
+def _topology(hosts: dict[int, str]) -> Topology:
+    return Topology.of({r: (r, h) for r, h in hosts.items()})
+
+
+def _cover(layout: xr.Layout) -> dict[int, np.ndarray]:
+    """rank -> how many times each element is held by that rank."""
+    out = {}
+    for r in layout.ranks:
+        count = np.zeros(layout.shape, np.int64)
+        for reg in layout.regions(r):
+            count[tuple(slice(a, b) for a, b in zip(reg.starts, reg.stops))] += 1
+        out[r] = count
+    return out
+
+
+def _check_exactly_once(src: dict, dst: dict, topo: Topology) -> None:
+    """Stage 1 + stage 2 give every destination rank each of its elements exactly once, a
+    stage-2 piece is held by one rank of the receiver's host, and stage 1 holds within
+    what each rank needs."""
+    stages = relay_layouts(src, dst, topo)
+    for name, lay in dst.items():
+        need = _cover(lay)
+        one = _cover(stages.stage1_dst[name])
+        two = _cover(stages.stage2_dst[name]) if name in stages.stage2_dst else {}
+        for r, n in need.items():
+            got = one.get(r, np.zeros_like(n)) + two.get(r, np.zeros_like(n))
+            assert np.array_equal(got, n), (name, r)
+        if name in stages.stage2_src:
+            fwd = stages.stage2_src[name]
+            for r in stages.stage2_dst[name].ranks:
+                for reg in stages.stage2_dst[name].regions(r):
+                    holders = [h for h in fwd.ranks if topo.host_of(h) == topo.host_of(r)
+                               and any(x.contains(reg) for x in fwd.regions(h))]
+                    assert len(holders) == 1, (name, r, reg)
+                    assert any(x.contains(reg) for x in stages.stage1_dst[name].regions(holders[0]))
+
+
+def test_replicated_pieces_balanced_and_once_per_host():
+    topo = _topology({0: "t", 1: "a", 2: "a", 3: "b", 4: "b"})
+    src = {"w": xr.Layout.replicated((8, 4), "float32", xr.Mesh((1,), (0,)))}
+    dst = {"w": xr.Layout.replicated((8, 4), "float32", xr.Mesh((4,), (1, 2, 3, 4)))}
+    stages = relay_layouts(src, dst, topo)
+    assert stages.stage1_dst["w"].regions(1) == (Region((0, 0), (4, 4)),)
+    assert stages.stage1_dst["w"].regions(2) == (Region((4, 0), (8, 4)),)
+    assert stages.stage2_dst["w"].regions(1) == (Region((4, 0), (8, 4)),)
+    assert stages.bytes_relayed == 2 * 8 * 4 * 4
+    _check_exactly_once(src, dst, topo)
+    p1 = plan(src, stages.stage1_dst, topology=topo)
+    p2 = plan(stages.stage2_src, stages.stage2_dst, topology=topo)
+    assert p1.stats.bytes_moved == 2 * 128            # one copy per host, not four
+    assert p2.stats.bytes_moved == 2 * 128
+    assert all(topo.host_of(t.src) == topo.host_of(t.dst) for t in p2.iter_transfers())
+    direct = plan(src, dst, topology=topo)
+    assert direct.stats.bytes_moved == 4 * 128
+
+
+def test_tp_replicas_mixed_layouts_and_many_tensors_balanced():
+    """Two TP=2 replicas per host, one of them split on dim 1: pieces come from the grid."""
+    hosts = {0: "t", 1: "t"} | {r: "a" for r in range(2, 6)} | {r: "b" for r in range(6, 10)}
+    topo = _topology(hosts)
+    src, dst = {}, {}
+    for i in range(12):
+        name = f"layer{i:02d}"
+        src[name] = xr.Layout.from_placements((16, 12), "bfloat16", xr.Mesh((2,), (0, 1)),
+                                              ["S0"])
+        tp = xr.Mesh((2, 2, 2), (2, 3, 4, 5, 6, 7, 8, 9))   # (host, replica, tp)
+        dst[name] = xr.Layout.from_placements((16, 12), "bfloat16", tp, ["R", "R", "S0"]) \
+            if i % 2 else xr.Layout.explicit_form((16, 12), "bfloat16", {
+                2: [[(0, 8), (0, 12)]], 3: [[(8, 16), (0, 12)]],
+                4: [[(0, 16), (0, 6)]], 5: [[(0, 16), (6, 12)]],
+                6: [[(0, 8), (0, 12)]], 7: [[(8, 16), (0, 12)]],
+                8: [[(0, 16), (0, 6)]], 9: [[(0, 16), (6, 12)]]})
+    _check_exactly_once(src, dst, topo)
+    stages = relay_layouts(src, dst, topo)
+    p1 = plan(src, stages.stage1_dst, topology=topo)
+    whole = 16 * 12 * 2 * 12
+    assert p1.stats.bytes_moved == 2 * whole                # once per host
+    got = p1.stats.bytes_received
+    assert max(got.values()) <= 1.25 * min(got[r] for r in range(2, 10))   # balanced
+
+
+def test_no_relay_where_sources_share_the_host_or_one_rank_needs_it():
+    topo = _topology({0: "a", 1: "a", 2: "a", 3: "b"})
+    src = {"w": xr.Layout.replicated((6, 2), "float32", xr.Mesh((1,), (0,)))}
+    dst = {"w": xr.Layout.replicated((6, 2), "float32", xr.Mesh((3,), (1, 2, 3)))}
+    stages = relay_layouts(src, dst, topo)
+    assert not stages.forwards and stages.bytes_relayed == 0
+    assert stages.stage1_dst["w"].regions(3) == (Region((0, 0), (6, 2)),)
+    _check_exactly_once(src, dst, topo)
+    assert not relay_layouts(src, dst, None).forwards      # no topology: no domains
+
+
+def test_scalar_and_empty_tensors():
+    topo = _topology({0: "t", 1: "a", 2: "a"})
+    src = {n: xr.Layout.replicated(s, "float32", xr.Mesh((1,), (0,)))
+           for n, s in (("s", ()), ("e", (0, 3)), ("r", (1, 5)))}
+    dst = {n: xr.Layout.replicated(lay.shape, "float32", xr.Mesh((2,), (1, 2)))
+           for n, lay in src.items()}
+    _check_exactly_once(src, dst, topo)
+
+
+def test_config_relay_is_validated():
+    assert xr.RefitConfig().relay == "off"
+    with pytest.raises(RefitError, match=r"relay must be 'off', 'on' or 'auto', got 'yes'"):
+        xr.RefitConfig(relay="yes")
+
+
+# ---------------------------------------------------------------------------- processes
+
+TENSORS = {"w": ((64, 32), "float32"), "b": ((7,), "float32"), "i": ((5, 3), "int32")}
+COPY_BYTES = sum(int(np.prod(s)) * 4 for s, _ in TENSORS.values())
+
+
+def _values(version: int) -> dict[str, np.ndarray]:
+    return {n: (np.arange(int(np.prod(s))).reshape(s) * 3 + 1000 * version).astype(d)
+            for n, (s, d) in TENSORS.items()}
+
+
+def _host(role: Role) -> str:
+    return "t" if role.group == "trainer" else "ab"[role.index // 2]
+
+
+def relay_world(ctx: Context, mode: str, kill: bool) -> dict:
+    import os
+    import time
+    config = xr.RefitConfig(timeout=10 if kill else 60, relay=mode, bucket_bytes=2048,
+                            verify=mode == "on")
+    out: dict = {}
+    with ctx.join(1, timeout=60, host=_host(ctx.role)) as world:
+        rank = world.rank_ids[0]
+        trainer = ctx.role.group == "trainer"
+        dest = {n: np.full(s, -1, d) for n, (s, d) in TENSORS.items()}
+        if trainer:
+            def bound(v):
+                vals = _values(v)
+                return xr.Bound({n: xr.Layout.replicated(a.shape, a.dtype, xr.Mesh((1,), (rank,)))
+                                 for n, a in vals.items()},
+                                {(rank, n): a for n, a in vals.items()})
+            refit = xr.Refit(world, send=bound(1), config=config)
+        else:
+            layouts = {n: xr.Layout.explicit_form(a.shape, a.dtype, {rank: [[(0, k) for k in a.shape]]})
+                       for n, a in dest.items()}
+            refit = xr.Refit(world, receive=xr.Bound(layouts, {(rank, n): [a] for n, a in dest.items()},
+                                                     local_only=set(dest)),
+                              config=config)
+        if kill and ctx.role.group == "rollout" and ctx.role.index == 1:
+            forward = xr.Refit._forward
+
+            def dying(self, *args, **kwargs):
+                if self.version == 1:
+                    os._exit(3)     # a relay rank dies mid-refit: stage 1 in, nothing forwarded
+                return forward(self, *args, **kwargs)
+            refit._forward = dying.__get__(refit)
+        out["reports"] = []
+        for v in (1, 2):
+            t0 = time.monotonic()
+            try:
+                r = refit(send=bound(v)) if trainer else refit()
+            except Exception as e:      # noqa: BLE001 - the test compares what was raised
+                out["error"] = type(e).__name__
+                out["message"] = str(e)
+                out["seconds"] = time.monotonic() - t0
+                return out
+            out["reports"].append({"sent": r.bytes_sent, "forwarded": r.bytes_forwarded,
+                                   "received": r.bytes_received, "replanned": r.replanned,
+                                   "moved_world": r.bytes_moved_world,
+                                   "verified": r.verified,
+                                   "by_transport": r.bytes_by_transport})
+            if not trainer:
+                out[f"exact{v}"] = all(np.array_equal(dest[n], a) for n, a in _values(v).items())
+    return out
+
+
+def _roles() -> list[Role]:
+    return [Role("plain", "trainer", 0)] + [Role("plain", "rollout", i) for i in range(4)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["on", "auto", "off"])
+def test_relay_sends_one_copy_per_host_bit_exact(mode):
+    values = [r.value for r in launch(relay_world, _roles(), args=(mode, False), timeout=240,
+                                      env={"XRESHARD_SHM": "0"})]
+    assert all("error" not in v for v in values), values
+    trainer, receivers = values[0], values[1:]
+    copies = 4 if mode == "off" else 2
+    for k in range(2):
+        assert trainer["reports"][k]["sent"] == copies * COPY_BYTES
+        assert trainer["reports"][k]["forwarded"] == 0
+        forwarded = sum(v["reports"][k]["forwarded"] for v in receivers)
+        assert forwarded == (4 - copies) * COPY_BYTES
+        assert all(v["reports"][k]["sent"] == 0 for v in receivers)
+        assert all(v["reports"][k]["received"] == COPY_BYTES for v in receivers)
+        assert trainer["reports"][k]["moved_world"] == 4 * COPY_BYTES
+    assert all(v["exact1"] and v["exact2"] for v in receivers)
+    if mode == "on":        # verify=True checks both stages' transfers
+        assert all(v["reports"][1]["verified"] > 0 for v in values)
+    assert [r["replanned"] for r in trainer["reports"]] == [True, False]
+
+
+@pytest.mark.slow
+def test_dead_relay_rank_fails_everyone_within_timeout():
+    results = launch(relay_world, _roles(), args=("on", True), timeout=240, check=False,
+                     env={"XRESHARD_SHM": "0"}, fail_fast=False)
+    assert results[2].returncode == 3
+    for i, res in enumerate(results):
+        if i == 2:
+            continue
+        assert res.ok, res.output
+        assert res.value["error"] in ("TransportTimeout", "TransportError",
+                                      "CollectiveMismatch"), res.value
+        assert res.value["seconds"] < 10 + 5 + 5       # timeout + the outcome's grace
