@@ -228,3 +228,40 @@ def test_dead_relay_rank_fails_everyone_within_timeout():
         assert res.value["error"] in ("TransportTimeout", "TransportError",
                                       "CollectiveMismatch"), res.value
         assert res.value["seconds"] < 10 + 5 + 5       # timeout + the outcome's grace
+
+
+def relay_frameworks(ctx: Context) -> dict:
+    """A JAX trainer (one CPU device) and torch receivers holding plain tensors whole."""
+    config = xr.RefitConfig(timeout=60, relay="on")
+    out: dict = {}
+    with ctx.join(timeout=60, host=_host(ctx.role)) as world:
+        if ctx.role.kind == "jax":
+            import jax
+            device = jax.local_devices()[0]
+            for v in (1, 2):
+                params = {n: jax.device_put(a, device) for n, a in _values(v).items()}
+                r = (refit(send=params) if v == 2 else
+                     (refit := xr.Refit(world, send=params, config=config))())
+                out[f"sent{v}"] = r.bytes_sent
+        else:
+            import torch
+            dest = {n: torch.full(s, -1, dtype=getattr(torch, d)) for n, (s, d) in TENSORS.items()}
+            refit = xr.Refit(world, receive=dest, config=config)
+            for v in (1, 2):
+                r = refit()
+                out[f"forwarded{v}"] = r.bytes_forwarded
+                out[f"exact{v}"] = all(np.array_equal(dest[n].numpy(), a)
+                                       for n, a in _values(v).items())
+    return out
+
+
+@pytest.mark.slow
+def test_relay_jax_trainer_to_torch_receivers():
+    roles = [Role("jax", "trainer", 0, num_devices=1)] + [Role("torch", "rollout", i)
+                                                            for i in range(4)]
+    values = [r.value for r in launch(relay_frameworks, roles, timeout=300,
+                                      env={"XRESHARD_SHM": "0"})]
+    assert values[0]["sent1"] == values[0]["sent2"] == 2 * COPY_BYTES
+    for v in (1, 2):
+        assert sum(x[f"forwarded{v}"] for x in values[1:]) == 2 * COPY_BYTES
+        assert all(x[f"exact{v}"] for x in values[1:])
