@@ -219,6 +219,15 @@ def test_relay_sends_one_copy_per_domain():
     assert {s.relay for s in sched.streams} <= set(range(1, 9))
 
 
+def test_relay_keeps_pairs_inside_a_domain_direct():
+    p = replicated_plan(2)
+    sched = build_relay(p, receive_lists(p), [0, 0, 0], bucket_bytes=1 << 20,
+                        staging_bytes=1 << 30)
+    assert sched.streams == () and {(s, d) for s, d, _, _ in sched.direct} == {(0, 1), (0, 2)}
+    tr = sched.traffic(p.names, p.wire_dtypes)
+    assert tr.total_bytes == 2 * (8 << 20) and not tr.forward.any()
+
+
 def test_lower_bound_one_domain_ingress():
     p = replicated_plan(2)
     c = toy(gpus_per_node=2, domain_size=2, nics_per_node=1)

@@ -209,6 +209,13 @@ def build_relay(plan, by_pair: dict[tuple[int, int], list], domain: Sequence[int
         got_net[relay] = got_net.get(relay, 0) + nb
         fwd = tuple(r for r in receivers if r != relay)
         streams.setdefault((src, relay, fwd), []).append((name, region, nb))
+    return RelaySchedule(_chunked(streams, bucket_bytes, staging_bytes),
+                         _direct_pairs(direct, order, bucket_bytes, staging_bytes))
+
+
+def _chunked(streams: dict[tuple[int, int, tuple[int, ...]], list], bucket_bytes: int,
+             staging_bytes: int) -> tuple[RelayStream, ...]:
+    """The streams with their chunk sizes."""
     # 3. chunk sizes: every pair moves its bytes in the same number of rounds, so each
     # round carries every pair's share and no NIC idles while a few long pairs finish.
     # The rounds are as few as staging allows: a relay stages its network chunks and
@@ -229,6 +236,12 @@ def build_relay(plan, by_pair: dict[tuple[int, int], list], domain: Sequence[int
         chunk = -(-pair_bytes[(src, relay)] // num_rounds)
         chunk = max(MIN_BUCKET_BYTES, min(bucket_bytes, chunk))
         out.append(RelayStream(src, relay, fwd, tuple(items), chunk))
+    return tuple(out)
+
+
+def _direct_pairs(direct: list[tuple[int, int, list]], order: dict[str, int],
+                  bucket_bytes: int, staging_bytes: int) -> tuple:
+    """Pairs inside one domain, sized as the direct scheduler sizes them."""
     peers_d: dict[int, int] = {}
     for src, dst, _ in direct:
         peers_d[src] = peers_d.get(src, 0) + 1
@@ -239,7 +252,7 @@ def build_relay(plan, by_pair: dict[tuple[int, int], list], domain: Sequence[int
                                          // max(peers_d[src], peers_d[dst], 1)))
         ts = sorted(transfers, key=lambda t: (order[t.name], t.region.starts, t.region.stops))
         kept.append((src, dst, size, tuple(ts)))
-    return RelaySchedule(tuple(out), tuple(kept))
+    return tuple(kept)
 
 
 def relay_traffic(plan, by_pair: dict[tuple[int, int], list], domain: Sequence[int], *,
