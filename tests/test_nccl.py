@@ -2,7 +2,7 @@
 
 What runs here without CUDA: NCCL's library loads, unique ids cross a real TCPStore between
 two real processes, the rendezvous names missing ranks, the transport refuses clearly, the
-selection rules, the dtype table, and the wait loop's timeout/abort logic on fake events
+selection rules and the wait loop's timeout/abort logic on fake events
 and communicators. The CUDA paths are in test_gpu.py.
 """
 
@@ -22,7 +22,7 @@ import pytest
 from xreshard.errors import RefitError
 from xreshard.transport.base import TransportError, TransportTimeout
 from xreshard.transport.nccl import (
-    NCCL_DTYPES, NcclTransport, NoCudaDeviceError, Post, _order_posts, nccl_dtype, rendezvous,
+    NcclTransport, NoCudaDeviceError, Post, _order_posts, rendezvous,
     wait_or_abort,
 )
 from xreshard.transport.select import select_backend
@@ -301,44 +301,3 @@ def test_unknown_kinds_requests_and_empty_worlds_are_refused():
         select_backend(["cuda"], "mpi")
     with pytest.raises(RefitError, match=r"without ranks"):
         select_backend([])
-
-
-# ---------------------------------------------------------------------------- dtypes
-
-@pytest.mark.parametrize("name, value", [
-    ("uint8", 1), ("int8", 0), ("int32", 2), ("int64", 4), ("float16", 6), ("float32", 7),
-    ("float64", 8), ("bfloat16", 9), ("float8_e4m3fn", 10), ("float8_e5m2", 11),
-])
-def test_nccl_dtype_table(name, value):
-    assert nccl_dtype(name) == value
-
-
-def test_nccl_dtype_accepts_framework_dtypes():
-    np = pytest.importorskip("numpy")
-    assert nccl_dtype(np.dtype("float32")) == 7
-    torch = pytest.importorskip("torch")
-    assert nccl_dtype(torch.bfloat16) == 9
-    assert nccl_dtype(torch.uint8) == 1
-    ml_dtypes = pytest.importorskip("ml_dtypes")
-    assert nccl_dtype(np.dtype(ml_dtypes.bfloat16)) == 9
-    jnp = pytest.importorskip("jax.numpy")
-    assert nccl_dtype(jnp.bfloat16) == 9
-    assert nccl_dtype(jnp.float8_e5m2) == 11
-
-
-def test_nccl_dtype_table_matches_cupy_constants():
-    pytest.importorskip("cupy")
-    from cupy.cuda import nccl
-    for name, const in [("int8", "NCCL_INT8"), ("uint8", "NCCL_UINT8"), ("int32", "NCCL_INT32"),
-                        ("uint32", "NCCL_UINT32"), ("int64", "NCCL_INT64"),
-                        ("uint64", "NCCL_UINT64"), ("float16", "NCCL_FLOAT16"),
-                        ("float32", "NCCL_FLOAT32"), ("float64", "NCCL_FLOAT64"),
-                        ("bfloat16", "NCCL_BFLOAT16")]:
-        assert NCCL_DTYPES[name] == getattr(nccl, const), name
-
-
-@pytest.mark.parametrize("name", ["bool", "int16", "complex64", "float8_e8m0fnu"])
-def test_types_without_nccl_equivalent_are_refused(name):
-    with pytest.raises(RefitError, match=rf"dtype '{name}' has no NCCL equivalent .* view the "
-                                         rf"buffer as uint8 and move bytes"):
-        nccl_dtype(name)

@@ -72,13 +72,12 @@ import threading
 import time
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
-from ..dtypes import dtype_name
 from ..errors import RefitError
 from .base import TransportError, TransportTimeout
 
 __all__ = [
-    "NCCL_DTYPES", "NcclTransport", "NoCudaDeviceError", "Post", "cuda_major", "install_hint",
-    "nccl_dtype", "rendezvous", "wait_or_abort",
+    "NcclTransport", "NoCudaDeviceError", "Post", "cuda_major", "install_hint",
+    "rendezvous", "wait_or_abort",
 ]
 
 logger = logging.getLogger(__name__)
@@ -89,50 +88,6 @@ _KDL_CUDA = 2                   # DLPack device type of CUDA device memory
 _ABORT_GRACE_S = 10.0           # how long an abort or destroy may take before we give up on it
 _BUSY_GRACE_S = 1.0             # how long a failing group's NCCL call may take to return
 _ACTIVE_KEYS: set[str] = set()  # store keys of this process's live communicators
-
-# ---------------------------------------------------------------------------- dtypes
-
-#: NCCL ``ncclDataType_t`` values (``nccl.h``), by xreshard's canonical dtype name.
-#:
-#: | canonical     | torch           | jax / numpy (ml_dtypes) | NCCL           | value |
-#: |---------------|-----------------|-------------------------|----------------|-------|
-#: | int8          | torch.int8      | int8                    | ncclInt8       | 0     |
-#: | uint8         | torch.uint8     | uint8                   | ncclUint8      | 1     |
-#: | int32         | torch.int32     | int32                   | ncclInt32      | 2     |
-#: | uint32        | torch.uint32    | uint32                  | ncclUint32     | 3     |
-#: | int64         | torch.int64     | int64                   | ncclInt64      | 4     |
-#: | uint64        | torch.uint64    | uint64                  | ncclUint64     | 5     |
-#: | float16       | torch.float16   | float16                 | ncclFloat16    | 6     |
-#: | float32       | torch.float32   | float32                 | ncclFloat32    | 7     |
-#: | float64       | torch.float64   | float64                 | ncclFloat64    | 8     |
-#: | bfloat16      | torch.bfloat16  | bfloat16                | ncclBfloat16   | 9     |
-#: | float8_e4m3fn | torch.float8_e4m3fn | float8_e4m3fn       | ncclFloat8e4m3 | 10    |
-#: | float8_e5m2   | torch.float8_e5m2   | float8_e5m2         | ncclFloat8e5m2 | 11    |
-#:
-#: The fp8 types need a recent NCCL and CuPy has no constants for them. bool, int16,
-#: uint16, complex and the fnuz/e8m0 fp8 types have no NCCL type. None of this matters
-#: for the transport itself: it moves ``uint8`` buffers only, so any dtype crosses as bytes.
-NCCL_DTYPES: dict[str, int] = {
-    "int8": 0, "uint8": 1, "int32": 2, "uint32": 3, "int64": 4, "uint64": 5,
-    "float16": 6, "float32": 7, "float64": 8, "bfloat16": 9,
-    "float8_e4m3fn": 10, "float8_e5m2": 11,
-}
-
-
-def nccl_dtype(dtype: object) -> int:
-    """The NCCL ``ncclDataType_t`` value for ``dtype`` (a name, numpy/JAX or torch dtype).
-
-    Raises:
-        RefitError: NCCL has no such type; move it as ``uint8`` bytes (the executor does).
-    """
-    name = dtype_name(dtype)
-    try:
-        return NCCL_DTYPES[name]
-    except KeyError:
-        raise RefitError(
-            f"dtype {name!r} has no NCCL equivalent (NCCL types: {', '.join(NCCL_DTYPES)}) - "
-            f"view the buffer as uint8 and move bytes, as the executor does") from None
-
 
 # ---------------------------------------------------------------------------- errors
 
