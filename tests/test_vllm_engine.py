@@ -39,10 +39,6 @@ from xreshard.launch import Role, launch  # noqa: E402
 
 ENGINE_ENV = {1: {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"},      # in-process engine: ~3 s start
               2: {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}}
-#: glibc raises its mmap threshold to the size of each large block freed (up to 32 MiB), so
-#: freed receive buffers stay in the heap and RSS counts them as if still live: a fixed
-#: threshold makes large blocks mmapped and unmapped on free, so RSS measures live memory
-STREAM_ENV = {"MALLOC_MMAP_THRESHOLD_": str(128 << 10)}
 
 
 def _expected_shard_bytes(tp: int, rank: int, itemsize: int, c: dict = cases.CONFIG) -> int:
@@ -69,10 +65,8 @@ def _expected_shard_bytes(tp: int, rank: int, itemsize: int, c: dict = cases.CON
 def test_trainer_refits_vllm_engine_like_a_checkpoint_load(tp, dtype, kind, tmp_path):
     trainer_role = Role("jax", "trainer", 0, num_devices=4) if kind.startswith("jax") else \
         Role("torch", "trainer", 0)
-    env = {"VLLM_CPU_KVCACHE_SPACE": "1", **ENGINE_ENV[tp]}
-    if kind == "jax-stream":
-        env.update(STREAM_ENV)
-    roles = [trainer_role, Role("plain", "engine", 0, env=env)]
+    roles = [trainer_role,
+             Role("plain", "engine", 0, env={"VLLM_CPU_KVCACHE_SPACE": "1", **ENGINE_ENV[tp]})]
     results = launch(cases.__name__ + ":dispatch", roles,
                      args=([tp, dtype, str(tmp_path), kind],), timeout=300)
     trainer, engine = results[0].value, results[1].value
@@ -103,7 +97,9 @@ def test_trainer_refits_vllm_engine_like_a_checkpoint_load(tp, dtype, kind, tmp_
                 budget = cases.STREAM_BUDGET
                 assert x["budget_bytes"] == budget and x["shard_bytes"] > 3 * budget
                 assert x["num_groups"] > 3
-                assert 0 < x["peak_rss_growth"] <= 1.1 * budget, (x, budget)
+                assert x["peak_rss_growth"] <= 1.1 * budget, (x, budget)
+                if r["version"] == 1:   # buffers, staging, plans: the measurement sees them
+                    assert x["peak_rss_growth"] > budget // 8, x
         # the trainer sent each vLLM rank its shards and nothing else (on the wire dtype)
         assert r["bytes_sent"] == r["bytes_moved_world"] == sum(x["bytes_received"] for x in reports)
     # the refit changed the engine's answers, and changed them back

@@ -311,6 +311,9 @@ class XreshardWeightTransferEngine(WeightTransferEngine[XreshardInitInfo, Xresha
         def done(g: int, names: list[str]) -> None:
             buffers, _ = held.pop(g)
             dest.load(self.model, self.model_config, buffers, self._inplace, names)
+            if not self._inplace:
+                del buffers
+                _trim_heap()
 
         rss0 = _reset_peak_rss() if self._measure else None
         try:
@@ -331,7 +334,9 @@ class XreshardWeightTransferEngine(WeightTransferEngine[XreshardInitInfo, Xresha
             raise e
         finally:
             held.clear()
-        self.peak_rss_growth = None if rss0 is None else _peak_rss() - rss0
+        # the kernel's RSS counters are per-CPU batched: clamp the drift of a round that grew
+        # nothing (VmHWM a few pages under the VmRSS read right after the reset)
+        self.peak_rss_growth = None if rss0 is None else max(0, _peak_rss() - rss0)
         self.last_error = None
         self.last_report = report
 
@@ -891,6 +896,25 @@ def _combine(reports: Sequence[RefitReport], version: int) -> RefitReport:
         num_zero_copy=total("num_zero_copy"),
         staging_bytes=max((r.staging_bytes for r in reports), default=0),
         replanned=any(r.replanned for r in reports))
+
+
+@functools.cache
+def _malloc_trim() -> Any:
+    import ctypes
+    import ctypes.util
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
+    except (OSError, AttributeError):     # not glibc
+        return None
+
+
+def _trim_heap() -> None:
+    """Give the group's freed receive buffers back to the OS (glibc keeps freed blocks below
+    its dynamic mmap threshold, up to 32 MiB, in the heap): a worker's RSS then tracks its
+    live memory, not the high-water mark of every group."""
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)
 
 
 def _proc_status(field: str) -> int:
