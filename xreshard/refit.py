@@ -128,6 +128,19 @@ class Refit:
         """The current plan (after the first call); when relaying, stage 1's."""
         return self._plan
 
+    @property
+    def staging(self) -> Any:
+        """The staging memory this refit keeps across calls (per device), or None.
+
+        Refits that run one after another can share one budget by handing it on:
+        ``b.staging, a.staging = a.staging, None`` (the vLLM backend's streamed groups do).
+        """
+        return self._arena
+
+    @staging.setter
+    def staging(self, value: Any) -> None:
+        self._arena = value
+
     # ------------------------------------------------------------ the collective
 
     def __call__(self, send: Any = None, receive: Any = None) -> RefitReport:

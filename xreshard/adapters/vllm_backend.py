@@ -814,9 +814,7 @@ class Stream:
                 refit = self._refits[g] = Refit(world, config=self.config, **self._refit_kwargs)
             # one staging arena for every group, handed from refit to refit: each group's
             # refit would otherwise keep its own, and their sum is the whole shard again
-            # TODO(refit): a public way to share staging between Refit objects
-            if hasattr(refit, "_arena"):
-                refit._arena, self._arena = self._arena, None
+            refit.staging, self._arena = self._arena, None
             try:
                 reports.append(refit(**{self.side: obj}))
             except XreshardError as e:
@@ -827,8 +825,7 @@ class Stream:
                                  "holds a mix of two rounds; refit again before generating)"
                                  ) from e
             finally:
-                if hasattr(refit, "_arena"):
-                    self._arena, refit._arena = refit._arena, None
+                self._arena, refit.staging = refit.staging, None
                 # the refit keeps its last send/receive object for argument-less calls:
                 # emptied, it holds no group's buffers (or trainer arrays) past the call
                 if isinstance(obj, Bound):
