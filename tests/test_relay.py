@@ -267,3 +267,59 @@ def test_relay_jax_trainer_to_torch_receivers():
     for v in (1, 2):
         assert sum(x[f"forwarded{v}"] for x in values[1:]) == 2 * COPY_BYTES
         assert all(x[f"exact{v}"] for x in values[1:])
+
+
+def test_stage2_tags_continue_after_stage1_for_pairs_in_both_stages():
+    """Rank 1 sources ``a`` (host "a" relays nothing of it) and relays ``b`` to rank 2: the
+    pair (1, 2) talks in both stages, with no barrier between them, so its stage-2 tags
+    must not reuse stage 1's."""
+    from xreshard.refit import _stage2_schedule
+    from xreshard.schedule import peer_counts, schedule
+    topo = _topology({0: "t", 1: "a", 2: "a"})
+    src = {"a": xr.Layout.replicated((8, 4), "float32", xr.Mesh((1,), (1,))),
+           "b": xr.Layout.replicated((8, 4), "float32", xr.Mesh((1,), (0,)))}
+    dst = {n: xr.Layout.replicated((8, 4), "float32", xr.Mesh((2,), (1, 2))) for n in src}
+    stages = relay_layouts(src, dst, topo)
+    assert set(stages.stage2_dst) == {"b"}
+    p1 = plan(src, stages.stage1_dst, topology=topo)
+    p2 = plan(stages.stage2_src, stages.stage2_dst, topology=topo)
+    for ranks in ([1], [2], [1, 2]):
+        s1 = schedule(p1, ranks, peer_counts(p1, [0, 1, 2]), bucket_bytes=64, staging_bytes=1 << 20)
+        s2 = _stage2_schedule(p2, s1, ranks, 64, 1 << 20)
+        tags1 = {b.tag for rnd in s1.rounds for b in rnd if (b.src, b.dst) == (1, 2)}
+        tags2 = {b.tag for rnd in s2.rounds for b in rnd if (b.src, b.dst) == (1, 2)}
+        assert tags1 and tags2 and min(tags2) > max(tags1), (ranks, tags1, tags2)
+        assert sorted(tags2) == list(range(max(tags1) + 1, max(tags1) + 1 + len(tags2)))
+
+
+def relay_two_ranks(ctx: Context) -> dict:
+    """Receiver processes of two ranks each (one per host): stage 2 stays in-process."""
+    config = xr.RefitConfig(timeout=60, relay="on")
+    trainer = ctx.role.group == "trainer"
+    with ctx.join(1 if trainer else 2, timeout=60, host="t" if trainer else "ab"[ctx.role.index]) as world:
+        ranks = list(world.rank_ids)
+        vals = _values(1)
+        if trainer:
+            bound = xr.Bound({n: xr.Layout.replicated(a.shape, a.dtype, xr.Mesh((1,), (ranks[0],)))
+                              for n, a in vals.items()}, {(ranks[0], n): a for n, a in vals.items()})
+            r = xr.Refit(world, send=bound, config=config)()
+            return {"sent": r.bytes_sent}
+        dest = {(rank, n): np.full(a.shape, -1, a.dtype) for rank in ranks for n, a in vals.items()}
+        layouts = {n: xr.Layout.explicit_form(a.shape, a.dtype, {rank: [[(0, k) for k in a.shape]]
+                                                                  for rank in ranks})
+                   for n, a in vals.items()}
+        r = xr.Refit(world, receive=xr.Bound(layouts, {k: [a] for k, a in dest.items()},
+                                             local_only=set(vals)), config=config)()
+        return {"forwarded": r.bytes_forwarded, "by_transport": r.bytes_by_transport,
+                "exact": all(np.array_equal(a, vals[n]) for (_, n), a in dest.items())}
+
+
+@pytest.mark.slow
+def test_relay_inside_a_process_goes_through_the_local_transport():
+    roles = [Role("plain", "trainer", 0), Role("plain", "rollout", 0, num_devices=2),
+             Role("plain", "rollout", 1, num_devices=2)]
+    values = [r.value for r in launch(relay_two_ranks, roles, timeout=240)]
+    assert values[0]["sent"] == 2 * COPY_BYTES
+    for v in values[1:]:
+        assert v["exact"] and v["forwarded"] == COPY_BYTES
+        assert "local" in v["by_transport"], v
