@@ -270,3 +270,25 @@ def test_describe_lists_regions_peers_and_bytes():
     short = plan.describe(4, max_rows=1).splitlines()
     assert short[-1] == "... and 3 more regions (describe(rank, max_rows=None) lists all)"
     assert plan.describe(99).startswith("rank 99: receives 0 B in 0 regions")
+
+
+@pytest.mark.parametrize("src_recipe,dst_recipe", [
+    ("megatron:pp=2,ep=2,dp=2", "vllm:tp=2,dp=3"),     # two holders: quota-cut pieces
+    ("fsdp:dp=4", "vllm:tp=2"),
+])
+def test_receive_table_lists_the_same_receives_as_transfers_for(src_recipe, dst_recipe):
+    from collections import Counter
+
+    from xreshard.models import load_model
+    from xreshard.plan import Transfer
+    from xreshard.recipes import parse_recipe, recipe_layouts
+    m = load_model("qwen3_30b_a3b")
+    s, d = parse_recipe(src_recipe), parse_recipe(dst_recipe)
+    plan = xr.plan(recipe_layouts(m, s, 0), recipe_layouts(m, d, s.world_size))
+    for rank in range(s.world_size + d.world_size):
+        want = Counter(t for t in plan.transfers_for(rank) if t.dst == rank)
+        tb = plan.receive_table(rank)
+        got = Counter(Transfer(plan.names[t], tb.regions[k], a, rank, n)
+                      for a, t, k, n in zip(tb.src.tolist(), tb.tensor.tolist(),
+                                            tb.region.tolist(), tb.nbytes.tolist()))
+        assert got == want

@@ -48,7 +48,7 @@ from .topology import Topology
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Plan", "PlanCache", "PlanStats", "Transfer", "plan"]
+__all__ = ["Plan", "PlanCache", "PlanStats", "ReceiveTable", "Transfer", "plan"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,6 +63,22 @@ class Transfer:
 
     def __str__(self) -> str:
         return f"{self.name}{self.region} {self.src}->{self.dst} ({self.nbytes} B)"
+
+
+@dataclass(frozen=True)
+class ReceiveTable:
+    """One rank's receives as parallel arrays (see :meth:`Plan.receive_table`): row ``i``
+    is ``regions[region[i]]`` of tensor ``plan.names[tensor[i]]`` from rank ``src[i]``,
+    ``nbytes[i]`` wire bytes."""
+
+    src: Any
+    tensor: Any
+    region: Any
+    nbytes: Any
+    regions: tuple[Region, ...]
+
+    def __len__(self) -> int:
+        return len(self.src)
 
 
 @dataclass(frozen=True)
@@ -337,6 +353,79 @@ class Plan:
                             yield Transfer(name, part, rank, sub.ranks[p], nb)
                 k += 1
             i += 1
+
+    def receive_table(self, rank: int) -> ReceiveTable:
+        """The transfers ``rank`` receives, as arrays: the same set as the receives of
+        ``transfers_for(rank)``, without a ``Transfer`` object per transfer.
+
+        Tensors of one view share its pieces, so the work is done once per (view, piece)
+        over all the view's tensors in numpy; only pieces crossing a quota boundary are cut
+        one by one (``split_piece``). For simulators and tools that need every rank's
+        receives (millions of transfers); the executor keeps ``transfers_for``.
+
+        Returns:
+            A :class:`ReceiveTable`, rows grouped by view (not in plan order).
+        """
+        import numpy as np
+        position = {tid: ranks.index(rank) for tid, ranks in enumerate(self._rank_tuples)
+                    if rank in ranks}
+        regions: list[Any] = []
+        src: list[Any] = []
+        tensor: list[Any] = []
+        region: list[Any] = []
+        nbytes: list[Any] = []
+        extra: list[tuple[int, int, int, int]] = []   # split pieces: (src, tensor, region, bytes)
+        if position:
+            for v, view in enumerate(self._views):
+                subs = [(sub, position[sub.tid]) for sub in view.subs if sub.tid in position]
+                tensors = self._streams.view_tensors.get(v)
+                if not subs or not tensors:
+                    continue
+                tarr = np.asarray(tensors, np.int64)
+                local: dict[int, int] = {}
+                for sub, pos in subs:
+                    reg = view.template.groups[sub.group][0]
+                    k = local.get(sub.group)
+                    if k is None:
+                        k = local[sub.group] = len(regions)
+                        regions.append(reg)
+                    holders = self._classes[sub.cls]
+                    nb = sub.nbytes
+                    if len(holders) == 1:
+                        src.append(np.full(len(tarr), holders[0], np.int64))
+                        tensor.append(tarr)
+                        region.append(np.full(len(tarr), k, np.int64))
+                        nbytes.append(np.full(len(tarr), nb, np.int64))
+                        continue
+                    bounds = self._bounds[sub.cls]
+                    barr = np.asarray(bounds, np.int64)
+                    first = np.fromiter((self._streams.tensor_starts[t][sub.slot]
+                                         for t in tensors), np.int64, len(tensors))
+                    first += sub.offset + pos * nb
+                    j = np.minimum(np.searchsorted(barr, first, side="right") - 1,
+                                   len(barr) - 2)
+                    whole = barr[j + 1] >= first + nb
+                    hold = np.asarray(holders, np.int64)
+                    src.append(hold[j[whole]])
+                    tensor.append(tarr[whole])
+                    region.append(np.full(int(whole.sum()), k, np.int64))
+                    nbytes.append(np.full(int(whole.sum()), nb, np.int64))
+                    for i in np.flatnonzero(~whole).tolist():
+                        for jj, part, pnb in split_piece(reg, nb, int(first[i]), bounds):
+                            regions.append(part)
+                            extra.append((holders[jj], tensors[i], len(regions) - 1, pnb))
+        if extra:
+            e = np.array(extra, np.int64)
+            src.append(e[:, 0])
+            tensor.append(e[:, 1])
+            region.append(e[:, 2])
+            nbytes.append(e[:, 3])
+
+        def cat(xs: list[Any], dtype: Any) -> Any:
+            return np.concatenate(xs).astype(dtype) if xs else np.zeros(0, dtype)
+
+        return ReceiveTable(cat(src, np.int32), cat(tensor, np.int32), cat(region, np.int32),
+                            cat(nbytes, np.int64), tuple(regions))
 
     def local_copies_for(self, rank: int) -> tuple[Transfer, ...]:
         """Regions ``rank`` holds on both sides: copied within the rank, never sent."""
