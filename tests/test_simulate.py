@@ -156,6 +156,8 @@ def test_placement_of_world():
     ("qwen2_5_0_5b", "megatron:dp=2,tp=2", "vllm:dp=2,tp=2", 1 << 20, 4 << 20),
     ("qwen2_5_0_5b", "fsdp:dp=4", "vllm:tp=2", 64 << 20, 256 << 20),
     ("qwen3_30b_a3b", "megatron:pp=2,ep=2", "vllm:tp=2", 8 << 20, 16 << 20),
+    # two holders per region: quota cuts split pieces between them
+    ("qwen3_30b_a3b", "megatron:pp=2,ep=2,dp=2", "vllm:tp=2,dp=3", 1 << 20, 8 << 20),
 ])
 def test_direct_traffic_is_the_schedule(model, src, dst, bucket, staging):
     m = load_model(model)
@@ -164,7 +166,7 @@ def test_direct_traffic_is_the_schedule(model, src, dst, bucket, staging):
     ranks = list(range(s.world_size + d.world_size))
     sch = schedule(p, ranks, peer_counts(p, ranks), bucket_bytes=bucket, staging_bytes=staging)
     want = sorted((b.round, b.src, b.dst, b.nbytes) for bs in sch.rounds for b in bs)
-    tr = direct_traffic(p, receive_lists(p), bucket_bytes=bucket, staging_bytes=staging)
+    tr = direct_traffic(p, bucket_bytes=bucket, staging_bytes=staging)
     got = sorted(zip(tr.round.tolist(), tr.src.tolist(), tr.dst.tolist(), tr.nbytes.tolist()))
     assert got == want
 
@@ -204,7 +206,7 @@ def test_relay_chain():
     want = 8 * (mib / (10 * GB) + 1e-5) + mib / (100 * GB) + 1e-6
     assert replay(Network(c, pl), tr).seconds == pytest.approx(want)
     # direct: two 8 MiB copies through one NIC out and one NIC in
-    direct = direct_traffic(p, receive_lists(p), bucket_bytes=mib, staging_bytes=1 << 30)
+    direct = direct_traffic(p, bucket_bytes=mib, staging_bytes=1 << 30)
     assert replay(Network(c, pl), direct).seconds == pytest.approx(
         8 * (2 * mib / (10 * GB) + 1e-5))
 
@@ -217,6 +219,23 @@ def test_relay_sends_one_copy_per_domain():
     assert sched.network_bytes == 2 * 256 * 256 * 2
     assert sched.forwarded_bytes == 6 * 256 * 256 * 2
     assert {s.relay for s in sched.streams} <= set(range(1, 9))
+
+
+@pytest.mark.parametrize("src,dst,domain_size", [
+    ("megatron:pp=2,ep=2,dp=2", "vllm:tp=2,dp=3", 6),   # quota-cut pieces; pairs in a domain
+    ("megatron:pp=2,ep=2", "vllm:tp=2,dp=2", 2),
+])
+def test_relay_from_tables_is_relay_from_transfers(src, dst, domain_size):
+    m = load_model("qwen3_30b_a3b")
+    s, d = parse_recipe(src), parse_recipe(dst)
+    p = plan(recipe_layouts(m, s, 0), recipe_layouts(m, d, s.world_size))
+    domain = [r // domain_size for r in range(s.world_size + d.world_size)]
+    kw = dict(bucket_bytes=1 << 20, staging_bytes=8 << 20)
+    a = build_relay(p, receive_lists(p), domain, **kw).traffic(p.names, p.wire_dtypes)
+    b = build_relay(p, None, domain, **kw).traffic(p.names, p.wire_dtypes)
+    assert len(a) > 0
+    for f in ("round", "src", "dst", "nbytes", "forward"):
+        assert np.array_equal(getattr(a, f), getattr(b, f)), f
 
 
 def test_relay_keeps_pairs_inside_a_domain_direct():

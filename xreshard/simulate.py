@@ -187,7 +187,7 @@ def simulate_plan(plan: Any, cluster: Cluster, placement: Placement, *,
     """
     from .sim.engine import Network
     from .sim.relay import relay_traffic
-    from .sim.traffic import Progress, direct_traffic, receive_lists
+    from .sim.traffic import Progress, direct_traffic, pair_sequences
     if schedule not in SCHEDULES:
         raise SimulationError(f"schedule {schedule!r} is not one of {', '.join(SCHEDULES)}")
     t0 = time.process_time()
@@ -199,15 +199,17 @@ def simulate_plan(plan: Any, cluster: Cluster, placement: Placement, *,
                            f"{num_ranks} ranks")
     placement.check(cluster, num_ranks)
     net = Network(cluster, placement, peer_cap=peer_cap)
-    by_pair = receive_lists(plan, Progress("transfers", progress))
     predictions = {}
     if schedule in ("direct", "auto"):
-        tr = direct_traffic(plan, by_pair, bucket_bytes=bucket_bytes,
+        # the direct schedule needs only each pair's sequence of shapes: no Transfer objects
+        seqs = pair_sequences(plan, Progress("transfers", progress))
+        tr = direct_traffic(plan, seqs, bucket_bytes=bucket_bytes,
                             staging_bytes=staging_bytes, progress=Progress("direct", progress))
+        del seqs
         predictions["direct"] = _predict("direct", tr, net, Progress("replay direct", progress))
     if schedule in ("relay", "auto"):
         nic = list(zip(placement.node, (int(r) for r in net.rank_rail)))
-        tr = relay_traffic(plan, by_pair, placement.domain, bucket_bytes=bucket_bytes,
+        tr = relay_traffic(plan, None, placement.domain, bucket_bytes=bucket_bytes,
                            staging_bytes=staging_bytes, nic=nic)
         predictions["relay"] = _predict("relay", tr, net, Progress("replay relay", progress))
     best = min(predictions.values(), key=lambda p: p.seconds)

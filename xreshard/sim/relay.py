@@ -131,14 +131,16 @@ class RelaySchedule:
         return Traffic.of(rows, forward=is_fwd)
 
 
-def build_relay(plan, by_pair: dict[tuple[int, int], list], domain: Sequence[int], *,
+def build_relay(plan, by_pair: dict[tuple[int, int], list] | None, domain: Sequence[int], *,
                 bucket_bytes: int, staging_bytes: int,
                 nic: Sequence[tuple[int, int]] | None = None) -> RelaySchedule:
     """The relay schedule of ``plan`` when rank ``r`` lives in NVLink domain ``domain[r]``.
 
     Args:
         plan: the plan (its transfers say which bytes each rank needs, and from whom).
-        by_pair: its transfers by (src, dst) pair (``traffic.receive_lists``).
+        by_pair: its transfers by (src, dst) pair (``traffic.receive_lists``), or None to
+            read them from ``plan.receive_table`` as arrays (same schedule, no object per
+            transfer: what makes 256-rank models fast).
         domain: NVLink domain of every world rank.
         bucket_bytes / staging_bytes: as ``RefitConfig``.
         nic: per rank, (node, NIC rail); when given, a sender is chosen by the load of the
@@ -149,21 +151,10 @@ def build_relay(plan, by_pair: dict[tuple[int, int], list], domain: Sequence[int
     # 1. per (domain, region): the receivers there, and the senders the plan chose.
     # Replicas of a region share its Region object, so identity is a cheap key (a region
     # the plan split at a quota boundary becomes pieces of its own: correct, rarely bigger)
-    pieces: dict[tuple, list] = {}
-    direct: list[tuple[int, int, list]] = []
-    for (src, dst), transfers in by_pair.items():
-        dm = domain[dst]
-        if domain[src] == dm:
-            direct.append((src, dst, transfers))
-            continue
-        for t in transfers:
-            key = (dm, t.name, id(t.region))
-            got = pieces.get(key)
-            if got is None:
-                pieces[key] = [t.name, t.region, t.nbytes, {src}, [dst]]
-            else:
-                got[3].add(src)
-                got[4].append(dst)
+    if by_pair is None:
+        ordered, direct = _pieces_from_tables(plan, domain)
+    else:
+        ordered, direct = _pieces_from_transfers(by_pair, domain, order)
     # 2. relay and sender of every piece, greedily in plan order: the least loaded
     # receiver, unless one within STICKY_BYTES of it already pairs with a candidate sender
     sent: dict[object, int] = {}
@@ -172,7 +163,7 @@ def build_relay(plan, by_pair: dict[tuple[int, int], list], domain: Sequence[int
     # at least ~4 senders at once: one NCCL network peer is capped below a NIC's rate
     dom_bytes: dict[int, int] = {}
     dom_ranks: dict[int, set[int]] = {}
-    for v in pieces.values():
+    for v in ordered:
         dm = domain[v[4][0]]
         dom_bytes[dm] = dom_bytes.get(dm, 0) + v[2]
         dom_ranks.setdefault(dm, set()).update(v[4])
@@ -183,10 +174,7 @@ def build_relay(plan, by_pair: dict[tuple[int, int], list], domain: Sequence[int
         return x if nic is None else (nic[x][0], nic[relay][1])
     partners: dict[int, set[int]] = {}
     streams: dict[tuple[int, int, tuple[int, ...]], list] = {}
-    ordered = sorted(pieces.values(), key=lambda v: (order[v[0]], v[1].starts, v[1].stops,
-                                                     min(v[4])))
     for name, region, nb, senders, receivers in ordered:
-        receivers = sorted(set(receivers))
         least = min(got_net.get(r, 0) for r in receivers)
         relay, src = None, None
         for r in sorted(receivers, key=lambda r: (got_net.get(r, 0), r)):
@@ -211,6 +199,90 @@ def build_relay(plan, by_pair: dict[tuple[int, int], list], domain: Sequence[int
         streams.setdefault((src, relay, fwd), []).append((name, region, nb))
     return RelaySchedule(_chunked(streams, bucket_bytes, staging_bytes),
                          _direct_pairs(direct, order, bucket_bytes, staging_bytes))
+
+
+def _pieces_from_transfers(by_pair: dict[tuple[int, int], list], domain: Sequence[int],
+                           order: dict[str, int]) -> tuple[list, list]:
+    """Step 1 from ``Transfer`` lists: the cross-domain pieces ``[name, region, bytes,
+    senders, receivers (sorted)]`` in plan order, and the same-domain pairs."""
+    pieces: dict[tuple, list] = {}
+    direct: list[tuple[int, int, list]] = []
+    for (src, dst), transfers in by_pair.items():
+        dm = domain[dst]
+        if domain[src] == dm:
+            direct.append((src, dst, transfers))
+            continue
+        for t in transfers:
+            key = (dm, t.name, id(t.region))
+            got = pieces.get(key)
+            if got is None:
+                pieces[key] = [t.name, t.region, t.nbytes, {src}, [dst]]
+            else:
+                got[3].add(src)
+                got[4].append(dst)
+    for v in pieces.values():
+        v[4] = sorted(set(v[4]))
+    ordered = sorted(pieces.values(), key=lambda v: (order[v[0]], v[1].starts, v[1].stops,
+                                                     v[4][0]))
+    return ordered, direct
+
+
+def _pieces_from_tables(plan, domain: Sequence[int]) -> tuple[list, list]:
+    """Step 1 as :func:`_pieces_from_transfers`, from every destination rank's
+    ``plan.receive_table``: rows grouped by (domain, tensor, region object) in numpy,
+    ``Transfer`` objects built only for same-domain pairs (few)."""
+    from ..plan import Transfer
+    dom = np.asarray(domain, np.int64)
+    dst_ranks = sorted({r for lay in {id(v): v for v in plan.dst.values()}.values()
+                        for r in lay.ranks})
+    gid_of: dict[int, int] = {}
+    regions: list = []                  # by gid; keeps every region alive, so ids stay unique
+    cols: list[tuple[np.ndarray, ...]] = []
+    direct: dict[tuple[int, int], list] = {}
+    for rank in dst_ranks:
+        tb = plan.receive_table(rank)
+        gids = np.empty(len(tb.regions), np.int64)
+        for k, reg in enumerate(tb.regions):
+            g = gid_of.get(id(reg))
+            if g is None:
+                g = gid_of[id(reg)] = len(regions)
+                regions.append(reg)
+            gids[k] = g
+        src = tb.src.astype(np.int64)
+        keep = src != rank
+        same = keep & (dom[src] == dom[rank])
+        for i in np.flatnonzero(same).tolist():
+            t = int(tb.tensor[i])
+            direct.setdefault((int(src[i]), rank), []).append(Transfer(
+                plan.names[t], tb.regions[tb.region[i]], int(src[i]), rank, int(tb.nbytes[i])))
+        other = keep & ~same
+        cols.append((src[other], np.full(int(other.sum()), rank, np.int64),
+                     tb.tensor[other].astype(np.int64), gids[tb.region[other]],
+                     tb.nbytes[other]))
+    if not cols or not sum(len(c[0]) for c in cols):
+        return [], [(s, d, ts) for (s, d), ts in direct.items()]
+    src, dst, tensor, gid, nbytes = (np.concatenate([c[i] for c in cols]) for i in range(5))
+    del cols
+    dm = dom[dst]
+    srt = np.lexsort((src, dst, gid, tensor, dm))
+    src, dst, tensor, gid, nbytes, dm = (a[srt] for a in (src, dst, tensor, gid, nbytes, dm))
+    new = np.ones(len(src), bool)
+    new[1:] = (dm[1:] != dm[:-1]) | (tensor[1:] != tensor[:-1]) | (gid[1:] != gid[:-1])
+    first = np.flatnonzero(new)
+    last = np.append(first[1:], len(src))
+    # plan order: tensor, then region bounds, then the least receiver (dst is sorted)
+    by_bounds = sorted(range(len(regions)), key=lambda g: (regions[g].starts, regions[g].stops))
+    bound_rank = np.empty(len(regions), np.int64)
+    bound_rank[by_bounds] = np.arange(len(regions))
+    seq = np.lexsort((dst[first], bound_rank[gid[first]], tensor[first]))
+    src_l, dst_l = src.tolist(), dst.tolist()
+    names = plan.names
+    ordered = []
+    for p in seq.tolist():
+        a, b = int(first[p]), int(last[p])
+        ordered.append([names[int(tensor[a])], regions[int(gid[a])], int(nbytes[a]),
+                        set(src_l[a:b]), sorted(set(dst_l[a:b]))])
+    return ordered, [(s, d, ts) for (s, d), ts in direct.items()]
 
 
 def _chunked(streams: dict[tuple[int, int, tuple[int, ...]], list], bucket_bytes: int,
@@ -255,7 +327,7 @@ def _direct_pairs(direct: list[tuple[int, int, list]], order: dict[str, int],
     return tuple(kept)
 
 
-def relay_traffic(plan, by_pair: dict[tuple[int, int], list], domain: Sequence[int], *,
+def relay_traffic(plan, by_pair: dict[tuple[int, int], list] | None, domain: Sequence[int], *,
                   bucket_bytes: int, staging_bytes: int,
                   nic: Sequence[tuple[int, int]] | None = None) -> Traffic:
     """The messages of :func:`build_relay`'s schedule."""

@@ -24,8 +24,8 @@ import numpy as np
 from ..dtypes import itemsize
 from ..schedule import MIN_BUCKET_BYTES, OWN_MESSAGE_BYTES
 
-__all__ = ["Traffic", "split_sizes", "pair_messages", "receive_lists", "direct_traffic",
-           "Progress"]
+__all__ = ["Traffic", "split_sizes", "pair_messages", "receive_lists", "PairSequences",
+           "pair_sequences", "direct_traffic", "Progress"]
 
 
 @dataclass(frozen=True)
@@ -157,32 +157,105 @@ def _peer_counts(pairs: Iterable[tuple[int, int]]) -> dict[int, int]:
     return counts
 
 
-def direct_traffic(plan, by_pair: dict[tuple[int, int], list], *, bucket_bytes: int,
+@dataclass(frozen=True)
+class PairSequences:
+    """Every (src, dst) pair of a plan with the sequence of its transfers' (shape, itemsize)
+    in the scheduler's canonical order - all the direct schedule needs of a pair - and
+    nothing else: identical sequences are stored once.
+
+    ``pairs[i] = (src, dst)`` uses sequence ``seq_of[i]``; ``seqs[k]`` is an int32 array of
+    indices into ``shapes`` (``(region shape, wire itemsize)``).
+    """
+
+    pairs: list[tuple[int, int]]
+    seq_of: list[int]
+    seqs: list[np.ndarray]
+    shapes: list[tuple[tuple[int, ...], int]]
+
+
+def pair_sequences(plan, progress: Callable[[int, int], None] | None = None
+                   ) -> PairSequences:
+    """:class:`PairSequences` of ``plan``, one destination rank at a time from
+    ``Plan.receive_table`` (no ``Transfer`` objects; memory is the distinct sequences)."""
+    dst_ranks = sorted({r for lay in {id(v): v for v in plan.dst.values()}.values()
+                        for r in lay.ranks})
+    isz = np.array([itemsize(plan.wire_dtypes[n]) for n in plan.names], np.int64)
+    shape_id: dict[tuple[tuple[int, ...], int], int] = {}
+    shapes: list[tuple[tuple[int, ...], int]] = []
+    seq_id: dict[bytes, int] = {}
+    seqs: list[np.ndarray] = []
+    pairs: list[tuple[int, int]] = []
+    seq_of: list[int] = []
+    for i, rank in enumerate(dst_ranks):
+        tb = plan.receive_table(rank)
+        keep = tb.src != rank
+        src, tensor, region = tb.src[keep], tb.tensor[keep], tb.region[keep]
+        if len(src):
+            regs = tb.regions
+            # canonical order within a pair: tensor (plan order), then region starts, stops
+            by_bounds = sorted(range(len(regs)), key=lambda k: (regs[k].starts, regs[k].stops))
+            reg_rank = np.empty(len(regs), np.int64)
+            reg_rank[by_bounds] = np.arange(len(regs))
+            combo = region.astype(np.int64) * 64 + isz[tensor]
+            uniq, inverse = np.unique(combo, return_inverse=True)
+            ids = np.empty(len(uniq), np.int32)
+            for u, c in enumerate(uniq.tolist()):
+                key = (regs[c // 64].shape, c % 64)
+                got = shape_id.get(key)
+                if got is None:
+                    got = shape_id[key] = len(shapes)
+                    shapes.append(key)
+                ids[u] = got
+            order = np.lexsort((reg_rank[region], tensor, src))
+            sid = ids[inverse.reshape(-1)[order]]
+            s_sorted = src[order]
+            cuts = np.flatnonzero(np.diff(s_sorted)) + 1
+            starts = np.concatenate([[0], cuts])
+            stops = np.concatenate([cuts, [len(s_sorted)]])
+            for a, b in zip(starts.tolist(), stops.tolist()):
+                seq = sid[a:b]
+                key_b = seq.tobytes()
+                k = seq_id.get(key_b)
+                if k is None:
+                    k = seq_id[key_b] = len(seqs)
+                    seqs.append(seq.copy())
+                pairs.append((int(s_sorted[a]), rank))
+                seq_of.append(k)
+        if progress is not None:
+            progress(i + 1, len(dst_ranks))
+    return PairSequences(pairs, seq_of, seqs, shapes)
+
+
+def direct_traffic(plan, sequences: PairSequences | None = None, *, bucket_bytes: int,
                    staging_bytes: int,
                    progress: Callable[[int, int], None] | None = None) -> Traffic:
     """The messages ``schedule.schedule(plan, all ranks, ...)`` would send.
 
     Args:
         plan: the plan.
-        by_pair: its transfers by pair (:func:`receive_lists`).
+        sequences: its pairs' transfer sequences (:func:`pair_sequences`; computed when
+            None).
         bucket_bytes / staging_bytes: as ``RefitConfig``.
     """
-    order = {name: i for i, name in enumerate(plan.names)}
-    isz = {name: itemsize(plan.wire_dtypes[name]) for name in plan.names}
-    peers = _peer_counts(by_pair)
-    memo: dict[tuple, list[tuple[int, int]]] = {}
+    if sequences is None:
+        sequences = pair_sequences(plan)
+    seqs, shapes = sequences.seqs, sequences.shapes
+    peers = _peer_counts(sequences.pairs)
+    memo: dict[tuple[int, int], tuple[np.ndarray, np.ndarray]] = {}
     rounds: list[np.ndarray] = []
     srcs: list[np.ndarray] = []
     dsts: list[np.ndarray] = []
     sizes: list[np.ndarray] = []
-    for i, ((src, dst), transfers) in enumerate(sorted(by_pair.items())):
+    order = sorted(range(len(sequences.pairs)), key=sequences.pairs.__getitem__)
+    for i, p in enumerate(order):
+        src, dst = sequences.pairs[p]
         size = max(MIN_BUCKET_BYTES, min(bucket_bytes, staging_bytes
                                          // max(peers.get(src, 1), peers.get(dst, 1), 1)))
-        ts = sorted(transfers, key=lambda t: (order[t.name], t.region.starts, t.region.stops))
-        key = (size,) + tuple((t.region.shape, isz[t.name]) for t in ts)
+        key = (size, sequences.seq_of[p])
         got = memo.get(key)
         if got is None:
-            parts = (nb for t in ts for nb in split_sizes(t.region.shape, isz[t.name], size))
+            parts = (nb for k in seqs[key[1]].tolist()
+                     for nb in split_sizes(shapes[k][0], shapes[k][1], size))
             msgs = pair_messages(parts, size)
             got = memo[key] = (np.array([r for r, _ in msgs], np.int32),
                                np.array([b for _, b in msgs], np.int64))
@@ -190,8 +263,8 @@ def direct_traffic(plan, by_pair: dict[tuple[int, int], list], *, bucket_bytes: 
         sizes.append(got[1])
         srcs.append(np.full(len(got[0]), src, np.int32))
         dsts.append(np.full(len(got[0]), dst, np.int32))
-        if progress is not None and (i % 256 == 255 or i + 1 == len(by_pair)):
-            progress(i + 1, len(by_pair))
+        if progress is not None and (i % 256 == 255 or i + 1 == len(order)):
+            progress(i + 1, len(order))
     if not rounds:
         return Traffic.of()
     nb = np.concatenate(sizes)
