@@ -126,6 +126,25 @@ def _cut(box: Region, k: int) -> list[Region]:
     return out
 
 
+def _pieces(dst: Layout, src_domains: frozenset | None, domain: Any) -> list:
+    """Per domain of ``dst``'s ranks: (domain, ranks, cells) with cells the sorted
+    [(box, ranks needing it, its parts)], or None where the domain receives directly."""
+    by_domain: dict[Any, list[int]] = {}
+    for r in dst.ranks:
+        if dst.num_elements(r):
+            by_domain.setdefault(domain(r), []).append(r)
+    out = []
+    for dom, ranks in by_domain.items():
+        cells = None
+        if src_domains is not None and dom not in src_domains and len(ranks) > 1:
+            grid = _cells([(r, reg) for r in ranks for reg in dst.regions(r)], dst.ndim)
+            if any(len(needers) > 1 for _, needers in grid.values()):
+                cells = [(box, needers, _cut(box, len(needers)))
+                         for box, needers in (grid[idx] for idx in sorted(grid))]
+        out.append((dom, ranks, cells))
+    return out
+
+
 def relay_layouts(src_layouts: Mapping[str, Layout], dst_layouts: Mapping[str, Layout],
                   topology: Any) -> RelayLayouts:
     """The stage layouts of a relayed refit (see the module docstring).
@@ -146,25 +165,35 @@ def relay_layouts(src_layouts: Mapping[str, Layout], dst_layouts: Mapping[str, L
     stage2_dst: dict[str, Layout] = {}
     relayed = 0
     loads: dict[Any, dict[int, int]] = {}       # domain -> rank -> bytes assigned
+    domains: dict[int, Any] = {}
+    src_memo: dict[Layout, frozenset] = {}
+    pieces_memo: dict[tuple, list] = {}     # layouts are interned: tensors share the work
+    made: dict[tuple, Layout] = {}          # and most tensors get equal stage layouts
+
+    def domain(rank: int) -> Any:
+        got = domains.get(rank)
+        if got is None:
+            got = domains[rank] = domain_of(topology, rank)
+        return got
+
     for name in sorted(dst_layouts):
         dst = dst_layouts[name]
         src = src_layouts.get(name)
         isz = itemsize(dst.dtype)
-        src_domains = set() if src is None else {
-            domain_of(topology, r) for r in src.ranks if src.num_elements(r)}
-        by_domain: dict[Any, list[int]] = {}
-        for r in dst.ranks:
-            if dst.num_elements(r):
-                by_domain.setdefault(domain_of(topology, r), []).append(r)
+        src_domains = None
+        if src is not None:
+            src_domains = src_memo.get(src)
+            if src_domains is None:
+                src_domains = src_memo[src] = frozenset(
+                    domain(r) for r in src.ranks if src.num_elements(r))
+        key = (dst, src_domains)
+        pieces = pieces_memo.get(key)
+        if pieces is None:
+            pieces = pieces_memo[key] = _pieces(dst, src_domains, domain)
         one: dict[int, list[Region]] = {}
         fwd_src: dict[int, list[Region]] = {}
         fwd_dst: dict[int, list[Region]] = {}
-        for dom, ranks in by_domain.items():
-            cells = None
-            if src is not None and dom not in src_domains and len(ranks) > 1:
-                cells = _cells([(r, reg) for r in ranks for reg in dst.regions(r)], dst.ndim)
-                if all(len(needers) == 1 for _, needers in cells.values()):
-                    cells = None
+        for dom, ranks, cells in pieces:
             if cells is None:        # direct: every rank receives its own regions
                 for r in ranks:
                     one[r] = list(dst.regions(r))
@@ -172,9 +201,7 @@ def relay_layouts(src_layouts: Mapping[str, Layout], dst_layouts: Mapping[str, L
             load = loads.setdefault(dom, {})
             for r in ranks:
                 one.setdefault(r, [])
-            for idx in sorted(cells):
-                box, needers = cells[idx]
-                parts = _cut(box, len(needers))
+            for box, needers, parts in cells:
                 takers = sorted(needers, key=lambda r: (load.get(r, 0), r))
                 for part, taker in zip(parts, takers):
                     one[taker].append(part)
@@ -186,11 +213,21 @@ def relay_layouts(src_layouts: Mapping[str, Layout], dst_layouts: Mapping[str, L
                     for r in others:
                         fwd_dst.setdefault(r, []).append(part)
                         relayed += nbytes
-        stage1[name] = Layout.explicit_form(dst.shape, dst.dtype, one)
+        stage1[name] = _explicit(dst, one, made)
         if fwd_dst:
-            stage2_src[name] = Layout.explicit_form(dst.shape, dst.dtype, fwd_src)
-            stage2_dst[name] = Layout.explicit_form(dst.shape, dst.dtype, fwd_dst)
+            stage2_src[name] = _explicit(dst, fwd_src, made)
+            stage2_dst[name] = _explicit(dst, fwd_dst, made)
     return RelayLayouts(stage1, stage2_src, stage2_dst, relayed)
+
+
+def _explicit(like: Layout, regions: dict[int, list[Region]], made: dict) -> Layout:
+    """``Layout.explicit_form`` (shape and dtype of ``like``), remembered in ``made``: its
+    checks cost ~1 ms for a hundred ranks, and most tensors repeat a few stage layouts."""
+    key = (like.shape, like.dtype, tuple((r, tuple(regions[r])) for r in sorted(regions)))
+    got = made.get(key)
+    if got is None:
+        got = made[key] = Layout.explicit_form(like.shape, like.dtype, regions)
+    return got
 
 
 def stage_views(real_layouts: Mapping[str, Layout], real_bindings: Mapping[tuple[int, str], Any],
