@@ -323,3 +323,45 @@ def test_relay_inside_a_process_goes_through_the_local_transport():
     for v in values[1:]:
         assert v["exact"] and v["forwarded"] == COPY_BYTES
         assert "local" in v["by_transport"], v
+
+
+def relay_jax_receivers(ctx: Context) -> dict:
+    """Plain trainer; four JAX receiver processes (one CPU device each, each its own JAX
+    job): every one holds every tensor whole, so the refit unions their layouts."""
+    config = xr.RefitConfig(timeout=60, relay="on")
+    out: dict = {}
+    with ctx.join(timeout=60, host=_host(ctx.role)) as world:
+        if ctx.role.group == "trainer":
+            rank = world.rank_ids[0]
+            refit = None
+            for v in (1, 2):
+                layouts = {n: xr.Layout.replicated(s, d, xr.Mesh((1,), (rank,)))
+                           for n, (s, d) in TENSORS.items()}
+                bound = xr.Bound(layouts, {(rank, n): a for n, a in _values(v).items()})
+                refit = refit or xr.Refit(world, config=config)
+                out[f"sent{v}"] = refit(send=bound).bytes_sent
+        else:
+            import jax
+            from jax.sharding import SingleDeviceSharding
+            device = jax.local_devices()[0]
+            like = {n: jax.ShapeDtypeStruct(s, d, sharding=SingleDeviceSharding(device))
+                    for n, (s, d) in TENSORS.items()}
+            refit = xr.Refit(world, receive=like, config=config)
+            for v in (1, 2):
+                r = refit()
+                out[f"forwarded{v}"] = r.bytes_forwarded
+                out[f"exact{v}"] = all(np.array_equal(np.asarray(refit.received[n]), a)
+                                       for n, a in _values(v).items())
+    return out
+
+
+@pytest.mark.slow
+def test_relay_to_jax_receivers_each_a_job_of_its_own():
+    roles = [Role("plain", "trainer", 0)] + [Role("jax", "rollout", i, num_devices=1)
+                                             for i in range(4)]
+    values = [r.value for r in launch(relay_jax_receivers, roles, timeout=300,
+                                      env={"XRESHARD_SHM": "0"})]
+    assert values[0]["sent1"] == values[0]["sent2"] == 2 * COPY_BYTES
+    for v in (1, 2):
+        assert sum(x[f"forwarded{v}"] for x in values[1:]) == 2 * COPY_BYTES
+        assert all(x[f"exact{v}"] for x in values[1:])

@@ -64,17 +64,18 @@ def merge(per_process: list[dict[str, dict]], side: str, world: Any) -> dict[str
     """One layout per tensor from every process's description of its side.
 
     Global layouts (product form, or explicit) must agree between the processes that
-    describe them; explicit layouts that each process gives for its own ranks only are
-    unioned, and must agree on shape and dtype.
+    describe them. Layouts that each process gives over its own ranks only are unioned: a
+    plain tensor each process holds whole (``local_only``), or a tensor each process of
+    the side holds as its own whole copy, sharded over its own devices (a single-process
+    JAX job per engine replica). They must agree on shape and dtype.
     """
-    seen: dict[str, tuple[int, dict]] = {}
-    explicit_parts: dict[str, dict[int, list]] = {}
+    described: dict[str, list[tuple[int, dict]]] = {}
     problems = []
     num_ranks = world.num_ranks
+    own = [set(info["ranks"]) for info in world.processes]
     for p, layouts in enumerate(per_process):
         for name, d in layouts.items():
-            ranks = ([r for r, _ in d["explicit"]] if "explicit" in d
-                     else d.get("mesh", {}).get("ranks", []))
+            ranks = _ranks_of(d)
             outside = [r for r in ranks if not (isinstance(r, int) and 0 <= r < num_ranks)]
             if outside:
                 problems.append(f"{name!r}: {world.describe_process(p)} describes its {side} "
@@ -82,49 +83,73 @@ def merge(per_process: list[dict[str, dict]], side: str, world: Any) -> dict[str
                                 f"{world.world_id!r} has ranks 0..{num_ranks - 1}; check the "
                                 f"rank map of its mesh")
                 continue
-            if name in seen:
-                first_p, first = seen[name]
-                if bool(d.get("local_only")) != bool(first.get("local_only")):
-                    problems.append(f"{name!r}: {world.describe_process(first_p)} and "
-                                    f"{world.describe_process(p)} hold it differently (a plain "
-                                    f"whole tensor on one, sharded on the other)")
-                    continue
-                if d.get("local_only"):
-                    for field_name in ("shape", "dtype"):
-                        if d.get(field_name) != first.get(field_name):
-                            problems.append(
-                                f"{name!r}: {world.describe_process(first_p)} holds it with "
-                                f"{field_name} {first.get(field_name)}, "
-                                f"{world.describe_process(p)} with {d.get(field_name)}")
-                elif d != first:
-                    problems.append(f"{name!r}: {world.describe_process(first_p)} and "
-                                    f"{world.describe_process(p)} describe different layouts")
-            else:
-                seen[name] = (p, d)
-            if d.get("local_only"):
-                part = explicit_parts.setdefault(name, {})
-                for rank, regions in d["explicit"]:
-                    part[int(rank)] = regions
+            described.setdefault(name, []).append((p, d))
+    out = {}
+    for name, ds in described.items():
+        try:
+            out[name] = _one_layout(name, ds, own, world)
+        except RefitError as e:
+            problems.append(str(e))
     if problems:
         raise RefitError(f"the {side} side's processes disagree on layouts: "
                          + "; ".join(problems[:20]))
-    out = {}
-    for name, (_, d) in seen.items():
-        if name in explicit_parts:
-            out[name] = union_layout(d, explicit_parts[name])
-        else:
-            out[name] = Layout.from_dict(d)
     return out
 
 
+def _ranks_of(d: Mapping[str, Any]) -> list[Any]:
+    return ([r for r, _ in d["explicit"]] if "explicit" in d
+            else list(d.get("mesh", {}).get("ranks", [])))
+
+
+def _one_layout(name: str, ds: list[tuple[int, dict]], own: list[set[int]],
+                world: Any) -> Layout:
+    """The layout of ``name`` from its descriptions ``[(process, description)]``."""
+    first_p, first = ds[0]
+    if all(d == first and not d.get("local_only") for _, d in ds):
+        return Layout.from_dict(first)
+    self_contained = all(d.get("local_only") or set(_ranks_of(d)) <= own[p] for p, d in ds)
+    if not self_contained:
+        for p, d in ds[1:]:
+            if bool(d.get("local_only")) != bool(first.get("local_only")):
+                raise RefitError(f"{name!r}: {world.describe_process(first_p)} and "
+                                 f"{world.describe_process(p)} hold it differently (a plain "
+                                 f"whole tensor on one, sharded on the other)")
+        p = next(p for p, d in ds if d != first)
+        raise RefitError(f"{name!r}: {world.describe_process(first_p)} and "
+                         f"{world.describe_process(p)} describe different layouts")
+    parts: dict[int, list] = {}
+    for p, d in ds:
+        for field_name in ("shape", "dtype"):
+            if d.get(field_name) != first.get(field_name):
+                raise RefitError(f"{name!r}: {world.describe_process(first_p)} holds it with "
+                                 f"{field_name} {first.get(field_name)}, "
+                                 f"{world.describe_process(p)} with {d.get(field_name)}")
+        if "explicit" in d:
+            for rank, regions in d["explicit"]:
+                parts[int(rank)] = regions
+        else:       # a product layout over this process's own ranks
+            lay = Layout.from_dict(d)
+            for rank in lay.ranks:
+                parts[rank] = [[list(r.starts), list(r.stops)] for r in lay.regions(rank)]
+    return union_layout(first, parts)
+
+
 def fit(bound: Bound | None, layouts: Mapping[str, Layout]) -> dict:
-    """The bindings as the merged layouts want them: a ``local_only`` name is bound as a
-    one-array list (explicit form), and ``_union_layout`` may have made it product form."""
+    """The bindings as the merged layouts want them: one array for a product layout, a
+    list (one array per region) for an explicit one, whichever way the process bound it
+    (a union may turn a process's own product layout into an explicit one, and a plain
+    tensor's one-region list into a replicated product layout)."""
     if bound is None:
         return {}
-    return {key: b[0] if isinstance(b, list) and len(b) == 1 and key[1] in layouts
-            and layouts[key[1]].is_product else b
-            for key, b in bound.bindings.items()}
+    out = {}
+    for key, b in bound.bindings.items():
+        lay = layouts.get(key[1])
+        if lay is not None and lay.is_product and isinstance(b, list) and len(b) == 1:
+            b = b[0]
+        elif lay is not None and not lay.is_product and not isinstance(b, (list, tuple)):
+            b = [b]
+        out[key] = b
+    return out
 
 
 def union_layout(d: dict, parts: dict[int, list]) -> Layout:

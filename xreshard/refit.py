@@ -405,6 +405,10 @@ class Refit:
                 torch_ranks[int(info["torch_rank"])] = info["ranks"][0]
             for device_id, rank in info.get("jax_ids", ()):
                 jax_ids[int(device_id)] = int(rank)
+        # several single-process JAX jobs in one group (engine replicas) reuse device ids:
+        # this process's own devices are what its arrays name
+        for device_id, rank in self._identity[self.world.process_index].get("jax_ids", ()):
+            jax_ids[int(device_id)] = int(rank)
         mine = self._identity[self.world.process_index].get("error")
         if mine:
             raise error_from(*mine)
