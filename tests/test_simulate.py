@@ -166,9 +166,15 @@ def test_direct_traffic_is_the_schedule(model, src, dst, bucket, staging):
     ranks = list(range(s.world_size + d.world_size))
     sch = schedule(p, ranks, peer_counts(p, ranks), bucket_bytes=bucket, staging_bytes=staging)
     want = sorted((b.round, b.src, b.dst, b.nbytes) for bs in sch.rounds for b in bs)
-    tr = direct_traffic(p, bucket_bytes=bucket, staging_bytes=staging)
+    by_pair = direct_traffic(p, bucket_bytes=bucket, staging_bytes=staging)
+    tr = by_pair.to_traffic()
     got = sorted(zip(tr.round.tolist(), tr.src.tolist(), tr.dst.tolist(), tr.nbytes.tolist()))
     assert got == want
+    # rounds generated from the pairs' patterns are the rows' rounds, in the same order
+    assert by_pair.num_rounds == tr.num_rounds and len(by_pair) == len(tr)
+    assert by_pair.total_bytes == tr.total_bytes
+    for (_, *a), (_, *b) in zip(by_pair.rounds(), tr.rounds(), strict=True):
+        assert all(np.array_equal(x, y) for x, y in zip(a, b))
 
 
 def test_split_sizes_matches_split_region():

@@ -148,12 +148,8 @@ def _predict(name: str, traffic: Any, net: Any,
     from .sim.engine import NETWORK, NVLINK, replay
     rep = replay(net, traffic, progress)
     # bytes per link class, from the bytes per (src, dst) pair
-    n = max(int(traffic.src.max(initial=0)), int(traffic.dst.max(initial=0))) + 1
-    pair_bytes = np.bincount(traffic.src.astype(np.int64) * n + traffic.dst,
-                             weights=traffic.nbytes.astype(float), minlength=n * n)
-    pairs = np.flatnonzero(pair_bytes)
-    b = pair_bytes[pairs]
-    links, kind = net.paths(pairs // n, pairs % n)
+    src, dst, b = traffic.pair_totals()
+    links, kind = net.paths(src, dst)
     net_bytes = int(round(b[kind == NETWORK].sum()))
     hop = (kind == NETWORK) & (links[:, 0] != net.num_links)
     nv_bytes = int(round(b[kind == NVLINK].sum() + b[hop].sum()))
@@ -334,7 +330,13 @@ def run(args: argparse.Namespace) -> int:
     if args.plot:
         from .sim.plot import plot
         pred = result["_predictions"][result["schedule"]]
-        plot(args.plot, pred.traffic, pred.replay, result["num_ranks"],
+        traffic, rep = pred.traffic, pred.replay
+        if rep.finish is None:      # the direct schedule kept no per-message times
+            from .sim.engine import Network, replay
+            traffic = traffic.to_traffic()
+            rep = replay(Network(load_cluster(args.cluster), result["_placement"],
+                                 peer_cap=not args.no_peer_cap), traffic)
+        plot(args.plot, traffic, rep, result["num_ranks"],
              title=f"{result['model']} {result['src']} -> {result['dst']} on "
                    f"{result['cluster']}, {result['schedule']}: {result['seconds']:.3f} s")
     out = public(result)

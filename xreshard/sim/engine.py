@@ -28,7 +28,7 @@ from typing import Callable
 import numpy as np
 
 from ..cluster import Cluster, Placement
-from .traffic import Traffic
+from .traffic import PairTraffic, Traffic
 
 __all__ = ["Network", "RoundResult", "Replay", "maxmin_rates", "replay"]
 
@@ -223,9 +223,9 @@ def _fluid(links: np.ndarray, capacity: np.ndarray, caps: np.ndarray, nbytes: np
 
 
 def _simulate_round(net: Network, src: np.ndarray, dst: np.ndarray, nbytes: np.ndarray,
-                    window: float = EVENT_WINDOW, max_reshares: int = MAX_RESHARES
-                    ) -> RoundResult:
-    links, kind = net.paths(src, dst)
+                    window: float = EVENT_WINDOW, max_reshares: int = MAX_RESHARES,
+                    paths: tuple[np.ndarray, np.ndarray] | None = None) -> RoundResult:
+    links, kind = net.paths(src, dst) if paths is None else paths
     c = net.cluster
     latency = np.where(kind == NETWORK, c.network_latency,
                        np.where(kind == NVLINK, c.nvlink_latency, 0.0))
@@ -261,36 +261,45 @@ class Replay:
     seconds: float
     round_start: np.ndarray   # per round
     round_seconds: np.ndarray
-    finish: np.ndarray        # per message (traffic order): absolute landing time
+    finish: np.ndarray | None  # per message (traffic order): absolute landing time
     critical_link: int        # link that was the most loaded in the rounds worth most time
     critical_kind: int
     distinct_rounds: int
 
 
-def replay(net: Network, traffic: Traffic,
+def replay(net: Network, traffic: Traffic | PairTraffic,
            progress: Callable[[int, int], None] | None = None) -> Replay:
-    """Run ``traffic`` on ``net``, round after round."""
-    order = np.argsort(traffic.round, kind="stable")
-    rnd = traffic.round[order]
+    """Run ``traffic`` on ``net``, round after round.
+
+    A :class:`Traffic` gets every message's landing time (``Replay.finish``); a
+    :class:`PairTraffic` (hundreds of millions of messages) does not (``finish`` is None),
+    and only the time of each distinct round is kept.
+    """
     num_rounds = traffic.num_rounds
-    bounds = np.searchsorted(rnd, np.arange(num_rounds + 1))
-    finish = np.zeros(len(traffic))
+    per_message = isinstance(traffic, Traffic)
+    # a PairTraffic's messages name their pair: paths are computed once per pair
+    pair_paths = None if per_message else net.paths(traffic.src, traffic.dst)
+    finish = np.zeros(len(traffic)) if per_message else None
     starts = np.zeros(num_rounds)
     secs = np.zeros(num_rounds)
     cache: dict[bytes, RoundResult] = {}
     crit_time: dict[tuple[int, int], float] = {}
     t = 0.0
-    for k in range(num_rounds):
-        sel = order[bounds[k]:bounds[k + 1]]
-        src, dst, nb = traffic.src[sel], traffic.dst[sel], traffic.nbytes[sel]
+    for k, (sel, src, dst, nb) in enumerate(traffic.rounds()):
         key = hashlib.blake2b(src.tobytes() + dst.tobytes() + nb.tobytes(),
                               digest_size=16).digest()
         res = cache.get(key)
         if res is None:
-            res = cache[key] = _simulate_round(net, src, dst, nb)
+            paths = None if pair_paths is None else (pair_paths[0][sel], pair_paths[1][sel])
+            res = _simulate_round(net, src, dst, nb, paths=paths)
+            if not per_message:     # keep memory bounded: a round's times are not kept
+                res = RoundResult(res.seconds, np.zeros(0), res.critical_link,
+                                  res.critical_kind)
+            cache[key] = res
         starts[k] = t
         secs[k] = res.seconds
-        finish[sel] = t + res.finish
+        if finish is not None:
+            finish[sel] = t + res.finish
         t += res.seconds
         ck = (res.critical_link, res.critical_kind)
         crit_time[ck] = crit_time.get(ck, 0.0) + res.seconds

@@ -17,7 +17,7 @@ import sys
 import time
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Callable, Iterable, Sequence
+from typing import Callable, Iterable, Iterator, Sequence
 
 import numpy as np
 
@@ -25,7 +25,7 @@ from ..dtypes import itemsize
 from ..schedule import MIN_BUCKET_BYTES, OWN_MESSAGE_BYTES
 
 __all__ = ["Traffic", "split_sizes", "pair_messages", "receive_lists", "PairSequences",
-           "pair_sequences", "direct_traffic", "Progress"]
+           "pair_sequences", "PairTraffic", "direct_traffic", "Progress"]
 
 
 @dataclass(frozen=True)
@@ -68,6 +68,89 @@ class Traffic:
     @property
     def total_bytes(self) -> int:
         return int(self.nbytes.sum())
+
+    def rounds(self) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]]:
+        """Per round, in order: ``(index, src, dst, nbytes)`` of its messages (``index``
+        into this traffic's arrays; messages in traffic order)."""
+        order = np.argsort(self.round, kind="stable")
+        bounds = np.searchsorted(self.round[order], np.arange(self.num_rounds + 1))
+        for k in range(self.num_rounds):
+            sel = order[bounds[k]:bounds[k + 1]]
+            yield sel, self.src[sel], self.dst[sel], self.nbytes[sel]
+
+    def pair_totals(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """``(src, dst, bytes)`` of every pair that moves bytes."""
+        n = max(int(self.src.max(initial=0)), int(self.dst.max(initial=0))) + 1
+        pair_bytes = np.bincount(self.src.astype(np.int64) * n + self.dst,
+                                 weights=self.nbytes.astype(float), minlength=n * n)
+        pairs = np.flatnonzero(pair_bytes)
+        return pairs // n, pairs % n, pair_bytes[pairs]
+
+
+@dataclass(frozen=True)
+class PairTraffic:
+    """The direct schedule without one row per message: pair ``i`` (``src[i]`` ->
+    ``dst[i]``) sends the messages of pattern ``pattern[i]`` (``rounds[p]``, ``sizes[p]``:
+    one pair's message sequence; pairs with equal sizes and transfer shapes share one).
+    Rounds are generated one at a time, in the order :class:`Traffic` would hold them, so
+    a 2,048-rank refit (5 x 10^8 messages) replays in bounded memory.
+    """
+
+    src: np.ndarray
+    dst: np.ndarray
+    pattern: np.ndarray
+    rounds_of: list[np.ndarray]
+    sizes_of: list[np.ndarray]
+
+    def __len__(self) -> int:
+        counts = np.array([len(r) for r in self.rounds_of], np.int64)
+        return int(counts[self.pattern].sum()) if len(self.pattern) else 0
+
+    @property
+    def num_rounds(self) -> int:
+        return max((int(r[-1]) + 1 for r in self.rounds_of if len(r)), default=0)
+
+    @property
+    def total_bytes(self) -> int:
+        return int(self._pattern_bytes()[self.pattern].sum()) if len(self.pattern) else 0
+
+    def _pattern_bytes(self) -> np.ndarray:
+        return np.array([int(s.sum()) for s in self.sizes_of], np.int64)
+
+    def pair_totals(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        b = self._pattern_bytes()[self.pattern].astype(float)
+        keep = b > 0
+        return (self.src[keep].astype(np.int64), self.dst[keep].astype(np.int64), b[keep])
+
+    def rounds(self) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]]:
+        """As :meth:`Traffic.rounds`, but the index is each message's pair (there are no
+        message rows)."""
+        num_rounds = self.num_rounds
+        flat = np.concatenate(self.sizes_of) if self.sizes_of else np.zeros(0, np.int64)
+        base = np.cumsum([0] + [len(s) for s in self.sizes_of])[:-1]
+        # per pattern, where each round's messages start in its arrays
+        off = np.stack([np.searchsorted(r, np.arange(num_rounds + 1)) for r in self.rounds_of]
+                       ) if self.rounds_of else np.zeros((0, num_rounds + 1), np.int64)
+        for k in range(num_rounds):
+            lo, cnt_p = off[:, k], off[:, k + 1] - off[:, k]
+            cnt = cnt_p[self.pattern]
+            idx = np.flatnonzero(cnt)
+            c = cnt[idx]
+            total = int(c.sum())
+            first = np.repeat(base[self.pattern[idx]] + lo[self.pattern[idx]]
+                              - (np.cumsum(c) - c), c)
+            pair = np.repeat(idx, c)
+            yield pair, self.src[pair], self.dst[pair], flat[first + np.arange(total)]
+
+    def to_traffic(self) -> Traffic:
+        """Every message as a row (pair order, as ``direct_traffic`` used to return)."""
+        if not len(self.pattern):
+            return Traffic.of()
+        counts = np.array([len(r) for r in self.rounds_of], np.int64)[self.pattern]
+        return Traffic(np.concatenate([self.rounds_of[p] for p in self.pattern.tolist()]),
+                       np.repeat(self.src, counts), np.repeat(self.dst, counts),
+                       np.concatenate([self.sizes_of[p] for p in self.pattern.tolist()]),
+                       np.zeros(int(counts.sum()), bool))
 
 
 class Progress:
@@ -228,8 +311,8 @@ def pair_sequences(plan, progress: Callable[[int, int], None] | None = None
 
 def direct_traffic(plan, sequences: PairSequences | None = None, *, bucket_bytes: int,
                    staging_bytes: int,
-                   progress: Callable[[int, int], None] | None = None) -> Traffic:
-    """The messages ``schedule.schedule(plan, all ranks, ...)`` would send.
+                   progress: Callable[[int, int], None] | None = None) -> PairTraffic:
+    """The messages ``schedule.schedule(plan, all ranks, ...)`` would send, by pair.
 
     Args:
         plan: the plan.
@@ -241,12 +324,11 @@ def direct_traffic(plan, sequences: PairSequences | None = None, *, bucket_bytes
         sequences = pair_sequences(plan)
     seqs, shapes = sequences.seqs, sequences.shapes
     peers = _peer_counts(sequences.pairs)
-    memo: dict[tuple[int, int], tuple[np.ndarray, np.ndarray]] = {}
-    rounds: list[np.ndarray] = []
-    srcs: list[np.ndarray] = []
-    dsts: list[np.ndarray] = []
-    sizes: list[np.ndarray] = []
+    memo: dict[tuple[int, int], int] = {}
+    rounds_of: list[np.ndarray] = []
+    sizes_of: list[np.ndarray] = []
     order = sorted(range(len(sequences.pairs)), key=sequences.pairs.__getitem__)
+    pattern = np.empty(len(order), np.int32)
     for i, p in enumerate(order):
         src, dst = sequences.pairs[p]
         size = max(MIN_BUCKET_BYTES, min(bucket_bytes, staging_bytes
@@ -257,16 +339,11 @@ def direct_traffic(plan, sequences: PairSequences | None = None, *, bucket_bytes
             parts = (nb for k in seqs[key[1]].tolist()
                      for nb in split_sizes(shapes[k][0], shapes[k][1], size))
             msgs = pair_messages(parts, size)
-            got = memo[key] = (np.array([r for r, _ in msgs], np.int32),
-                               np.array([b for _, b in msgs], np.int64))
-        rounds.append(got[0])
-        sizes.append(got[1])
-        srcs.append(np.full(len(got[0]), src, np.int32))
-        dsts.append(np.full(len(got[0]), dst, np.int32))
-        if progress is not None and (i % 256 == 255 or i + 1 == len(order)):
+            got = memo[key] = len(rounds_of)
+            rounds_of.append(np.array([r for r, _ in msgs], np.int32))
+            sizes_of.append(np.array([b for _, b in msgs], np.int64))
+        pattern[i] = got
+        if progress is not None and (i % 4096 == 4095 or i + 1 == len(order)):
             progress(i + 1, len(order))
-    if not rounds:
-        return Traffic.of()
-    nb = np.concatenate(sizes)
-    return Traffic(np.concatenate(rounds), np.concatenate(srcs), np.concatenate(dsts), nb,
-                   np.zeros(len(nb), bool))
+    pairs = np.array([sequences.pairs[p] for p in order], np.int32).reshape(-1, 2)
+    return PairTraffic(pairs[:, 0].copy(), pairs[:, 1].copy(), pattern, rounds_of, sizes_of)
