@@ -91,7 +91,7 @@ def test_a_hanging_child_is_killed_at_the_timeout():
     with pytest.raises(LaunchTimeout, match=r"1 of 3 children still running after 4(\.0)? s") as info:
         launch(hang_on_two, [Role(index=i) for i in range(3)], timeout=4)
     elapsed = time.monotonic() - t0
-    assert 4 <= elapsed < 10
+    assert 4 <= elapsed < 4 + 10        # killed at the timeout (+ slack for a loaded box)
     assert "child 2 default[2]" in str(info.value)
     res = info.value.results
     assert [r.ok for r in res] == [True, True, False]

@@ -207,7 +207,7 @@ def silent_peer(ctx: Context) -> dict:
 
 def test_gloo_peer_that_never_posts_times_out():
     v = launch(silent_peer, [Role("plain", "g", 0), Role("plain", "g", 1)], timeout=60)[0].value
-    assert 2 <= v["elapsed"] < 3.5
+    assert 2 <= v["elapsed"] < 2 + 5      # bounded by the timeout (+ slack for a loaded box)
     assert "gloo send to rank 1" in v["error"] and "tag 5" in v["error"]
     assert "within 2 s" in v["error"] and "g[1]" in v["error"]
     assert "unusable" in v["after"]
