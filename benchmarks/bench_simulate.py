@@ -24,6 +24,7 @@ same for every case: nothing is fitted to a published number.
 from __future__ import annotations
 
 import argparse
+import resource
 import sys
 import time
 from pathlib import Path
@@ -118,8 +119,13 @@ def case_scale(args) -> list[str]:
     r = simulate("kimi_k2", "megatron:pp=16,ep=64", "vllm:tp=16,dp=64", "dgx-h100",
                  gpus=2048, schedule="direct", layout="stacked", progress=args.progress)
     cpu = time.process_time() - t
+    # peak resident memory of this process (run the case alone for the case's own peak)
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / (1 << 20)
+    s = r["schedules"]["direct"]
     return [row("Kimi-K2 2,048 ranks (stacked), direct", r, "-",
-                f"CPU {cpu:.0f} s (bar 300 s)")]
+                f"CPU {cpu:.0f} s (bar 300 s), peak RSS {rss:.2f} GB, "
+                f"{s['num_messages']:,} messages in {s['num_rounds']:,} rounds "
+                f"({r['distinct_rounds']:,} distinct)")]
 
 
 CASES = {"m2n": case_m2n, "nemo": case_nemo, "kimi": case_kimi, "ckpt": case_ckpt,

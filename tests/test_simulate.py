@@ -298,11 +298,12 @@ def test_cli_plot_needs_matplotlib(tmp_path, capsys, monkeypatch):
     assert "pip install 'xreshard[plot]'" in capsys.readouterr().err
 
 
-def test_cli_plot(tmp_path):
+@pytest.mark.parametrize("schedule_name", ["relay", "direct"])
+def test_cli_plot(tmp_path, schedule_name):
     pytest.importorskip("matplotlib")
     path = tmp_path / "sim.png"
     assert main(["simulate", "--model", "qwen2_5_0_5b", "--src", "fsdp:dp=2", "--dst",
-                 "vllm:dp=2,tp=2", "--cluster", "dgx-h100", "--schedule", "relay",
+                 "vllm:dp=2,tp=2", "--cluster", "dgx-h100", "--schedule", schedule_name,
                  "--plot", str(path)]) == 0
     assert path.stat().st_size > 1000
 
