@@ -8,6 +8,11 @@ with the same rules and constants, without building those objects: a region's pa
 from its shape alone (``split_sizes`` mirrors ``split_region``), and a pair's message
 sequence is computed once per distinct sequence of transfer shapes. The equality with
 ``schedule()`` is pinned by tests on several plans.
+
+The transfers themselves are read as arrays (``Plan.receive_table``, one destination rank at
+a time) and only each pair's sequence of (shape, itemsize) is kept; the result is a
+:class:`PairTraffic` (a message pattern per pair) whose rounds are generated one at a time,
+because a 2,048-rank refit sends ~5.6 x 10^8 messages: too many to hold as rows.
 """
 
 from __future__ import annotations
