@@ -405,6 +405,7 @@ def torch_receiver_shm(ctx: Context, steps: int, hosts: list[str] | None = None)
     return out
 
 
+@pytest.mark.slow
 def test_jax_to_torch_bit_exact_over_shm_and_a_remote_engine_over_gloo_in_one_refit():
     # the trainer and rollout[0..1] share host "a" (shm), rollout[2] is on "b" (gloo): three
     # processes over shm and a mixed world in one refit, two refits, bit-exact everywhere
@@ -425,6 +426,7 @@ def test_jax_to_torch_bit_exact_over_shm_and_a_remote_engine_over_gloo_in_one_re
     assert shm_names(sender["prefix"]) == []
 
 
+@pytest.mark.slow
 def test_torch_to_jax_over_shm_bit_exact():
     roles = [Role("jax", "trainer", 0, num_devices=4), Role("torch", "rollout", 0),
              Role("torch", "rollout", 1)]
@@ -482,6 +484,7 @@ def shm_dies_mid_refit(ctx: Context, timeout: float, how: str) -> dict:
             "created": created if ctx.role.group == "trainer" else []}
 
 
+@pytest.mark.slow
 def test_peer_killed_mid_refit_raises_everywhere_and_leaves_no_segment():
     # through shared segments (XRESHARD_SHM_PULL=0): the pull path creates none to leak
     how = "kill"

@@ -411,6 +411,7 @@ def test_trainer_error_names_the_engine_whose_call_failed():
         _concurrently([boom, lambda: None], lambda: None, 5.0, "x")
 
 
+@pytest.mark.slow
 def test_stream_errors_reach_every_rank_and_nothing_moves_when_known_before():
     """Streamed rounds (no engine, two processes): a worker's binding error and a tensor
     only the trainer has are refused on both sides before a byte moves; a worker's failure

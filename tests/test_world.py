@@ -118,6 +118,7 @@ def never_arrives(ctx: Context) -> dict:
     return out
 
 
+@pytest.mark.slow
 def test_missing_processes_time_out_and_are_named():
     roles = [Role("plain", "trainer", 0), Role("plain", "rollout", 0), Role("plain", "rollout", 1)]
     v0, v1, _ = [r.value for r in launch(never_arrives, roles, timeout=60)]
