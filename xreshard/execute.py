@@ -518,22 +518,34 @@ class Executor:
         stats.seconds = time.perf_counter() - t0
         return stats
 
+    def _recv_buffers(self, buckets: Sequence[Bucket], offsets: dict[int | None, int],
+                      stats: ExecStats) -> tuple[list[tuple[Any, Bucket]],
+                                                 list[tuple[Bucket, Any]]]:
+        """Where each of this process's receives in ``buckets`` lands: the destination view
+        itself (zero-copy) or staging taken at ``offsets``. Returns ``(buffer, bucket)``
+        for every receive and ``(bucket, staging)`` for those to unpack."""
+        recvs: list[tuple[Any, Bucket]] = []
+        unpack: list[tuple[Bucket, Any]] = []
+        for b in buckets:
+            if b.dst in self._local_dst:
+                buf = self._zero_copy_recv(b)
+                if buf is None:
+                    buf = self._take(offsets, b.dst, b.nbytes)
+                    unpack.append((b, buf))
+                else:
+                    stats.num_zero_copy += 1
+                recvs.append((buf, b))
+                stats.bytes_received += b.nbytes
+        return recvs, unpack
+
     def _round(self, buckets: Sequence[Bucket], stats: ExecStats) -> None:
         tr = time.perf_counter()
         offsets: dict[int | None, int] = {}
-        unpack: list[tuple[Bucket, Any]] = []
+        recvs, unpack = self._recv_buffers(buckets, offsets, stats)
         with self.transport.group(self.timeout):
             # receives first, so peers' sends can start while this process packs
-            for b in buckets:
-                if b.dst in self._local_dst:
-                    buf = self._zero_copy_recv(b)
-                    if buf is None:
-                        buf = self._take(offsets, b.dst, b.nbytes)
-                        unpack.append((b, buf))
-                    else:
-                        stats.num_zero_copy += 1
-                    self.transport.recv(buf, b.src, b.dst, b.tag)
-                    stats.bytes_received += b.nbytes
+            for buf, b in recvs:
+                self.transport.recv(buf, b.src, b.dst, b.tag)
             # transports that start posts at once (gloo) move message i while i+1 packs
             for b in buckets:
                 if b.src in self._local_src:
@@ -578,17 +590,7 @@ class Executor:
                 # odd: two consecutive rounds never overlap (see _double_buffered)
                 offsets = {dev: 0 if k % 2 == 0 else arena[dev] - needs[k].get(dev, 0)
                            for dev in arena}
-                recvs, unpack = [], []
-                for b in buckets:
-                    if b.dst in self._local_dst:
-                        buf = self._zero_copy_recv(b)
-                        if buf is None:
-                            buf = self._take(offsets, b.dst, b.nbytes)
-                            unpack.append((b, buf))
-                        else:
-                            stats.num_zero_copy += 1
-                        recvs.append((buf, b))
-                        stats.bytes_received += b.nbytes
+                recvs, unpack = self._recv_buffers(buckets, offsets, stats)
                 pending[k] = unpack
                 wire.open(k, recvs)
                 for b in buckets:
