@@ -359,13 +359,33 @@ def bad_inputs(ctx: Any) -> dict:
     return out
 
 
+def die_after_first_unpack(kill: bool = False) -> None:
+    """Patch this process's executor to exit hard (code 3, or SIGKILL) at its second
+    unpack: some bytes moved, the rest never will."""
+    import os
+    import signal
+    from xreshard import execute
+
+    unpack = execute.Executor._unpack
+    calls = []
+
+    def die_after_first(self, b, buf):
+        calls.append(b)
+        if len(calls) > 1:
+            if kill:
+                os.kill(os.getpid(), signal.SIGKILL)
+            os._exit(3)
+        return unpack(self, b, buf)
+
+    execute.Executor._unpack = die_after_first
+    execute.Executor._zero_copy_recv = lambda self, b: None   # make it unpack
+
+
 def dies_mid_refit(ctx: Any, timeout: float) -> dict:
     """rollout[1] exits hard after its first round; the others must raise within the timeout."""
-    import os
     import time
     import torch.distributed as dist
     import xreshard as xr
-    from xreshard import execute
 
     tensors = {"big": ((512, 256), ("a", "b"), ["S1"], "")}
     world = ctx.join(groups=["trainer", "rollout"])
@@ -382,17 +402,7 @@ def dies_mid_refit(ctx: Any, timeout: float) -> dict:
         xr.Refit(world, receive=state, config=xr.RefitConfig(timeout=120, **warm))()
         refit = xr.Refit(world, receive=state, config=config)
         if ctx.role.index == 1:
-            unpack = execute.Executor._unpack
-            calls = []
-
-            def die_after_first(self, b, buf):
-                calls.append(b)
-                if len(calls) > 1:
-                    os._exit(3)
-                return unpack(self, b, buf)
-
-            execute.Executor._unpack = die_after_first
-            execute.Executor._zero_copy_recv = lambda self, b: None   # make it unpack
+            die_after_first_unpack()
     t0 = time.monotonic()
     error = _attempt(refit)
     return {"error": error, "seconds": time.monotonic() - t0, "version": refit.version,

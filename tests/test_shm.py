@@ -438,7 +438,6 @@ def test_torch_to_jax_over_shm_bit_exact():
 def shm_dies_mid_refit(ctx: Context, timeout: float, how: str) -> dict:
     """rollout[1] dies (os._exit or SIGKILL) after its first unpack; the others raise."""
     import xreshard as xr
-    from xreshard import execute
 
     tensors = {"big": ((512, 256), ("a", "b"), ["S1"], "")}
     world = ctx.join(groups=["trainer", "rollout"])
@@ -453,19 +452,7 @@ def shm_dies_mid_refit(ctx: Context, timeout: float, how: str) -> dict:
                                                         dist.get_world_size(), None),
                          config=config)
         if ctx.role.index == 1:
-            unpack = execute.Executor._unpack
-            calls = []
-
-            def die_after_first(self, b, buf):
-                calls.append(b)
-                if len(calls) > 1:
-                    if how == "kill":
-                        os.kill(os.getpid(), signal.SIGKILL)
-                    os._exit(3)
-                return unpack(self, b, buf)
-
-            execute.Executor._unpack = die_after_first
-            execute.Executor._zero_copy_recv = lambda self, b: None   # make it unpack
+            cases.die_after_first_unpack(kill=how == "kill")
     shm = world.transport("auto").parts["shm"]
     if ctx.role.group == "trainer":
         # the trainer names its segments as it creates them (the test checks they existed)
