@@ -208,7 +208,7 @@ def _rng_values(shape, dtype: str, seed: int) -> np.ndarray:
 def _bf16_in_place(env: Env, tr: PostLog) -> dict:
     """bf16 JAX -> a row range of a bigger bf16 torch buffer: both sides in place."""
     import xreshard as xr
-    from xreshard.adapters.jax import _host_view
+    from xreshard.adapters.jax import host_view
     from xreshard.adapters.torch import tensor_view
     value = _rng_values((512, 256), "bfloat16", 1)
     x = env.jax_put(value)
@@ -216,7 +216,7 @@ def _bf16_in_place(env: Env, tr: PostLog) -> dict:
     rows = buf[16:528]
     src = {"w": xr.Layout.replicated(value.shape, "bfloat16", xr.Mesh((1,), (0,)))}
     dst = {"w": xr.Layout.replicated(value.shape, "bfloat16", xr.Mesh((1,), (1,)))}
-    _, stats = _move(env, tr, src, dst, {(0, "w"): _host_view(x)},
+    _, stats = _move(env, tr, src, dst, {(0, "w"): host_view(x)},
                      {(1, "w"): tensor_view(rows)})
     got = env.host_bits(buf)
     sends = [p["ptr"] for p in tr.posts if p["kind"] == "send"]
@@ -233,7 +233,7 @@ def _strided_dst(env: Env, tr: PostLog, *, bucket=64 << 20, staging=256 << 20,
                  shape=(512, 256), slow_unpack: Callable[[], None] | None = None) -> tuple:
     """bf16 JAX -> a column range of a wider torch buffer (not contiguous: staged)."""
     import xreshard as xr
-    from xreshard.adapters.jax import _host_view
+    from xreshard.adapters.jax import host_view
     from xreshard.adapters.torch import tensor_view
     from xreshard.execute import Executor
     rows, cols = shape
@@ -250,7 +250,7 @@ def _strided_dst(env: Env, tr: PostLog, *, bucket=64 << 20, staging=256 << 20,
             unpack(self, b, buf_)
         Executor._unpack = delayed
     try:
-        _, stats = _move(env, tr, src, dst, {(0, "w"): _host_view(x)},
+        _, stats = _move(env, tr, src, dst, {(0, "w"): host_view(x)},
                          {(1, "w"): tensor_view(view)}, bucket=bucket, staging=staging)
     finally:
         Executor._unpack = unpack
@@ -277,7 +277,7 @@ def _staging_rounds(env: Env, tr: PostLog) -> dict:
 def _fused_qkv(env: Env, tr: PostLog) -> dict:
     """q, k, v (three JAX tensors) -> three row ranges of one torch qkv buffer."""
     import xreshard as xr
-    from xreshard.adapters.jax import _host_view
+    from xreshard.adapters.jax import host_view
     from xreshard.adapters.torch import tensor_view
     hidden, sizes = 128, {"q": 256, "k": 64, "v": 64}
     values = {n: _rng_values((r, hidden), "bfloat16", 3 + i) for i, (n, r) in
@@ -288,7 +288,7 @@ def _fused_qkv(env: Env, tr: PostLog) -> dict:
     for n, r in sizes.items():
         src[n] = xr.Layout.replicated((r, hidden), "bfloat16", xr.Mesh((1,), (0,)))
         dst[n] = xr.Layout.replicated((r, hidden), "bfloat16", xr.Mesh((1,), (1,)))
-        src_b[(0, n)] = _host_view(xs[n])
+        src_b[(0, n)] = host_view(xs[n])
         dst_b[(1, n)] = tensor_view(qkv[start:start + r])
         start += r
     _, stats = _move(env, tr, src, dst, src_b, dst_b)
@@ -302,21 +302,21 @@ def _fused_qkv(env: Env, tr: PostLog) -> dict:
 def _transposed_kernel(env: Env, tr: PostLog) -> dict:
     """A Flax Dense kernel [in, out] on JAX -> the canonical [out, in] torch weight."""
     import xreshard as xr
-    from xreshard.adapters.jax import _host_view
+    from xreshard.adapters.jax import host_view
     from xreshard.adapters.torch import tensor_view
     kernel = _rng_values((192, 320), "bfloat16", 7)                       # [in, out]
     x = env.jax_put(kernel)
     out = env.torch_full((320, 192), "bfloat16", 0)
     canon = xr.Layout.replicated((192, 320), "bfloat16", xr.Mesh((1,), (0,))).permuted((1, 0))
     dst = {"w": xr.Layout.replicated((320, 192), "bfloat16", xr.Mesh((1,), (1,)))}
-    _move(env, tr, {"w": canon}, dst, {(0, "w"): _host_view(x).T}, {(1, "w"): tensor_view(out)})
+    _move(env, tr, {"w": canon}, dst, {(0, "w"): host_view(x).T}, {(1, "w"): tensor_view(out)})
     return {"bit_exact": bool(np.array_equal(env.host_bits(out), _bits(kernel).T))}
 
 
 def _fp32_to_bf16(env: Env, tr: PostLog) -> dict:
     """fp32 JAX -> bf16 torch, cast on the sender (CuPy's bf16 kernel on GPU)."""
     import xreshard as xr
-    from xreshard.adapters.jax import _host_view
+    from xreshard.adapters.jax import host_view
     from xreshard.adapters.torch import tensor_view
     from xreshard.dtypes import numpy_dtype
     value = _rng_values((256, 384), "float32", 11)
@@ -325,7 +325,7 @@ def _fp32_to_bf16(env: Env, tr: PostLog) -> dict:
     out = env.torch_full((256, 384), "bfloat16", 0)
     src = {"w": xr.Layout.replicated(value.shape, "float32", xr.Mesh((1,), (0,)))}
     dst = {"w": xr.Layout.replicated(value.shape, "bfloat16", xr.Mesh((1,), (1,)))}
-    _, stats = _move(env, tr, src, dst, {(0, "w"): _host_view(x)}, {(1, "w"): tensor_view(out)},
+    _, stats = _move(env, tr, src, dst, {(0, "w"): host_view(x)}, {(1, "w"): tensor_view(out)},
                      wire="bfloat16")
     got = env.host_bits(out)
     ml = _bits(value.astype(numpy_dtype("bfloat16")))

@@ -269,7 +269,7 @@ def _rename(default: str, names: Any) -> str:
     return names.get(default, default)
 
 
-def _host_view(x: Any) -> Any:
+def host_view(x: Any) -> Any:
     """A zero-copy array over a single-device jax.Array's buffer: numpy on CPU, CuPy on GPU.
 
     Typed on both (bf16 and float8 as their ml_dtypes types). On GPU, DLPack carries the
@@ -316,6 +316,21 @@ def _aligned_empty(shape: Sequence[int], dtype: Any, align: int = 64) -> Any:
 #: the layouts bind() built, by (sharding, shape, dtype, rank map): a refit every step
 #: re-binds the same arrays' shardings
 _MEMO = LayoutMemo()
+
+
+def array_layout(arr: Any, ranks: Mapping[int, int], name: str = "") -> Layout:
+    """The :class:`Layout` of a ``jax.Array`` (or a ``ShapeDtypeStruct`` with a sharding),
+    with JAX device ids mapped to world ranks by ``ranks``; remembered by sharding, shape,
+    dtype and rank map, so a refit every step converts each sharding once."""
+    def rank_of(device: Any) -> int:
+        try:
+            return ranks[int(device.id)]
+        except KeyError:
+            raise LayoutError(f"JAX device {device} is not a rank of the refit world; pass "
+                              f"jax.local_devices() (or the devices you use) to World.join") from None
+    rid = _MEMO.ranks_id(ranks)
+    return _MEMO.get(None if rid is None else (arr.sharding, tuple(arr.shape), arr.dtype, rid),
+                     lambda: layout_of(arr, ranks=rank_of, name=name))
 
 
 def bind(tree: Any, side: str, *, ranks: Mapping[int, int], names: Any = None,
@@ -378,7 +393,7 @@ def _bind(tree: Any, side: str, *, ranks: Mapping[int, int], names: Any = None,
             for shard in leaf.addressable_shards:
                 # a CPU shard is a numpy view at once (no device set built per shard)
                 arr = (np.asarray(shard.data) if shard.device.platform == "cpu"
-                       else _host_view(shard.data))
+                       else host_view(shard.data))
                 arr = arr.T if flip else arr
                 bindings[(rank_of(shard.device), name)] = arr if layout.is_product else [arr]
         else:

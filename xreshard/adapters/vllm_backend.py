@@ -967,7 +967,6 @@ def bind_named(tree: Any, namemap: NameMap, ranks: Mapping[int, int]) -> Bound:
     if _CHECKED.get(id(namemap)) != (namemap, shapes):   # a refit every step: check once
         namemap.apply(dict(shapes))                     # every name maps exactly once
         _CHECKED[id(namemap)] = (namemap, shapes)
-    rid = xjax._MEMO.ranks_id(ranks)
     layouts: dict[str, Layout] = {}
     bindings: dict[tuple[int, str], Any] = {}
     for name, arr in flat.items():
@@ -975,11 +974,9 @@ def bind_named(tree: Any, namemap: NameMap, ranks: Mapping[int, int]) -> Bound:
         if isinstance(rule, ConcatRule):
             raise NamingError(f"{name!r}: ConcatRule {rule.dst!r} is not supported when sending "
                               "sharded arrays yet (TODO: explicit layouts per source)")
-        layout = xjax._MEMO.get(
-            None if rid is None else (arr.sharding, tuple(arr.shape), arr.dtype, rid),
-            lambda: xjax.layout_of(arr, ranks=lambda d: ranks[int(d.id)], name=name))
+        layout = xjax.array_layout(arr, ranks, name)
         layout = _as_product(layout, name)
-        local = {ranks[int(s.device.id)]: xjax._host_view(s.data) for s in arr.addressable_shards}
+        local = {ranks[int(s.device.id)]: xjax.host_view(s.data) for s in arr.addressable_shards}
         for lay, arrays, f in _walk(layout, local, rule.transforms, dict(fields),
                                     namemap.params, name):
             hf = rule.dst.format(**f)
