@@ -17,7 +17,7 @@ from typing import Any, Iterator, Protocol, runtime_checkable
 
 from ..errors import TransportError, TransportTimeout
 
-__all__ = ["RecordingTransport", "Transport", "TransportError", "TransportTimeout"]
+__all__ = ["RecordingTransport", "Transport", "TransportError", "TransportTimeout", "nbytes_of"]
 
 
 @runtime_checkable
@@ -60,20 +60,21 @@ class RecordingTransport:
             yield
 
     def send(self, buf: Any, src_rank: int, dst_rank: int, tag: int) -> None:
-        n = _nbytes(buf)
+        n = nbytes_of(buf)
         self.bytes_sent += n
         self.sends.append((src_rank, dst_rank, tag, n))
         self.inner.send(buf, src_rank, dst_rank, tag)
 
     def recv(self, buf: Any, src_rank: int, dst_rank: int, tag: int) -> None:
-        self.bytes_received += _nbytes(buf)
+        self.bytes_received += nbytes_of(buf)
         self.inner.recv(buf, src_rank, dst_rank, tag)
 
     def close(self) -> None:
         self.inner.close()
 
 
-def _nbytes(buf: Any) -> int:
+def nbytes_of(buf: Any) -> int:
+    """Byte length of a buffer: a numpy / CuPy array (``nbytes``) or a torch tensor."""
     n = getattr(buf, "nbytes", None)
     if n is None:
         n = buf.numel() * buf.element_size()

@@ -19,7 +19,7 @@ from typing import Any, Iterable, Iterator
 
 import numpy as np
 
-from .base import TransportError, _nbytes
+from .base import TransportError, nbytes_of
 
 __all__ = ["LocalTransport", "copy_bytes"]
 
@@ -88,10 +88,10 @@ class LocalTransport:
                                  f"exit: {'; '.join(sorted(unmatched))}")
         for key, src in sends.items():
             dst = recvs[key]
-            if _nbytes(src) != _nbytes(dst):
+            if nbytes_of(src) != nbytes_of(dst):
                 raise TransportError(f"local transport: {key[0]}->{key[1]} tag {key[2]}: send "
-                                     f"buffer has {_nbytes(src)} bytes, recv buffer "
-                                     f"{_nbytes(dst)}")
+                                     f"buffer has {nbytes_of(src)} bytes, recv buffer "
+                                     f"{nbytes_of(dst)}")
         for key, src in sends.items():
             copy_bytes(recvs[key], src)
 

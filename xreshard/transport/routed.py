@@ -14,7 +14,7 @@ import contextlib
 from typing import Any, Iterator, Mapping, Sequence
 
 from ..errors import RefitError
-from .base import Transport, TransportError, _nbytes
+from .base import Transport, TransportError, nbytes_of
 
 __all__ = ["RenumberedTransport", "RoutedTransport"]
 
@@ -115,12 +115,12 @@ class RoutedTransport:
 
     def send(self, buf: Any, src_rank: int, dst_rank: int, tag: int) -> None:
         kind, part = self._part(src_rank, dst_rank, "send")
-        self.bytes_sent_by_transport[kind] += _nbytes(buf)
+        self.bytes_sent_by_transport[kind] += nbytes_of(buf)
         part.send(buf, src_rank, dst_rank, tag)
 
     def recv(self, buf: Any, src_rank: int, dst_rank: int, tag: int) -> None:
         kind, part = self._part(src_rank, dst_rank, "recv")
-        self.bytes_received_by_transport[kind] += _nbytes(buf)
+        self.bytes_received_by_transport[kind] += nbytes_of(buf)
         part.recv(buf, src_rank, dst_rank, tag)
 
     def close(self) -> None:

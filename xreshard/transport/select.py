@@ -152,7 +152,7 @@ class Routes:
         p, q = self.rank_process[src_rank], self.rank_process[dst_rank]
         return a == b or (a in self.ipc_reach[q] and b in self.ipc_reach[p])
 
-    def _reps(self) -> list[dict[str | None, int]]:
+    def representatives(self) -> list[dict[str | None, int]]:
         """Per process: one representative rank per device (all CPU ranks share ``None``)."""
         if self._reps_cache is None:
             reps: list[dict[str | None, int]] = [
@@ -166,14 +166,14 @@ class Routes:
         """The kinds moving between processes ``p`` and ``q`` (several on multi-GPU hosts)."""
         if p == q:
             return {"local"}
-        reps = self._reps()
+        reps = self.representatives()
         return {self.kind(a, b) for a in reps[p].values() for b in reps[q].values()}
 
     @property
     def kinds(self) -> tuple[str, ...]:
         """Every kind some pair uses, in ``KINDS`` order (the same tuple in every process)."""
         used: set[str] = set()
-        n = len(self._reps())
+        n = len(self.representatives())
         if len(self.rank_process) > len(set(self.rank_process)):
             used.add("local")
         if n > 1 and self.requested in BACKENDS:
@@ -198,7 +198,7 @@ class Routes:
         different groups count (a refit moves bytes from one job to another; two engines
         that share nothing need no communicator between them).
         """
-        reps = self._reps()
+        reps = self.representatives()
         members: dict[tuple[int, str | None], list[int]] = {}
         for r, p in enumerate(self.rank_process):
             members.setdefault((p, self.rank_device[r]), []).append(r)
@@ -216,7 +216,7 @@ class Routes:
 
     def peers(self, process: int, kind: str) -> list[int]:
         """The processes that ``process`` exchanges with over ``kind``."""
-        n = len(self._reps())
+        n = len(self.representatives())
         return [q for q in range(n) if q != process
                 and (kind in self.process_kind(process, q) or kind in self.process_kind(q, process))]
 
@@ -300,8 +300,9 @@ def _refuse_unreachable(routes: Routes, caps: Sequence[Mapping[str, Any]], reque
                 bad.append(f"processes {p} ({caps[p]['host']}) and {q} ({caps[q]['host']}) "
                            f"are {why}")
             else:
-                a, b = next((a, b) for a in routes._reps()[p].values()
-                            for b in routes._reps()[q].values() if not routes.ipc_ok(a, b))
+                reps = routes.representatives()
+                a, b = next((a, b) for a in reps[p].values() for b in reps[q].values()
+                            if not routes.ipc_ok(a, b))
                 bad.append(f"rank {a} (process {p}, GPU {routes.rank_device[a]}) and rank {b} "
                            f"(process {q}, GPU {routes.rank_device[b]}) are on different "
                            f"devices without peer access")

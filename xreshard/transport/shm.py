@@ -568,11 +568,15 @@ class ShmTransport(PeerTransport):
         if not self._closing():
             return
         self._release()
-        remove_shm(f"{self.prefix}{self._me}_")
+        self.remove_own_names()
         for peer in self._peers:
             pid = self._pids.get(peer)
             if pid is not None and not alive(*pid):
                 remove_shm(f"{self.prefix}{peer}_")
+
+    def remove_own_names(self) -> None:
+        """Unlink the names of every segment this process made (mapped ones stay valid)."""
+        remove_shm(f"{self.prefix}{self._me}_")
 
     def __repr__(self) -> str:
         return (f"ShmTransport(prefix={self.prefix!r}, process={self._me}, "
@@ -596,7 +600,7 @@ def _unlink_at_exit(transport: ShmTransport) -> None:
 def _at_exit() -> None:
     for t in list(_LIVE):
         with contextlib.suppress(Exception):
-            remove_shm(f"{t.prefix}{t._me}_")
+            t.remove_own_names()
 
 
 def _aligned(n: int) -> int:
