@@ -10,6 +10,7 @@ from .errors import (AuthenticationError, BindingError, CollectiveMismatch, Comm
 from .layout import Layout, Mesh, Region, Split
 from .plan import Plan, PlanCache, PlanStats, Transfer, plan
 from .binding import Bound
+from .commcount import CommCounts, count_comm
 from .refit import Refit, RefitConfig, RefitReport
 from .topology import Topology
 from .world import StoreServer, World, serve
@@ -17,8 +18,8 @@ from .world import StoreServer, World, serve
 __all__ = [
     "AuthenticationError", "BindingError", "CollectiveMismatch", "CommunicationError",
     "TransportError", "TransportTimeout", "VerificationError", "WorldBroken",
-    "Bound", "Layout", "LayoutError", "Mesh", "Plan", "PlanCache", "PlanError", "PlanStats",
+    "Bound", "CommCounts", "Layout", "LayoutError", "Mesh", "Plan", "PlanCache", "PlanError", "PlanStats",
     "Refit", "RefitConfig", "RefitError", "RefitReport", "Region", "Split", "StoreServer",
-    "Topology", "Transfer", "World", "XreshardError", "plan", "serve",
+    "Topology", "Transfer", "World", "XreshardError", "count_comm", "plan", "serve",
 ]
 __version__ = "0.1.0"

@@ -186,6 +186,7 @@ class World(WorldTransports):
         self._devices = tuple(devices)
         self._num_ops = 0
         self._transports: dict[str, Transport] = {}
+        self._counted: dict[str, Transport] = {}
         self._closed = False
         rank_process: list[int] = []
         kinds: list[str] = []
@@ -570,6 +571,7 @@ class World(WorldTransports):
             if kind != "auto":
                 t.close()
         self._transports.clear()
+        self._counted.clear()
         self._store = None
         if self._server is not None:
             self._server.close()

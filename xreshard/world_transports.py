@@ -13,6 +13,7 @@ import logging
 import os
 from typing import Any, Sequence
 
+from .commcount import CountedTransport
 from .errors import RefitError
 from .store import connect, parse_address
 from .transport.base import Transport
@@ -170,8 +171,18 @@ class WorldTransports:
         the same order relative to the other collectives. "auto" probes what processes
         share (``routes``) and creates exactly the kinds some pair needs (the same kinds
         in every process); a world whose pairs all share memory never builds gloo.
+
+        What it returns reports to ``xreshard.count_comm()`` counters (a
+        :class:`~xreshard.commcount.CountedTransport` around the cached transport).
         """
         self._ensure_open()
+        counted = self._counted.get(kind)
+        if counted is None:
+            counted = self._counted[kind] = CountedTransport(self._made_transport(kind))
+        return counted
+
+    def _made_transport(self, kind: str) -> Transport:
+        """The transport of ``kind`` itself (not wrapped for counting), created once."""
         cached = self._transports.get(kind)
         if cached is not None:
             return cached
@@ -182,7 +193,7 @@ class WorldTransports:
         elif kind == "auto":
             if self.num_processes == 1:
                 # every pair is local; and NCCL refuses two ranks on one GPU anyway
-                made = self.transport("local")
+                made = self._made_transport("local")
             else:
                 made = self._make_auto()
         elif kind == "nccl":
@@ -210,8 +221,8 @@ class WorldTransports:
                 parts[k] = self._transports["nccl"] = self._make_nccl_among(
                     routes.ranks_using("nccl", groups), routes)
             elif k != "local":
-                parts[k] = self.transport(k)
-        parts["local"] = self.transport("local")
+                parts[k] = self._made_transport(k)
+        parts["local"] = self._made_transport("local")
         made = RoutedTransport(parts, routes.kind, self._rank_ids)
         logger.info("world %r: transport %s", self._world_id, made.name)
         return made
