@@ -235,14 +235,17 @@ def _tail(path: str) -> str:
         return ""
 
 
-def launch(fn: Callable[..., Any] | str, roles: Sequence[Role], *, timeout: float = 120.0,
+def launch(fn: Callable[..., Any] | str | Sequence[Callable[..., Any] | str],
+           roles: Sequence[Role], *, timeout: float = 120.0,
            args: Sequence[Any] = (), env: Mapping[str, str] | None = None,
            world_id: str = "default", fail_fast: bool = True, grace: float = 2.0,
            check: bool = True, host: str = "127.0.0.1") -> list[Result]:
     """Run ``fn(ctx, *args)`` in one fresh process per role and collect the results.
 
     Args:
-        fn: a module-level function, or ``"module:qualname"``.
+        fn: a module-level function, or ``"module:qualname"``; or a sequence of them, one
+            per role (``launch([trainer, rollout, rollout], roles)``), so each role runs
+            its own function.
         roles: one ``Role`` per child.
         timeout: seconds for all children together; then every child still running is
             killed (with its own children) and ``LaunchTimeout`` is raised.
@@ -266,14 +269,20 @@ def launch(fn: Callable[..., Any] | str, roles: Sequence[Role], *, timeout: floa
     from .world import serve
 
     roles = list(roles)
-    ref = _fn_ref(fn)
+    if isinstance(fn, (str, bytes)) or callable(fn):
+        refs = [_fn_ref(fn)] * len(roles)
+    else:
+        refs = [_fn_ref(f) for f in fn]
+        if len(refs) != len(roles):
+            raise ValueError(f"launch got {len(refs)} functions for {len(roles)} roles: pass "
+                             f"one function, or one per role")
     json_args = json.loads(json.dumps(list(args)))
     results = [Result(role=r, launch_index=i) for i, r in enumerate(roles)]
     procs: list[subprocess.Popen | None] = [None] * len(roles)
     with tempfile.TemporaryDirectory(prefix="xreshard-launch-") as tmp, serve(host) as server:
         try:
             for i, role in enumerate(roles):
-                spec = {"fn": ref, "args": json_args, "address": server.address,
+                spec = {"fn": refs[i], "args": json_args, "address": server.address,
                         "role": role.to_json(), "launch_index": i,
                         "roles": [r.to_json() for r in roles], "world_id": world_id,
                         "result": os.path.join(tmp, f"result{i}.json"), "sys_path": sys.path}
@@ -305,13 +314,14 @@ def launch(fn: Callable[..., Any] | str, roles: Sequence[Role], *, timeout: floa
 
     timed_out = [r for r in results if r.timed_out]
     failed = [r for r in results if not r.ok and not r.timed_out]
+    what = ", ".join(dict.fromkeys(_fn_name(ref) for ref in refs))
     if timed_out:
         raise LaunchTimeout(
-            f"launch of {_fn_name(ref)}: {len(timed_out)} of {len(results)} children still "
+            f"launch of {what}: {len(timed_out)} of {len(results)} children still "
             f"running after {timeout} s, killed:\n"
             + "\n".join(r.describe() for r in timed_out + failed), results)
     if failed and check:
-        raise LaunchError(f"launch of {_fn_name(ref)}: {len(failed)} of {len(results)} "
+        raise LaunchError(f"launch of {what}: {len(failed)} of {len(results)} "
                           f"children failed:\n" + "\n".join(r.describe() for r in failed),
                           results)
     return results
