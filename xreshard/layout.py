@@ -27,6 +27,7 @@ import json
 import math
 from bisect import bisect_right
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
 from .dtypes import dtype_name
@@ -243,6 +244,145 @@ class Layout:
                              for r in regions)) for rank, regions in self.explicit))
         return Layout(shape, self.dtype, self.mesh,
                       tuple(Split(inverse[sp.dim], sp.axis, sp.split_factor) for sp in self.splits))
+
+    def _view(self, op: str, key: tuple, make: Callable[[], Any]) -> Any:
+        """``make()`` for a view method (product form only), memoized under ``key``."""
+        if self.explicit is not None:
+            raise LayoutError(f"{op} needs a product-form layout; {self} is explicit form")
+        got = self._cache.get(key)
+        if got is None:
+            got = self._cache[key] = make()
+        return got
+
+    def sliced(self, dim: int, start: int, stop: int) -> tuple[Layout, Mapping[int, slice]]:
+        """The layout of ``x[start:stop]`` along ``dim`` and, per rank holding it, the slice
+        of ``dim`` of its local array. A ``dim`` split (evenly, by one mesh axis) is sliced in
+        one block or as whole blocks, held by their ranks. 8 rows on ``tp=4``::
+
+            # rank | rows | [2:4] local | [4:8] local
+            #    1 | 2:4  | [0:2]       | -
+            #    2 | 4:6  | -           | [:] (rows 0:2 of the result)
+
+        Raises:
+            LayoutError: explicit form, out of range, or a split dim cut across its blocks.
+        """
+        if not 0 <= dim < self.ndim or not 0 <= start <= stop <= self.shape[dim]:
+            raise LayoutError(f"slice [{start}:{stop}] of dim {dim} is outside {self}")
+        return self._view("slice", ("sliced", dim, start, stop),
+                          lambda: self._sliced(dim, start, stop))
+
+    def _sliced(self, dim: int, start: int, stop: int) -> tuple[Layout, Mapping[int, slice]]:
+        mesh, axes, n = self.mesh, self.dim_axes(dim), self.shape[dim]
+        shape = self.shape[:dim] + (stop - start,) + self.shape[dim + 1:]
+        if not axes or n == 0:
+            return (Layout(shape, self.dtype, mesh, self.splits),
+                    MappingProxyType(dict.fromkeys(mesh.ranks, slice(start, stop))))
+        ways = math.prod(mesh.shape[a] for a in axes)
+        block = n // ways
+        k0 = min(start // block, ways - 1)
+        k1 = max(-(-stop // block), k0 + 1)
+        if len(axes) > 1 or n % ways or any(sp.split_factor > 1 for sp in self.splits
+                                            if sp.dim == dim) or (
+                k1 - k0 > 1 and (start % block or stop % block)):
+            raise LayoutError(
+                f"slices [{start}:{stop}] of dim {dim} (size {n}), which mesh axes "
+                f"{[mesh.axis_label(a) for a in axes]} split into blocks of {block}; a slice of "
+                "a split dim must lie in one block or be whole blocks of one axis (an even "
+                "split) - split another dim, or align the slice with the blocks")
+        (ax,) = axes
+        ranks = tuple(r for r in mesh.ranks if k0 <= mesh.coord(r)[ax] < k1)   # row-major
+        sub = Mesh(mesh.shape[:ax] + (k1 - k0,) + mesh.shape[ax + 1:], ranks, mesh.axis_names)
+        local = slice(start - k0 * block, stop - k0 * block) if k1 - k0 == 1 else slice(None)
+        return Layout(shape, self.dtype, sub, self.splits), MappingProxyType(dict.fromkeys(
+            ranks, local))
+
+    def selected(self, dim: int, index: int) -> tuple[Layout, Mapping[int, int]]:
+        """The layout of ``x[index]`` along ``dim`` (dropped) and, per rank holding it, the
+        position of ``index`` in its local array; axes splitting ``dim`` leave the mesh.
+        Expert 5 of 8 stacked experts on ``ep=4``::
+
+            # rank | experts | local index of expert 5
+            #    2 | 4:6     | 1
+
+        Raises:
+            LayoutError: explicit form, or ``dim`` or ``index`` out of range.
+        """
+        if not 0 <= dim < self.ndim or not 0 <= index < self.shape[dim]:
+            raise LayoutError(f"index {index} of dim {dim} is outside {self}")
+        return self._view("select", ("selected", dim, index), lambda: self._selected(dim, index))
+
+    def _selected(self, dim: int, index: int) -> tuple[Layout, Mapping[int, int]]:
+        mesh, axes = self.mesh, self.dim_axes(dim)
+        shape = self.shape[:dim] + self.shape[dim + 1:]
+        keep = [a for a in range(mesh.ndim) if a not in axes]
+        renumber = {a: k for k, a in enumerate(keep)}
+        splits = tuple(Split(sp.dim - (sp.dim > dim), renumber[sp.axis], sp.split_factor)
+                       for sp in self.splits if sp.dim != dim)
+        local = {}
+        for r in mesh.ranks:
+            pos = 0
+            for a, b in self.dim_intervals(r)[dim]:
+                if a <= index < b:
+                    local[r] = pos + index - a
+                pos += b - a
+        ranks = tuple(local)           # the holders, in mesh order: the kept axes row-major
+        names = None if mesh.axis_names is None else tuple(mesh.axis_names[a] for a in keep)
+        sub = Mesh(tuple(mesh.shape[a] for a in keep), ranks, names) if keep else \
+            Mesh((1,), ranks)
+        return Layout(shape, self.dtype, sub, splits), MappingProxyType(local)
+
+    def reshaped(self, shape: Sequence[int]) -> Layout:
+        """The layout of ``x.reshape(shape)`` (no ``-1``): dims pair up in runs of equal
+        products, and only a run's major (outermost non-1) dim may be split - evenly, unless
+        the run is one dim to one dim. ``[8, 4, 6]``, ``tp`` on dim 0: ``[32, 6]``, ``tp``
+        on dim 0; ``tp`` on dim 2: refused (a rank's block would be no box).
+
+        Raises:
+            LayoutError: explicit form, another size, an empty tensor, or shards cut apart.
+        """
+        old, new = self.shape, tuple(int(n) for n in shape)
+        if math.prod(old) != math.prod(new) or min(new, default=0) < 0:
+            raise LayoutError(f"cannot reshape {old} to {new}: the sizes differ")
+        if 0 in old:
+            raise LayoutError(f"cannot reshape an empty tensor {old}: its splits are ambiguous")
+        return self._view("reshape", ("reshaped", new), lambda: self._reshaped(new))
+
+    def _reshaped(self, new: tuple[int, ...]) -> Layout:
+        old, runs, i, j = self.shape, [], 0, 0
+        while i < len(old) and j < len(new):
+            od, nd, po, pn = [i], [j], old[i], new[j]
+            i, j = i + 1, j + 1
+            while po != pn:
+                if po < pn:
+                    po, i = po * old[i], i + 1
+                    od.append(i - 1)
+                else:
+                    pn, j = pn * new[j], j + 1
+                    nd.append(j - 1)
+            runs.append((od, nd))
+        if runs:                                 # trailing size-1 dims join the last run
+            runs[-1][0].extend(range(i, len(old)))
+            runs[-1][1].extend(range(j, len(new)))
+        splits = []
+        for od, nd in runs:
+            split_dims = [d for d in od if self.dim_axes(d)]
+            if not split_dims:
+                continue
+            major_old = next((d for d in od if old[d] > 1), od[0])
+            major_new = next((d for d in nd if new[d] > 1), nd[0])
+            moved = [sp for sp in self.splits if sp.dim == major_old]
+            ways = math.prod(self.mesh.shape[sp.axis] for sp in moved)
+            whole = old[major_old] == new[major_new] == math.prod(new[d] for d in nd)
+            if split_dims != [major_old] or not whole and (
+                    old[major_old] % ways or new[major_new] % ways
+                    or any(sp.split_factor > 1 for sp in moved)):
+                axes = [self.mesh.axis_label(a) for d in split_dims for a in self.dim_axes(d)]
+                raise LayoutError(
+                    f"reshape {old} -> {new} would cut the shards of dims {split_dims} (split "
+                    f"by mesh axes {axes}) into non-boxes; only the major dim of a merged or "
+                    "split run of dims may be split, evenly")
+            splits += [Split(major_new, sp.axis, sp.split_factor) for sp in moved]
+        return Layout(new, self.dtype, self.mesh, tuple(splits))
 
     def with_dtype(self, dtype: object) -> Layout:
         return Layout(self.shape, dtype, self.mesh, self.splits, self.explicit)
