@@ -36,11 +36,9 @@ of vLLM's fused qkv); ``layout.locate(rank, region)`` says where a region sits i
 from __future__ import annotations
 
 import contextlib
-import functools
 import gc
 import logging
 import os
-import queue
 import threading
 import time
 from dataclasses import dataclass, field
@@ -48,19 +46,27 @@ from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
-from .dtypes import ITEMSIZE, as_dtype, bits, bits_dtype, dtype_name, itemsize, numpy_dtype
+from .copies import array_module, copy_into, view_of, widened
+# the device hooks are looked up here at call time (tests replace them on this module)
+from .devices import (Bindings, binding_devices, cast_problems, cuda_preflight, cupy_knows,
+                      cupy_missing, device_of, device_problems)
+from .devices import device_alloc as _device_alloc
+from .devices import device_ctx as _device_ctx
+from .devices import host_alloc as _host_alloc
+from .devices import wait_devices as _wait_devices
+from .dtypes import ITEMSIZE, as_dtype, bits_dtype, dtype_name, itemsize, numpy_dtype
 from .errors import RefitError
 from .layout import Layout, Region
 from .schedule import Bucket, Schedule
-from .transport.base import Transport, TransportTimeout
+from .transport.base import Transport
+from .wire import Wire
 
 logger = logging.getLogger(__name__)
 
-#: (rank, tensor name) -> binding
-Bindings = Mapping[tuple[int, str], Any]
-
-__all__ = ["Bindings", "ExecStats", "Executor", "copy_into", "cuda_preflight",
-           "cupy_knows", "device_of", "gc_paused", "numpy_dtype", "view_of", "widened"]
+__all__ = ["Bindings", "ExecStats", "Executor", "binding_devices", "cast_problems",
+           "copy_into", "cuda_preflight", "cupy_knows", "cupy_missing", "device_of",
+           "device_problems", "gc_paused", "numpy_dtype", "pipelined_by_default", "view_of",
+           "widened"]
 
 
 _GC_LOCK = threading.Lock()
@@ -99,88 +105,15 @@ def gc_paused() -> Any:
                 gc.enable()
 
 
-def _xp(arr: Any) -> Any:
-    """The array module of ``arr``: numpy, or CuPy for device arrays."""
-    if isinstance(arr, np.ndarray):
-        return np
-    import cupy  # only device bindings get here
-    return cupy
-
-
-_TILE = 256
-
-
-def copy_into(xp: Any, out: Any, out_dtype: str, src: Any, src_dtype: str) -> None:
-    """``out[...] = src`` (same shape): bits when the dtypes are equal, values cast otherwise.
-
-    ``out_dtype`` / ``src_dtype`` are the canonical dtypes the arrays hold, whatever the
-    arrays' own dtypes say: a binding may be a raw-bits view (a bf16 tensor seen as
-    ``uint16``), so an equal pair is copied as same-size unsigned ints and never
-    value-cast, on numpy and CuPy alike.
-
-    A 2-D source or destination whose inner dim is the strided one (a transposed Flax
-    kernel) is copied in square tiles so both sides stay in cache: numpy's plain strided
-    copy of a transpose runs at a fraction of memory bandwidth.
-    """
-    if out_dtype == src_dtype:
-        out, src = bits(out), bits(src)
-        if xp is not np:
-            out, src = widened(out, src, _device_ptr)
-        casting = "no"
-    else:
-        out, src = as_dtype(out, out_dtype), as_dtype(src, src_dtype)
-        casting = "unsafe"
-    if xp is np and out.ndim == 2 and out.size > _TILE * _TILE and (
-            src.strides[0] < src.strides[1] or out.strides[0] < out.strides[1]):
-        # 512 x 512 two-byte tiles ran ~20% faster than 256 x 256 here (bf16 kernels)
-        t = 2 * _TILE if out.dtype.itemsize <= 2 else _TILE
-        rows, cols = out.shape
-        for i in range(0, rows, t):
-            for j in range(0, cols, t):
-                np.copyto(out[i:i + t, j:j + t], src[i:i + t, j:j + t], casting=casting)
-        return
-    xp.copyto(out, src, casting=casting)
-
-
-def widened(out: Any, src: Any, ptr: Callable[[Any], int]) -> tuple[Any, Any]:
-    """Same-shape bit views ``(out, src)`` re-viewed with the widest unsigned element (up
-    to 8 bytes) that both allow, so a copy kernel moves fewer, larger elements.
-
-    Both must have a contiguous last dim whose byte length, every other stride and the data
-    pointer (``ptr(arr)``) divide by the new size: a bf16 region with 16 KiB runs copies as
-    uint64, 4x fewer elements. Anything else (a transposed view) comes back unchanged.
-    """
-    k = out.dtype.itemsize
-    if out.ndim == 0 or out.size == 0 or k >= 8:
-        return out, src
-    row = out.shape[-1] * k
-    for w in (8, 4, 2):
-        if w <= k:
-            break
-        if row % w == 0 and all(a.strides[-1] == k and ptr(a) % w == 0
-                                and all(st % w == 0 for st in a.strides[:-1])
-                                for a in (out, src)):
-            wide = bits_dtype(w)
-            return out.view(wide), src.view(wide)
-    return out, src
-
-
-def _device_ptr(arr: Any) -> int:
-    return int(arr.data.ptr)
-
-
-def view_of(binding: Any, layout: Layout, rank: int, region: Region) -> Any:
-    """The part of ``binding`` (held by ``rank``) that stores ``region``."""
-    i, slices = layout.locate(rank, region)
-    arr = binding if layout.is_product else binding[i]
-    return arr[slices + (Ellipsis,)]
-
 
 @dataclass
 class ExecStats:
     """What one process moved in one run."""
 
     bytes_sent: int = 0
+    """Bytes sent of this process's own sources (forwards are ``bytes_forwarded``)."""
+    bytes_forwarded: int = 0
+    """Bytes sent of ``forwarded`` tensors: what this run received and passed on."""
     bytes_received: int = 0
     bytes_local: int = 0
     num_messages: int = 0
@@ -225,13 +158,21 @@ class Executor:
         staging_bytes: the most staging one rank may hold; the pipelined arena (two
             rounds) stays within it times the ranks sharing the arena, else rounds run one
             after another. None: no cap.
+        forwarded: source tensors whose bindings are this run's own destination memory
+            (a relay forwards what it received, see :mod:`xreshard.relay`). The schedule
+            puts each of their sends in a round after the one that writes its bytes; the
+            executor sends them only once the earlier rounds landed (the pipelined path
+            waits for them instead of packing ahead), runs their same-rank copies after
+            every round, and counts them in ``ExecStats.bytes_forwarded``.
+        arena: staging to reuse (another executor's :attr:`arena`), or None.
     """
 
     def __init__(self, schedule: Schedule, src_layouts: Mapping[str, Layout],
                  dst_layouts: Mapping[str, Layout], wire_dtypes: Mapping[str, str],
                  src_bindings: Bindings, dst_bindings: Bindings, transport: Transport,
                  timeout: float, alloc: Callable[[int], Any] | None = None,
-                 pipeline: bool | None = None, staging_bytes: int | None = None):
+                 pipeline: bool | None = None, staging_bytes: int | None = None,
+                 forwarded: frozenset[str] = frozenset(), arena: Any = None):
         self.schedule = schedule
         self.src_layouts = src_layouts
         self.dst_layouts = dst_layouts
@@ -247,7 +188,16 @@ class Executor:
         self._programs = _programs_for(schedule, src_layouts, dst_layouts, wire_dtypes)
         self.staging_bytes = staging_bytes
         #: staging per CUDA device ordinal (None: host memory), reused across runs
-        self._arena: dict[int | None, Any] = {}
+        self._arena: dict[int | None, Any] = {} if arena is None else arena
+        self.forwarded = frozenset(forwarded)
+
+    @property
+    def arena(self) -> dict[int | None, Any]:
+        """The staging memory per CUDA device ordinal (None: host memory), kept across runs:
+        hand it to the next executor (``Executor(..., arena=previous.arena)``)."""
+        if self._arena is None:
+            self._arena = {}
+        return self._arena
 
     # ------------------------------------------------------------ views
 
@@ -321,7 +271,7 @@ class Executor:
 
     def _pack(self, b: Bucket, buf: Any) -> None:
         bindings = self.src_bindings
-        xp = _xp(buf)
+        xp = array_module(buf)
         if xp is np and len(b.items) > 1:
             return self._pack_runs(b, buf)
         for key, i, sl, lo, hi, wide, shape, wire, dtype in self._program(b, 0):
@@ -366,14 +316,14 @@ class Executor:
             arr = bindings[key]
             dst = (arr if i is None else arr[i])[sl]
             data = buf[lo:hi].view(wide).reshape(shape)
-            copy_into(_xp(dst), dst, dtype, data, wire)
+            copy_into(array_module(dst), dst, dtype, data, wire)
 
     def _local_copy(self, t: Any) -> int:
         src = self._src(t.src, t.name, t.region)
         dst = self._dst(t.dst, t.name, t.region)
         wire = self.wire[t.name]
         src_dtype, dst_dtype = self.src_layouts[t.name].dtype, self.dst_layouts[t.name].dtype
-        xp = _xp(dst)
+        xp = array_module(dst)
         if src_dtype != wire and dst_dtype != wire:
             # the cast the wire would have made, then the receiver's
             src, src_dtype = as_dtype(src, src_dtype).astype(numpy_dtype(wire)), wire
@@ -384,7 +334,7 @@ class Executor:
 
     def _devices(self) -> dict[int, int | None]:
         """CUDA device ordinal of each local rank's bindings (None: host memory)."""
-        return binding_devices(self.src_bindings, self.dst_bindings)
+        return binding_devices(self.src_bindings, self.dst_bindings, of=device_of)
 
     def _on(self, rank: int) -> Any:
         """Context for work on ``rank``'s device: ``cupy.cuda.Device`` or nothing."""
@@ -396,7 +346,7 @@ class Executor:
         for side, bindings, layouts in (("send", self.src_bindings, self.src_layouts),
                                         ("receive", self.dst_bindings, self.dst_layouts)):
             problems += cast_problems(bindings, layouts, lambda n: self.wire[n], self._device,
-                                      side)
+                                      side, knows=cupy_knows)
         return sorted(set(problems))
 
     # ------------------------------------------------------------ run
@@ -496,14 +446,13 @@ class Executor:
                 stats.pipelined = True
                 self._pipelined(needs, arena, stats)
             else:
-                for t in self.schedule.local_copies:
-                    with self._on(t.dst):
-                        stats.bytes_local += self._local_copy(t)
+                self._local_copies(stats, forwarded=False)
                 need = self._staging_needed()
                 self._staging(need)
                 stats.staging_bytes = sum(need.values())
                 for buckets in self.schedule.rounds:
                     self._round(buckets, stats)
+                self._local_copies(stats, forwarded=True)
             ok = True
         finally:
             if gpus:    # also after a failure: no copy may still read or write afterwards
@@ -538,6 +487,22 @@ class Executor:
                 stats.bytes_received += b.nbytes
         return recvs, unpack
 
+    def _local_copies(self, stats: ExecStats, forwarded: bool) -> None:
+        """Same-rank copies: those of ``forwarded`` tensors read what the rounds wrote, so
+        they run after every round (``forwarded=True``); the others before or beside."""
+        for t in self.schedule.local_copies:
+            if (t.name in self.forwarded) == forwarded:
+                with self._on(t.dst):
+                    stats.bytes_local += self._local_copy(t)
+
+    def _count_send(self, b: Bucket, stats: ExecStats) -> None:
+        # a bucket holds one stage's tensors only (see relay.overlapped_schedule)
+        if self.forwarded and b.items[0].name in self.forwarded:
+            stats.bytes_forwarded += b.nbytes
+        else:
+            stats.bytes_sent += b.nbytes
+        stats.num_messages += 1
+
     def _round(self, buckets: Sequence[Bucket], stats: ExecStats) -> None:
         tr = time.perf_counter()
         offsets: dict[int | None, int] = {}
@@ -557,8 +522,7 @@ class Executor:
                     else:
                         stats.num_zero_copy += 1
                     self.transport.send(buf, b.src, b.dst, b.tag)
-                    stats.bytes_sent += b.nbytes
-                    stats.num_messages += 1
+                    self._count_send(b, stats)
         for b, buf in unpack:
             with self._on(b.dst):
                 self._unpack(b, buf)
@@ -569,13 +533,21 @@ class Executor:
     def _pipelined(self, needs: list[dict[int | None, int]], arena: dict[int | None, int],
                    stats: ExecStats) -> None:
         """Rounds overlapped: the wire thread runs round k's group while this thread packs
-        round k+1 and unpacks round k-1 (host bindings only)."""
+        round k+1 and unpacks round k-1 (host bindings only).
+
+        A send of a ``forwarded`` tensor reads what an earlier round received: before the
+        first one of round k is packed (or posted in place), every earlier round is waited
+        for and unpacked. Round k's other sends go first, so they still leave early.
+        """
         rounds = self.schedule.rounds
-        wire = _Wire(self.transport, self.timeout)
+        wire = Wire(self.transport, self.timeout)
         pending: dict[int, list[tuple[Bucket, Any]]] = {}
         started: dict[int, float] = {}
+        forwarded = self.forwarded
 
         def finish(k: int) -> None:
+            if k not in pending:
+                return          # already finished for a forward
             wire.wait(k)
             for b, buf in pending.pop(k):
                 self._unpack(b, buf)
@@ -593,138 +565,38 @@ class Executor:
                 recvs, unpack = self._recv_buffers(buckets, offsets, stats)
                 pending[k] = unpack
                 wire.open(k, recvs)
-                for b in buckets:
-                    if b.src in self._local_src:
-                        buf = self._zero_copy_send(b)
-                        if buf is None:
-                            buf = self._take(offsets, b.src, b.nbytes)
-                            self._pack(b, buf)
-                        else:
-                            stats.num_zero_copy += 1
-                        wire.send(buf, b)
-                        stats.bytes_sent += b.nbytes
-                        stats.num_messages += 1
+                sends = [b for b in buckets if b.src in self._local_src]
+                if forwarded:
+                    sends.sort(key=lambda b: b.items[0].name in forwarded)
+                landed = False
+                for b in sends:
+                    if not landed and forwarded and b.items[0].name in forwarded:
+                        for j in sorted(pending):
+                            if j < k:
+                                finish(j)
+                        landed = True
+                    buf = self._zero_copy_send(b)
+                    if buf is None:
+                        buf = self._take(offsets, b.src, b.nbytes)
+                        self._pack(b, buf)
+                    else:
+                        stats.num_zero_copy += 1
+                    wire.send(buf, b)
+                    self._count_send(b, stats)
                 wire.close(k)
                 if k == 0:      # same-rank copies overlap the first round's wire
-                    for t in self.schedule.local_copies:
-                        stats.bytes_local += self._local_copy(t)
+                    self._local_copies(stats, forwarded=False)
             if not rounds:
-                for t in self.schedule.local_copies:
-                    stats.bytes_local += self._local_copy(t)
+                self._local_copies(stats, forwarded=False)
             for k in sorted(pending):
                 finish(k)
+            self._local_copies(stats, forwarded=True)
         except BaseException as e:
             wire.abort(e)
             raise
         finally:
             wire.stop()
 
-
-class _Wire:
-    """The thread that runs an executor's transport groups, one after another.
-
-    The calling thread hands it ``open(k, receives)``, then each send as soon as it is
-    packed, then ``close(k)``; the wire opens round k's group, posts the receives, posts
-    each send as it comes and closes the group (which waits for every post, within the
-    timeout). ``wait(k)`` returns once round k's group exited, or raises what it raised.
-    """
-
-    def __init__(self, transport: Transport, timeout: float):
-        self.transport = transport
-        self.timeout = timeout
-        self._q: queue.SimpleQueue = queue.SimpleQueue()
-        self._done: dict[int, threading.Event] = {}
-        self._error: BaseException | None = None
-        self._failed = threading.Event()
-        self._thread = threading.Thread(target=self._loop, name="xreshard-wire", daemon=True)
-        self._thread.start()
-
-    def open(self, k: int, recvs: list[tuple[Any, Bucket]]) -> None:
-        self._check()
-        self._done[k] = threading.Event()
-        self._q.put(("open", k, recvs))
-
-    def send(self, buf: Any, b: Bucket) -> None:
-        self._check()
-        self._q.put(("send", buf, b))
-
-    def close(self, k: int) -> None:
-        self._q.put(("close", k, None))
-
-    def _check(self) -> None:
-        if self._failed.is_set():
-            assert self._error is not None
-            raise self._error
-
-    def wait(self, k: int) -> None:
-        """Until round k's group exited; raises the wire's error (a timeout names the peer)."""
-        done = self._done[k]
-        # the group bounds its own waits by the timeout; this bound only guards against a
-        # transport that does not
-        deadline = time.monotonic() + 2 * self.timeout + 5.0
-        while not done.wait(0.05):
-            if self._failed.is_set():
-                break
-            if time.monotonic() >= deadline:
-                raise TransportTimeout(f"{self.transport.name}: round {k} did not complete "
-                                       f"within {self.timeout} s (the transport did not "
-                                       f"return from its group)")
-        self._check()
-
-    def abort(self, e: BaseException) -> None:
-        """The calling thread failed: the open group exits with ``e`` (no more posts)."""
-        self._q.put(("abort", e, None))
-
-    def stop(self) -> None:
-        """End the thread once it finished what it was handed (its waits are bounded)."""
-        self._q.put(("stop", None, None))
-        self._thread.join(2 * self.timeout + 5.0)
-
-    def _loop(self) -> None:
-        group = None
-        k = -1
-        while True:
-            op, a, b = self._q.get()
-            if op == "stop":
-                if group is not None:       # never closed: the caller failed
-                    with contextlib.suppress(BaseException):
-                        group.__exit__(RuntimeError, RuntimeError("executor stopped"), None)
-                return
-            if self._failed.is_set():
-                continue                    # drain: nothing more is posted after a failure
-            try:
-                if op == "open":
-                    k = a
-                    group = self.transport.group(self.timeout)
-                    group.__enter__()
-                    for buf, bk in b:
-                        self.transport.recv(buf, bk.src, bk.dst, bk.tag)
-                elif op == "send":
-                    self.transport.send(a, b.src, b.dst, b.tag)
-                elif op == "close":
-                    g, group = group, None
-                    g.__exit__(None, None, None)
-                    self._done[a].set()
-                elif op == "abort":
-                    g, group = group, None
-                    if g is not None:
-                        with contextlib.suppress(BaseException):
-                            g.__exit__(type(a), a, a.__traceback__)
-                    self._fail(a)
-            except BaseException as e:      # noqa: BLE001 - raised in the calling thread
-                if group is not None and op != "close":
-                    g, group = group, None
-                    with contextlib.suppress(BaseException):
-                        g.__exit__(type(e), e, e.__traceback__)
-                group = None
-                self._fail(e)
-                if k in self._done:
-                    self._done[k].set()
-
-    def _fail(self, e: BaseException) -> None:
-        if self._error is None:
-            self._error = e
-        self._failed.set()
 
 
 #: id(schedule) -> (schedule, src layouts, dst layouts, wire dtypes, programs): the pack
@@ -764,225 +636,3 @@ def _aligned(n: int) -> int:
     return -(-n // _ALIGN) * _ALIGN
 
 
-def _device_ctx(dev: int | None) -> Any:
-    """``cupy.cuda.Device(dev)`` (CuPy kernels and allocations go to the current device),
-    or nothing for host memory."""
-    if dev is None:
-        return contextlib.nullcontext()
-    import cupy
-    return cupy.cuda.Device(dev)
-
-
-def _host_alloc(n: int) -> Any:
-    return np.empty(n, np.uint8)
-
-
-def _device_alloc(n: int) -> Any:
-    import cupy
-    return cupy.empty(n, np.uint8)
-
-
-def _where(dev: int | None) -> str:
-    return "host memory" if dev is None else f"CUDA device {dev}"
-
-
-def device_of(arr: Any) -> int | None:
-    """CUDA device ordinal of a CuPy array, None for a numpy (host) array."""
-    if isinstance(arr, np.ndarray):
-        return None
-    device = getattr(arr, "device", None)       # cupy.ndarray.device: a cupy.cuda.Device
-    if device is None or not hasattr(device, "id"):
-        raise RefitError(f"a binding is a {type(arr).__module__}.{type(arr).__name__}; "
-                         "bindings are numpy arrays (host) or CuPy arrays (CUDA)")
-    return int(device.id)
-
-
-def _wait_devices(devices: Sequence[int], deadline: float, timeout: float) -> None:
-    """Wait on the host until every copy queued so far on each device's current CuPy
-    stream ran: an event recorded there, polled with the run's deadline."""
-    import cupy
-    events = []
-    for dev in devices:
-        with cupy.cuda.Device(dev):
-            ev = cupy.cuda.Event(block=False, disable_timing=True)
-            ev.record()                     # on this device's current stream
-            events.append((dev, ev))
-    interval = 1e-5
-    while True:
-        late = [dev for dev, ev in events if not ev.done]
-        if not late:
-            return
-        if time.monotonic() >= deadline:
-            raise TransportTimeout(
-                f"the refit's copies on CUDA device(s) {late} did not finish within "
-                f"{timeout} s; the GPU is stuck or oversubscribed")
-        time.sleep(interval)
-        interval = min(interval * 2, 2e-3)
-
-
-# ---------------------------------------------------------------------------- CUDA checks
-
-_BF16_NEEDS = "CuPy >= 14 with ml_dtypes and numpy >= 2.1.2"
-
-
-@functools.lru_cache(maxsize=None)
-def cupy_knows(name: str) -> bool:
-    """Whether CuPy's kernels (and DLPack import) handle the canonical dtype ``name``.
-
-    bf16 needs CuPy >= 14 with ml_dtypes and numpy >= 2.1.2 (CuPy enables its bf16 loops
-    only then); float8 is never computed by CuPy. Either still moves as bits.
-    """
-    if name.startswith("float8"):
-        return False
-    if name != "bfloat16":
-        return True
-    try:
-        from cupy._util import bf16_loop    # CuPy >= 14: () when bf16 is off
-    except ImportError:
-        return False
-    return bool(bf16_loop())
-
-
-def cupy_missing(name: str) -> str:
-    """Why CuPy cannot compute with ``name``, and what to do."""
-    if name.startswith("float8"):
-        return "CuPy has no float8 kernels (float8 moves as bytes, but is never cast here)"
-    import importlib.metadata as md
-    try:
-        import cupy
-        have = f"CuPy {cupy.__version__}"
-    except ImportError:
-        have = "no CuPy"
-    try:
-        have += f", numpy {np.__version__}, ml_dtypes {md.version('ml_dtypes')}"
-    except md.PackageNotFoundError:
-        have += f", numpy {np.__version__}, no ml_dtypes"
-    return f"{name} arithmetic needs {_BF16_NEEDS} (found {have})"
-
-
-_PREFLIGHT_DONE: set[int] = set()
-
-
-def cuda_preflight(device: int) -> None:
-    """Once per process and device: compile and run what the executor runs on a GPU.
-
-    A strided copy (pack/unpack) and, where CuPy can, an fp32 -> bf16 cast. CuPy compiles
-    kernels with NVRTC at first use; a missing ``libnvrtc``, CUDA headers or a driver too
-    old for the CuPy build would otherwise surface in the middle of a refit, after peers
-    started sending.
-
-    Raises:
-        RefitError: naming what is missing and the packages that bring it.
-    """
-    if device in _PREFLIGHT_DONE:
-        return
-    from .transport.nccl import install_hint
-    try:
-        import cupy
-    except ImportError as e:
-        raise RefitError(f"device bindings need CuPy: {install_hint()}") from e
-    step = "allocating on the device"
-    try:
-        with cupy.cuda.Device(device):
-            a = cupy.arange(64, dtype=cupy.uint16).reshape(8, 8)
-            step = "compiling a copy kernel (NVRTC)"
-            out = cupy.empty((8, 4), dtype=cupy.uint16)
-            cupy.copyto(out, a[:, ::2], casting="no")
-            step = "running a copy kernel"
-            if out.get().tolist() != a.get()[:, ::2].tolist():
-                raise RuntimeError("a strided copy returned wrong values")
-            if cupy_knows("bfloat16"):
-                step = "compiling a bf16 cast kernel (NVRTC, cuda_bf16.h)"
-                bf16 = numpy_dtype("bfloat16")
-                x = cupy.asarray(np.array([1.0, -2.5, 6.84375], np.float32))
-                y = cupy.empty(3, dtype=bf16)
-                cupy.copyto(y, x, casting="unsafe")
-                if y.view(cupy.uint16).get().tolist() != \
-                        np.array([1.0, -2.5, 6.84375], np.float32).astype(bf16) \
-                        .view(np.uint16).tolist():
-                    raise RuntimeError("an fp32 -> bf16 cast returned wrong bits")
-            cupy.cuda.get_current_stream().synchronize()
-    except Exception as e:
-        raise RefitError(
-            f"CUDA device {device} cannot run the refit's copy kernels: {step} failed: "
-            f"{type(e).__name__}: {e}. CuPy compiles its kernels with NVRTC and needs the "
-            f"CUDA headers and libnvrtc of its CUDA major version: {install_hint()} "
-            f"(they bring NVRTC through cuda-toolkit[nvrtc,cudart]), or install the CUDA "
-            f"toolkit matching the CuPy wheel") from e
-    _PREFLIGHT_DONE.add(device)
-
-
-def binding_devices(*sides: Bindings) -> dict[int, int | None]:
-    """CUDA device ordinal of each rank's bindings over ``sides`` (None: host memory).
-
-    Raises:
-        RefitError: a rank has bindings on two devices.
-    """
-    out: dict[int, int | None] = {}
-    ndarray = np.ndarray
-    for bindings in sides:
-        for (rank, name), b in bindings.items():
-            if type(b) is ndarray and out.get(rank, 0) is None:
-                continue                # host memory again (the common case, per tensor)
-            arrays = b if isinstance(b, list) else [b]
-            for a in arrays:
-                dev = device_of(a)
-                if out.setdefault(rank, dev) != dev:
-                    raise RefitError(
-                        f"rank {rank} has bindings in two places ({_where(out[rank])} and "
-                        f"{_where(dev)}, tensor {name!r}); a rank is one device - bind "
-                        f"each rank's tensors on its own device")
-    return out
-
-
-def cast_problems(bindings: Bindings, layouts: Mapping[str, Layout],
-                  wire: Callable[[str], str], devices: Mapping[int, int | None],
-                  side: str) -> list[str]:
-    """Casts between a binding's dtype and its wire dtype that would run on a GPU where
-    CuPy cannot compute them."""
-    problems = []
-    for (rank, name) in bindings:
-        if devices.get(rank) is None or name not in layouts:
-            continue
-        have, want = layouts[name].dtype, wire(name)
-        if have == want:
-            continue
-        for d in (have, want):
-            if not cupy_knows(d):
-                problems.append(f"{name!r} ({side}, rank {rank}): {have} <-> {want} on CUDA "
-                                f"device {devices[rank]}: {cupy_missing(d)}")
-                break
-    return problems
-
-
-def device_problems(sides: Mapping[str, tuple[Bindings, Mapping[str, Layout]]],
-                    wire: Callable[[str, str], str]) -> list[str]:
-    """What would make this process's part of a refit fail on its devices, found before
-    any byte moves (so the refit can refuse it on every rank): bindings of one rank on
-    two devices, casts CuPy cannot run, a device whose copy kernels do not compile.
-
-    Args:
-        sides: ``{"send" | "receive": (bindings, layouts)}``.
-        wire: ``wire(side, name)`` -> the wire dtype of that tensor.
-    """
-    try:
-        devices = binding_devices(*(b for b, _ in sides.values()))
-    except RefitError as e:
-        return [str(e)]
-    gpus = sorted({d for d in devices.values() if d is not None})
-    if not gpus:
-        return []
-    problems = []
-    for side, (bindings, layouts) in sides.items():
-        problems += cast_problems(bindings, layouts, lambda n, s=side: wire(s, n), devices,
-                                  side)
-    if problems:
-        return ["casts this refit needs cannot run on the GPU: " + "; ".join(
-            sorted(set(problems))[:10]) + " - send the tensor in its own dtype (wire_dtype), "
-            "or cast it in the framework first"]
-    for dev in gpus:
-        try:
-            cuda_preflight(dev)
-        except (ImportError, RuntimeError, RefitError) as e:
-            problems.append(str(e))
-    return problems

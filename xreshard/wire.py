@@ -1,0 +1,126 @@
+"""The wire thread of the pipelined executor (see :mod:`xreshard.execute`).
+
+Only this thread ever touches the transport while a pipelined run is in progress, so a
+transport needs nothing beyond the grouped protocol of ``transport/base.py`` (NCCL's
+groupStart/End semantics hold: the wire opens a group, posts, closes it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import queue
+import threading
+import time
+from typing import Any
+
+from .schedule import Bucket
+from .transport.base import Transport, TransportTimeout
+
+__all__ = ["Wire"]
+
+
+class Wire:
+    """The thread that runs an executor's transport groups, one after another.
+
+    The calling thread hands it ``open(k, receives)``, then each send as soon as it is
+    packed, then ``close(k)``; the wire opens round k's group, posts the receives, posts
+    each send as it comes and closes the group (which waits for every post, within the
+    timeout). ``wait(k)`` returns once round k's group exited, or raises what it raised.
+    """
+
+    def __init__(self, transport: Transport, timeout: float):
+        self.transport = transport
+        self.timeout = timeout
+        self._q: queue.SimpleQueue = queue.SimpleQueue()
+        self._done: dict[int, threading.Event] = {}
+        self._error: BaseException | None = None
+        self._failed = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="xreshard-wire", daemon=True)
+        self._thread.start()
+
+    def open(self, k: int, recvs: list[tuple[Any, Bucket]]) -> None:
+        self._check()
+        self._done[k] = threading.Event()
+        self._q.put(("open", k, recvs))
+
+    def send(self, buf: Any, b: Bucket) -> None:
+        self._check()
+        self._q.put(("send", buf, b))
+
+    def close(self, k: int) -> None:
+        self._q.put(("close", k, None))
+
+    def _check(self) -> None:
+        if self._failed.is_set():
+            assert self._error is not None
+            raise self._error
+
+    def wait(self, k: int) -> None:
+        """Until round k's group exited; raises the wire's error (a timeout names the peer)."""
+        done = self._done[k]
+        # the group bounds its own waits by the timeout; this bound only guards against a
+        # transport that does not
+        deadline = time.monotonic() + 2 * self.timeout + 5.0
+        while not done.wait(0.05):
+            if self._failed.is_set():
+                break
+            if time.monotonic() >= deadline:
+                raise TransportTimeout(f"{self.transport.name}: round {k} did not complete "
+                                       f"within {self.timeout} s (the transport did not "
+                                       f"return from its group)")
+        self._check()
+
+    def abort(self, e: BaseException) -> None:
+        """The calling thread failed: the open group exits with ``e`` (no more posts)."""
+        self._q.put(("abort", e, None))
+
+    def stop(self) -> None:
+        """End the thread once it finished what it was handed (its waits are bounded)."""
+        self._q.put(("stop", None, None))
+        self._thread.join(2 * self.timeout + 5.0)
+
+    def _loop(self) -> None:
+        group = None
+        k = -1
+        while True:
+            op, a, b = self._q.get()
+            if op == "stop":
+                if group is not None:       # never closed: the caller failed
+                    with contextlib.suppress(BaseException):
+                        group.__exit__(RuntimeError, RuntimeError("executor stopped"), None)
+                return
+            if self._failed.is_set():
+                continue                    # drain: nothing more is posted after a failure
+            try:
+                if op == "open":
+                    k = a
+                    group = self.transport.group(self.timeout)
+                    group.__enter__()
+                    for buf, bk in b:
+                        self.transport.recv(buf, bk.src, bk.dst, bk.tag)
+                elif op == "send":
+                    self.transport.send(a, b.src, b.dst, b.tag)
+                elif op == "close":
+                    g, group = group, None
+                    g.__exit__(None, None, None)
+                    self._done[a].set()
+                elif op == "abort":
+                    g, group = group, None
+                    if g is not None:
+                        with contextlib.suppress(BaseException):
+                            g.__exit__(type(a), a, a.__traceback__)
+                    self._fail(a)
+            except BaseException as e:      # noqa: BLE001 - raised in the calling thread
+                if group is not None and op != "close":
+                    g, group = group, None
+                    with contextlib.suppress(BaseException):
+                        g.__exit__(type(e), e, e.__traceback__)
+                group = None
+                self._fail(e)
+                if k in self._done:
+                    self._done[k].set()
+
+    def _fail(self, e: BaseException) -> None:
+        if self._error is None:
+            self._error = e
+        self._failed.set()
