@@ -5,10 +5,10 @@ A JAX process (4 CPU devices) sends ``--tensors`` tiny float32 tensors (16 x 8,
 negligible (~1.5 MiB), so a call's time is its fixed cost: binding (a layout per tensor),
 the checks, two metadata all-gathers, the executor's bookkeeping. Calls alternate between
 
-* warm: the adapters' layout memo (``xreshard.layout.LayoutMemo``) hands back the
-  layouts of the last call, as every refit after the first finds it;
-* cold: the memo is switched off (``enabled = False``) for the call, so every layout is
-  built anew, as before the memo existed,
+* warm: the refit's layout memo (``Refit.layout_memo``) hands back the layouts of the last
+  call, as every refit after the first finds it;
+* cold: the refit is given a switched-off memo (``enabled = False``) for the call, so every
+  layout is built anew, as before the memo existed,
 
 in the same processes, and the script prints the median of each and their ratio.
 
@@ -40,9 +40,12 @@ if str(ROOT) not in sys.path:
 SHAPE = (16, 8)
 
 
-def _calls(refit: Any, side: dict, memo: Any, reps: int,
-           profile: int = 0) -> dict[str, Any]:
+def _calls(refit: Any, side: dict, reps: int, profile: int = 0) -> dict[str, Any]:
+    from xreshard.layout import LayoutMemo
+
     out: dict[str, Any] = {"warm": [], "cold": [], "warm_cpu": [], "cold_cpu": []}
+    warm_memo, cold_memo = refit.layout_memo, LayoutMemo()
+    cold_memo.enabled = False
     refit(**side)                                   # plans; the memo fills
     if os.environ.get("BENCH_GC_FREEZE"):
         import gc
@@ -62,7 +65,7 @@ def _calls(refit: Any, side: dict, memo: Any, reps: int,
         out["profile"] = buf.getvalue()
     for _ in range(reps):
         for kind in ("warm", "cold"):
-            memo.enabled = kind == "warm"
+            refit.layout_memo = warm_memo if kind == "warm" else cold_memo
             t0, c0 = time.perf_counter(), time.process_time()
             refit(**side)
             out[kind].append(time.perf_counter() - t0)
@@ -80,7 +83,6 @@ def child(ctx: Any, n: int, reps: int, profile: int = 0) -> dict[str, Any]:
     if ctx.role.group == "trainer":
         import jax
         from jax.sharding import NamedSharding, PartitionSpec as P
-        from xreshard.adapters import jax as memo_owner
 
         mesh = jax.make_mesh((4,), ("tp",), devices=jax.local_devices())
         value = np.arange(np.prod(SHAPE), dtype=np.float32).reshape(SHAPE)
@@ -90,7 +92,6 @@ def child(ctx: Any, n: int, reps: int, profile: int = 0) -> dict[str, Any]:
         import torch
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.tensor import DTensor, Shard
-        from xreshard.adapters import torch as memo_owner
 
         torch_group(ctx, 2, ctx.role.index, "rollout")
         mesh = init_device_mesh("cpu", (2,))
@@ -99,7 +100,7 @@ def child(ctx: Any, n: int, reps: int, profile: int = 0) -> dict[str, Any]:
                                                          run_check=False) for i in range(n)}}
     refit = xr.Refit(world, config=xr.RefitConfig(timeout=300), **side)
     try:
-        out = _calls(refit, side, memo_owner._MEMO, reps, profile)
+        out = _calls(refit, side, reps, profile)
         # one metadata round trip (what refit/check and refit/outcome each cost)
         world.barrier(timeout=300)
         out["round_trip"] = []
@@ -119,8 +120,9 @@ def naming(reps: int) -> None:
     import jax
     import numpy as np
     from jax.sharding import NamedSharding, PartitionSpec as P
-    from xreshard.adapters import jax as xjax, vllm_backend as vb
+    from xreshard.adapters import naming, vllm_backend as vb
     from xreshard.adapters.naming import NameMap, jax_llama_rules, jax_moe_rules
+    from xreshard.layout import LayoutMemo
 
     E, D, I, L = 64, 64, 32, 8
     mesh = jax.make_mesh((4, 2), ("ep", "tp"))
@@ -135,16 +137,22 @@ def naming(reps: int) -> None:
     names = NameMap(jax_llama_rules() + jax_moe_rules())
     ranks = {d.id: i for i, d in enumerate(mesh.devices.flat)}
     times: dict[str, list[float]] = {"warm": [], "cold": []}
-    vb.bind_named(tree, names, ranks)
+    warm_memo, cold_memo = LayoutMemo(), LayoutMemo()
+    cold_memo.enabled = False
+    if hasattr(naming, "bind_named"):
+        bind = naming.bind_named
+    else:       # before bind_named moved beside the rules: no memo argument
+        def bind(tree: Any, names: Any, ranks: Any, memo: Any = None) -> Any:
+            return vb.bind_named(tree, names, ranks)
+    bind(tree, names, ranks, memo=warm_memo)
     for _ in range(reps):
         for kind in ("warm", "cold"):
-            if kind == "cold":
-                vb._CHECKED.clear()
-                for f in (vb._select, vb._slice, vb._permuted, vb._reshape):
-                    f.cache_clear()
-            xjax._MEMO.enabled = kind == "warm"
+            if kind == "cold":      # whichever of the backend's caches this version has
+                getattr(vb, "_CHECKED", {}).clear()
+                for f in ("_select", "_slice", "_permuted", "_reshape"):
+                    getattr(getattr(vb, f, None), "cache_clear", lambda: None)()
             t0 = time.perf_counter()
-            bound = vb.bind_named(tree, names, ranks)
+            bound = bind(tree, names, ranks, memo=warm_memo if kind == "warm" else cold_memo)
             times[kind].append(time.perf_counter() - t0)
     warm, cold = statistics.median(times["warm"]), statistics.median(times["cold"])
     print(f"bind_named, {len(bound.layouts)} HF tensors from {L} layers x {E} experts on "

@@ -157,6 +157,85 @@ def torch_receiver(ctx: Any, src_dtype: str, dst_dtype: str, steps: int, wire: A
     return {"checked": checked, "received": report.bytes_received, "version": refit.version}
 
 
+# ---------------------------------------------------------------------------- naming rules
+
+#: trainer path -> (JAX shape, spec on mesh ("a", "b")); HF name -> (shape, from the JAX value)
+RULES_TREE = {"layers/0/attn/q/kernel": ((8, 4, 2), (None, "b")),     # [D, H, hd]
+              "layers/0/mlp/up/kernel": ((8, 6), ("a",)),               # [D, I]
+              "final_norm/scale": ((8,), ())}
+RULES_HF = {"model.layers.0.self_attn.q_proj.weight":
+            ((8, 8), "layers/0/attn/q/kernel", lambda x: x.reshape(8, 8).T),
+            "model.layers.0.mlp.up_proj.weight": ((6, 8), "layers/0/mlp/up/kernel", lambda x: x.T),
+            "model.norm.weight": ((8,), "final_norm/scale", lambda x: x)}
+
+
+def _rules() -> Any:
+    from xreshard.adapters.naming import NameMap, Reshape, Rule, Transpose
+    return NameMap([Rule("layers/{l}/attn/q/kernel", "model.layers.{l}.self_attn.q_proj.weight",
+                         (Reshape(("@0", -1)), Transpose())),
+                    Rule("layers/{l}/mlp/up/kernel", "model.layers.{l}.mlp.up_proj.weight",
+                         (Transpose(),)),
+                    Rule("final_norm/scale", "model.norm.weight")])
+
+
+def jax_rules_sender(ctx: Any, steps: int) -> dict:
+    """A JAX tree under trainer paths, mapped onto HF tensors by ``Refit(rules=...)``."""
+    import jax
+    from jax.sharding import NamedSharding, PartitionSpec as P
+    import xreshard as xr
+
+    world = ctx.join(groups=["trainer", "rollout"])
+    mesh = jax.make_mesh((2, 2), ("a", "b"), devices=jax.local_devices())
+
+    def tree(step: int) -> dict:
+        out: dict = {}
+        for path, (shape, spec) in RULES_TREE.items():
+            node = out
+            *parents, leaf = path.split("/")
+            for part in parents:
+                node = node.setdefault(part, {})
+            node[leaf] = jax.device_put(pattern(path, shape, "float32", step),
+                                        NamedSharding(mesh, P(*spec)))
+        out["layers"] = [out["layers"]["0"]]
+        return out
+    refit = xr.Refit(world, send=tree(0), rules=_rules(), config=xr.RefitConfig(timeout=60))
+    reports = [refit(send=tree(step)) for step in range(steps)]
+    world.close()
+    return {"replanned": [r.replanned for r in reports], "names": sorted(refit.plan.src_layouts)}
+
+
+def torch_rules_receiver(ctx: Any, steps: int) -> dict:
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+    import xreshard as xr
+    from xreshard.adapters.torch import tensor_view
+
+    members = sum(r.group == "rollout" for r in ctx.roles)
+    _torch_group(ctx, members, ctx.role.index, "rollout")
+    world = ctx.join(groups=["trainer", "rollout"])
+    mesh = init_device_mesh("cpu", (members,))
+    me = dist.get_rank()
+    state = {}
+    for name, (shape, _, _) in RULES_HF.items():
+        rows = shape[0] // members
+        state[name] = DTensor.from_local(torch.zeros((rows,) + shape[1:]), mesh, [Shard(0)],
+                                         run_check=False)
+    refit = xr.Refit(world, receive=state, config=xr.RefitConfig(timeout=60))
+    for step in range(steps):
+        refit()
+        for name, (shape, path, hf) in RULES_HF.items():
+            full = hf(pattern(path, RULES_TREE[path][0], "float32", step))
+            rows = shape[0] // members
+            want = np.ascontiguousarray(full[me * rows:(me + 1) * rows])
+            got = tensor_view(state[name].to_local())
+            assert got.tobytes() == want.tobytes(), (name, step)
+    world.close()
+    dist.destroy_process_group()
+    return {"version": refit.version}
+
+
 # ---------------------------------------------------------------------------- torch -> JAX
 
 def torch_sender(ctx: Any, steps: int) -> dict:

@@ -229,25 +229,47 @@ def test_jax_single_device_sharding():
 
 @needs_jax
 def test_jax_bind_hands_back_the_same_layouts_each_call():
-    """The layout memo: a refit re-binding the same arrays gets the same Layout objects
-    (caches warm); another rank map or sharding gets its own."""
+    """The layout memo a refit passes: re-binding the same arrays gets the same Layout
+    objects (caches warm); another rank map or sharding gets its own; a disabled memo builds
+    equal layouts anew. No module state: two memos do not share."""
+    from xreshard.layout import LayoutMemo
     devices = _devices8()[:4]
     mesh = jax.sharding.Mesh(np.array(devices).reshape(2, 2), ("a", "b"))
     tree = {"w": jax.device_put(np.zeros((8, 4), np.float32), NamedSharding(mesh, P("a"))),
             "v": jax.device_put(np.zeros((8, 4), np.float32), NamedSharding(mesh, P("b")))}
     ranks = {d.id: i for i, d in enumerate(devices)}
-    first = xjax.bind(tree, "send", ranks=ranks)
-    again = xjax.bind(tree, "send", ranks=dict(ranks))
+    memo = LayoutMemo()
+    first = xjax.bind(tree, "send", ranks=ranks, memo=memo)
+    again = xjax.bind(tree, "send", ranks=dict(ranks), memo=memo)
     assert all(again.layouts[n] is first.layouts[n] for n in tree)
     assert first.layouts["w"] != first.layouts["v"]
-    shifted = xjax.bind(tree, "send", ranks={d: r + 10 for d, r in ranks.items()})
+    shifted = xjax.bind(tree, "send", ranks={d: r + 10 for d, r in ranks.items()}, memo=memo)
     assert shifted.layouts["w"].ranks == (10, 11, 12, 13)
-    xjax._MEMO.enabled = False
-    try:
-        cold = xjax.bind(tree, "send", ranks=ranks)
-    finally:
-        xjax._MEMO.enabled = True
+    cold_memo = LayoutMemo()
+    cold_memo.enabled = False
+    cold = xjax.bind(tree, "send", ranks=ranks, memo=cold_memo)
     assert cold.layouts["w"] == first.layouts["w"] and cold.layouts["w"] is not first.layouts["w"]
+    # without a memo, layouts are still equal (and interned: the same objects)
+    plain = xjax.bind(tree, "send", ranks=ranks)
+    assert plain.layouts["w"] == first.layouts["w"]
+
+
+@needs_jax
+def test_jax_bind_names_a_tree_structure_once_per_cache():
+    devices = _devices8()[:2]
+    mesh = jax.sharding.Mesh(np.array(devices), ("x",))
+    put = lambda: jax.device_put(np.zeros((4, 2), np.float32), NamedSharding(mesh, P("x")))  # noqa: E731
+    ranks = {d.id: i for i, d in enumerate(devices)}
+    cache: dict = {}
+    first = xjax.bind({"a": {"k": put()}}, "send", ranks=ranks, cache=cache)
+    assert list(first.layouts) == ["a/k"]
+    # another structure, another names mapping: names are computed anew
+    other = xjax.bind({"b": [put(), put()]}, "send", ranks=ranks, cache=cache,
+                      names={"b/1": "second"})
+    assert sorted(other.layouts) == ["b/0", "second"]
+    again = xjax.bind({"b": [put(), put()]}, "send", ranks=ranks, cache=cache,
+                      names={"b/1": "renamed"})
+    assert sorted(again.layouts) == ["b/0", "renamed"]
 
 
 @needs_jax

@@ -43,6 +43,17 @@ def test_small_buckets_and_staging_still_exact():
                  args=("float32", "float32", 1, None, config))
 
 
+def test_jax_tree_named_by_rules_to_torch():
+    """``Refit(rules=...)``: trainer paths mapped onto HF tensors (a [D, H, hd] kernel reshaped
+    and transposed, an [in, out] kernel transposed) as views of the JAX shards, bit-exact."""
+    results = launch_mixed([cases.jax_rules_sender, cases.torch_rules_receiver,
+                            cases.torch_rules_receiver], _roles(2), args=(2,))
+    sender = results[0].value
+    assert sender["names"] == sorted(cases.RULES_HF)
+    assert sender["replanned"] == [True, False]
+    assert all(r.value["version"] == 2 for r in results[1:])
+
+
 def test_torch_to_jax():
     roles = [Role("jax", "trainer", 0, num_devices=4), Role("torch", "rollout", 0),
              Role("torch", "rollout", 1)]

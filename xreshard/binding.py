@@ -23,7 +23,7 @@ from .dtypes import dtype_name, numpy_dtype
 from .errors import XreshardError
 from .layout import Layout
 
-__all__ = ["Bindings", "Bound", "binding_problems"]
+__all__ = ["Bindings", "Bound", "binding_problems", "side_problems"]
 
 #: (rank, tensor name) -> binding
 Bindings = Mapping[tuple[int, str], Any]
@@ -220,3 +220,53 @@ def _binding_problems(layouts: Mapping[str, Layout], bindings: Bindings, side: s
     if writes:
         bad.extend(_overlaps(receiving))
     return bad
+
+
+def side_problems(sides: Mapping[str, Bound | None], local_ranks: Iterable[int],
+                  is_local: Callable[[int], bool], wire_dtype: Any) -> list[list[str]]:
+    """This process's own problems with its sides, before any exchange: the adapters'
+    errors, names, :func:`binding_problems`, ranks of other processes, and (only when all
+    that is well) what the devices holding the bindings cannot do.
+
+    Args:
+        sides: ``{"send": Bound | None, "receive": Bound | None}``.
+        local_ranks: this process's world ranks.
+        is_local: whether a world rank is one of this process's.
+        wire_dtype: ``RefitConfig.wire_dtype``.
+
+    Returns:
+        ``[error class name, message]`` entries, for the refit's error exchange.
+    """
+    from .execute import device_problems
+    local_ranks = list(local_ranks)
+    out = []
+    for side, bound in sides.items():
+        if bound is None:
+            continue
+        out += [["RefitError", e] for e in bound.errors]
+        for name in bound.layouts:
+            if not isinstance(name, str):
+                out.append(["RefitError", f"{side} tensor name {name!r} is not a str"])
+        problems = binding_problems(bound.layouts, bound.bindings, side,
+                                    local_ranks=local_ranks)
+        if problems:
+            out.append(["BindingError", f"{side} bindings do not match their layouts: "
+                        + "; ".join(problems[:20])])
+        for rank, _ in bound.bindings:
+            if not is_local(rank):
+                out.append(["BindingError", f"{side} binds world rank {rank}, which is not "
+                            f"one of this process's ranks {local_ranks}"])
+                break
+    if not out:
+        held = {side: (b.bindings, b.layouts) for side, b in sides.items() if b}
+        out += [["RefitError", e] for e in device_problems(
+            held, lambda side, name: _wire_of(name, held[side][1][name], wire_dtype))]
+    return out
+
+
+def _wire_of(name: str, layout: Layout, wire: Any) -> str:
+    """The wire dtype of ``name`` as this process knows it before planning: the cast the
+    config asks for, else the tensor's own dtype (both sides must then agree)."""
+    if isinstance(wire, Mapping):
+        wire = wire.get(name)
+    return dtype_name(wire) if wire is not None else layout.dtype

@@ -1,11 +1,13 @@
 """What a refit learns from every process's metadata, before it plans.
 
-- ``identity_of``: this process's framework ids (torch rank, JAX device ids) for the rank
-  maps;
-- ``framework_of``: which adapter a ``send=`` / ``receive=`` object belongs to;
 - ``merge``: one layout per tensor from every process's description of its side (they
   must agree; plain tensors held whole are unioned, and must agree on shape and dtype);
-- ``fit``: a process's bindings as the merged layouts want them.
+- ``fit``: a process's bindings as the merged layouts want them;
+- ``plan_from``: the plan, from every process's description of both sides, after checking
+  what only the merged layouts can tell.
+
+(Which adapter binds an object, and the framework ids of a process's ranks, are the
+adapters' business: :mod:`xreshard.registry`.)
 
 Pure functions of JSON-able metadata, so every process computes the same result from the
 same gathered descriptions.
@@ -13,51 +15,16 @@ same gathered descriptions.
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Mapping
+from typing import Any, Mapping
 
-from .binding import Bound
-from .errors import RefitError
+import json
+
+from .binding import Bound, binding_problems
+from .errors import BindingError, RefitError
 from .layout import Layout, Mesh, Region
+from .plan import Plan, PlanCache, plan
 
-__all__ = ["fit", "framework_of", "identity_of", "merge"]
-
-
-def identity_of(devices: list[Any], ranks: Iterable[int]) -> dict[str, Any]:
-    """This process's torch rank (when torch.distributed is initialized) and the JAX
-    device id of each of its JAX ranks."""
-    import sys
-    out: dict[str, Any] = {"torch_rank": None, "jax_ids": []}
-    dist = sys.modules.get("torch.distributed")
-    if dist is not None and dist.is_available() and dist.is_initialized():
-        out["torch_rank"] = int(dist.get_rank())
-    jax = sys.modules.get("jax")
-    if jax is not None:
-        for device, rank in zip(devices, ranks):
-            if isinstance(device, jax.Device):
-                out["jax_ids"].append([int(device.id), int(rank)])
-    return out
-
-
-def framework_of(obj: Any) -> str:
-    import sys
-    if obj is None or isinstance(obj, Bound):
-        return "none"
-    torch = sys.modules.get("torch")
-    if torch is not None:
-        if isinstance(obj, torch.nn.Module):
-            return "torch"
-        from_torch = sys.modules.get("xreshard.adapters.torch")
-        sharded = getattr(from_torch, "Sharded", ()) if from_torch else ()
-        if isinstance(obj, Mapping) and obj and all(
-                isinstance(v, torch.Tensor) or (sharded and isinstance(v, sharded))
-                for v in obj.values()):
-            return "torch"
-    jax = sys.modules.get("jax")
-    if jax is not None:
-        leaves = jax.tree_util.tree_leaves(obj)
-        if leaves and all(isinstance(x, (jax.Array, jax.ShapeDtypeStruct)) for x in leaves):
-            return "jax"
-    return "unknown"
+__all__ = ["fit", "merge", "plan_from", "union_layout"]
 
 
 def merge(per_process: list[dict[str, dict]], side: str, world: Any) -> dict[str, Layout]:
@@ -161,3 +128,39 @@ def union_layout(d: dict, parts: dict[int, list]) -> Layout:
         return Layout.replicated(shape, d["dtype"], Mesh((len(ranks),), tuple(ranks)))
     return Layout.explicit_form(shape, d["dtype"], {
         r: [Region(tuple(a), tuple(b)) for a, b in parts[r]] for r in ranks})
+
+
+def plan_from(metas: list[dict], src: Bound | None, dst: Bound | None, world: Any,
+              wire_dtype: Any, cache: PlanCache | None = None) -> Plan:
+    """The plan from every process's description of its sides (identical in every process),
+    after checking what only the merged layouts can tell: equal configs, ranks inside the
+    world, and this process's bindings covering what the merged layouts give its ranks.
+
+    Args:
+        metas: every process's ``{"send": ..., "receive": ..., "config": ...}``.
+        src / dst: this process's sides.
+        world: the world (ranks, processes, topology).
+        wire_dtype: ``RefitConfig.wire_dtype``.
+        cache: plans remembered across replans.
+    """
+    configs = {json.dumps(m["config"], sort_keys=True) for m in metas}
+    if len(configs) > 1:
+        raise RefitError(f"processes pass different RefitConfigs: {sorted(configs)}; "
+                         f"every process must use the same config")
+    src_layouts = merge([m["send"] for m in metas], "send", world)
+    dst_layouts = merge([m["receive"] for m in metas], "receive", world)
+    num_ranks = world.num_ranks
+    for side, layouts in (("send", src_layouts), ("receive", dst_layouts)):
+        for name, lay in layouts.items():
+            outside = [r for r in lay.ranks if not 0 <= r < num_ranks]
+            if outside:
+                raise RefitError(f"{side} layout of {name!r} places ranks {outside[:5]}, "
+                                 f"but world {world.world_id!r} has ranks "
+                                 f"0..{num_ranks - 1}; check the rank map of its mesh")
+    problems = []
+    for side, layouts, bound in (("send", src_layouts, src), ("receive", dst_layouts, dst)):
+        problems += binding_problems(layouts, fit(bound, layouts), side, world.rank_ids)
+    if problems:
+        raise BindingError("bindings do not cover what the merged layouts give this "
+                           "process's ranks: " + "; ".join(problems[:20]))
+    return plan(src_layouts, dst_layouts, topology=world, wire_dtype=wire_dtype, cache=cache)

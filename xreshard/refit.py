@@ -14,13 +14,20 @@ step and raises the same error (same class, same message):
 
 ```
  step           collective (kind)        what it carries
- identity       refit/identity           first call only: torch ranks, JAX device ids
+ identity       refit/identity           first call only: each adapter's framework ids
  bind + check   refit/check              version, layout generation, every bind/check error
  (re)plan       refit/layouts            only when some process's layouts changed
  schedule       refit/schedule           peer counts, planning errors
  move           (transport)
  outcome        refit/outcome            each process's error, checksums (verify=)
 ```
+
+A call that changes nothing (the same layouts everywhere) runs two metadata round trips,
+refit/check before moving and refit/outcome after: the least that still refuses bad input
+on every process before any byte moves.
+
+Objects are bound by the adapter that accepts them (:mod:`xreshard.registry`: the JAX and
+torch bridges, or one a third party registered), or passed as a :class:`Bound`.
 
 Bad input (a ``XreshardError``) is refused at ``refit/check`` or ``refit/schedule``,
 before any byte moves; the world stays usable. A failure while moving (a dead or silent
@@ -40,22 +47,23 @@ sent JAX arrays after a call returns (so the trainer's next step can donate them
 
 from __future__ import annotations
 
-import json
 import logging
 import threading
 import time
 from typing import Any, Callable, Iterable, Mapping
 
-from .binding import Bound, binding_problems
-from .dtypes import dtype_name
+from . import registry
+from .binding import Bound, side_problems
 from .errors import (CommunicationError, RefitError, VerificationError, XreshardError,
                      error_from, error_name)
-from .execute import Executor, device_problems, pipelined_by_default
+from .execute import Executor, pipelined_by_default
 from .config import RefitConfig, RefitReport
-from .layout import Layout
-from .metadata import fit, framework_of, identity_of, merge
-from .plan import Plan, PlanCache, plan
+from .layout import LayoutMemo
+from .metadata import fit, plan_from
+from .plan import Plan, PlanCache
 from .schedule import Schedule, peer_counts, schedule
+from .handle import Background, RefitHandle
+from .stages import Stages, half_schedule, stage2_schedule, stages_of
 
 __all__ = ["Bound", "Refit", "RefitConfig", "RefitHandle", "RefitReport"]
 
@@ -63,6 +71,9 @@ logger = logging.getLogger(__name__)
 
 #: seconds a process that already failed waits for the others' outcomes
 _GRACE = 3.0
+
+#: the name tests and tools knew stage 2's schedule by
+_stage2_schedule = stage2_schedule
 
 
 class _Failed(Exception):
@@ -76,6 +87,18 @@ class _Failed(Exception):
 def _entry(exc: BaseException) -> list[str]:
     """How a local exception crosses processes: [class name, message]."""
     return [error_name(exc), str(exc) or type(exc).__name__]
+
+
+class _Side:
+    """One side (send or receive) of this process, as the last call bound it."""
+
+    def __init__(self, name: str):
+        self.name = name
+        self.obj: Any = None            # what the next argument-less call binds
+        self.adapter: str | None = None  # the adapter of the last bound object
+        self.cache: dict = {}           # that adapter's BindContext.cache
+        self.module: Any = None         # that adapter's module, this call
+        self.dropped: str | None = None  # LABEL of an object the adapter would not keep
 
 
 class Refit:
@@ -93,12 +116,25 @@ class Refit:
         transpose: canonical names whose local tensors are ``[in, out]`` kernels of an
             ``[out, in]`` tensor (Flax ``Dense``); the layout is taken transposed, the
             bytes are read/written through a transposed view.
+        rules: naming rules for a JAX pytree being sent: a
+            ``xreshard.adapters.naming.NameMap`` (or a sequence of its rules), e.g.
+            ``NameMap(jax_llama_rules())``. Trainer paths (``"layers/0/attn/q/kernel"``) are
+            mapped onto canonical (HF) tensors as views of the shards, reshaped, transposed,
+            split or unstacked as the rules say; ``names`` and ``transpose`` are then unused
+            for that side. The adapter applies them (an adapter that cannot refuses them,
+            on every rank, before moving).
         config: a :class:`RefitConfig`.
+
+    Attributes:
+        layout_memo: the layouts the adapters built, by sharding / spec and rank map, kept
+            across calls so a refit every step converts each sharding once. Assign a fresh
+            ``LayoutMemo`` (``enabled = False`` for none) to measure a call without it.
     """
 
     def __init__(self, world: Any, *, send: Any = None, receive: Any = None,
                  names: Mapping[str, str] | Callable[[str], str] | None = None,
-                 transpose: Iterable[str] = (), config: RefitConfig | None = None):
+                 transpose: Iterable[str] = (), rules: Any = None,
+                 config: RefitConfig | None = None):
         if config is not None and not isinstance(config, RefitConfig):
             raise RefitError(f"config must be a RefitConfig, got {type(config).__name__}")
         self.world = world
@@ -106,21 +142,23 @@ class Refit:
         self.version = 0
         self.stale = False
         self.received: Any = None
-        self._send = send
-        self._receive = receive
+        self.layout_memo = LayoutMemo()
+        self._sides = {"send": _Side("send"), "receive": _Side("receive")}
+        self._sides["send"].obj, self._sides["receive"].obj = send, receive
         self._names = names
         self._transpose = frozenset(transpose)
+        self._rules = rules
         self._busy = threading.Lock()
         self._last_layouts: tuple | None = None     # this process's layouts, last call
         self._generation = 0                        # bumped when they change
         self._generations: tuple | None = None      # every process's, at the last plan
         self._plan: Plan | None = None
         self._schedule: Schedule | None = None
-        self._relay: _Stages | None = None           # RefitConfig.relay: the two stages
+        self._half: tuple[Plan, Schedule] | None = None   # the pipelined schedule, per plan
+        self._relay: Stages | None = None           # RefitConfig.relay: the two stages
         self._arena: Any = None                     # staging, reused across calls
         self._cache = PlanCache()
         self._identity: list[dict] | None = None
-        self._sent_jax = False
         self._pipeline: bool | None = None
 
     @property
@@ -157,13 +195,7 @@ class Refit:
         if not self._busy.acquire(blocking=False):
             raise RefitError("this Refit is already running a call in another thread; a "
                              "refit is collective and runs one call at a time")
-        try:
-            with self.world.exclusive("refit"):
-                return self._call(send, receive)
-        except _Failed as f:
-            raise f.error from None
-        finally:
-            self._busy.release()
+        return self._run(send, receive, None)
 
     def start(self, send: Any = None, receive: Any = None) -> RefitHandle:
         """Start one refit in the background and return at once (collective, like a call).
@@ -185,142 +217,69 @@ class Refit:
         if not self._busy.acquire(blocking=False):
             raise RefitError("this Refit is already running a call; wait() for it before "
                              "starting another")
-        handle = RefitHandle(self, send, receive)
-        if self.config.check_writes:      # before the caller's next line can write them
-            handle._versions = _torch_versions(send if send is not None else self._send)
         try:
-            handle._thread.start()
+            # the sent tensors' write counters: before the caller's next line can write them
+            versions = self._write_versions(send if send is not None else
+                                            self._sides["send"].obj) \
+                if self.config.check_writes else None
+            handle = RefitHandle(self, send, receive,
+                                 lambda s, r: self._run(s, r, versions))
+            handle.start()
         except BaseException:
             self._busy.release()
             raise
         return handle
 
-    def _run_started(self, handle: RefitHandle) -> None:
+    def _run(self, send: Any, receive: Any,
+             versions: Mapping[str, int] | None) -> RefitReport:
+        """One call, on a Refit already acquired (``_busy``); releases it."""
         try:
             with self.world.exclusive("refit"):
-                handle._report = self._call(handle._send, handle._receive, handle._versions)
+                return self._call(send, receive, versions)
         except _Failed as f:
-            handle._error = f.error
-        except BaseException as e:      # noqa: BLE001 - raised again from wait()
-            handle._error = e
+            raise f.error from None
         finally:
             self._busy.release()
 
     def _call(self, send: Any, receive: Any,
               versions: Mapping[str, int] | None = None) -> RefitReport:
         t0 = time.perf_counter()
-        timeout = self.config.timeout
         target = self.version + 1
-        if send is not None:
-            self._send = send
-        if receive is not None:
-            self._receive = receive
-        errors: list[list[str]] = []
-        if versions is None:
-            versions = _torch_versions(self._send) if self.config.check_writes else {}
-        if send is None and self._sent_jax:
-            errors.append(["RefitError", "this process sent JAX arrays before and passed no "
-                           "send= now: a Refit keeps no reference to sent JAX arrays (so the "
-                           "trainer can donate them); pass send=params on every call"])
-        src = dst = None
-        try:
-            self._pipeline = None
-            self._pipeline = self._pipelined()
-            maps = self._rank_maps()
-            src = self._bind(self._send, "send", maps)
-            dst = self._bind(self._receive, "receive", maps)
-            errors += self._local_problems(src, dst)
-        except Exception as e:      # noqa: BLE001 - every local failure reaches every rank
-            if isinstance(e, CommunicationError) and self.world.broken:
-                raise       # a collective failed: nobody is in step to hear about it
-            errors.append(_entry(e))
-        finally:
-            self._forget_sent()
+        src, dst, errors, versions = self._bind_sides(send, receive, versions)
         replanned = self._prepare(src, dst, errors, target)
         assert self._plan is not None and self._schedule is not None
         plan_seconds = time.perf_counter() - t0
-
         error: list[str] | None = None
-        stats = stats2 = relay_digests = None
-        digests: Any = None
-        transport = None
-        by_kind: dict[str, int] = {}
+        moved = _Moved()
         self.stale = True
         try:
-            with self.world.limited(timeout):     # creating it (first call) is collective
-                transport = self.world.transport(self.config.transport)
-            relay = self._relay
-            src_bindings = fit(src, self._plan.src_layouts)
-            if relay is None:
-                dst_bindings = fit(dst, self._plan.dst_layouts)
-            else:       # stage 1 writes views of the real destination memory
-                from .relay import stage_views
-                real_dst = fit(dst, relay.dst_layouts)
-                dst_bindings = stage_views(relay.dst_layouts, real_dst,
-                                           relay.layouts.stage1_dst, self.world.rank_ids)
-            # pipelined: two rounds share the staging budget, so rounds of half of it
-            # (every process picks the same: checked at refit/check)
-            pipeline = bool(self._pipeline)
-            sched = self._schedule
-            if pipeline:
-                half = getattr(self, "_half_schedule", None)
-                if half is None or half[0] is not self._plan:
-                    mine = self.world.rank_ids
-                    paired = {r for m in mine for t in self._plan.transfers_for(m)
-                              for r in (t.src, t.dst)}
-                    half = (self._plan, schedule(
-                        self._plan, list(mine), peer_counts(self._plan, sorted(paired)),
-                        bucket_bytes=self.config.bucket_bytes,
-                        staging_bytes=max(1, self.config.staging_bytes // 2)))
-                    self._half_schedule = half
-                sched = half[1]
-            executor = Executor(sched, self._plan.src_layouts, self._plan.dst_layouts,
-                                self._plan.wire_dtypes, src_bindings, dst_bindings,
-                                transport, timeout, pipeline=pipeline,
-                                staging_bytes=self.config.staging_bytes)
-            if self._arena is not None:
-                executor._arena = self._arena       # staging is reused across calls
-            before = dict(getattr(transport, "bytes_by_transport", None) or {})
-            # sources do not change during a refit: their checksums overlap the move
-            sent_half = _Background(lambda: self._digest(src_bindings, {}, target, "send")) \
-                if self.config.verify else None
-            stats = executor.run()
-            self._arena = executor._arena
-            if relay is not None and relay.plan2 is not None:
-                # stage 2 (inside domains): this process's stage 1 is complete, and a
-                # forward leaves only once its sender's own stage 1 completed
-                forwarded = self._forward(relay, sched, pipeline, real_dst, timeout,
-                                          transport, target)
-                stats2, relay_digests = forwarded
-            after = getattr(transport, "bytes_by_transport", None) or {}
-            by_kind = {k: v - before.get(k, 0) for k, v in after.items() if v - before.get(k, 0)}
-            if sent_half is not None:
-                received = self._digest({}, dst_bindings, target, "recv")
-                merged = sent_half.result().merge(received)
-                if relay_digests is not None:
-                    merged = merged.merge(relay_digests)
-                digests = merged.summary
-            if versions:
-                _check_unwritten(self._send, versions)
+            moved = self._move(src, dst, target, versions)
         except Exception as e:      # noqa: BLE001 - reported to the others before raising
             error = _entry(e)
             logger.debug("refit v%d failed here while moving", target, exc_info=True)
-        finally:
-            executor = None         # no reference to the sent arrays survives the call
-        verified = self._commit(error, digests, target)
+        verified = self._commit(error, moved.digests, target)
         if dst is not None and dst.finish is not None:
             self.received = dst.finish()
         self.stale = False
         self.version = target
+        report = self._report(moved, time.perf_counter() - t0, plan_seconds, replanned,
+                              verified)
+        logger.info("%s", report)
+        return report
+
+    def _report(self, moved: _Moved, seconds: float, plan_seconds: float, replanned: bool,
+                verified: int) -> RefitReport:
+        assert self._plan is not None and moved.stats is not None
         moved_world = self._plan.stats.bytes_moved
         gather_broadcast = self._plan.stats.bytes_gather_broadcast
         if self._relay is not None:
             gather_broadcast = self._relay.bytes_gather_broadcast
             if self._relay.plan2 is not None:
                 moved_world += self._relay.plan2.stats.bytes_moved
+        stats, stats2 = moved.stats, moved.stats2
         two = [s for s in (stats, stats2) if s is not None]
-        report = RefitReport(
-            version=self.version, seconds=time.perf_counter() - t0, plan_seconds=plan_seconds,
+        return RefitReport(
+            version=self.version, seconds=seconds, plan_seconds=plan_seconds,
             bytes_sent=stats.bytes_sent, bytes_received=sum(s.bytes_received for s in two),
             bytes_local=sum(s.bytes_local for s in two), bytes_moved_world=moved_world,
             bytes_gather_broadcast_world=gather_broadcast,
@@ -328,33 +287,87 @@ class Refit:
             num_messages=sum(s.num_messages for s in two),
             num_zero_copy=sum(s.num_zero_copy for s in two),
             staging_bytes=max(s.staging_bytes for s in two),
-            replanned=replanned, bytes_by_transport=by_kind or None,
+            replanned=replanned, bytes_by_transport=moved.by_kind or None,
             verified=verified, bytes_forwarded=stats2.bytes_sent if stats2 else 0)
-        logger.info("%s", report)
-        return report
 
-    def _forward(self, relay: _Stages, sched1: Schedule, pipeline: bool, real_dst: dict,
-                 timeout: float, transport: Any, target: int) -> tuple[Any, Any]:
-        """Stage 2 of a relayed refit: forward inside each domain what stage 1 brought.
-        Returns its executor stats and, with ``verify``, its digests (both sides)."""
-        from .relay import stage_views
-        sched = relay.schedules.get(pipeline)
-        if sched is None or sched[0] is not sched1:
-            staging = self.config.staging_bytes // 2 if pipeline else self.config.staging_bytes
-            sched = relay.schedules[pipeline] = (sched1, _stage2_schedule(
-                relay.plan2, sched1, list(self.world.rank_ids), self.config.bucket_bytes,
-                max(1, staging)))
-        ranks = self.world.rank_ids
-        layouts = relay.layouts
-        src2 = stage_views(relay.dst_layouts, real_dst, layouts.stage2_src, ranks)
-        dst2 = stage_views(relay.dst_layouts, real_dst, layouts.stage2_dst, ranks)
-        executor = Executor(sched[1], layouts.stage2_src, layouts.stage2_dst,
-                            relay.plan2.wire_dtypes, src2, dst2, transport, timeout,
-                            pipeline=pipeline, staging_bytes=self.config.staging_bytes)
+    # ------------------------------------------------------------ moving
+
+    def _move(self, src: Bound | None, dst: Bound | None, target: int,
+              versions: Mapping[str, int]) -> _Moved:
+        """Move this call's bytes (relayed: both stages) and, with ``verify``, checksum
+        both ends. Raises whatever failed here (the caller reports it to the others)."""
+        assert self._plan is not None and self._schedule is not None
+        p, timeout = self._plan, self.config.timeout
+        with self.world.limited(timeout):     # creating it (first call) is collective
+            transport = self.world.transport(self.config.transport)
+        relay = self._relay
+        src_bindings = fit(src, p.src_layouts)
+        real_dst: dict = {}
+        if relay is None:
+            dst_bindings = fit(dst, p.dst_layouts)
+        else:       # stage 1 writes views of the real destination memory
+            from .relay import stage_views
+            real_dst = fit(dst, relay.dst_layouts)
+            dst_bindings = stage_views(relay.dst_layouts, real_dst, relay.layouts.stage1_dst,
+                                       self.world.rank_ids)
+        pipeline = bool(self._pipeline)
+        sched = self._schedule
+        if pipeline:
+            if self._half is None or self._half[0] is not p:
+                self._half = (p, half_schedule(p, list(self.world.rank_ids),
+                                               self.config.bucket_bytes,
+                                               self.config.staging_bytes))
+            sched = self._half[1]
+        moved = _Moved()
+        before = dict(getattr(transport, "bytes_by_transport", None) or {})
+        # sources do not change during a refit: their checksums overlap the move
+        sent_half = Background(lambda: self._digest(src_bindings, {}, target, "send")) \
+            if self.config.verify else None
+        moved.stats = self._execute(Executor(
+            sched, p.src_layouts, p.dst_layouts, p.wire_dtypes, src_bindings, dst_bindings,
+            transport, timeout, pipeline=pipeline, staging_bytes=self.config.staging_bytes))
+        relay_digests = None
+        if relay is not None and relay.plan2 is not None:
+            # stage 2 (inside domains): this process's stage 1 is complete, and a forward
+            # leaves only once its sender's own stage 1 completed
+            moved.stats2, relay_digests = self._forward(relay, sched, pipeline, real_dst,
+                                                        transport, target)
+        after = getattr(transport, "bytes_by_transport", None) or {}
+        moved.by_kind = {k: v - before.get(k, 0) for k, v in after.items()
+                         if v - before.get(k, 0)}
+        if sent_half is not None:
+            merged = sent_half.result().merge(self._digest({}, dst_bindings, target, "recv"))
+            if relay_digests is not None:
+                merged = merged.merge(relay_digests)
+            moved.digests = merged.summary
+        if versions:
+            self._check_unwritten(versions)
+        return moved
+
+    def _execute(self, executor: Executor) -> Any:
+        """Run ``executor`` on this refit's staging (reused across calls and stages)."""
         if self._arena is not None:
             executor._arena = self._arena
         stats = executor.run()
         self._arena = executor._arena
+        return stats
+
+    def _forward(self, relay: Stages, sched1: Schedule, pipeline: bool, real_dst: dict,
+                 transport: Any, target: int) -> tuple[Any, Any]:
+        """Stage 2 of a relayed refit: forward inside each domain what stage 1 brought.
+        Returns its executor stats and, with ``verify``, its digests (both sides)."""
+        from .relay import stage_views
+        assert relay.plan2 is not None
+        ranks = self.world.rank_ids
+        sched = relay.stage2(sched1, pipeline, list(ranks), self.config.bucket_bytes,
+                             self.config.staging_bytes)
+        layouts = relay.layouts
+        src2 = stage_views(relay.dst_layouts, real_dst, layouts.stage2_src, ranks)
+        dst2 = stage_views(relay.dst_layouts, real_dst, layouts.stage2_dst, ranks)
+        stats = self._execute(Executor(
+            sched, layouts.stage2_src, layouts.stage2_dst, relay.plan2.wire_dtypes, src2, dst2,
+            transport, self.config.timeout, pipeline=pipeline,
+            staging_bytes=self.config.staging_bytes))
         digests = None
         if self.config.verify:
             from . import verify
@@ -376,8 +389,45 @@ class Refit:
 
     # ------------------------------------------------------------ binding
 
+    def _bind_sides(self, send: Any, receive: Any, versions: Mapping[str, int] | None
+                    ) -> tuple[Bound | None, Bound | None, list[list[str]], Mapping[str, int]]:
+        """Bind both sides; every local failure is collected (for refit/check), not raised.
+        Returns (send side, receive side, errors, write versions of the sent tensors)."""
+        sides = self._sides
+        if send is not None:
+            sides["send"].obj = send
+        if receive is not None:
+            sides["receive"].obj = receive
+        errors: list[list[str]] = []
+        if versions is None:
+            versions = self._write_versions(sides["send"].obj) if self.config.check_writes \
+                else {}
+        dropped = sides["send"].dropped
+        if send is None and dropped:
+            errors.append(["RefitError", f"this process sent {dropped} before and passed no "
+                           f"send= now: a Refit keeps no reference to sent {dropped} (so the "
+                           f"trainer can donate them); pass send=params on every call"])
+        src = dst = None
+        for state in sides.values():
+            state.module = None
+        try:
+            self._pipeline = None
+            self._pipeline = self._pipelined()
+            maps = self._rank_maps()
+            src = self._bind(sides["send"].obj, "send", maps)
+            dst = self._bind(sides["receive"].obj, "receive", maps)
+            errors += self._local_problems(src, dst)
+        except Exception as e:      # noqa: BLE001 - every local failure reaches every rank
+            if isinstance(e, CommunicationError) and self.world.broken:
+                raise       # a collective failed: nobody is in step to hear about it
+            errors.append(_entry(e))
+        finally:
+            self._forget()
+        return src, dst, errors, versions
+
     def _rank_maps(self) -> dict[str, Any]:
-        """Framework ids -> world ranks, from one all-gather (torch ranks, JAX device ids).
+        """Framework ids -> world ranks per adapter (``{"torch": {...}, "jax": {...}}``), plus
+        ``"local"``: this process's ranks; from one all-gather on the first call.
 
         A DTensor's mesh names torch default-group ranks and a JAX mesh names device ids;
         both are resolved among the processes of this process's world group, which is
@@ -385,101 +435,95 @@ class Refit:
         other devices: each JAX device publishes its id for its own rank.
         """
         if self._identity is None:
-            me: dict[str, Any] = {"ranks": list(self.world.rank_ids), "torch_rank": None,
-                                  "jax_ids": []}
+            ranks = list(self.world.rank_ids)
+            me: dict[str, Any] = {"ranks": ranks, "ids": {}}
             try:
-                me.update(identity_of([self.world.local_device(r) for r in self.world.rank_ids],
-                                       self.world.rank_ids))
+                me["ids"] = registry.identity([self.world.local_device(r) for r in ranks],
+                                              ranks)
             except Exception as e:      # noqa: BLE001 - reported at refit/check instead
                 me["error"] = _entry(e)
             self._identity = self.world.allgather_json(me, timeout=self.config.timeout,
                                                        kind="refit/identity")
-        torch_ranks: dict[int, int] = {}
-        jax_ids: dict[int, int] = {}
-        processes = self.world.processes
-        my_group = processes[self.world.process_index]["group"]
-        for p, info in enumerate(self._identity):
-            if processes[p]["group"] != my_group:
-                continue
-            if info.get("torch_rank") is not None:
-                torch_ranks[int(info["torch_rank"])] = info["ranks"][0]
-            for device_id, rank in info.get("jax_ids", ()):
-                jax_ids[int(device_id)] = int(rank)
+        processes, index = self.world.processes, self.world.process_index
+        maps: dict[str, Any] = {}
         # several single-process JAX jobs in one group (engine replicas) reuse device ids:
-        # this process's own devices are what its arrays name
-        for device_id, rank in self._identity[self.world.process_index].get("jax_ids", ()):
-            jax_ids[int(device_id)] = int(rank)
-        mine = self._identity[self.world.process_index].get("error")
+        # this process's own ids (last) are what its objects name
+        infos = [info for p, info in enumerate(self._identity)
+                 if processes[p]["group"] == processes[index]["group"] and p != index]
+        for info in infos + [self._identity[index]]:
+            for name, pairs in (info.get("ids") or {}).items():
+                known = maps.setdefault(name, {})
+                for framework_id, rank in pairs:
+                    known[framework_id] = int(rank)
+        mine = self._identity[index].get("error")
         if mine:
             raise error_from(*mine)
-        return {"torch": torch_ranks, "jax": jax_ids, "local": list(self.world.rank_ids)}
+        maps["local"] = list(self.world.rank_ids)
+        return maps
 
     def _bind(self, obj: Any, side: str, maps: dict[str, Any]) -> Bound | None:
         if obj is None:
             return None
         if isinstance(obj, Bound):
             return obj
-        kind = framework_of(obj)
-        if kind == "torch":
-            from xreshard.adapters import torch as adapter
-            ranks = maps["torch"] or None
-            return adapter.bind(obj, side, ranks=ranks, local_ranks=maps["local"],
-                                names=self._names, transpose=self._transpose)
-        if kind == "jax":
-            from xreshard.adapters import jax as adapter
-            return adapter.bind(obj, side, ranks=maps["jax"], names=self._names,
-                                transpose=self._transpose)
-        raise RefitError(f"cannot tell which framework {side}={type(obj).__name__} belongs to; "
-                         "pass a JAX pytree, a torch state dict or module, or an xreshard Bound")
+        found = registry.adapter_for(obj)
+        if found is None:
+            raise RefitError(f"cannot tell which framework {side}={type(obj).__name__} belongs "
+                             "to; pass a JAX pytree, a torch state dict or module, or an "
+                             "xreshard Bound (or register an adapter for it: "
+                             "xreshard.registry.register_adapter)")
+        entry, module = found
+        state = self._sides[side]
+        state.module = module
+        if state.adapter != entry.name:
+            state.adapter, state.cache = entry.name, {}
+        context = registry.BindContext(
+            ranks=maps.get(entry.name, {}), local_ranks=tuple(maps["local"]),
+            names=self._names, transpose=self._transpose,
+            rules=self._rules if side == "send" else None, memo=self.layout_memo,
+            cache=state.cache)
+        return module.refit_bind(obj, side, context)
 
-    def _forget_sent(self) -> None:
-        """Keep no reference to JAX arrays: sent ones are dropped (pass ``send=`` again),
-        received templates are kept as ``ShapeDtypeStruct``s."""
-        if framework_of(self._send) == "jax":
-            self._send = None
-            self._sent_jax = True
-        if framework_of(self._receive) == "jax":
-            import jax
-            self._receive = jax.tree_util.tree_map(
-                lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
-                self._receive)
+    def _forget(self) -> None:
+        """Keep of each side's object only what its adapter allows: no sent JAX arrays (pass
+        ``send=`` again), received JAX templates as ``ShapeDtypeStruct``s."""
+        for state in self._sides.values():
+            obj, module = state.obj, state.module
+            if obj is None or isinstance(obj, Bound):
+                continue
+            if module is None:      # binding failed before finding it
+                try:
+                    found = registry.adapter_for(obj)
+                except Exception:       # noqa: BLE001 - already reported by binding
+                    found = None
+                module = found[1] if found else None
+            keep = getattr(module, "keep", None)
+            if keep is None:
+                continue
+            state.obj = keep(obj, state.name)
+            state.dropped = getattr(module, "LABEL", "arrays") if state.obj is None else None
+
+    def _write_versions(self, obj: Any) -> dict[str, int]:
+        """Write counters of a send object's tensors (``RefitConfig.check_writes``)."""
+        if obj is None or isinstance(obj, Bound):
+            return {}
+        found = registry.adapter_for(obj)
+        versions = getattr(found[1], "write_versions", None) if found else None
+        return versions(obj) if versions is not None else {}
+
+    def _check_unwritten(self, versions: Mapping[str, int]) -> None:
+        now = self._write_versions(self._sides["send"].obj)
+        moved = [f"{k!r} ({v} -> {now[k]})" for k, v in versions.items()
+                 if k in now and now[k] != v]
+        if moved:
+            raise RefitError(f"sent torch tensors were written while the refit read them: "
+                             f"{', '.join(moved[:10])}; do not write sent tensors before "
+                             f"handle.wait() (or the call) returns")
 
     def _local_problems(self, src: Bound | None, dst: Bound | None) -> list[list[str]]:
         """This process's own problems with its sides (before any exchange)."""
-        out = []
-        for side, bound in (("send", src), ("receive", dst)):
-            if bound is None:
-                continue
-            out += [["RefitError", e] for e in bound.errors]
-            for name in bound.layouts:
-                if not isinstance(name, str):
-                    out.append(["RefitError", f"{side} tensor name {name!r} is not a str"])
-            problems = binding_problems(bound.layouts, bound.bindings, side,
-                                        local_ranks=self.world.rank_ids)
-            if problems:
-                out.append(["BindingError", f"{side} bindings do not match their layouts: "
-                            + "; ".join(problems[:20])])
-            for (rank, _), _b in bound.bindings.items():
-                if not self.world.is_local(rank):
-                    out.append(["BindingError", f"{side} binds world rank {rank}, which is not "
-                                f"one of this process's ranks {list(self.world.rank_ids)}"])
-                    break
-        if not out:
-            sides = {side: (b.bindings, b.layouts) for side, b in (("send", src),
-                                                                   ("receive", dst)) if b}
-            out += [["RefitError", e] for e in device_problems(
-                sides, lambda side, name: self._wire_of(name, sides[side][1][name]))]
-        return out
-
-    def _wire_of(self, name: str, layout: Layout) -> str:
-        """The wire dtype of ``name`` as this process knows it before planning: the cast
-        the config asks for, else the tensor's own dtype (both sides must then agree)."""
-        wire = self.config.wire_dtype
-        if isinstance(wire, Mapping):
-            wire = wire.get(name)
-        return dtype_name(wire) if wire is not None else layout.dtype
-
-    # ------------------------------------------------------------ metadata steps
+        return side_problems({"send": src, "receive": dst}, self.world.rank_ids,
+                             self.world.is_local, self.config.wire_dtype)
 
     def _agree(self, kind: str, body: dict[str, Any], what: str,
                timeout: float | None = None) -> list[dict[str, Any]]:
@@ -498,11 +542,49 @@ class Refit:
             raise _Failed(error_from(failed[0][1][0], f"{what}:\n  " + _lines(failed, self.world)))
         return gathered
 
+    # ------------------------------------------------------------ metadata steps
+
     def _prepare(self, src: Bound | None, dst: Bound | None, errors: list[list[str]],
                  target: int) -> bool:
         """Exchange errors and metadata; (re)plan when any layout changed. Every process
         takes the same steps. Returns whether it planned."""
         refused = f"refit v{target} refused before moving anything"
+        key = self._check(src, dst, errors, refused)
+        if key == self._generations and self._plan is not None:
+            return False
+        errors = []
+        meta = {"send": src.describe() if src else {},
+                "receive": dst.describe() if dst else {},
+                "config": self.config.to_dict(), "errors": []}
+        metas = self._agree("refit/layouts", meta, refused)
+        new_plan = None
+        relay = None
+        counts: dict[str, int] = {}
+        try:
+            new_plan = self._plan_from(metas, src, dst)
+            relay = stages_of(new_plan, self.world, self.config.relay, self.config.wire_dtype,
+                              self._cache)
+            if relay is not None:
+                new_plan = relay.plan1
+            counts = {str(r): c for r, c in peer_counts(new_plan, self.world.rank_ids).items()}
+        except Exception as e:      # noqa: BLE001 - every local failure reaches every rank
+            errors.append(_entry(e))
+        everyone = self._agree("refit/schedule", {"counts": counts, "errors": errors}, refused)
+        all_counts = {int(r): c for d in everyone for r, c in d["counts"].items()}
+        self._schedule = schedule(new_plan, list(self.world.rank_ids), all_counts,
+                                  bucket_bytes=self.config.bucket_bytes,
+                                  staging_bytes=self.config.staging_bytes)
+        self._plan = new_plan
+        self._relay = relay
+        self._generations = key
+        logger.debug("refit planned: %s", new_plan.stats.to_dict())
+        return True
+
+    def _check(self, src: Bound | None, dst: Bound | None, errors: list[list[str]],
+               refused: str) -> tuple:
+        """refit/check: every process's version, layout generation, executor kind and
+        errors, in one all-gather; raises (the same everywhere) on any error or
+        disagreement. Returns every process's layout generation."""
         # a process says only whether its layouts changed since its last call (comparing
         # Layout objects is cheap; serializing every layout on every refit is not)
         mine = tuple((b.layouts, frozenset(b.local_only)) if b else None for b in (src, dst))
@@ -527,80 +609,10 @@ class Refit:
             raise _Failed(RefitError(f"{refused}: processes are at different refit versions "
                                      f"({where}); every process must call the same Refit "
                                      f"the same number of times"))
-        key = tuple(g.get("generation") for g in gathered)
-        if key == self._generations and self._plan is not None:
-            return False
-        errors = []
-        meta = {"send": src.describe() if src else {},
-                "receive": dst.describe() if dst else {},
-                "config": self.config.to_dict(), "errors": []}
-        metas = self._agree("refit/layouts", meta, refused)
-        new_plan = None
-        relay = None
-        counts: dict[str, int] = {}
-        try:
-            new_plan = self._plan_from(metas, src, dst)
-            relay = self._stages(new_plan)
-            if relay is not None:
-                new_plan = relay.plan1
-            counts = {str(r): c for r, c in peer_counts(new_plan, self.world.rank_ids).items()}
-        except Exception as e:      # noqa: BLE001 - every local failure reaches every rank
-            errors.append(_entry(e))
-        everyone = self._agree("refit/schedule", {"counts": counts, "errors": errors}, refused)
-        all_counts = {int(r): c for d in everyone for r, c in d["counts"].items()}
-        self._schedule = schedule(new_plan, list(self.world.rank_ids), all_counts,
-                                  bucket_bytes=self.config.bucket_bytes,
-                                  staging_bytes=self.config.staging_bytes)
-        self._plan = new_plan
-        self._relay = relay
-        self._generations = key
-        logger.debug("refit planned: %s", new_plan.stats.to_dict())
-        return True
+        return tuple(g.get("generation") for g in gathered)
 
     def _plan_from(self, metas: list[dict], src: Bound | None, dst: Bound | None) -> Plan:
-        """The plan from every process's layouts (identical in every process), after
-        checking what only the merged layouts can tell."""
-        configs = {json.dumps(m["config"], sort_keys=True) for m in metas}
-        if len(configs) > 1:
-            raise RefitError(f"processes pass different RefitConfigs: {sorted(configs)}; "
-                             f"every process must use the same config")
-        src_layouts = merge([m["send"] for m in metas], "send", self.world)
-        dst_layouts = merge([m["receive"] for m in metas], "receive", self.world)
-        num_ranks = self.world.num_ranks
-        for side, layouts in (("send", src_layouts), ("receive", dst_layouts)):
-            for name, lay in layouts.items():
-                outside = [r for r in lay.ranks if not 0 <= r < num_ranks]
-                if outside:
-                    raise RefitError(f"{side} layout of {name!r} places ranks {outside[:5]}, "
-                                     f"but world {self.world.world_id!r} has ranks "
-                                     f"0..{num_ranks - 1}; check the rank map of its mesh")
-        problems = []
-        for side, layouts, bound in (("send", src_layouts, src), ("receive", dst_layouts, dst)):
-            bindings = fit(bound, layouts)
-            problems += binding_problems(layouts, bindings, side, self.world.rank_ids)
-        if problems:
-            from .errors import BindingError
-            raise BindingError("bindings do not cover what the merged layouts give this "
-                               "process's ranks: " + "; ".join(problems[:20]))
-        return plan(src_layouts, dst_layouts, topology=self.world,
-                    wire_dtype=self.config.wire_dtype, cache=self._cache)
-
-    def _stages(self, direct: Plan) -> _Stages | None:
-        """The two plans of a relayed refit (``RefitConfig.relay``), or None for the direct
-        plan: "off", or "auto" when nothing would be forwarded."""
-        if self.config.relay == "off":
-            return None
-        from .relay import relay_layouts
-        layouts = relay_layouts(direct.src_layouts, direct.dst_layouts, self.world)
-        if self.config.relay == "auto" and not layouts.forwards:
-            return None
-        plan1 = plan(direct.src_layouts, layouts.stage1_dst, topology=self.world,
-                     wire_dtype=self.config.wire_dtype, cache=self._cache)
-        plan2 = plan(layouts.stage2_src, layouts.stage2_dst, topology=self.world,
-                     cache=self._cache) if layouts.forwards else None
-        logger.debug("refit relays %d bytes inside domains", layouts.bytes_relayed)
-        return _Stages(dict(direct.dst_layouts), layouts, plan1, plan2,
-                       direct.stats.bytes_gather_broadcast)
+        return plan_from(metas, src, dst, self.world, self.config.wire_dtype, self._cache)
 
     # ------------------------------------------------------------ outcome
 
@@ -646,132 +658,15 @@ class Refit:
         self.world.mark_broken(cause)
 
 
-class _Stages:
-    """A relayed refit (``RefitConfig.relay``): stage 1 sends across domains into views of
-    the real destination memory, stage 2 forwards inside domains (see xreshard/relay.py)."""
+class _Moved:
+    """What one call's move left: executor stats (stage 2's when relaying), checksums,
+    bytes per transport kind."""
 
-    def __init__(self, dst_layouts: dict[str, Layout], layouts: Any, plan1: Plan,
-                 plan2: Plan | None, bytes_gather_broadcast: int):
-        self.dst_layouts = dst_layouts          # the real (merged) destination layouts
-        self.layouts = layouts                  # relay.RelayLayouts
-        self.plan1 = plan1
-        self.plan2 = plan2
-        self.bytes_gather_broadcast = bytes_gather_broadcast
-        #: pipelined? -> (the stage-1 schedule it follows, the stage-2 schedule)
-        self.schedules: dict[bool, tuple[Schedule, Schedule]] = {}
-
-
-def _stage2_schedule(plan2: Plan, sched1: Schedule, ranks: list[int], bucket_bytes: int,
-                     staging_bytes: int) -> Schedule:
-    """Stage 2's schedule for this process's ranks. A pair that also talked in stage 1
-    continues its message numbers (tags) after stage 1's: no barrier separates the stages,
-    so a tag is never reused within a call. Both ends of a pair see the pair's stage-1
-    buckets, so they agree on the offset."""
-    import dataclasses
-    paired = {r for m in ranks for t in plan2.transfers_for(m) for r in (t.src, t.dst)}
-    sched = schedule(plan2, ranks, peer_counts(plan2, sorted(paired)),
-                     bucket_bytes=bucket_bytes, staging_bytes=staging_bytes)
-    first: dict[tuple[int, int], int] = {}
-    for rnd in sched1.rounds:
-        for b in rnd:
-            first[(b.src, b.dst)] = max(first.get((b.src, b.dst), 0), b.tag + 1)
-    if not first:
-        return sched
-    rounds = tuple(tuple(dataclasses.replace(b, tag=b.tag + first.get((b.src, b.dst), 0))
-                         for b in rnd) for rnd in sched.rounds)
-    return Schedule(rounds, sched.local_copies, sched.max_round_bytes)
-
-
-class _Background:
-    """Runs ``fn`` in a thread; ``result()`` joins it and returns or raises its outcome."""
-
-    def __init__(self, fn: Callable[[], Any]):
-        self._value: Any = None
-        self._error: BaseException | None = None
-
-        def run() -> None:
-            try:
-                self._value = fn()
-            except BaseException as e:      # noqa: BLE001 - raised again from result()
-                self._error = e
-        self._thread = threading.Thread(target=run, name="xreshard-verify", daemon=True)
-        self._thread.start()
-
-    def result(self) -> Any:
-        self._thread.join()
-        if self._error is not None:
-            raise self._error
-        return self._value
-
-
-class RefitHandle:
-    """A refit started with :meth:`Refit.start`, running in a background thread."""
-
-    def __init__(self, refit: Refit, send: Any, receive: Any):
-        self._refit = refit
-        self._send = send           # kept alive until the refit is done
-        self._receive = receive
-        self._versions: dict[str, int] | None = None
-        self._report: RefitReport | None = None
-        self._error: BaseException | None = None
-        self._thread = threading.Thread(target=refit._run_started, args=(self,),
-                                        name="xreshard-refit", daemon=True)
-
-    def done(self) -> bool:
-        """Whether the refit finished (successfully or not)."""
-        return not self._thread.is_alive()
-
-    def wait(self, timeout: float | None = None) -> RefitReport:
-        """The report, once the refit finished; raises what it raised.
-
-        Args:
-            timeout: seconds to wait; None waits as long as the refit may take (its own
-                waits are bounded by ``RefitConfig.timeout``).
-
-        Raises:
-            TimeoutError: still running after ``timeout`` seconds (the refit goes on).
-        """
-        self._thread.join(timeout)
-        if self._thread.is_alive():
-            raise TimeoutError(f"refit v{self._refit.version + 1} still running after "
-                               f"{timeout} s")
-        self._send = self._receive = None
-        if self._error is not None:
-            raise self._error
-        assert self._report is not None
-        return self._report
-
-
-def _torch_values(obj: Any) -> dict[str, Any]:
-    import sys
-    torch = sys.modules.get("torch")
-    if torch is None or framework_of(obj) != "torch":
-        return {}
-    items = obj.state_dict(keep_vars=True).items() if isinstance(obj, torch.nn.Module) \
-        else obj.items()
-    out = {}
-    for key, value in items:
-        local = getattr(value, "local", value)                      # Sharded
-        if hasattr(local, "to_local"):                              # DTensor
-            local = local.to_local()
-        if isinstance(local, torch.Tensor):
-            out[key] = local
-    return out
-
-
-def _torch_versions(obj: Any) -> dict[str, int]:
-    """Version counters of the torch tensors of a send object (views share them)."""
-    return {k: int(t._version) for k, t in _torch_values(obj).items()}
-
-
-def _check_unwritten(obj: Any, versions: Mapping[str, int]) -> None:
-    now = _torch_versions(obj)
-    moved = [f"{k!r} ({v} -> {now[k]})" for k, v in versions.items()
-             if k in now and now[k] != v]
-    if moved:
-        raise RefitError(f"sent torch tensors were written while the refit read them: "
-                         f"{', '.join(moved[:10])}; do not write sent tensors before "
-                         f"handle.wait() (or the call) returns")
+    def __init__(self) -> None:
+        self.stats: Any = None
+        self.stats2: Any = None
+        self.digests: Any = None
+        self.by_kind: dict[str, int] = {}
 
 
 def _lines(failed: list[tuple[int, list[str]]], world: Any, limit: int = 20) -> str:

@@ -28,7 +28,8 @@ from typing import Any
 from xreshard.errors import LayoutError
 from xreshard.layout import Layout, LayoutMemo, Mesh, Region
 
-__all__ = ["bind", "layout_of", "tree_names"]
+__all__ = ["FALLBACK_MEMO", "array_layout", "bind", "bind_rules", "host_view", "layout_of",
+           "tree_names"]
 
 #: what ``ranks`` may be: a map from device (or device id) to world rank, a sequence aligned
 #: with the default device order, or a callable device -> world rank
@@ -313,28 +314,108 @@ def _aligned_empty(shape: Sequence[int], dtype: Any, align: int = 64) -> Any:
     return raw[off:off + math.prod(shape) * dtype.itemsize].view(dtype).reshape(shape)
 
 
-#: the layouts bind() built, by (sharding, shape, dtype, rank map): a refit every step
-#: re-binds the same arrays' shardings
-_MEMO = LayoutMemo()
+#: the memo of ``array_layout`` callers that pass none (the vLLM trainer's ``bind_named``,
+#: which binds outside a Refit every round). TODO(bind_named): pass the sender's own memo and
+#: drop this module state. A Refit passes its own memo to :func:`bind`.
+FALLBACK_MEMO = LayoutMemo()
 
 
-def array_layout(arr: Any, ranks: Mapping[int, int], name: str = "") -> Layout:
-    """The :class:`Layout` of a ``jax.Array`` (or a ``ShapeDtypeStruct`` with a sharding),
-    with JAX device ids mapped to world ranks by ``ranks``; remembered by sharding, shape,
-    dtype and rank map, so a refit every step converts each sharding once."""
+def _rank_of(ranks: Mapping[int, int]) -> Callable[[Any], int]:
     def rank_of(device: Any) -> int:
         try:
             return ranks[int(device.id)]
         except KeyError:
             raise LayoutError(f"JAX device {device} is not a rank of the refit world; pass "
                               f"jax.local_devices() (or the devices you use) to World.join") from None
-    rid = _MEMO.ranks_id(ranks)
-    return _MEMO.get(None if rid is None else (arr.sharding, tuple(arr.shape), arr.dtype, rid),
-                     lambda: layout_of(arr, ranks=rank_of, name=name))
+    return rank_of
+
+
+def array_layout(arr: Any, ranks: Mapping[int, int], name: str = "", *,
+                 memo: LayoutMemo | None = None) -> Layout:
+    """The :class:`Layout` of a ``jax.Array`` (or a ``ShapeDtypeStruct`` with a sharding),
+    with JAX device ids mapped to world ranks by ``ranks``; remembered in ``memo`` (default
+    :data:`FALLBACK_MEMO`) by sharding, shape, dtype and rank map, so a refit every step
+    converts each sharding once."""
+    memo = FALLBACK_MEMO if memo is None else memo
+    rid = memo.ranks_id(ranks)
+    return memo.get(None if rid is None else (arr.sharding, tuple(arr.shape), arr.dtype, rid),
+                    lambda: layout_of(arr, ranks=_rank_of(ranks), name=name))
+
+
+# ---------------------------------------------------------------------------- the refit's hooks
+# (xreshard.registry: the core finds this module by its path and calls these)
+
+LABEL = "JAX arrays"
+
+
+def accepts(obj: Any) -> bool:
+    """A pytree whose leaves are all ``jax.Array`` / ``ShapeDtypeStruct`` (jax loaded)."""
+    import sys
+    jax = sys.modules.get("jax")
+    if jax is None:
+        return False
+    leaves = jax.tree_util.tree_leaves(obj)
+    return bool(leaves) and all(isinstance(x, (jax.Array, jax.ShapeDtypeStruct))
+                                for x in leaves)
+
+
+def identity(devices: Sequence[Any], ranks: Sequence[int]) -> list[list[int]]:
+    """``[[JAX device id, world rank]]`` for this process's ranks held by JAX devices."""
+    import sys
+    jax = sys.modules.get("jax")
+    if jax is None:
+        return []
+    return [[int(d.id), int(r)] for d, r in zip(devices, ranks) if isinstance(d, jax.Device)]
+
+
+def keep(tree: Any, side: str) -> Any:
+    """What a refit keeps of ``tree`` after a call: nothing of sent arrays (the trainer may
+    donate them; pass ``send=`` on every call), received ones as ``ShapeDtypeStruct``
+    templates (live arrays are never written)."""
+    if side == "send":
+        return None
+    jax = _import_jax()
+    return jax.tree_util.tree_map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
+
+
+def refit_bind(tree: Any, side: str, context: Any) -> Any:
+    """:func:`bind` with what the refit knows (a ``xreshard.registry.BindContext``)."""
+    if context.rules is not None:
+        if side != "send":
+            raise LayoutError("naming rules (Refit(rules=...)) map a JAX pytree being sent "
+                              "onto canonical tensors; a receiving JAX tree is bound by its "
+                              "own paths (use names= to rename them)")
+        return bind_rules(tree, context.rules, context.ranks, memo=context.memo)
+    return bind(tree, side, ranks=context.ranks, names=context.names,
+                transpose=context.transpose, memo=context.memo, cache=context.cache)
+
+
+def bind_rules(tree: Any, rules: Any, ranks: Mapping[int, int], *,
+               memo: LayoutMemo | None = None) -> Any:
+    """The send side of a JAX pytree mapped onto canonical (HF) tensors by naming rules
+    (``xreshard.adapters.naming``): each canonical tensor is bound as views of the trainer
+    arrays' shards (``naming.bind_named``).
+
+    Args:
+        tree: a pytree of ``jax.Array``; its ``/``-joined paths are what the rules match.
+        rules: a ``NameMap``, or a sequence of ``Rule`` / ``ConcatRule``.
+        ranks: JAX device id -> world rank.
+        memo: where the arrays' layouts are remembered (default :data:`FALLBACK_MEMO`).
+    """
+    import importlib
+    from xreshard.adapters import naming
+    namemap = rules if isinstance(rules, naming.NameMap) else naming.NameMap(tuple(rules))
+    binder = getattr(naming, "bind_named", None)
+    if binder is None:      # TODO(issue 9): bind_named beside the rules, then drop this
+        return importlib.import_module("xreshard.adapters.vllm_backend").bind_named(
+            tree, namemap, ranks)
+    return binder(tree, namemap, ranks, memo=memo)
 
 
 def bind(tree: Any, side: str, *, ranks: Mapping[int, int], names: Any = None,
-         transpose: frozenset[str] = frozenset()) -> Any:
+         transpose: frozenset[str] = frozenset(), memo: LayoutMemo | None = None,
+         cache: dict | None = None) -> Any:
     """Bind a pytree of ``jax.Array`` (send) or of arrays / ``ShapeDtypeStruct`` with
     shardings (receive) to world ranks.
 
@@ -350,38 +431,51 @@ def bind(tree: Any, side: str, *, ranks: Mapping[int, int], names: Any = None,
         ranks: JAX device id -> world rank (the refit all-gathers it).
         names: default path name -> canonical name (mapping or callable).
         transpose: canonical names stored as ``[in, out]`` kernels of ``[out, in]`` tensors.
+        memo: layouts remembered across calls (a Refit passes its own); None converts
+            every sharding anew.
+        cache: a dict kept by the caller across calls of one side: the tree's names are
+            computed once per tree structure.
     """
     from xreshard.execute import gc_paused
     with gc_paused():
-        return _bind(tree, side, ranks=ranks, names=names, transpose=transpose)
+        return _bind(tree, side, ranks=ranks, names=names, transpose=transpose,
+                     memo=LayoutMemo() if memo is None else memo,
+                     cache={} if cache is None else cache)
 
 
-def _bind(tree: Any, side: str, *, ranks: Mapping[int, int], names: Any = None,
-          transpose: frozenset[str] = frozenset()) -> Any:
+def _leaf_names(jax: Any, tree: Any, names: Any, cache: dict) -> tuple[list[str], list, Any]:
+    """(canonical names, leaves, treedef); the names of a tree structure are computed once
+    per ``cache``."""
+    leaves, treedef = jax.tree_util.tree_flatten(tree)
+    key = dict(names) if isinstance(names, Mapping) else names
+    got = cache.get("names")
+    if got is not None and got[0] == treedef and (got[1] is key or got[1] == key):
+        return got[2], leaves, treedef
+    flat, _ = jax.tree_util.tree_flatten_with_path(tree)
+    out = [_rename("/".join(_key_str(k) for k in path), names) for path, _ in flat]
+    cache["names"] = (treedef, key, out)
+    return out, leaves, treedef
+
+
+def _bind(tree: Any, side: str, *, ranks: Mapping[int, int], names: Any, transpose: frozenset[str],
+          memo: LayoutMemo, cache: dict) -> Any:
     jax = _import_jax()
     import numpy as np
+    from xreshard.binding import Bound
     from xreshard.execute import numpy_dtype
-    from xreshard.refit import Bound
 
-    def rank_of(device: Any) -> int:
-        try:
-            return ranks[int(device.id)]
-        except KeyError:
-            raise LayoutError(f"JAX device {device} is not a rank of the refit world; pass "
-                              f"jax.local_devices() (or the devices you use) to World.join") from None
-
-    flat, treedef = jax.tree_util.tree_flatten_with_path(tree)
+    rank_of = _rank_of(ranks)
+    leaf_names, leaves, treedef = _leaf_names(jax, tree, names, cache)
     layouts, bindings, errors = {}, {}, []
-    rid = _MEMO.ranks_id(ranks)
+    rid = memo.ranks_id(ranks)
     pending = []       # receive: (leaf, name, [(device, buffer)])
-    for path, leaf in flat:
-        name = _rename("/".join(_key_str(k) for k in path), names)
+    for name, leaf in zip(leaf_names, leaves):
         if name in layouts:
             errors.append(f"two leaves map to tensor {name!r}")
             continue
-        layout = _MEMO.get(None if rid is None else (leaf.sharding, tuple(leaf.shape),
-                                                     leaf.dtype, rid),
-                           lambda: layout_of(leaf, ranks=rank_of, name=name))
+        layout = memo.get(None if rid is None else (leaf.sharding, tuple(leaf.shape),
+                                                    leaf.dtype, rid),
+                          lambda: layout_of(leaf, ranks=rank_of, name=name))
         flip = name in transpose
         if flip:
             if layout.ndim != 2:
@@ -411,11 +505,11 @@ def _bind(tree: Any, side: str, *, ranks: Mapping[int, int], names: Any = None,
             pending.append((leaf, buffers))
 
     def finish() -> Any:
-        leaves = []
+        out = []
         for leaf, buffers in pending:
             arrays = [jax.device_put(buf, device) for device, buf in buffers]
-            leaves.append(jax.make_array_from_single_device_arrays(
+            out.append(jax.make_array_from_single_device_arrays(
                 tuple(leaf.shape), leaf.sharding, arrays))
-        return jax.tree_util.tree_unflatten(treedef, leaves)
+        return jax.tree_util.tree_unflatten(treedef, out)
 
     return Bound(layouts, bindings, finish if side == "receive" else None, errors)

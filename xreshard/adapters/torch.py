@@ -27,7 +27,7 @@ from typing import Any
 from xreshard.errors import LayoutError
 from xreshard.layout import Layout, LayoutMemo, Mesh, Split, splits_of_placements
 
-__all__ = ["Sharded", "bind", "layout_of", "placements_of"]
+__all__ = ["Sharded", "bind", "layout_of", "placements_of", "tensor_view"]
 
 #: how default-process-group ranks become world ranks: a mapping or a callable
 RankMap = Mapping[int, int] | Callable[[int], int] | None
@@ -314,6 +314,7 @@ def _export(t: Any) -> Any:
     except ImportError as e:
         from xreshard.transport.nccl import install_hint
         raise ImportError(f"binding CUDA tensors needs CuPy: {install_hint()}") from e
+    import torch
     # under the tensor's device, so DLPack's stream handshake orders that device's current
     # CuPy stream (the one the executor copies on) after torch's current stream there
     with cupy.cuda.Device(t.device.index if t.device.index is not None else
@@ -321,13 +322,71 @@ def _export(t: Any) -> Any:
         return cupy.from_dlpack(t)
 
 
-#: the layouts bind() built, by (DTensor spec, rank map): a refit every step re-binds
-#: the same specs
-_MEMO = LayoutMemo()
+# ---------------------------------------------------------------------------- the refit's hooks
+# (xreshard.registry: the core finds this module by its path and calls these)
+
+LABEL = "torch tensors"
+
+
+def accepts(obj: Any) -> bool:
+    """An ``nn.Module``, or a non-empty mapping of tensors / :class:`Sharded` (torch loaded)."""
+    import sys
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return False
+    if isinstance(obj, torch.nn.Module):
+        return True
+    return isinstance(obj, Mapping) and bool(obj) and all(
+        isinstance(v, (torch.Tensor, Sharded)) for v in obj.values())
+
+
+def identity(devices: Sequence[Any], ranks: Sequence[int]) -> list[list[int]]:
+    """``[[torch default-group rank, world rank]]`` when torch.distributed is initialized
+    (a torch process holds one world rank)."""
+    import sys
+    dist = sys.modules.get("torch.distributed")
+    if dist is None or not dist.is_available() or not dist.is_initialized() or not ranks:
+        return []
+    return [[int(dist.get_rank()), int(ranks[0])]]
+
+
+def keep(obj: Any, side: str) -> Any:
+    """A refit keeps torch objects (they are written or read in place on every call)."""
+    return obj
+
+
+def _local_tensors(obj: Any) -> dict[str, Any]:
+    import torch
+    items = obj.state_dict(keep_vars=True).items() if isinstance(obj, torch.nn.Module) \
+        else obj.items()
+    out = {}
+    for key, value in items:
+        local = value.local if isinstance(value, Sharded) else value
+        if hasattr(local, "to_local"):                              # DTensor
+            local = local.to_local()
+        if isinstance(local, torch.Tensor):
+            out[key] = local
+    return out
+
+
+def write_versions(obj: Any) -> dict[str, int]:
+    """Version counters of the local tensors of ``obj`` (views share them): they move when
+    a tensor is written in place."""
+    return {k: int(t._version) for k, t in _local_tensors(obj).items()}
+
+
+def refit_bind(obj: Any, side: str, context: Any) -> Any:
+    """:func:`bind` with what the refit knows (a ``xreshard.registry.BindContext``)."""
+    if context.rules is not None:
+        raise LayoutError("naming rules (Refit(rules=...)) map a JAX pytree being sent; "
+                          "torch state dicts are named by their keys (use names= to rename "
+                          "them)")
+    return bind(obj, side, ranks=dict(context.ranks) or None, local_ranks=context.local_ranks,
+                names=context.names, transpose=context.transpose, memo=context.memo)
 
 
 def bind(obj: Any, side: str, *, ranks: RankMap, local_ranks: Sequence[int], names: Any = None,
-         transpose: frozenset[str] = frozenset()) -> Any:
+         transpose: frozenset[str] = frozenset(), memo: LayoutMemo | None = None) -> Any:
     """Bind a state dict / module of DTensors, :class:`Sharded` or plain tensors.
 
     DTensors and Sharded tensors are bound through their local tensor (written in place when
@@ -341,25 +400,27 @@ def bind(obj: Any, side: str, *, ranks: RankMap, local_ranks: Sequence[int], nam
         local_ranks: this process's world ranks (torch processes have one).
         names: state-dict key -> canonical name (mapping or callable).
         transpose: canonical names whose local tensors are stored transposed.
+        memo: DTensor layouts remembered across calls by spec and rank map (a Refit passes
+            its own); None converts every spec anew.
     """
     from xreshard.execute import gc_paused
     with gc_paused():
         return _bind(obj, side, ranks=ranks, local_ranks=local_ranks, names=names,
-                     transpose=transpose)
+                     transpose=transpose, memo=LayoutMemo() if memo is None else memo)
 
 
-def _bind(obj: Any, side: str, *, ranks: RankMap, local_ranks: Sequence[int], names: Any = None,
-          transpose: frozenset[str] = frozenset()) -> Any:
+def _bind(obj: Any, side: str, *, ranks: RankMap, local_ranks: Sequence[int], names: Any,
+          transpose: frozenset[str], memo: LayoutMemo) -> Any:
     import torch
     from torch.distributed.tensor import DTensor
-    from xreshard.refit import Bound
+    from xreshard.binding import Bound
 
     items = obj.state_dict().items() if isinstance(obj, torch.nn.Module) else obj.items()
     if len(local_ranks) != 1:
         raise LayoutError(f"a torch process binds one world rank, this one has {list(local_ranks)}")
     me = local_ranks[0]
     layouts, bindings, errors, local_only = {}, {}, [], set()
-    rid = _MEMO.ranks_id(ranks)
+    rid = memo.ranks_id(ranks)
     for key, value in items:
         name = key if names is None else (names(key) if callable(names) else names.get(key, key))
         if name in layouts:
@@ -367,7 +428,7 @@ def _bind(obj: Any, side: str, *, ranks: RankMap, local_ranks: Sequence[int], na
             continue
         try:
             if isinstance(value, DTensor):
-                layout = _MEMO.get(None if rid is None else (value._spec, rid),
+                layout = memo.get(None if rid is None else (value._spec, rid),
                                    lambda: layout_of(value, ranks=ranks, name=name))
                 local = value.to_local()
             elif isinstance(value, Sharded):

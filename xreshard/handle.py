@@ -1,0 +1,84 @@
+"""Threads a refit runs beside its caller: a started refit (:class:`RefitHandle`) and the
+checksums of the sources, computed while the bytes move (:class:`Background`)."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any, Callable
+
+__all__ = ["Background", "RefitHandle"]
+
+
+class Background:
+    """Runs ``fn`` in a thread; ``result()`` joins it and returns or raises its outcome."""
+
+    def __init__(self, fn: Callable[[], Any], name: str = "xreshard-verify"):
+        self._value: Any = None
+        self._error: BaseException | None = None
+
+        def run() -> None:
+            try:
+                self._value = fn()
+            except BaseException as e:      # noqa: BLE001 - raised again from result()
+                self._error = e
+        self._thread = threading.Thread(target=run, name=name, daemon=True)
+        self._thread.start()
+
+    def done(self) -> bool:
+        return not self._thread.is_alive()
+
+    def join(self, timeout: float | None = None) -> bool:
+        """Wait up to ``timeout`` seconds; whether it finished."""
+        self._thread.join(timeout)
+        return not self._thread.is_alive()
+
+    def result(self) -> Any:
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        return self._value
+
+
+class RefitHandle:
+    """A refit started with :meth:`xreshard.refit.Refit.start`, running in a background
+    thread.
+
+    Args:
+        refit: the refit (its ``version`` names the call in messages).
+        send, receive: this call's objects, kept alive until ``wait()`` returned.
+        run: ``run(send, receive)`` runs the call and returns its report (or raises the
+            error every rank raises).
+    """
+
+    def __init__(self, refit: Any, send: Any, receive: Any,
+                 run: Callable[[Any, Any], Any]):
+        self._refit = refit
+        self._send = send           # kept alive until the refit is done
+        self._receive = receive
+        self._run = run
+        self._thread: Background | None = None
+
+    def start(self) -> None:
+        self._thread = Background(lambda: self._run(self._send, self._receive),
+                                  name="xreshard-refit")
+
+    def done(self) -> bool:
+        """Whether the refit finished (successfully or not)."""
+        return self._thread is not None and self._thread.done()
+
+    def wait(self, timeout: float | None = None) -> Any:
+        """The report (a ``RefitReport``), once the refit finished; raises what it raised.
+
+        Args:
+            timeout: seconds to wait; None waits as long as the refit may take (its own
+                waits are bounded by ``RefitConfig.timeout``).
+
+        Raises:
+            TimeoutError: still running after ``timeout`` seconds (the refit goes on).
+        """
+        assert self._thread is not None, "wait() on a handle that was never started"
+        if not self._thread.join(timeout):
+            raise TimeoutError(f"refit v{self._refit.version + 1} still running after "
+                               f"{timeout} s")
+        self._send = self._receive = None
+        return self._thread.result()
