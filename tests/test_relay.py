@@ -11,7 +11,9 @@ from xreshard.errors import RefitError
 from xreshard.geometry import Region
 from xreshard.launch import Context, Role, launch
 from xreshard.plan import plan
-from xreshard.relay import relay_layouts
+from xreshard.relay import (FORWARD, overlapped_executor, overlapped_schedule, relay_layouts,
+                           stage_views)
+from xreshard.schedule import peer_counts, schedule
 from xreshard.topology import Topology
 
 # ---------------------------------------------------------------------------- pure
@@ -140,7 +142,6 @@ def _host(role: Role) -> str:
 
 
 def relay_world(ctx: Context, mode: str, kill: bool) -> dict:
-    import os
     import time
     config = xr.RefitConfig(timeout=10 if kill else 60, relay=mode, bucket_bytes=2048,
                             verify=mode == "on")
@@ -163,13 +164,9 @@ def relay_world(ctx: Context, mode: str, kill: bool) -> dict:
                                                      local_only=set(dest)),
                               config=config)
         if kill and ctx.role.group == "rollout" and ctx.role.index == 1:
-            forward = xr.Refit._forward
-
-            def dying(self, *args, **kwargs):
-                if self.version == 1:
-                    os._exit(3)     # a relay rank dies mid-refit: stage 1 in, nothing forwarded
-                return forward(self, *args, **kwargs)
-            refit._forward = dying.__get__(refit)
+            # a relay rank dies mid-refit: some of its stage 1 in, some forwards out
+            from .refit_cases import die_after_first_unpack
+            die_after_first_unpack()
         out["reports"] = []
         for v in (1, 2):
             t0 = time.monotonic()
@@ -271,10 +268,8 @@ def test_relay_jax_trainer_to_torch_receivers():
 
 def test_stage2_tags_continue_after_stage1_for_pairs_in_both_stages():
     """Rank 1 sources ``a`` (host "a" relays nothing of it) and relays ``b`` to rank 2: the
-    pair (1, 2) talks in both stages, with no barrier between them, so its stage-2 tags
+    pair (1, 2) talks in both stages of one overlapped schedule, so its stage-2 tags
     must not reuse stage 1's."""
-    from xreshard.refit import _stage2_schedule
-    from xreshard.schedule import peer_counts, schedule
     topo = _topology({0: "t", 1: "a", 2: "a"})
     src = {"a": xr.Layout.replicated((8, 4), "float32", xr.Mesh((1,), (1,))),
            "b": xr.Layout.replicated((8, 4), "float32", xr.Mesh((1,), (0,)))}
@@ -284,12 +279,119 @@ def test_stage2_tags_continue_after_stage1_for_pairs_in_both_stages():
     p1 = plan(src, stages.stage1_dst, topology=topo)
     p2 = plan(stages.stage2_src, stages.stage2_dst, topology=topo)
     for ranks in ([1], [2], [1, 2]):
-        s1 = schedule(p1, ranks, peer_counts(p1, [0, 1, 2]), bucket_bytes=64, staging_bytes=1 << 20)
-        s2 = _stage2_schedule(p2, s1, ranks, 64, 1 << 20)
-        tags1 = {b.tag for rnd in s1.rounds for b in rnd if (b.src, b.dst) == (1, 2)}
-        tags2 = {b.tag for rnd in s2.rounds for b in rnd if (b.src, b.dst) == (1, 2)}
+        s = overlapped_schedule(p1, p2, ranks, bucket_bytes=64, staging_bytes=1 << 20)
+        pair = [b for rnd in s.rounds for b in rnd if (b.src, b.dst) == (1, 2)]
+        tags1 = {b.tag for b in pair if not b.items[0].name.endswith(FORWARD)}
+        tags2 = {b.tag for b in pair if b.items[0].name.endswith(FORWARD)}
         assert tags1 and tags2 and min(tags2) > max(tags1), (ranks, tags1, tags2)
         assert sorted(tags2) == list(range(max(tags1) + 1, max(tags1) + 1 + len(tags2)))
+
+
+# ---------------------------------------------------------------------------- overlap
+
+HOSTS5 = {0: "t", 1: "a", 2: "a", 3: "b", 4: "b"}
+
+
+def _overlap_case(num_tensors: int = 6):
+    """One trainer rank, four receivers (two per host) holding every tensor whole: big
+    tensors (messages of their own, received in place) and small ones (packed together,
+    so received into staging and unpacked)."""
+    topo = _topology(HOSTS5)
+    shapes = {f"w{i}": (32, 16) for i in range(num_tensors)} | {f"s{i}": (3, 5) for i in range(8)}
+    src = {n: xr.Layout.replicated(sh, "float32", xr.Mesh((1,), (0,))) for n, sh in shapes.items()}
+    dst = {n: xr.Layout.replicated(sh, "float32", xr.Mesh((4,), (1, 2, 3, 4)))
+           for n, sh in shapes.items()}
+    stages = relay_layouts(src, dst, topo)
+    p1 = plan(src, stages.stage1_dst, topology=topo)
+    p2 = plan(stages.stage2_src, stages.stage2_dst, topology=topo)
+    return topo, src, dst, stages, p1, p2
+
+
+def _stage(b) -> int:
+    return 2 if b.items[0].name.endswith(FORWARD) else 1
+
+
+def test_overlapped_schedule_forwards_chunk_c_beside_chunk_c_plus_1():
+    """Structure of the overlap: stage-2 buckets share rounds with stage-1 buckets of later
+    chunks, no forward reads a region before the round that lands it at its sender has
+    completed, both ends of every pair agree, and the whole takes fewer rounds than the
+    stages back to back, within the staging budget per rank and round."""
+    _, _, _, stages, p1, p2 = _overlap_case()
+    kw = dict(bucket_bytes=1024, staging_bytes=1 << 14)
+    whole = overlapped_schedule(p1, p2, range(5), **kw)
+    mixed = [k for k, rnd in enumerate(whole.rounds) if {_stage(b) for b in rnd} == {1, 2}]
+    assert len(mixed) >= 2, [[(_stage(b), b.src, b.dst) for b in rnd] for rnd in whole.rounds]
+    landed: dict[int, list] = {}        # rank -> [(tensor, region, round)] of stage 1
+    for k, rnd in enumerate(whole.rounds):
+        for b in rnd:
+            assert b.round == k
+            if _stage(b) == 1:
+                landed.setdefault(b.dst, []).extend((it.name, it.region, k) for it in b.items)
+    for k, rnd in enumerate(whole.rounds):
+        for b in (b for b in rnd if _stage(b) == 2):
+            for it in b.items:
+                name = it.name[:-len(FORWARD)]
+                cover = np.zeros(it.region.shape, np.int64)
+                for n, reg, j in landed[b.src]:
+                    if n == name and j < k and reg.intersect(it.region) is not None:
+                        inter = reg.intersect(it.region)
+                        cover[tuple(slice(a - o, z - o) for a, z, o in
+                                    zip(inter.starts, inter.stops, it.region.starts))] += 1
+                assert (cover == 1).all(), (k, b.src, b.dst, it)
+    # each process derives the rounds of its pairs alone: the same as the whole world's
+    per_rank = {r: overlapped_schedule(p1, p2, [r], **kw) for r in range(5)}
+    everyone = {(b.src, b.dst, b.tag): (b.round, b.items) for rnd in whole.rounds for b in rnd}
+    for r, sched in per_rank.items():
+        for rnd in sched.rounds:
+            for b in rnd:
+                assert everyone[(b.src, b.dst, b.tag)] == (b.round, b.items), (r, b)
+    tags = [(b.src, b.dst, b.tag) for rnd in whole.rounds for b in rnd]
+    assert len(tags) == len(set(tags))
+    one = schedule(p1, list(range(5)), peer_counts(p1, range(5)), **kw)
+    two = schedule(p2, list(range(5)), peer_counts(p2, range(5)), **kw)
+    assert len(whole.rounds) < len(one.rounds) + len(two.rounds)
+    for r in range(1, 5):
+        for rnd in per_rank[r].rounds:
+            assert sum(b.nbytes for b in rnd if r in (b.src, b.dst)) <= kw["staging_bytes"]
+    assert per_rank[1].max_round_bytes <= kw["staging_bytes"]
+
+
+@pytest.mark.parametrize("pipeline", [False, True])
+def test_overlapped_run_in_one_process_bit_exact(pipeline):
+    """Both executors run the overlapped schedule (all ranks in one process, so every
+    pair goes through the local transport): bit-exact, stage 2 counted as forwarded. The
+    small tensors are received into staging, so a pipelined executor that packed a
+    forward before unpacking the round that brought it would send stale bytes."""
+    from xreshard.execute import numpy_dtype
+    from xreshard.testing import local_arrays_from_global
+    from xreshard.transport.base import RecordingTransport
+    from xreshard.transport.local import LocalTransport
+
+    _, src, dst, stages, p1, p2 = _overlap_case()
+    values = {n: (np.arange(int(np.prod(l.shape))) * 7 + 3).astype(numpy_dtype(l.dtype))
+              .reshape(l.shape) for n, l in src.items()}
+    src_b = {(0, n): local_arrays_from_global(l, 0, values[n]) for n, l in src.items()}
+    real = {(r, n): np.full(l.shape, -1, np.float32) for n, l in dst.items() for r in l.ranks}
+    run = type("Stages", (), {})()
+    run.plan1, run.plan2, run.layouts, run.dst_layouts = p1, p2, stages, dst
+    dst1 = stage_views(dst, real, stages.stage1_dst, range(5))
+    transport = RecordingTransport(LocalTransport())
+    executor, (src2, dst2) = overlapped_executor(
+        run, src_b, dst1, real, transport, 10, ranks=range(5), pipeline=pipeline,
+        bucket_bytes=1024, staging_bytes=1 << 14)
+    stats = executor.run()
+    assert stats.pipelined == pipeline
+    for (r, n), arr in real.items():
+        assert arr.tobytes() == values[n].tobytes(), (r, n)
+    total = sum(v.nbytes for v in values.values())
+    assert stats.bytes_sent == 2 * total and stats.bytes_forwarded == 2 * total
+    assert transport.bytes_sent == 4 * total
+    assert stats.num_rounds == len(executor.schedule.rounds)
+    assert set(src2) == {(r, n) for r in range(1, 5) for n in stages.stage2_src}
+    # the second call reuses the schedule built for these plans
+    again, _ = overlapped_executor(run, src_b, dst1, real, transport, 10, ranks=range(5),
+                                   pipeline=pipeline, bucket_bytes=1024, staging_bytes=1 << 14)
+    assert again.schedule is executor.schedule
 
 
 def relay_two_ranks(ctx: Context) -> dict:

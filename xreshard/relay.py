@@ -4,7 +4,8 @@ Destination ranks of one fast *domain* (an NVLink island; on CPU a host, as decl
 ``World.join(..., host=...)``) that need the same region form its *relay set*. A direct
 plan sends that region over the slow links once per rank of the set; a relay plan sends
 it once per domain and the set forwards it inside the domain. A refit with
-``RefitConfig(relay="on")`` runs two ordinary plans, back to back, in one call:
+``RefitConfig(relay="on")`` plans two ordinary stages and runs them overlapped, as one
+schedule, in one call (see "Overlap" below):
 
 * **stage 1** (across domains): the real sources -> ``stage1_dst``, in which every
   region a relayed domain needs is held by exactly one of the domain's ranks that needs
@@ -40,13 +41,30 @@ Every other domain's ranks receive their own regions in stage 1, as in a direct 
 ``relay="auto"`` relays when some tensor has such a domain and falls back to the direct
 plan (exactly today's) otherwise; ``relay="on"`` always runs the two stages.
 
-The stages run one after the other (no chunked overlap of forwarding with arrival). With
-``m`` replicas in a domain each rank receives ``1/m`` of what it needs over the slow link
-(stage 1) and ``(m-1)/m`` over the fast one (stage 2), so back to back costs stage 2 on
-top: ``(m-1) * slow / fast`` of stage 1's time, 13% per extra replica with the H100
-preset's 47 GB/s NIC and 370 GB/s NVLink (m = 4: +38%, still 2.9x faster than the direct
-plan when receivers' NICs bound it). TODO(overlap): forward bucket k while bucket k+1
-arrives, as ``xreshard/sim/relay.py`` models it.
+Overlap (:func:`overlapped_schedule`): the two stages run as one schedule, so forwarding
+overlaps arrival. Stage 1's buckets keep their rounds (a bucket is a chunk: at most the
+pair's share of ``staging_bytes``); every stage-2 bucket moves to the first round after
+the last round that brings any of its bytes to its sender, and never shares a round with
+more of its pair's bytes than the pair's bucket size. A round completes before the next
+begins (and the pipelined executor waits for the earlier rounds before packing a forward),
+so a byte is forwarded only once it has landed, and stage 2 of chunk ``c`` is on the wire
+with stage 1 of chunk ``c + 1``. Stage-2 tensors run under their own names
+(``name + FORWARD``), bound to views of the same destination memory. Every rank counts
+its pairs of both stages when sizing buckets, so one round keeps at most
+``staging_bytes`` in flight per rank, as a direct plan does. Each process derives the
+rounds of the pairs it takes part in from the two plans alone (a stage-2 pair's rounds
+from its sender's stage-1 arrivals, which both ends compute): no extra metadata crosses.
+
+Cost model: with ``m`` replicas in a domain each rank receives ``1/m`` of what it needs
+over the slow link (stage 1) and ``(m-1)/m`` over the fast one (stage 2). Back to back,
+stage 2 adds ``(m-1) * slow / fast`` of stage 1's time (13% per extra replica with the
+H100 preset's 47 GB/s NIC and 370 GB/s NVLink; m = 4: +38%). Overlapped, a rank's NIC
+and NVLink work at once and the refit takes ``max(stage 1, stage 2)`` plus one chunk of
+the stage it ends on: with ``N`` rounds of stage 1, ``N + 1`` rounds instead of about
+``2N`` (more exactly: stage 2 hides behind stage 1 while ``(m-1) * slow / fast < 1``,
+i.e. up to 8 replicas per domain on that preset). What overlap does not remove: the
+first round forwards nothing, and on CPU, where "fast" and "slow" are the same loopback
+and the same cores, both stages compete for them (see benchmarks/bench_relay.py).
 
 Pure: layouts and a topology in, layouts out; every process derives the same stages.
 """
@@ -55,15 +73,22 @@ from __future__ import annotations
 
 import itertools
 from bisect import bisect_left
-from dataclasses import dataclass
+import dataclasses
+from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping
 
 from .dtypes import itemsize
+from .errors import RefitError
 from .geometry import Region
 from .intervals import chunk
 from .layout import Layout
+from .schedule import Bucket, Schedule, pair_bucket_bytes, peer_counts, schedule
 
-__all__ = ["RelayLayouts", "relay_layouts", "stage_views"]
+__all__ = ["FORWARD", "RelayLayouts", "overlapped_executor", "overlapped_schedule",
+           "relay_layouts", "stage_views"]
+
+#: suffix of the stage-2 tensor names in the overlapped run (both stages in one executor)
+FORWARD = " (forwarded)"
 
 
 @dataclass(frozen=True)
@@ -81,6 +106,8 @@ class RelayLayouts:
     stage2_src: dict[str, Layout]
     stage2_dst: dict[str, Layout]
     bytes_relayed: int
+    #: overlapped runs built from these stages (see overlapped_executor), per plans/config
+    runs: dict = field(default_factory=dict, compare=False, repr=False)
 
     @property
     def forwards(self) -> bool:
@@ -249,3 +276,166 @@ def stage_views(real_layouts: Mapping[str, Layout], real_bindings: Mapping[tuple
                 views.append((b if real.is_product else b[i])[slices + (Ellipsis,)])
             out[(r, name)] = views
     return out
+
+
+# ---------------------------------------------------------------------------- overlap
+
+
+def overlapped_schedule(plan1: Any, plan2: Any, ranks: Iterable[int], *, bucket_bytes: int,
+                        staging_bytes: int) -> Schedule:
+    """Both stages of a relayed refit as one schedule for ``ranks`` (this process's).
+
+    Stage 1's buckets keep their rounds; each stage-2 bucket runs in the first round after
+    every stage-1 round that brings its bytes to its sender (see the module docstring),
+    under the tensor's name plus :data:`FORWARD`. A pair's stage-2 tags follow its stage-1
+    tags. Pure: the same plans give every process the same rounds for every pair.
+
+    Args:
+        plan1 / plan2: the stage plans (sources -> stage1_dst, stage2_src -> stage2_dst).
+        ranks: the world ranks this process executes.
+        bucket_bytes / staging_bytes: as for :func:`xreshard.schedule.schedule`; every
+            rank's pairs of both stages share ``staging_bytes`` in a round.
+    """
+    ranks = sorted(set(ranks))
+    mine = set(ranks)
+    # every stage-2 sender of a local rank: its stage-1 arrivals time the forwards
+    senders = sorted({t.src for r in ranks for t in plan2.transfers_for(r)} - mine)
+    counts = _both_counts(plan1, plan2, ranks, senders)
+    sched1 = schedule(plan1, ranks, counts, bucket_bytes=bucket_bytes,
+                      staging_bytes=staging_bytes)
+    arrivals = _arrivals(sched1.rounds, mine)
+    if senders:
+        remote = schedule(plan1, senders, counts, bucket_bytes=bucket_bytes,
+                          staging_bytes=staging_bytes)
+        arrivals.update(_arrivals(remote.rounds, set(senders)))
+    sched2 = schedule(plan2, ranks, counts, bucket_bytes=bucket_bytes,
+                      staging_bytes=staging_bytes)
+    first_tag: dict[tuple[int, int], int] = {}
+    for rnd in sched1.rounds:
+        for b in rnd:
+            first_tag[(b.src, b.dst)] = max(first_tag.get((b.src, b.dst), 0), b.tag + 1)
+    by_pair: dict[tuple[int, int], list[Bucket]] = {}
+    for rnd in sched2.rounds:
+        for b in rnd:
+            by_pair.setdefault((b.src, b.dst), []).append(b)
+    rounds = [list(rnd) for rnd in sched1.rounds]
+    for (src, dst), buckets in sorted(by_pair.items()):
+        size = pair_bucket_bytes(src, dst, counts, bucket_bytes=bucket_bytes,
+                                 staging_bytes=staging_bytes)
+        ready = {b.tag: _ready(b, arrivals.get(src, {})) for b in buckets}
+        rnd = used = 0
+        for i, b in enumerate(sorted(buckets, key=lambda b: (ready[b.tag], b.tag))):
+            if ready[b.tag] > rnd:
+                rnd, used = ready[b.tag], 0
+            elif used and used + b.nbytes > size:
+                rnd, used = rnd + 1, 0
+            used += b.nbytes
+            while len(rounds) <= rnd:
+                rounds.append([])
+            items = tuple(dataclasses.replace(it, name=it.name + FORWARD) for it in b.items)
+            rounds[rnd].append(Bucket(src, dst, rnd, first_tag.get((src, dst), 0) + i,
+                                      items, b.nbytes))
+    in_flight: dict[tuple[int, int], int] = {}
+    for k, rnd in enumerate(rounds):
+        for b in rnd:
+            for r in {b.src, b.dst} & mine:
+                in_flight[(k, r)] = in_flight.get((k, r), 0) + b.nbytes
+    copies = sched1.local_copies + tuple(dataclasses.replace(t, name=t.name + FORWARD)
+                                         for t in sched2.local_copies)
+    return Schedule(tuple(tuple(r) for r in rounds), copies,
+                    max(in_flight.values(), default=0))
+
+
+def _both_counts(plan1: Any, plan2: Any, ranks: list[int], senders: list[int]
+                 ) -> dict[int, int]:
+    """Peer counts over both stages (a pair in both counts twice: it may use its budget in
+    each) of every rank that shares a pair with ``ranks`` or, in stage 1, with ``senders``."""
+    needed = set(ranks) | set(senders)
+    for r in ranks:
+        needed.update(x for t in plan2.transfers_for(r) for x in (t.src, t.dst))
+    for r in set(ranks) | set(senders):
+        needed.update(x for t in plan1.transfers_for(r) for x in (t.src, t.dst))
+    one, two = peer_counts(plan1, sorted(needed)), peer_counts(plan2, sorted(needed))
+    return {r: one[r] + two[r] for r in needed}
+
+
+def _arrivals(rounds: Iterable[Iterable[Bucket]], ranks: set[int]
+              ) -> dict[int, dict[str, list[tuple[Region, int]]]]:
+    """rank -> tensor -> [(region, round it lands in)] of the stage-1 receives of ``ranks``."""
+    out: dict[int, dict[str, list[tuple[Region, int]]]] = {}
+    for k, rnd in enumerate(rounds):
+        for b in rnd:
+            if b.dst in ranks:
+                for it in b.items:
+                    out.setdefault(b.dst, {}).setdefault(it.name, []).append((it.region, k))
+    return out
+
+
+def _ready(b: Bucket, arrived: Mapping[str, list[tuple[Region, int]]]) -> int:
+    """The first round in which stage-2 bucket ``b`` may run: after every stage-1 round
+    that lands a part of one of its items at its sender (round 1 at the earliest: the
+    sender's same-rank copies are done by then on both executors)."""
+    ready = 1
+    for it in b.items:
+        for region, k in arrived.get(it.name, ()):
+            if k + 1 > ready and _overlaps(region, it.region):
+                ready = k + 1
+    return ready
+
+
+def _overlaps(a: Region, b: Region) -> bool:
+    return all(x0 < y1 and y0 < x1 for x0, x1, y0, y1 in zip(a.starts, a.stops, b.starts,
+                                                             b.stops))
+
+
+def overlapped_executor(stages: Any, src_bindings: Mapping, dst_bindings: Mapping,
+                        real_dst: Mapping, transport: Any, timeout: float, *,
+                        ranks: Iterable[int], pipeline: bool, bucket_bytes: int,
+                        staging_bytes: int) -> tuple[Any, tuple]:
+    """The executor that runs both stages of a relayed refit overlapped, in one run.
+
+    Args:
+        stages: the refit's relay state: ``plan1``, ``plan2``, ``layouts`` (a
+            :class:`RelayLayouts`) and ``dst_layouts`` (the real destination layouts).
+        src_bindings: this process's real sources (stage 1's).
+        dst_bindings: stage 1's destination bindings (:func:`stage_views` of
+            ``stage1_dst``).
+        real_dst: this process's real destination bindings (for ``dst_layouts``).
+        transport / timeout: as for :class:`xreshard.execute.Executor`.
+        ranks: this process's world ranks.
+        pipeline: the pipelined executor (rounds of half of ``staging_bytes``) or not.
+        bucket_bytes / staging_bytes: the refit's config.
+
+    Returns:
+        ``(executor, (src2, dst2))``: the executor (its ``ExecStats.bytes_forwarded`` is
+        stage 2's sends), and stage 2's bindings under the tensors' own names (for
+        checksums of stage 2 against ``plan2``).
+    """
+    from .execute import Executor
+    plan1, plan2, layouts = stages.plan1, stages.plan2, stages.layouts
+    ranks = tuple(sorted(ranks))
+    key = (ranks, pipeline, bucket_bytes, staging_bytes)
+    run = layouts.runs.get(key)
+    if run is None or run[0] is not plan1 or run[1] is not plan2:
+        clash = sorted(n for n in layouts.stage2_src
+                       if n + FORWARD in plan1.src_layouts or n + FORWARD in plan1.dst_layouts)
+        if clash:
+            raise RefitError(f"tensor names {[n + FORWARD for n in clash[:3]]} are taken; the "
+                             f"relay runs forwarded copies of {clash[:3]} under those names - "
+                             f"rename the tensors or set RefitConfig(relay='off')")
+        staging = max(1, staging_bytes // 2 if pipeline else staging_bytes)
+        sched = overlapped_schedule(plan1, plan2, ranks, bucket_bytes=bucket_bytes,
+                                    staging_bytes=staging)
+        src = dict(plan1.src_layouts) | {n + FORWARD: lay for n, lay in layouts.stage2_src.items()}
+        dst = dict(plan1.dst_layouts) | {n + FORWARD: lay for n, lay in layouts.stage2_dst.items()}
+        wire = dict(plan1.wire_dtypes) | {n + FORWARD: d for n, d in plan2.wire_dtypes.items()}
+        run = layouts.runs[key] = (plan1, plan2, sched, src, dst, wire,
+                                   frozenset(n + FORWARD for n in layouts.stage2_src))
+    _, _, sched, src, dst, wire, forwarded = run
+    src2 = stage_views(stages.dst_layouts, real_dst, layouts.stage2_src, ranks)
+    dst2 = stage_views(stages.dst_layouts, real_dst, layouts.stage2_dst, ranks)
+    src_all = dict(src_bindings) | {(r, n + FORWARD): b for (r, n), b in src2.items()}
+    dst_all = dict(dst_bindings) | {(r, n + FORWARD): b for (r, n), b in dst2.items()}
+    executor = Executor(sched, src, dst, wire, src_all, dst_all, transport, timeout,
+                        pipeline=pipeline, staging_bytes=staging_bytes, forwarded=forwarded)
+    return executor, (src2, dst2)
