@@ -288,7 +288,7 @@ class Refit:
             num_zero_copy=sum(s.num_zero_copy for s in two),
             staging_bytes=max(s.staging_bytes for s in two),
             replanned=replanned, bytes_by_transport=moved.by_kind or None,
-            verified=verified, bytes_forwarded=stats2.bytes_sent if stats2 else 0)
+            verified=verified, bytes_forwarded=stats.bytes_forwarded)
 
     # ------------------------------------------------------------ moving
 
@@ -323,15 +323,24 @@ class Refit:
         # sources do not change during a refit: their checksums overlap the move
         sent_half = Background(lambda: self._digest(src_bindings, {}, target, "send")) \
             if self.config.verify else None
-        moved.stats = self._execute(Executor(
-            sched, p.src_layouts, p.dst_layouts, p.wire_dtypes, src_bindings, dst_bindings,
-            transport, timeout, pipeline=pipeline, staging_bytes=self.config.staging_bytes))
         relay_digests = None
         if relay is not None and relay.plan2 is not None:
-            # stage 2 (inside domains): this process's stage 1 is complete, and a forward
-            # leaves only once its sender's own stage 1 completed
-            moved.stats2, relay_digests = self._forward(relay, sched, pipeline, real_dst,
-                                                        transport, target)
+            # both stages in one run, forwarding overlapped with arrival (see relay.py)
+            from .relay import overlapped_executor
+            executor, views2 = overlapped_executor(
+                relay, src_bindings, dst_bindings, real_dst, transport, timeout,
+                ranks=self.world.rank_ids, pipeline=pipeline,
+                bucket_bytes=self.config.bucket_bytes, staging_bytes=self.config.staging_bytes)
+            moved.stats = self._execute(executor)
+            if self.config.verify:
+                from . import verify
+                relay_digests = verify.digest_bindings(
+                    relay.plan2, self.world.rank_ids, *views2, mode=self.config.verify,
+                    version=target)
+        else:
+            moved.stats = self._execute(Executor(
+                sched, p.src_layouts, p.dst_layouts, p.wire_dtypes, src_bindings, dst_bindings,
+                transport, timeout, pipeline=pipeline, staging_bytes=self.config.staging_bytes))
         after = getattr(transport, "bytes_by_transport", None) or {}
         moved.by_kind = {k: v - before.get(k, 0) for k, v in after.items()
                          if v - before.get(k, 0)}
