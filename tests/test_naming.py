@@ -6,10 +6,10 @@ import numpy as np
 import pytest
 
 from xreshard.adapters.naming import (HF_IDENTITY, JAX_LLAMA, ConcatRule, NameMap, NamingError,
-                                      Reshape, Rule, Split, StridedView, Transpose,
+                                      Reshape, Rule, ShardedView, Split, StridedView, Transpose,
                                       flatten_tree, hf_stacked_experts_rules, jax_llama_rules,
                                       jax_moe_rules)
-from xreshard.layout import Region
+from xreshard.layout import Layout, Mesh, Region
 
 D, H, KV, HD, I, V, L, E = 8, 4, 2, 3, 10, 16, 2, 3
 
@@ -178,7 +178,7 @@ def test_separate_qkv_to_fused_hf_tensor():
     flat = {f"layers/0/attn/{n}/kernel": _rand(rng, D, h, HD) for n, h in
             (("q", H), ("k", KV), ("v", KV))}
     rule = ConcatRule(tuple(f"layers/{{l}}/attn/{n}/kernel" for n in "qkv"),
-                      "model.layers.{l}.self_attn.qkv_proj.weight", axis=0,
+                      "model.layers.{l}.self_attn.qkv_proj.weight", dim=0,
                       transforms=(Reshape(("@0", -1)), Transpose()))
     hf = NameMap([rule]).apply({k: v.shape for k, v in flat.items()})
     ref = np.concatenate([flat[f"layers/0/attn/{n}/kernel"].reshape(D, -1).T for n in "qkv"])
@@ -207,7 +207,7 @@ def test_unmapped_and_doubly_mapped_names_are_listed_in_one_error():
 
 def test_reshape_that_needs_a_copy_is_refused():
     rule = Rule("w", "w", (Transpose(), Reshape((-1,))))
-    with pytest.raises(NamingError, match="would need a copy"):
+    with pytest.raises(NamingError, match="'w': reshape .* would need a copy"):
         NameMap([rule]).apply({"w": (3, 4)})
 
 
@@ -248,3 +248,61 @@ def test_index_expr_reads_the_same_elements_as_the_view():
 
 def test_flatten_tree_paths():
     assert flatten_tree({"a": {"b": [1, 2]}, "c": 3}) == {"a/b/0": 1, "a/b/1": 2, "c": 3}
+
+
+def test_concat_rule_axis_is_a_deprecated_alias_of_dim():
+    with pytest.warns(DeprecationWarning, match="pass dim="):
+        old = ConcatRule(("a", "b"), "ab", axis=1)
+    assert old == ConcatRule(("a", "b"), "ab", dim=1) and old.dim == 1
+    with pytest.raises(TypeError, match="not both"):
+        ConcatRule(("a",), "x", dim=0, axis=0)
+
+
+def _shards(layout: Layout, full: np.ndarray) -> dict:
+    """Every rank's local array of ``full`` under ``layout`` (its intervals, in order)."""
+    out = {}
+    for r in layout.ranks:
+        index = [np.concatenate([np.arange(a, b) for a, b in ivs])
+                 for ivs in layout.dim_intervals(r)]
+        out[r] = np.ascontiguousarray(full[np.ix_(*index)])
+    return out
+
+
+def test_sharded_views_follow_the_rules_as_whole_arrays_do():
+    """One interpreter (NameMap.expand), two kinds of view: each rank's shard of a sharded
+    trainer array carried through the rules (ShardedView) is bit for bit the region of the
+    HF tensor (read through StridedView) that the resulting layout says the rank holds.
+    Fused qkv / gate_up split on the fused dim, stacked experts split over the expert dim."""
+    rng = np.random.default_rng(9)
+    E = 4
+    flat = {"layers/0/attn/qkv/kernel": _rand(rng, D, H + 2 * KV, HD),   # fused dim: tp blocks
+            "layers/0/mlp/gate_up/kernel": _rand(rng, D, 2 * I),
+            "layers/0/attn/o/kernel": _rand(rng, H, HD, D),
+            "layers/0/moe/gate/kernel": _rand(rng, E, D, I)}
+    specs = {"layers/0/attn/qkv/kernel": [(0, 0), (1, 1)], "layers/0/mlp/gate_up/kernel":
+             [(0, 0), (1, 1)], "layers/0/attn/o/kernel": [(0, 1)],
+             "layers/0/moe/gate/kernel": [(0, 0), (2, 1)]}
+    mesh = Mesh((2, 2), (10, 11, 12, 13), ("fsdp", "tp"))
+    names = NameMap(jax_llama_rules(fused=True) + jax_moe_rules(),
+                    params={"num_heads": H, "num_kv_heads": KV, "intermediate": I})
+    hf = names.apply({n: a.shape for n, a in flat.items()})
+    seen = set()
+    for name, full in flat.items():
+        layout = Layout.product(full.shape, "float32", mesh, specs[name])
+        shards = _shards(layout, full)
+        (rule, fields), = [(r, m) for r in names.rules if (m := r.match(name)) is not None]
+        for view, f in names.expand(ShardedView(layout, shards), fields, rule.transforms, name):
+            tensor = hf[rule.dst.format(**f)]
+            assert view.shape == tensor.shape
+            for r, local in view.arrays.items():
+                (region,) = view.layout.regions(r)
+                assert np.array_equal(local, tensor.view(flat, region)), (tensor.name, r)
+                assert np.shares_memory(local, shards[r]), (tensor.name, r)
+            seen.add(tensor.name)
+    assert seen == set(hf) and len(seen) == 3 + 2 + 1 + E
+    # a part straddling two tp blocks of the fused dim: refused, naming the trainer array
+    lay = Layout.product((D, 8, HD), "float32", mesh, [(1, 1)])
+    odd = NameMap([Rule("q", "{p}", (Split(1, "p", (("a", 3), ("b", 5))),))])
+    with pytest.raises(NamingError, match=r"'q': slices \[3:8\] of dim 1 \(size 8\), which "
+                                          r"mesh axes \['tp'\] split into blocks of 4"):
+        list(odd.expand(ShardedView(lay, {}), {}, odd.rules[0].transforms, "q"))

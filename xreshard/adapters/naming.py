@@ -1,67 +1,46 @@
-"""Names and transforms from trainer conventions to canonical (HF) tensors, as views.
+"""Applying naming rules: trainer arrays -> canonical (HF) tensors, as views.
 
-A trainer's parameter tree rarely uses HF names or HF orientation: Flax kernels are
-``[in, out]``, attention kernels keep heads as a dim (``[embed, heads, head_dim]``), q/k/v or
-gate/up may be fused, experts stacked, layers scanned under a leading axis. xreshard's
-layouts are in canonical coordinates (HF names, torch ``[out, in]``), so each trainer array
-is bound to the HF tensor(s) it holds by a :class:`StridedView`: HF element ``(i0, i1, ...)``
-is element ``offset + sum(i_k * strides_k)`` of the trainer array in C order. Views are
-exact and never copy; a rule that would need a copy (a transpose followed by a merge of
-non-adjacent dims) is refused when the table is applied.
+The rules (:mod:`xreshard.adapters.naming_rules`, re-exported here) say which trainer
+arrays make which HF tensors through which transforms. This module applies them, with one
+interpreter of transforms (:meth:`NameMap.expand`) for two kinds of view:
 
-Rules are declarative, one short table per model family: a trainer-name pattern, an HF
-name template and a list of transforms (:data:`JAX_LLAMA`, :func:`jax_llama_rules`,
-:data:`HF_IDENTITY`). Patterns use ``{name}`` for a run of digits and ``{name:regex}`` for
-anything else; the captured values fill the template. ``Unstack`` and ``Split`` fan one
-trainer array out into several HF tensors and bind a new template field. A
-:class:`ConcatRule` assembles one HF tensor from several trainer arrays (separate q/k/v into
-a fused HF ``qkv_proj``, per-expert arrays into a stacked HF tensor).
+* :class:`StridedView`, a whole trainer array: HF element ``(i0, i1, ...)`` is element
+  ``offset + sum(i_k * strides_k)`` of the trainer array in C order. Views are exact and
+  never copy; a rule that would need a copy (a transpose followed by a merge of
+  non-adjacent dims) is refused. :meth:`NameMap.apply` maps a tree's names and shapes to
+  :class:`HFTensor` s of such views.
+* :class:`ShardedView`, a sharded JAX array: its :class:`~xreshard.layout.Layout`, carried
+  through the transforms by the layout's view algebra (``permuted``, ``reshaped``,
+  ``selected``, ``sliced``), and each local shard viewed alongside. :func:`bind_named` binds
+  a JAX pytree this way, so the HF tensors are sent from the devices that hold them.
 
-Canonical JAX tree for Llama/Qwen2-style models (``"/"``-joined pytree paths, see
-:func:`flatten_tree`; ``D`` hidden, ``H``/``KV`` heads, ``hd`` head dim, ``I`` MLP width)::
-
-    # trainer path (l: layer)      | shape       | HF tensor (P = model.layers.{l})  | transform
-    # embed/embedding              | [V, D]      | model.embed_tokens.weight [V, D]  | -
-    # layers/{l}/attn/q/kernel     | [D, H, hd]  | P.self_attn.q_proj.weight         | [D, H*hd], T
-    # layers/{l}/attn/k|v/kernel   | [D, KV, hd] | P.self_attn.k|v_proj.weight       | [D, KV*hd], T
-    # layers/{l}/attn/q|k|v/bias   | [H|KV, hd]  | P.self_attn.q|k|v_proj.bias       | [-1]
-    # layers/{l}/attn/o/kernel     | [H, hd, D]  | P.self_attn.o_proj.weight         | [H*hd, D], T
-    # layers/{l}/mlp/gate|up/kernel| [D, I]      | P.mlp.gate|up_proj.weight [I, D]  | T
-    # layers/{l}/mlp/down/kernel   | [I, D]      | P.mlp.down_proj.weight [D, I]     | T
-    # layers/{l}/input_norm/scale  | [D]         | P.input_layernorm.weight          | -
-    # layers/{l}/post_attn_norm/scale | [D]      | P.post_attention_layernorm.weight | -
-    # final_norm/scale             | [D]         | model.norm.weight                 | -
-    # lm_head/kernel               | [D, V]      | lm_head.weight [V, D] (not if tied) | T
-
-Scanned trees drop ``/{l}`` and add a leading ``[L, ...]`` axis; fused trees replace
-q/k/v with ``attn/qkv/kernel [D, H+2*KV, hd]`` (``attn/qkv/bias [H+2*KV, hd]``) and gate/up
-with ``mlp/gate_up/kernel [D, 2*I]``. MoE layers (Qwen-MoE HF names) use
-``layers/{l}/moe/router/kernel [D, E]`` and stacked ``moe/{gate,up}/kernel [E, D, I]``,
-``moe/down/kernel [E, I, D]``.
+Xreshard's layouts are in canonical coordinates (HF names, torch ``[out, in]``); trainer
+paths are ``"/"``-joined pytree paths (:func:`flatten_tree`). See
+:mod:`~xreshard.adapters.naming_rules` for the canonical JAX Llama tree and its table.
 """
 
 from __future__ import annotations
 
+import functools
 import math
-import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Iterable, Iterator, Mapping, Sequence
 
 import numpy as np
 
-from xreshard.errors import XreshardError
-from xreshard.layout import Region
+from xreshard.errors import LayoutError
+from xreshard.layout import Layout, Mesh, Region
+
+from .naming_rules import (HF_IDENTITY, JAX_LLAMA, ConcatRule, Index, NamingError, Reshape,
+                           Rule, Slice, Split, Transform, Transpose, Unsqueeze, Unstack,
+                           hf_stacked_experts_rules, jax_llama_rules, jax_moe_rules)
 
 __all__ = [
-    "NamingError", "StridedView", "Source", "HFTensor", "NameMap", "Rule", "ConcatRule",
-    "Transpose", "Reshape", "Index", "Slice", "Unsqueeze", "Unstack", "Split",
-    "HF_IDENTITY", "JAX_LLAMA", "jax_llama_rules", "jax_moe_rules", "hf_stacked_experts_rules",
-    "flatten_tree",
+    "NamingError", "StridedView", "ShardedView", "Source", "HFTensor", "NameMap", "Rule",
+    "ConcatRule", "Transform", "Transpose", "Reshape", "Index", "Slice", "Unsqueeze",
+    "Unstack", "Split", "HF_IDENTITY", "JAX_LLAMA", "jax_llama_rules", "jax_moe_rules",
+    "hf_stacked_experts_rules", "flatten_tree", "bind_named",
 ]
-
-
-class NamingError(XreshardError):
-    """Trainer names that no rule maps, or that map twice, or a transform that cannot apply."""
 
 
 def _c_strides(shape: Sequence[int]) -> tuple[int, ...]:
@@ -116,26 +95,26 @@ class StridedView:
                               "(reshape before transposing)")
         return StridedView(self.src_shape, tuple(new_shape), strides, self.offset)
 
-    def index(self, axis: int, i: int) -> StridedView:
-        n = self.shape[axis]
+    def index(self, dim: int, i: int) -> StridedView:
+        n = self.shape[dim]
         if not 0 <= i < n:
-            raise NamingError(f"index {i} out of range for dim {axis} of size {n}")
-        return StridedView(self.src_shape, self.shape[:axis] + self.shape[axis + 1:],
-                           self.strides[:axis] + self.strides[axis + 1:],
-                           self.offset + i * self.strides[axis])
+            raise NamingError(f"index {i} out of range for dim {dim} of size {n}")
+        return StridedView(self.src_shape, self.shape[:dim] + self.shape[dim + 1:],
+                           self.strides[:dim] + self.strides[dim + 1:],
+                           self.offset + i * self.strides[dim])
 
-    def slice(self, axis: int, start: int, stop: int) -> StridedView:
-        n = self.shape[axis]
+    def slice(self, dim: int, start: int, stop: int) -> StridedView:
+        n = self.shape[dim]
         if not 0 <= start <= stop <= n:
-            raise NamingError(f"slice [{start}:{stop}) out of range for dim {axis} of size {n}")
+            raise NamingError(f"slice [{start}:{stop}) out of range for dim {dim} of size {n}")
         shape = list(self.shape)
-        shape[axis] = stop - start
+        shape[dim] = stop - start
         return StridedView(self.src_shape, tuple(shape), self.strides,
-                           self.offset + start * self.strides[axis])
+                           self.offset + start * self.strides[dim])
 
-    def unsqueeze(self, axis: int) -> StridedView:
-        return StridedView(self.src_shape, self.shape[:axis] + (1,) + self.shape[axis:],
-                           self.strides[:axis] + (0,) + self.strides[axis:], self.offset)
+    def unsqueeze(self, dim: int) -> StridedView:
+        return StridedView(self.src_shape, self.shape[:dim] + (1,) + self.shape[dim:],
+                           self.strides[:dim] + (0,) + self.strides[dim:], self.offset)
 
     def restrict(self, region: Region) -> StridedView:
         """The view of ``region`` (HF coordinates) of this view."""
@@ -238,179 +217,70 @@ def _nocopy_reshape(shape: Sequence[int], strides: Sequence[int],
     return tuple(new_strides)
 
 
-# ---------------------------------------------------------------------------- transforms
-
-class Transform:
-    """A step applied to the views of one trainer array; may fan out into several."""
-
-    def apply(self, view: StridedView, fields: Mapping[str, Any], params: Mapping[str, int]
-              ) -> Iterator[tuple[StridedView, dict]]:
-        raise NotImplementedError
-
-
-def _size(expr: int | str, params: Mapping[str, int], shape: tuple[int, ...]) -> int:
-    """An int, a param name, ``"@k"`` (the current size of dim k), or a product of those
-    (``"num_heads*head_dim"``)."""
-    if isinstance(expr, int):
-        return expr
-    out = 1
-    for tok in str(expr).split("*"):
-        tok = tok.strip()
-        if tok.lstrip("-").isdigit():
-            out *= int(tok)
-        elif tok.startswith("@") and tok[1:].isdigit() and int(tok[1:]) < len(shape):
-            out *= shape[int(tok[1:])]
-        elif tok in params:
-            out *= int(params[tok])
-        else:
-            raise NamingError(f"size {expr!r} names {tok!r}, which is not among the rule "
-                              f"params {sorted(params)}; pass it to NameMap(params=...)")
-    return out
-
-
 @dataclass(frozen=True)
-class Transpose(Transform):
-    """Permute dims (default: reverse them, a Flax ``[in, out]`` kernel -> ``[out, in]``)."""
+class ShardedView:
+    """A sharded trainer array seen through naming transforms: its product-form ``layout``
+    and, per world rank of this process, its local shard (a host array) viewed alongside.
 
-    perm: tuple[int, ...] | None = None
+    The view ops of :class:`StridedView`, on layouts: a transpose permutes, a reshape may
+    merge or split dims (a split dim must be its run's major one and stay an even split),
+    indexing a split dim (experts over an expert axis) keeps the ranks that hold the index,
+    slicing a split dim keeps the ranks of its blocks (see ``Layout.sliced``). Local views
+    never copy except where a reshape of a shard cannot be a view.
 
-    def apply(self, view, fields, params):
-        yield view.transpose(self.perm), {}
-
-
-@dataclass(frozen=True)
-class Reshape(Transform):
-    """Reshape as a view; entries are ints, ``-1``, ``"@k"`` (keep dim k's size) or param
-    names / products of them."""
-
-    shape: tuple[int | str, ...]
-
-    def apply(self, view, fields, params):
-        yield view.reshape([_size(s, params, view.shape) for s in self.shape]), {}
-
-
-@dataclass(frozen=True)
-class Index(Transform):
-    """Select index ``i`` of dim ``axis`` (an int or a captured field name)."""
-
-    axis: int
-    i: int | str
-
-    def apply(self, view, fields, params):
-        i = int(fields[self.i]) if isinstance(self.i, str) else self.i
-        yield view.index(self.axis, i), {}
-
-
-@dataclass(frozen=True)
-class Slice(Transform):
-    axis: int
-    start: int | str
-    stop: int | str
-
-    def apply(self, view, fields, params):
-        yield view.slice(self.axis, _size(self.start, params, view.shape),
-                         _size(self.stop, params, view.shape)), {}
-
-
-@dataclass(frozen=True)
-class Unsqueeze(Transform):
-    axis: int
-
-    def apply(self, view, fields, params):
-        yield view.unsqueeze(self.axis), {}
-
-
-@dataclass(frozen=True)
-class Unstack(Transform):
-    """Fan out over dim ``axis`` (scanned layers, stacked experts), binding field ``name``."""
-
-    axis: int
-    name: str
-
-    def apply(self, view, fields, params):
-        for i in range(view.shape[self.axis]):
-            yield view.index(self.axis, i), {self.name: i}
-
-
-@dataclass(frozen=True)
-class Split(Transform):
-    """Fan out into consecutive slices of dim ``axis`` (fused q/k/v, gate/up).
-
-    ``parts`` is ``((value, size), ...)``: each slice binds field ``name`` to ``value``.
-    Sizes are ints or param expressions; the sizes must add up to the dim.
+    Attributes:
+        layout: the layout of the (transformed) array over world ranks.
+        arrays: world rank -> this process's local array of it (ranks that hold it only).
     """
 
-    axis: int
-    name: str
-    parts: tuple[tuple[str, int | str], ...]
+    layout: Layout
+    arrays: Mapping[int, Any]
 
-    def apply(self, view, fields, params):
-        sizes = [_size(s, params, view.shape) for _, s in self.parts]
-        if sum(sizes) != view.shape[self.axis]:
-            raise NamingError(f"split of dim {self.axis} (size {view.shape[self.axis]}) into "
-                              f"{dict(zip((v for v, _ in self.parts), sizes))} does not add up")
-        start = 0
-        for (value, _), n in zip(self.parts, sizes):
-            yield view.slice(self.axis, start, start + n), {self.name: value}
-            start += n
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.layout.shape
 
+    def transpose(self, perm: Sequence[int] | None = None) -> ShardedView:
+        perm = tuple(reversed(range(self.layout.ndim))) if perm is None else tuple(perm)
+        return ShardedView(_permuted(self.layout, perm),
+                           {r: a.transpose(perm) for r, a in self.arrays.items()})
 
-# ---------------------------------------------------------------------------- rules
+    def reshape(self, new_shape: Sequence[int]) -> ShardedView:
+        new = [int(n) for n in new_shape]
+        if -1 in new:
+            known = math.prod(n for n in new if n != -1)
+            new[new.index(-1)] = math.prod(self.shape) // max(known, 1)
+        return self._with(self.layout.reshaped(new))
 
-def _compile(pattern: str) -> re.Pattern:
-    out, pos = [], 0
-    for m in re.finditer(r"\{(\w+)(?::([^{}]+))?\}", pattern):
-        out.append(re.escape(pattern[pos:m.start()]))
-        out.append(f"(?P<{m.group(1)}>{m.group(2) or r'[0-9]+'})")
-        pos = m.end()
-    out.append(re.escape(pattern[pos:]))
-    return re.compile("".join(out))
+    def unsqueeze(self, dim: int) -> ShardedView:
+        return self._with(self.layout.reshaped(self.shape[:dim] + (1,) + self.shape[dim:]))
 
+    def index(self, dim: int, i: int) -> ShardedView:
+        return self._cut(dim, *self.layout.selected(dim, i))
 
-@dataclass(frozen=True)
-class Rule:
-    """Trainer names matching ``src`` become the HF tensor(s) ``dst`` through ``transforms``."""
+    def slice(self, dim: int, start: int, stop: int) -> ShardedView:
+        return self._cut(dim, *self.layout.sliced(dim, start, stop))
 
-    src: str
-    dst: str
-    transforms: tuple[Transform, ...] = ()
-    _regex: re.Pattern = field(init=False, repr=False, compare=False)
+    def _with(self, layout: Layout) -> ShardedView:
+        return ShardedView(layout, {r: a.reshape(layout.local_shape(r))
+                                    for r, a in self.arrays.items()})
 
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "_regex", _compile(self.src))
-
-    def match(self, name: str) -> dict | None:
-        m = self._regex.fullmatch(name)
-        return None if m is None else m.groupdict()
+    def _cut(self, dim: int, layout: Layout, local: Mapping[int, Any]) -> ShardedView:
+        """``layout``, each holder's array indexed by ``local[rank]`` along ``dim``."""
+        lead = (slice(None),) * dim
+        return ShardedView(layout, {r: a[lead + (local[r],)] for r, a in self.arrays.items()
+                                    if r in local})
 
 
-@dataclass(frozen=True)
-class ConcatRule:
-    """One HF tensor ``dst`` from several trainer arrays laid side by side.
+@functools.lru_cache(maxsize=1 << 16)
+def _permuted(layout: Layout, perm: tuple[int, ...]) -> Layout:
+    """``layout.permuted(perm)``, remembered: a refit binds the same arrays every step (the
+    layout's other view methods remember their results themselves)."""
+    return layout.permuted(perm)
 
-    ``srcs`` patterns are concatenated in order along HF dim ``axis`` (after ``transforms``,
-    applied to each source alone). With ``stack_over`` (a field of the patterns) the
-    matched arrays are also stacked along a new leading dim 0 in field order 0..n-1, and
-    ``axis`` counts dims after stacking. Example, per-expert HF checkpoints to the stacked
-    ``experts.gate_up_proj [E, 2I, H]``: ``srcs=(gate, up)``, ``axis=1``, ``stack_over="e"``.
-    """
 
-    srcs: tuple[str, ...]
-    dst: str
-    axis: int
-    transforms: tuple[Transform, ...] = ()
-    stack_over: str | None = None
-    _regexes: tuple = field(init=False, repr=False, compare=False)
+# ---------------------------------------------------------------------------- applying rules
 
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "_regexes", tuple(_compile(s) for s in self.srcs))
-
-    def match(self, name: str) -> tuple[int, dict] | None:
-        for j, rx in enumerate(self._regexes):
-            m = rx.fullmatch(name)
-            if m is not None:
-                return j, m.groupdict()
-        return None
 
 
 @dataclass(frozen=True, slots=True)
@@ -472,6 +342,7 @@ class NameMap:
                  ) -> None:
         self.rules = tuple(rules)
         self.params = dict(params or {})
+        self._checked: tuple | None = None
 
     def apply(self, shapes: Mapping[str, Sequence[int]]) -> dict[str, HFTensor]:
         """Map every trainer array (name -> shape) to HF tensors.
@@ -489,12 +360,13 @@ class NameMap:
                 unmapped.append(name)
                 continue
             if len(hits) > 1:
-                double.append(f"{name} (rules {', '.join(repr(_rule_src(r)) for r, _ in hits)})")
+                double.append(f"{name} (rules {', '.join(repr(r.src) for r, _ in hits)})")
                 continue
             rule, m = hits[0]
             shape = tuple(int(s) for s in shape)
             if isinstance(rule, Rule):
-                for view, fields in self._expand(StridedView.identity(shape), m, rule.transforms):
+                for view, fields in self.expand(StridedView.identity(shape), m,
+                                                rule.transforms, name):
                     full = Region((0,) * len(view.shape), view.shape)
                     produced.setdefault(rule.dst.format(**fields), []).append(
                         (name, Source(name, full, view)))
@@ -530,13 +402,36 @@ class NameMap:
             out[hf] = HFTensor(hf, shape, sources)
         return out
 
-    def _expand(self, view: StridedView, fields: dict, transforms: Sequence[Transform]
-                ) -> Iterator[tuple[StridedView, dict]]:
+    def check(self, shapes: Mapping[str, Sequence[int]]) -> None:
+        """:meth:`apply`'s checks (every trainer name maps exactly once), skipped for the
+        names and shapes checked last: a refit binds the same tree every step."""
+        key = tuple((n, tuple(int(x) for x in s)) for n, s in shapes.items())
+        if key != self._checked:
+            self.apply(dict(key))
+            self._checked = key
+
+    def expand(self, view: Any, fields: dict, transforms: Sequence[Transform], name: str
+               ) -> Iterator[tuple[Any, dict]]:
+        """The one interpreter of transforms: ``(view after transforms, fields)`` for every
+        HF tensor ``transforms`` make of ``view`` (a :class:`StridedView` or
+        :class:`ShardedView` of trainer array ``name``).
+
+        Raises:
+            NamingError: a transform does not apply (naming ``name``; a layout's
+                ``LayoutError`` is raised as this).
+        """
         if not transforms:
             yield view, fields
             return
-        for v, new in transforms[0].apply(view, fields, self.params):
-            yield from self._expand(v, {**fields, **new}, transforms[1:])
+        steps = transforms[0].apply(view, fields, self.params)
+        while True:
+            try:
+                v, new = next(steps)
+            except StopIteration:
+                return
+            except (NamingError, LayoutError) as e:
+                raise NamingError(f"{name!r}: {e}") from e
+            yield from self.expand(v, {**fields, **new}, transforms[1:], name)
 
     def _concat(self, group: dict) -> tuple[str, list[Source]]:
         rule: ConcatRule = group["rule"]
@@ -552,7 +447,7 @@ class NameMap:
             raise NamingError(f"{hf}: sources missing: {', '.join(missing)}")
         sources, offset_by_i = [], {}
         for i, j, name, shape in items:
-            views = list(self._expand(StridedView.identity(shape), {}, rule.transforms))
+            views = list(self.expand(StridedView.identity(shape), {}, rule.transforms, name))
             if len(views) != 1:
                 raise NamingError(f"{hf}: a ConcatRule transform must not fan out")
             view = views[0][0]
@@ -561,15 +456,11 @@ class NameMap:
             starts = [0] * len(view.shape)
             if rule.stack_over:
                 starts[0] = i
-            starts[rule.axis] = offset_by_i.get(i, 0)
-            offset_by_i[i] = starts[rule.axis] + view.shape[rule.axis]
+            starts[rule.dim] = offset_by_i.get(i, 0)
+            offset_by_i[i] = starts[rule.dim] + view.shape[rule.dim]
             stops = [a + n for a, n in zip(starts, view.shape)]
             sources.append(Source(name, Region(tuple(starts), tuple(stops)), view))
         return hf, sources
-
-
-def _rule_src(rule: Rule | ConcatRule) -> str:
-    return rule.src if isinstance(rule, Rule) else "|".join(rule.srcs)
 
 
 # ---------------------------------------------------------------------------- trees
@@ -597,108 +488,63 @@ def flatten_tree(tree: Any, sep: str = "/") -> dict[str, Any]:
     return out
 
 
-# ---------------------------------------------------------------------------- rule tables
 
-#: HF-named torch models (state_dict names are already canonical).
-HF_IDENTITY: tuple[Rule, ...] = (Rule("{name:.+}", "{name}"),)
+# ---------------------------------------------------------------------------- sharded arrays
 
-_T = (Transpose(),)
+def bind_named(tree: Any, namemap: NameMap, ranks: Mapping[int, int], *, memo: Any = None
+               ) -> Any:
+    """The send side of a JAX pytree whose HF tensors the naming rules describe.
 
-L = "model.layers.{l}"
+    Each array becomes a :class:`ShardedView` (its layout, and its addressable shards as
+    zero-copy host views) and goes through its rule's transforms (:meth:`NameMap.expand`),
+    so each HF tensor's layout is product form over the trainer's mesh and its bindings are
+    views of the shards (a reshape that cannot be a view copies; sending never writes them).
 
+    Args:
+        tree: a pytree of ``jax.Array`` (``/``-joined paths are the trainer names).
+        namemap: the rules.
+        ranks: JAX device id -> world rank, for every device of the arrays.
+        memo: the ``LayoutMemo`` the arrays' layouts are remembered in (default the JAX
+            adapter's).
 
-def _per_layer(scanned: bool, path: str) -> str:
-    return f"layers/{path}" if scanned else f"layers/{{l}}/{path}"
+    Returns:
+        A :class:`~xreshard.binding.Bound`: HF name -> layout, (rank, HF name) -> view.
 
-
-def jax_llama_rules(*, scanned: bool = False, fused: bool = False, qkv_bias: bool = False,
-                    tied: bool = False) -> tuple[Rule, ...]:
-    """The canonical JAX Llama/Qwen2 tree (module docstring) as a rule table.
-
-    The unfused table needs no params; ``fused`` needs ``num_heads``, ``num_kv_heads`` and
-    ``intermediate`` in ``NameMap(params=...)`` to split the fused dims.
+    Raises:
+        NamingError: names no rule maps (or several do), ConcatRules, or a transform the
+            sharding does not allow (naming the tensor and the mesh axes).
     """
-    pre = (Unstack(0, "l"),) if scanned else ()
-    # [D, h, hd] -> [D, h*hd] -> [h*hd, D]
-    heads_in = (Reshape(("@0", -1)), Transpose())
-    rows = [
-        (_per_layer(scanned, "attn/o/kernel"), f"{L}.self_attn.o_proj.weight",   # [H, hd, D]
-         (Reshape((-1, "@2")), Transpose())),
-        (_per_layer(scanned, "mlp/down/kernel"), f"{L}.mlp.down_proj.weight", _T),
-        (_per_layer(scanned, "input_norm/scale"), f"{L}.input_layernorm.weight", ()),
-        (_per_layer(scanned, "post_attn_norm/scale"), f"{L}.post_attention_layernorm.weight", ()),
-    ]
-    if fused:
-        rows += [
-            (_per_layer(scanned, "attn/qkv/kernel"), f"{L}.self_attn.{{p}}_proj.weight",
-             (Split(1, "p", (("q", "num_heads"), ("k", "num_kv_heads"), ("v", "num_kv_heads"))),
-              *heads_in)),
-            (_per_layer(scanned, "mlp/gate_up/kernel"), f"{L}.mlp.{{p}}_proj.weight",
-             (Split(1, "p", (("gate", "intermediate"), ("up", "intermediate"))), *_T)),
-        ]
-        if qkv_bias:
-            rows.append((_per_layer(scanned, "attn/qkv/bias"), f"{L}.self_attn.{{p}}_proj.bias",
-                         (Split(0, "p", (("q", "num_heads"), ("k", "num_kv_heads"),
-                                         ("v", "num_kv_heads"))), Reshape((-1,)))))
-    else:
-        rows += [(_per_layer(scanned, f"attn/{p}/kernel"), f"{L}.self_attn.{p}_proj.weight",
-                  heads_in) for p in "qkv"]
-        rows += [(_per_layer(scanned, f"mlp/{p}/kernel"), f"{L}.mlp.{p}_proj.weight", _T)
-                 for p in ("gate", "up")]
-        if qkv_bias:
-            rows += [(_per_layer(scanned, f"attn/{p}/bias"), f"{L}.self_attn.{p}_proj.bias",
-                      (Reshape((-1,)),)) for p in "qkv"]
-    rules = [Rule(src, dst, pre + tuple(tr)) for src, dst, tr in rows]
-    rules += [Rule("embed/embedding", "model.embed_tokens.weight"),
-              Rule("final_norm/scale", "model.norm.weight")]
-    if not tied:
-        rules.append(Rule("lm_head/kernel", "lm_head.weight", _T))
-    return tuple(rules)
+    from xreshard.adapters import jax as xjax
+    from xreshard.binding import Bound
+
+    flat = dict(xjax.tree_names(tree))
+    namemap.check({n: tuple(a.shape) for n, a in flat.items()})
+    memo_kw = {} if memo is None else {"memo": memo}
+    layouts: dict[str, Layout] = {}
+    bindings: dict[tuple[int, str], Any] = {}
+    for name, arr in flat.items():
+        rule, fields = next((r, m) for r in namemap.rules if (m := r.match(name)) is not None)
+        if isinstance(rule, ConcatRule):
+            raise NamingError(f"{name!r}: ConcatRule {rule.dst!r} is not supported when sending "
+                              "sharded arrays yet (TODO: explicit layouts per source)")
+        layout = _as_product(xjax.array_layout(arr, ranks, name, **memo_kw), name)
+        local = {ranks[int(s.device.id)]: xjax.host_view(s.data) for s in arr.addressable_shards}
+        for view, f in namemap.expand(ShardedView(layout, local), dict(fields), rule.transforms,
+                                      name):
+            hf = rule.dst.format(**f)
+            layouts[hf] = view.layout
+            bindings.update(((r, hf), a) for r, a in view.arrays.items())
+    return Bound(layouts, bindings)
 
 
-#: the plain (per-layer, unfused, untied, no bias) JAX Llama table
-JAX_LLAMA: tuple[Rule, ...] = jax_llama_rules()
-
-
-#: HF names of a MoE block's router and experts (gate, up, down), per checkpoint family
-_MOE_HF_NAMES = {
-    "qwen": ("mlp.gate.weight", "mlp.experts.{e}.gate_proj.weight",
-             "mlp.experts.{e}.up_proj.weight", "mlp.experts.{e}.down_proj.weight"),
-    "mixtral": ("block_sparse_moe.gate.weight", "block_sparse_moe.experts.{e}.w1.weight",
-                "block_sparse_moe.experts.{e}.w3.weight", "block_sparse_moe.experts.{e}.w2.weight"),
-}
-
-
-def jax_moe_rules(*, scanned: bool = False, hf: str = "qwen") -> tuple[Rule, ...]:
-    """Stacked-expert JAX MoE blocks -> per-expert HF names; add to a dense table whose tree
-    has ``moe/`` instead of ``mlp/``.
-
-    The tree: ``moe/router/kernel [D, E]``, ``moe/{gate,up}/kernel [E, D, I]``,
-    ``moe/down/kernel [E, I, D]``. ``hf`` picks the checkpoint family: ``"qwen"``
-    (Qwen2/3-MoE: ``mlp.experts.{e}.gate_proj``, ...) or ``"mixtral"``
-    (``block_sparse_moe.experts.{e}.w1`` gate, ``w3`` up, ``w2`` down).
-    """
-    if hf not in _MOE_HF_NAMES:
-        raise ValueError(f"hf={hf!r}: expected one of {sorted(_MOE_HF_NAMES)}")
-    router, gate, up, down = _MOE_HF_NAMES[hf]
-    pre = (Unstack(0, "l"),) if scanned else ()
-    experts = pre + (Unstack(0, "e"), Transpose())
-    return (
-        Rule(_per_layer(scanned, "moe/router/kernel"), f"{L}.{router}", pre + _T),
-        Rule(_per_layer(scanned, "moe/gate/kernel"), f"{L}.{gate}", experts),
-        Rule(_per_layer(scanned, "moe/up/kernel"), f"{L}.{up}", experts),
-        Rule(_per_layer(scanned, "moe/down/kernel"), f"{L}.{down}", experts),
-    )
-
-
-def hf_stacked_experts_rules() -> tuple[ConcatRule, ...]:
-    """Per-expert HF checkpoint names -> transformers' stacked ``experts.gate_up_proj
-    [E, 2I, H]`` and ``experts.down_proj [E, H, I]``; combine with :data:`HF_IDENTITY`
-    only for the other names (the identity rule would match these too)."""
-    e = f"{L}.mlp.experts.{{e}}"
-    return (
-        ConcatRule((f"{e}.gate_proj.weight", f"{e}.up_proj.weight"),
-                   f"{L}.mlp.experts.gate_up_proj", axis=1, stack_over="e"),
-        ConcatRule((f"{e}.down_proj.weight",), f"{L}.mlp.experts.down_proj", axis=1,
-                   stack_over="e"),
-    )
+def _as_product(layout: Layout, name: str) -> Layout:
+    if layout.is_product:
+        if any(sp.split_factor != 1 for sp in layout.splits):
+            raise NamingError(f"{name!r}: strided splits cannot go through naming rules")
+        return layout
+    full = (tuple(0 for _ in layout.shape), layout.shape)
+    if all(len(rs) == 1 and (rs[0].starts, rs[0].stops) == full for _, rs in layout.explicit):
+        ranks = tuple(r for r, _ in layout.explicit)
+        return Layout.replicated(layout.shape, layout.dtype, Mesh((len(ranks),), ranks))
+    raise NamingError(f"{name!r}: only NamedSharding (or fully replicated) arrays can go "
+                      "through naming rules")
