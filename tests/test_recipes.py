@@ -272,7 +272,7 @@ def test_vllm_by_hand_with_kv_head_replication():
 
 def test_fsdp_tp_strided_by_hand():
     # mesh (rep=1, dp=2, tp=2): dim 0 sharded by TP, then FSDP inside each TP block
-    # (_StridedShard(0, 2), Shard(0)) - layouts.md 4.4: ranks 0,1,2,3 rows 0-1, 4-5, 2-3, 6-7
+    # (_StridedShard(0, 2), Shard(0)) - docs/layouts.md §4.4: ranks 0,1,2,3 rows 0-1, 4-5, 2-3, 6-7
     L = recipe_layouts(TOY, "fsdp:dp=2,tp=2", 0, config=CFG)
     q = L["model.layers.0.self_attn.q_proj.weight"]
     assert [str(s) for s in q.splits] == ["SS(0,2)", "S(0)"]

@@ -16,7 +16,7 @@ concatenate gate and up on dim 1)::
 Per-expert tensors take the place of the two stacked ones, expert by expert
 (e0.gate, e0.up, e0.down, e1.gate, ...), which is the published per-expert order.
 
-File schema (see the ``models/README.md`` this data comes from): ``{"model", "dtype",
+File schema (``docs/models.md`` §3; how the files were made: §4): ``{"model", "dtype",
 "dtype_overrides": {name: dtype}, "layout": "stacked" | "per_expert" | "dense", "config",
 "params": [[name, shape], ...]}``.
 """

@@ -132,7 +132,7 @@ FRAMEWORKS: dict[str, Framework] = {f.name: f for f in (
     }),
     # FSDP2 (+ TP as torchtitan's plan, + HSDP replicas): mesh (rep, dp, tp). fully_shard
     # shards dim 0 of every parameter over dp; where TP also shards dim 0 the dp placement
-    # becomes _StridedShard(0, tp) (FSDP shards the TP-local block, layouts.md 4.4).
+    # becomes _StridedShard(0, tp) (FSDP shards the TP-local block, docs/layouts.md §4.4).
     # torch.chunk semantics: nothing needs to divide.
     Framework("fsdp", ("rep", "dp", "tp"), example="fsdp:dp=8,tp=4", table={
         "vocab": {"dp": "S0", "tp": "S0"},          # RowwiseParallel embedding, Colwise output
@@ -516,7 +516,7 @@ class _Builder:
                 dim, _, sf = p.removeprefix("SS").removeprefix("S").partition("/")
                 splits.append((int(dim), a, int(sf or 1)))
         # an axis sharding a dim that a later axis also shards applies first but splits the
-        # later axes' blocks (FSDP2 + TP, layouts.md 4.4): _StridedShard(dim, their sizes).
+        # later axes' blocks (FSDP2 + TP, docs/layouts.md §4.4): _StridedShard(dim, their sizes).
         splits = [(d, a, sf if sf > 1 else math.prod(
             mesh.shape[a2] for d2, a2, _ in splits if d2 == d and a2 > a)) for d, a, sf in splits]
         if fw.name in ("megatron", "vllm") and role != "vocab":
