@@ -350,6 +350,10 @@ def test_overlapped_schedule_forwards_chunk_c_beside_chunk_c_plus_1():
     one = schedule(p1, list(range(5)), peer_counts(p1, range(5)), **kw)
     two = schedule(p2, list(range(5)), peer_counts(p2, range(5)), **kw)
     assert len(whole.rounds) < len(one.rounds) + len(two.rounds)
+    # without overlap (the benchmark's comparison) no round mixes the stages
+    apart = overlapped_schedule(p1, p2, range(5), overlap=False, **kw)
+    assert all(len({_stage(b) for b in rnd}) == 1 for rnd in apart.rounds)
+    assert len(apart.rounds) > len(whole.rounds)
     for r in range(1, 5):
         for rnd in per_rank[r].rounds:
             assert sum(b.nbytes for b in rnd if r in (b.src, b.dst)) <= kw["staging_bytes"]

@@ -90,6 +90,10 @@ __all__ = ["FORWARD", "RelayLayouts", "overlapped_executor", "overlapped_schedul
 #: suffix of the stage-2 tensor names in the overlapped run (both stages in one executor)
 FORWARD = " (forwarded)"
 
+#: benchmarks switch overlap off (every forward waits for its sender's whole stage 1, as
+#: when the stages ran back to back) to measure what it saves
+OVERLAP = True
+
 
 @dataclass(frozen=True)
 class RelayLayouts:
@@ -282,7 +286,7 @@ def stage_views(real_layouts: Mapping[str, Layout], real_bindings: Mapping[tuple
 
 
 def overlapped_schedule(plan1: Any, plan2: Any, ranks: Iterable[int], *, bucket_bytes: int,
-                        staging_bytes: int) -> Schedule:
+                        staging_bytes: int, overlap: bool = True) -> Schedule:
     """Both stages of a relayed refit as one schedule for ``ranks`` (this process's).
 
     Stage 1's buckets keep their rounds; each stage-2 bucket runs in the first round after
@@ -295,6 +299,8 @@ def overlapped_schedule(plan1: Any, plan2: Any, ranks: Iterable[int], *, bucket_
         ranks: the world ranks this process executes.
         bucket_bytes / staging_bytes: as for :func:`xreshard.schedule.schedule`; every
             rank's pairs of both stages share ``staging_bytes`` in a round.
+        overlap: False puts every forward after its sender's last stage-1 round (the
+            stages back to back, for comparison).
     """
     ranks = sorted(set(ranks))
     mine = set(ranks)
@@ -322,7 +328,12 @@ def overlapped_schedule(plan1: Any, plan2: Any, ranks: Iterable[int], *, bucket_
     for (src, dst), buckets in sorted(by_pair.items()):
         size = pair_bucket_bytes(src, dst, counts, bucket_bytes=bucket_bytes,
                                  staging_bytes=staging_bytes)
-        ready = {b.tag: _ready(b, arrivals.get(src, {})) for b in buckets}
+        arrived = arrivals.get(src, {})
+        if overlap:
+            ready = {b.tag: _ready(b, arrived) for b in buckets}
+        else:
+            last = 1 + max((k for got in arrived.values() for _, k in got), default=0)
+            ready = {b.tag: last for b in buckets}
         rnd = used = 0
         for i, b in enumerate(sorted(buckets, key=lambda b: (ready[b.tag], b.tag))):
             if ready[b.tag] > rnd:
@@ -414,7 +425,7 @@ def overlapped_executor(stages: Any, src_bindings: Mapping, dst_bindings: Mappin
     from .execute import Executor
     plan1, plan2, layouts = stages.plan1, stages.plan2, stages.layouts
     ranks = tuple(sorted(ranks))
-    key = (ranks, pipeline, bucket_bytes, staging_bytes)
+    key = (ranks, pipeline, bucket_bytes, staging_bytes, OVERLAP)
     run = layouts.runs.get(key)
     if run is None or run[0] is not plan1 or run[1] is not plan2:
         clash = sorted(n for n in layouts.stage2_src
@@ -425,7 +436,7 @@ def overlapped_executor(stages: Any, src_bindings: Mapping, dst_bindings: Mappin
                              f"rename the tensors or set RefitConfig(relay='off')")
         staging = max(1, staging_bytes // 2 if pipeline else staging_bytes)
         sched = overlapped_schedule(plan1, plan2, ranks, bucket_bytes=bucket_bytes,
-                                    staging_bytes=staging)
+                                    staging_bytes=staging, overlap=OVERLAP)
         src = dict(plan1.src_layouts) | {n + FORWARD: lay for n, lay in layouts.stage2_src.items()}
         dst = dict(plan1.dst_layouts) | {n + FORWARD: lay for n, lay in layouts.stage2_dst.items()}
         wire = dict(plan1.wire_dtypes) | {n + FORWARD: d for n, d in plan2.wire_dtypes.items()}
