@@ -508,3 +508,32 @@ def gpu_jax_to_torch(ctx: Any) -> dict:
     refit()
     torch.cuda.synchronize()
     return {"ok": bool(np.array_equal(out.cpu().numpy(), value))}
+
+
+# ---------------------------------------------------------------------------- a third-party adapter
+# (registered by module path in test_adapters_layout.py: this module is the adapter)
+
+class Boxed:
+    """A framework of one's own: a numpy array held by one world rank, whole."""
+
+    def __init__(self, array: np.ndarray, rank: int):
+        self.array, self.rank = array, rank
+
+
+LABEL = "boxed arrays"
+
+
+def accepts(obj: Any) -> bool:
+    return isinstance(obj, Boxed)
+
+
+def refit_bind(obj: Boxed, side: str, context: Any) -> Any:
+    import xreshard as xr
+    layout = xr.Layout.replicated(obj.array.shape, str(obj.array.dtype),
+                                  xr.Mesh((1,), (obj.rank,)))
+    seen.append((side, context.memo is not None, tuple(context.local_ranks)))
+    return xr.Bound({"boxed": layout}, {(obj.rank, "boxed"): obj.array})
+
+
+#: (side, got a memo, local ranks) per refit_bind call
+seen: list = []

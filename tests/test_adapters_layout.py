@@ -625,3 +625,53 @@ def test_missing_framework_names_the_extra(monkeypatch):
     monkeypatch.setitem(sys.modules, "torch.distributed.tensor", None)
     with pytest.raises(ImportError, match=r"pip install 'xreshard\[torch\]'"):
         atorch.layout_of(None)
+
+
+# ---------------------------------------------------------------------------- the adapter registry
+
+def test_a_third_party_adapter_registered_by_module_path_is_used_by_refit():
+    import xreshard as xr
+    from xreshard import registry
+    from . import refit_cases
+
+    entry = registry.register_adapter("boxed", "tests.refit_cases")
+    try:
+        assert registry.adapters()[0] == entry
+        found = registry.adapter_for(refit_cases.Boxed(np.zeros(2), 0))
+        assert found is not None and found[0].name == "boxed" and found[1] is refit_cases
+        assert registry.adapter_for(object()) is None
+        with xr.serve() as server, xr.World.join(server.address, "solo", 1, num_processes=1,
+                                                 index=0, timeout=10) as world:
+            rank = world.rank_ids[0]
+            src = np.arange(12, dtype=np.float32).reshape(3, 4)
+            dst = np.zeros_like(src)
+            refit = xr.Refit(world, send=refit_cases.Boxed(src, rank),
+                             receive=refit_cases.Boxed(dst, rank))
+            assert refit().version == 1 and np.array_equal(src, dst)
+        assert ("send", True, (rank,)) in refit_cases.seen
+        assert ("receive", True, (rank,)) in refit_cases.seen
+    finally:
+        assert registry.unregister_adapter("boxed")
+    assert all(e.name != "boxed" for e in registry.adapters())
+
+
+def test_core_modules_never_import_adapters():
+    """The seam runs one way: only adapters (and the demo, CLI, launcher, testing helpers)
+    may import xreshard.adapters; the core finds adapters by module path."""
+    import ast
+    import pathlib
+    import xreshard
+    root = pathlib.Path(xreshard.__file__).parent
+    outside = {"demo.py", "cli.py", "__main__.py", "launch.py", "testing.py"}
+    offenders = []
+    for path in root.rglob("*.py"):
+        rel = path.relative_to(root)
+        if rel.parts[0] == "adapters" or rel.name in outside or "testing" in rel.parts:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = ([node.module or ""] if isinstance(node, ast.ImportFrom)
+                     else [a.name for a in node.names] if isinstance(node, ast.Import) else [])
+            if isinstance(node, ast.ImportFrom) and node.level and node.module is None:
+                names = [a.name for a in node.names]
+            offenders += [f"{rel}:{node.lineno} {n}" for n in names if "adapters" in n]
+    assert not offenders, offenders

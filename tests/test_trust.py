@@ -164,6 +164,45 @@ def test_bad_input_same_error_everywhere_nothing_written_world_still_works():
         assert v["after_broken"]["error"] == "WorldBroken"
 
 
+def counted(ctx: Context) -> dict:
+    """Which metadata collectives each call of a refit runs (world.allgather_json wrapped)."""
+    config = xr.RefitConfig(timeout=20)
+    with ctx.join(1, timeout=30) as world:
+        rank = world.rank_ids[0]
+        trainer = ctx.role.group == "trainer"
+        dest = np.zeros(SHAPE, np.float32)
+        kinds: list[str] = []
+        real = world.allgather_json
+
+        def counting(obj, **kw):
+            kinds.append(kw.get("kind", "allgather"))
+            return real(obj, **kw)
+        world.allgather_json = counting
+        refit = xr.Refit(world, config=config)
+        per_call = []
+        for version in (1, 2, 3):
+            side = {"send": _trainer_bound(version, rank)} if trainer else \
+                {"receive": _plain_receiver(rank, dest)}
+            start = len(kinds)
+            report = refit(**side)
+            per_call.append([kinds[start:], report.replanned])
+        exact = trainer or bool(np.array_equal(dest, _values(3)))
+    return {"per_call": per_call, "exact": exact}
+
+
+def test_a_call_that_changes_nothing_runs_two_metadata_exchanges():
+    """Identity, layouts and schedule travel once; afterwards a call runs refit/check (every
+    process's errors and layout generation, before any byte moves) and refit/outcome."""
+    roles = [Role("plain", "trainer", 0), Role("plain", "rollout", 0)]
+    values = [r.value for r in launch(counted, roles, timeout=120)]
+    for v in values:
+        assert v["exact"]
+        first, *later = v["per_call"]
+        assert first[0][0] == "refit/identity" and first[1] is True
+        assert {"refit/check", "refit/layouts", "refit/schedule", "refit/outcome"} <= set(first[0])
+        assert later == [[["refit/check", "refit/outcome"], False]] * 2, v["per_call"]
+
+
 # ---------------------------------------------------------------------------- tokens
 
 def token_world(ctx: Context, token: str | None, forge: bool) -> dict:

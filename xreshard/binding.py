@@ -100,23 +100,6 @@ def _array_problem(a: Any, shape: tuple[int, ...], dtype: str, writes: bool) -> 
     return None
 
 
-#: id(layout) -> (layout, {rank: local shape}): layouts are immutable and a refit passes
-#: the same layout objects on every call (the adapters' memo), so the geometry is asked once
-_SHAPES: dict[int, tuple[Layout, dict[int, tuple[int, ...]]]] = {}
-
-
-def _local_shape(lay: Layout, rank: int) -> tuple[int, ...]:
-    ent = _SHAPES.get(id(lay))
-    if ent is None or ent[0] is not lay:
-        if len(_SHAPES) > 200_000:
-            _SHAPES.clear()
-        ent = _SHAPES[id(lay)] = (lay, {})
-    shape = ent[1].get(rank)
-    if shape is None:
-        shape = ent[1][rank] = tuple(lay.local_shape(rank))
-    return shape
-
-
 def _contiguous(a: Any) -> bool:
     flags = getattr(a, "flags", None)
     return bool(flags is not None and (flags.c_contiguous or flags.f_contiguous))
@@ -184,31 +167,26 @@ def _binding_problems(layouts: Mapping[str, Layout], bindings: Bindings, side: s
     writes = side == "receive"
     bad: list[str] = []
     receiving: list[tuple[str, Any]] = []
+    ndarray = np.ndarray
+    #: (layout, rank) -> (local shape, numpy dtype) of a product layout: layouts are
+    #: interned and a model has a few hundred distinct ones, so geometry is asked once each
+    expected: dict[tuple[Layout, int], tuple[tuple[int, ...], Any]] = {}
     for (rank, name), b in bindings.items():
         lay = layouts.get(name)
         if lay is None:
             bad.append(f"{name!r} on rank {rank}: bound but not in the {side} layouts")
             continue
-        if lay.is_product:
-            shapes = [_local_shape(lay, rank)]
-        else:
-            shapes = [tuple(r.shape) for r in lay.regions(rank)]
-        try:
-            arrays = _arrays(b, lay)
-        except XreshardError as e:
-            bad.append(f"{name!r} on rank {rank}: {e}")
-            continue
-        if len(arrays) != len(shapes):
-            bad.append(f"{name!r} on rank {rank}: {len(arrays)} arrays for {len(shapes)} "
-                       f"regions")
-            continue
-        for i, (a, shape) in enumerate(zip(arrays, shapes)):
-            problem = _array_problem(a, shape, lay.dtype, writes)
-            if problem:
-                bad.append(f"{name!r} on rank {rank}: {problem}")
-            elif writes:
-                receiving.append((f"{name!r} on rank {rank}"
-                                  + (f" (region {i})" if not lay.is_product else ""), a))
+        if type(b) is ndarray and lay.is_product:     # the common case, in one look
+            want = expected.get((lay, rank))
+            if want is None:
+                want = expected[(lay, rank)] = (tuple(lay.local_shape(rank)),
+                                                _np_dtype(lay.dtype))
+            if b.shape == want[0] and b.dtype == want[1] and (
+                    not writes or (b.flags.writeable and b.flags.c_contiguous)):
+                if writes:
+                    receiving.append((f"{name!r} on rank {rank}", b))
+                continue
+        _check_one(lay, rank, name, b, writes, bad, receiving)
     for rank in local_ranks:
         for name, lay in layouts.items():
             if (rank, name) in bindings or rank not in lay.rank_set \
@@ -220,6 +198,30 @@ def _binding_problems(layouts: Mapping[str, Layout], bindings: Bindings, side: s
     if writes:
         bad.extend(_overlaps(receiving))
     return bad
+
+
+def _check_one(lay: Layout, rank: int, name: str, b: Any, writes: bool, bad: list[str],
+               receiving: list[tuple[str, Any]]) -> None:
+    """Every check of one binding (any array type, either layout form)."""
+    if lay.is_product:
+        shapes = [tuple(lay.local_shape(rank))]
+    else:
+        shapes = [tuple(r.shape) for r in lay.regions(rank)]
+    try:
+        arrays = _arrays(b, lay)
+    except XreshardError as e:
+        bad.append(f"{name!r} on rank {rank}: {e}")
+        return
+    if len(arrays) != len(shapes):
+        bad.append(f"{name!r} on rank {rank}: {len(arrays)} arrays for {len(shapes)} regions")
+        return
+    for i, (a, shape) in enumerate(zip(arrays, shapes)):
+        problem = _array_problem(a, shape, lay.dtype, writes)
+        if problem:
+            bad.append(f"{name!r} on rank {rank}: {problem}")
+        elif writes:
+            receiving.append((f"{name!r} on rank {rank}"
+                              + (f" (region {i})" if not lay.is_product else ""), a))
 
 
 def side_problems(sides: Mapping[str, Bound | None], local_ranks: Iterable[int],

@@ -101,6 +101,9 @@ def _one_layout(name: str, ds: list[tuple[int, dict]], own: list[set[int]],
     return union_layout(first, parts)
 
 
+_UNSEEN: Any = object()
+
+
 def fit(bound: Bound | None, layouts: Mapping[str, Layout]) -> dict:
     """The bindings as the merged layouts want them: one array for a product layout, a
     list (one array per region) for an explicit one, whichever way the process bound it
@@ -109,11 +112,17 @@ def fit(bound: Bound | None, layouts: Mapping[str, Layout]) -> dict:
     if bound is None:
         return {}
     out = {}
+    product: dict[str, bool | None] = {}      # name -> merged layout is product form
     for key, b in bound.bindings.items():
-        lay = layouts.get(key[1])
-        if lay is not None and lay.is_product and isinstance(b, list) and len(b) == 1:
-            b = b[0]
-        elif lay is not None and not lay.is_product and not isinstance(b, (list, tuple)):
+        name = key[1]
+        form = product.get(name, _UNSEEN)
+        if form is _UNSEEN:
+            lay = layouts.get(name)
+            form = product[name] = None if lay is None else lay.is_product
+        if form:
+            if isinstance(b, list) and len(b) == 1:
+                b = b[0]
+        elif form is False and not isinstance(b, (list, tuple)):
             b = [b]
         out[key] = b
     return out

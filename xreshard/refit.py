@@ -56,7 +56,7 @@ from . import registry
 from .binding import Bound, side_problems
 from .errors import (CommunicationError, RefitError, VerificationError, XreshardError,
                      error_from, error_name)
-from .execute import Executor, pipelined_by_default
+from .execute import Executor, gc_paused, pipelined_by_default
 from .config import RefitConfig, RefitReport
 from .layout import LayoutMemo
 from .metadata import fit, plan_from
@@ -159,6 +159,7 @@ class Refit:
         self._arena: Any = None                     # staging, reused across calls
         self._cache = PlanCache()
         self._identity: list[dict] | None = None
+        self._maps: dict[str, Any] | None = None    # from _identity, once
         self._pipeline: bool | None = None
 
     @property
@@ -232,9 +233,11 @@ class Refit:
 
     def _run(self, send: Any, receive: Any,
              versions: Mapping[str, int] | None) -> RefitReport:
-        """One call, on a Refit already acquired (``_busy``); releases it."""
+        """One call, on a Refit already acquired (``_busy``); releases it. The cyclic
+        collector waits for the call's end (see ``gc_paused``: the call's objects are not
+        cyclic, and a collection mid-call traverses the whole heap)."""
         try:
-            with self.world.exclusive("refit"):
+            with self.world.exclusive("refit"), gc_paused():
                 return self._call(send, receive, versions)
         except _Failed as f:
             raise f.error from None
@@ -443,6 +446,8 @@ class Refit:
         therefore expected to be one torch job / one JAX job. A process may mix JAX and
         other devices: each JAX device publishes its id for its own rank.
         """
+        if self._maps is not None:
+            return self._maps
         if self._identity is None:
             ranks = list(self.world.rank_ids)
             me: dict[str, Any] = {"ranks": ranks, "ids": {}}
@@ -468,6 +473,7 @@ class Refit:
         if mine:
             raise error_from(*mine)
         maps["local"] = list(self.world.rank_ids)
+        self._maps = maps       # the world's processes and their ids do not change
         return maps
 
     def _bind(self, obj: Any, side: str, maps: dict[str, Any]) -> Bound | None:
@@ -570,7 +576,8 @@ class Refit:
         relay = None
         counts: dict[str, int] = {}
         try:
-            new_plan = self._plan_from(metas, src, dst)
+            new_plan = plan_from(metas, src, dst, self.world, self.config.wire_dtype,
+                                 self._cache)
             relay = stages_of(new_plan, self.world, self.config.relay, self.config.wire_dtype,
                               self._cache)
             if relay is not None:
@@ -619,9 +626,6 @@ class Refit:
                                      f"({where}); every process must call the same Refit "
                                      f"the same number of times"))
         return tuple(g.get("generation") for g in gathered)
-
-    def _plan_from(self, metas: list[dict], src: Bound | None, dst: Bound | None) -> Plan:
-        return plan_from(metas, src, dst, self.world, self.config.wire_dtype, self._cache)
 
     # ------------------------------------------------------------ outcome
 

@@ -44,7 +44,7 @@ from typing import Any, Iterable, Mapping
 from .errors import RefitError
 
 __all__ = ["AdapterEntry", "BindContext", "adapter_for", "adapters", "identity",
-           "register_adapter"]
+           "register_adapter", "unregister_adapter"]
 
 
 @dataclass(frozen=True)
@@ -126,6 +126,14 @@ def register_adapter(name: str, module: str, *, requires: str = "") -> AdapterEn
     with _lock:
         _table[:] = [e for e in _table if e.name != name] + [entry]
     return entry
+
+
+def unregister_adapter(name: str) -> bool:
+    """Remove the adapter ``name`` (a built-in too); whether there was one."""
+    with _lock:
+        before = len(_table)
+        _table[:] = [e for e in _table if e.name != name]
+        return len(_table) != before
 
 
 def adapters() -> tuple[AdapterEntry, ...]:

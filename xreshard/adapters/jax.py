@@ -469,6 +469,7 @@ def _bind(tree: Any, side: str, *, ranks: Mapping[int, int], names: Any, transpo
     layouts, bindings, errors = {}, {}, []
     rid = memo.ranks_id(ranks)
     pending = []       # receive: (leaf, name, [(device, buffer)])
+    per_device: dict[Any, tuple[int, bool]] = {}    # device -> (world rank, on CPU?)
     for name, leaf in zip(leaf_names, leaves):
         if name in layouts:
             errors.append(f"two leaves map to tensor {name!r}")
@@ -484,12 +485,16 @@ def _bind(tree: Any, side: str, *, ranks: Mapping[int, int], names: Any, transpo
             layout = layout.permuted((1, 0))
         layouts[name] = layout
         if side == "send":
+            product = layout.is_product
             for shard in leaf.addressable_shards:
+                device = shard.device
+                known = per_device.get(device)
+                if known is None:
+                    known = per_device[device] = (rank_of(device), device.platform == "cpu")
                 # a CPU shard is a numpy view at once (no device set built per shard)
-                arr = (np.asarray(shard.data) if shard.device.platform == "cpu"
-                       else host_view(shard.data))
+                arr = np.asarray(shard.data) if known[1] else host_view(shard.data)
                 arr = arr.T if flip else arr
-                bindings[(rank_of(shard.device), name)] = arr if layout.is_product else [arr]
+                bindings[(known[0], name)] = arr if product else [arr]
         else:
             sharding = leaf.sharding
             shard_shape = sharding.shard_shape(tuple(leaf.shape))

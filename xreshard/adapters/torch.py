@@ -24,6 +24,7 @@ import weakref
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from xreshard.dtypes import dtype_name
 from xreshard.errors import LayoutError
 from xreshard.layout import Layout, LayoutMemo, Mesh, Split, splits_of_placements
 
@@ -281,14 +282,25 @@ def tensor_view(t: Any) -> Any:
     The executor trusts the layout's dtype over the array's and copies equal dtypes as
     bits, so a raw view would move bit-exact too; the typed view is for everyone else.
     """
-    import torch
-    from xreshard.dtypes import as_dtype, dtype_name
+    from xreshard.dtypes import dtype_name
+    return _view(t, dtype_name(t.dtype))
 
+
+def _view(t: Any, name: str) -> Any:
+    """:func:`tensor_view` of ``t`` whose dtype's canonical name is ``name``."""
+    from xreshard.dtypes import as_dtype
     t = t.detach()
-    name = dtype_name(t.dtype)
     if name in _FOREIGN:
+        import torch
         t = t.view(_torch_bits(torch, t.element_size()))
     return as_dtype(_export(t), name)
+
+
+def _local_of(dtensor: Any) -> Any:
+    """A DTensor's local tensor (its own memory: writes land in the DTensor). The attribute
+    skips ``to_local()``'s autograd function (~30 us a tensor); older torch: to_local()."""
+    local = getattr(dtensor, "_local_tensor", None)
+    return dtensor.to_local() if local is None else local
 
 
 #: dtypes numpy has no type of its own for: they cross as bits and are viewed back
@@ -421,6 +433,8 @@ def _bind(obj: Any, side: str, *, ranks: RankMap, local_ranks: Sequence[int], na
     me = local_ranks[0]
     layouts, bindings, errors, local_only = {}, {}, [], set()
     rid = memo.ranks_id(ranks)
+    holds: dict[Layout, bool] = {}          # layout -> whether this rank holds elements
+    dtypes: dict[Any, str] = {}             # torch dtype -> canonical name
     for key, value in items:
         name = key if names is None else (names(key) if callable(names) else names.get(key, key))
         if name in layouts:
@@ -429,8 +443,8 @@ def _bind(obj: Any, side: str, *, ranks: RankMap, local_ranks: Sequence[int], na
         try:
             if isinstance(value, DTensor):
                 layout = memo.get(None if rid is None else (value._spec, rid),
-                                   lambda: layout_of(value, ranks=ranks, name=name))
-                local = value.to_local()
+                                  lambda: layout_of(value, ranks=ranks, name=name))
+                local = _local_of(value)
             elif isinstance(value, Sharded):
                 mesh = value.mesh if isinstance(value.mesh, Mesh) else mesh_of(value.mesh, ranks=ranks)
                 layout = Layout.from_placements(value.shape, value.local.dtype, mesh,
@@ -451,8 +465,14 @@ def _bind(obj: Any, side: str, *, ranks: RankMap, local_ranks: Sequence[int], na
             layout = layout.permuted((1, 0))
             local = local.t()
         layouts[name] = layout
-        if me in layout.rank_set and layout.num_elements(me):
-            view = tensor_view(local)
+        held = holds.get(layout)
+        if held is None:
+            held = holds[layout] = me in layout.rank_set and layout.num_elements(me) > 0
+        if held:
+            dtype = dtypes.get(local.dtype)
+            if dtype is None:
+                dtype = dtypes[local.dtype] = dtype_name(local.dtype)
+            view = _view(local, dtype)
             bindings[(me, name)] = view if layout.is_product else [view]
         elif local.numel():
             errors.append(f"{name!r}: this process (world rank {me}) holds a local tensor of "
