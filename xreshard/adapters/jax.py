@@ -403,14 +403,9 @@ def bind_rules(tree: Any, rules: Any, ranks: Mapping[int, int], *,
         ranks: JAX device id -> world rank.
         memo: where the arrays' layouts are remembered (default :data:`FALLBACK_MEMO`).
     """
-    import importlib
     from xreshard.adapters import naming
     namemap = rules if isinstance(rules, naming.NameMap) else naming.NameMap(tuple(rules))
-    binder = getattr(naming, "bind_named", None)
-    if binder is None:      # TODO(issue 9): bind_named beside the rules, then drop this
-        return importlib.import_module("xreshard.adapters.vllm_backend").bind_named(
-            tree, namemap, ranks)
-    return binder(tree, namemap, ranks, memo=memo)
+    return naming.bind_named(tree, namemap, ranks, memo=memo)
 
 
 def bind(tree: Any, side: str, *, ranks: Mapping[int, int], names: Any = None,
