@@ -27,6 +27,17 @@ group, posts, closes it). Device (CUDA) bindings run round after round: their co
 NCCL calls are queued asynchronously on the device's current stream already, and that
 stream is per thread in CuPy, so a second thread would need cross-stream events.
 
+Forwards (a relay, see :mod:`xreshard.relay`): a send may read what an earlier round of the
+same run received. The pipelined path then waits for (and unpacks) the earlier rounds
+before packing it, after round k's other sends have gone to the wire:
+
+```
+ calling thread  ... | pack k (own sources) | wait + unpack k-1 | pack k (forwards) | ...
+```
+
+Modules: the wire thread is ``wire.py``, device placement and CUDA checks ``devices.py``,
+the copy kernels ``copies.py``; this module re-exports their public names.
+
 A *binding* is what a rank holds of a tensor, in the tensor's canonical coordinates: an
 array (numpy on CPU, CuPy on GPU) for product layouts, a list of arrays (one per region)
 for explicit ones. Bindings may be strided views (a transposed Flax kernel, one row range
