@@ -655,10 +655,9 @@ class LayoutMemo:
     makes every ``get`` build anew, handing out an equal layout outside the intern tables
     with cold caches (benchmarks compare both).
 
-    Layouts are interned now (equal layouts are one object, caches warm), so this memo only
-    saves an adapter's own conversion work; it stays for the adapters that hold one as
-    module state (``xreshard.adapters.jax._MEMO``, ``torch._MEMO``) until they move to a
-    memo per bind or per Refit. New code should not use it.
+    Layouts are interned (equal layouts are one object, caches warm), so this memo only
+    saves an adapter's own conversion work. A :class:`~xreshard.refit.Refit` owns one
+    (``Refit.layout_memo``) and hands it to its adapters' binds; there is no module state.
     """
 
     def __init__(self, limit: int = 1 << 16) -> None:

@@ -63,7 +63,7 @@ from .metadata import fit, plan_from
 from .plan import Plan, PlanCache
 from .schedule import Schedule, peer_counts, schedule
 from .handle import Background, RefitHandle
-from .stages import Stages, half_schedule, stage2_schedule, stages_of
+from .stages import Stages, half_schedule, stages_of
 
 __all__ = ["Bound", "Refit", "RefitConfig", "RefitHandle", "RefitReport"]
 
@@ -73,7 +73,6 @@ logger = logging.getLogger(__name__)
 _GRACE = 3.0
 
 #: the name tests and tools knew stage 2's schedule by
-_stage2_schedule = stage2_schedule
 
 
 class _Failed(Exception):
@@ -279,17 +278,14 @@ class Refit:
             gather_broadcast = self._relay.bytes_gather_broadcast
             if self._relay.plan2 is not None:
                 moved_world += self._relay.plan2.stats.bytes_moved
-        stats, stats2 = moved.stats, moved.stats2
-        two = [s for s in (stats, stats2) if s is not None]
+        stats = moved.stats
         return RefitReport(
             version=self.version, seconds=seconds, plan_seconds=plan_seconds,
-            bytes_sent=stats.bytes_sent, bytes_received=sum(s.bytes_received for s in two),
-            bytes_local=sum(s.bytes_local for s in two), bytes_moved_world=moved_world,
-            bytes_gather_broadcast_world=gather_broadcast,
-            num_rounds=sum(s.num_rounds for s in two),
-            num_messages=sum(s.num_messages for s in two),
-            num_zero_copy=sum(s.num_zero_copy for s in two),
-            staging_bytes=max(s.staging_bytes for s in two),
+            bytes_sent=stats.bytes_sent, bytes_received=stats.bytes_received,
+            bytes_local=stats.bytes_local, bytes_moved_world=moved_world,
+            bytes_gather_broadcast_world=gather_broadcast, num_rounds=stats.num_rounds,
+            num_messages=stats.num_messages, num_zero_copy=stats.num_zero_copy,
+            staging_bytes=stats.staging_bytes,
             replanned=replanned, bytes_by_transport=moved.by_kind or None,
             verified=verified, bytes_forwarded=stats.bytes_forwarded)
 
@@ -333,7 +329,8 @@ class Refit:
             executor, views2 = overlapped_executor(
                 relay, src_bindings, dst_bindings, real_dst, transport, timeout,
                 ranks=self.world.rank_ids, pipeline=pipeline,
-                bucket_bytes=self.config.bucket_bytes, staging_bytes=self.config.staging_bytes)
+                bucket_bytes=self.config.bucket_bytes, staging_bytes=self.config.staging_bytes,
+                arena=self._arena)
             moved.stats = self._execute(executor)
             if self.config.verify:
                 from . import verify
@@ -343,7 +340,8 @@ class Refit:
         else:
             moved.stats = self._execute(Executor(
                 sched, p.src_layouts, p.dst_layouts, p.wire_dtypes, src_bindings, dst_bindings,
-                transport, timeout, pipeline=pipeline, staging_bytes=self.config.staging_bytes))
+                transport, timeout, pipeline=pipeline, staging_bytes=self.config.staging_bytes,
+                arena=self._arena))
         after = getattr(transport, "bytes_by_transport", None) or {}
         moved.by_kind = {k: v - before.get(k, 0) for k, v in after.items()
                          if v - before.get(k, 0)}
@@ -357,35 +355,10 @@ class Refit:
         return moved
 
     def _execute(self, executor: Executor) -> Any:
-        """Run ``executor`` on this refit's staging (reused across calls and stages)."""
-        if self._arena is not None:
-            executor._arena = self._arena
+        """Run ``executor``, keeping its staging for the next call (``Refit.staging``)."""
         stats = executor.run()
-        self._arena = executor._arena
+        self._arena = executor.arena
         return stats
-
-    def _forward(self, relay: Stages, sched1: Schedule, pipeline: bool, real_dst: dict,
-                 transport: Any, target: int) -> tuple[Any, Any]:
-        """Stage 2 of a relayed refit: forward inside each domain what stage 1 brought.
-        Returns its executor stats and, with ``verify``, its digests (both sides)."""
-        from .relay import stage_views
-        assert relay.plan2 is not None
-        ranks = self.world.rank_ids
-        sched = relay.stage2(sched1, pipeline, list(ranks), self.config.bucket_bytes,
-                             self.config.staging_bytes)
-        layouts = relay.layouts
-        src2 = stage_views(relay.dst_layouts, real_dst, layouts.stage2_src, ranks)
-        dst2 = stage_views(relay.dst_layouts, real_dst, layouts.stage2_dst, ranks)
-        stats = self._execute(Executor(
-            sched, layouts.stage2_src, layouts.stage2_dst, relay.plan2.wire_dtypes, src2, dst2,
-            transport, self.config.timeout, pipeline=pipeline,
-            staging_bytes=self.config.staging_bytes))
-        digests = None
-        if self.config.verify:
-            from . import verify
-            digests = verify.digest_bindings(relay.plan2, ranks, src2, dst2,
-                                             mode=self.config.verify, version=target)
-        return stats, digests
 
     def _pipelined(self) -> bool:
         """Whether this process runs the pipelined executor (``refit.executor_kind``, else
@@ -672,12 +645,11 @@ class Refit:
 
 
 class _Moved:
-    """What one call's move left: executor stats (stage 2's when relaying), checksums,
+    """What one call's move left: executor stats (both stages' when relaying), checksums,
     bytes per transport kind."""
 
     def __init__(self) -> None:
         self.stats: Any = None
-        self.stats2: Any = None
         self.digests: Any = None
         self.by_kind: dict[str, int] = {}
 

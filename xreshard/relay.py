@@ -402,7 +402,7 @@ def _overlaps(a: Region, b: Region) -> bool:
 def overlapped_executor(stages: Any, src_bindings: Mapping, dst_bindings: Mapping,
                         real_dst: Mapping, transport: Any, timeout: float, *,
                         ranks: Iterable[int], pipeline: bool, bucket_bytes: int,
-                        staging_bytes: int) -> tuple[Any, tuple]:
+                        staging_bytes: int, arena: Any = None) -> tuple[Any, tuple]:
     """The executor that runs both stages of a relayed refit overlapped, in one run.
 
     Args:
@@ -416,6 +416,7 @@ def overlapped_executor(stages: Any, src_bindings: Mapping, dst_bindings: Mappin
         ranks: this process's world ranks.
         pipeline: the pipelined executor (rounds of half of ``staging_bytes``) or not.
         bucket_bytes / staging_bytes: the refit's config.
+        arena: staging kept from earlier runs (``Executor(arena=)``).
 
     Returns:
         ``(executor, (src2, dst2))``: the executor (its ``ExecStats.bytes_forwarded`` is
@@ -448,5 +449,6 @@ def overlapped_executor(stages: Any, src_bindings: Mapping, dst_bindings: Mappin
     src_all = dict(src_bindings) | {(r, n + FORWARD): b for (r, n), b in src2.items()}
     dst_all = dict(dst_bindings) | {(r, n + FORWARD): b for (r, n), b in dst2.items()}
     executor = Executor(sched, src, dst, wire, src_all, dst_all, transport, timeout,
-                        pipeline=pipeline, staging_bytes=staging_bytes, forwarded=forwarded)
+                        pipeline=pipeline, staging_bytes=staging_bytes, forwarded=forwarded,
+                        arena=arena)
     return executor, (src2, dst2)
