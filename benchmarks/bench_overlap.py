@@ -15,7 +15,13 @@ none when both take as long). After the last refit every receiver compares a SHA
 of its local shards with the trainer's digest of that region of the sent weights.
 
     python benchmarks/bench_overlap.py [--gib 1.0] [--layers 4] [--batch 16] [--reps 3]
-                                       [--json]
+                                       [--step-threads N] [--json]
+
+``--step-threads 1`` runs XLA's CPU step on one thread (``--xla_cpu_multi_thread_eigen=false
+intra_op_parallelism_threads=1``), so the step leaves the machine's other core to the refit,
+as a GPU step leaves the host's cores to it. With the default (XLA uses every core) the step
+and the refit compete for the same two cores and the same memory bus here, and the figure
+measures that contention, not the refit's ability to run beside a step.
 """
 
 from __future__ import annotations
@@ -153,13 +159,19 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--transport", default="auto", choices=("auto", "gloo"))
+    ap.add_argument("--step-threads", type=int, default=0,
+                    help="XLA CPU threads for the step (0: XLA's default, every core)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     h = hidden_of(args.gib, args.layers)
     cfg = {"hidden": h, "layers": args.layers, "batch": args.batch, "reps": args.reps,
            "transport": args.transport}
     from xreshard.launch import Role, launch
-    roles = [Role("jax", "trainer", 0, num_devices=4)] + [
+    env = {}
+    if args.step_threads:
+        env["XLA_FLAGS"] = (f"--xla_cpu_multi_thread_eigen={str(args.step_threads > 1).lower()} "
+                            f"intra_op_parallelism_threads={args.step_threads}")
+    roles = [Role("jax", "trainer", 0, num_devices=4, env=env)] + [
         Role("torch", "rollout", i) for i in range(ROLLOUT)]
     results = launch("bench_overlap:child", roles, args=(cfg,), timeout=1800)
     r = results[0].value
@@ -168,7 +180,8 @@ def main() -> None:
     gib = args.layers * h * h * 4 / GiB
     print(f"MLP {args.layers} x [{h}, {h}] float32 = {gib:.2f} GiB, batch {args.batch}; JAX "
           f"TP=4 (1 process, 4 CPU devices) -> torch DTensor TP=2 (2 processes) over "
-          f"`{args.transport}`; {args.reps} repetitions, medians (trainer wall time):\n")
+          f"`{args.transport}`; XLA step threads: {args.step_threads or 'default (every core)'}; "
+          f"{args.reps} repetitions, medians (trainer wall time):\n")
     print("| step alone | refit alone | step + refit overlapped | overlapped / max "
           "| overlapped / sum | bit-exact |")
     print("|---|---|---|---|---|---|")
@@ -178,7 +191,8 @@ def main() -> None:
     print(f"\nCommand: `python benchmarks/bench_overlap.py {' '.join(sys.argv[1:])}`")
     if args.json:
         print(json.dumps({"seconds": med, "overlapped_over_max": ratio,
-                          "bit_exact": r["bit_exact"], "gib": gib}))
+                          "bit_exact": r["bit_exact"], "gib": gib,
+                          "step_threads": args.step_threads}))
 
 
 if __name__ == "__main__":
