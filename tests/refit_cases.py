@@ -128,9 +128,10 @@ def jax_sender(ctx: Any, src_dtype: str, dst_dtype: str, steps: int, wire: Any =
                      config=xr.RefitConfig(wire_dtype=wire, timeout=60, **(config or {})))
     reports = []
     for step in range(steps):
-        report = refit(send=_jax_params(JAX_TORCH_TENSORS, src_dtype, step))
+        with xr.count_comm() as counts:
+            report = refit(send=_jax_params(JAX_TORCH_TENSORS, src_dtype, step))
         reports.append({"sent": report.bytes_sent, "world": report.bytes_moved_world,
-                        "replanned": report.replanned})
+                        "replanned": report.replanned, "counted": counts.as_json()})
     stats = refit.plan.stats
     world.close()
     return {"reports": reports, "bytes_moved": stats.bytes_moved, "bytes_min": stats.bytes_min}
@@ -149,12 +150,14 @@ def torch_receiver(ctx: Any, src_dtype: str, dst_dtype: str, steps: int, wire: A
                      config=xr.RefitConfig(wire_dtype=wire, timeout=60, **(config or {})))
     checked = 0
     for step in range(steps):
-        report = refit()
+        with xr.count_comm() as counts:
+            report = refit()
         checked += _check_dtensors(state, JAX_TORCH_TENSORS, dst_dtype, step, src_dtype)
         assert refit.version == step + 1
     world.close()
     dist.destroy_process_group()
-    return {"checked": checked, "received": report.bytes_received, "version": refit.version}
+    return {"checked": checked, "received": report.bytes_received, "version": refit.version,
+            "counted": counts.as_json()}
 
 
 # ---------------------------------------------------------------------------- naming rules
@@ -349,13 +352,6 @@ def torch_to_torch(ctx: Any) -> dict:
     world.close()
     dist.destroy_process_group()
     return {"version": refit.version}
-
-
-def dispatch(ctx: Any, refs: list[str], args: list) -> Any:
-    """Run ``refs[launch_index]`` (a "module:qualname") with ``args``: one launch, several roles."""
-    import importlib
-    module, _, name = refs[ctx.launch_index].partition(":")
-    return getattr(importlib.import_module(module), name)(ctx, *args)
 
 
 # ---------------------------------------------------------------------------- bad input, dead peers

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from xreshard.commcount import CommCounts
 from xreshard.launch import Role, launch
 
 from . import refit_cases as cases
@@ -20,18 +21,26 @@ def _roles(num_torch: int, torch_kind: str = "torch") -> list[Role]:
 def test_jax_to_torch_bit_exact(num_torch):
     roles = _roles(num_torch)
     fns = [cases.jax_sender] + [cases.torch_receiver] * num_torch
-    results = launch_mixed(fns, roles, args=("float32", "float32", 2))
+    results = launch(fns, roles, args=("float32", "float32", 2), timeout=150)
     sender = results[0].value
     assert sender["bytes_moved"] == sender["bytes_min"]
     assert [r["replanned"] for r in sender["reports"]] == [True, False]
     assert all(r.value["version"] == 2 for r in results[1:])
     # bytes through the wire == the plan's bytes (receivers count what they received)
     assert sum(r.value["received"] for r in results[1:]) == sender["bytes_moved"]
+    # ... and what the transports counted, pair by pair, on both ends (the last call)
+    sent = CommCounts.pairs_from_json(sender["reports"][-1]["counted"]["bytes_sent"])
+    received = {}
+    for r in results[1:]:
+        assert r.value["counted"]["bytes_sent"] == {}
+        received.update(CommCounts.pairs_from_json(r.value["counted"]["bytes_received"]))
+    assert sent == received and sum(sent.values()) == sender["reports"][-1]["sent"]
+    assert sum(sent.values()) == sender["bytes_moved"]
 
 
 def test_jax_fp32_to_torch_bf16_cast_on_sender():
-    results = launch_mixed([cases.jax_sender, cases.torch_receiver, cases.torch_receiver],
-                           _roles(2), args=("float32", "bfloat16", 1, "bfloat16"))
+    results = launch([cases.jax_sender, cases.torch_receiver, cases.torch_receiver],
+                     _roles(2), args=("float32", "bfloat16", 1, "bfloat16"), timeout=150)
     sender = results[0].value
     # the wire carries bf16: half the fp32 bytes
     assert sender["bytes_moved"] == sum(r.value["received"] for r in results[1:])
@@ -39,15 +48,15 @@ def test_jax_fp32_to_torch_bf16_cast_on_sender():
 
 def test_small_buckets_and_staging_still_exact():
     config = {"bucket_bytes": 1 << 16, "staging_bytes": 1 << 16}
-    launch_mixed([cases.jax_sender, cases.torch_receiver, cases.torch_receiver], _roles(2),
-                 args=("float32", "float32", 1, None, config))
+    launch([cases.jax_sender, cases.torch_receiver, cases.torch_receiver], _roles(2),
+           args=("float32", "float32", 1, None, config), timeout=150)
 
 
 def test_jax_tree_named_by_rules_to_torch():
     """``Refit(rules=...)``: trainer paths mapped onto HF tensors (a [D, H, hd] kernel reshaped
     and transposed, an [in, out] kernel transposed) as views of the JAX shards, bit-exact."""
-    results = launch_mixed([cases.jax_rules_sender, cases.torch_rules_receiver,
-                            cases.torch_rules_receiver], _roles(2), args=(2,))
+    results = launch([cases.jax_rules_sender, cases.torch_rules_receiver,
+                      cases.torch_rules_receiver], _roles(2), args=(2,), timeout=150)
     sender = results[0].value
     assert sender["names"] == sorted(cases.RULES_HF)
     assert sender["replanned"] == [True, False]
@@ -57,8 +66,8 @@ def test_jax_tree_named_by_rules_to_torch():
 def test_torch_to_jax():
     roles = [Role("jax", "trainer", 0, num_devices=4), Role("torch", "rollout", 0),
              Role("torch", "rollout", 1)]
-    results = launch_mixed([cases.jax_receiver, cases.torch_sender, cases.torch_sender], roles,
-                           args=(2,))
+    results = launch([cases.jax_receiver, cases.torch_sender, cases.torch_sender], roles,
+                     args=(2,), timeout=150)
     assert results[0].value == {"version": 2, "devices": 4}
 
 
@@ -73,12 +82,6 @@ def test_torch_to_torch_across_meshes():
         Role("torch", "rollout", i) for i in range(3)]
     results = launch(cases.torch_to_torch, roles, timeout=120)
     assert all(r.value["version"] == 1 for r in results)
-
-
-def launch_mixed(fns, roles, args=(), timeout=150):
-    """launch() runs one function everywhere; dispatch by role through a trampoline."""
-    refs = [f"{fn.__module__}:{fn.__qualname__}" for fn in fns]
-    return launch(cases.__name__ + ":dispatch", roles, args=(refs, list(args)), timeout=timeout)
 
 
 def test_bad_input_raises_same_error_on_every_rank_before_moving():

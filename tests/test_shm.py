@@ -357,12 +357,6 @@ def shm_exchange_hosts(ctx: Context, two_hosts: bool) -> dict:
         return {"name": auto.name, "bad": bad, "routes": routes}
 
 
-def _launch_cases(fns, roles, args=(), timeout=150, **kw):
-    refs = [f"{fn.__module__}:{fn.__qualname__}" for fn in fns]
-    return launch(cases.__name__ + ":dispatch", roles, args=(refs, list(args)),
-                  timeout=timeout, **kw)
-
-
 def _host(ctx: Context, hosts: list[str] | None) -> str | None:
     return None if hosts is None else hosts[ctx.launch_index]
 
@@ -411,8 +405,8 @@ def test_jax_to_torch_bit_exact_over_shm_and_a_remote_engine_over_gloo_in_one_re
     # processes over shm and a mixed world in one refit, two refits, bit-exact everywhere
     roles = [Role("jax", "trainer", 0, num_devices=4)] + [
         Role("torch", "rollout", i) for i in range(3)]
-    results = _launch_cases([jax_sender_shm] + [torch_receiver_shm] * 3, roles,
-                            args=(2, ["a", "a", "a", "b"]))
+    results = launch([jax_sender_shm] + [torch_receiver_shm] * 3, roles,
+                     args=(2, ["a", "a", "a", "b"]), timeout=150)
     sender = results[0].value
     assert sender["name"] == "auto(local+shm+gloo)"
     assert sender["routes"] == {"4": "shm", "5": "shm", "6": "gloo"}
@@ -430,8 +424,8 @@ def test_jax_to_torch_bit_exact_over_shm_and_a_remote_engine_over_gloo_in_one_re
 def test_torch_to_jax_over_shm_bit_exact():
     roles = [Role("jax", "trainer", 0, num_devices=4), Role("torch", "rollout", 0),
              Role("torch", "rollout", 1)]
-    results = _launch_cases([cases.jax_receiver, cases.torch_sender, cases.torch_sender],
-                            roles, args=(2,))
+    results = launch([cases.jax_receiver, cases.torch_sender, cases.torch_sender],
+                     roles, args=(2,), timeout=150)
     assert results[0].value == {"version": 2, "devices": 4}
 
 
