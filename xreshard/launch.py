@@ -376,7 +376,8 @@ def _load(ref: Mapping[str, Any]) -> Callable[..., Any]:
     return obj
 
 
-def _child_main(spec_path: str) -> int:
+def child_main(spec_path: str) -> int:
+    """The child side of :func:`launch`: run the spec's function, write its JSON result."""
     with open(spec_path) as f:
         spec = json.load(f)
     sys.path[:] = list(spec["sys_path"]) + [p for p in sys.path if p not in spec["sys_path"]]
@@ -408,6 +409,6 @@ def _child_main(spec_path: str) -> int:
 if __name__ == "__main__":
     # Run through the canonical module so Role/Context are the classes users import.
     # os._exit: a finished child must not hang in interpreter teardown (gloo threads).
-    from xreshard.launch import _child_main as _main
+    from xreshard.launch import child_main
 
-    os._exit(_main(sys.argv[1]))
+    os._exit(child_main(sys.argv[1]))
