@@ -120,7 +120,7 @@ def naming(reps: int) -> None:
     import jax
     import numpy as np
     from jax.sharding import NamedSharding, PartitionSpec as P
-    from xreshard.adapters import naming, vllm_backend as vb
+    from xreshard.adapters import naming, naming as vb  # vb: where bind_named keeps its caches
     from xreshard.adapters.naming import NameMap, jax_llama_rules, jax_moe_rules
     from xreshard.layout import LayoutMemo
 

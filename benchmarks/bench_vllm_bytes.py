@@ -89,7 +89,7 @@ def main() -> None:
                     for reg in lay.regions(w)) for w in workers}
     product = sum(lay.is_product for lay in dst.values())
     mib = 2 ** 20
-    dest = xv.Destination([recs[r] for r in range(args.tp)], 0, specs)
+    dest = xv.EngineRecording([recs[r] for r in range(args.tp)], 0, specs)
     groups = dest.groups(args.stream_mib * mib)
     print(f"{model.name}: {model.num_tensors} tensors, {full / mib:.1f} MiB ({dtype}); trainer "
           f"`{args.trainer}` -> {args.engines} x vLLM TP={args.tp}{' EP' if args.ep else ''}; "

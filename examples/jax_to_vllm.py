@@ -233,8 +233,8 @@ def main():
     from jax.sharding import NamedSharding, PartitionSpec as P
     from xreshard.adapters.jax import tree_names
     from xreshard.adapters.naming import jax_llama_rules
-    from xreshard.adapters.vllm_backend import (LLMClient, XreshardTrainerInitInfo,
-                                                XreshardTrainerWeightTransferEngine)
+    from xreshard.adapters.vllm import (LLMClient, XreshardTrainerInitInfo,
+                                        XreshardTrainerWeightTransferEngine)
 
     work = args.workdir or tempfile.mkdtemp(prefix="xreshard-jax-to-vllm-")
     rules = jax_llama_rules(tied=True, qkv_bias=True)

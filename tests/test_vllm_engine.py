@@ -213,7 +213,7 @@ def _mesh():
 
 
 def test_named_jax_tree_binds_views_of_its_shards_in_hf_coordinates():
-    from xreshard.adapters.vllm_backend import bind_named
+    from xreshard.adapters.naming import bind_named
 
     mesh = _mesh()
     flat = cases.init_params(5)
@@ -238,7 +238,7 @@ def test_named_jax_tree_binds_views_of_its_shards_in_hf_coordinates():
 def test_named_binding_unstacks_experts_sharded_over_a_mesh_axis():
     """Stacked experts [E, D, I] split over "fsdp" on E and "tp" on I: expert e's HF tensor
     lives only on the two devices of its fsdp block, split there over tp."""
-    from xreshard.adapters.vllm_backend import bind_named
+    from xreshard.adapters.naming import bind_named
 
     mesh = _mesh()
     shapes = cases.moe_tree_shapes()
@@ -265,7 +265,7 @@ def test_named_binding_splits_fused_kernels_sharded_on_the_fused_dim():
     import jax
     from jax.sharding import NamedSharding, PartitionSpec as P
     from xreshard.adapters.naming import NamingError, jax_llama_rules
-    from xreshard.adapters.vllm_backend import bind_named
+    from xreshard.adapters.naming import bind_named
 
     mesh = _mesh()
     c = cases.CONFIG
@@ -302,7 +302,7 @@ def test_named_binding_refuses_a_shard_cut_by_a_reshape():
     import jax
     from jax.sharding import NamedSharding, PartitionSpec as P
     from xreshard.adapters.naming import NameMap, NamingError, Reshape, Rule, Transpose
-    from xreshard.adapters.vllm_backend import bind_named
+    from xreshard.adapters.naming import bind_named
 
     mesh = _mesh()
     # heads whole, head_dim split: merging [H, hd] -> [H*hd] would interleave the shards
@@ -388,7 +388,7 @@ def test_pipeline_parallel_engine_gets_each_stage_its_layers_only(tmp_path):
 def test_trainer_error_names_the_engine_whose_call_failed():
     """An engine that refuses at init never joins; the trainer's join then times out, and
     its error says which engine refused and why, not only that processes were missing."""
-    from xreshard.adapters.vllm_backend import _concurrently
+    from xreshard.adapters.vllm.trainer import _concurrently
     from xreshard.errors import RefitError
 
     def refuse() -> None:
@@ -449,7 +449,7 @@ def test_a_binding_error_becomes_an_error_of_the_refit_not_a_raise_here():
     error gather, which raises them on every rank; the worker itself does not raise."""
     from types import SimpleNamespace
 
-    from xreshard.adapters.vllm_backend import XreshardWeightTransferEngine
+    from xreshard.adapters.vllm import XreshardWeightTransferEngine
     from xreshard.layout import Layout, Mesh
 
     def buffers(*args):

@@ -1,4 +1,4 @@
-"""vLLM destination layouts recorded from vLLM's own loaders (adapters/vllm.py).
+"""vLLM destination layouts recorded from vLLM's own loaders (adapters/vllm/).
 
 No engine: each TP rank's model is built on the meta device under ``fake_tp`` and its
 ``load_weights`` runs once on probes. Expected pieces are written by hand from the
@@ -516,7 +516,7 @@ def test_overlapping_writes_raise():
     [("narrow", 1, 0, 2), ("flatten", 1)], [("transpose", 0, 1)], [("step", 1)],
 ])
 def test_view_box_agrees_with_torch(ops):
-    """A box returned by _view_box reads exactly the elements of the torch view."""
+    """A box returned by view_box reads exactly the elements of the torch view."""
     base = torch.arange(4 * 3 * 5).reshape(4, 3, 5)
     v = base
     for op, *args in ops:
@@ -526,7 +526,7 @@ def test_view_box_agrees_with_torch(ops):
             v = v[::2]
         else:
             v = getattr(v, op)(*args)
-    box = xv._view_box(tuple(v.shape), tuple(v.stride()), v.storage_offset(), tuple(base.shape))
+    box = xv.view_box(tuple(v.shape), tuple(v.stride()), v.storage_offset(), tuple(base.shape))
     if ops[0][0] in ("transpose", "step"):
         assert box is None
     else:
@@ -743,7 +743,7 @@ def test_workers_exchange_recordings_as_json_not_pickle(monkeypatch):
 
     def run(rank):
         group = dist.ProcessGroupGloo(store, rank, 2, datetime.timedelta(seconds=30))
-        out[rank] = xv._allgather_json({"rank": rank, "text": "é" * (7 * rank)}, group)
+        out[rank] = xv.allgather_json({"rank": rank, "text": "é" * (7 * rank)}, group)
 
     threads = [threading.Thread(target=run, args=(r,)) for r in range(2)]
     for t in threads:
@@ -772,7 +772,7 @@ def test_inplace_is_allowed_for_unquantized_dense_layers_on_cuda_only():
     vllm_config, model = _meta_model(cfg)
     specs = xv.hf_tensor_specs(cfg, "bfloat16")
     rec = xv.record_from_config(vllm_config, 0, 1, specs)
-    dest = xv.Destination([rec], 0, specs)
+    dest = xv.EngineRecording([rec], 0, specs)
     assert dest.inplace_refusals(model, "cuda") == []
     assert dest.fits_inplace(model, "cuda")
     refusals = dest.inplace_refusals(model, "cpu")
@@ -832,7 +832,7 @@ def test_stream_groups_keep_modules_whole_and_fit_the_budget(recordings):
 
     recs, specs = recordings
     ordered = [recs["qwen2", 2][r] for r in range(2)]
-    dests = [xv.Destination(ordered, w, specs["qwen2"]) for w in range(2)]
+    dests = [xv.EngineRecording(ordered, w, specs["qwen2"]) for w in range(2)]
     budget = 96 << 10
     groups = dests[0].groups(budget)
     assert groups == dests[1].groups(budget)
@@ -855,3 +855,23 @@ def test_stream_groups_keep_modules_whole_and_fit_the_budget(recordings):
             assert len(mods) == 1 or sum(mods.values()) + 2 * max(mods.values()) <= budget // 2
     assert len(groups) > 4
     assert dests[0].groups(1 << 30) == [flat]
+
+
+def test_a_destination_is_placed_complete_with_its_world_rank(recordings):
+    """Destination.place builds a worker's destination whole: its world rank and every
+    tensor's layout over world ranks (two identical engines: a major engine axis, each
+    engine's worker holding what the one engine's worker holds)."""
+    recs, specs = recordings
+    ordered = [recs["qwen2", 2][r] for r in range(2)]
+    rec = xv.EngineRecording(ordered, 1, specs["qwen2"])
+    one = xv.Destination.place(rec, [4, 5])
+    assert one.rank == 5 and sorted(one.layouts) == sorted(rec.names)
+    assert all(set(lay.ranks) <= {4, 5} for lay in one.layouts.values())
+    two = xv.Destination.place(rec, [4, 5, 6, 7], engine=1)
+    assert two.rank == 7 and two.shard_bytes() == one.shard_bytes() > 0
+    for name, lay in two.layouts.items():
+        assert lay.regions(7) == lay.regions(5) == one.layouts[name].regions(5), name
+    with pytest.raises(xv.RecordError, match="not whole engines"):
+        xv.Destination.place(rec, [4, 5, 6])
+    with pytest.raises(xv.RecordError, match="no layout for"):
+        xv.Destination(rec, {}, 5)

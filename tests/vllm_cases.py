@@ -190,7 +190,7 @@ class StoreClient:
 
 def serve_requests(ctx: Any, llm: Any, store: Any, handlers: dict) -> None:
     """Say the engine is ready, then answer its trainer's calls until "stop"."""
-    from xreshard.adapters.vllm_backend import LLMClient
+    from xreshard.adapters.vllm import LLMClient
 
     prefix = f"engine{ctx.role.index}/"
     store.set(prefix + "ready", "1")
@@ -274,8 +274,8 @@ def trainer(ctx: Any, tp: int, dtype: str, tmp: str, kind: str = "jax") -> dict:
     workers within :data:`STREAM_BUDGET` (their peak RSS growth is reported);
     "torch": a plain HF-named state dict of CPU tensors in one process (one world rank).
     """
-    from xreshard.adapters.vllm_backend import (XreshardTrainerInitInfo,
-                                                XreshardTrainerWeightTransferEngine)
+    from xreshard.adapters.vllm import (XreshardTrainerInitInfo,
+                                        XreshardTrainerWeightTransferEngine)
 
     shapes = tree_shapes(STREAM_CONFIG if kind == "jax-stream" else CONFIG)
     weights = {name: init_params(seed, shapes) for name, seed in (("A", 1), ("B", 2))}
@@ -374,8 +374,8 @@ def http_trainer(ctx: Any, url: str, model: str, tmp: str) -> dict:
     server's own reload of the same checkpoint (dev-mode ``/collective_rpc``)."""
     import jax
     from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
-    from xreshard.adapters.vllm_backend import (XreshardTrainerInitInfo,
-                                                XreshardTrainerWeightTransferEngine)
+    from xreshard.adapters.vllm import (XreshardTrainerInitInfo,
+                                        XreshardTrainerWeightTransferEngine)
 
     mesh = jax.make_mesh((2, 2), ("fsdp", "tp"), devices=jax.local_devices())
     flat = init_params(1)
@@ -486,8 +486,8 @@ def digest_trainer(ctx: Any, case: str, tmp: str) -> dict:
     wire): the dense tree for "pp", the Mixtral tree with stacked experts for "moe-ep"."""
     import jax
 
-    from xreshard.adapters.vllm_backend import (XreshardTrainerInitInfo,
-                                                XreshardTrainerWeightTransferEngine)
+    from xreshard.adapters.vllm import (XreshardTrainerInitInfo,
+                                        XreshardTrainerWeightTransferEngine)
 
     moe = case == "moe-ep"
     shapes, table = (moe_tree_shapes(), moe_rules()) if moe else (tree_shapes(), rules())
@@ -525,8 +525,8 @@ def engines_trainer(ctx: Any, num_engines: int, tmp: str) -> dict:
     """One JAX trainer refits ``num_engines`` identical TP=1 fp32 engines at once, A -> B."""
     import jax
 
-    from xreshard.adapters.vllm_backend import (XreshardTrainerInitInfo,
-                                                XreshardTrainerWeightTransferEngine)
+    from xreshard.adapters.vllm import (XreshardTrainerInitInfo,
+                                        XreshardTrainerWeightTransferEngine)
 
     mesh = jax.make_mesh((2, 2), ("fsdp", "tp"), devices=jax.local_devices())
     weights = {name: init_params(seed) for name, seed in (("A", 1), ("B", 2))}
@@ -570,7 +570,7 @@ def stream_errors(ctx: Any) -> dict:
     Returns what each round did on this side: the error text, the version, the buffers."""
     import torch
     from xreshard.adapters.torch import tensor_view
-    from xreshard.adapters.vllm_backend import GROUPS, Stream
+    from xreshard.adapters.vllm import GROUPS, Stream
     from xreshard.layout import Layout, Mesh
     from xreshard.refit import Bound, RefitConfig
 

