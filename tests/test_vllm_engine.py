@@ -42,7 +42,7 @@ ENGINE_ENV = {1: {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"},      # in-process engi
 
 
 def _expected_shard_bytes(tp: int, rank: int, itemsize: int, c: dict = cases.CONFIG) -> int:
-    """A TP rank's share, by vLLM's formulas (layouts.md section 7), not by the recorder."""
+    """A TP rank's share, by vLLM's formulas (docs/layouts.md §7), not by the recorder."""
     V, D, I = c["vocab_size"], c["hidden_size"], c["intermediate_size"]
     H, KV = c["num_attention_heads"], c["num_key_value_heads"]
     hd = D // H

@@ -2,7 +2,7 @@
 
 No engine: each TP rank's model is built on the meta device under ``fake_tp`` and its
 ``load_weights`` runs once on probes. Expected pieces are written by hand from the
-formulas of layouts.md section 7 (QKVParallelLinear, MergedColumnParallelLinear,
+formulas of docs/layouts.md §7 (QKVParallelLinear, MergedColumnParallelLinear,
 RowParallelLinear, VocabParallelEmbedding with DEFAULT_VOCAB_PADDING_SIZE = 64).
 """
 
@@ -586,7 +586,7 @@ def test_mixtral_experts_land_in_fused_w13_and_w2():
     """Per-expert checkpoint tensors (w1 gate, w3 up, w2 down) -> FusedMoE w13/w2 slices.
 
     TP=2, no EP: every rank holds all 4 experts; w1/w3 rows and w2 columns are split at
-    I/tp = 64 (layouts.md section 7, fused MoE).
+    I/tp = 64 (docs/layouts.md §7, fused MoE).
     """
     cfg, p, specs = _tiny_mixtral_specs()
     vllm_config = xv.make_vllm_config(cfg, dtype="bfloat16")

@@ -12,7 +12,7 @@ Links (every bandwidth is per direction, in bytes per second)::
     GPU g ─(nvlink)─▶ GPU p ──NIC p out──▶ fabric ──NIC d in──▶ GPU d   other domain
 
 Across domains NCCL sends through the NIC whose rail is the *destination* GPU's rail
-(PXN, ``NCCL_P2P_PXN_LEVEL=2``, topology.md 4.3): the bytes first hop over NVLink to the
+(PXN, ``NCCL_P2P_PXN_LEVEL=2``, docs/cluster.md §4.3): the bytes first hop over NVLink to the
 proxy GPU ``p`` on the sender's node that owns that rail, unless the sender owns it.
 The fabric above the leaves is taken as non-blocking (rail-optimised fat tree, full
 bisection: DGX SuperPOD reference architecture).
@@ -139,7 +139,7 @@ class Cluster:
         return cls(**data)
 
 
-# DGX/HGX H100 and H200 (topology.md rows 1-18, 21, section 7):
+# DGX/HGX H100 and H200 (docs/cluster.md §2):
 #   8 GPUs per node, the NVLink domain is the node (4 NVSwitch chips, one hop).
 #   NVLink: 370 GB/s per direction is what NCCL's SM copies reach (SM90_NVLINK_BW =
 #     20.6 GB/s x 18 links, src/graph/topo.h; "effective NVLink bandwidth of 370GB/s",
@@ -148,7 +148,7 @@ class Cluster:
 #     User Guide 1.2.3); "for NDR @ 400Gbps you should see 46-48GB/s per NIC" (NCCL team,
 #     nccl-tests#290, #267): 47 GB/s, the middle of that range.
 #   Latency per message: NVLink 4 us (sendrecv ~3 us measured + launch, nccl#1487/#1984),
-#     network 15 us (NCCL's Simple NET hop 14 us + post overhead, tuning.cc; section 4.4
+#     network 15 us (NCCL's Simple NET hop 14 us + post overhead, tuning.cc; docs/cluster.md §4.4
 #     planning range 10-20 us).
 #   Per-peer cap: ~21 GB/s per network channel (one channel measured at ~21 of 42 GB/s,
 #     HF playbook; 18-24 GB/s, nccl#1272); 4 channels per peer halved for large
@@ -161,9 +161,9 @@ _H100 = dict(gpus_per_node=8, domain_size=8, nvlink_bw=370 * GB, nic_bw=47 * GB,
 PRESETS: dict[str, Cluster] = {
     "dgx-h100": Cluster("dgx-h100", **_H100),
     # H200: same NVLink 4 fabric, NVSwitch chips and 8 x CX-7 400G NICs as H100 (DGX
-    # BasePOD RA, topology.md row 21); only HBM differs, which a refit does not wait on.
+    # BasePOD RA, docs/cluster.md §2 H12); only HBM differs, which a refit does not wait on.
     "hgx-h200": Cluster("hgx-h200", **_H100),
-    # GB200 NVL72 (topology.md rows 22-37, section 3):
+    # GB200 NVL72 (docs/cluster.md §3):
     #   a compute tray is one node of 4 GPUs; the NVLink domain is the 72-GPU rack
     #     (DGX GB200 User Guide; MNNVL).
     #   NVLink 5: 900 GB/s per direction spec; NCCL's effective figure is 40.1 GB/s x 18 =

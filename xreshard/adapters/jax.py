@@ -2,7 +2,7 @@
 
 Only geometry: nothing here moves data or touches device memory.
 
-Two ways in (layouts.md section 1.6, "IR ingestion rule"):
+Two ways in (docs/layouts.md §1.6, "the ingestion rule"):
 
 * ``NamedSharding`` over a concrete (or abstract) ``Mesh`` is parsed symbolically with
   :meth:`Layout.from_spec`. The product form is compact and lets the planner intersect per
@@ -28,7 +28,7 @@ from typing import Any
 from xreshard.errors import LayoutError
 from xreshard.layout import Layout, LayoutMemo, Mesh, Region
 
-__all__ = ["FALLBACK_MEMO", "array_layout", "bind", "bind_rules", "host_view", "layout_of",
+__all__ = ["array_layout", "bind", "bind_rules", "host_view", "layout_of",
            "tree_names"]
 
 #: what ``ranks`` may be: a map from device (or device id) to world rank, a sequence aligned
@@ -314,12 +314,6 @@ def _aligned_empty(shape: Sequence[int], dtype: Any, align: int = 64) -> Any:
     return raw[off:off + math.prod(shape) * dtype.itemsize].view(dtype).reshape(shape)
 
 
-#: the memo of ``array_layout`` callers that pass none (the vLLM trainer's ``bind_named``,
-#: which binds outside a Refit every round). TODO(bind_named): pass the sender's own memo and
-#: drop this module state. A Refit passes its own memo to :func:`bind`.
-FALLBACK_MEMO = LayoutMemo()
-
-
 def _rank_of(ranks: Mapping[int, int]) -> Callable[[Any], int]:
     def rank_of(device: Any) -> int:
         try:
@@ -333,10 +327,11 @@ def _rank_of(ranks: Mapping[int, int]) -> Callable[[Any], int]:
 def array_layout(arr: Any, ranks: Mapping[int, int], name: str = "", *,
                  memo: LayoutMemo | None = None) -> Layout:
     """The :class:`Layout` of a ``jax.Array`` (or a ``ShapeDtypeStruct`` with a sharding),
-    with JAX device ids mapped to world ranks by ``ranks``; remembered in ``memo`` (default
-    :data:`FALLBACK_MEMO`) by sharding, shape, dtype and rank map, so a refit every step
-    converts each sharding once."""
-    memo = FALLBACK_MEMO if memo is None else memo
+    with JAX device ids mapped to world ranks by ``ranks``; remembered in ``memo`` (when
+    given) by sharding, shape, dtype and rank map, so a refit every step converts each
+    sharding once."""
+    if memo is None:
+        return layout_of(arr, ranks=_rank_of(ranks), name=name)
     rid = memo.ranks_id(ranks)
     return memo.get(None if rid is None else (arr.sharding, tuple(arr.shape), arr.dtype, rid),
                     lambda: layout_of(arr, ranks=_rank_of(ranks), name=name))
@@ -401,7 +396,7 @@ def bind_rules(tree: Any, rules: Any, ranks: Mapping[int, int], *,
         tree: a pytree of ``jax.Array``; its ``/``-joined paths are what the rules match.
         rules: a ``NameMap``, or a sequence of ``Rule`` / ``ConcatRule``.
         ranks: JAX device id -> world rank.
-        memo: where the arrays' layouts are remembered (default :data:`FALLBACK_MEMO`).
+        memo: where the arrays' layouts are remembered across calls (None: nowhere).
     """
     from xreshard.adapters import naming
     namemap = rules if isinstance(rules, naming.NameMap) else naming.NameMap(tuple(rules))

