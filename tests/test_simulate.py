@@ -103,6 +103,86 @@ def test_maxmin_is_progressive_filling():
     assert rates == pytest.approx([0.5, 0.5, 1.25, 1.25])
 
 
+def test_maxmin_per_flow_cap_is_a_private_link():
+    rng = np.random.default_rng(0)
+    for _ in range(20):
+        n, num_links = 30, 6
+        links = rng.integers(0, num_links + 1, (n, 3))      # num_links: the sentinel
+        links[:, 0] = rng.integers(0, num_links, n)          # every flow crosses a link
+        capacity = np.append(rng.uniform(1, 10, num_links), np.inf)
+        caps = np.where(rng.random(n) < 0.5, rng.uniform(0.05, 1, n), np.inf)
+        got = maxmin_rates(links, capacity, caps)
+        # the same caps as one private link per capped flow
+        capped = np.flatnonzero(np.isfinite(caps))
+        cap2 = np.concatenate([capacity[:-1], caps[capped], [np.inf]])
+        lk = np.where(links == num_links, len(cap2) - 1, links)
+        private = np.full(n, len(cap2) - 1)
+        private[capped] = num_links + np.arange(len(capped))
+        want = maxmin_rates(np.column_stack([lk, private]), cap2, np.inf)
+        assert np.array_equal(got, want)
+
+
+def four_gpu_nodes(nvlink_gbps: float) -> tuple[Cluster, Placement, list]:
+    """Two nodes of 4 GPUs and 4 NICs; every GPU of node 0 sends 1 GB to every GPU of
+    node 1: 16 flows in 4 classes (one per rail), 12 of them hop over NVLink (PXN)."""
+    c = toy(gpus_per_node=4, domain_size=4, nvlink_bw=nvlink_gbps * GB)
+    pl = Placement((0,) * 4 + (1,) * 4, (0,) * 4 + (1,) * 4, tuple(range(4)) * 2)
+    return c, pl, [(0, s, d, 10**9) for s in range(4) for d in range(4, 8)]
+
+
+@pytest.mark.parametrize("nvlink_gbps,want,class_solves", [
+    # 4 flows per NIC at 2.5 GB/s; the hops (3 per NVLink port, <= 7.5 GB/s) never bind
+    (100, 0.4, 1),
+    # 1 GB/s NVLink: 3 hops per port at 1/3 GB/s bind, so the round is solved per flow
+    (1, 3.0, 0),
+])
+def test_classes_of_identical_flows(monkeypatch, nvlink_gbps, want, class_solves):
+    import xreshard.sim.engine as engine
+    c, pl, rows = four_gpu_nodes(nvlink_gbps)
+    fits = []
+    hops_fit = engine._Classes.hops_fit
+    monkeypatch.setattr(engine._Classes, "hops_fit",
+                        lambda self, *a: fits.append(hops_fit(self, *a)) or fits[-1])
+    net = Network(c, pl)
+    got = replay(net, Traffic.of(rows))
+    assert got.seconds == pytest.approx(want) and sum(fits) == class_solves
+    reference = replay(net, Traffic.of(rows), grouped=False)
+    assert np.array_equal(got.finish, reference.finish)
+
+
+def random_traffic(rng, num_ranks: int, num_rounds: int) -> list:
+    rows = []
+    sizes = [1 << 20, 3 << 20, 5 << 19]
+    for r in range(num_rounds):
+        for _ in range(int(rng.integers(1, 60))):
+            s, d = (int(x) for x in rng.integers(0, num_ranks, 2))
+            rows.append((r, s, d, sizes[int(rng.integers(0, 3))]))
+    return rows
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_class_solver_is_the_per_flow_solver(seed):
+    # random clusters, placements and traffic (repeated pairs and sizes form classes;
+    # NVLink flows, hops, local copies, peer caps): solving classes of identical flows
+    # gives every message the time the straightforward per-flow solve gives it
+    rng = np.random.default_rng(seed)
+    g = int(rng.choice([2, 4, 8]))
+    c = toy(gpus_per_node=g, domain_size=g * int(rng.choice([1, 2])),
+            nics_per_node=int(rng.choice([n for n in (1, 2, 4, 8) if n <= g])),
+            nvlink_bw=float(rng.choice([3, 40, 400, 400])) * GB, network_latency=1e-5,
+            nvlink_latency=1e-6, net_channel_bw=float(rng.choice([0, 2])) * GB)
+    num_ranks = int(rng.integers(4, 4 * g))
+    node = tuple(int(x) for x in rng.integers(0, 4, num_ranks))
+    pl = Placement(tuple(n // (c.domain_size // g) for n in node), node,
+                   tuple(int(x) for x in rng.integers(0, g, num_ranks)))
+    tr = Traffic.of(random_traffic(rng, num_ranks, 5))
+    net = Network(c, pl)
+    fast, slow = replay(net, tr), replay(net, tr, grouped=False)
+    assert fast.finish == pytest.approx(slow.finish, rel=1e-12, abs=0)
+    assert fast.seconds == pytest.approx(slow.seconds, rel=1e-12)
+    assert (fast.critical_link, fast.critical_kind) == (slow.critical_link, slow.critical_kind)
+
+
 # ---------------------------------------------------------------------------- cluster
 
 def test_default_placement_gb200_m2n():
@@ -175,6 +255,11 @@ def test_direct_traffic_is_the_schedule(model, src, dst, bucket, staging):
     assert by_pair.total_bytes == tr.total_bytes
     for (_, *a), (_, *b) in zip(by_pair.rounds(), tr.rounds(), strict=True):
         assert all(np.array_equal(x, y) for x, y in zip(a, b))
+    # a round's key (from its patterns) tells it apart exactly when its messages differ
+    keys = list(by_pair.round_keys())
+    msgs = [b"|".join(a.tobytes() for a in r[1:]) for r in by_pair.rounds()]
+    assert len(keys) == len(msgs)
+    assert len(set(zip(keys, msgs))) == len(set(keys)) == len(set(msgs))
 
 
 def test_split_sizes_matches_split_region():

@@ -16,21 +16,27 @@ Not modelled (``TODO(model)``): NCCL's limit of 8 p2p operations per channel in 
 congestion above the leaf switches (the fabric is taken as non-blocking).
 
 Rounds that send the same messages (same pairs, same sizes) take the same time: each
-distinct round is simulated once, which is what makes 10^7 messages tractable.
+distinct round is simulated once, which is what makes 10^7 messages tractable. Within a
+round, flows that are identical once a network flow's NVLink hop is dropped (same NIC
+pair, same bytes: the GPUs of a node sending to one GPU elsewhere) are solved as one flow
+with a multiplicity, exact while the hops do not bind, which each solve checks (else the
+round is solved flow by flow): Kimi-K2 at 2,048 ranks has ~6x fewer flows to share.
+Link ids are held as K x flows arrays (``cols``); ``np.compress`` / ``np.take`` keep
+them C-ordered (``cols[:, mask]`` would not, and every reduction would crawl).
 """
 
 from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Iterator
 
 import numpy as np
 
 from ..cluster import Cluster, Placement
 from .traffic import PairTraffic, Traffic
 
-__all__ = ["Network", "RoundResult", "Replay", "maxmin_rates", "replay"]
+__all__ = ["Network", "RoundResult", "Replay", "maxmin_rates", "reduced_paths", "replay"]
 
 NVLINK, NETWORK, LOCAL = 1, 2, 0
 _LINK_KINDS = ("nvlink out", "nvlink in", "nic out", "nic in")
@@ -68,6 +74,11 @@ class Network:
         self.capacity = cap
         self.flow_cap = (cluster.peer_cap(placement.num_ranks, placement.num_nodes)
                          if peer_cap else np.inf)
+        # GPU x rail: whether GPU g of a node is the PXN proxy of the rail (a network
+        # message to that rail hops into g), or not (one from g to that rail hops out)
+        proxy = np.arange(rails) * g // rails
+        self.hop_in = (proxy[None, :] == np.arange(g)[:, None]).astype(float)
+        self.hop_out = 1.0 - self.hop_in
 
     def paths(self, src: np.ndarray, dst: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """``(links, kind)``: per message its 4 link ids (the sentinel pads) and whether it
@@ -114,58 +125,78 @@ class Network:
         return "network", f"{_LINK_KINDS[2 + direction]} of node {inv[node]} rail {rail}", ranks
 
 
-def maxmin_rates(links: np.ndarray, capacity: np.ndarray, flow_cap: float) -> np.ndarray:
+def maxmin_rates(links: np.ndarray, capacity: np.ndarray,
+                 flow_cap: float | np.ndarray) -> np.ndarray:
     """Max-min fair rates of flows over ``links`` (flows x K link ids; the last link of
-    ``capacity`` is an unlimited sentinel), each flow also held under ``flow_cap``.
+    ``capacity`` is an unlimited sentinel), each flow also held under ``flow_cap`` (one
+    cap for all, or one per flow).
 
     Parallel water-filling: every link whose fair share (remaining capacity / unfrozen
     flows) is no larger than the share of any link its flows cross is a bottleneck; its
     flows freeze at that share, all such links at once. Shares only grow as flows freeze
     below them, so this is exactly progressive filling, in as many passes as the longest
-    chain of bottlenecks rather than one pass per distinct rate.
+    chain of bottlenecks rather than one pass per distinct rate. A flow's cap acts as a
+    private link of its own.
     """
-    n = len(links)
-    rate = np.zeros(n)
-    rem = capacity.astype(float).copy()
+    cols = np.ascontiguousarray(np.asarray(links, np.intp).T)
+    return _waterfill(cols, np.asarray(capacity, float), flow_cap)
+
+
+def _waterfill(cols: np.ndarray, capacity: np.ndarray, cap: float | np.ndarray,
+               mult: np.ndarray | None = None) -> np.ndarray:
+    """:func:`maxmin_rates` on ``cols`` (K x flows link ids). ``mult[i]``: row ``i``
+    stands for that many identical flows (same links, same cap), which max-min fairness
+    treats identically, so one row each is exact."""
+    k = cols.shape[0]
+    rate = np.zeros(cols.shape[1])
+    rem = capacity.astype(float)
     num_links = len(capacity)
     sentinel = num_links - 1
-    alive = np.arange(n)
-    cols = [np.ascontiguousarray(links[:, k]) for k in range(links.shape[1])]
+    alive = np.arange(cols.shape[1])
+    per_flow = np.ndim(cap) > 0
+    if per_flow:
+        cap = np.asarray(cap, float)
+    capped = per_flow or cap < np.inf
     while len(alive):
-        cnt = sum(np.bincount(col, minlength=num_links) for col in cols).astype(float)
+        # each link id lives in one column (``Network.paths``), so one bincount over all
+        # columns adds exactly what one per column would
+        flat = cols.ravel()
+        if mult is None:
+            cnt = np.bincount(flat, minlength=num_links).astype(float)
+        else:
+            cnt = np.bincount(flat, weights=np.tile(mult, k), minlength=num_links)
         cnt[sentinel] = 0
         with np.errstate(divide="ignore", invalid="ignore"):
             share = rem / cnt
         share[cnt == 0] = np.inf
-        shares = [share[col] for col in cols]
-        low = shares[0]
-        for sh in shares[1:]:
-            low = np.minimum(low, sh)
-        fmin = np.minimum(low, flow_cap)
+        shares = share[cols]
+        low = shares.min(axis=0)
+        fmin = np.minimum(low, cap) if capped else low
         if not np.isfinite(fmin).all():
             raise ValueError("a flow crosses no link with a finite capacity")
         # a link is not a bottleneck if one of its flows is held lower elsewhere
         blocked = np.zeros(num_links, bool)
-        cut = fmin * (1 + 1e-12)
-        for col, sh in zip(cols, shares):
-            blocked[col[cut < sh]] = True
+        blocked[cols[fmin * (1 + 1e-12) < shares]] = True
         blocked[sentinel] = True
-        frozen = ~blocked[cols[0]]
-        for col in cols[1:]:
-            frozen |= ~blocked[col]
-        if flow_cap < np.inf:   # the cap is a private link: a bottleneck when lowest
-            frozen |= flow_cap <= low * (1 + 1e-12)
+        frozen = ~blocked[cols].all(axis=0)
+        if capped:      # the cap is a private link: a bottleneck when lowest
+            frozen |= cap <= low * (1 + 1e-12)
         if not frozen.any():     # numerical safety: freeze the lowest
             frozen = fmin <= fmin.min() * (1 + 1e-9)
-        rate[alive[frozen]] = fmin[frozen]
         f = fmin[frozen]
-        for col in cols:
-            rem -= np.bincount(col[frozen], weights=f, minlength=num_links)
+        rate[alive[frozen]] = f
+        w = f if mult is None else f * mult[frozen]
+        rem -= np.bincount(np.compress(frozen, cols, axis=1).ravel(), weights=np.tile(w, k),
+                           minlength=num_links)
         rem[sentinel] = np.inf
         np.maximum(rem, 0.0, out=rem)
         keep = ~frozen
         alive = alive[keep]
-        cols = [col[keep] for col in cols]
+        cols = np.compress(keep, cols, axis=1)   # stays C-ordered, unlike cols[:, keep]
+        if per_flow:
+            cap = cap[keep]
+        if mult is not None:
+            mult = mult[keep]
     return rate
 
 
@@ -187,9 +218,14 @@ EVENT_WINDOW = 0.02
 MAX_RESHARES = 16
 
 
-def _fluid(links: np.ndarray, capacity: np.ndarray, caps: np.ndarray, nbytes: np.ndarray,
-           moving: np.ndarray, bound: float, window: float, max_reshares: int) -> np.ndarray:
-    """Landing time (bandwidth only) of every message in ``moving``; others stay 0."""
+def _fluid(cols: np.ndarray, capacity: np.ndarray, caps: np.ndarray, nbytes: np.ndarray,
+           moving: np.ndarray, bound: float, window: float, max_reshares: int,
+           classes: _Classes | None = None) -> np.ndarray | None:
+    """Landing time (bandwidth only) of every flow in ``moving``; others stay 0.
+
+    With ``classes``, the rows are classes of identical flows (``cols`` their paths
+    without NVLink hops): None if a dropped hop turns out to bind (then solve per flow).
+    """
     finish = np.zeros(len(nbytes))
     remaining = nbytes.astype(float)
     t = 0.0
@@ -198,18 +234,25 @@ def _fluid(links: np.ndarray, capacity: np.ndarray, caps: np.ndarray, nbytes: np
         solves += 1
         if solves > max_reshares:
             left = remaining[moving]
-            load = np.bincount(links[moving].ravel(), weights=np.repeat(left, links.shape[1]),
-                               minlength=len(capacity))[:-1]
-            tail = max(float((load / capacity[:-1]).max()),
+            if classes is None:
+                load = np.bincount(np.take(cols, moving, axis=1).ravel(),
+                                   weights=np.tile(left, len(cols)),
+                                   minlength=len(capacity))
+            else:
+                load = classes.flow_load(moving, left, len(capacity))
+            tail = max(float((load[:-1] / capacity[:-1]).max()),
                        float((left / caps[moving]).max()))
             finish[moving] = t + tail
             break
-        lk = links[moving]
         fc = caps[moving]
-        if (fc == fc[0]).all():
-            rate = maxmin_rates(lk, capacity, float(fc[0]))
-        else:                       # mixed: give capped flows a private link each
-            rate = _mixed_rates(lk, capacity, fc)
+        cap = float(fc[0]) if (fc == fc[0]).all() else fc
+        if classes is None:
+            rate = _waterfill(np.take(cols, moving, axis=1), capacity, cap)
+        else:
+            rate = _waterfill(np.take(cols, moving, axis=1), capacity, cap,
+                              classes.mult[moving])
+            if not classes.hops_fit(moving, rate, capacity):
+                return None
         left = remaining[moving]
         until = left / rate
         first = float(until.min())
@@ -224,18 +267,42 @@ def _fluid(links: np.ndarray, capacity: np.ndarray, caps: np.ndarray, nbytes: np
 
 def _simulate_round(net: Network, src: np.ndarray, dst: np.ndarray, nbytes: np.ndarray,
                     window: float = EVENT_WINDOW, max_reshares: int = MAX_RESHARES,
-                    paths: tuple[np.ndarray, np.ndarray] | None = None) -> RoundResult:
-    links, kind = net.paths(src, dst) if paths is None else paths
+                    paths: tuple[np.ndarray, np.ndarray] | None = None,
+                    reduced: tuple[np.ndarray, np.ndarray] | None = None,
+                    grouped: bool = True) -> RoundResult:
+    """One round. ``paths``: ``(cols, kind)`` of its messages (K x n link ids, as
+    :meth:`Network.paths` transposed); ``reduced``: their :func:`reduced_paths`;
+    ``grouped``: solve classes of identical flows (exact; False: every flow on its own,
+    the straightforward reference)."""
+    if paths is None:
+        links, kind = net.paths(src, dst)
+        cols = np.ascontiguousarray(links.T)
+    else:
+        cols, kind = paths
     c = net.cluster
     latency = np.where(kind == NETWORK, c.network_latency,
                        np.where(kind == NVLINK, c.nvlink_latency, 0.0))
     moving = np.flatnonzero((kind != LOCAL) & (nbytes > 0))
-    load = np.bincount(links[moving].ravel(), weights=np.repeat(
-        nbytes[moving].astype(float), links.shape[1]), minlength=len(net.capacity))[:-1]
+    nb = nbytes.astype(float)
+    load = np.bincount(np.take(cols, moving, axis=1).ravel(),
+                       weights=np.tile(nb[moving], len(cols)),
+                       minlength=len(net.capacity))[:-1]
     util = load / net.capacity[:-1]
     bound = float(util.max()) if len(util) else 0.0
     caps = np.where(kind == NETWORK, net.flow_cap, np.inf)
-    finish = _fluid(links, net.capacity, caps, nbytes, moving, bound, window, max_reshares)
+    finish = None
+    if grouped and len(moving):
+        if reduced is None:
+            reduced = reduced_paths(net, cols, kind)
+        cl = _Classes.of(net, cols, kind, nbytes, moving, reduced)
+        if cl is not None:
+            got = _fluid(cl.cols, net.capacity, cl.caps, cl.nbytes, np.arange(len(cl.mult)),
+                         bound, window, max_reshares, cl)
+            if got is not None:
+                finish = np.zeros(len(nbytes))
+                finish[moving] = got[cl.inverse]
+    if finish is None:
+        finish = _fluid(cols, net.capacity, caps, nbytes, moving, bound, window, max_reshares)
     landed = finish + latency
     seconds = float(landed.max()) if len(landed) else 0.0
     crit = int(np.argmax(util)) if bound > 0 else -1
@@ -243,15 +310,103 @@ def _simulate_round(net: Network, src: np.ndarray, dst: np.ndarray, nbytes: np.n
     return RoundResult(seconds, landed, crit, int(kind[last]) if len(kind) else LOCAL)
 
 
-def _mixed_rates(links: np.ndarray, capacity: np.ndarray, flow_cap: np.ndarray) -> np.ndarray:
-    capped = np.flatnonzero(np.isfinite(flow_cap))
-    extra = len(capacity) - 1 + np.arange(len(capped))
-    cap2 = np.concatenate([capacity[:-1], flow_cap[capped], [np.inf]])
-    lk = links.copy()
-    lk[lk == len(capacity) - 1] = len(cap2) - 1
-    col = np.full(len(links), len(cap2) - 1)
-    col[capped] = extra
-    return maxmin_rates(np.column_stack([lk, col]), cap2, np.inf)
+def reduced_paths(net: Network, cols: np.ndarray, kind: np.ndarray
+                  ) -> tuple[np.ndarray, np.ndarray]:
+    """Per message, the id of its path without a network message's NVLink hop (PXN's
+    detour to the proxy GPU), and those paths: 2 x R link ids, (NIC out, NIC in) across
+    domains, (NVLink out, NVLink in) inside one."""
+    s = net.num_links + 1
+    far = kind == NETWORK
+    a = np.where(far, cols[2], cols[0])
+    b = np.where(far, cols[3], cols[1])
+    uniq, rid = np.unique(a * s + b, return_inverse=True)
+    return rid.reshape(-1), np.stack([uniq // s, uniq % s])
+
+
+#: solve by classes only when they are at most this fraction of a round's flows
+CLASS_SHARE = 0.8
+
+
+@dataclass(frozen=True)
+class _Classes:
+    """A round's moving flows as classes of identical flows: the same path once network
+    flows' NVLink hops are dropped, the same bytes, hence the same cap. Max-min fairness
+    gives identical flows identical rates, so a class is one row with a multiplicity.
+
+    Dropping the hops is exact whenever they do not bind: an allocation that is max-min
+    fair under fewer constraints and satisfies the rest is max-min fair under all of them
+    (every flow keeps its bottleneck). :meth:`hops_fit` checks each solve: first against a
+    bound (a GPU's hops carry at most what leaves its node through the NICs it proxies, or
+    through the others), then flow by flow; if a hop would bind, the round is solved per
+    flow. PXN keeps hops far from binding (NVLink is ~8x a NIC).
+    """
+
+    inverse: np.ndarray     # per moving flow: its class
+    cols: np.ndarray        # 2 x C link ids of each class
+    mult: np.ndarray        # flows per class
+    nbytes: np.ndarray
+    caps: np.ndarray
+    flow_cols: np.ndarray   # K x m full paths of the moving flows
+    hop: np.ndarray         # per moving flow: crosses an NVLink hop
+    net: Network
+
+    @classmethod
+    def of(cls, net: Network, cols: np.ndarray, kind: np.ndarray, nbytes: np.ndarray,
+           moving: np.ndarray, reduced: tuple[np.ndarray, np.ndarray]) -> _Classes | None:
+        """The classes of ``moving``; None when they would not be much fewer."""
+        rid, rpaths = reduced
+        sizes, sidx = np.unique(nbytes[moving], return_inverse=True)
+        ns = len(sizes)
+        code = rid[moving] * ns + sidx.reshape(-1)
+        top = rpaths.shape[1] * ns
+        if top <= 4 * len(code) + 4096:     # dense relabelling beats a sort
+            present = np.zeros(top, bool)
+            present[code] = True
+            codes = np.flatnonzero(present)
+            inverse = (np.cumsum(present) - 1)[code]
+        else:
+            codes, inverse = np.unique(code, return_inverse=True)
+            inverse = inverse.reshape(-1)
+        if len(codes) > CLASS_SHARE * len(code):
+            return None
+        ccols = np.take(rpaths, codes // ns, axis=1)
+        mult = np.bincount(inverse, minlength=len(codes)).astype(float)
+        far = ccols[0] >= 2 * net.num_gpus
+        fcols = np.take(cols, moving, axis=1)
+        hop = (kind[moving] == NETWORK) & (fcols[0] != net.num_links)
+        return cls(inverse, ccols, mult, sizes[codes % ns],
+                   np.where(far, net.flow_cap, np.inf), fcols, hop, net)
+
+    def flow_load(self, moving: np.ndarray, left: np.ndarray, num_links: int) -> np.ndarray:
+        """Bytes on every link (full paths, hops included) of classes ``moving`` with
+        ``left`` bytes left per flow."""
+        w = np.zeros(len(self.mult))
+        w[moving] = left
+        k = len(self.flow_cols)
+        return np.bincount(self.flow_cols.ravel(), weights=np.tile(w[self.inverse], k),
+                           minlength=num_links)
+
+    def hops_fit(self, moving: np.ndarray, rate: np.ndarray, capacity: np.ndarray) -> bool:
+        """Whether classes ``moving`` at ``rate`` per flow leave every NVLink link that
+        carries hops below its capacity."""
+        net = self.net
+        ng, num_links = net.num_gpus, len(capacity)
+        w = rate * self.mult[moving]
+        b0 = np.bincount(self.cols[0, moving], w, num_links)
+        b1 = np.bincount(self.cols[1, moving], w, num_links)
+        kept = np.concatenate([b0[:ng], b1[ng:2 * ng]])     # NVLink classes, out then in
+        nic_out = b0[2 * ng:2 * ng + net.num_nics].reshape(net.num_nodes, -1)
+        hop = np.concatenate([(nic_out @ net.hop_out.T).ravel(),
+                              (nic_out @ net.hop_in.T).ravel()])
+        room = capacity[:2 * ng] * (1 - 1e-9)
+        if ((hop <= 0) | (kept + hop <= room)).all():
+            return True
+        per_class = np.zeros(len(self.mult))
+        per_class[moving] = rate
+        fc = np.compress(self.hop, self.flow_cols[:2], axis=1)
+        r = per_class[self.inverse[self.hop]]
+        hop = (np.bincount(fc[0], r, num_links) + np.bincount(fc[1], r, num_links))[:2 * ng]
+        return bool(((hop <= 0) | (kept + hop <= room)).all())
 
 
 @dataclass(frozen=True)
@@ -268,30 +423,31 @@ class Replay:
 
 
 def replay(net: Network, traffic: Traffic | PairTraffic,
-           progress: Callable[[int, int], None] | None = None) -> Replay:
+           progress: Callable[[int, int], None] | None = None, *,
+           grouped: bool = True) -> Replay:
     """Run ``traffic`` on ``net``, round after round.
 
     A :class:`Traffic` gets every message's landing time (``Replay.finish``); a
     :class:`PairTraffic` (hundreds of millions of messages) does not (``finish`` is None),
-    and only the time of each distinct round is kept.
+    and only the time of each distinct round is kept: its rounds are told apart by their
+    patterns' messages, so a repeated round is not even generated. ``grouped=False``
+    solves every flow on its own (the reference the class solver is tested against).
     """
     num_rounds = traffic.num_rounds
     per_message = isinstance(traffic, Traffic)
-    # a PairTraffic's messages name their pair: paths are computed once per pair
-    pair_paths = None if per_message else net.paths(traffic.src, traffic.dst)
     finish = np.zeros(len(traffic)) if per_message else None
+    rounds = _message_rounds(traffic) if per_message else _pair_rounds(net, traffic)
     starts = np.zeros(num_rounds)
     secs = np.zeros(num_rounds)
     cache: dict[bytes, RoundResult] = {}
     crit_time: dict[tuple[int, int], float] = {}
     t = 0.0
-    for k, (sel, src, dst, nb) in enumerate(traffic.rounds()):
-        key = hashlib.blake2b(src.tobytes() + dst.tobytes() + nb.tobytes(),
-                              digest_size=16).digest()
+    for k, (key, sel, build) in enumerate(rounds):
         res = cache.get(key)
         if res is None:
-            paths = None if pair_paths is None else (pair_paths[0][sel], pair_paths[1][sel])
-            res = _simulate_round(net, src, dst, nb, paths=paths)
+            src, dst, nb, paths, reduced = build()
+            res = _simulate_round(net, src, dst, nb, paths=paths, reduced=reduced,
+                                  grouped=grouped)
             if not per_message:     # keep memory bounded: a round's times are not kept
                 res = RoundResult(res.seconds, np.zeros(0), res.critical_link,
                                   res.critical_kind)
@@ -307,3 +463,30 @@ def replay(net: Network, traffic: Traffic | PairTraffic,
             progress(k + 1, num_rounds)
     link, kind = max(crit_time, key=crit_time.get) if crit_time else (-1, LOCAL)
     return Replay(t, starts, secs, finish, link, kind, len(cache))
+
+
+def _digest(*arrays: np.ndarray) -> bytes:
+    return hashlib.blake2b(b"".join(a.tobytes() for a in arrays), digest_size=16).digest()
+
+
+def _message_rounds(traffic: Traffic) -> Iterator[tuple[bytes, np.ndarray, Callable]]:
+    """``(key, index, build)`` per round of a :class:`Traffic`: equal keys, equal
+    messages."""
+    for sel, src, dst, nb in traffic.rounds():
+        yield _digest(src, dst, nb), sel, lambda s=src, d=dst, b=nb: (s, d, b, None, None)
+
+
+def _pair_rounds(net: Network, traffic: PairTraffic
+                 ) -> Iterator[tuple[bytes, None, Callable]]:
+    """As :func:`_message_rounds` for a :class:`PairTraffic`: keys from its patterns,
+    messages built only when asked, paths computed once per pair."""
+    links, kind = net.paths(traffic.src, traffic.dst)
+    cols = np.ascontiguousarray(links.T)
+    del links
+    reduced = reduced_paths(net, cols, kind)
+
+    def build(k: int) -> tuple:
+        pair, src, dst, nb = traffic.round(k)
+        return src, dst, nb, (np.take(cols, pair, axis=1), kind[pair]), (reduced[0][pair], reduced[1])
+    for k, key in enumerate(traffic.round_keys()):
+        yield key, None, lambda k=k: build(k)

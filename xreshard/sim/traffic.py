@@ -17,11 +17,12 @@ because a 2,048-rank refit sends ~5.6 x 10^8 messages: too many to hold as rows.
 
 from __future__ import annotations
 
+import hashlib
 import math
 import sys
 import time
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cached_property, lru_cache
 from typing import Callable, Iterable, Iterator, Sequence
 
 import numpy as np
@@ -127,25 +128,50 @@ class PairTraffic:
         keep = b > 0
         return (self.src[keep].astype(np.int64), self.dst[keep].astype(np.int64), b[keep])
 
-    def rounds(self) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]]:
-        """As :meth:`Traffic.rounds`, but the index is each message's pair (there are no
-        message rows)."""
+    @cached_property
+    def _layout(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """``(flat, base, off)``: every pattern's sizes end to end, where each pattern
+        starts in them, and per pattern where each round's messages start in its arrays."""
         num_rounds = self.num_rounds
         flat = np.concatenate(self.sizes_of) if self.sizes_of else np.zeros(0, np.int64)
-        base = np.cumsum([0] + [len(s) for s in self.sizes_of])[:-1]
-        # per pattern, where each round's messages start in its arrays
+        base = np.cumsum([0] + [len(s) for s in self.sizes_of])[:-1].astype(np.int64)
         off = np.stack([np.searchsorted(r, np.arange(num_rounds + 1)) for r in self.rounds_of]
                        ) if self.rounds_of else np.zeros((0, num_rounds + 1), np.int64)
-        for k in range(num_rounds):
-            lo, cnt_p = off[:, k], off[:, k + 1] - off[:, k]
-            cnt = cnt_p[self.pattern]
-            idx = np.flatnonzero(cnt)
-            c = cnt[idx]
-            total = int(c.sum())
-            first = np.repeat(base[self.pattern[idx]] + lo[self.pattern[idx]]
-                              - (np.cumsum(c) - c), c)
-            pair = np.repeat(idx, c)
-            yield pair, self.src[pair], self.dst[pair], flat[first + np.arange(total)]
+        return flat, base, off
+
+    def round(self, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """``(pair, src, dst, nbytes)`` of round ``k``'s messages, in the order
+        :class:`Traffic` would hold them (``pair``: each message's pair; there are no
+        message rows)."""
+        flat, base, off = self._layout
+        lo, cnt_p = off[:, k], off[:, k + 1] - off[:, k]
+        cnt = cnt_p[self.pattern]
+        idx = np.flatnonzero(cnt)
+        c = cnt[idx]
+        total = int(c.sum())
+        first = np.repeat(base[self.pattern[idx]] + lo[self.pattern[idx]]
+                          - (np.cumsum(c) - c), c)
+        pair = np.repeat(idx, c)
+        return pair, self.src[pair], self.dst[pair], flat[first + np.arange(total)]
+
+    def rounds(self) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]]:
+        """As :meth:`Traffic.rounds`, but the index is each message's pair."""
+        for k in range(self.num_rounds):
+            yield self.round(k)
+
+    def round_keys(self) -> Iterator[bytes]:
+        """Per round, a digest of what each pattern in use sends in it: two rounds have
+        equal keys exactly when they send the same messages (a pair's messages in a round
+        are its pattern's), found without generating them."""
+        flat, base, off = self._layout
+        used = np.unique(self.pattern)
+        base, off = base[used], off[used]
+        for k in range(self.num_rounds):
+            lo, cnt = off[:, k], off[:, k + 1] - off[:, k]
+            total = int(cnt.sum())
+            first = np.repeat(base + lo - (np.cumsum(cnt) - cnt), cnt)
+            sizes = flat[first + np.arange(total)]
+            yield hashlib.blake2b(cnt.tobytes() + sizes.tobytes(), digest_size=16).digest()
 
     def to_traffic(self) -> Traffic:
         """Every message as a row (pair order, as ``direct_traffic`` used to return)."""
