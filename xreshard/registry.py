@@ -13,7 +13,7 @@ An adapter module provides:
 
 * ``accepts(obj) -> bool``: whether ``obj`` is one of its objects (cheap; must not import
   anything heavy);
-* ``bind(obj, side, *, context: BindContext) -> Bound``: the layouts and bindings of
+* ``refit_bind(obj, side, context: BindContext) -> Bound``: the layouts and bindings of
   ``obj`` for ``side`` ("send" or "receive");
 
 and optionally:
