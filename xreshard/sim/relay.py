@@ -84,51 +84,96 @@ class RelaySchedule:
 
     def traffic(self, names: Sequence[str], wire_dtypes: dict[str, str]) -> Traffic:
         """Every message, round by round: a stream's message ``i`` in the pair's round
-        ``k``; its forwards, coalesced per (relay, target), in round ``k + 1``."""
-        rows: list[tuple[int, int, int, int]] = []
-        fwd: dict[tuple[int, int, int], int] = {}
+        ``k``; its forwards, coalesced per (relay, target), in round ``k + 1``.
+
+        Rows: the network flows by (pair, round), then the forwards in the order they
+        first appear (stream, round, target), then the pairs inside one domain.
+        """
         isz = {n: itemsize(wire_dtypes[n]) for n in names}
         by_pair: dict[tuple[int, int], list[RelayStream]] = {}
         for st in self.streams:
             by_pair.setdefault((st.src, st.relay), []).append(st)
-        memo: dict[tuple, list[tuple[int, int]]] = {}
-        net: dict[tuple[int, int, int], int] = {}
-        for (src, relay), streams in by_pair.items():
+        memo: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}
+        shapes: dict[int, tuple[int, ...]] = {}
+        pairs = list(by_pair)
+        net_parts: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
+        fwd_parts: list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]] = []
+        for p, streams in enumerate(by_pair.values()):
             rnd = used = 0
             for st in streams:
-                size = st.chunk_bytes
-                # parts of at most a quarter chunk fill each round to >= 3/4 of its chunk
-                part = max(MIN_BUCKET_BYTES, size // 4)
-                key = (size,) + tuple((reg.shape, isz[n]) for n, reg, _ in st.items)
-                msgs = memo.get(key)
-                if msgs is None:
-                    parts = (nb for n, reg, _ in st.items
-                             for nb in split_sizes(reg.shape, isz[n], part))
-                    msgs = memo[key] = pair_messages(parts, size)
-                last = -1
-                for r, nb in msgs:
-                    if r != last:       # a new round of this stream
-                        if used and (last >= 0 or used + nb > size):
-                            rnd, used = rnd + 1, 0
-                        last = r
-                    used += nb
-                    # one peer's messages in one round run in order: one flow
-                    k = (rnd, src, relay)
-                    net[k] = net.get(k, 0) + nb
-                    for x in st.forward_to:
-                        k = (rnd + 1, relay, x)
-                        fwd[k] = fwd.get(k, 0) + nb
-        rows.extend((r, s_, d, nb) for (r, s_, d), nb in net.items())
-        n_net = len(rows)
-        for (rnd, relay, x), nb in fwd.items():
-            rows.append((rnd, relay, x, nb))
+                starts, nbytes = _stream_messages(st, isz, memo, shapes)
+                # a stream opens a new round of its pair unless its first message still
+                # fits the pair's current one; each later round of the stream is a new one
+                if used and used + int(nbytes[0]) > st.chunk_bytes:
+                    rnd, used = rnd + 1, 0
+                seg_bytes = np.add.reduceat(nbytes, starts)
+                seg_round = rnd + np.arange(len(starts))
+                used = (used if len(starts) == 1 else 0) + int(seg_bytes[-1])
+                rnd += len(starts) - 1
+                net_parts.append((np.full(len(starts), p), seg_round, seg_bytes))
+                fwd = np.asarray(st.forward_to, np.int64)
+                fwd_parts.append((np.repeat(seg_round + 1, len(fwd)),
+                                  np.full(len(fwd) * len(starts), st.relay),
+                                  np.tile(fwd, len(starts)), np.repeat(seg_bytes, len(fwd))))
+        rows = [_coalesce_network(net_parts, pairs), _coalesce_forwards(fwd_parts)]
+        direct: list[tuple[int, int, int, int]] = []
         for src, dst, size, transfers in self.direct:
             parts = (nb for t in transfers
                      for nb in split_sizes(t.region.shape, isz[t.name], size))
-            rows.extend((r, src, dst, nb) for r, nb in pair_messages(parts, size))
-        is_fwd = np.zeros(len(rows), bool)
-        is_fwd[n_net:n_net + len(fwd)] = True
-        return Traffic.of(rows, forward=is_fwd)
+            direct.extend((r, src, dst, nb) for r, nb in pair_messages(parts, size))
+        rows.append(np.array(direct, np.int64).reshape(-1, 4))
+        is_fwd = np.repeat([False, True, False], [len(r) for r in rows])
+        arr = np.concatenate(rows)
+        return Traffic(arr[:, 0].astype(np.int32), arr[:, 1].astype(np.int32),
+                       arr[:, 2].astype(np.int32), arr[:, 3].copy(), is_fwd)
+
+
+def _stream_messages(st: RelayStream, isz: dict[str, int], memo: dict,
+                     shapes: dict[int, tuple[int, ...]]) -> tuple[np.ndarray, np.ndarray]:
+    """``(starts, nbytes)``: a stream's message sizes in send order (parts of at most a
+    quarter chunk fill each round to >= 3/4 of its chunk), and where each of its rounds
+    starts among them."""
+    size = st.chunk_bytes
+    part = max(MIN_BUCKET_BYTES, size // 4)
+    key = (size,) + tuple((shapes.get(id(reg)) or shapes.setdefault(id(reg), reg.shape),
+                           isz[n]) for n, reg, _ in st.items)
+    got = memo.get(key)
+    if got is None:
+        parts = (nb for shape, b in key[1:] for nb in split_sizes(shape, b, part))
+        msgs = np.array(pair_messages(parts, size), np.int64).reshape(-1, 2)
+        new = np.flatnonzero(np.diff(msgs[:, 0], prepend=-1) != 0)
+        # a round that held only empty messages would not open a new one: never cut so
+        assert (np.add.reduceat(msgs[:, 1], new) > 0).all()
+        got = memo[key] = (new, msgs[:, 1].copy())
+    return got
+
+
+def _coalesce_network(parts: list, pairs: list[tuple[int, int]]) -> np.ndarray:
+    """``(round, src, relay, bytes)`` rows, one per (pair, round) in pair order: one
+    peer's messages in one round run in order, so they are one flow."""
+    if not parts:
+        return np.zeros((0, 4), np.int64)
+    pair, rnd, nb = (np.concatenate([x[i] for x in parts]) for i in range(3))
+    width = int(rnd.max()) + 1
+    keys, inverse = np.unique(pair * width + rnd, return_inverse=True)
+    total = np.bincount(inverse.reshape(-1), weights=nb).astype(np.int64)
+    ends = np.array(pairs, np.int64).reshape(-1, 2)[keys // width]
+    return np.column_stack([keys % width, ends, total])
+
+
+def _coalesce_forwards(parts: list) -> np.ndarray:
+    """``(round, relay, target, bytes)`` rows summed per key, in first-appearance order."""
+    if not parts:
+        return np.zeros((0, 4), np.int64)
+    rnd, relay, target, nb = (np.concatenate([x[i] for x in parts]) for i in range(4))
+    n = int(max(relay.max(), target.max())) + 1
+    keys, first, inverse = np.unique((rnd * n + relay) * n + target, return_index=True,
+                                     return_inverse=True)
+    total = np.bincount(inverse.reshape(-1), weights=nb)
+    order = np.argsort(first, kind="stable")
+    keys = keys[order]
+    return np.column_stack([keys // (n * n), keys // n % n, keys % n,
+                            total[order].astype(np.int64)])
 
 
 def build_relay(plan, by_pair: dict[tuple[int, int], list] | None, domain: Sequence[int], *,
