@@ -200,50 +200,72 @@ def build_relay(plan, by_pair: dict[tuple[int, int], list] | None, domain: Seque
         ordered, direct = _pieces_from_tables(plan, domain)
     else:
         ordered, direct = _pieces_from_transfers(by_pair, domain, order)
-    # 2. relay and sender of every piece, greedily in plan order: the least loaded
-    # receiver, unless one within STICKY_BYTES of it already pairs with a candidate sender
-    sent: dict[object, int] = {}
-    got_net: dict[int, int] = {}
+    streams = _choose(ordered, domain, nic)
+    return RelaySchedule(_chunked(streams, bucket_bytes, staging_bytes),
+                         _direct_pairs(direct, order, bucket_bytes, staging_bytes))
+
+
+def _choose(ordered: list, domain: Sequence[int], nic: Sequence[tuple[int, int]] | None
+            ) -> dict[tuple[int, int, tuple[int, ...]], list]:
+    """Step 2: relay and sender of every piece, greedily in plan order: the least loaded
+    receiver, unless one within STICKY_BYTES of it already pairs with a candidate sender.
+    Returns the streams' items by (src, relay, forward_to)."""
+    n = len(domain)
     # a pair stays sticky up to a quarter of its relay's expected load, so a relay has
     # at least ~4 senders at once: one NCCL network peer is capped below a NIC's rate
     dom_bytes: dict[int, int] = {}
     dom_ranks: dict[int, set[int]] = {}
+    seen: set[int] = set()
     for v in ordered:
         dm = domain[v[4][0]]
         dom_bytes[dm] = dom_bytes.get(dm, 0) + v[2]
-        dom_ranks.setdefault(dm, set()).update(v[4])
-    pair_cap = {dm: dom_bytes[dm] // (PAIR_SHARE * len(dom_ranks[dm])) for dm in dom_bytes}
-    pair_load: dict[tuple[int, int], int] = {}
-
-    def out_key(x: int, relay: int) -> object:
-        return x if nic is None else (nic[x][0], nic[relay][1])
-    partners: dict[int, set[int]] = {}
+        if id(v[4]) not in seen:        # pieces share their receiver lists
+            seen.add(id(v[4]))
+            dom_ranks.setdefault(dm, set()).update(v[4])
+    cap_of = [dom_bytes[dm] // (PAIR_SHARE * len(dom_ranks[dm])) if dm in dom_bytes else 0
+              for dm in domain]
+    # the counter a sender's bytes load: its own, or with ``nic`` the NIC they leave by
+    # (the sender's node, the relay's rail): out_base[sender] + out_rail[relay]
+    if nic is None:
+        out_base, out_rail = list(range(n)), [0] * n
+    else:
+        rails = max(r for _, r in nic) + 1
+        node_ids = {nd: i for i, nd in enumerate(sorted({nd for nd, _ in nic}))}
+        out_base = [node_ids[nd] * rails for nd, _ in nic]
+        out_rail = [r for _, r in nic]
+    sent = [0] * (max(out_base) + max(out_rail) + 1)
+    got = [0] * n
+    pair_load: dict[int, int] = {}
+    partners: list[set[int]] = [set() for _ in range(n)]
+    fwd_of: dict[tuple[int, int], tuple[int, ...]] = {}
     streams: dict[tuple[int, int, tuple[int, ...]], list] = {}
     for name, region, nb, senders, receivers in ordered:
-        least = min(got_net.get(r, 0) for r in receivers)
-        relay, src = None, None
-        for r in sorted(receivers, key=lambda r: (got_net.get(r, 0), r)):
-            if got_net.get(r, 0) > least + STICKY_BYTES:
+        by_load = sorted([(got[r], r) for r in receivers])
+        limit = by_load[0][0] + STICKY_BYTES
+        relay = -1
+        for load, r in by_load:
+            if load > limit:
                 break
-            cap = pair_cap[domain[r]]
-            common = {x for x in partners.get(r, set()) & senders
-                      if pair_load.get((x, r), 0) + nb <= cap}
+            common = partners[r] & senders
             if common:
-                relay = r
-                src = min(common, key=lambda x: (sent.get(out_key(x, r), 0), x))
-                break
-        if relay is None:
-            relay = min(receivers, key=lambda r: (got_net.get(r, 0), r))
-            src = min(senders, key=lambda x: (sent.get(out_key(x, relay), 0), x))
-        partners.setdefault(relay, set()).add(src)
-        pair_load[(src, relay)] = pair_load.get((src, relay), 0) + nb
-        k = out_key(src, relay)
-        sent[k] = sent.get(k, 0) + nb
-        got_net[relay] = got_net.get(relay, 0) + nb
-        fwd = tuple(r for r in receivers if r != relay)
+                cap = cap_of[r]
+                fits = [x for x in common if pair_load.get(x * n + r, 0) + nb <= cap]
+                if fits:
+                    relay, rail = r, out_rail[r]
+                    src = min(fits, key=lambda x: (sent[out_base[x] + rail], x))
+                    break
+        if relay < 0:
+            relay, rail = by_load[0][1], out_rail[by_load[0][1]]
+            src = min(senders, key=lambda x: (sent[out_base[x] + rail], x))
+        partners[relay].add(src)
+        pair_load[src * n + relay] = pair_load.get(src * n + relay, 0) + nb
+        sent[out_base[src] + out_rail[relay]] += nb
+        got[relay] += nb
+        fwd = fwd_of.get((id(receivers), relay))
+        if fwd is None:
+            fwd = fwd_of[(id(receivers), relay)] = tuple(r for r in receivers if r != relay)
         streams.setdefault((src, relay, fwd), []).append((name, region, nb))
-    return RelaySchedule(_chunked(streams, bucket_bytes, staging_bytes),
-                         _direct_pairs(direct, order, bucket_bytes, staging_bytes))
+    return streams
 
 
 def _pieces_from_transfers(by_pair: dict[tuple[int, int], list], domain: Sequence[int],
@@ -308,25 +330,46 @@ def _pieces_from_tables(plan, domain: Sequence[int]) -> tuple[list, list]:
         return [], [(s, d, ts) for (s, d), ts in direct.items()]
     src, dst, tensor, gid, nbytes = (np.concatenate([c[i] for c in cols]) for i in range(5))
     del cols
-    dm = dom[dst]
-    srt = np.lexsort((src, dst, gid, tensor, dm))
-    src, dst, tensor, gid, nbytes, dm = (a[srt] for a in (src, dst, tensor, gid, nbytes, dm))
-    new = np.ones(len(src), bool)
-    new[1:] = (dm[1:] != dm[:-1]) | (tensor[1:] != tensor[:-1]) | (gid[1:] != gid[:-1])
-    first = np.flatnonzero(new)
+    # rows sorted by (domain, tensor, region, dst, src); groups: (domain, tensor, region)
+    n, num_t, num_g = len(dom), len(plan.names), len(regions)
+    if (int(dom.max()) + 1) * num_t * num_g * n * n < 1 << 62:   # one int64 key, one sort
+        group = (dom[dst] * num_t + tensor) * num_g + gid
+        key = group * (n * n) + dst * n + src
+        srt = np.argsort(key, kind="stable")
+        key = key[srt]
+        group, dst, src = key // (n * n), key // n % n, key % n
+        del key
+        new = np.ones(len(src), bool)
+        new[1:] = group[1:] != group[:-1]
+        first = np.flatnonzero(new)
+        tensor_f, gid_f = group[first] // num_g % num_t, group[first] % num_g
+        nbytes_f = nbytes[srt[first]]
+    else:
+        dm = dom[dst]
+        srt = np.lexsort((src, dst, gid, tensor, dm))
+        src, dst, tensor, gid, nbytes, dm = (a[srt] for a in (src, dst, tensor, gid, nbytes, dm))
+        new = np.ones(len(src), bool)
+        new[1:] = (dm[1:] != dm[:-1]) | (tensor[1:] != tensor[:-1]) | (gid[1:] != gid[:-1])
+        first = np.flatnonzero(new)
+        tensor_f, gid_f, nbytes_f = tensor[first], gid[first], nbytes[first]
     last = np.append(first[1:], len(src))
     # plan order: tensor, then region bounds, then the least receiver (dst is sorted)
     by_bounds = sorted(range(len(regions)), key=lambda g: (regions[g].starts, regions[g].stops))
     bound_rank = np.empty(len(regions), np.int64)
     bound_rank[by_bounds] = np.arange(len(regions))
-    seq = np.lexsort((dst[first], bound_rank[gid[first]], tensor[first]))
+    seq = np.lexsort((dst[first], bound_rank[gid_f], tensor_f))
     src_l, dst_l = src.tolist(), dst.tolist()
     names = plan.names
     ordered = []
-    for p in seq.tolist():
-        a, b = int(first[p]), int(last[p])
-        ordered.append([names[int(tensor[a])], regions[int(gid[a])], int(nbytes[a]),
-                        set(src_l[a:b]), sorted(set(dst_l[a:b]))])
+    # pieces of one pattern share their sender set and receiver list (read only)
+    sets: dict[tuple, tuple[set, list]] = {}
+    for a, b, t, g, nb in zip(first[seq].tolist(), last[seq].tolist(), tensor_f[seq].tolist(),
+                              gid_f[seq].tolist(), nbytes_f[seq].tolist()):
+        key = (*src_l[a:b], -1, *dst_l[a:b])
+        got = sets.get(key)
+        if got is None:
+            got = sets[key] = (set(src_l[a:b]), sorted(set(dst_l[a:b])))
+        ordered.append([names[t], regions[g], nb, got[0], got[1]])
     return ordered, [(s, d, ts) for (s, d), ts in direct.items()]
 
 
