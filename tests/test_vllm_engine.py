@@ -67,8 +67,8 @@ def test_trainer_refits_vllm_engine_like_a_checkpoint_load(tp, dtype, kind, tmp_
         Role("torch", "trainer", 0)
     roles = [trainer_role,
              Role("plain", "engine", 0, env={"VLLM_CPU_KVCACHE_SPACE": "1", **ENGINE_ENV[tp]})]
-    results = launch(cases.__name__ + ":dispatch", roles,
-                     args=([tp, dtype, str(tmp_path), kind],), timeout=300)
+    results = launch([cases.trainer, cases.engine], roles,
+                     args=(tp, dtype, str(tmp_path), kind), timeout=300)
     trainer, engine = results[0].value, results[1].value
     assert engine["rounds"] == 4
     rounds = trainer["rounds"]
@@ -100,8 +100,11 @@ def test_trainer_refits_vllm_engine_like_a_checkpoint_load(tp, dtype, kind, tmp_
                 assert x["peak_rss_growth"] <= 1.1 * budget, (x, budget)
                 if r["version"] == 1:   # buffers, staging, plans: the measurement sees them
                     assert x["peak_rss_growth"] > budget // 8, x
-        # the trainer sent each vLLM rank its shards and nothing else (on the wire dtype)
+        # the trainer sent each vLLM rank its shards and nothing else (on the wire dtype):
+        # what its transports counted per destination rank is each TP rank's share
         assert r["bytes_sent"] == r["bytes_moved_world"] == sum(x["bytes_received"] for x in reports)
+        assert sorted(r["counted_sent_to"]) == sorted(
+            _expected_shard_bytes(tp, k, itemsize, config) for k in range(tp)), r["counted_sent_to"]
     # the refit changed the engine's answers, and changed them back
     assert rounds[0]["tokens"] != rounds[1]["tokens"]
     assert rounds[0]["tokens"] == rounds[2]["tokens"]
@@ -129,8 +132,8 @@ def test_one_trainer_refits_two_engines_at_once(tmp_path):
     roles = [Role("jax", "trainer", 0, num_devices=4)] + [
         Role("plain", "engine", e, env={"VLLM_CPU_KVCACHE_SPACE": "1", **ENGINE_ENV[1]})
         for e in range(2)]
-    results = launch(cases.__name__ + ":engines_dispatch", roles,
-                     args=([2, str(tmp_path)],), timeout=300)
+    results = launch([cases.engines_trainer] + [cases.engines_engine] * 2, roles,
+                     args=(2, str(tmp_path)), timeout=300)
     rounds = results[0].value["rounds"]
     assert [r["name"] for r in rounds] == ["A", "B"]
     model = _expected_shard_bytes(1, 0, 4)
@@ -317,8 +320,8 @@ def test_named_binding_refuses_a_shard_cut_by_a_reshape():
 def _digest_rounds(case: str, tmp_path) -> list[dict]:
     roles = [Role("jax", "trainer", 0, num_devices=4),
              Role("plain", "engine", 0, env={"VLLM_CPU_KVCACHE_SPACE": "1", **ENGINE_ENV[2]})]
-    rounds = launch(cases.__name__ + ":digest_dispatch", roles, args=([case, str(tmp_path)],),
-                    timeout=300)[0].value["rounds"]
+    rounds = launch([cases.digest_trainer, cases.digest_engine], roles,
+                    args=(case, str(tmp_path)), timeout=300)[0].value["rounds"]
     assert [r["name"] for r in rounds] == ["B", "A"]
     for r in rounds:
         # every processed weight of every worker equals vLLM loading the checkpoint itself

@@ -20,6 +20,8 @@ from typing import Any
 
 import numpy as np
 
+from xreshard.commcount import count_comm
+
 #: a tiny Qwen2: padded vocab (1000 -> 1024 rows), GQA (4 q heads, 2 kv heads), q/k/v bias,
 #: tied embeddings
 CONFIG = dict(vocab_size=1000, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
@@ -308,10 +310,13 @@ def trainer(ctx: Any, tp: int, dtype: str, tmp: str, kind: str = "jax") -> dict:
         for name in ("A", "B", "A"):
             params = make(weights[name])
             t0 = time.monotonic()
-            report = engine.send_weights(params)
+            with count_comm() as counts:
+                report = engine.send_weights(params)
             seconds = time.monotonic() - t0
             out = client.call("check", weights_path=os.path.join(tmp, name))
+            sent_to = {d: counts.sent_to(d) for d in sorted({d for _, d in counts.bytes_sent})}
             rounds.append({"name": name, "bytes_sent": report.bytes_sent,
+                           "counted_sent_to": list(sent_to.values()),
                            "bytes_moved_world": report.bytes_moved_world,
                            "version": report.version, "replanned": report.replanned,
                            "send_seconds": seconds, **out})
@@ -340,13 +345,6 @@ def trainer(ctx: Any, tp: int, dtype: str, tmp: str, kind: str = "jax") -> dict:
         engine.shutdown()
     return {"rounds": rounds, "refused": refused, "full_bytes_fp32": full_bytes["A"],
             "init_seconds": init_seconds}
-
-
-def dispatch(ctx: Any, args: list) -> Any:
-    """One launch, two roles: the trainer (args: tp, dtype, tmp, kind) and the engine."""
-    if ctx.role.group == "trainer":
-        return trainer(ctx, *args)
-    return engine(ctx, *args)
 
 
 # ---------------------------------------------------------------------------- the HTTP server
@@ -514,11 +512,6 @@ def digest_trainer(ctx: Any, case: str, tmp: str) -> dict:
     return {"rounds": rounds}
 
 
-def digest_dispatch(ctx: Any, args: list) -> Any:
-    role = digest_trainer if ctx.role.group == "trainer" else digest_engine
-    return role(ctx, *args)
-
-
 # ---------------------------------------------------------------------------- several engines
 
 def engines_trainer(ctx: Any, num_engines: int, tmp: str) -> dict:
@@ -552,11 +545,8 @@ def engines_trainer(ctx: Any, num_engines: int, tmp: str) -> dict:
     return {"rounds": rounds}
 
 
-def engines_dispatch(ctx: Any, args: list) -> Any:
-    """The trainer (args: num_engines, tmp) and each engine (TP=1, fp32)."""
-    num_engines, tmp = args
-    if ctx.role.group == "trainer":
-        return engines_trainer(ctx, num_engines, tmp)
+def engines_engine(ctx: Any, num_engines: int, tmp: str) -> dict:
+    """One of :func:`engines_trainer`'s engines (TP=1, fp32)."""
     return engine(ctx, 1, "float32", tmp)
 
 
