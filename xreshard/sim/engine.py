@@ -164,13 +164,12 @@ def _waterfill(cols: np.ndarray, capacity: np.ndarray, cap: float | np.ndarray,
         if mult is None:
             cnt = np.bincount(flat, minlength=num_links).astype(float)
         else:
-            cnt = np.bincount(flat, weights=np.tile(mult, k), minlength=num_links)
+            cnt = np.bincount(flat, weights=np.concatenate((mult,) * k), minlength=num_links)
         cnt[sentinel] = 0
-        with np.errstate(divide="ignore", invalid="ignore"):
-            share = rem / cnt
-        share[cnt == 0] = np.inf
+        # (the relay's rounds take ~20 passes over a few thousand flows: calls are lean)
+        share = np.divide(rem, cnt, out=np.full(num_links, np.inf), where=cnt > 0)
         shares = share[cols]
-        low = shares.min(axis=0)
+        low = np.minimum.reduce(shares, axis=0)
         fmin = np.minimum(low, cap) if capped else low
         if not np.isfinite(fmin).all():
             raise ValueError("a flow crosses no link with a finite capacity")
@@ -178,7 +177,7 @@ def _waterfill(cols: np.ndarray, capacity: np.ndarray, cap: float | np.ndarray,
         blocked = np.zeros(num_links, bool)
         blocked[cols[fmin * (1 + 1e-12) < shares]] = True
         blocked[sentinel] = True
-        frozen = ~blocked[cols].all(axis=0)
+        frozen = ~np.logical_and.reduce(blocked[cols], axis=0)
         if capped:      # the cap is a private link: a bottleneck when lowest
             frozen |= cap <= low * (1 + 1e-12)
         if not frozen.any():     # numerical safety: freeze the lowest
@@ -186,8 +185,8 @@ def _waterfill(cols: np.ndarray, capacity: np.ndarray, cap: float | np.ndarray,
         f = fmin[frozen]
         rate[alive[frozen]] = f
         w = f if mult is None else f * mult[frozen]
-        rem -= np.bincount(np.compress(frozen, cols, axis=1).ravel(), weights=np.tile(w, k),
-                           minlength=num_links)
+        rem -= np.bincount(np.compress(frozen, cols, axis=1).ravel(),
+                           weights=np.concatenate((w,) * k), minlength=num_links)
         rem[sentinel] = np.inf
         np.maximum(rem, 0.0, out=rem)
         keep = ~frozen
@@ -283,9 +282,10 @@ def _simulate_round(net: Network, src: np.ndarray, dst: np.ndarray, nbytes: np.n
     latency = np.where(kind == NETWORK, c.network_latency,
                        np.where(kind == NVLINK, c.nvlink_latency, 0.0))
     moving = np.flatnonzero((kind != LOCAL) & (nbytes > 0))
-    nb = nbytes.astype(float)
-    load = np.bincount(np.take(cols, moving, axis=1).ravel(),
-                       weights=np.tile(nb[moving], len(cols)),
+    everyone = len(moving) == len(kind)
+    mcols = cols if everyone else np.take(cols, moving, axis=1)
+    mbytes = nbytes if everyone else nbytes[moving]
+    load = np.bincount(mcols.ravel(), weights=np.concatenate((mbytes.astype(float),) * len(cols)),
                        minlength=len(net.capacity))[:-1]
     util = load / net.capacity[:-1]
     bound = float(util.max()) if len(util) else 0.0
@@ -294,7 +294,7 @@ def _simulate_round(net: Network, src: np.ndarray, dst: np.ndarray, nbytes: np.n
     if grouped and len(moving):
         if reduced is None:
             reduced = reduced_paths(net, cols, kind)
-        cl = _Classes.of(net, cols, kind, nbytes, moving, reduced)
+        cl = _Classes.of(net, mcols, kind[moving], mbytes, moving, reduced)
         if cl is not None:
             got = _fluid(cl.cols, net.capacity, cl.caps, cl.nbytes, np.arange(len(cl.mult)),
                          bound, window, max_reshares, cl)
@@ -321,6 +321,18 @@ def reduced_paths(net: Network, cols: np.ndarray, kind: np.ndarray
     b = np.where(far, cols[3], cols[1])
     uniq, rid = np.unique(a * s + b, return_inverse=True)
     return rid.reshape(-1), np.stack([uniq // s, uniq % s])
+
+
+def _factorize(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``np.unique(values, return_inverse=True)`` for arrays of few distinct values (a
+    round's message sizes) without sorting them all: look up, then add what was missed."""
+    uniq = np.unique(values[:1024])
+    while True:
+        idx = np.searchsorted(uniq, values)
+        miss = uniq[np.minimum(idx, len(uniq) - 1)] != values
+        if not miss.any():
+            return uniq, idx
+        uniq = np.union1d(uniq, values[miss])
 
 
 #: solve by classes only when they are at most this fraction of a round's flows
@@ -353,11 +365,12 @@ class _Classes:
     @classmethod
     def of(cls, net: Network, cols: np.ndarray, kind: np.ndarray, nbytes: np.ndarray,
            moving: np.ndarray, reduced: tuple[np.ndarray, np.ndarray]) -> _Classes | None:
-        """The classes of ``moving``; None when they would not be much fewer."""
+        """The classes of the flows ``moving`` of a round (``cols``, ``kind``, ``nbytes``:
+        theirs alone); None when they would not be much fewer."""
         rid, rpaths = reduced
-        sizes, sidx = np.unique(nbytes[moving], return_inverse=True)
+        sizes, sidx = _factorize(nbytes)
         ns = len(sizes)
-        code = rid[moving] * ns + sidx.reshape(-1)
+        code = rid[moving] * ns + sidx
         top = rpaths.shape[1] * ns
         if top <= 4 * len(code) + 4096:     # dense relabelling beats a sort
             present = np.zeros(top, bool)
@@ -372,10 +385,9 @@ class _Classes:
         ccols = np.take(rpaths, codes // ns, axis=1)
         mult = np.bincount(inverse, minlength=len(codes)).astype(float)
         far = ccols[0] >= 2 * net.num_gpus
-        fcols = np.take(cols, moving, axis=1)
-        hop = (kind[moving] == NETWORK) & (fcols[0] != net.num_links)
+        hop = (kind == NETWORK) & (cols[0] != net.num_links)
         return cls(inverse, ccols, mult, sizes[codes % ns],
-                   np.where(far, net.flow_cap, np.inf), fcols, hop, net)
+                   np.where(far, net.flow_cap, np.inf), cols, hop, net)
 
     def flow_load(self, moving: np.ndarray, left: np.ndarray, num_links: int) -> np.ndarray:
         """Bytes on every link (full paths, hops included) of classes ``moving`` with

@@ -148,9 +148,11 @@ class PairTraffic:
         cnt = cnt_p[self.pattern]
         idx = np.flatnonzero(cnt)
         c = cnt[idx]
+        pat = self.pattern[idx]
+        if len(c) == 0 or int(c.max()) == 1:    # one message per pair (the usual case)
+            return idx, self.src[idx], self.dst[idx], flat[base[pat] + lo[pat]]
         total = int(c.sum())
-        first = np.repeat(base[self.pattern[idx]] + lo[self.pattern[idx]]
-                          - (np.cumsum(c) - c), c)
+        first = np.repeat(base[pat] + lo[pat] - (np.cumsum(c) - c), c)
         pair = np.repeat(idx, c)
         return pair, self.src[pair], self.dst[pair], flat[first + np.arange(total)]
 
