@@ -5,10 +5,12 @@ One JAX process (4 CPU devices, TP=4) trains an MLP of ``--gib`` GiB of float32 
 ``P(None, "tp")``) with plain SGD; two torch processes hold the weights as DTensors (TP=2,
 ``Shard(0)`` / ``Shard(1)``). Three phases in the same processes:
 
-a. **step alone**: ``params = step(params)`` (blocked until ready), ``--reps`` times;
-b. **refit alone**: ``refit(send=params)``, ``--reps`` times;
+a. **step alone**: ``params = step(params)`` (blocked until ready);
+b. **refit alone**: ``refit(send=params)``;
 c. **overlapped**: ``handle = refit.start(send=params_k)``; ``params_k1 = step(params_k)``
-   (blocked); ``handle.wait()``, ``--reps`` times: the wall time of step + refit together.
+   (blocked); ``handle.wait()``: the wall time of step + refit together;
+
+a, b, c in turn, ``--reps`` times (interleaved, so a change of load hits all three).
 
 It prints the medians and ``overlapped / max(step, refit)`` (1.0 is perfect overlap, 2.0 is
 none when both take as long). After the last refit every receiver compares a SHA-1 of each
@@ -86,7 +88,7 @@ def child(ctx: Any, cfg: dict) -> dict:
                                                     shape=torch.Size((h, h)),
                                                     stride=(h, 1), run_check=False)
             refit = xr.Refit(world, receive=state, config=config)
-            for _ in range(1 + 2 * reps):
+            for _ in range(1 + 2 * reps):       # warm-up, then refit alone + overlapped per rep
                 refit()
             digests = {n: hashlib.sha1(t.numpy().tobytes()).hexdigest()
                        for n, t in locals_.items()}
@@ -120,16 +122,14 @@ def child(ctx: Any, cfg: dict) -> dict:
         params = jax.block_until_ready(step(params, x))
         refit(send=params)                                   # plans (warm-up)
         times: dict[str, list[float]] = {"step": [], "refit": [], "overlapped": []}
-        for _ in range(reps):
-            t0 = time.perf_counter()
+        sent = params
+        for _ in range(reps):           # the three phases interleaved: a load change on
+            t0 = time.perf_counter()    # the shared machine hits all three alike
             params = jax.block_until_ready(step(params, x))
             times["step"].append(time.perf_counter() - t0)
-        for _ in range(reps):
             t0 = time.perf_counter()
             refit(send=params)
             times["refit"].append(time.perf_counter() - t0)
-        sent = params
-        for _ in range(reps):
             t0 = time.perf_counter()
             handle = refit.start(send=params)            # step k's weights go out ...
             sent = params
