@@ -174,7 +174,7 @@ def main() -> None:
     args = ap.parse_args()
     if args.naming:
         return naming(args.reps)
-    from xreshard.launch import Role, launch
+    from xreshard.tools.launch import Role, launch
 
     roles = [Role("jax", "trainer", 0, num_devices=4),
              Role("torch", "rollout", 0), Role("torch", "rollout", 1)]

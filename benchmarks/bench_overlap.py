@@ -166,7 +166,7 @@ def main() -> None:
     h = hidden_of(args.gib, args.layers)
     cfg = {"hidden": h, "layers": args.layers, "batch": args.batch, "reps": args.reps,
            "transport": args.transport}
-    from xreshard.launch import Role, launch
+    from xreshard.tools.launch import Role, launch
     env = {}
     if args.step_threads:
         env["XLA_FLAGS"] = (f"--xla_cpu_multi_thread_eigen={str(args.step_threads > 1).lower()} "

@@ -166,7 +166,7 @@ def main() -> None:
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     cfg = {"mib": args.mib, "reps": args.reps, "transport": args.transport}
-    from xreshard.launch import Role, launch
+    from xreshard.tools.launch import Role, launch
 
     res: dict[str, Any] = {"mib": args.mib, "reps": args.reps}
     lines = []

@@ -36,8 +36,8 @@ import tracemalloc
 
 import xreshard
 from xreshard.dtypes import itemsize
-from xreshard.models import list_models, load_model
-from xreshard.recipes import parse_recipe, recipe_layouts
+from xreshard.catalog.models import list_models, load_model
+from xreshard.catalog.recipes import parse_recipe, recipe_layouts
 
 GiB = 2 ** 30
 

@@ -756,7 +756,7 @@ def main(argv: list[str] | None = None) -> None:
            "transport": args.transport, "executor": args.executor}
     command = "python " + " ".join([sys.argv[0] if argv is None else "benchmarks/bench_refit.py",
                                     *(sys.argv[1:] if argv is None else argv)])
-    from xreshard.launch import Role, launch
+    from xreshard.tools.launch import Role, launch
 
     roles = [Role("jax", "trainer", 0, num_devices=TRAINER_TP)] + [
         Role("torch", "rollout", i) for i in range(ROLLOUT_TP)]

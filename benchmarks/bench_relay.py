@@ -136,7 +136,7 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     cfg = {"mib": args.mib, "reps": args.reps, "bucket_mib": args.bucket_mib,
            "staging_mib": args.staging_mib, "transport": args.transport}
-    from xreshard.launch import Role, launch
+    from xreshard.tools.launch import Role, launch
 
     roles = [Role("plain", "trainer", 0)] + [Role("plain", "rollout", i) for i in range(4)]
     t0 = time.perf_counter()

@@ -32,7 +32,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from xreshard.cluster import load_cluster  # noqa: E402
-from xreshard.models import load_model  # noqa: E402
+from xreshard.catalog.models import load_model  # noqa: E402
 from xreshard.simulate import simulate  # noqa: E402
 
 DSV3 = ("deepseek_v3", "megatron:tp=1,ep=16,dp=2,pp=4", "vllm:tp=8,dp=16")

@@ -184,7 +184,7 @@ def child(ctx: Any, cfg: dict) -> dict:
 
 
 def run(cfg: dict, timeout: float) -> list[dict]:
-    from xreshard.launch import Role, launch
+    from xreshard.tools.launch import Role, launch
     roles = [Role("jax", "trainer", 0, num_devices=TRAINER_TP)] + [
         Role("torch", "rollout", i) for i in range(ROLLOUT_TP)]
     results = launch("bench_staging:child", roles, args=(cfg,), timeout=timeout)

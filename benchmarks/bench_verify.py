@@ -182,7 +182,7 @@ def main(argv: list[str] | None = None) -> None:
            "bucket_mib": args.bucket_mib, "staging_mib": args.staging_mib}
     command = "python " + " ".join(["benchmarks/bench_verify.py",
                                     *(sys.argv[1:] if argv is None else argv)])
-    from xreshard.launch import Role, launch
+    from xreshard.tools.launch import Role, launch
 
     roles = [Role("jax", "trainer", 0, num_devices=br.TRAINER_TP)] + [
         Role("torch", "rollout", i) for i in range(br.ROLLOUT_TP)]

@@ -10,7 +10,7 @@ No engine and no weights: the destination layouts are recorded from vLLM's own l
 meta-device model built from a Qwen2Config (Qwen3MoeConfig for a model with experts) of
 the model's sizes, one TP rank at a time
 (``fake_tp``), exactly as the ``"xreshard"`` backend records them inside a worker. The
-source is a trainer recipe (``xreshard.recipes``). Per vLLM rank it prints:
+source is a trainer recipe (``xreshard.catalog.recipes``). Per vLLM rank it prints:
 
 * xreshard: bytes the plan delivers to the rank (its shard bytes: fused qkv / gate_up
   pieces, its vocab rows, the replicated norms; the padded vocab tail is never sent);
@@ -35,7 +35,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="qwen2_5_0_5b")
     ap.add_argument("--tp", type=int, default=2)
-    ap.add_argument("--trainer", default="jax:fsdp=4", help="source recipe (xreshard.recipes)")
+    ap.add_argument("--trainer", default="jax:fsdp=4", help="source recipe (xreshard.catalog.recipes)")
     ap.add_argument("--engines", type=int, default=1,
                     help="identical engines refit together (the backend's num_engines)")
     ap.add_argument("--ep", action="store_true",
@@ -50,8 +50,8 @@ def main() -> None:
     import xreshard
     from xreshard.adapters import vllm as xv
     from xreshard.dtypes import itemsize
-    from xreshard.models import load_model
-    from xreshard.recipes import parse_recipe, recipe_layouts
+    from xreshard.catalog.models import load_model
+    from xreshard.catalog.recipes import parse_recipe, recipe_layouts
 
     model = load_model(args.model)
     c = dict(model.config)

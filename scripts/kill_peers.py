@@ -174,7 +174,7 @@ def trial(ctx: Any, spec: dict) -> dict:
 
 
 def run_trial(i: int, victim_side: str, mode: str, args: argparse.Namespace) -> dict:
-    from xreshard.launch import LaunchTimeout, Role, launch
+    from xreshard.tools.launch import LaunchTimeout, Role, launch
 
     victim = "trainer[0]" if victim_side == "sender" else f"rollout[{i % 2}]"
     with tempfile.TemporaryDirectory(prefix="kill-peers-") as tmp:

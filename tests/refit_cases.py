@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from xreshard.testing import numpy_dtype
+from xreshard.tools.testing import numpy_dtype
 
 #: name -> (shape, jax spec on mesh ("a", "b"), torch placements on a 1-d mesh, flags)
 #: flags: "T" = the JAX side holds an [in, out] kernel of this [out, in] tensor
@@ -79,7 +79,7 @@ def _dtensors(names: dict, dtype: str, world_size: int, step: int | None) -> dic
         if step is None:
             local = torch.zeros(local_shape, dtype=getattr(torch, dtype))
         else:
-            from xreshard.testing import local_arrays_from_global
+            from xreshard.tools.testing import local_arrays_from_global
             arr = local_arrays_from_global(layout, me, pattern(name, shape, dtype, step))
             local = _to_torch(arr, dtype)
         stride = tuple(int(np.prod(shape[i + 1:])) for i in range(len(shape)))
@@ -106,7 +106,7 @@ def _check_dtensors(state: dict, names: dict, dtype: str, step: int, src_dtype: 
     checked = 0
     for name, (shape, _, placements, _) in names.items():
         layout = Layout.from_placements(shape, dtype, Mesh((n,)), placements)
-        from xreshard.testing import local_arrays_from_global
+        from xreshard.tools.testing import local_arrays_from_global
         want = local_arrays_from_global(
             layout, me, pattern(name, shape, src_dtype, step).astype(numpy_dtype(dtype)))
         got = tensor_view(state[name].to_local())

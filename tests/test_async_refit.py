@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import xreshard as xr
-from xreshard.launch import Context, Role, launch
+from xreshard.tools.launch import Context, Role, launch
 
 pytestmark = pytest.mark.slow
 

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from xreshard.cli import COMMANDS, main
-from xreshard.models import MODELS_DIR, load_model
-from xreshard.recipes import recipe_layouts
+from xreshard.catalog.models import MODELS_DIR, load_model
+from xreshard.catalog.recipes import recipe_layouts
 
 PLAN = ["plan", "--model", "qwen2_5_0_5b", "--src", "fsdp:dp=4", "--dst", "vllm:tp=2,dp=2"]
 

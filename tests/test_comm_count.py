@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from xreshard.commcount import CommCounts, CountedTransport, count_comm
-from xreshard.launch import Role, launch
+from xreshard.tools.launch import Role, launch
 from xreshard.transport.local import LocalTransport
 
 R, C = 64, 48

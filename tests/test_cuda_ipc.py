@@ -435,7 +435,7 @@ def colocated(ctx: Any, gib: float, reps: int) -> dict:
 
 
 def _launch_colocated(gib: float, reps: int, timeout: float) -> list[Any]:
-    from xreshard.launch import Role, launch
+    from xreshard.tools.launch import Role, launch
     env = {"XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
     roles = [Role("jax", "trainer", 0, gpus=(0,), env=env),
              Role("torch", "rollout", 0, gpus=(0,), env=env)]

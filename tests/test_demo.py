@@ -1,4 +1,4 @@
-"""``xreshard demo``: run in-process through ``xreshard.demo.main([...])``.
+"""``xreshard demo``: run in-process through ``xreshard.tools.demo.main([...])``.
 
 The end-to-end runs start real processes (a JAX trainer on 4 CPU devices, torch DTensor
 ranks over gloo), so they are marked slow; the small settings keep each under ~20 s.
@@ -10,7 +10,7 @@ import re
 
 import pytest
 
-from xreshard.demo import CORRUPT_TENSOR, DemoConfig, chunk_bounds, main, tensor_specs
+from xreshard.tools.demo import CORRUPT_TENSOR, DemoConfig, chunk_bounds, main, tensor_specs
 
 # one refit before training, one after: the second reuses the first's plan
 SMALL = ["--refits", "2", "--steps", "2", "--timeout", "90"]
@@ -91,7 +91,7 @@ def test_bad_options_exit_2(capsys):
 
 def test_gpus_present_still_runs_on_cpu(monkeypatch, capsys):
     torch = pytest.importorskip("torch")
-    import xreshard.launch as launch_module
+    import xreshard.tools.launch as launch_module
 
     seen = {}
 

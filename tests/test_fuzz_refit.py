@@ -93,7 +93,7 @@ def _layout(shape, dtype, ranks, placement):
 def _sender(world, model: dict, seed: int, defect: str | None) -> Any:
     """The trainer's Bound for ``model`` (maybe with a defect)."""
     import xreshard as xr
-    from xreshard.testing import local_arrays_from_global
+    from xreshard.tools.testing import local_arrays_from_global
 
     ranks = world.group_ranks("trainer")
     layouts, bindings = {}, {}
@@ -188,7 +188,7 @@ def _snapshot(locals_: dict) -> dict:
 def _exact(world, locals_: dict, model: dict, seed: int) -> list[str]:
     """Names whose received bytes are not the sender's."""
     from xreshard.adapters.torch import tensor_view
-    from xreshard.testing import local_arrays_from_global
+    from xreshard.tools.testing import local_arrays_from_global
 
     ranks = world.group_ranks("rollout")
     me = world.rank_ids[0]
@@ -416,7 +416,7 @@ def _run_world() -> dict:
     """Launch the world once for the module and run every case in it."""
     if "out" in _RESULTS:
         return _RESULTS["out"]
-    from xreshard.launch import LaunchError, Role, launch
+    from xreshard.tools.launch import LaunchError, Role, launch
 
     cases = _draw_cases()
     roles = [Role("plain", "trainer", 0, num_devices=2), Role("torch", "rollout", 0),

@@ -32,7 +32,7 @@ import xreshard as xr
 from xreshard.dtypes import as_dtype, bits, numpy_dtype
 from xreshard.execute import Executor
 from xreshard.schedule import peer_counts, schedule
-from xreshard.testing import local_arrays_from_global
+from xreshard.tools.testing import local_arrays_from_global
 from xreshard.transport.base import RecordingTransport
 from xreshard.transport.local import LocalTransport
 

@@ -664,7 +664,7 @@ def test_jax_to_torch_on_one_gpu_in_one_process():
 @pytest.mark.gpu
 @pytest.mark.skipif(_why_no_gpu() is not None or _num_gpus() < 2, reason="needs 2 GPUs")
 def test_jax_to_torch_one_process_per_gpu():
-    from xreshard.launch import Role, launch
+    from xreshard.tools.launch import Role, launch
     from . import refit_cases as cases
 
     roles = [Role("jax", "trainer", 0, gpus=(0,)), Role("torch", "rollout", 0, gpus=(1,))]

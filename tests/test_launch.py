@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from xreshard.launch import Context, LaunchError, LaunchTimeout, Role, launch
+from xreshard.tools.launch import Context, LaunchError, LaunchTimeout, Role, launch
 
 
 def report(ctx: Context, factor: int) -> dict:

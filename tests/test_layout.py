@@ -129,7 +129,7 @@ def test_errors_are_clear():
 
 
 def test_import_pulls_in_no_framework():
-    code = ("import sys, xreshard, xreshard.plan, xreshard.testing, xreshard.adapters; "
+    code = ("import sys, xreshard, xreshard.plan, xreshard.tools.testing, xreshard.adapters; "
             "print(sorted({'torch', 'jax', 'cupy'} & set(sys.modules)))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"

@@ -16,7 +16,7 @@ import xreshard as xr
 from xreshard.errors import TransportError, TransportTimeout
 from xreshard.execute import Executor, numpy_dtype
 from xreshard.schedule import peer_counts, schedule
-from xreshard.testing import local_arrays_from_global
+from xreshard.tools.testing import local_arrays_from_global
 from xreshard.transport.base import RecordingTransport
 from xreshard.transport.local import LocalTransport
 

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 import xreshard as xr
 from xreshard.balance import balance as _balance, split_piece as _split_piece
-from xreshard.testing import local_arrays_from_global, run_local
+from xreshard.tools.testing import local_arrays_from_global, run_local
 
 
 @st.composite
@@ -279,9 +279,9 @@ def test_describe_lists_regions_peers_and_bytes():
 def test_receive_table_lists_the_same_receives_as_transfers_for(src_recipe, dst_recipe):
     from collections import Counter
 
-    from xreshard.models import load_model
+    from xreshard.catalog.models import load_model
     from xreshard.plan import Transfer
-    from xreshard.recipes import parse_recipe, recipe_layouts
+    from xreshard.catalog.recipes import parse_recipe, recipe_layouts
     m = load_model("qwen3_30b_a3b")
     s, d = parse_recipe(src_recipe), parse_recipe(dst_recipe)
     plan = xr.plan(recipe_layouts(m, s, 0), recipe_layouts(m, d, s.world_size))

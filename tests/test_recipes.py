@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 import xreshard as xr
-from xreshard.models import MODELS_DIR, ModelError, load_model, list_models, to_stacked
-from xreshard.recipes import FRAMEWORKS, Recipe, RecipeError, parse_recipe, recipe_layouts
+from xreshard.catalog.models import MODELS_DIR, ModelError, load_model, list_models, to_stacked
+from xreshard.catalog.recipes import FRAMEWORKS, Recipe, RecipeError, parse_recipe, recipe_layouts
 
 SHARED = Path(__file__).resolve().parents[2] / "shared" / "models"
 MOE = ["deepseek_v3", "kimi_k2", "qwen3_235b_a22b", "qwen3_30b_a3b"]
@@ -299,7 +299,7 @@ def test_jax_by_hand_and_uneven_fallback(caplog):
     assert held(L["model.layers.1.mlp.experts.gate_up_proj"])[3] == ["[0:4, 4:8, 2:4]"]
     assert held(L["model.norm.weight"]) == {r: ["[0:4]"] for r in range(4)}
     # 8 rows over tp=3 do not divide: that dim is replicated, fsdp still splits dim 1
-    with caplog.at_level("INFO", logger="xreshard.recipes"):
+    with caplog.at_level("INFO", logger="xreshard.catalog.recipes"):
         L = recipe_layouts(TOY, "jax:fsdp=2,tp=3", 0)
     assert "replicated instead" in caplog.text
     q = L["model.layers.0.self_attn.q_proj.weight"]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from xreshard.commcount import CommCounts
-from xreshard.launch import Role, launch
+from xreshard.tools.launch import Role, launch
 
 from . import refit_cases as cases
 

@@ -9,7 +9,7 @@ import pytest
 import xreshard as xr
 from xreshard.errors import RefitError
 from xreshard.geometry import Region
-from xreshard.launch import Context, Role, launch
+from xreshard.tools.launch import Context, Role, launch
 from xreshard.plan import plan
 from xreshard.relay import (FORWARD, overlapped_executor, overlapped_schedule, relay_layouts,
                            stage_views)
@@ -367,7 +367,7 @@ def test_overlapped_run_in_one_process_bit_exact(pipeline):
     small tensors are received into staging, so a pipelined executor that packed a
     forward before unpacking the round that brought it would send stale bytes."""
     from xreshard.execute import numpy_dtype
-    from xreshard.testing import local_arrays_from_global
+    from xreshard.tools.testing import local_arrays_from_global
     from xreshard.transport.base import RecordingTransport
     from xreshard.transport.local import LocalTransport
 

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from xreshard.errors import RefitError
-from xreshard.launch import Context, Role, launch
+from xreshard.tools.launch import Context, Role, launch
 from xreshard.transport.base import TransportError, TransportTimeout
 from xreshard.transport.select import choose_routes
 from xreshard.transport.shm import ShmTransport, shm_names

@@ -14,9 +14,9 @@ from xreshard.cli import main
 from xreshard.cluster import Cluster, ClusterError, Placement, default_placement, \
     load_cluster, placement_of_world
 from xreshard.layout import Layout, Mesh
-from xreshard.models import load_model
+from xreshard.catalog.models import load_model
 from xreshard.plan import plan
-from xreshard.recipes import parse_recipe, recipe_layouts
+from xreshard.catalog.recipes import parse_recipe, recipe_layouts
 from xreshard.schedule import peer_counts, schedule
 from xreshard.sim.engine import Network, maxmin_rates, replay
 from xreshard.sim.relay import build_relay

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from xreshard.launch import Context, Role, launch
+from xreshard.tools.launch import Context, Role, launch
 from xreshard.transport.base import TransportError, TransportTimeout
 from xreshard.transport.gloo import GlooTransport
 from xreshard.transport.local import LocalTransport

@@ -19,7 +19,7 @@ import xreshard as xr
 from xreshard.errors import (AuthenticationError, BindingError, CollectiveMismatch,
                              CommunicationError, RefitError, TransportTimeout, WorldBroken,
                              XreshardError)
-from xreshard.launch import Context, Role, launch
+from xreshard.tools.launch import Context, Role, launch
 
 pytestmark = pytest.mark.slow
 

@@ -16,7 +16,7 @@ from xreshard import verify
 from xreshard.dtypes import ITEMSIZE, numpy_dtype
 from xreshard.execute import view_of
 from xreshard.plan import plan
-from xreshard.testing import local_arrays_from_global, run_local
+from xreshard.tools.testing import local_arrays_from_global, run_local
 from xreshard.topology import Topology
 
 TRAINER = (0, 1, 2, 3)            # process 0: 4 ranks
@@ -462,7 +462,7 @@ def verify_child(ctx, mode):
 def test_refit_verify_catches_a_corrupted_byte_on_every_rank(mode):
     import dataclasses
 
-    from xreshard.launch import Role, launch
+    from xreshard.tools.launch import Role, launch
 
     if "verify" not in {f.name for f in dataclasses.fields(xr.RefitConfig)}:
         pytest.skip("RefitConfig has no verify= yet")

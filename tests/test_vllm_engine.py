@@ -35,7 +35,7 @@ from . import vllm_cases as cases
 cases.importorskip_vllm()
 
 from xreshard.adapters.naming import NameMap  # noqa: E402
-from xreshard.launch import Role, launch  # noqa: E402
+from xreshard.tools.launch import Role, launch  # noqa: E402
 
 ENGINE_ENV = {1: {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"},      # in-process engine: ~3 s start
               2: {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}}

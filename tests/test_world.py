@@ -1,5 +1,5 @@
 """The refit world: joining over a stand-alone TCPStore, rank numbering, JSON collectives,
-timeouts naming the processes that never arrived. Real processes through xreshard.launch."""
+timeouts naming the processes that never arrived. Real processes through xreshard.tools.launch."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import time
 import pytest
 
 from xreshard.errors import RefitError, WorldBroken
-from xreshard.launch import Context, Role, launch
+from xreshard.tools.launch import Context, Role, launch
 from xreshard.topology import Topology
 from xreshard.transport.base import TransportTimeout
 from xreshard.world import World, parse_address, serve

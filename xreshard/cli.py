@@ -24,7 +24,7 @@ from typing import Any, Sequence
 COMMANDS: dict[str, tuple[str, str]] = {
     "plan": ("xreshard.cli", "plan a refit between two recipes of a model and print its "
                              "statistics"),
-    "demo": ("xreshard.demo", "train a small transformer in JAX and refit it shard to shard "
+    "demo": ("xreshard.tools.demo", "train a small transformer in JAX and refit it shard to shard "
                               "into torch DTensors, verifying every byte"),
     "simulate": ("xreshard.simulate", "predict a refit's time on a cluster model (GB200 NVL72, "
                                       "DGX H100, ...) by replaying its schedule"),
@@ -87,7 +87,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Arguments of ``xreshard plan``."""
-    from .recipes import FRAMEWORKS
+    from .catalog.recipes import FRAMEWORKS
     examples = "; ".join(f.example for f in FRAMEWORKS.values())
     parser.add_argument("--model", required=True,
                         help="packaged model name (deepseek_v3, kimi_k2, qwen3_235b_a22b, "
@@ -139,9 +139,9 @@ def plan_summary(model: str, src: str, dst: str, *, layout: str = "per_expert",
         XreshardError: unknown model, bad recipe, or a plan error; ``rank`` or ``describe``
             outside the world.
     """
-    from .models import load_model
+    from .catalog.models import load_model
     from .plan import plan
-    from .recipes import RecipeError, parse_recipe, recipe_layouts
+    from .catalog.recipes import RecipeError, parse_recipe, recipe_layouts
 
     m = load_model(model, layout)
     src_recipe, dst_recipe = parse_recipe(src), parse_recipe(dst)

@@ -251,9 +251,9 @@ def simulate(model: str, src: str, dst: str, cluster: str | Cluster, *,
     Raises:
         XreshardError: bad model, recipe, cluster, placement or option.
     """
-    from .models import load_model
+    from .catalog.models import load_model
     from .plan import plan as make_plan
-    from .recipes import parse_recipe, recipe_layouts
+    from .catalog.recipes import parse_recipe, recipe_layouts
     t0 = time.process_time()
     c = load_cluster(cluster)
     m = load_model(model, layout)

@@ -1,6 +1,6 @@
 """Parameter inventories of real models (names, shapes, dtypes; no weights).
 
-The package ships one JSON file per model under ``xreshard/models/``: the *stacked* layout
+The package ships one JSON file per model under ``xreshard/catalog/models/``: the *stacked* layout
 for mixture-of-experts models (experts fused into 3-D tensors, as transformers >= 5 and
 grouped-GEMM trainers hold them) and the only layout of dense models. The *per-expert*
 layout (one tensor per routed expert, as the published checkpoints, transformers 4.x, vLLM
@@ -32,8 +32,8 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any, Mapping, NamedTuple
 
-from .dtypes import itemsize
-from .errors import XreshardError
+from ..dtypes import itemsize
+from ..errors import XreshardError
 
 __all__ = ["Param", "Model", "ModelError", "load_model", "list_models", "MODELS_DIR"]
 

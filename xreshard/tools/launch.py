@@ -1,7 +1,7 @@
 """Run a function in several fresh processes that form a refit world: multi-process tests.
 
 ``launch`` starts a rendezvous store in the calling process (a free port), then one child
-process per ``Role`` running ``python -m xreshard.launch spec.json``. Each child imports
+process per ``Role`` running ``python -m xreshard.tools.launch spec.json``. Each child imports
 the function by ``"module:qualname"`` (nothing is pickled), calls ``fn(ctx, *args)`` and
 writes its JSON return value, or its traceback as text, to a file the parent reads::
 
@@ -122,7 +122,7 @@ class Context:
 
     def join(self, devices: Any = None, **kwargs: Any) -> Any:
         """``World.join`` as this role; ``kwargs`` go to ``World.join`` (timeout, groups, ...)."""
-        from .world import World
+        from ..world import World
 
         kwargs.setdefault("world_id", self.world_id)
         kwargs.setdefault("num_processes", self.num_processes)
@@ -266,7 +266,7 @@ def launch(fn: Callable[..., Any] | str | Sequence[Callable[..., Any] | str],
         LaunchError: some children raised or crashed (when ``check``); the message lists
             them with their tracebacks.
     """
-    from .world import serve
+    from ..world import serve
 
     roles = list(roles)
     if isinstance(fn, (str, bytes)) or callable(fn):
@@ -291,7 +291,7 @@ def launch(fn: Callable[..., Any] | str | Sequence[Callable[..., Any] | str],
                     json.dump(spec, f)
                 with open(os.path.join(tmp, f"out{i}.txt"), "wb") as out:
                     procs[i] = subprocess.Popen(
-                        [sys.executable, "-m", "xreshard.launch", spec_path],
+                        [sys.executable, "-m", "xreshard.tools.launch", spec_path],
                         env=_child_env(role, env), stdout=out, stderr=subprocess.STDOUT,
                         stdin=subprocess.DEVNULL, start_new_session=True)
                 results[i].pid = procs[i].pid
@@ -409,6 +409,6 @@ def child_main(spec_path: str) -> int:
 if __name__ == "__main__":
     # Run through the canonical module so Role/Context are the classes users import.
     # os._exit: a finished child must not hang in interpreter teardown (gloo threads).
-    from xreshard.launch import child_main
+    import xreshard.tools.launch as canonical
 
-    os._exit(child_main(sys.argv[1]))
+    os._exit(canonical.child_main(sys.argv[1]))

@@ -1,6 +1,6 @@
 """``xreshard demo``: train in JAX, refit into torch DTensors, check every byte.
 
-One launch (:func:`xreshard.launch.launch`) starts a small RL-style pair of jobs on CPU:
+One launch (:func:`xreshard.tools.launch.launch`) starts a small RL-style pair of jobs on CPU:
 
 * a JAX trainer: one process with 4 CPU devices on a ``(fsdp=2, tp=2)`` mesh, holding a
   small decoder-only transformer written directly in JAX (Flax-style ``[in, out]``
@@ -30,7 +30,7 @@ on torch, and the JAX side replicates it because JAX needs even splits)::
 
 (``^T``: a Flax kernel, refit through ``transpose=``.)
 
-Run it as ``xreshard demo`` or ``python -m xreshard.demo``; ``main(argv)`` returns the exit
+Run it as ``xreshard demo`` or ``python -m xreshard.tools.demo``; ``main(argv)`` returns the exit
 code (0: every tensor bit-exact on every rank after every refit).
 """
 
@@ -530,7 +530,7 @@ def _rollout(ctx: Any, cfg: DemoConfig) -> dict:
 
 
 def _child(ctx: Any, cfg_dict: dict) -> dict:
-    """What every launched process runs (children import it as ``xreshard.demo:_child``)."""
+    """What every launched process runs (children import it as ``xreshard.tools.demo:_child``)."""
     cfg = DemoConfig(**cfg_dict)
     return _trainer(ctx, cfg) if ctx.role.group == "trainer" else _rollout(ctx, cfg)
 
@@ -631,7 +631,7 @@ def run_demo(cfg: DemoConfig) -> int:
     t0 = time.perf_counter()
     try:
         # CUDA hidden from the children: this demo moves CPU memory only.
-        results = launch("xreshard.demo:_child", roles, args=(asdict(cfg),),
+        results = launch("xreshard.tools.demo:_child", roles, args=(asdict(cfg),),
                          timeout=cfg.timeout, env={"CUDA_VISIBLE_DEVICES": ""})
     except LaunchError as e:
         print(f"xreshard demo: FAILED: {e}", file=sys.stderr)

@@ -30,8 +30,8 @@ import re
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping, Sequence
 
-from .errors import XreshardError
-from .layout import Layout, Mesh, Split
+from ..errors import XreshardError
+from ..layout import Layout, Mesh, Split
 
 logger = logging.getLogger(__name__)
 
@@ -328,7 +328,7 @@ def _role(template: str, name: str) -> str:
         if pattern.search(template):
             return role
     raise RecipeError(f"no recipe rule matches tensor {name!r} (searched as {template!r}); "
-                      "add a (pattern, role) to xreshard.recipes.ROLES")
+                      "add a (pattern, role) to xreshard.catalog.recipes.ROLES")
 
 
 class _Builder:
@@ -413,7 +413,7 @@ class _Builder:
                     return (num_stages - 1,)
                 return (0, num_stages - 1) if tied else (0,)
         raise RecipeError(f"{self.recipe}: tensor {name!r} is outside model.layers.N and no "
-                          "rule in xreshard.recipes.STAGES gives its pipeline stage")
+                          "rule in xreshard.catalog.recipes.STAGES gives its pipeline stage")
 
     def _check_model(self, params: Sequence, parsed: list, templates: Iterable[str],
                      num_experts: Mapping[int, int]) -> None:

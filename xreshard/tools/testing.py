@@ -2,7 +2,7 @@
 
 ``launch(fn, [Role("jax", "trainer", 0, num_devices=4), Role("torch", "rollout", 0)])``
 runs ``fn(ctx)`` in fresh processes of mixed roles, collects their JSON results and
-tracebacks, and kills everything at the timeout (see :mod:`xreshard.launch`); roles with
+tracebacks, and kills everything at the timeout (see :mod:`xreshard.tools.launch`); roles with
 ``gpus=`` pin one GPU set per process for multi-GPU pytest runs.
 
 ``run_local`` executes a plan on numpy local arrays exactly as the real executor moves
@@ -18,9 +18,9 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from .execute import numpy_dtype, view_of
-from .layout import Layout
-from .plan import Plan
+from ..execute import numpy_dtype, view_of
+from ..layout import Layout
+from ..plan import Plan
 
 from .launch import Context, LaunchError, LaunchTimeout, Result, Role, launch  # noqa: E402
 
