@@ -150,6 +150,17 @@ def test_classes_of_identical_flows(monkeypatch, nvlink_gbps, want, class_solves
     assert np.array_equal(got.finish, reference.finish)
 
 
+def test_factorize_is_unique_with_inverse():
+    from xreshard.sim.engine import _factorize
+    rng = np.random.default_rng(1)
+    # values first seen after the first 1,024 (the lookup's seed) are added on a miss
+    for values in (np.repeat([7, 3], 1024), rng.integers(0, 50, 5000) * 1024,
+                   np.concatenate([np.full(2000, 5), rng.integers(0, 9, 3000)])):
+        uniq, inverse = _factorize(values)
+        want_uniq, want_inverse = np.unique(values, return_inverse=True)
+        assert np.array_equal(uniq, want_uniq) and np.array_equal(inverse, want_inverse)
+
+
 def random_traffic(rng, num_ranks: int, num_rounds: int) -> list:
     rows = []
     sizes = [1 << 20, 3 << 20, 5 << 19]
