@@ -285,8 +285,8 @@ def _simulate_round(net: Network, src: np.ndarray, dst: np.ndarray, nbytes: np.n
     everyone = len(moving) == len(kind)
     mcols = cols if everyone else np.take(cols, moving, axis=1)
     mbytes = nbytes if everyone else nbytes[moving]
-    load = np.bincount(mcols.ravel(), weights=np.concatenate((mbytes.astype(float),) * len(cols)),
-                       minlength=len(net.capacity))[:-1]
+    weights = np.concatenate((mbytes.astype(float),) * len(cols))
+    load = np.bincount(mcols.ravel(), weights=weights, minlength=len(net.capacity))[:-1]
     util = load / net.capacity[:-1]
     bound = float(util.max()) if len(util) else 0.0
     caps = np.where(kind == NETWORK, net.flow_cap, np.inf)
@@ -499,6 +499,7 @@ def _pair_rounds(net: Network, traffic: PairTraffic
 
     def build(k: int) -> tuple:
         pair, src, dst, nb = traffic.round(k)
-        return src, dst, nb, (np.take(cols, pair, axis=1), kind[pair]), (reduced[0][pair], reduced[1])
+        paths = (np.take(cols, pair, axis=1), kind[pair])
+        return src, dst, nb, paths, (reduced[0][pair], reduced[1])
     for k, key in enumerate(traffic.round_keys()):
         yield key, None, lambda k=k: build(k)
