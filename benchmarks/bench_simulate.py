@@ -17,7 +17,7 @@ Cases:
   scale    Kimi-K2 at 2,048 ranks (megatron:pp=16,ep=64 -> vllm:tp=16,dp=64, stacked
            experts) on dgx-h100: CPU time (bar: <= 5 min).
 
-The cluster parameters are the presets' documented values (xreshard/cluster.py), the
+The cluster parameters are the presets' documented values (xreshard/sim/cluster.py), the
 same for every case: nothing is fitted to a published number.
 """
 
@@ -31,9 +31,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from xreshard.cluster import load_cluster  # noqa: E402
+from xreshard.sim.cluster import load_cluster  # noqa: E402
 from xreshard.catalog.models import load_model  # noqa: E402
-from xreshard.simulate import simulate  # noqa: E402
+from xreshard.sim.simulate import simulate  # noqa: E402
 
 DSV3 = ("deepseek_v3", "megatron:tp=1,ep=16,dp=2,pp=4", "vllm:tp=8,dp=16")
 

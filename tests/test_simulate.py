@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from xreshard.cli import main
-from xreshard.cluster import Cluster, ClusterError, Placement, default_placement, \
+from xreshard.sim.cluster import Cluster, ClusterError, Placement, default_placement, \
     load_cluster, placement_of_world
 from xreshard.layout import Layout, Mesh
 from xreshard.catalog.models import load_model
@@ -21,7 +21,7 @@ from xreshard.schedule import peer_counts, schedule
 from xreshard.sim.engine import Network, maxmin_rates, replay
 from xreshard.sim.relay import build_relay
 from xreshard.sim.traffic import Traffic, direct_traffic, receive_lists, split_sizes
-from xreshard.simulate import SimulationError, lower_bound, simulate, simulate_plan
+from xreshard.sim.simulate import SimulationError, lower_bound, simulate, simulate_plan
 
 GB = 1e9
 
@@ -406,6 +406,6 @@ def test_cli_plot(tmp_path, schedule_name):
 
 def test_import_stays_light():
     import subprocess
-    code = ("import sys, xreshard, xreshard.simulate, xreshard.cluster; "
+    code = ("import sys, xreshard, xreshard.sim.simulate, xreshard.sim.cluster; "
             "print(any(m in sys.modules for m in ('torch', 'jax', 'matplotlib')))")
     assert subprocess.check_output([sys.executable, "-c", code], text=True).strip() == "False"

@@ -26,7 +26,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
                              "statistics"),
     "demo": ("xreshard.tools.demo", "train a small transformer in JAX and refit it shard to shard "
                               "into torch DTensors, verifying every byte"),
-    "simulate": ("xreshard.simulate", "predict a refit's time on a cluster model (GB200 NVL72, "
+    "simulate": ("xreshard.sim.simulate", "predict a refit's time on a cluster model (GB200 NVL72, "
                                       "DGX H100, ...) by replaying its schedule"),
 }
 

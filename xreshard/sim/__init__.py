@@ -1,5 +1,8 @@
-"""The refit simulator's parts (see ``xreshard/simulate.py`` for the entry points).
+"""The refit simulator: how long a refit takes on a cluster, without a cluster.
 
+* ``simulate``: the entry points (``simulate()``, ``xreshard simulate``);
+* ``cluster``: the cluster model (presets ``dgx-h100``, ``hgx-h200``, ``gb200-nvl72``, JSON
+  clusters) and placements of world ranks on GPUs;
 * ``traffic``: the messages a schedule sends, as arrays (round, src, dst, bytes); the
   direct schedule exactly as ``xreshard.schedule.schedule`` would cut it, for every rank.
 * ``relay``: a relay schedule built from a plan (one network copy per destination domain,

@@ -33,7 +33,7 @@ from typing import Callable, Iterator
 
 import numpy as np
 
-from ..cluster import Cluster, Placement
+from .cluster import Cluster, Placement
 from .traffic import PairTraffic, Traffic
 
 __all__ = ["Network", "RoundResult", "Replay", "maxmin_rates", "reduced_paths", "replay"]

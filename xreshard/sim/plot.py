@@ -17,7 +17,7 @@ def require_matplotlib() -> Any:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError as e:
-        from ..simulate import SimulationError
+        from .simulate import SimulationError
         raise SimulationError("--plot needs matplotlib: pip install 'xreshard[plot]' "
                               "(or pip install matplotlib)") from e
     return plt

@@ -33,7 +33,7 @@ from dataclasses import MISSING, asdict, dataclass, fields
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-from .errors import XreshardError
+from ..errors import XreshardError
 
 __all__ = ["Cluster", "Placement", "ClusterError", "PRESETS", "load_cluster",
            "default_placement", "load_placement", "placement_of_world"]

@@ -23,7 +23,7 @@ import numpy as np
 
 from .cluster import Cluster, ClusterError, Placement, default_placement, load_cluster, \
     load_placement
-from .errors import XreshardError
+from ..errors import XreshardError
 
 __all__ = ["SimulationError", "simulate", "simulate_plan", "lower_bound", "add_arguments",
            "run"]
@@ -92,7 +92,7 @@ def lower_bound(plan: Any, net: Any) -> dict[str, Any]:
         domain_nics[d] = len(set(node_of[dom == d].tolist())) * cluster.nics_per_node
     cache: dict[int, list] = {}
     pairs: dict[tuple[int, int, int], list] = {}
-    from .dtypes import itemsize
+    from ..dtypes import itemsize
     for name in plan.names:
         s, d = plan.src[name], plan.dst[name]
         key = (id(s), id(d), itemsize(plan.wire_dtypes[name]))
@@ -145,7 +145,7 @@ def lower_bound(plan: Any, net: Any) -> dict[str, Any]:
 
 def _predict(name: str, traffic: Any, net: Any,
              progress: Callable[[int, int], None] | None) -> Prediction:
-    from .sim.engine import NETWORK, NVLINK, replay
+    from .engine import NETWORK, NVLINK, replay
     rep = replay(net, traffic, progress)
     # bytes per link class, from the bytes per (src, dst) pair
     src, dst, b = traffic.pair_totals()
@@ -181,9 +181,9 @@ def simulate_plan(plan: Any, cluster: Cluster, placement: Placement, *,
     Returns:
         A JSON-able dict; see :func:`simulate`.
     """
-    from .sim.engine import Network
-    from .sim.relay import relay_traffic
-    from .sim.traffic import Progress, direct_traffic, pair_sequences
+    from .engine import Network
+    from .relay import relay_traffic
+    from .traffic import Progress, direct_traffic, pair_sequences
     if schedule not in SCHEDULES:
         raise SimulationError(f"schedule {schedule!r} is not one of {', '.join(SCHEDULES)}")
     t0 = time.process_time()
@@ -251,9 +251,9 @@ def simulate(model: str, src: str, dst: str, cluster: str | Cluster, *,
     Raises:
         XreshardError: bad model, recipe, cluster, placement or option.
     """
-    from .catalog.models import load_model
-    from .plan import plan as make_plan
-    from .catalog.recipes import parse_recipe, recipe_layouts
+    from ..catalog.models import load_model
+    from ..plan import plan as make_plan
+    from ..catalog.recipes import parse_recipe, recipe_layouts
     t0 = time.process_time()
     c = load_cluster(cluster)
     m = load_model(model, layout)
@@ -321,18 +321,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     if args.plot:
-        from .sim.plot import require_matplotlib
+        from .plot import require_matplotlib
         require_matplotlib()
     result = simulate(args.model, args.src, args.dst, args.cluster, gpus=args.gpus,
                       schedule=args.schedule, placement=args.placement, layout=args.layout,
                       wire_dtype=args.wire_dtype, bucket_bytes=args.bucket_bytes,
                       staging_bytes=args.staging_bytes, peer_cap=not args.no_peer_cap)
     if args.plot:
-        from .sim.plot import plot
+        from .plot import plot
         pred = result["_predictions"][result["schedule"]]
         traffic, rep = pred.traffic, pred.replay
         if rep.finish is None:      # the direct schedule kept no per-message times
-            from .sim.engine import Network, replay
+            from .engine import Network, replay
             traffic = traffic.to_traffic()
             rep = replay(Network(load_cluster(args.cluster), result["_placement"],
                                  peer_cap=not args.no_peer_cap), traffic)
