@@ -83,3 +83,58 @@ def test_zero_copy_for_contiguous_regions():
     _, _, stats, _ = _run(src, dst)
     # both row blocks are contiguous on both sides: 2 sends + 2 receives in place
     assert stats.num_zero_copy == 4 and stats.staging_bytes == 0
+
+
+def test_many_small_items_bits_exact_whatever_the_binding_dtype():
+    """Buckets of many small items (packed by runs, unpacked item by item): float32 and
+    int32 items of one size interleaved, bf16 bound typed on one side and as raw uint16 bits
+    on the other, NaN payloads, whole and sliced local arrays, a strided (transposed) source
+    binding and an explicit-form destination: every destination byte equals the source's."""
+    import ml_dtypes
+
+    src_mesh, dst_mesh = xr.Mesh((4,), (0, 1, 2, 3)), xr.Mesh((2,), (4, 5))
+    dtypes = ["float32", "int32", "bfloat16", "float32"]
+    src, dst, values = {}, {}, {}
+    rng = np.random.default_rng(0)
+    for i in range(24):
+        dtype = dtypes[i % 4]
+        src[f"t{i}"] = xr.Layout.from_placements((8, 6), dtype, src_mesh, ["S0" if i % 3 else "S1"])
+        dst[f"t{i}"] = xr.Layout.from_placements((8, 6), dtype, dst_mesh, ["S0"])
+        bits = rng.integers(0, 1 << 16, (8, 6), dtype=np.uint16)
+        bits[0, 0] = 0x7FC1        # a NaN with a payload (bf16), bits in the others
+        values[f"t{i}"] = bits.astype(np.uint32).view(np.float32) if dtype != "bfloat16" \
+            else bits.view(ml_dtypes.bfloat16)
+        if dtype == "int32":
+            values[f"t{i}"] = values[f"t{i}"].view(np.int32)
+    dst["e"] = xr.Layout.explicit_form((4, 6), "float32", {4: [[(0, 2), (0, 6)]],
+                                                             5: [[(2, 4), (0, 6)]]})
+    src["e"] = xr.Layout.from_placements((4, 6), "float32", src_mesh, ["R"])
+    values["e"] = np.arange(24, dtype=np.float32).reshape(4, 6)
+    plan = xr.plan(src, dst)
+    ranks = list(range(6))
+    sched = schedule(plan, ranks, peer_counts(plan, ranks), bucket_bytes=1 << 20,
+                     staging_bytes=1 << 22)
+    src_b = {(r, n): local_arrays_from_global(l, r, values[n]) for n, l in src.items()
+             for r in l.ranks}
+    src_b[(0, "t1")] = np.ascontiguousarray(src_b[(0, "t1")].T).T     # strided, same values
+    for (r, n), a in list(src_b.items()):
+        if n in ("t2", "t6"):
+            src_b[(r, n)] = a.view(np.uint16)         # bf16 as raw bits on the sender
+    dst_b = {(r, n): (np.zeros(l.local_shape(r), numpy_dtype(l.dtype)) if l.is_product
+                      else [np.zeros(reg.shape, np.float32) for reg in l.regions(r)])
+             for n, l in dst.items() for r in l.ranks}
+    for (r, n), a in list(dst_b.items()):
+        if n in ("t2", "t10"):
+            dst_b[(r, n)] = a.view(np.uint16)         # and on the receiver
+    for pipeline in (True, False):
+        for a in dst_b.values():
+            for x in (a if isinstance(a, list) else [a]):
+                x[...] = 0
+        Executor(sched, plan.src, plan.dst, plan.wire_dtypes, src_b, dst_b,
+                 RecordingTransport(LocalTransport(ranks)), timeout=10,
+                 pipeline=pipeline).run()
+        for (r, n), arr in dst_b.items():
+            want = local_arrays_from_global(dst[n], r, values[n])
+            got = arr if isinstance(arr, list) else [arr]
+            want = want if isinstance(want, list) else [want]
+            assert [g.tobytes() for g in got] == [w.tobytes() for w in want], (pipeline, r, n)

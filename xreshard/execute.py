@@ -291,43 +291,83 @@ class Executor:
             copy_into(xp, out, wire, (arr if i is None else arr[i])[sl], dtype)
 
     def _pack_runs(self, b: Bucket, buf: np.ndarray) -> None:
-        """Host packing of a bucket of many items: consecutive small items that need no
-        cast are gathered by one ``np.concatenate`` into their run of the message (one C
-        call instead of a copy per item; thousands of tiny tensors share a bucket)."""
-        key = (id(b), 2)
-        runs = self._programs.get(key)
-        if runs is None:
-            runs = []
-            for e in self._program(b, 0):
-                small = e[7] == e[8] and e[4] - e[3] <= _RUN_ITEM_BYTES
-                if small and runs and runs[-1][0] and runs[-1][3] == e[5]:
-                    runs[-1][1].append(e)
-                    runs[-1][2] = e[4]
-                else:
-                    runs.append([small, [e], e[4], e[5]])
-            runs = [(small, tuple(es), es[0][3], hi, wide) for small, es, hi, wide in runs]
-            self._programs[key] = runs
+        """Host packing of a bucket of many items: consecutive small items of one dtype that
+        need no cast are gathered by one ``np.concatenate`` into their run of the message
+        (one C call instead of a copy per item; thousands of tiny tensors share a bucket),
+        typed with ``casting="no"``: bits as they are; numpy refuses a binding of another
+        numpy dtype (a raw-bits view), and that run is gathered as bits instead."""
+        runs = self._runs(b, 0)
         bindings = self.src_bindings
-        for small, entries, lo, hi, wide in runs:
+        for small, entries, lo, hi, wide, typed in runs:
             if small and len(entries) > 1:
-                parts = []
-                for key_, i, sl, _, _, _, _, _, _ in entries:
-                    arr = bindings[key_]
-                    parts.append((arr if i is None else arr[i])[sl].view(wide).reshape(-1))
-                np.concatenate(parts, out=buf[lo:hi].view(wide))
+                parts = [bindings[e[0]] if e[9] else _item(bindings[e[0]], e[1], e[2])
+                         for e in entries]
+                try:
+                    np.concatenate(parts, axis=None, out=buf[lo:hi].view(typed),
+                                   casting="no")
+                except TypeError:       # some binding is not typed as its dtype: as bits
+                    np.concatenate([p.view(wide) for p in parts], axis=None,
+                                   out=buf[lo:hi].view(wide), casting="no")
                 continue
-            for key_, i, sl, lo_, hi_, wide_, shape, wire, dtype in entries:
-                arr = bindings[key_]
+            for key_, i, sl, lo_, hi_, wide_, shape, wire, dtype, _ in entries:
                 out = buf[lo_:hi_].view(wide_).reshape(shape)
-                copy_into(np, out, wire, (arr if i is None else arr[i])[sl], dtype)
+                copy_into(np, out, wire, _item(bindings[key_], i, sl), dtype)
+
+    def _runs(self, b: Bucket, side: int) -> list[tuple]:
+        """Bucket ``b``'s program (side 0: pack, 1: unpack) cut into runs of consecutive
+        small items of one binding dtype that need no cast: ``(small, entries, lo, hi, bits
+        dtype, numpy dtype)``, each entry the program's plus whether it is its binding's
+        whole local array (no slicing needed). Computed once per bucket, like programs."""
+        key = (id(b), 2 + side)
+        runs = self._programs.get(key)
+        if runs is not None:
+            return runs
+        layouts = self.src_layouts if side == 0 else self.dst_layouts
+        raw: list[list] = []
+        for e in self._program(b, side):
+            lay = layouts[e[0][1]]
+            whole = lay.is_product and len(e[6]) == lay.ndim and all(
+                s.start == 0 and s.stop == n
+                for s, n in zip(e[2], lay.local_shape(e[0][0])))
+            e = e + (whole,)
+            small = e[7] == e[8] and e[4] - e[3] <= _RUN_ITEM_BYTES
+            if small and raw and raw[-1][0] and raw[-1][3] == e[5] and raw[-1][4] == e[8]:
+                raw[-1][1].append(e)
+                raw[-1][2] = e[4]
+            else:
+                raw.append([small, [e], e[4], e[5], e[8]])
+        runs = [(small, tuple(es), es[0][3], hi, wide,
+                 numpy_dtype(dtype) if small else None)
+                for small, es, hi, wide, dtype in raw]
+        self._programs[key] = runs
+        return runs
 
     def _unpack(self, b: Bucket, buf: Any) -> None:
-        bindings = self.dst_bindings
+        if isinstance(buf, np.ndarray):
+            return self._unpack_host(b, buf)
         for key, i, sl, lo, hi, wide, shape, wire, dtype in self._program(b, 1):
-            arr = bindings[key]
-            dst = (arr if i is None else arr[i])[sl]
+            dst = _item(self.dst_bindings[key], i, sl)
             data = buf[lo:hi].view(wide).reshape(shape)
             copy_into(array_module(dst), dst, dtype, data, wire)
+
+    def _unpack_host(self, b: Bucket, buf: np.ndarray) -> None:
+        """Unpacking from host staging: a small item that needs no cast into a host array is
+        one assignment of the message's bytes seen as the array's own dtype (so its bits are
+        copied, as :func:`copy_into` copies them); anything else goes through
+        :func:`copy_into`."""
+        bindings = self.dst_bindings
+        ndarray = np.ndarray
+        for small, entries, _, _, _, _ in self._runs(b, 1):
+            for key, i, sl, lo, hi, wide, shape, wire, dtype, whole in entries:
+                arr = bindings[key]
+                if small and type(arr) is ndarray:
+                    dst = arr if whole else _item(arr, i, sl)
+                    # the same dtype on both sides: item assignment copies bits, no cast
+                    dst[...] = buf[lo:hi].view(dst.dtype).reshape(shape)
+                    continue
+                dst = _item(arr, i, sl)
+                data = buf[lo:hi].view(wide).reshape(shape)
+                copy_into(array_module(dst), dst, dtype, data, wire)
 
     def _local_copy(self, t: Any) -> int:
         src = self._src(t.src, t.name, t.region)
@@ -345,7 +385,11 @@ class Executor:
 
     def _devices(self) -> dict[int, int | None]:
         """CUDA device ordinal of each local rank's bindings (None: host memory)."""
-        return binding_devices(self.src_bindings, self.dst_bindings, of=device_of)
+        sides = (self.src_bindings, self.dst_bindings)
+        if all(set(map(type, b.values())) <= {np.ndarray} for b in sides):
+            # host arrays only (the common case on CPU): no device, checked in C
+            return {rank: None for b in sides for rank, _ in b}
+        return binding_devices(*sides, of=device_of)
 
     def _on(self, rank: int) -> Any:
         """Context for work on ``rank``'s device: ``cupy.cuda.Device`` or nothing."""
@@ -627,6 +671,12 @@ def _programs_for(schedule: Schedule, src_layouts: Mapping[str, Layout],
         ent = (schedule, src_layouts, dst_layouts, wire_dtypes, {})
         _PROGRAMS[id(schedule)] = ent
     return ent[4]
+
+
+def _item(binding: Any, i: int | None, slices: tuple) -> Any:
+    """The view a program entry names: buffer ``i`` of an explicit binding (None: the one
+    array of a product binding), sliced."""
+    return (binding if i is None else binding[i])[slices]
 
 
 def pipelined_by_default() -> bool:
