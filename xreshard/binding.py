@@ -114,6 +114,8 @@ def _extent(a: Any) -> tuple[int, int] | None:
     if not isinstance(a, np.ndarray) or a.size == 0:
         return None
     lo = hi = a.__array_interface__["data"][0]
+    if a.flags.c_contiguous:        # the common case: its bytes in one run
+        return lo, lo + a.nbytes
     for n, s in zip(a.shape, a.strides):
         if s < 0:
             lo += (n - 1) * s
@@ -168,20 +170,26 @@ def _binding_problems(layouts: Mapping[str, Layout], bindings: Bindings, side: s
     bad: list[str] = []
     receiving: list[tuple[str, Any]] = []
     ndarray = np.ndarray
-    #: (layout, rank) -> (local shape, numpy dtype) of a product layout: layouts are
-    #: interned and a model has a few hundred distinct ones, so geometry is asked once each
-    expected: dict[tuple[Layout, int], tuple[tuple[int, ...], Any]] = {}
+    #: (layout, rank) -> (local shape, numpy dtype) of a product layout, False for an
+    #: explicit one: a model has a few hundred distinct layouts, so geometry is asked once
+    #: each; found by the layout object's id first (layouts are interned: one object per
+    #: value, and every one stays alive in ``layouts``), by value for a new object
+    expected: dict[tuple[Layout, int], Any] = {}
+    by_id: dict[tuple[int, int], Any] = {}
     for (rank, name), b in bindings.items():
         lay = layouts.get(name)
         if lay is None:
             bad.append(f"{name!r} on rank {rank}: bound but not in the {side} layouts")
             continue
-        if type(b) is ndarray and lay.is_product:     # the common case, in one look
-            want = expected.get((lay, rank))
+        if type(b) is ndarray:     # the common case, in one look
+            want = by_id.get((id(lay), rank))
             if want is None:
-                want = expected[(lay, rank)] = (tuple(lay.local_shape(rank)),
-                                                _np_dtype(lay.dtype))
-            if b.shape == want[0] and b.dtype == want[1] and (
+                want = expected.get((lay, rank))
+                if want is None:
+                    want = expected[(lay, rank)] = lay.is_product and (
+                        tuple(lay.local_shape(rank)), _np_dtype(lay.dtype))
+                by_id[(id(lay), rank)] = want
+            if want and b.shape == want[0] and b.dtype == want[1] and (
                     not writes or (b.flags.writeable and b.flags.c_contiguous)):
                 if writes:
                     receiving.append((f"{name!r} on rank {rank}", b))
@@ -254,7 +262,8 @@ def side_problems(sides: Mapping[str, Bound | None], local_ranks: Iterable[int],
         if problems:
             out.append(["BindingError", f"{side} bindings do not match their layouts: "
                         + "; ".join(problems[:20])])
-        for rank, _ in bound.bindings:
+        bound_ranks = {rank: None for rank, _ in bound.bindings}     # in order, once each
+        for rank in bound_ranks:
             if not is_local(rank):
                 out.append(["BindingError", f"{side} binds world rank {rank}, which is not "
                             f"one of this process's ranks {local_ranks}"])

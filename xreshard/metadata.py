@@ -111,6 +111,9 @@ def fit(bound: Bound | None, layouts: Mapping[str, Layout]) -> dict:
     tensor's one-region list into a replicated product layout)."""
     if bound is None:
         return {}
+    if all(lay.is_product for lay in layouts.values()) and not any(
+            issubclass(t, list) for t in set(map(type, bound.bindings.values()))):
+        return dict(bound.bindings)     # the common case: nothing to unwrap or wrap
     out = {}
     product: dict[str, bool | None] = {}      # name -> merged layout is product form
     for key, b in bound.bindings.items():
