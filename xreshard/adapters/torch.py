@@ -24,7 +24,7 @@ import weakref
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from xreshard.dtypes import dtype_name
+from xreshard.dtypes import as_dtype, dtype_name
 from xreshard.errors import LayoutError
 from xreshard.layout import Layout, LayoutMemo, Mesh, Split, splits_of_placements
 
@@ -288,8 +288,8 @@ def tensor_view(t: Any) -> Any:
 
 def _view(t: Any, name: str) -> Any:
     """:func:`tensor_view` of ``t`` whose dtype's canonical name is ``name``."""
-    from xreshard.dtypes import as_dtype
-    t = t.detach()
+    if t.requires_grad:     # numpy() refuses a tensor autograd tracks (detach: same memory)
+        t = t.detach()
     if name in _FOREIGN:
         import torch
         t = t.view(_torch_bits(torch, t.element_size()))
@@ -316,7 +316,7 @@ def _torch_bits(torch: Any, itemsize: int) -> Any:
 
 def _export(t: Any) -> Any:
     """numpy (CPU) or CuPy (CUDA) array over ``t``'s memory, zero-copy."""
-    if t.device.type == "cpu":
+    if t.is_cpu:
         return t.numpy()
     if t.device.type != "cuda":
         raise LayoutError(f"cannot bind a torch tensor on device {t.device}: xreshard moves "
