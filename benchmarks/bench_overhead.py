@@ -11,13 +11,16 @@ the checks, two metadata all-gathers, the executor's bookkeeping. Calls alternat
   layout is built anew, as before the memo existed,
 
 in the same processes, and the script prints the median of each and their ratio.
+``--fresh`` sends new arrays every call (``params + 0``, made outside the timed region),
+as a training loop does: each call's arrays and sharding objects are new, only equal.
 
 ``--naming`` measures instead, in this process, binding a JAX MoE tree through the vLLM
 naming rules (``bind_named``, what the ``"xreshard"`` trainer engine does every round):
 8 layers of 64 stacked experts split over a (ep=4, tp=2) mesh of 8 CPU devices, 1,544 HF
 tensors; warm keeps the rule check, layout memo and geometry caches, cold clears them.
 
-    python benchmarks/bench_overhead.py [--tensors 3000] [--reps 5]
+    python benchmarks/bench_overhead.py [--tensors 3000] [--reps 5] [--fresh]
+    python benchmarks/bench_overhead.py --profile 30 --sort tottime
     python benchmarks/bench_overhead.py --naming      # needs vLLM (the backend module)
 """
 
@@ -40,13 +43,24 @@ if str(ROOT) not in sys.path:
 SHAPE = (16, 8)
 
 
-def _calls(refit: Any, side: dict, reps: int, profile: int = 0) -> dict[str, Any]:
+def _calls(refit: Any, side: dict, reps: int, profile: int = 0, sort: str = "cumulative",
+           fresh: Any = None, barrier: Any = None) -> dict[str, Any]:
+    """Warm and cold calls in turn; ``fresh()`` (when given) makes this call's side anew
+    before each call, outside the timed region, and ``barrier()`` then lines the processes
+    up so no process times another's preparation."""
     from xreshard.layout import LayoutMemo
 
     out: dict[str, Any] = {"warm": [], "cold": [], "warm_cpu": [], "cold_cpu": []}
     warm_memo, cold_memo = refit.layout_memo, LayoutMemo()
     cold_memo.enabled = False
-    refit(**side)                                   # plans; the memo fills
+
+    def prepared() -> dict:
+        now = side if fresh is None else fresh()
+        if barrier is not None:
+            barrier()
+        return now
+
+    refit(**prepared())                             # plans; the memo fills
     if os.environ.get("BENCH_GC_FREEZE"):
         import gc
         gc.collect()
@@ -55,19 +69,25 @@ def _calls(refit: Any, side: dict, reps: int, profile: int = 0) -> dict[str, Any
         import cProfile
         import io
         import pstats
-        refit(**side)
+        refit(**prepared())
+        now = prepared()
         prof = cProfile.Profile()
         prof.enable()
-        refit(**side)
+        refit(**now)
         prof.disable()
         buf = io.StringIO()
-        pstats.Stats(prof, stream=buf).sort_stats("cumulative").print_stats("xreshard", profile)
+        stats = pstats.Stats(prof, stream=buf).sort_stats(sort)
+        if sort == "cumulative":
+            stats.print_stats("xreshard", profile)
+        else:       # own time: other libraries' functions count too
+            stats.print_stats(profile)
         out["profile"] = buf.getvalue()
     for _ in range(reps):
         for kind in ("warm", "cold"):
             refit.layout_memo = warm_memo if kind == "warm" else cold_memo
+            now = prepared()
             t0, c0 = time.perf_counter(), time.process_time()
-            refit(**side)
+            refit(**now)
             out[kind].append(time.perf_counter() - t0)
             # CPU seconds of this process (all its threads): what a call costs it, less
             # sensitive than wall time to other jobs on a shared machine
@@ -75,7 +95,8 @@ def _calls(refit: Any, side: dict, reps: int, profile: int = 0) -> dict[str, Any
     return out
 
 
-def child(ctx: Any, n: int, reps: int, profile: int = 0) -> dict[str, Any]:
+def child(ctx: Any, n: int, reps: int, profile: int = 0, sort: str = "cumulative",
+          fresh: bool = False) -> dict[str, Any]:
     import numpy as np
     import xreshard as xr
 
@@ -98,9 +119,20 @@ def child(ctx: Any, n: int, reps: int, profile: int = 0) -> dict[str, Any]:
         local = torch.zeros((SHAPE[0] // 2, SHAPE[1]))
         side = {"receive": {f"t{i}": DTensor.from_local(local.clone(), mesh, [Shard(0)],
                                                          run_check=False) for i in range(n)}}
+    make = None
+    if fresh and ctx.role.group == "trainer":
+        # a training step's output: new arrays (and new, equal sharding objects) each call
+        params = side["send"]
+
+        def make() -> dict:
+            return {"send": jax.block_until_ready(jax.tree.map(lambda a: a + 0, params))}
+    elif fresh:
+        def make() -> dict:
+            return side
     refit = xr.Refit(world, config=xr.RefitConfig(timeout=300), **side)
     try:
-        out = _calls(refit, side, reps, profile)
+        out = _calls(refit, side, reps, profile, sort, fresh=make,
+                     barrier=(lambda: world.barrier(timeout=300)) if fresh else None)
         # one metadata round trip (what refit/check and refit/outcome each cost)
         world.barrier(timeout=300)
         out["round_trip"] = []
@@ -169,8 +201,14 @@ def main() -> None:
     ap.add_argument("--naming", action="store_true",
                     help="bind a JAX MoE tree through the vLLM naming rules, in this process")
     ap.add_argument("--profile", type=int, default=0,
-                    help="print the N functions with the most own time of one warm call "
-                         "(cProfile in each process)")
+                    help="print the top N functions of one warm call (cProfile in each "
+                         "process)")
+    ap.add_argument("--sort", default="cumulative", choices=("cumulative", "tottime"),
+                    help="--profile order: cumulative (xreshard's functions) or own time "
+                         "(every function)")
+    ap.add_argument("--fresh", action="store_true",
+                    help="send new JAX arrays every call (params + 0, made outside the timed "
+                         "region, then a barrier), as a training loop does")
     args = ap.parse_args()
     if args.naming:
         return naming(args.reps)
@@ -178,9 +216,11 @@ def main() -> None:
 
     roles = [Role("jax", "trainer", 0, num_devices=4),
              Role("torch", "rollout", 0), Role("torch", "rollout", 1)]
-    results = launch("bench_overhead:child", roles, args=(args.tensors, args.reps, args.profile),
+    results = launch("bench_overhead:child", roles,
+                     args=(args.tensors, args.reps, args.profile, args.sort, args.fresh),
                      timeout=900)
     print(f"{args.tensors} tensors of {SHAPE} float32, JAX TP=4 -> torch TP=2, "
+          f"{'new JAX arrays every call, ' if args.fresh else ''}"
           f"{args.reps} calls of each kind (median seconds per call)\n")
     print("| process | warm (memo on) | cold (memo off: layouts rebuilt) | cold / warm "
           "| warm, CPU s | cold, CPU s |")
