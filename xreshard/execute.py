@@ -654,23 +654,16 @@ class Executor:
 
 
 
-#: id(schedule) -> (schedule, src layouts, dst layouts, wire dtypes, programs): the pack
-#: and unpack programs of the last few schedules, valid while the same objects are passed
-_PROGRAMS: dict[int, tuple] = {}
-
-
 def _programs_for(schedule: Schedule, src_layouts: Mapping[str, Layout],
                   dst_layouts: Mapping[str, Layout], wire_dtypes: Mapping[str, str]) -> dict:
-    """The program cache of this schedule (refits pass the same plan and schedule objects on
-    every call until they replan; layouts and schedules are immutable)."""
-    ent = _PROGRAMS.get(id(schedule))
-    if ent is None or not (ent[0] is schedule and ent[1] is src_layouts
-                           and ent[2] is dst_layouts and ent[3] is wire_dtypes):
-        if len(_PROGRAMS) >= 8:
-            _PROGRAMS.clear()
-        ent = (schedule, src_layouts, dst_layouts, wire_dtypes, {})
-        _PROGRAMS[id(schedule)] = ent
-    return ent[4]
+    """The pack/unpack programs of ``schedule`` with these layouts, kept on the schedule
+    (refits pass the same plan, schedule and layout objects on every call until they
+    replan; all are immutable), valid while the same layout objects are passed."""
+    ent = schedule.programs.get("last")
+    if ent is None or not (ent[0] is src_layouts and ent[1] is dst_layouts
+                           and ent[2] is wire_dtypes):
+        ent = schedule.programs["last"] = (src_layouts, dst_layouts, wire_dtypes, {})
+    return ent[3]
 
 
 def _item(binding: Any, i: int | None, slices: tuple) -> Any:

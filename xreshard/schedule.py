@@ -19,7 +19,7 @@ both directions, never exceed ``staging_bytes``.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Iterable, Mapping, Sequence
 
 from .dtypes import itemsize
@@ -64,6 +64,9 @@ class Schedule:
     local_copies: tuple[Transfer, ...]
     max_round_bytes: int
     """Most bytes any one local rank has in flight in one round."""
+    programs: dict = field(init=False, default_factory=dict, compare=False, repr=False)
+    """The executor's pack/unpack programs for this schedule, per set of layouts (a cache
+    owned by the schedule: it lives and dies with it)."""
 
     @property
     def num_rounds(self) -> int:
