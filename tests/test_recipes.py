@@ -5,7 +5,6 @@ from __future__ import annotations
 import itertools
 import json
 import math
-import time
 from pathlib import Path
 
 import pytest
@@ -413,15 +412,13 @@ def test_uneven_split_and_unknown_tensor():
 
 # ---------------------------------------------------------------------------- speed
 
-def test_kimi_k2_layouts_build_fast():
+def test_kimi_k2_layouts_build_for_every_tensor():
+    # how fast is benchmarks/bench_plan.py's business ("layouts, both sides" column)
     model = load_model("kimi_k2")
-    t0 = time.process_time()                        # CPU time: robust on a busy machine
     src = recipe_layouts(model, "megatron:pp=16,ep=64", 0)
     dst = recipe_layouts(model, "vllm:tp=16,dp=64", 1024)
-    elapsed = time.process_time() - t0
     assert len(src) == len(dst) == 69_975
-    # speed is benchmarks/bench_plan.py's business; this only catches a pathological blow-up
-    assert elapsed < 30.0, f"building 2 x 69,975 layouts took {elapsed:.2f} CPU s"
+    assert src.keys() == dst.keys()
 
 
 def test_frameworks_table_is_complete():
