@@ -410,3 +410,30 @@ def test_garbage_in_the_join_records_does_not_block_joining():
         with xr.World.join(server.address, "solo", 1, num_processes=1, index=0,
                            timeout=5) as world:
             assert world.allgather_json("x") == ["x"]
+
+
+@pytest.mark.parametrize("executor", ["pipelined", "rounds"])
+def test_a_destination_sharing_memory_with_a_source_is_refused(executor):
+    """One process both sends and receives, and a receive buffer is a view of a send buffer
+    (an in-place S1 -> S0 reshard): a write would overwrite bytes a send has not read yet.
+    Refused before any byte moves; bound to copies instead, the same refit is exact."""
+    grid = np.arange(16, dtype=np.float32).reshape(4, 4)
+    mesh = xr.Mesh((2,), (0, 1))
+    src = xr.Layout.from_placements((4, 4), "float32", mesh, ["S1"])   # rank r: columns
+    dst = xr.Layout.from_placements((4, 4), "float32", mesh, ["S0"])   # rank r: rows
+    bufs = [np.ascontiguousarray(grid[:, :2]), np.ascontiguousarray(grid[:, 2:])]
+    views = [b.reshape(2, 4) for b in bufs]                  # the same memory
+    before = [v.copy() for v in views]
+    with xr.serve() as server, xr.World.join(server.address, "solo", 2, num_processes=1,
+                                             index=0, timeout=20) as world:
+        send = xr.Bound({"w": src}, {(0, "w"): bufs[0], (1, "w"): bufs[1]})
+        refit = xr.Refit(world, send=send,
+                         receive=xr.Bound({"w": dst}, {(0, "w"): views[0], (1, "w"): views[1]}))
+        refit.executor_kind = executor
+        with pytest.raises(BindingError, match=r"receive 'w' on rank [01] shares memory with "
+                                               r"send 'w' on rank [01]"):
+            refit()
+        assert all(v.tobytes() == b.tobytes() for v, b in zip(views, before))
+        out = [np.zeros((2, 4), np.float32) for _ in range(2)]
+        refit(send=send, receive=xr.Bound({"w": dst}, {(0, "w"): out[0], (1, "w"): out[1]}))
+        assert out[0].tobytes() == grid[:2].tobytes() and out[1].tobytes() == grid[2:].tobytes()

@@ -124,25 +124,48 @@ def _extent(a: Any) -> tuple[int, int] | None:
     return lo, hi + a.itemsize
 
 
-def _overlaps(items: list[tuple[str, Any]]) -> list[str]:
-    """Pairs of receiving host arrays that share an element (sweep by address)."""
-    spans = sorted((span, label, a) for label, a in items if (span := _extent(a)) is not None)
+def _overlaps(items: list[tuple[str, Any]], sources: list[tuple[str, Any]] = ()
+              ) -> list[str]:
+    """Pairs of host arrays that share an element (a sweep by address): two receiving
+    arrays of ``items``, or, when ``sources`` are given, a receiving array of ``items``
+    and a sending one of ``sources`` (a receive would overwrite bytes a send still reads)."""
+    spans = [(span, label, a, False) for label, a in items if (span := _extent(a)) is not None]
+    spans += [(span, label, a, True) for label, a in sources
+              if (span := _extent(a)) is not None]
+    spans.sort(key=lambda x: x[0])
     problems: list[str] = []
-    active: list[tuple[tuple[int, int], str, Any]] = []
-    for span, label, a in spans:
+    active: list[tuple[tuple[int, int], str, Any, bool]] = []
+    for span, label, a, sends in spans:
         active = [x for x in active if x[0][1] > span[0]]
-        for _, other_label, other in active:
+        for _, other_label, other, other_sends in active:
+            if sources and sends == other_sends:
+                continue
             try:
                 shared = np.shares_memory(a, other, max_work=100_000)
             except np.exceptions.TooHardError:
                 shared = True
-            if shared:
+            if shared and sources:
+                dst, src = (other_label, label) if sends else (label, other_label)
+                problems.append(f"receive {dst} shares memory with send {src}: a receive "
+                                f"would overwrite bytes a send still reads (bind a copy)")
+            elif shared:
                 problems.append(f"{label} and {other_label} share memory: a receive would "
                                 f"write the same bytes twice")
-                if len(problems) >= 5:
-                    return problems
-        active.append((span, label, a))
+            if len(problems) >= 5:
+                return problems
+        active.append((span, label, a, sends))
     return problems
+
+
+def _host_arrays(bound: Bound) -> list[tuple[str, Any]]:
+    """(label, array) of every host array ``bound`` binds (lists of an explicit layout's
+    regions included)."""
+    out = []
+    for (rank, name), b in bound.bindings.items():
+        for a in (b if isinstance(b, (list, tuple)) else (b,)):
+            if isinstance(a, np.ndarray):
+                out.append((f"{name!r} on rank {rank}", a))
+    return out
 
 
 def binding_problems(layouts: Mapping[str, Layout], bindings: Bindings, side: str,
@@ -268,6 +291,12 @@ def side_problems(sides: Mapping[str, Bound | None], local_ranks: Iterable[int],
                 out.append(["BindingError", f"{side} binds world rank {rank}, which is not "
                             f"one of this process's ranks {local_ranks}"])
                 break
+    send, receive = sides.get("send"), sides.get("receive")
+    if not out and send is not None and receive is not None:
+        aliased = _overlaps(_host_arrays(receive), _host_arrays(send))
+        if aliased:
+            out.append(["BindingError", "receive bindings alias send bindings: "
+                        + "; ".join(aliased)])
     if not out:
         held = {side: (b.bindings, b.layouts) for side, b in sides.items() if b}
         out += [["RefitError", e] for e in device_problems(
