@@ -119,19 +119,21 @@ class CountedTransport:
 
     def send(self, buf: Any, src_rank: int, dst_rank: int, tag: int) -> None:
         if _ACTIVE:
-            n = nbytes_of(buf)
-            for c in list(_ACTIVE):
-                c.bytes_sent[(src_rank, dst_rank)] += n
-                c.messages_sent[(src_rank, dst_rank)] += 1
+            _count(buf, (src_rank, dst_rank), "sent")
         self.inner.send(buf, src_rank, dst_rank, tag)
 
     def recv(self, buf: Any, src_rank: int, dst_rank: int, tag: int) -> None:
         if _ACTIVE:
-            n = nbytes_of(buf)
-            for c in list(_ACTIVE):
-                c.bytes_received[(src_rank, dst_rank)] += n
-                c.messages_received[(src_rank, dst_rank)] += 1
+            _count(buf, (src_rank, dst_rank), "received")
         self.inner.recv(buf, src_rank, dst_rank, tag)
 
     def close(self) -> None:
         self.inner.close()
+
+
+def _count(buf: Any, pair: tuple[int, int], way: str) -> None:
+    """Add one posted buffer to every active counter's ``bytes_<way>`` / ``messages_<way>``."""
+    n = nbytes_of(buf)
+    for c in list(_ACTIVE):
+        getattr(c, "bytes_" + way)[pair] += n
+        getattr(c, "messages_" + way)[pair] += 1

@@ -230,18 +230,25 @@ class WorldTransports:
     def _make_shm(self) -> Transport:
         from .transport.shm import ShmTransport
 
-        routes = self.routes("auto")
-        caps = self._caps
-        me = self._process_index
-        peers = routes.peers(me, "shm")
-        pids = {q: (caps[q]["pid"], caps[q]["start"]) for q in peers}
-        prefix = self._next_prefix()
-        labels = [self.describe_process(p) for p in range(self.num_processes)]
+        routes, peers, pids, prefix, labels = self._peer_setup("shm")
+        caps, me = self._caps, self._process_index
         # both ways, so that sender and receiver agree on every message's path
         pulls = [q for q in peers if q in caps[me]["pull_reach"] and me in caps[q]["pull_reach"]]
         return ShmTransport(self._store, f"{prefix}/shm", caps[0]["token"], self._rank_process,
                             me, peers, pids=pids, process_labels=labels,
                             connect=self._store_client, pull_peers=pulls, seal=self._seal)
+
+    def _peer_setup(self, kind: str) -> tuple[Any, list[int], dict, str, list[str]]:
+        """What a same-host transport of ``kind`` (shm, cuda_ipc) is built from: the routes,
+        this process's peers over it, their (pid, start time), a fresh store prefix (a
+        collective step: every process takes one) and every process's label."""
+        routes = self.routes("auto")
+        caps = self._caps
+        peers = routes.peers(self._process_index, kind)
+        pids = {q: (caps[q]["pid"], caps[q]["start"]) for q in peers}
+        prefix = self._next_prefix()
+        labels = [self.describe_process(p) for p in range(self.num_processes)]
+        return routes, peers, pids, prefix, labels
 
     def _store_client(self) -> Any:
         """Another client of the world's store, for a transport's helper thread (a client
@@ -251,13 +258,8 @@ class WorldTransports:
     def _make_cuda_ipc(self) -> Transport:
         from .transport.cuda_ipc import CudaIpcTransport
 
-        routes = self.routes("auto")
-        caps = self._caps
+        routes, peers, pids, prefix, labels = self._peer_setup("cuda_ipc")
         me = self._process_index
-        peers = routes.peers(me, "cuda_ipc")
-        pids = {q: (caps[q]["pid"], caps[q]["start"]) for q in peers}
-        prefix = self._next_prefix()
-        labels = [self.describe_process(p) for p in range(self.num_processes)]
         devices = {r: cuda_ordinal(self._devices[i]) for i, r in enumerate(self._rank_ids)
                    if self._rank_kind[r] == "cuda"}
         return CudaIpcTransport(self._store, f"{prefix}/ipc", self._rank_process, me, peers,
