@@ -1,6 +1,6 @@
 """Single-GPU bandwidth of the refit's data path, against plain device-to-device copies.
 
-1. pack / unpack: the executor's own copy (``xreshard.execute.copy_into``: bits views,
+1. pack / unpack: the executor's own copy (``xreshard.runtime.execute.copy_into``: bits views,
    widened to the largest element the region allows) of a region of a bf16 weight into a
    contiguous staging buffer and back, vs ``cudaMemcpyAsync`` D2D of the same bytes. Also
    CuPy's plain ``copyto`` of the uint16 view, and torch's ``copy_`` when installed. The
@@ -87,7 +87,7 @@ def _gbps(nbytes: int, ms: float) -> float:
 
 
 def bench_pack(xp, torch, iters: int, size: int = 16384) -> dict:
-    from xreshard.execute import copy_into
+    from xreshard.runtime.execute import copy_into
 
     rows = cols = size                        # 512 MiB of bf16 at 16384, seen as uint16
     timer = Timer(xp)

@@ -48,7 +48,7 @@ def _calls(refit: Any, side: dict, reps: int, profile: int = 0, sort: str = "cum
     """Warm and cold calls in turn; ``fresh()`` (when given) makes this call's side anew
     before each call, outside the timed region, and ``barrier()`` then lines the processes
     up so no process times another's preparation."""
-    from xreshard.layout import LayoutMemo
+    from xreshard.ir.layout import LayoutMemo
 
     out: dict[str, Any] = {"warm": [], "cold": [], "warm_cpu": [], "cold_cpu": []}
     warm_memo, cold_memo = refit.layout_memo, LayoutMemo()
@@ -154,7 +154,7 @@ def naming(reps: int) -> None:
     from jax.sharding import NamedSharding, PartitionSpec as P
     from xreshard.adapters import naming, naming as vb  # vb: where bind_named keeps its caches
     from xreshard.adapters.naming import NameMap, jax_llama_rules, jax_moe_rules
-    from xreshard.layout import LayoutMemo
+    from xreshard.ir.layout import LayoutMemo
 
     E, D, I, L = 64, 64, 32, 8
     mesh = jax.make_mesh((4, 2), ("ep", "tp"))

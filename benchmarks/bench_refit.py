@@ -117,7 +117,7 @@ def split_dim(kind: str) -> int | None:
 
 
 def np_dtype(name: str) -> np.dtype:
-    from xreshard.execute import numpy_dtype
+    from xreshard.runtime.execute import numpy_dtype
     return numpy_dtype(name)
 
 
@@ -211,7 +211,7 @@ def gather_full(arr: Any, shape: tuple[int, ...], flip: bool, out: np.ndarray) -
 def torch_group(ctx: Any, members: int, rank: int, prefix: str) -> None:
     """A default process group among the torch processes, over the launch's store."""
     import torch.distributed as dist
-    from xreshard.world import parse_address
+    from xreshard.runtime.world import parse_address
 
     host, port = parse_address(ctx.address)
     store = dist.TCPStore(host, port, is_master=False)

@@ -9,7 +9,7 @@ a host is the relay's fast domain). Three refits of the same model run interleav
 a. **direct** (``relay="off"``): the trainer sends 4 copies.
 b. **relay, back to back**: the trainer sends 2 copies (one per host), the receivers
    forward the other 2, every forward after its sender's whole stage 1
-   (``xreshard.relay.OVERLAP = False``: the same schedule, buckets and budget as c, only
+   (``xreshard.planner.relay.OVERLAP = False``: the same schedule, buckets and budget as c, only
    the rounds of the forwards differ).
 c. **relay, overlapped** (``relay="on"``, the default schedule): each forward in the round
    after the one that brought its bytes, beside the next chunk of stage 1.
@@ -58,7 +58,7 @@ def values(shapes: dict[str, tuple[int, int]], version: int) -> dict[str, np.nda
 
 def child(ctx: Any, cfg: dict) -> dict:
     import xreshard as xr
-    from xreshard import relay
+    from xreshard.planner import relay
 
     trainer = ctx.role.group == "trainer"
     host = "t" if trainer else "ab"[ctx.role.index // 2]

@@ -55,7 +55,7 @@ def local_arrays(is_trainer: bool, params: Any, views: Any) -> list[np.ndarray]:
 
 def hash_seconds(arrays: list[np.ndarray]) -> tuple[float, int]:
     """What checksumming these arrays costs here, apart from any refit."""
-    from xreshard import verify
+    from xreshard.runtime import verify
 
     t0 = time.perf_counter()
     for a in arrays:

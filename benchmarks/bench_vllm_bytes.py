@@ -79,7 +79,7 @@ def main() -> None:
     engines = [[offset + e * args.tp + r for r in range(args.tp)] for e in range(args.engines)]
     dst = {n: xv.replicate_layout(lay, engines) for n, lay in one.items()}
     t0 = time.perf_counter()
-    stats = xreshard.plan(src, dst).stats
+    stats = xreshard.planner.plan(src, dst).stats
     plan_s = time.perf_counter() - t0
 
     full = model.total_bytes

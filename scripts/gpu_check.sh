@@ -146,7 +146,7 @@ note("devices", lambda: cupy.cuda.runtime.getDeviceCount())
 import torch
 facts["torch"] = f"{torch.__version__} cuda {torch.version.cuda} available {torch.cuda.is_available()}"
 note("jax", lambda: f"{__import__('jax').__version__} {__import__('jax').devices()}")
-from xreshard.execute import cuda_preflight, cupy_knows
+from xreshard.runtime.execute import cuda_preflight, cupy_knows
 from xreshard.transport.nccl import cuda_major
 facts["cupy_cuda_major"] = cuda_major()
 facts["cupy_bf16_kernels"] = cupy_knows("bfloat16")

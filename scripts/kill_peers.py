@@ -74,7 +74,7 @@ def trial(ctx: Any, spec: dict) -> dict:
     """One process of a trial (launched); the victim never returns."""
     import numpy as np
     import xreshard as xr
-    from xreshard.world import World
+    from xreshard.runtime.world import World
 
     me = ctx.role.group + f"[{ctx.role.index}]"
     victim = me == spec["victim"]

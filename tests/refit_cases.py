@@ -38,7 +38,7 @@ def pattern(name: str, shape: tuple[int, ...], dtype: str, step: int = 0) -> np.
 def _torch_group(ctx: Any, members: int, rank: int, prefix: str) -> None:
     """A default process group among this group's torch processes, over the launch store."""
     import torch.distributed as dist
-    from xreshard.world import parse_address
+    from xreshard.runtime.world import parse_address
 
     host, port = parse_address(ctx.address)
     store = dist.TCPStore(host, port, is_master=False)
@@ -67,7 +67,7 @@ def _dtensors(names: dict, dtype: str, world_size: int, step: int | None) -> dic
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor
     from xreshard.adapters.torch import placements_of
-    from xreshard.layout import Layout, Mesh
+    from xreshard.ir.layout import Layout, Mesh
     import torch.distributed as dist
 
     mesh = init_device_mesh("cpu", (world_size,))
@@ -99,7 +99,7 @@ def _check_dtensors(state: dict, names: dict, dtype: str, step: int, src_dtype: 
     """Bit-compare every local shard with the pattern (cast from the source dtype)."""
     import torch
     from xreshard.adapters.torch import tensor_view
-    from xreshard.layout import Layout, Mesh
+    from xreshard.ir.layout import Layout, Mesh
     import torch.distributed as dist
 
     me, n = dist.get_rank(), dist.get_world_size()
@@ -372,7 +372,7 @@ def bad_inputs(ctx: Any) -> dict:
     import torch
     import torch.distributed as dist
     import xreshard as xr
-    from xreshard.layout import Layout
+    from xreshard.ir.layout import Layout
 
     world = ctx.join(groups=["trainer", "rollout"])
     config = xr.RefitConfig(timeout=30)
@@ -439,7 +439,7 @@ def die_after_first_unpack(kill: bool = False) -> None:
     unpack: some bytes moved, the rest never will."""
     import os
     import signal
-    from xreshard import execute
+    from xreshard.runtime import execute
 
     unpack = execute.Executor._unpack
     calls = []

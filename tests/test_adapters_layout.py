@@ -22,7 +22,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from xreshard.errors import LayoutError
-from xreshard.layout import Layout, Mesh, Region, Split
+from xreshard.ir.layout import Layout, Mesh, Region, Split
 
 try:  # conftest.py has already asked for 8 CPU devices
     import jax
@@ -232,7 +232,7 @@ def test_jax_bind_hands_back_the_same_layouts_each_call():
     """The layout memo a refit passes: re-binding the same arrays gets the same Layout
     objects (caches warm); another rank map or sharding gets its own; a disabled memo builds
     equal layouts anew. No module state: two memos do not share."""
-    from xreshard.layout import LayoutMemo
+    from xreshard.ir.layout import LayoutMemo
     devices = _devices8()[:4]
     mesh = jax.sharding.Mesh(np.array(devices).reshape(2, 2), ("a", "b"))
     tree = {"w": jax.device_put(np.zeros((8, 4), np.float32), NamedSharding(mesh, P("a"))),
@@ -631,7 +631,7 @@ def test_missing_framework_names_the_extra(monkeypatch):
 
 def test_a_third_party_adapter_registered_by_module_path_is_used_by_refit():
     import xreshard as xr
-    from xreshard import registry
+    from xreshard.runtime import registry
     from . import refit_cases
 
     entry = registry.register_adapter("boxed", "tests.refit_cases")

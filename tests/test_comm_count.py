@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from xreshard.commcount import CommCounts, CountedTransport, count_comm
+from xreshard.runtime.commcount import CommCounts, CountedTransport, count_comm
 from xreshard.tools.launch import Role, launch
 from xreshard.transport.local import LocalTransport
 
@@ -55,7 +55,7 @@ def rollout(ctx: Any) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Shard
     import xreshard as xr
-    from xreshard.world import parse_address
+    from xreshard.runtime.world import parse_address
 
     host, port = parse_address(ctx.address)
     store = dist.TCPStore(host, port, is_master=False)

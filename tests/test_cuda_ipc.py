@@ -509,7 +509,7 @@ def test_nccl_members_when_a_colocated_engine_takes_ipc_and_a_remote_one_nccl():
 
 def test_renumbered_transport_maps_world_ranks_into_its_communicator():
     from xreshard.transport.local import LocalTransport
-    from xreshard.world import RenumberedTransport
+    from xreshard.runtime.world import RenumberedTransport
     t = RenumberedTransport(LocalTransport(), {0: 0, 5: 1}, "nccl")
     out = np.zeros(4, np.uint8)
     with t.group(1):

@@ -30,8 +30,8 @@ import pytest
 
 import xreshard as xr
 from xreshard.dtypes import as_dtype, bits, numpy_dtype
-from xreshard.execute import Executor
-from xreshard.schedule import peer_counts, schedule
+from xreshard.runtime.execute import Executor
+from xreshard.planner.schedule import peer_counts, schedule
 from xreshard.tools.testing import local_arrays_from_global
 from xreshard.transport.base import RecordingTransport
 from xreshard.transport.local import LocalTransport
@@ -358,7 +358,7 @@ def fake_devices(monkeypatch):
     """The executor's device hooks, recorded: which device is current for every copy and
     allocation, which devices were preflighted and waited for."""
     import contextlib
-    from xreshard import execute
+    from xreshard.runtime import execute
 
     log = {"current": None, "allocs": [], "copies": [], "waits": [], "preflight": []}
 
@@ -436,7 +436,7 @@ def test_staging_is_reused_per_device_across_runs(fake_devices):
 
 
 def test_gpu_casts_cupy_cannot_run_are_refused_before_moving(fake_devices, monkeypatch):
-    from xreshard import execute
+    from xreshard.runtime import execute
     monkeypatch.setattr(execute, "cupy_knows", lambda name: name != "bfloat16")
     ex, _, _, dst_b = _multi_gpu_run(wire="float32", dst_dtype="float32")
     with pytest.raises(xr.RefitError, match=r"casts this refit needs cannot run on the GPU: "
@@ -482,7 +482,7 @@ def test_install_hints_name_both_cuda_majors():
 
 
 def test_widened_copies_move_fewer_larger_elements_only_when_aligned():
-    from xreshard.execute import widened
+    from xreshard.runtime.execute import widened
     ptr = lambda a: a.__array_interface__["data"][0]      # noqa: E731
     base = np.zeros((8, 128), np.uint16)
     out = np.zeros((8, 64), np.uint16)
@@ -558,7 +558,7 @@ def test_cuda_preflight_names_what_is_missing():
             pytest.skip("a CUDA device is visible here")
     except Exception:
         pass
-    from xreshard.execute import cuda_preflight
+    from xreshard.runtime.execute import cuda_preflight
     with pytest.raises(xr.RefitError, match=r"CUDA device 0 cannot run the refit's copy kernels: "
                                             r"allocating on the device failed: .*pip install "
                                             r"'xreshard\[nccl-cu1[23]\]'"):

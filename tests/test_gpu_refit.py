@@ -187,8 +187,8 @@ def _transport(env: Env) -> Any:
 def _move(env: Env, transport: PostLog, src_layouts, dst_layouts, src_b, dst_b, *,
           wire=None, bucket=64 << 20, staging=256 << 20) -> Any:
     import xreshard as xr
-    from xreshard.execute import Executor
-    from xreshard.schedule import peer_counts, schedule
+    from xreshard.runtime.execute import Executor
+    from xreshard.planner.schedule import peer_counts, schedule
 
     plan = xr.plan(src_layouts, dst_layouts, wire_dtype=wire)
     sched = schedule(plan, [0, 1], peer_counts(plan, [0, 1]), bucket_bytes=bucket,
@@ -235,7 +235,7 @@ def _strided_dst(env: Env, tr: PostLog, *, bucket=64 << 20, staging=256 << 20,
     import xreshard as xr
     from xreshard.adapters.jax import host_view
     from xreshard.adapters.torch import tensor_view
-    from xreshard.execute import Executor
+    from xreshard.runtime.execute import Executor
     rows, cols = shape
     value = _rng_values(shape, "bfloat16", 2)
     x = env.jax_put(value)
@@ -343,7 +343,7 @@ def _side_stream_consumer(env: Env, tr: PostLog) -> dict:
     executor's stream before it), so a run() that did not wait for its copies would hand
     over a destination still being written. The control run turns the executor's final
     wait off and tells whether this check can see that race at all."""
-    from xreshard import execute
+    from xreshard.runtime import execute
     if not env.cuda:
         value, buf, _ = _strided_dst(env, tr)
         return {"bit_exact": bool(np.array_equal(env.host_bits(buf)[:, 32:-32], _bits(value)))}
@@ -386,7 +386,7 @@ def _refit_side_stream_consumer(env: Env, tr: PostLog) -> dict:
 
     import xreshard as xr
     from xreshard.adapters.torch import tensor_view
-    from xreshard.execute import Executor
+    from xreshard.runtime.execute import Executor
     torch, jax = env.torch, env.jax
     shape = (1024, 1024)
     value = _rng_values(shape, "bfloat16", 13)
@@ -450,7 +450,7 @@ def executor_cases(device: str = "cuda", only: list[str] | None = None,
     try:
         env = Env(device)
         if env.cuda:
-            from xreshard.execute import cuda_preflight
+            from xreshard.runtime.execute import cuda_preflight
             tp = time.perf_counter()
             cuda_preflight(0)
             report["preflight_seconds"] = round(time.perf_counter() - tp, 3)

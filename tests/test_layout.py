@@ -9,7 +9,7 @@ import sys
 import pytest
 
 import xreshard as xr
-from xreshard.layout import split_intervals
+from xreshard.ir.layout import split_intervals
 
 
 def regions(layout, rank):
@@ -129,7 +129,7 @@ def test_errors_are_clear():
 
 
 def test_import_pulls_in_no_framework():
-    code = ("import sys, xreshard, xreshard.plan, xreshard.tools.testing, xreshard.adapters; "
+    code = ("import sys, xreshard, xreshard.planner.plan, xreshard.tools.testing, xreshard.adapters; "
             "print(sorted({'torch', 'jax', 'cupy'} & set(sys.modules)))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
@@ -179,7 +179,7 @@ def test_equal_meshes_and_layouts_are_one_object():
     import gc
     import pickle
 
-    from xreshard import layout as layout_module
+    from xreshard.ir import layout as layout_module
 
     mesh = xr.Mesh((2, 2), axis_names=("dp", "tp"))
     assert xr.Mesh([2, 2], ranks=[0, 1, 2, 3], axis_names=["dp", "tp"]) is mesh
@@ -202,7 +202,7 @@ def test_equal_meshes_and_layouts_are_one_object():
 
 
 def test_layout_memo_disabled_builds_cold_twins():
-    from xreshard.layout import LayoutMemo
+    from xreshard.ir.layout import LayoutMemo
 
     memo = LayoutMemo()
     make = lambda: xr.Layout.from_placements((4,), "float32", xr.Mesh((2,)), ["S0"])  # noqa: E731

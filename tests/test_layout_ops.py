@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from xreshard.errors import LayoutError
-from xreshard.layout import Layout, Mesh, Region, Split
+from xreshard.ir.layout import Layout, Mesh, Region, Split
 
 MESH22 = Mesh((2, 2), axis_names=("fsdp", "tp"))
 

@@ -9,7 +9,7 @@ from xreshard.adapters.naming import (HF_IDENTITY, JAX_LLAMA, ConcatRule, NameMa
                                       Reshape, Rule, ShardedView, Split, StridedView, Transpose,
                                       flatten_tree, hf_stacked_experts_rules, jax_llama_rules,
                                       jax_moe_rules)
-from xreshard.layout import Layout, Mesh, Region
+from xreshard.ir.layout import Layout, Mesh, Region
 
 D, H, KV, HD, I, V, L, E = 8, 4, 2, 3, 10, 16, 2, 3
 

@@ -14,8 +14,8 @@ from hypothesis import strategies as st
 
 import xreshard as xr
 from xreshard.errors import TransportError, TransportTimeout
-from xreshard.execute import Executor, numpy_dtype
-from xreshard.schedule import peer_counts, schedule
+from xreshard.runtime.execute import Executor, numpy_dtype
+from xreshard.planner.schedule import peer_counts, schedule
 from xreshard.tools.testing import local_arrays_from_global
 from xreshard.transport.base import RecordingTransport
 from xreshard.transport.local import LocalTransport
@@ -229,7 +229,7 @@ def test_a_failing_post_mid_pipeline_raises_and_exits_its_group():
 
 def test_executor_kind_from_the_environment(monkeypatch):
     from xreshard.errors import RefitError
-    from xreshard.execute import pipelined_by_default
+    from xreshard.runtime.execute import pipelined_by_default
     monkeypatch.setenv("XRESHARD_EXECUTOR", "rounds")
     assert not pipelined_by_default()
     monkeypatch.setenv("XRESHARD_EXECUTOR", "pipelined")
@@ -241,7 +241,7 @@ def test_executor_kind_from_the_environment(monkeypatch):
 
 def test_gc_paused_nests_and_restores():
     import gc
-    from xreshard.execute import gc_paused
+    from xreshard.runtime.execute import gc_paused
     assert gc.isenabled()
     with gc_paused():
         with gc_paused():

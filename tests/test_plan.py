@@ -10,7 +10,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import xreshard as xr
-from xreshard.balance import balance as _balance, split_piece as _split_piece
+from xreshard.planner.balance import balance as _balance, split_piece as _split_piece
 from xreshard.tools.testing import local_arrays_from_global, run_local
 
 
@@ -280,7 +280,7 @@ def test_receive_table_lists_the_same_receives_as_transfers_for(src_recipe, dst_
     from collections import Counter
 
     from xreshard.catalog.models import load_model
-    from xreshard.plan import Transfer
+    from xreshard.planner.plan import Transfer
     from xreshard.catalog.recipes import parse_recipe, recipe_layouts
     m = load_model("qwen3_30b_a3b")
     s, d = parse_recipe(src_recipe), parse_recipe(dst_recipe)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from xreshard.commcount import CommCounts
+from xreshard.runtime.commcount import CommCounts
 from xreshard.tools.launch import Role, launch
 
 from . import refit_cases as cases

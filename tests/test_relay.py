@@ -8,13 +8,13 @@ import pytest
 
 import xreshard as xr
 from xreshard.errors import RefitError
-from xreshard.geometry import Region
+from xreshard.ir.geometry import Region
 from xreshard.tools.launch import Context, Role, launch
-from xreshard.plan import plan
-from xreshard.relay import (FORWARD, overlapped_executor, overlapped_schedule, relay_layouts,
+from xreshard.planner.plan import plan
+from xreshard.planner.relay import (FORWARD, overlapped_executor, overlapped_schedule, relay_layouts,
                            stage_views)
-from xreshard.schedule import peer_counts, schedule
-from xreshard.topology import Topology
+from xreshard.planner.schedule import peer_counts, schedule
+from xreshard.ir.topology import Topology
 
 # ---------------------------------------------------------------------------- pure
 
@@ -366,7 +366,7 @@ def test_overlapped_run_in_one_process_bit_exact(pipeline):
     pair goes through the local transport): bit-exact, stage 2 counted as forwarded. The
     small tensors are received into staging, so a pipelined executor that packed a
     forward before unpacking the round that brought it would send stale bytes."""
-    from xreshard.execute import numpy_dtype
+    from xreshard.runtime.execute import numpy_dtype
     from xreshard.tools.testing import local_arrays_from_global
     from xreshard.transport.base import RecordingTransport
     from xreshard.transport.local import LocalTransport

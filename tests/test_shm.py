@@ -489,7 +489,7 @@ def test_peer_killed_mid_refit_raises_everywhere_and_leaves_no_segment():
 
 def test_records_are_sealed_and_bound_to_key_round_and_writer():
     from xreshard.errors import AuthenticationError
-    from xreshard.store import Seal
+    from xreshard.runtime.store import Seal
     from xreshard.transport.peers import Records
     seal = Seal(b"secret", "w", "nonce")
     with _pair_cleaned(seal=seal) as (a, b, prefix):

@@ -13,11 +13,11 @@ import pytest
 from xreshard.cli import main
 from xreshard.sim.cluster import Cluster, ClusterError, Placement, default_placement, \
     load_cluster, placement_of_world
-from xreshard.layout import Layout, Mesh
+from xreshard.ir.layout import Layout, Mesh
 from xreshard.catalog.models import load_model
-from xreshard.plan import plan
+from xreshard.planner.plan import plan
 from xreshard.catalog.recipes import parse_recipe, recipe_layouts
-from xreshard.schedule import peer_counts, schedule
+from xreshard.planner.schedule import peer_counts, schedule
 from xreshard.sim.engine import Network, maxmin_rates, replay
 from xreshard.sim.relay import build_relay
 from xreshard.sim.traffic import Traffic, direct_traffic, receive_lists, split_sizes
@@ -274,8 +274,8 @@ def test_direct_traffic_is_the_schedule(model, src, dst, bucket, staging):
 
 
 def test_split_sizes_matches_split_region():
-    from xreshard.layout import Region
-    from xreshard.schedule import split_region
+    from xreshard.ir.layout import Region
+    from xreshard.planner.schedule import split_region
     for shape in [(7, 5), (3, 1000, 4), (1, 1, 9000), (64,), (5, 3, 2)]:
         for limit in (1 << 10, 3000, 1 << 20):
             region = Region((0,) * len(shape), shape)

@@ -208,14 +208,14 @@ def test_a_call_that_changes_nothing_runs_two_metadata_exchanges():
 def token_world(ctx: Context, token: str | None, forge: bool) -> dict:
     out: dict = {}
     if ctx.role.group == "intruder":
-        from xreshard.store import connect
+        from xreshard.runtime.store import connect
         connect(ctx.address, 30).wait([f"xreshard/{ctx.world_id}/joined"])
         # same group and index as a member: a process that knows only the address
         out["join"] = _attempt(lambda: xr.World.join(ctx.address, "rollout", 1,
                                                      num_processes=2, index=0, timeout=4,
                                                      token=None if token is None else "x" * 16))
         if forge:
-            from xreshard.store import connect
+            from xreshard.runtime.store import connect
             store = connect(ctx.address, 10)
             # the members' first collective: process 0 (rollout[0]) writes its payload late
             store.set(f"xreshard/{ctx.world_id}/op1/0", json.dumps(
@@ -227,10 +227,10 @@ def token_world(ctx: Context, token: str | None, forge: bool) -> dict:
                        token=token) as world:
         out["ranks"] = list(world.rank_ids)
         if ctx.role.group == "trainer":
-            from xreshard.store import connect
+            from xreshard.runtime.store import connect
             connect(ctx.address, 10).set(f"xreshard/{ctx.world_id}/joined", "1")
         if forge:
-            from xreshard.store import connect
+            from xreshard.runtime.store import connect
             store = connect(ctx.address, 10)
             store.wait([f"xreshard/{ctx.world_id}/forged"])
             if ctx.role.group == "rollout":
@@ -261,7 +261,7 @@ def test_garbage_payload_is_a_typed_error_without_a_token():
     with xr.serve() as server:
         with xr.World.join(server.address, "solo", 1, num_processes=1, index=0,
                            timeout=5) as world:
-            from xreshard.store import connect
+            from xreshard.runtime.store import connect
             connect(server.address, 5).set("xreshard/default/op1/0", b"\x80not json")
             # the process's own write replaces the garbage; a payload from another step
             # (a replay) is named as such
@@ -402,7 +402,7 @@ def test_verify_catches_a_flipped_byte_on_every_rank():
 
 
 def test_garbage_in_the_join_records_does_not_block_joining():
-    from xreshard.store import connect
+    from xreshard.runtime.store import connect
     with xr.serve() as server:
         store = connect(server.address, 5)
         store.add("xreshard/default/join/n", 5)             # the old slot counter: ignored

@@ -12,12 +12,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import xreshard as xr
-from xreshard import verify
+from xreshard.runtime import verify
 from xreshard.dtypes import ITEMSIZE, numpy_dtype
-from xreshard.execute import view_of
-from xreshard.plan import plan
+from xreshard.runtime.execute import view_of
+from xreshard.planner.plan import plan
 from xreshard.tools.testing import local_arrays_from_global, run_local
-from xreshard.topology import Topology
+from xreshard.ir.topology import Topology
 
 TRAINER = (0, 1, 2, 3)            # process 0: 4 ranks
 ROLLOUT = ((4,), (5,))            # processes 1 and 2: one rank each
@@ -397,7 +397,7 @@ def test_checksum_depends_on_bytes_not_strides_and_streams_in_pieces(monkeypatch
 def test_import_is_light():
     import subprocess
     import sys
-    code = ("import sys, xreshard.verify; "
+    code = ("import sys, xreshard.runtime.verify; "
             "print(sorted(m for m in ('torch', 'jax', 'cupy') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
@@ -410,7 +410,7 @@ def verify_child(ctx, mode):
     """trainer[0] (2 ranks) -> rollout[0], rollout[1]; rollout[1] corrupts one received
     byte in the first call (after the executor ran), then behaves."""
     import xreshard as xr
-    from xreshard import execute
+    from xreshard.runtime import execute
 
     world = ctx.join(groups=["trainer", "rollout"], timeout=60)
     t_ranks, r_ranks = world.group_ranks("trainer"), world.group_ranks("rollout")

@@ -453,7 +453,7 @@ def test_a_binding_error_becomes_an_error_of_the_refit_not_a_raise_here():
     from types import SimpleNamespace
 
     from xreshard.adapters.vllm import XreshardWeightTransferEngine
-    from xreshard.layout import Layout, Mesh
+    from xreshard.ir.layout import Layout, Mesh
 
     def buffers(*args):
         raise RuntimeError("DLPack: cannot export a tensor with negative strides")

@@ -18,7 +18,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from xreshard.adapters import vllm as xv  # noqa: E402
-from xreshard.layout import Layout, Mesh, Region  # noqa: E402
+from xreshard.ir.layout import Layout, Mesh, Region  # noqa: E402
 
 # Tiny Qwen2: V=1000 (padded to 1024), D=128, H=4, KV=2, hd=32, I=256, q/k/v bias, tied.
 # Tiny Llama: V=960 (no padding), D=128, H=8, KV=2, hd=16, I=256, q/k/v/o bias, untied.

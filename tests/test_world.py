@@ -10,9 +10,9 @@ import pytest
 
 from xreshard.errors import RefitError, WorldBroken
 from xreshard.tools.launch import Context, Role, launch
-from xreshard.topology import Topology
+from xreshard.ir.topology import Topology
 from xreshard.transport.base import TransportTimeout
-from xreshard.world import World, parse_address, serve
+from xreshard.runtime.world import World, parse_address, serve
 
 ROLES = [Role("jax", "trainer", 0, num_devices=4), Role("plain", "rollout", 1),
          Role("torch", "rollout", 0)]

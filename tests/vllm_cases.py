@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from xreshard.commcount import count_comm
+from xreshard.runtime.commcount import count_comm
 
 #: a tiny Qwen2: padded vocab (1000 -> 1024 rows), GQA (4 q heads, 2 kv heads), q/k/v bias,
 #: tied embeddings
@@ -147,7 +147,7 @@ def write_model_dir(path: str, seed: int = 0, c: dict = CONFIG) -> None:
 
 def _store(address: str, timeout: float) -> Any:
     import torch.distributed as dist
-    from xreshard.world import parse_address
+    from xreshard.runtime.world import parse_address
 
     host, port = parse_address(address)
     return dist.TCPStore(host, port, is_master=False,
@@ -561,8 +561,8 @@ def stream_errors(ctx: Any) -> dict:
     import torch
     from xreshard.adapters.torch import tensor_view
     from xreshard.adapters.vllm import GROUPS, Stream
-    from xreshard.layout import Layout, Mesh
-    from xreshard.refit import Bound, RefitConfig
+    from xreshard.ir.layout import Layout, Mesh
+    from xreshard.runtime.refit import Bound, RefitConfig
 
     world = ctx.join(groups=GROUPS, timeout=60)
     side = "send" if ctx.role.group == "trainer" else "receive"

@@ -4,16 +4,17 @@ Importing this package imports numpy only; framework bridges live in ``xreshard.
 and import their framework when used.
 """
 
+from . import _moved
 from .errors import (AuthenticationError, BindingError, CollectiveMismatch, CommunicationError,
                      LayoutError, PlanError, RefitError, TransportError, TransportTimeout,
                      VerificationError, WorldBroken, XreshardError)
-from .layout import Layout, Mesh, Region, Split
-from .plan import Plan, PlanCache, PlanStats, Transfer, plan
-from .binding import Bound
-from .commcount import CommCounts, count_comm
-from .refit import Refit, RefitConfig, RefitReport
-from .topology import Topology
-from .world import StoreServer, World, serve
+from .ir.layout import Layout, Mesh, Region, Split
+from .planner.plan import Plan, PlanCache, PlanStats, Transfer, plan
+from .runtime.binding import Bound
+from .runtime.commcount import CommCounts, count_comm
+from .runtime.refit import Refit, RefitConfig, RefitReport
+from .ir.topology import Topology
+from .runtime.world import StoreServer, World, serve
 
 __all__ = [
     "AuthenticationError", "BindingError", "CollectiveMismatch", "CommunicationError",
@@ -23,3 +24,13 @@ __all__ = [
     "Topology", "Transfer", "World", "XreshardError", "count_comm", "plan", "serve",
 ]
 __version__ = "0.1.0"
+
+_moved.install()        # old module paths (xreshard.layout, xreshard.refit, ...) keep working
+
+
+def __getattr__(name: str):
+    """``xreshard.layout`` and the other old module names, as attributes too."""
+    if name in _moved.MOVED:
+        import importlib
+        return importlib.import_module(_moved.MOVED[name])
+    raise AttributeError(f"module 'xreshard' has no attribute {name!r}")

@@ -140,7 +140,7 @@ def plan_summary(model: str, src: str, dst: str, *, layout: str = "per_expert",
             outside the world.
     """
     from .catalog.models import load_model
-    from .plan import plan
+    from .planner.plan import plan
     from .catalog.recipes import RecipeError, parse_recipe, recipe_layouts
 
     m = load_model(model, layout)

@@ -39,7 +39,7 @@ class RefitConfig:
     ``VerificationError`` on every rank and the version does not advance."""
 
     relay: str = "off"
-    """Relay through destination replicas (see :mod:`xreshard.relay`): "off" (the direct
+    """Relay through destination replicas (see :mod:`xreshard.planner.relay`): "off" (the direct
     plan: every destination rank receives its bytes from a source rank), "on" (two stages:
     bytes needed by several destination ranks of one domain - a host - cross to that
     domain once, then its ranks forward them to each other), or "auto" ("on" when some

@@ -26,7 +26,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from xreshard.errors import LayoutError
-from xreshard.layout import Layout, LayoutMemo, Mesh, Region
+from xreshard.ir.layout import Layout, LayoutMemo, Mesh, Region
 
 __all__ = ["array_layout", "bind", "bind_rules", "host_view", "layout_of",
            "tree_names"]
@@ -289,7 +289,7 @@ def host_view(x: Any) -> Any:
         from xreshard.transport.nccl import install_hint
         raise ImportError(f"binding GPU JAX arrays needs CuPy: {install_hint()}") from e
     from xreshard.dtypes import as_dtype, bits_dtype, dtype_name
-    from xreshard.execute import cupy_knows
+    from xreshard.runtime.execute import cupy_knows
 
     name = dtype_name(x.dtype)
     with cupy.cuda.Device(device.local_hardware_id):
@@ -338,7 +338,7 @@ def array_layout(arr: Any, ranks: Mapping[int, int], name: str = "", *,
 
 
 # ---------------------------------------------------------------------------- the refit's hooks
-# (xreshard.registry: the core finds this module by its path and calls these)
+# (xreshard.runtime.registry: the core finds this module by its path and calls these)
 
 LABEL = "JAX arrays"
 
@@ -375,7 +375,7 @@ def keep(tree: Any, side: str) -> Any:
 
 
 def refit_bind(tree: Any, side: str, context: Any) -> Any:
-    """:func:`bind` with what the refit knows (a ``xreshard.registry.BindContext``)."""
+    """:func:`bind` with what the refit knows (a ``xreshard.runtime.registry.BindContext``)."""
     if context.rules is not None:
         if side != "send":
             raise LayoutError("naming rules (Refit(rules=...)) map a JAX pytree being sent "
@@ -426,7 +426,7 @@ def bind(tree: Any, side: str, *, ranks: Mapping[int, int], names: Any = None,
         cache: a dict kept by the caller across calls of one side: the tree's names are
             computed once per tree structure.
     """
-    from xreshard.execute import gc_paused
+    from xreshard.runtime.execute import gc_paused
     with gc_paused():
         return _bind(tree, side, ranks=ranks, names=names, transpose=transpose,
                      memo=LayoutMemo() if memo is None else memo,
@@ -451,8 +451,8 @@ def _bind(tree: Any, side: str, *, ranks: Mapping[int, int], names: Any, transpo
           memo: LayoutMemo, cache: dict) -> Any:
     jax = _import_jax()
     import numpy as np
-    from xreshard.binding import Bound
-    from xreshard.execute import numpy_dtype
+    from xreshard.runtime.binding import Bound
+    from xreshard.runtime.execute import numpy_dtype
 
     rank_of = _rank_of(ranks)
     leaf_names, leaves, treedef = _leaf_names(jax, tree, names, cache)

@@ -9,7 +9,7 @@ interpreter of transforms (:meth:`NameMap.expand`) for two kinds of view:
   never copy; a rule that would need a copy (a transpose followed by a merge of
   non-adjacent dims) is refused. :meth:`NameMap.apply` maps a tree's names and shapes to
   :class:`HFTensor` s of such views.
-* :class:`ShardedView`, a sharded JAX array: its :class:`~xreshard.layout.Layout`, carried
+* :class:`ShardedView`, a sharded JAX array: its :class:`~xreshard.ir.layout.Layout`, carried
   through the transforms by the layout's view algebra (``permuted``, ``reshaped``,
   ``selected``, ``sliced``), and each local shard viewed alongside. :func:`bind_named` binds
   a JAX pytree this way, so the HF tensors are sent from the devices that hold them.
@@ -29,7 +29,7 @@ from typing import Any, Iterable, Iterator, Mapping, Sequence
 import numpy as np
 
 from xreshard.errors import LayoutError
-from xreshard.layout import Layout, Mesh, Region
+from xreshard.ir.layout import Layout, Mesh, Region
 
 from .naming_rules import (HF_IDENTITY, JAX_LLAMA, ConcatRule, Index, NamingError, Reshape,
                            Rule, Slice, Split, Transform, Transpose, Unsqueeze, Unstack,
@@ -508,14 +508,14 @@ def bind_named(tree: Any, namemap: NameMap, ranks: Mapping[int, int], *, memo: A
             adapter's).
 
     Returns:
-        A :class:`~xreshard.binding.Bound`: HF name -> layout, (rank, HF name) -> view.
+        A :class:`~xreshard.runtime.binding.Bound`: HF name -> layout, (rank, HF name) -> view.
 
     Raises:
         NamingError: names no rule maps (or several do), ConcatRules, or a transform the
             sharding does not allow (naming the tensor and the mesh axes).
     """
     from xreshard.adapters import jax as xjax
-    from xreshard.binding import Bound
+    from xreshard.runtime.binding import Bound
 
     flat = dict(xjax.tree_names(tree))
     namemap.check({n: tuple(a.shape) for n, a in flat.items()})

@@ -26,7 +26,7 @@ from typing import Any
 
 from xreshard.dtypes import as_dtype, dtype_name
 from xreshard.errors import LayoutError
-from xreshard.layout import Layout, LayoutMemo, Mesh, Split, splits_of_placements
+from xreshard.ir.layout import Layout, LayoutMemo, Mesh, Split, splits_of_placements
 
 __all__ = ["Sharded", "bind", "layout_of", "placements_of", "tensor_view"]
 
@@ -335,7 +335,7 @@ def _export(t: Any) -> Any:
 
 
 # ---------------------------------------------------------------------------- the refit's hooks
-# (xreshard.registry: the core finds this module by its path and calls these)
+# (xreshard.runtime.registry: the core finds this module by its path and calls these)
 
 LABEL = "torch tensors"
 
@@ -388,7 +388,7 @@ def write_versions(obj: Any) -> dict[str, int]:
 
 
 def refit_bind(obj: Any, side: str, context: Any) -> Any:
-    """:func:`bind` with what the refit knows (a ``xreshard.registry.BindContext``)."""
+    """:func:`bind` with what the refit knows (a ``xreshard.runtime.registry.BindContext``)."""
     if context.rules is not None:
         raise LayoutError("naming rules (Refit(rules=...)) map a JAX pytree being sent; "
                           "torch state dicts are named by their keys (use names= to rename "
@@ -415,7 +415,7 @@ def bind(obj: Any, side: str, *, ranks: RankMap, local_ranks: Sequence[int], nam
         memo: DTensor layouts remembered across calls by spec and rank map (a Refit passes
             its own); None converts every spec anew.
     """
-    from xreshard.execute import gc_paused
+    from xreshard.runtime.execute import gc_paused
     with gc_paused():
         return _bind(obj, side, ranks=ranks, local_ranks=local_ranks, names=names,
                      transpose=transpose, memo=LayoutMemo() if memo is None else memo)
@@ -425,7 +425,7 @@ def _bind(obj: Any, side: str, *, ranks: RankMap, local_ranks: Sequence[int], na
           transpose: frozenset[str], memo: LayoutMemo) -> Any:
     import torch
     from torch.distributed.tensor import DTensor
-    from xreshard.binding import Bound
+    from xreshard.runtime.binding import Bound
 
     items = obj.state_dict().items() if isinstance(obj, torch.nn.Module) else obj.items()
     if len(local_ranks) != 1:

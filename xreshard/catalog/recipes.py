@@ -4,7 +4,7 @@ A recipe string names a framework and its mesh sizes, e.g. ``"megatron:pp=4,ep=1
 ``"vllm:tp=8,dp=16"``, ``"fsdp:dp=8,tp=4"``, ``"jax:fsdp=4,tp=2"``; a missing size is 1.
 ``recipe_layouts(model, recipe, offset)`` turns a model's parameters into
 ``{name: Layout}`` with world ranks numbered from ``offset`` (row-major over the recipe's
-mesh axes, first axis major), ready for ``xreshard.plan``.
+mesh axes, first axis major), ready for ``xreshard.planner.plan``.
 
 Everything framework-specific is in three tables:
 
@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from typing import Any, Iterable, Mapping, Sequence
 
 from ..errors import XreshardError
-from ..layout import Layout, Mesh, Split
+from ..ir.layout import Layout, Mesh, Split
 
 logger = logging.getLogger(__name__)
 

@@ -37,7 +37,7 @@ from typing import Sequence
 import numpy as np
 
 from ..dtypes import itemsize
-from ..schedule import MIN_BUCKET_BYTES
+from ..planner.schedule import MIN_BUCKET_BYTES
 from .traffic import Traffic, pair_messages, split_sizes
 
 __all__ = ["RelayStream", "RelaySchedule", "build_relay", "relay_traffic", "STICKY_BYTES"]
@@ -298,7 +298,7 @@ def _pieces_from_tables(plan, domain: Sequence[int]) -> tuple[list, list]:
     """Step 1 as :func:`_pieces_from_transfers`, from every destination rank's
     ``plan.receive_table``: rows grouped by (domain, tensor, region object) in numpy,
     ``Transfer`` objects built only for same-domain pairs (few)."""
-    from ..plan import Transfer
+    from ..planner.plan import Transfer
     dom = np.asarray(domain, np.int64)
     dst_ranks = sorted({r for lay in {id(v): v for v in plan.dst.values()}.values()
                         for r in lay.ranks})

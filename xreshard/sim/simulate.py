@@ -252,7 +252,7 @@ def simulate(model: str, src: str, dst: str, cluster: str | Cluster, *,
         XreshardError: bad model, recipe, cluster, placement or option.
     """
     from ..catalog.models import load_model
-    from ..plan import plan as make_plan
+    from ..planner.plan import plan as make_plan
     from ..catalog.recipes import parse_recipe, recipe_layouts
     t0 = time.process_time()
     c = load_cluster(cluster)

@@ -1,6 +1,6 @@
 """Messages of a schedule as arrays, and the direct schedule of a whole world, fast.
 
-``xreshard.schedule.schedule`` builds one ``Bucket`` object (with its ``Item`` and
+``xreshard.planner.schedule.schedule`` builds one ``Bucket`` object (with its ``Item`` and
 ``Region`` objects) per message: right for the ranks of one process, far too slow for all
 256 ranks of a DeepSeek-V3 refit (11.8 million messages). :func:`direct_traffic` derives
 the same messages - the same rounds, pairs and byte counts - from the plan's transfers
@@ -28,7 +28,7 @@ from typing import Callable, Iterable, Iterator, Sequence
 import numpy as np
 
 from ..dtypes import itemsize
-from ..schedule import MIN_BUCKET_BYTES, OWN_MESSAGE_BYTES
+from ..planner.schedule import MIN_BUCKET_BYTES, OWN_MESSAGE_BYTES
 
 __all__ = ["Traffic", "split_sizes", "pair_messages", "receive_lists", "PairSequences",
            "pair_sequences", "PairTraffic", "direct_traffic", "Progress"]

@@ -302,7 +302,7 @@ def _trainer(ctx: Any, cfg: DemoConfig) -> dict:
 
     import xreshard as xr
     from xreshard.adapters.jax import tree_names
-    from xreshard.execute import numpy_dtype
+    from xreshard.runtime.execute import numpy_dtype
 
     world = ctx.join(groups=GROUPS, timeout=cfg.timeout)
     rollout_ranks = world.group_ranks("rollout")
@@ -421,7 +421,7 @@ def _torch_group(ctx: Any, cfg: DemoConfig) -> None:
     import datetime
 
     import torch.distributed as dist
-    from xreshard.world import parse_address
+    from xreshard.runtime.world import parse_address
 
     host, port = parse_address(ctx.address)
     timeout = datetime.timedelta(seconds=cfg.timeout)

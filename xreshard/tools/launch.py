@@ -122,7 +122,7 @@ class Context:
 
     def join(self, devices: Any = None, **kwargs: Any) -> Any:
         """``World.join`` as this role; ``kwargs`` go to ``World.join`` (timeout, groups, ...)."""
-        from ..world import World
+        from ..runtime.world import World
 
         kwargs.setdefault("world_id", self.world_id)
         kwargs.setdefault("num_processes", self.num_processes)
@@ -266,7 +266,7 @@ def launch(fn: Callable[..., Any] | str | Sequence[Callable[..., Any] | str],
         LaunchError: some children raised or crashed (when ``check``); the message lists
             them with their tracebacks.
     """
-    from ..world import serve
+    from ..runtime.world import serve
 
     roles = list(roles)
     if isinstance(fn, (str, bytes)) or callable(fn):

@@ -18,9 +18,9 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from ..execute import numpy_dtype, view_of
-from ..layout import Layout
-from ..plan import Plan
+from ..runtime.execute import numpy_dtype, view_of
+from ..ir.layout import Layout
+from ..planner.plan import Plan
 
 from .launch import Context, LaunchError, LaunchTimeout, Result, Role, launch  # noqa: E402
 

@@ -225,7 +225,7 @@ class PeerTransport:
         process_labels: a name per process position, for error messages.
         connect: makes a second client of the store, for the thread that wakes a wait on
             a peer that died. Without it a dead peer is noticed at the timeout.
-        seal: the world's ``xreshard.store.Seal``: records are signed and bound to their
+        seal: the world's ``xreshard.runtime.store.Seal``: records are signed and bound to their
             key, round and writer (None: plain JSON, for tests).
     """
 

@@ -8,7 +8,7 @@ this module runs ``load_weights`` once on *probes*: zero-storage stand-ins for t
 HF tensors that record where each ``copy_`` lands. The result, per TP rank, is a list of
 :class:`Piece` per HF tensor: which region (global HF coordinates) goes into which
 parameter at which slices. :func:`layouts_from_pieces` turns the pieces of all ranks into
-one :class:`~xreshard.layout.Layout` per HF tensor.
+one :class:`~xreshard.ir.layout.Layout` per HF tensor.
 
 Decision record.
 

@@ -17,8 +17,8 @@ import math
 from typing import Any, Iterable, Mapping, Sequence
 
 from xreshard.errors import LayoutError
-from xreshard.layout import Layout, Mesh, Region, Split
-from xreshard.binding import Bound
+from xreshard.ir.layout import Layout, Mesh, Region, Split
+from xreshard.runtime.binding import Bound
 
 from .build import record_workers
 from .record import Piece, RecordError, Recording, dtype_str, import_torch, shard_weight

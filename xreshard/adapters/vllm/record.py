@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterator, Mapping, Sequence
 
 from xreshard.errors import LayoutError, XreshardError
-from xreshard.layout import Region
+from xreshard.ir.layout import Region
 
 __all__ = ["RecordError", "Piece", "Recording", "record_model", "shard_weight",
            "parts_from_full", "view_box", "dtype_str", "import_torch", "import_vllm"]

@@ -12,10 +12,10 @@ import logging
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
 from xreshard.errors import RefitError, XreshardError
-from xreshard.binding import Bound
+from xreshard.runtime.binding import Bound
 from xreshard.config import RefitConfig, RefitReport
-from xreshard.refit import Refit
-from xreshard.world import World
+from xreshard.runtime.refit import Refit
+from xreshard.runtime.world import World
 
 logger = logging.getLogger(__name__)
 
@@ -29,7 +29,7 @@ DEFAULT_WORLD_ID = "xreshard-vllm"
 class Stream:
     """One process's side of streamed refits between a trainer and vLLM workers.
 
-    A round is a sequence of collective :class:`~xreshard.refit.Refit` calls, one per
+    A round is a sequence of collective :class:`~xreshard.runtime.refit.Refit` calls, one per
     group of tensors, so that a worker holds receive buffers for one group at a time
     (:meth:`xreshard.adapters.vllm.EngineRecording.groups`, derived from the recordings and
     the budget). Every process of the world runs the same collectives in the same

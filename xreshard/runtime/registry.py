@@ -7,7 +7,7 @@ is offered to it, and only once its framework is loaded (a torch tensor cannot e
 process that never imported torch). Built-in rows name xreshard's own bridges by module
 path; a third party registers its own::
 
-    xreshard.registry.register_adapter("mlx", "my_pkg.xreshard_mlx", requires="mlx")
+    xreshard.runtime.registry.register_adapter("mlx", "my_pkg.xreshard_mlx", requires="mlx")
 
 An adapter module provides:
 
@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any, Iterable, Mapping
 
-from .errors import RefitError
+from ..errors import RefitError
 
 __all__ = ["AdapterEntry", "BindContext", "adapter_for", "adapters", "identity",
            "register_adapter", "unregister_adapter"]
@@ -88,7 +88,7 @@ class BindContext:
             ``[out, in]`` tensor.
         rules: naming rules (``xreshard.adapters.naming.NameMap`` or a sequence of rules),
             or None; adapters that cannot apply them refuse them.
-        memo: the refit's layout memo (``xreshard.layout.LayoutMemo``), so a refit called
+        memo: the refit's layout memo (``xreshard.ir.layout.LayoutMemo``), so a refit called
             every step converts each sharding once; None: no memo.
         cache: a dict the adapter may keep per refit and side across calls (e.g. the names
             of a pytree structure); the refit empties it when the adapter changes.

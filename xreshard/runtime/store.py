@@ -38,7 +38,7 @@ import socket
 import time
 from typing import Any, Sequence
 
-from .errors import (AuthenticationError, CollectiveMismatch, RefitError, TransportError,
+from ..errors import (AuthenticationError, CollectiveMismatch, RefitError, TransportError,
                      TransportTimeout)
 
 __all__ = ["Seal", "StoreServer", "connect", "parse_address", "serve", "token_from"]

@@ -4,7 +4,7 @@ Which CUDA device holds each rank's bindings (:func:`binding_devices`), whether 
 compute a dtype there (:func:`cupy_knows`), a once-per-device check that the copy kernels
 compile and run (:func:`cuda_preflight`), and :func:`device_problems`, which a refit asks
 before any byte moves so that every process refuses the same refit. Host memory is
-``None`` throughout. Split out of ``execute.py``; ``xreshard.execute`` re-exports every
+``None`` throughout. Split out of ``execute.py``; ``xreshard.runtime.execute`` re-exports every
 public name.
 """
 
@@ -17,10 +17,10 @@ from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
-from .dtypes import numpy_dtype
-from .errors import RefitError
-from .layout import Layout
-from .transport.base import TransportTimeout
+from ..dtypes import numpy_dtype
+from ..errors import RefitError
+from ..ir.layout import Layout
+from ..transport.base import TransportTimeout
 
 #: (rank, tensor name) -> binding
 Bindings = Mapping[tuple[int, str], Any]
@@ -142,7 +142,7 @@ def cuda_preflight(device: int) -> None:
     """
     if device in _PREFLIGHT_DONE:
         return
-    from .transport.nccl_setup import install_hint
+    from ..transport.nccl_setup import install_hint
     try:
         import cupy
     except ImportError as e:

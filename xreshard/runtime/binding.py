@@ -19,9 +19,9 @@ from typing import Any, Callable, Iterable, Mapping
 
 import numpy as np
 
-from .dtypes import dtype_name, numpy_dtype
-from .errors import XreshardError
-from .layout import Layout
+from ..dtypes import dtype_name, numpy_dtype
+from ..errors import XreshardError
+from ..ir.layout import Layout
 
 __all__ = ["Bindings", "Bound", "binding_problems", "side_problems"]
 

@@ -21,9 +21,9 @@ from bisect import bisect_right
 from dataclasses import dataclass
 from typing import Any, Iterator, Mapping, Sequence
 
-from .dtypes import itemsize
-from .errors import PlanError
-from .layout import Layout, Region
+from ..dtypes import itemsize
+from ..errors import PlanError
+from ..ir.layout import Layout, Region
 
 Holders = tuple[int, ...]
 

@@ -7,7 +7,7 @@
   what only the merged layouts can tell.
 
 (Which adapter binds an object, and the framework ids of a process's ranks, are the
-adapters' business: :mod:`xreshard.registry`.)
+adapters' business: :mod:`xreshard.runtime.registry`.)
 
 Pure functions of JSON-able metadata, so every process computes the same result from the
 same gathered descriptions.
@@ -20,9 +20,9 @@ from typing import Any, Mapping
 import json
 
 from .binding import Bound, binding_problems
-from .errors import BindingError, RefitError
-from .layout import Layout, Mesh, Region
-from .plan import Plan, PlanCache, plan
+from ..errors import BindingError, RefitError
+from ..ir.layout import Layout, Mesh, Region
+from ..planner.plan import Plan, PlanCache, plan
 
 __all__ = ["fit", "merge", "plan_from", "union_layout"]
 

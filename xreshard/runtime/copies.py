@@ -1,8 +1,8 @@
 """How the executor copies between views: bits or casts, tiled transposes, wide elements.
 
 Every byte the executor packs, unpacks or copies locally goes through :func:`copy_into`,
-and :mod:`xreshard.verify` hashes through it too, so both see the same bytes. Split out of
-``execute.py``; ``xreshard.execute`` re-exports every public name.
+and :mod:`xreshard.runtime.verify` hashes through it too, so both see the same bytes. Split out of
+``execute.py``; ``xreshard.runtime.execute`` re-exports every public name.
 """
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ from typing import Any, Callable
 
 import numpy as np
 
-from .dtypes import as_dtype, bits, bits_dtype
-from .layout import Layout, Region
+from ..dtypes import as_dtype, bits, bits_dtype
+from ..ir.layout import Layout, Region
 
 __all__ = ["array_module", "copy_into", "view_of", "widened"]
 

@@ -38,13 +38,13 @@ from dataclasses import dataclass
 from typing import Any, Iterator, Mapping, Sequence
 
 from .balance import split_piece
-from .dtypes import dtype_name
-from .errors import PlanError
-from .layout import Layout
+from ..dtypes import dtype_name
+from ..errors import PlanError
+from ..ir.layout import Layout
 from .streams import (Quotas, SenderClasses, Streams, Sub, cut_quotas, lay_streams, piece_at,
                       sender_classes)
 from .templates import MAX_LISTED, PlanCache, build_templates
-from .topology import Topology
+from ..ir.topology import Topology
 
 logger = logging.getLogger(__name__)
 

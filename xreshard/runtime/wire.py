@@ -1,4 +1,4 @@
-"""The wire thread of the pipelined executor (see :mod:`xreshard.execute`).
+"""The wire thread of the pipelined executor (see :mod:`xreshard.runtime.execute`).
 
 Only this thread ever touches the transport while a pipelined run is in progress, so a
 transport needs nothing beyond the grouped protocol of ``transport/base.py`` (NCCL's
@@ -13,8 +13,8 @@ import threading
 import time
 from typing import Any
 
-from .schedule import Bucket
-from .transport.base import Transport, TransportTimeout
+from ..planner.schedule import Bucket
+from ..transport.base import Transport, TransportTimeout
 
 __all__ = ["Wire"]
 

@@ -7,7 +7,7 @@
 4. *Quotas*: each multi-holder stream cut into contiguous ranges, one per holder, from a
    max-flow (balance.py), so the most loaded sender carries the least possible.
 
-Each phase is a pure function returning a read-only value; :class:`xreshard.plan.Plan` is
+Each phase is a pure function returning a read-only value; :class:`xreshard.planner.plan.Plan` is
 built once from them and answers per-rank queries.
 """
 
@@ -19,9 +19,9 @@ from dataclasses import dataclass
 from typing import Callable
 
 from .balance import balance
-from .layout import Region
+from ..ir.layout import Region
 from .templates import Holders, Template, TemplateUse
-from .topology import Topology
+from ..ir.topology import Topology
 
 
 # ---------------------------------------------------------------------------- 2. sender classes

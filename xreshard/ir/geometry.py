@@ -3,7 +3,7 @@ splitting a dim), and the intern tables that make equal meshes and layouts one o
 
 Equal meshes are one object: ``Mesh(...)`` equal to a live mesh returns that mesh, its
 coordinate table built once (as ``jax.sharding.Mesh`` does with its cache). The tables hold
-their values weakly. ``xreshard.layout`` re-exports everything here.
+their values weakly. ``xreshard.ir.layout`` re-exports everything here.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
-from .errors import LayoutError
+from ..errors import LayoutError
 
 __all__ = ["Mesh", "Region", "Split"]
 

@@ -14,15 +14,15 @@ import os
 from typing import Any, Sequence
 
 from .commcount import CountedTransport
-from .errors import RefitError
+from ..errors import RefitError
 from .store import connect, parse_address
-from .transport.base import Transport
-from .transport.local import LocalTransport
-from .transport.routed import RenumberedTransport, RoutedTransport
+from ..transport.base import Transport
+from ..transport.local import LocalTransport
+from ..transport.routed import RenumberedTransport, RoutedTransport
 
 __all__ = ["WorldTransports", "cuda_ordinal", "device_kind"]
 
-logger = logging.getLogger("xreshard.world")
+logger = logging.getLogger("xreshard.runtime.world")
 
 
 def device_kind(device: Any) -> str:
@@ -60,7 +60,7 @@ class WorldTransports:
         """The transport that reaches every pair across processes: "nccl" when every rank
         is a CUDA rank, "gloo" when every rank is a CPU rank; a mixed world is refused
         (``select_backend``). Pairs with a fast path (``route``) bypass it."""
-        from .transport.select import select_backend
+        from ..transport.select import select_backend
         return select_backend(self._rank_kind)
 
     def route(self, src_rank: int, dst_rank: int) -> str:
@@ -93,7 +93,7 @@ class WorldTransports:
         The first call is a collective (every process publishes what it can share and
         probes the others); later calls reuse what it gathered.
         """
-        from .transport.select import choose_routes
+        from ..transport.select import choose_routes
         caps = getattr(self, "_caps", None)
         if caps is None:
             caps = self._caps = self._gather_caps()
@@ -108,7 +108,7 @@ class WorldTransports:
         each rank's device and those they can reach by peer access.
         """
         import secrets
-        from .transport import shm as shm_mod
+        from ..transport import shm as shm_mod
 
         token = secrets.token_hex(5)
         off = ("0", "false", "off")
@@ -121,7 +121,7 @@ class WorldTransports:
             probe = shm_mod.create_probe(token)
         cuda: dict[str, Any] = {"cuda_devices": [], "cuda_reach": []}
         if any(self._rank_kind[r] == "cuda" for r in self._rank_ids):
-            from .transport.cuda_ipc import local_cuda_caps
+            from ..transport.cuda_ipc import local_cuda_caps
             cuda = local_cuda_caps([cuda_ordinal(d) if device_kind(d) == "cuda" else None
                                     for d in self._devices])
         first: list[dict[str, Any]] = []
@@ -173,7 +173,7 @@ class WorldTransports:
         in every process); a world whose pairs all share memory never builds gloo.
 
         What it returns reports to ``xreshard.count_comm()`` counters (a
-        :class:`~xreshard.commcount.CountedTransport` around the cached transport).
+        :class:`~xreshard.runtime.commcount.CountedTransport` around the cached transport).
         """
         self._ensure_open()
         counted = self._counted.get(kind)
@@ -228,7 +228,7 @@ class WorldTransports:
         return made
 
     def _make_shm(self) -> Transport:
-        from .transport.shm import ShmTransport
+        from ..transport.shm import ShmTransport
 
         routes, peers, pids, prefix, labels = self._peer_setup("shm")
         caps, me = self._caps, self._process_index
@@ -256,7 +256,7 @@ class WorldTransports:
         return connect(self._address, self._timeout)
 
     def _make_cuda_ipc(self) -> Transport:
-        from .transport.cuda_ipc import CudaIpcTransport
+        from ..transport.cuda_ipc import CudaIpcTransport
 
         routes, peers, pids, prefix, labels = self._peer_setup("cuda_ipc")
         me = self._process_index
@@ -269,8 +269,8 @@ class WorldTransports:
 
     def _make_nccl(self) -> Transport:
         """One NCCL communicator over every rank (collective, like gloo)."""
-        from .transport.nccl import NcclTransport
-        from .transport.select import select_backend
+        from ..transport.nccl import NcclTransport
+        from ..transport.select import select_backend
 
         select_backend(self._rank_kind, "nccl")       # refuses CPU ranks, naming them
         prefix = self._next_prefix()
@@ -282,7 +282,7 @@ class WorldTransports:
         """An NCCL communicator over ``members`` only (world ranks, ascending), renumbered
         0..len-1 (collective over the whole world: every process advances the prefix; only
         processes with members join NCCL)."""
-        from .transport.nccl import NcclTransport
+        from ..transport.nccl import NcclTransport
 
         prefix = self._next_prefix()
         by_device: dict[Any, int] = {}
@@ -305,7 +305,7 @@ class WorldTransports:
         return RenumberedTransport(inner, index, "nccl")
 
     def _make_gloo(self) -> Transport:
-        from .transport.gloo import GlooTransport, create_gloo_group
+        from ..transport.gloo import GlooTransport, create_gloo_group
 
         prefix = self._next_prefix()
         # gloo's own rendezvous cannot say who is missing; a barrier first can.

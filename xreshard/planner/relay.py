@@ -77,11 +77,11 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping
 
-from .dtypes import itemsize
-from .errors import RefitError
-from .geometry import Region
-from .intervals import chunk
-from .layout import Layout
+from ..dtypes import itemsize
+from ..errors import RefitError
+from ..ir.geometry import Region
+from ..ir.intervals import chunk
+from ..ir.layout import Layout
 from .schedule import Bucket, Schedule, pair_bucket_bytes, peer_counts, schedule
 
 __all__ = ["FORWARD", "RelayLayouts", "overlapped_executor", "overlapped_schedule",
@@ -297,7 +297,7 @@ def overlapped_schedule(plan1: Any, plan2: Any, ranks: Iterable[int], *, bucket_
     Args:
         plan1 / plan2: the stage plans (sources -> stage1_dst, stage2_src -> stage2_dst).
         ranks: the world ranks this process executes.
-        bucket_bytes / staging_bytes: as for :func:`xreshard.schedule.schedule`; every
+        bucket_bytes / staging_bytes: as for :func:`xreshard.planner.schedule.schedule`; every
             rank's pairs of both stages share ``staging_bytes`` in a round.
         overlap: False puts every forward after its sender's last stage-1 round (the
             stages back to back, for comparison).
@@ -412,7 +412,7 @@ def overlapped_executor(stages: Any, src_bindings: Mapping, dst_bindings: Mappin
         dst_bindings: stage 1's destination bindings (:func:`stage_views` of
             ``stage1_dst``).
         real_dst: this process's real destination bindings (for ``dst_layouts``).
-        transport / timeout: as for :class:`xreshard.execute.Executor`.
+        transport / timeout: as for :class:`xreshard.runtime.execute.Executor`.
         ranks: this process's world ranks.
         pipeline: the pipelined executor (rounds of half of ``staging_bytes``) or not.
         bucket_bytes / staging_bytes: the refit's config.
@@ -423,7 +423,7 @@ def overlapped_executor(stages: Any, src_bindings: Mapping, dst_bindings: Mappin
         stage 2's sends), and stage 2's bindings under the tensors' own names (for
         checksums of stage 2 against ``plan2``).
     """
-    from .execute import Executor
+    from ..runtime.execute import Executor
     plan1, plan2, layouts = stages.plan1, stages.plan2, stages.layouts
     ranks = tuple(sorted(ranks))
     key = (ranks, pipeline, bucket_bytes, staging_bytes, OVERLAP)

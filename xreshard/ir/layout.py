@@ -30,8 +30,8 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
-from .dtypes import dtype_name
-from .errors import LayoutError
+from ..dtypes import dtype_name
+from ..errors import LayoutError
 from .geometry import SLOTS, Mesh, Region, Split, interned, new_table
 from .intervals import Interval, chunk, split_intervals
 
@@ -656,7 +656,7 @@ class LayoutMemo:
     with cold caches (benchmarks compare both).
 
     Layouts are interned (equal layouts are one object, caches warm), so this memo only
-    saves an adapter's own conversion work. A :class:`~xreshard.refit.Refit` owns one
+    saves an adapter's own conversion work. A :class:`~xreshard.runtime.refit.Refit` owns one
     (``Refit.layout_memo``) and hands it to its adapters' binds; there is no module state.
     """
 

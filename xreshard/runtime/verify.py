@@ -10,7 +10,7 @@ What is hashed, so both sides hash the same bytes (exact, no tolerance):
 
 - the **sender** hashes what the receiver must end up holding: its source region cast to
   the wire dtype and then to the destination dtype, exactly as the executor casts (the
-  same :func:`xreshard.execute.copy_into`), in the destination dtype's bytes; with equal
+  same :func:`xreshard.runtime.execute.copy_into`), in the destination dtype's bytes; with equal
   dtypes on both sides these are the source bits, hashed in place when the view is one
   contiguous run;
 - the **receiver** hashes its destination region's bytes as they are after the move.
@@ -37,7 +37,7 @@ call, and over any ``SAMPLE_PERIOD`` consecutive refits of one plan every transf
 
 Usage (what ``Refit.__call__`` does; ``target`` is the version this call would commit)::
 
-    from xreshard import verify
+    from xreshard.runtime import verify
 
     stats = executor.run()
     mine = verify.digests(plan, executor, world.rank_ids, sample=config.verify == "sample",
@@ -66,10 +66,10 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import numpy as np
 
-from .dtypes import as_dtype, bits, numpy_dtype
-from .errors import RefitError
+from ..dtypes import as_dtype, bits, numpy_dtype
+from ..errors import RefitError
 from .execute import copy_into, view_of
-from .layout import Layout, Region
+from ..ir.layout import Layout, Region
 
 __all__ = ["Digests", "Mismatch", "checksum", "compare", "digest_bindings", "digests", "key_of",
            "message", "mismatches",
@@ -390,7 +390,7 @@ def digest_bindings(plan: Any, local_ranks: Iterable[int],
     ``(rank, name) -> array``, a list of arrays for explicit layouts).
 
     Args:
-        plan: the refit's :class:`xreshard.plan.Plan` (the same in every process).
+        plan: the refit's :class:`xreshard.planner.plan.Plan` (the same in every process).
         local_ranks: this process's world ranks.
         src_bindings / dst_bindings: this process's bindings of each side.
         mode: ``True`` (every transfer), ``"sample"`` (see the module docstring) or
@@ -616,7 +616,7 @@ def digests(plan: Any, executor: Any, local_ranks: Iterable[int], *, sample: boo
 
     Args:
         plan: the refit's plan.
-        executor: the :class:`xreshard.execute.Executor` that just ran (its bindings are
+        executor: the :class:`xreshard.runtime.execute.Executor` that just ran (its bindings are
             what is hashed).
         local_ranks: this process's world ranks.
         sample: hash the sample (``verify="sample"``) instead of every transfer.

@@ -27,7 +27,7 @@ group, posts, closes it). Device (CUDA) bindings run round after round: their co
 NCCL calls are queued asynchronously on the device's current stream already, and that
 stream is per thread in CuPy, so a second thread would need cross-stream events.
 
-Forwards (a relay, see :mod:`xreshard.relay`): a send may read what an earlier round of the
+Forwards (a relay, see :mod:`xreshard.planner.relay`): a send may read what an earlier round of the
 same run received. The pipelined path then waits for (and unpacks) the earlier rounds
 before packing it, after round k's other sends have gone to the wire:
 
@@ -65,11 +65,11 @@ from .devices import device_alloc as _device_alloc
 from .devices import device_ctx as _device_ctx
 from .devices import host_alloc as _host_alloc
 from .devices import wait_devices as _wait_devices
-from .dtypes import ITEMSIZE, as_dtype, bits_dtype, dtype_name, itemsize, numpy_dtype
-from .errors import RefitError
-from .layout import Layout, Region
-from .schedule import Bucket, Schedule
-from .transport.base import Transport
+from ..dtypes import ITEMSIZE, as_dtype, bits_dtype, dtype_name, itemsize, numpy_dtype
+from ..errors import RefitError
+from ..ir.layout import Layout, Region
+from ..planner.schedule import Bucket, Schedule
+from ..transport.base import Transport
 from .wire import Wire
 
 logger = logging.getLogger(__name__)
@@ -152,7 +152,7 @@ class Executor:
     overwrite or donate sources without a device synchronize.
 
     Args:
-        schedule: this process's buckets (see :mod:`xreshard.schedule`).
+        schedule: this process's buckets (see :mod:`xreshard.planner.schedule`).
         src_layouts / dst_layouts: layouts of every tensor on each side. Their dtypes are
             the truth: a binding may be a raw-bits view of its tensor (see copy_into).
         wire_dtypes: dtype on the wire per tensor.
@@ -170,7 +170,7 @@ class Executor:
             rounds) stays within it times the ranks sharing the arena, else rounds run one
             after another. None: no cap.
         forwarded: source tensors whose bindings are this run's own destination memory
-            (a relay forwards what it received, see :mod:`xreshard.relay`). The schedule
+            (a relay forwards what it received, see :mod:`xreshard.planner.relay`). The schedule
             puts each of their sends in a round after the one that writes its bytes; the
             executor sends them only once the earlier rounds landed (the pipelined path
             waits for them instead of packing ahead), runs their same-rank copies after

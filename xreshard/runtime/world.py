@@ -6,7 +6,7 @@ and the inference engine's own groups. Everything that crosses processes here is
 
 A launcher (or the first process) holds the store server::
 
-    server = xreshard.world.serve()            # port 0: the OS picks a free port
+    server = xreshard.runtime.world.serve()            # port 0: the OS picks a free port
     # hand server.address ("tcp://127.0.0.1:41234") to every process, then in each:
     world = World.join(server.address, "trainer", jax.local_devices(),
                        num_processes=3, index=jax.process_index())
@@ -32,13 +32,13 @@ import threading
 import time
 from typing import Any, Iterator, Mapping, Sequence
 
-from .errors import (AuthenticationError, CollectiveMismatch, CommunicationError, RefitError,
+from ..errors import (AuthenticationError, CollectiveMismatch, CommunicationError, RefitError,
                      WorldBroken)
 from .store import (Seal, StoreServer, connect, parse_address, serve, token_from,
                     wait_keys)
-from .topology import Topology
-from .transport.base import Transport, TransportTimeout
-from .transport.routed import RenumberedTransport, RoutedTransport
+from ..ir.topology import Topology
+from ..transport.base import Transport, TransportTimeout
+from ..transport.routed import RenumberedTransport, RoutedTransport
 from .world_transports import WorldTransports, device_kind
 
 __all__ = ["StoreServer", "World", "RoutedTransport", "RenumberedTransport", "serve",
@@ -229,7 +229,7 @@ class World(WorldTransports):
             token: a secret shared by the world's processes (default ``XRESHARD_TOKEN``,
                 else none): join records and every metadata payload are signed with it, so
                 a process without it can neither join nor inject metadata
-                (``xreshard.store`` says what it does and does not protect).
+                (``xreshard.runtime.store`` says what it does and does not protect).
 
         Returns:
             The joined world.

@@ -26,7 +26,7 @@ A call that changes nothing (the same layouts everywhere) runs two metadata roun
 refit/check before moving and refit/outcome after: the least that still refuses bad input
 on every process before any byte moves.
 
-Objects are bound by the adapter that accepts them (:mod:`xreshard.registry`: the JAX and
+Objects are bound by the adapter that accepts them (:mod:`xreshard.runtime.registry`: the JAX and
 torch bridges, or one a third party registered), or passed as a :class:`Bound`.
 
 Bad input (a ``XreshardError``) is refused at ``refit/check`` or ``refit/schedule``,
@@ -54,16 +54,16 @@ from typing import Any, Callable, Iterable, Mapping
 
 from . import registry
 from .binding import Bound, side_problems
-from .errors import (CommunicationError, RefitError, VerificationError, XreshardError,
+from ..errors import (CommunicationError, RefitError, VerificationError, XreshardError,
                      error_from, error_name)
 from .execute import Executor, gc_paused, pipelined_by_default
-from .config import RefitConfig, RefitReport
-from .layout import LayoutMemo
+from ..config import RefitConfig, RefitReport
+from ..ir.layout import LayoutMemo
 from .metadata import fit, plan_from
-from .plan import Plan, PlanCache
-from .schedule import Schedule, peer_counts, schedule
+from ..planner.plan import Plan, PlanCache
+from ..planner.schedule import Schedule, peer_counts, schedule
 from .handle import Background, RefitHandle
-from .stages import Stages, half_schedule, stages_of
+from ..planner.stages import Stages, half_schedule, stages_of
 
 __all__ = ["Bound", "Refit", "RefitConfig", "RefitHandle", "RefitReport"]
 
@@ -104,7 +104,7 @@ class Refit:
     """A collective weight refit between the processes of a world.
 
     Args:
-        world: the joined :class:`xreshard.world.World`.
+        world: the joined :class:`xreshard.runtime.world.World`.
         send: what this process sends: a JAX pytree, a torch state dict / module, or a
             :class:`Bound`. A JAX pytree is not kept after a call: pass it on every call.
         receive: what this process receives into: a torch state dict / module (written in
@@ -305,7 +305,7 @@ class Refit:
         if relay is None:
             dst_bindings = fit(dst, p.dst_layouts)
         else:       # stage 1 writes views of the real destination memory
-            from .relay import stage_views
+            from ..planner.relay import stage_views
             real_dst = fit(dst, relay.dst_layouts)
             dst_bindings = stage_views(relay.dst_layouts, real_dst, relay.layouts.stage1_dst,
                                        self.world.rank_ids)
@@ -325,7 +325,7 @@ class Refit:
         relay_digests = None
         if relay is not None and relay.plan2 is not None:
             # both stages in one run, forwarding overlapped with arrival (see relay.py)
-            from .relay import overlapped_executor
+            from ..planner.relay import overlapped_executor
             executor, views2 = overlapped_executor(
                 relay, src_bindings, dst_bindings, real_dst, transport, timeout,
                 ranks=self.world.rank_ids, pipeline=pipeline,
@@ -459,7 +459,7 @@ class Refit:
             raise RefitError(f"cannot tell which framework {side}={type(obj).__name__} belongs "
                              "to; pass a JAX pytree, a torch state dict or module, or an "
                              "xreshard Bound (or register an adapter for it: "
-                             "xreshard.registry.register_adapter)")
+                             "xreshard.runtime.registry.register_adapter)")
         entry, module = found
         state = self._sides[side]
         state.module = module

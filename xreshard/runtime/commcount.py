@@ -10,7 +10,7 @@ often, switches counting on around the calls it wants to see::
     counts.sent_to(3)            # bytes this process sent to world rank 3
     counts.rounds                # transport groups (one per executor round)
 
-Every transport a :class:`~xreshard.world.World` hands out is wrapped in
+Every transport a :class:`~xreshard.runtime.world.World` hands out is wrapped in
 :class:`CountedTransport`, which reports each posted send and receive to the counters
 active at that moment (none: one list check per message). Counters are per process, not
 per thread: a refit started with ``Refit.start`` moves bytes on a worker thread and is
@@ -29,7 +29,7 @@ import threading
 from collections import Counter
 from typing import Any, Iterator
 
-from .transport.base import Transport, nbytes_of
+from ..transport.base import Transport, nbytes_of
 
 __all__ = ["CommCounts", "CountedTransport", "count_comm"]
 

@@ -40,7 +40,7 @@ class Background:
 
 
 class RefitHandle:
-    """A refit started with :meth:`xreshard.refit.Refit.start`, running in a background
+    """A refit started with :meth:`xreshard.runtime.refit.Refit.start`, running in a background
     thread.
 
     Args:

@@ -22,8 +22,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Iterable, Mapping, Sequence
 
-from .dtypes import itemsize
-from .layout import Region
+from ..dtypes import itemsize
+from ..ir.layout import Region
 from .plan import Plan, Transfer
 
 #: a bucket never shrinks below this, whatever the staging budget and the peer count (so
