@@ -1,5 +1,6 @@
-"""The cluster model and the refit simulator: hand-computable cases, and the direct
-schedule it replays is the one ``schedule.schedule`` builds."""
+"""The cluster model and the refit simulator: hand-computable cases, and the schedules it
+replays are the executor's: the direct one as ``schedule.schedule`` builds it, the relay
+as ``relay_layouts`` + ``overlapped_schedule`` build it."""
 
 from __future__ import annotations
 
@@ -19,8 +20,10 @@ from xreshard.planner.plan import plan
 from xreshard.catalog.recipes import parse_recipe, recipe_layouts
 from xreshard.planner.schedule import peer_counts, schedule
 from xreshard.sim.engine import Network, maxmin_rates, replay
-from xreshard.sim.relay import build_relay
-from xreshard.sim.traffic import Traffic, direct_traffic, receive_lists, split_sizes
+from xreshard.sim.relay import executor_messages, relay_replays_executor, relay_traffic
+from xreshard.sim.stages import relay_stages, stage2_layouts
+from xreshard.sim.traffic import Traffic, cut_messages, direct_traffic, fill_rounds, \
+    pair_messages, split_sizes
 from xreshard.sim.simulate import SimulationError, lower_bound, simulate, simulate_plan
 
 GB = 1e9
@@ -291,21 +294,136 @@ def replicated_plan(num_dst: int, rows: int = 1024, cols: int = 4096):
     return plan(src, dst)
 
 
+def test_fill_rounds_is_the_scheduler_rule():
+    # the rule of schedule.schedule (no readiness) and of overlapped_schedule (readiness)
+    def rule(nbytes, size, ready):
+        order = np.arange(len(nbytes)) if ready is None else np.argsort(ready, kind="stable")
+        out, rnd, used = [], 0, 0
+        for j in order.tolist():
+            if ready is not None and ready[j] > rnd:
+                rnd, used = int(ready[j]), 0
+            elif used and used + nbytes[j] > size:
+                rnd, used = rnd + 1, 0
+            used += int(nbytes[j])
+            out.append(rnd)
+        return order, out
+    rng = np.random.default_rng(0)
+    for trial in range(2000):
+        n, size = int(rng.integers(0, 60)), int(rng.integers(1, 50))
+        nbytes = rng.integers(1, size + 1, n)
+        ready = None if trial % 2 else rng.integers(1, 30, n)
+        order, rounds = fill_rounds(nbytes, size, ready)
+        want_order, want = rule(nbytes, size, ready)
+        assert np.array_equal(order, want_order) and rounds.tolist() == want
+
+
+def test_cut_messages_is_pair_messages():
+    rng = np.random.default_rng(1)
+    for _ in range(500):
+        size = int(rng.choice([1 << 12, 1 << 16, 1 << 20]))
+        parts = rng.choice([100, 3000, 1 << 15, 1 << 16, size], int(rng.integers(1, 40)))
+        msg, nbytes = cut_messages(parts, size)
+        _, rounds = fill_rounds(nbytes, size)
+        assert list(zip(rounds.tolist(), nbytes.tolist())) == pair_messages(parts.tolist(), size)
+        assert np.array_equal(np.bincount(msg, weights=parts), nbytes)
+
+
+def few_layers(model: str, src: str, dst: str, layers: int = 2, experts: int = 4,
+               vocab: bool = True):
+    """The source and destination layouts of a recipe pair, keeping the embedding, the
+    head, the last norm and the first ``layers`` layers (with ``experts`` experts each):
+    every kind of layout, a few tensors of each (the executor's own schedule, which the
+    relay tests build as a reference, is slow for whole models); ``vocab=False`` drops
+    the embedding and the head too."""
+    import re
+    m = load_model(model)
+    s, d = parse_recipe(src), parse_recipe(dst)
+    src_l, dst_l = recipe_layouts(m, s, 0), recipe_layouts(m, d, s.world_size)
+
+    def keep(name: str) -> bool:
+        layer = re.search(r"layers\.(\d+)\.", name)
+        expert = re.search(r"experts\.(\d+)\.", name)
+        return (layer is None or int(layer.group(1)) < layers) and \
+            (expert is None or int(expert.group(1)) < experts) and \
+            (vocab or not re.search(r"embed|lm_head", name))
+    names = [n for n in src_l if keep(n)]
+    return ({n: src_l[n] for n in names}, {n: dst_l[n] for n in names},
+            s.world_size + d.world_size)
+
+
+@pytest.mark.parametrize("model,src,dst,domain_size", [
+    ("qwen3_30b_a3b", "megatron:pp=2,ep=2,dp=2", "vllm:tp=2,dp=3", 6),   # uneven domains
+    ("qwen3_30b_a3b", "megatron:pp=2,ep=2", "vllm:tp=2,dp=2", 2),
+    ("qwen2_5_0_5b", "fsdp:dp=4", "vllm:tp=2,dp=4", 4),
+])
+def test_relay_stages_are_relay_layouts(model, src, dst, domain_size):
+    from xreshard.planner.relay import relay_layouts
+    from xreshard.sim.relay import domain_topology
+    src_l, dst_l, n = few_layers(model, src, dst, layers=4, experts=16)
+    domain = [r // domain_size for r in range(n)]
+    want = relay_layouts(src_l, dst_l, domain_topology(domain))
+    got = relay_stages(src_l, dst_l, domain)
+    assert got.bytes_relayed == want.bytes_relayed > 0
+    assert got.stage1_dst == want.stage1_dst
+    assert stage2_layouts(got, dst_l) == (want.stage2_src, want.stage2_dst)
+
+
+# the relay the executor runs, replayed message for message: relay_layouts' stages, the
+# stage plans and overlapped_schedule's rounds (readiness of every forward, pieces cut
+# where domains' parts overlap, staging shared by both stages)
+@pytest.mark.parametrize("model,src,dst,domain_size,bucket,staging,vocab", [
+    ("qwen3_30b_a3b", "megatron:pp=2,ep=2,dp=2", "vllm:tp=2,dp=3", 6, 1 << 20, 2 << 20, False),
+    ("qwen3_30b_a3b", "megatron:pp=2,ep=2", "vllm:tp=2,dp=2", 2, 1 << 20, 8 << 20, True),
+    # small buckets: parts land over several rounds, forwards timed piece by piece (the
+    # executor's schedule costs minutes for the embedding's thousands of pieces)
+    ("qwen2_5_0_5b", "fsdp:dp=4", "vllm:tp=2,dp=4", 4, 64 << 10, 256 << 10, False),
+    ("qwen2_5_0_5b", "megatron:dp=2,tp=2", "vllm:dp=4,tp=2", 4, 1 << 20, 4 << 20, True),
+])
+def test_relay_traffic_is_the_executors(model, src, dst, domain_size, bucket, staging, vocab):
+    src_l, dst_l, n = few_layers(model, src, dst, vocab=vocab)
+    p = plan(src_l, dst_l)
+    domain = [r // domain_size for r in range(n)]
+    kw = dict(bucket_bytes=bucket, staging_bytes=staging)
+    relay = relay_traffic(p, domain, **kw).traffic
+    tr = relay.to_traffic()
+    assert tr.forward.any() and (tr.round[tr.forward] > tr.round[~tr.forward].min()).all()
+    assert relay_replays_executor(p, domain, simulated=relay, **kw)
+    # the comparison sees what it claims to: one byte more in one message fails it
+    assert tr.total_bytes == executor_messages(p, domain, **kw).total_bytes
+    sizes = [a.copy() for a in relay.sizes_of]
+    sizes[-1][0] += 1
+    off = type(relay)(relay.src, relay.dst, relay.pattern, relay.rounds_of, sizes,
+                      relay.forward)
+    assert not relay_replays_executor(p, domain, simulated=off, **kw)
+
+
+def test_relay_replays_executor_for_some_ranks():
+    p = replicated_plan(4, rows=256, cols=512)
+    domain = [0, 1, 1, 2, 2]
+    kw = dict(bucket_bytes=16 << 10, staging_bytes=64 << 10)
+    assert relay_replays_executor(p, domain, ranks=[1], **kw)
+    assert relay_replays_executor(p, domain, **kw)
+
+
 def test_relay_chain():
-    # rank 0 in domain 0; ranks 1, 2 in domain 1 both need the 8 MiB tensor
+    # rank 0 in domain 0; ranks 1, 2 in domain 1 both need the 8 MiB tensor: each takes
+    # half over the network (stage 1) and forwards it to the other over NVLink (stage 2)
     p = replicated_plan(2)
     mib = 1 << 20
-    sched = build_relay(p, receive_lists(p), [0, 1, 1], bucket_bytes=mib,
-                        staging_bytes=1 << 30)
-    assert sched.network_bytes == 8 * mib and sched.forwarded_bytes == 8 * mib
-    tr = sched.traffic(p.names, p.wire_dtypes)
-    assert tr.num_rounds == 9 and tr.forward.sum() == 8
-    # two GPUs and one NIC per node: the direct schedule's two copies share both NICs
+    rt = relay_traffic(p, [0, 1, 1], bucket_bytes=mib, staging_bytes=1 << 30)
+    assert rt.stages.bytes_relayed == 8 * mib
+    tr = rt.traffic.to_traffic()
+    assert int(tr.nbytes[~tr.forward].sum()) == 8 * mib == int(tr.nbytes[tr.forward].sum())
+    # 4 rounds of two 1 MiB network chunks, each forwarded the round after it lands
+    assert tr.num_rounds == 5 and sorted(tr.round[tr.forward].tolist()) == [1, 1, 2, 2, 3, 3,
+                                                                           4, 4]
     c = toy(gpus_per_node=2, domain_size=2, nics_per_node=1, network_latency=1e-5,
             nvlink_latency=1e-6)
     pl = Placement((0, 1, 1), (0, 1, 1), (0, 0, 1))
-    # 8 rounds bound by the network chunk, then the last chunk's forward over NVLink
-    want = 8 * (mib / (10 * GB) + 1e-5) + mib / (100 * GB) + 1e-6
+    # round 0: 2 MiB through one NIC; rounds 1-3: the same plus 1 MiB each way over
+    # NVLink (the NIC binds); round 4: the last forwards alone
+    net_round = 2 * mib / (10 * GB) + 1e-5
+    want = 4 * net_round + mib / (100 * GB) + 1e-6
     assert replay(Network(c, pl), tr).seconds == pytest.approx(want)
     # direct: two 8 MiB copies through one NIC out and one NIC in
     direct = direct_traffic(p, bucket_bytes=mib, staging_bytes=1 << 30)
@@ -313,40 +431,13 @@ def test_relay_chain():
         8 * (2 * mib / (10 * GB) + 1e-5))
 
 
-def test_relay_sends_one_copy_per_domain():
-    p = replicated_plan(8, rows=256, cols=256)
-    domain = [0] + [1] * 4 + [2] * 4
-    sched = build_relay(p, receive_lists(p), domain, bucket_bytes=1 << 20,
-                        staging_bytes=1 << 30)
-    assert sched.network_bytes == 2 * 256 * 256 * 2
-    assert sched.forwarded_bytes == 6 * 256 * 256 * 2
-    assert {s.relay for s in sched.streams} <= set(range(1, 9))
-
-
-@pytest.mark.parametrize("src,dst,domain_size", [
-    ("megatron:pp=2,ep=2,dp=2", "vllm:tp=2,dp=3", 6),   # quota-cut pieces; pairs in a domain
-    ("megatron:pp=2,ep=2", "vllm:tp=2,dp=2", 2),
-])
-def test_relay_from_tables_is_relay_from_transfers(src, dst, domain_size):
-    m = load_model("qwen3_30b_a3b")
-    s, d = parse_recipe(src), parse_recipe(dst)
-    p = plan(recipe_layouts(m, s, 0), recipe_layouts(m, d, s.world_size))
-    domain = [r // domain_size for r in range(s.world_size + d.world_size)]
-    kw = dict(bucket_bytes=1 << 20, staging_bytes=8 << 20)
-    a = build_relay(p, receive_lists(p), domain, **kw).traffic(p.names, p.wire_dtypes)
-    b = build_relay(p, None, domain, **kw).traffic(p.names, p.wire_dtypes)
-    assert len(a) > 0
-    for f in ("round", "src", "dst", "nbytes", "forward"):
-        assert np.array_equal(getattr(a, f), getattr(b, f)), f
-
-
-def test_relay_keeps_pairs_inside_a_domain_direct():
+def test_relay_inside_one_domain_is_direct():
     p = replicated_plan(2)
-    sched = build_relay(p, receive_lists(p), [0, 0, 0], bucket_bytes=1 << 20,
-                        staging_bytes=1 << 30)
-    assert sched.streams == () and {(s, d) for s, d, _, _ in sched.direct} == {(0, 1), (0, 2)}
-    tr = sched.traffic(p.names, p.wire_dtypes)
-    assert tr.total_bytes == 2 * (8 << 20) and not tr.forward.any()
+    rt = relay_traffic(p, [0, 0, 0], bucket_bytes=1 << 20, staging_bytes=1 << 30)
+    tr = rt.traffic.to_traffic()
+    assert rt.stages.bytes_relayed == 0 and not tr.forward.any()
+    assert set(zip(tr.src.tolist(), tr.dst.tolist())) == {(0, 1), (0, 2)}
+    assert tr.total_bytes == 2 * (8 << 20)
 
 
 def test_lower_bound_one_domain_ingress():

@@ -204,9 +204,9 @@ def simulate_plan(plan: Any, cluster: Cluster, placement: Placement, *,
         del seqs
         predictions["direct"] = _predict("direct", tr, net, Progress("replay direct", progress))
     if schedule in ("relay", "auto"):
-        nic = list(zip(placement.node, (int(r) for r in net.rank_rail)))
-        tr = relay_traffic(plan, None, placement.domain, bucket_bytes=bucket_bytes,
-                           staging_bytes=staging_bytes, nic=nic)
+        tr = relay_traffic(plan, placement.domain, bucket_bytes=bucket_bytes,
+                           staging_bytes=staging_bytes,
+                           progress=Progress("relay", progress)).traffic
         predictions["relay"] = _predict("relay", tr, net, Progress("replay relay", progress))
     best = min(predictions.values(), key=lambda p: p.seconds)
     bound = lower_bound(plan, net)

@@ -30,8 +30,9 @@ import numpy as np
 from ..dtypes import itemsize
 from ..planner.schedule import MIN_BUCKET_BYTES, OWN_MESSAGE_BYTES
 
-__all__ = ["Traffic", "split_sizes", "pair_messages", "receive_lists", "PairSequences",
-           "pair_sequences", "PairTraffic", "direct_traffic", "Progress"]
+__all__ = ["Traffic", "split_sizes", "pair_messages", "cut_messages", "fill_rounds",
+           "receive_lists", "PairSequences", "pair_sequences", "rank_receives", "RankReceives",
+           "ShapeIds", "plan_itemsizes", "PairTraffic", "direct_traffic", "Progress"]
 
 
 @dataclass(frozen=True)
@@ -107,6 +108,8 @@ class PairTraffic:
     pattern: np.ndarray
     rounds_of: list[np.ndarray]
     sizes_of: list[np.ndarray]
+    forward: np.ndarray | None = None
+    """Per pair: its messages forward bytes a relay received in this refit (None: none do)."""
 
     def __len__(self) -> int:
         counts = np.array([len(r) for r in self.rounds_of], np.int64)
@@ -180,10 +183,11 @@ class PairTraffic:
         if not len(self.pattern):
             return Traffic.of()
         counts = np.array([len(r) for r in self.rounds_of], np.int64)[self.pattern]
+        fwd = (np.zeros(int(counts.sum()), bool) if self.forward is None
+               else np.repeat(self.forward, counts))
         return Traffic(np.concatenate([self.rounds_of[p] for p in self.pattern.tolist()]),
                        np.repeat(self.src, counts), np.repeat(self.dst, counts),
-                       np.concatenate([self.sizes_of[p] for p in self.pattern.tolist()]),
-                       np.zeros(int(counts.sum()), bool))
+                       np.concatenate([self.sizes_of[p] for p in self.pattern.tolist()]), fwd)
 
 
 class Progress:
@@ -246,6 +250,101 @@ def pair_messages(item_sizes: Iterable[int], size: int) -> list[tuple[int, int]]
     return out
 
 
+def cut_messages(part_bytes: np.ndarray, size: int) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`pair_messages`' packing, in numpy: ``(message of each part, message bytes)``
+    for one pair's parts in canonical order. A part of at least ``min(OWN_MESSAGE_BYTES,
+    size)`` is a message of its own; runs of smaller parts share messages up to ``size``."""
+    part_bytes = np.asarray(part_bytes, np.int64)
+    n = len(part_bytes)
+    if n == 0:
+        return np.zeros(0, np.int64), np.zeros(0, np.int64)
+    own = part_bytes >= min(OWN_MESSAGE_BYTES, size)
+    opens = np.ones(n, bool)
+    small = np.flatnonzero(~own)
+    if len(small):
+        # a small part joins the message of the part before it when that one was small
+        # and the message still has room (the only sequential rule: loop over small parts)
+        fill = size
+        prev = -2
+        sizes = part_bytes[small].tolist()
+        for i, nb in zip(small.tolist(), sizes):
+            if i == prev + 1 and fill + nb <= size:
+                opens[i] = False
+                fill += nb
+            else:
+                fill = nb
+            prev = i
+    msg = np.cumsum(opens) - 1
+    return msg, np.bincount(msg, weights=part_bytes).astype(np.int64)
+
+
+def fill_rounds(msg_bytes: np.ndarray, size: int,
+                ready: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Rounds of one pair's messages, filled up to ``size`` bytes each (the scheduler's
+    rule: a message opens a new round when the current one has bytes and would overflow).
+
+    With ``ready`` (the first round each message may run in: a forward waits for the
+    rounds that land its bytes), messages run in order of readiness (stable) and a message
+    not yet ready opens the round it becomes ready in (``relay.overlapped_schedule``).
+
+    Returns:
+        ``(order, rounds)``: the messages' order (``arange`` without ``ready``) and the
+        round of each, in that order (non-decreasing).
+    """
+    n = len(msg_bytes)
+    order = (np.arange(n) if ready is None else np.argsort(ready, kind="stable"))
+    cum = np.concatenate([[0], np.cumsum(np.asarray(msg_bytes, np.int64)[order])])
+    # nxt[i]: where a round that starts at message i ends, by bytes alone (>= i + 1)
+    nxt_arr = np.maximum(np.searchsorted(cum, cum[:-1] + size, side="right") - 1,
+                         np.arange(1, n + 1))
+    starts: list[int] = []
+    values: list[int] = []
+    i, rnd = 0, -1
+    if ready is not None and n:
+        rd_arr = np.asarray(ready, np.int64)[order]
+        top = int(rd_arr[-1])
+        # upto[v]: messages ready by round v
+        upto = np.searchsorted(rd_arr, np.arange(top + 1), side="right").tolist()
+        rd, nxt = rd_arr.tolist(), nxt_arr.tolist()
+        # while some message is not yet ready, one step per round (over lists: a numpy
+        # call per step would cost more than the step)
+        while i < n:
+            rnd = max(rnd + 1, rd[i])
+            if rnd >= top:
+                rnd -= 1
+                break
+            starts.append(i)
+            values.append(rnd)
+            end = min(nxt[i], upto[rnd])
+            i = end if end > i else i + 1
+    # every message ready: the rest is a plain fill, one round per step of nxt
+    rest = _chain(nxt_arr, i, n)
+    counts = np.diff(np.concatenate([np.asarray(starts, np.int64), rest, [n]]))
+    first = np.concatenate([np.asarray(values, np.int64), rnd + 1 + np.arange(len(rest))])
+    return order, np.repeat(first, counts)
+
+
+def _chain(nxt: np.ndarray, i: int, n: int) -> np.ndarray:
+    """``i, nxt[i], nxt[nxt[i]], ...`` while below ``n`` (``nxt[j] > j``), by pointer
+    doubling: log2(n) array passes instead of one Python step per element."""
+    if i >= n:
+        return np.zeros(0, np.int64)
+    jumps = [np.append(np.minimum(nxt, n), n)]
+    while (1 << len(jumps)) <= n - i:
+        jumps.append(jumps[-1][jumps[-1]])
+    steps, p = 0, i
+    for k in range(len(jumps) - 1, -1, -1):
+        if jumps[k][p] < n:
+            p = int(jumps[k][p])
+            steps += 1 << k
+    k_of = np.arange(steps + 1)
+    pos = np.full(steps + 1, i, np.int64)
+    for k, jump in enumerate(jumps):
+        sel = (k_of >> k) & 1 == 1
+        pos[sel] = jump[pos[sel]]
+    return pos
+
+
 def receive_lists(plan, progress: Callable[[int, int], None] | None = None
                   ) -> dict[tuple[int, int], list]:
     """Every transfer of ``plan`` between two different ranks, by (src, dst) pair, in
@@ -289,57 +388,95 @@ class PairSequences:
     shapes: list[tuple[tuple[int, ...], int]]
 
 
+@dataclass(frozen=True)
+class RankReceives:
+    """One destination rank's receives in the scheduler's canonical order: by source rank,
+    then tensor (plan order), then region bounds. ``shape[i]`` indexes the
+    ``(region shape, wire itemsize)`` list the caller keeps; ``starts`` / ``stops`` bound
+    each source's rows; ``table`` and ``region`` locate each row's ``Region``."""
+
+    src: np.ndarray
+    tensor: np.ndarray
+    region: np.ndarray
+    shape: np.ndarray
+    starts: np.ndarray
+    stops: np.ndarray
+    table: object
+
+
+class ShapeIds:
+    """``(region shape, wire itemsize)`` -> a small id, shared over every rank's rows."""
+
+    def __init__(self) -> None:
+        self.ids: dict[tuple[tuple[int, ...], int], int] = {}
+        self.shapes: list[tuple[tuple[int, ...], int]] = []
+
+    def __call__(self, key: tuple[tuple[int, ...], int]) -> int:
+        got = self.ids.get(key)
+        if got is None:
+            got = self.ids[key] = len(self.shapes)
+            self.shapes.append(key)
+        return got
+
+
+def rank_receives(plan, rank: int, isz: np.ndarray, shape_ids: ShapeIds) -> RankReceives:
+    """``rank``'s receives from other ranks (``Plan.receive_table``) in canonical order;
+    ``isz[t]``: the wire itemsize of tensor ``t``."""
+    tb = plan.receive_table(rank)
+    keep = tb.src != rank
+    src, tensor, region = tb.src[keep], tb.tensor[keep], tb.region[keep]
+    if not len(src):
+        e = np.zeros(0, np.int64)
+        return RankReceives(e, e, e, e, e, e, tb)
+    regs = tb.regions
+    # canonical order within a pair: tensor (plan order), then region starts, stops
+    by_bounds = sorted(range(len(regs)), key=lambda k: (regs[k].starts, regs[k].stops))
+    reg_rank = np.empty(len(regs), np.int64)
+    reg_rank[by_bounds] = np.arange(len(regs))
+    combo = region.astype(np.int64) * 64 + isz[tensor]
+    uniq, inverse = np.unique(combo, return_inverse=True)
+    ids = np.fromiter((shape_ids((regs[c // 64].shape, c % 64)) for c in uniq.tolist()),
+                      np.int32, len(uniq))
+    order = np.lexsort((reg_rank[region], tensor, src))
+    s_sorted = src[order]
+    cuts = np.flatnonzero(np.diff(s_sorted)) + 1
+    return RankReceives(s_sorted, tensor[order], region[order],
+                        ids[inverse.reshape(-1)[order]],
+                        np.concatenate([[0], cuts]), np.concatenate([cuts, [len(s_sorted)]]),
+                        tb)
+
+
+def plan_itemsizes(plan) -> np.ndarray:
+    """Wire itemsize of every tensor of ``plan``, in plan order."""
+    return np.array([itemsize(plan.wire_dtypes[n]) for n in plan.names], np.int64)
+
+
 def pair_sequences(plan, progress: Callable[[int, int], None] | None = None
                    ) -> PairSequences:
     """:class:`PairSequences` of ``plan``, one destination rank at a time from
     ``Plan.receive_table`` (no ``Transfer`` objects; memory is the distinct sequences)."""
     dst_ranks = sorted({r for lay in {id(v): v for v in plan.dst.values()}.values()
                         for r in lay.ranks})
-    isz = np.array([itemsize(plan.wire_dtypes[n]) for n in plan.names], np.int64)
-    shape_id: dict[tuple[tuple[int, ...], int], int] = {}
-    shapes: list[tuple[tuple[int, ...], int]] = []
+    isz = plan_itemsizes(plan)
+    shape_ids = ShapeIds()
     seq_id: dict[bytes, int] = {}
     seqs: list[np.ndarray] = []
     pairs: list[tuple[int, int]] = []
     seq_of: list[int] = []
     for i, rank in enumerate(dst_ranks):
-        tb = plan.receive_table(rank)
-        keep = tb.src != rank
-        src, tensor, region = tb.src[keep], tb.tensor[keep], tb.region[keep]
-        if len(src):
-            regs = tb.regions
-            # canonical order within a pair: tensor (plan order), then region starts, stops
-            by_bounds = sorted(range(len(regs)), key=lambda k: (regs[k].starts, regs[k].stops))
-            reg_rank = np.empty(len(regs), np.int64)
-            reg_rank[by_bounds] = np.arange(len(regs))
-            combo = region.astype(np.int64) * 64 + isz[tensor]
-            uniq, inverse = np.unique(combo, return_inverse=True)
-            ids = np.empty(len(uniq), np.int32)
-            for u, c in enumerate(uniq.tolist()):
-                key = (regs[c // 64].shape, c % 64)
-                got = shape_id.get(key)
-                if got is None:
-                    got = shape_id[key] = len(shapes)
-                    shapes.append(key)
-                ids[u] = got
-            order = np.lexsort((reg_rank[region], tensor, src))
-            sid = ids[inverse.reshape(-1)[order]]
-            s_sorted = src[order]
-            cuts = np.flatnonzero(np.diff(s_sorted)) + 1
-            starts = np.concatenate([[0], cuts])
-            stops = np.concatenate([cuts, [len(s_sorted)]])
-            for a, b in zip(starts.tolist(), stops.tolist()):
-                seq = sid[a:b]
-                key_b = seq.tobytes()
-                k = seq_id.get(key_b)
-                if k is None:
-                    k = seq_id[key_b] = len(seqs)
-                    seqs.append(seq.copy())
-                pairs.append((int(s_sorted[a]), rank))
-                seq_of.append(k)
+        got = rank_receives(plan, rank, isz, shape_ids)
+        for a, b in zip(got.starts.tolist(), got.stops.tolist()):
+            seq = got.shape[a:b]
+            key_b = seq.tobytes()
+            k = seq_id.get(key_b)
+            if k is None:
+                k = seq_id[key_b] = len(seqs)
+                seqs.append(seq.copy())
+            pairs.append((int(got.src[a]), rank))
+            seq_of.append(k)
         if progress is not None:
             progress(i + 1, len(dst_ranks))
-    return PairSequences(pairs, seq_of, seqs, shapes)
+    return PairSequences(pairs, seq_of, seqs, shape_ids.shapes)
 
 
 def direct_traffic(plan, sequences: PairSequences | None = None, *, bucket_bytes: int,
