@@ -5,6 +5,7 @@ as ``relay_layouts`` + ``overlapped_schedule`` build it."""
 from __future__ import annotations
 
 import json
+import math
 import sys
 from collections import Counter
 
@@ -22,8 +23,7 @@ from xreshard.planner.schedule import peer_counts, schedule
 from xreshard.sim.engine import Network, maxmin_rates, replay
 from xreshard.sim.relay import executor_messages, relay_replays_executor, relay_traffic
 from xreshard.sim.stages import relay_stages, stage2_layouts
-from xreshard.sim.traffic import Traffic, cut_messages, direct_traffic, fill_rounds, \
-    pair_messages, split_sizes
+from xreshard.sim.traffic import Traffic, cut_messages, direct_traffic, fill_rounds, split_sizes
 from xreshard.sim.simulate import SimulationError, lower_bound, simulate, simulate_plan
 
 GB = 1e9
@@ -317,11 +317,30 @@ def test_fill_rounds_is_the_scheduler_rule():
         assert np.array_equal(order, want_order) and rounds.tolist() == want
 
 
-def test_cut_messages_is_pair_messages():
+def test_cut_messages_is_the_scheduler_packing():
+    from xreshard.ir.layout import Region
+    from xreshard.planner.schedule import _pair_buckets   # noqa: the rule under test
+
+    def pair_messages(sizes, size):
+        # one 1-d item per part (its bytes in bf16 elements); the scheduler's own packing
+        from xreshard.planner.plan import Transfer
+        ts = [Transfer(f"t{i:03d}", Region((0,), (nb // 2,)), 0, 1, nb)
+              for i, nb in enumerate(sizes)]
+        names = {t.name: i for i, t in enumerate(ts)}
+        buckets = _pair_buckets(0, 1, ts, names, size, {n: 2 for n in names})
+        out, rnd, used = [], 0, 0
+        for items in buckets:
+            nb = sum(it.nbytes for it in items)
+            if used and used + nb > size:
+                rnd, used = rnd + 1, 0
+            used += nb
+            out.append((rnd, nb))
+        return out
     rng = np.random.default_rng(1)
     for _ in range(500):
         size = int(rng.choice([1 << 12, 1 << 16, 1 << 20]))
         parts = rng.choice([100, 3000, 1 << 15, 1 << 16, size], int(rng.integers(1, 40)))
+        parts = np.minimum(parts, size)
         msg, nbytes = cut_messages(parts, size)
         _, rounds = fill_rounds(nbytes, size)
         assert list(zip(rounds.tolist(), nbytes.tolist())) == pair_messages(parts.tolist(), size)
@@ -485,18 +504,139 @@ def test_cli_plot_needs_matplotlib(tmp_path, capsys, monkeypatch):
     assert "pip install 'xreshard[plot]'" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("schedule_name", ["relay", "direct"])
-def test_cli_plot(tmp_path, schedule_name):
-    pytest.importorskip("matplotlib")
-    path = tmp_path / "sim.png"
-    assert main(["simulate", "--model", "qwen2_5_0_5b", "--src", "fsdp:dp=2", "--dst",
-                 "vllm:dp=2,tp=2", "--cluster", "dgx-h100", "--schedule", schedule_name,
-                 "--plot", str(path)]) == 0
-    assert path.stat().st_size > 1000
-
-
 def test_import_stays_light():
     import subprocess
     code = ("import sys, xreshard, xreshard.sim.simulate, xreshard.sim.cluster; "
             "print(any(m in sys.modules for m in ('torch', 'jax', 'matplotlib')))")
     assert subprocess.check_output([sys.executable, "-c", code], text=True).strip() == "False"
+
+
+# ---------------------------------------------------------------------------- wire formats
+
+def test_fp8_bytes_by_hand():
+    from xreshard.sim.wire import fp8_bytes, quantized
+    # 256 x 384 bf16, blocks of 128: the whole tensor is 6 blocks, 1 B per element + 4 B
+    assert fp8_bytes((0, 0), (256, 384), (256, 384), 2) == 256 * 384 + 6 * 4
+    # rows 0..112 of it (an fsdp=64-like shard of 7168 rows cuts blocks): no block whole
+    assert fp8_bytes((0, 0), (112, 384), (256, 384), 2) == 112 * 384 * 2
+    # rows 100..256: block row 1 whole (3 blocks), rows 100..128 in bf16
+    assert fp8_bytes((100, 0), (256, 384), (256, 384), 2) == 128 * 384 + 3 * 4 + 28 * 384 * 2
+    # a ragged tail block (200 rows) is whole when the transfer reaches the edge
+    assert fp8_bytes((128, 0), (200, 128), (200, 128), 2) == 72 * 128 + 4
+    # stacked experts [E, rows, cols]: blocks per expert
+    assert fp8_bytes((0, 0, 0), (3, 128, 128), (8, 128, 128), 2) == 3 * (128 * 128 + 4)
+    assert quantized("model.layers.3.mlp.experts.7.down_proj.weight", (7168, 2048))
+    assert quantized("model.layers.3.mlp.experts.gate_up_proj", (256, 4096, 7168))
+    assert quantized("model.layers.0.self_attn.kv_a_proj_with_mqa.weight", (576, 7168))
+    for name in ("model.embed_tokens.weight", "lm_head.weight", "model.layers.3.mlp.gate.weight",
+                 "model.layers.0.input_layernorm.weight", "model.layers.3.mlp.gate."
+                 "e_score_correction_bias"):
+        assert not quantized(name, (129280, 7168) if "weight" in name else (256,)), name
+
+
+def test_delta_bytes_by_hand():
+    from xreshard.sim.wire import DELTA_HEADER, delta_bytes
+    n = 1 << 20                                      # a 2 MiB bf16 bucket
+    dense = np.array([2 * n])
+    # 1%: index runs (8 B per run, ~f(1-f)n runs) + values beat a bitmask (n / 8 B)
+    runs = 8 * math.ceil(0.01 * 0.99 * n) + 0.01 * 2 * n
+    assert delta_bytes(dense, [n], 0.01)[0] == math.ceil(runs) + DELTA_HEADER
+    # 30%: the bitmask wins; everything changed: dense
+    assert delta_bytes(dense, [n], 0.3)[0] == math.ceil(n / 8 + 0.3 * 2 * n) + DELTA_HEADER
+    assert delta_bytes(dense, [n], 1.0)[0] == 2 * n + DELTA_HEADER
+    assert delta_bytes(np.array([0]), [0], 0.01)[0] == 0
+
+
+def test_wire_fp8_halves_what_whole_blocks_cost():
+    kw = dict(gpus=10, schedule="direct", progress=False)
+    base = simulate("qwen3_30b_a3b", "megatron:pp=2,ep=4", "vllm:tp=2", "dgx-h100", **kw)
+    fp8 = simulate("qwen3_30b_a3b", "megatron:pp=2,ep=4", "vllm:tp=2", "dgx-h100",
+                   wire="fp8", **kw)
+    # tp=1 sources hold every block whole, and tp=2 shards (384 expert rows) cut none: the
+    # linear weights cross in ~half the bytes
+    ratio = fp8["bytes_by_link"]["network"] / base["bytes_by_link"]["network"]
+    assert 0.5 < ratio < 0.55 and fp8["seconds"] < 0.6 * base["seconds"]
+    assert fp8["lower_bound_seconds"] < base["lower_bound_seconds"]
+    assert fp8["wire"]["format"] == "fp8" and "FP8" in fp8["wire"]["describe"]
+    # fsdp over 48 ranks cuts the 2048-row weights into 42/43-row shards: no whole block,
+    # so every byte of them travels in bf16 (to be quantized by the receiver)
+    kw["gpus"] = 50
+    base = simulate("qwen3_30b_a3b", "fsdp:dp=48", "vllm:tp=2", "dgx-h100", **kw)
+    fp8 = simulate("qwen3_30b_a3b", "fsdp:dp=48", "vllm:tp=2", "dgx-h100", wire="fp8", **kw)
+    assert fp8["bytes_by_link"]["network"] > 0.9 * base["bytes_by_link"]["network"]
+
+
+def test_wire_delta_shrinks_messages_not_rounds():
+    kw = dict(gpus=8, schedule="auto", progress=False)
+    base = simulate("qwen2_5_0_5b", "megatron:dp=2,tp=2", "vllm:tp=2,dp=2", "dgx-h100", **kw)
+    delta = simulate("qwen2_5_0_5b", "megatron:dp=2,tp=2", "vllm:tp=2,dp=2", "dgx-h100",
+                     delta=0.01, **kw)
+    for k in ("direct", "relay"):
+        b, d = base["schedules"][k], delta["schedules"][k]
+        assert d["num_rounds"] == b["num_rounds"] and d["num_messages"] == b["num_messages"]
+        moved = sum(d["bytes_by_link"].values()) / sum(b["bytes_by_link"].values())
+        assert 0.04 < moved < 0.06 and d["seconds"] < 0.2 * b["seconds"]
+    with pytest.raises(SimulationError, match="not priced"):
+        simulate("qwen2_5_0_5b", "fsdp:dp=2", "vllm:tp=2", "dgx-h100", wire="fp8",
+                 delta=0.01)
+
+
+# ---------------------------------------------------------------------------- sites
+
+def test_sites_cross_through_each_nodes_site_link():
+    # ranks 0, 1 on node 0 (site 0); rank 2 on node 1 (site 1): both messages cross into
+    # site 1 through node 1's one site link (1 GB/s), not the NICs (10 GB/s)
+    c = toy(gpus_per_node=2, domain_size=2, site_bw=1 * GB, site_latency=1e-3)
+    pl = Placement((0, 0, 1), (0, 0, 1), (0, 1, 0), (0, 0, 1))
+    net = Network(c, pl)
+    links, kind = net.paths(np.array([0, 1]), np.array([2, 2]))
+    assert [net.describe_link(int(x))[1] for x in links[0, 2:]] == [
+        "site link out of node 0", "site link in of node 1"]
+    assert run_traffic(c, pl, [(0, 0, 2, 10**9), (0, 1, 2, 10**9)]) == pytest.approx(2 + 1e-3)
+    p = replicated_plan(1, rows=1024, cols=512)              # 1 MiB from rank 0 to rank 1
+    pl2 = Placement((0, 1), (0, 1), (0, 0), (0, 1))
+    lb = lower_bound(p, Network(c, pl2))
+    assert lb["by"] == "site link ingress" and lb["seconds"] == pytest.approx(
+        (1 << 20) / (1 * GB + 0), rel=0.02)
+    with pytest.raises(ClusterError, match="has no site links"):
+        Network(toy(), Placement((0, 1), (0, 1), (0, 0), (0, 1)))
+
+
+def test_xdc_preset_puts_each_job_in_its_own_site():
+    c = load_cluster("xdc-h100")
+    pl = default_placement(c, [16, 8])
+    assert pl.sites == (0,) * 16 + (1,) * 8
+    assert Placement.from_dict(json.loads(json.dumps(pl.to_dict()))) == pl
+    out = simulate("qwen2_5_0_5b", "fsdp:dp=16", "vllm:tp=2,dp=4", "xdc-h100", gpus=24,
+                   progress=False)
+    assert set(out["bytes_by_link"]) == {"nvlink", "network", "site"}
+    assert out["bytes_by_link"]["site"] == out["bytes_moved"]
+    assert out["critical"]["link"] == "site"
+
+
+# ---------------------------------------------------------------------------- pictures
+
+def test_busy_raster_by_hand():
+    from xreshard.sim.engine import Replay
+    from xreshard.sim.plot import busy_raster
+    # two rounds of 1 s; rank 0 busy 0.5 s (network) in round 0, rank 1 1 s (forward) in
+    # round 1: 4 pixels of 0.5 s
+    busy = [np.array([[0.5, 0, 0], [0, 0, 0]]), np.array([[0, 0, 0], [0, 0, 1.0]])]
+    rep = Replay(2.0, np.array([0.0, 1.0]), np.array([1.0, 1.0]), None, -1, 0, 2, busy)
+    r = busy_raster(rep, 2, 2.0, width=4)
+    assert r[0, :, 0].tolist() == [1, 0, 0, 0] and r[1, :, 2].tolist() == [0, 0, 1, 1]
+    assert r.sum() == 3
+
+
+@pytest.mark.parametrize("schedule_name", ["auto", "direct"])
+def test_cli_plot(tmp_path, capsys, schedule_name):
+    pytest.importorskip("matplotlib")
+    path = tmp_path / "sim.png"
+    assert main(["simulate", "--model", "qwen2_5_0_5b", "--src", "fsdp:dp=2", "--dst",
+                 "vllm:dp=2,tp=2", "--cluster", "dgx-h100", "--schedule", schedule_name,
+                 "--plot", str(path)]) == 0
+    assert f"xreshard simulate: wrote {path}" in capsys.readouterr().err
+    import matplotlib.image
+    img = matplotlib.image.imread(str(path))
+    rows = 2 if schedule_name == "auto" else 1                 # one row per schedule
+    assert img.shape[1] == 1440 and img.shape[0] == int(90 * (1.2 + 3.6 * rows))

@@ -30,11 +30,11 @@ from typing import Any, Callable, Iterable, Sequence
 
 import numpy as np
 
-from ..dtypes import itemsize
-from ..planner.schedule import pair_bucket_bytes, split_region
+from ..planner.schedule import pair_bucket_bytes
 from .stages import RelayStages, relay_stages
-from .traffic import PairTraffic, RankReceives, ShapeIds, Traffic, cut_messages, \
-    fill_rounds, plan_itemsizes, rank_receives, split_sizes
+from .traffic import PairTraffic, PartTable, Pattern, RankReceives, ShapeIds, Traffic, \
+    WireKeys, cut_messages, fill_rounds, pair_pattern, rank_receives
+from .wire import Wire, wire_regions
 
 __all__ = ["RelayTraffic", "relay_traffic", "domain_topology", "executor_messages",
            "relay_replays_executor"]
@@ -59,54 +59,6 @@ class RelayTraffic:
     traffic: PairTraffic
     stages: RelayStages
     plan1: Any
-
-
-class _Parts:
-    """Byte sizes of the parts ``split_region`` cuts regions into, per (shape id, bucket
-    size), for many rows at once."""
-
-    def __init__(self, shapes: list[tuple[tuple[int, ...], int]]):
-        self.shapes = shapes
-        self.memo: dict[int, tuple[int, np.ndarray, np.ndarray, np.ndarray]] = {}
-
-    def expand(self, shape: np.ndarray, size: int) -> tuple[np.ndarray, np.ndarray]:
-        """``(part bytes, row of each part)`` of rows whose shape ids are ``shape``."""
-        got = self.memo.get(size)
-        if got is None or got[0] < len(self.shapes):
-            parts = [split_sizes(*s, size) for s in self.shapes]
-            count = np.array([len(p) for p in parts], np.int64)
-            first = np.concatenate([[0], np.cumsum(count)[:-1]]).astype(np.int64)
-            got = self.memo[size] = (len(self.shapes), count, first,
-                                     np.array([x for p in parts for x in p], np.int64))
-        _, count, first, flat = got
-        c = count[shape]
-        if len(c) == 0 or int(c.max()) == 1:
-            return flat[first[shape]], np.arange(len(shape))
-        row = np.repeat(np.arange(len(shape)), c)
-        start = np.repeat(first[shape] - (np.cumsum(c) - c), c)
-        return flat[start + np.arange(int(c.sum()))], row
-
-
-@dataclass(frozen=True)
-class _Pattern:
-    """One pair's messages (round and bytes of each, in round order) and, per item (a
-    transfer, in canonical order), the rounds its parts land in."""
-
-    rounds: np.ndarray
-    sizes: np.ndarray
-    size: int                   # the pair's bucket size
-    part_round: np.ndarray
-    item_parts: np.ndarray      # where each item's parts start in part_round, then the end
-
-
-def _stage1_pattern(shape_seq: np.ndarray, size: int, parts: _Parts) -> _Pattern:
-    """The scheduler's messages of one stage-1 pair whose items have shape ids
-    ``shape_seq``."""
-    part_bytes, row = parts.expand(shape_seq, size)
-    msg, msg_bytes = cut_messages(part_bytes, size)
-    _, rounds = fill_rounds(msg_bytes, size)
-    starts = np.searchsorted(row, np.arange(len(shape_seq) + 1))
-    return _Pattern(rounds, msg_bytes, size, rounds[msg], starts)
 
 
 class _Forwards:
@@ -141,16 +93,16 @@ class _Forwards:
         self.relays = np.unique(takers).tolist()
         self._bounds = np.searchsorted(takers, np.array(self.relays + [len(takers) and
                                                                        takers[-1] + 1]))
-        self.isz = np.array([itemsize(dst_layouts[n].dtype) for n in stages.names], np.int64)
         self.pairs = sorted({(f.taker, x) for f, _ in flat for x in f.targets})
         self.shape = np.zeros(len(self.fid), np.int64)
 
-    def name_shapes(self, shape_ids: ShapeIds) -> None:
-        """Give every row its (part shape, stage-2 itemsize) id: stage 2 moves the
-        destination's dtype (stage 1 already cast)."""
-        key = self.fid * 16 + self.isz[self.tensor]
-        uniq, inverse = np.unique(key, return_inverse=True)
-        ids = np.fromiter((shape_ids((self.regions[u // 16].shape, u % 16))
+    def name_shapes(self, shape_ids: ShapeIds, keys: WireKeys) -> None:
+        """Give every row its (piece shape, wire cost) id; stage 2 moves the destination's
+        dtype (stage 1 already cast)."""
+        width = len(keys.specs)
+        code = self.fid * width + keys.cls[self.tensor]
+        uniq, inverse = np.unique(code, return_inverse=True)
+        ids = np.fromiter((shape_ids(keys.key(u % width, self.regions[u // width]))
                            for u in uniq.tolist()), np.int64, len(uniq))
         self.shape = ids[inverse.reshape(-1)]
 
@@ -166,9 +118,9 @@ class _Arrivals:
     as ``relay._ready`` does)."""
 
     def __init__(self, relay: int, rec: RankReceives, stages: RelayStages,
-                 patterns: list[_Pattern], pair_pattern: dict[tuple[int, int], int],
-                 isz1: np.ndarray):
-        self.rec, self.patterns, self.isz1 = rec, patterns, isz1
+                 patterns: list[Pattern], pair_pattern: dict[tuple[int, int], int],
+                 shapes: list[tuple[tuple[int, ...], Any]]):
+        self.rec, self.patterns, self.shapes = rec, patterns, shapes
         first, last, pat, pos = [], [], [], []
         for a, b in zip(rec.starts.tolist(), rec.stops.tolist()):
             k = pair_pattern[(int(rec.src[a]), relay)]
@@ -207,8 +159,8 @@ class _Arrivals:
         assert (self.codes[i] == code).all(), "a forwarded part never arrived in stage 1"
         return self.ready[i], self.uniform[i]
 
-    def exact(self, code: int, region: Any, isz2: int, size: int) -> np.ndarray:
-        """Ready round of each piece ``split_region(region, isz2, size)`` of part
+    def exact(self, code: int, region: Any, wire: Any, size: int) -> np.ndarray:
+        """Ready round of each piece ``wire_regions(region, wire, size)`` of part
         ``code``: one after the last stage-1 round landing bytes that overlap it."""
         got = self._exact.get((code, size))
         if got is not None:
@@ -218,12 +170,12 @@ class _Arrivals:
         for row in self.order[self.cut[g]:self.cut[g + 1]].tolist():
             p = self.patterns[int(self.pat[row])]
             k = int(self.pos[row])
-            boxes = split_region(self.rec.table.regions[int(self.rec.region[row])],
-                                 int(self.isz1[int(self.rec.tensor[row])]), p.size)
+            boxes = wire_regions(self.rec.table.regions[int(self.rec.region[row])],
+                                 self.shapes[int(self.rec.shape[row])][1], p.size)
             lo.extend(b.starts for b in boxes)
             hi.extend(b.stops for b in boxes)
             rnd.append(p.part_round[p.item_parts[k]:p.item_parts[k + 1]])
-        pieces = split_region(region, isz2, size)
+        pieces = wire_regions(region, wire, size)
         q_lo = np.array([q.starts for q in pieces], np.int64)[:, None, :]
         q_hi = np.array([q.stops for q in pieces], np.int64)[:, None, :]
         a_lo, a_hi = np.array(lo, np.int64)[None], np.array(hi, np.int64)[None]
@@ -248,11 +200,11 @@ def _containing(held: Sequence[Any], region: Any, rank: int) -> int:
 
 
 def _forward_pattern(fwd: _Forwards, rows: np.ndarray, arrived: _Arrivals, size: int,
-                     parts: _Parts) -> _Pattern:
+                     parts: PartTable, wire: Wire) -> Pattern:
     """The messages of one stage-2 pair forwarding ``rows`` (in the scheduler's order):
     cut as the scheduler cuts them, each ready when all its pieces' bytes have landed at
     the relay, then rounds filled as ``overlapped_schedule`` fills them."""
-    part_bytes, prow = parts.expand(fwd.shape[rows], size)
+    part_bytes, part_elems, prow = parts.expand(fwd.shape[rows], size)
     code = fwd.tensor[rows] * _PARTS + fwd.part[rows]
     ready, uniform = arrived.lookup(code)
     part_ready = ready[prow]
@@ -263,44 +215,50 @@ def _forward_pattern(fwd: _Forwards, rows: np.ndarray, arrived: _Arrivals, size:
             row = int(rows[i])
             part_ready[at[i]:at[i + 1]] = arrived.exact(
                 int(code[i]), fwd.regions[int(fwd.fid[row])],
-                int(fwd.isz[int(fwd.tensor[row])]), size)
+                parts.shapes[int(fwd.shape[row])][1], size)
     msg, msg_bytes = cut_messages(part_bytes, size)
     first = np.flatnonzero(np.diff(msg, prepend=-1))
     msg_ready = np.maximum.reduceat(part_ready, first) if len(first) else part_ready[:0]
     order, rounds = fill_rounds(msg_bytes, size, msg_ready)
-    return _Pattern(rounds, msg_bytes[order], size, rounds[:0], np.zeros(1, np.int64))
+    if wire.delta is not None:
+        msg_bytes = wire.encode(msg_bytes, np.bincount(msg, weights=part_elems,
+                                                       minlength=len(msg_bytes)))
+    return Pattern(rounds, msg_bytes[order], size, rounds[:0], np.zeros(1, np.int64))
 
 
 def relay_traffic(plan: Any, domain: Sequence[int], *, bucket_bytes: int,
-                  staging_bytes: int, progress: Callable[[int, int], None] | None = None
-                  ) -> RelayTraffic:
+                  staging_bytes: int, progress: Callable[[int, int], None] | None = None,
+                  wire: Wire | None = None) -> RelayTraffic:
     """The messages of ``plan``'s refit with ``RefitConfig(relay="on")`` when rank ``r``
     lives in NVLink domain ``domain[r]`` (declared as its host); ``bucket_bytes`` and
-    ``staging_bytes`` as ``overlapped_schedule`` takes them.
+    ``staging_bytes`` as ``overlapped_schedule`` takes them; each message's bytes as
+    ``wire`` says (default: the plan's dtypes).
 
     Returns:
         A :class:`RelayTraffic`: the stage-1 pairs (sorted), then the stage-2 pairs.
     """
     from ..planner.plan import plan as make_plan
+    wire = wire if wire is not None else Wire()
     stages = relay_stages(plan.src_layouts, plan.dst_layouts, domain)
     plan1 = make_plan(plan.src_layouts, stages.stage1_dst, domain_topology(domain),
                       wire_dtype=dict(plan.wire_dtypes))
     assert plan1.names == stages.names
     fwd = _Forwards(stages, plan.dst_layouts)
-    isz1 = plan_itemsizes(plan1)
+    keys1 = WireKeys(plan1, wire)
+    keys2 = WireKeys(plan1, wire, {n: lay.dtype for n, lay in plan.dst_layouts.items()})
     shape_ids = ShapeIds()
     dst_ranks = sorted({r for lay in {id(v): v for v in plan1.dst.values()}.values()
                         for r in lay.ranks})
     steps = len(dst_ranks) + len(fwd.relays)
     receives: dict[int, RankReceives] = {}
     for i, r in enumerate(dst_ranks):
-        receives[r] = rank_receives(plan1, r, isz1, shape_ids)
+        receives[r] = rank_receives(plan1, r, keys1, shape_ids)
         if progress is not None:
             progress(i + 1, steps)
-    fwd.name_shapes(shape_ids)
+    fwd.name_shapes(shape_ids, keys2)
     pairs1 = [(int(rec.src[a]), r) for r, rec in receives.items() for a in rec.starts.tolist()]
     counts = dict(Counter(x for p in pairs1 + fwd.pairs for x in p))
-    parts = _Parts(shape_ids.shapes)
+    parts = PartTable(shape_ids.shapes)
 
     def size_of(a: int, b: int) -> int:
         return pair_bucket_bytes(a, b, counts, bucket_bytes=bucket_bytes,
@@ -308,8 +266,8 @@ def relay_traffic(plan: Any, domain: Sequence[int], *, bucket_bytes: int,
 
     # stage 1: one pattern per (bucket size, item sequence), as the direct schedule
     memo: dict[tuple[int, bytes], int] = {}
-    patterns: list[_Pattern] = []
-    pair_pattern: dict[tuple[int, int], int] = {}
+    patterns: list[Pattern] = []
+    pair_of: dict[tuple[int, int], int] = {}
     for r, rec in receives.items():
         for a, b in zip(rec.starts.tolist(), rec.stops.tolist()):
             s = int(rec.src[a])
@@ -317,12 +275,12 @@ def relay_traffic(plan: Any, domain: Sequence[int], *, bucket_bytes: int,
             seq = rec.shape[a:b]
             k = memo.setdefault((size, seq.tobytes()), len(patterns))
             if k == len(patterns):
-                patterns.append(_stage1_pattern(seq, size, parts))
-            pair_pattern[(s, r)] = k
+                patterns.append(pair_pattern(seq, size, parts, wire))
+            pair_of[(s, r)] = k
     # stage 2: per relay, when each part it took has landed, then each pair's messages
-    forward_pattern: dict[tuple[int, int], int] = {}
+    forward_of: dict[tuple[int, int], int] = {}
     for i, relay in enumerate(fwd.relays):
-        arrived = _Arrivals(relay, receives[relay], stages, patterns, pair_pattern, isz1)
+        arrived = _Arrivals(relay, receives[relay], stages, patterns, pair_of, shape_ids.shapes)
         rows = np.arange(len(fwd.tensor))[fwd.rows_of(i)]
         ids = np.unique(fwd.targets[rows]).tolist()
         targets = sorted({x for j in ids for x in fwd.target_sets[j]})
@@ -335,15 +293,15 @@ def relay_traffic(plan: Any, domain: Sequence[int], *, bucket_bytes: int,
                 sel = rows if len(wanted) == len(ids) else rows[np.isin(fwd.targets[rows],
                                                                         wanted)]
                 k = memo2[key] = len(patterns)
-                patterns.append(_forward_pattern(fwd, sel, arrived, key[0], parts))
-            forward_pattern[(relay, t)] = k
+                patterns.append(_forward_pattern(fwd, sel, arrived, key[0], parts, wire))
+            forward_of[(relay, t)] = k
         if progress is not None:
             progress(len(dst_ranks) + i + 1, steps)
-    keys = sorted(pair_pattern) + sorted(forward_pattern)
+    keys = sorted(pair_of) + sorted(forward_of)
     ends = np.array(keys, np.int32).reshape(-1, 2)
-    pattern = np.array([pair_pattern[p] for p in sorted(pair_pattern)]
-                       + [forward_pattern[p] for p in sorted(forward_pattern)], np.int32)
-    forward = np.repeat([False, True], [len(pair_pattern), len(forward_pattern)])
+    pattern = np.array([pair_of[p] for p in sorted(pair_of)]
+                       + [forward_of[p] for p in sorted(forward_of)], np.int32)
+    forward = np.repeat([False, True], [len(pair_of), len(forward_of)])
     traffic = PairTraffic(ends[:, 0].copy(), ends[:, 1].copy(), pattern,
                           [p.rounds for p in patterns], [p.sizes for p in patterns], forward)
     return RelayTraffic(traffic, stages, plan1)

@@ -23,16 +23,18 @@ import sys
 import time
 from dataclasses import dataclass
 from functools import cached_property, lru_cache
-from typing import Callable, Iterable, Iterator, Sequence
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import numpy as np
 
 from ..dtypes import itemsize
 from ..planner.schedule import MIN_BUCKET_BYTES, OWN_MESSAGE_BYTES
+from .wire import Wire, wire_parts
 
-__all__ = ["Traffic", "split_sizes", "pair_messages", "cut_messages", "fill_rounds",
-           "receive_lists", "PairSequences", "pair_sequences", "rank_receives", "RankReceives",
-           "ShapeIds", "plan_itemsizes", "PairTraffic", "direct_traffic", "Progress"]
+__all__ = ["Traffic", "split_sizes", "cut_messages", "fill_rounds",
+           "PairSequences", "pair_sequences", "rank_receives", "RankReceives",
+           "ShapeIds", "WireKeys", "PartTable", "Pattern", "pair_pattern",
+           "PairTraffic", "direct_traffic", "Progress"]
 
 
 @dataclass(frozen=True)
@@ -191,21 +193,25 @@ class PairTraffic:
 
 
 class Progress:
-    """``label: i/n`` on stderr, only when stderr is a terminal, at most 5 times a second."""
+    """``label: i/n`` (or ``label: what (i/n)``) on stderr, only when stderr is a terminal
+    (``enabled=None``), at most 5 times a second, the last one on its own line."""
 
     def __init__(self, label: str, enabled: bool | None = None) -> None:
         self.label = label
         self.enabled = sys.stderr.isatty() if enabled is None else enabled
         self._last = 0.0
+        self._width = 0
 
-    def __call__(self, i: int, n: int) -> None:
+    def __call__(self, i: int, n: int, what: str = "") -> None:
         if not self.enabled:
             return
         now = time.monotonic()
-        if now - self._last >= 0.2 or i == n:
+        if now - self._last >= 0.2 or i == n or what:
             self._last = now
-            end = "\n" if i == n else ""
-            print(f"\r{self.label}: {i}/{n}", end=end, file=sys.stderr, flush=True)
+            text = f"{self.label}: {what} ({i}/{n})" if what else f"{self.label}: {i}/{n}"
+            pad = " " * max(0, self._width - len(text))     # cover a longer line before
+            self._width = len(text)
+            print(f"\r{text}{pad}", end="\n" if i == n else "", file=sys.stderr, flush=True)
 
 
 @lru_cache(maxsize=65536)
@@ -224,36 +230,11 @@ def split_sizes(shape: tuple[int, ...], isz: int, max_bytes: int) -> tuple[int, 
     return split_sizes((1,) * (d + 1) + tuple(shape[d + 1:]), isz, max_bytes) * n
 
 
-def pair_messages(item_sizes: Iterable[int], size: int) -> list[tuple[int, int]]:
-    """``(round, bytes)`` of one pair's messages from its item sizes in canonical order
-    (``schedule._pair_buckets`` then the round fill of ``schedule.schedule``)."""
-    messages: list[int] = []
-    fill = size
-    own = min(OWN_MESSAGE_BYTES, size)
-    for nb in item_sizes:
-        if nb >= own:
-            messages.append(nb)
-            fill = size
-            continue
-        if fill + nb > size:
-            messages.append(0)
-            fill = 0
-        messages[-1] += nb
-        fill += nb
-    out = []
-    rnd = used = 0
-    for nb in messages:
-        if used and used + nb > size:
-            rnd, used = rnd + 1, 0
-        used += nb
-        out.append((rnd, nb))
-    return out
-
-
 def cut_messages(part_bytes: np.ndarray, size: int) -> tuple[np.ndarray, np.ndarray]:
-    """:func:`pair_messages`' packing, in numpy: ``(message of each part, message bytes)``
-    for one pair's parts in canonical order. A part of at least ``min(OWN_MESSAGE_BYTES,
-    size)`` is a message of its own; runs of smaller parts share messages up to ``size``."""
+    """The scheduler's packing (``schedule._pair_buckets``), in numpy: ``(message of each
+    part, message bytes)`` for one pair's parts in canonical order. A part of at least
+    ``min(OWN_MESSAGE_BYTES, size)`` is a message of its own; runs of smaller parts share
+    messages up to ``size``."""
     part_bytes = np.asarray(part_bytes, np.int64)
     n = len(part_bytes)
     if n == 0:
@@ -345,25 +326,6 @@ def _chain(nxt: np.ndarray, i: int, n: int) -> np.ndarray:
     return pos
 
 
-def receive_lists(plan, progress: Callable[[int, int], None] | None = None
-                  ) -> dict[tuple[int, int], list]:
-    """Every transfer of ``plan`` between two different ranks, by (src, dst) pair, in
-    plan order (walks each destination rank's ``transfers_for``)."""
-    dst_ranks = sorted({r for lay in {id(v): v for v in plan.dst.values()}.values()
-                        for r in lay.ranks})
-    by_pair: dict[tuple[int, int], list] = {}
-    for i, rank in enumerate(dst_ranks):
-        for t in plan.transfers_for(rank):
-            if t.dst == rank and t.src != rank:
-                lst = by_pair.get((t.src, rank))
-                if lst is None:
-                    lst = by_pair[(t.src, rank)] = []
-                lst.append(t)
-        if progress is not None:
-            progress(i + 1, len(dst_ranks))
-    return by_pair
-
-
 def _peer_counts(pairs: Iterable[tuple[int, int]]) -> dict[int, int]:
     counts: dict[int, int] = {}
     for s, d in pairs:
@@ -405,13 +367,14 @@ class RankReceives:
 
 
 class ShapeIds:
-    """``(region shape, wire itemsize)`` -> a small id, shared over every rank's rows."""
+    """``(region shape, wire)`` -> a small id, shared over every rank's rows (``wire``: an
+    itemsize, or what ``sim/wire.py`` says a transfer costs)."""
 
     def __init__(self) -> None:
-        self.ids: dict[tuple[tuple[int, ...], int], int] = {}
-        self.shapes: list[tuple[tuple[int, ...], int]] = []
+        self.ids: dict[tuple[tuple[int, ...], Any], int] = {}
+        self.shapes: list[tuple[tuple[int, ...], Any]] = []
 
-    def __call__(self, key: tuple[tuple[int, ...], int]) -> int:
+    def __call__(self, key: tuple[tuple[int, ...], Any]) -> int:
         got = self.ids.get(key)
         if got is None:
             got = self.ids[key] = len(self.shapes)
@@ -419,9 +382,22 @@ class ShapeIds:
         return got
 
 
-def rank_receives(plan, rank: int, isz: np.ndarray, shape_ids: ShapeIds) -> RankReceives:
-    """``rank``'s receives from other ranks (``Plan.receive_table``) in canonical order;
-    ``isz[t]``: the wire itemsize of tensor ``t``."""
+class WireKeys:
+    """What each of a plan's tensors costs on the wire, as ``ShapeIds`` keys per region:
+    ``cls[t]`` is tensor ``t``'s class (``Wire.classes``); ``key(c, region)`` the key."""
+
+    def __init__(self, plan, wire: Wire | None = None, dtypes: Any = None):
+        self.wire = wire if wire is not None else Wire()
+        self.cls, self.specs = self.wire.classes(
+            plan.names, plan.wire_dtypes if dtypes is None else dtypes, plan.dst_layouts)
+
+    def key(self, c: int, region: Any) -> tuple[tuple[int, ...], Any]:
+        return self.wire.key(self.specs[c], region)
+
+
+def rank_receives(plan, rank: int, keys: WireKeys, shape_ids: ShapeIds) -> RankReceives:
+    """``rank``'s receives from other ranks (``Plan.receive_table``) in canonical order,
+    each with its ``shape_ids`` id (region shape and wire cost, from ``keys``)."""
     tb = plan.receive_table(rank)
     keep = tb.src != rank
     src, tensor, region = tb.src[keep], tb.tensor[keep], tb.region[keep]
@@ -433,10 +409,11 @@ def rank_receives(plan, rank: int, isz: np.ndarray, shape_ids: ShapeIds) -> Rank
     by_bounds = sorted(range(len(regs)), key=lambda k: (regs[k].starts, regs[k].stops))
     reg_rank = np.empty(len(regs), np.int64)
     reg_rank[by_bounds] = np.arange(len(regs))
-    combo = region.astype(np.int64) * 64 + isz[tensor]
+    width = len(keys.specs)
+    combo = region.astype(np.int64) * width + keys.cls[tensor]
     uniq, inverse = np.unique(combo, return_inverse=True)
-    ids = np.fromiter((shape_ids((regs[c // 64].shape, c % 64)) for c in uniq.tolist()),
-                      np.int32, len(uniq))
+    ids = np.fromiter((shape_ids(keys.key(c % width, regs[c // width]))
+                       for c in uniq.tolist()), np.int32, len(uniq))
     order = np.lexsort((reg_rank[region], tensor, src))
     s_sorted = src[order]
     cuts = np.flatnonzero(np.diff(s_sorted)) + 1
@@ -446,25 +423,21 @@ def rank_receives(plan, rank: int, isz: np.ndarray, shape_ids: ShapeIds) -> Rank
                         tb)
 
 
-def plan_itemsizes(plan) -> np.ndarray:
-    """Wire itemsize of every tensor of ``plan``, in plan order."""
-    return np.array([itemsize(plan.wire_dtypes[n]) for n in plan.names], np.int64)
-
-
-def pair_sequences(plan, progress: Callable[[int, int], None] | None = None
-                   ) -> PairSequences:
+def pair_sequences(plan, progress: Callable[[int, int], None] | None = None, *,
+                   wire: Wire | None = None) -> PairSequences:
     """:class:`PairSequences` of ``plan``, one destination rank at a time from
-    ``Plan.receive_table`` (no ``Transfer`` objects; memory is the distinct sequences)."""
+    ``Plan.receive_table`` (no ``Transfer`` objects; memory is the distinct sequences);
+    transfers cost what ``wire`` says (default: the plan's dtypes)."""
     dst_ranks = sorted({r for lay in {id(v): v for v in plan.dst.values()}.values()
                         for r in lay.ranks})
-    isz = plan_itemsizes(plan)
+    keys = WireKeys(plan, wire)
     shape_ids = ShapeIds()
     seq_id: dict[bytes, int] = {}
     seqs: list[np.ndarray] = []
     pairs: list[tuple[int, int]] = []
     seq_of: list[int] = []
     for i, rank in enumerate(dst_ranks):
-        got = rank_receives(plan, rank, isz, shape_ids)
+        got = rank_receives(plan, rank, keys, shape_ids)
         for a, b in zip(got.starts.tolist(), got.stops.tolist()):
             seq = got.shape[a:b]
             key_b = seq.tobytes()
@@ -479,9 +452,64 @@ def pair_sequences(plan, progress: Callable[[int, int], None] | None = None
     return PairSequences(pairs, seq_of, seqs, shape_ids.shapes)
 
 
+class PartTable:
+    """The parts ``split_region`` cuts regions into, per (shape id, bucket size), as
+    arrays for many rows at once: bytes and elements of each (``wire.wire_parts``)."""
+
+    def __init__(self, shapes: list[tuple[tuple[int, ...], Any]]):
+        self.shapes = shapes
+        self.memo: dict[int, tuple[int, np.ndarray, np.ndarray, np.ndarray, np.ndarray]] = {}
+
+    def expand(self, shape: np.ndarray, size: int
+               ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """``(bytes, elements, row)`` of the parts of rows whose shape ids are ``shape``."""
+        got = self.memo.get(size)
+        if got is None or got[0] < len(self.shapes):
+            parts = [wire_parts(sh, w, size) for sh, w in self.shapes]
+            count = np.array([len(p[0]) for p in parts], np.int64)
+            first = np.concatenate([[0], np.cumsum(count)[:-1]]).astype(np.int64)
+            got = self.memo[size] = (len(self.shapes), count, first,
+                                     np.array([x for p in parts for x in p[0]], np.int64),
+                                     np.array([x for p in parts for x in p[1]], np.int64))
+        _, count, first, nbytes, elems = got
+        c = count[shape]
+        if len(c) == 0 or int(c.max()) == 1:
+            at = first[shape]
+            return nbytes[at], elems[at], np.arange(len(shape))
+        row = np.repeat(np.arange(len(shape)), c)
+        at = np.repeat(first[shape] - (np.cumsum(c) - c), c) + np.arange(int(c.sum()))
+        return nbytes[at], elems[at], row
+
+
+@dataclass(frozen=True)
+class Pattern:
+    """One pair's messages (round and wire bytes of each, in round order) and, per item
+    (a transfer, in canonical order), the rounds its parts land in."""
+
+    rounds: np.ndarray
+    sizes: np.ndarray
+    size: int                   # the pair's bucket size
+    part_round: np.ndarray
+    item_parts: np.ndarray      # where each item's parts start in part_round, then the end
+
+
+def pair_pattern(shape_seq: np.ndarray, size: int, parts: PartTable, wire: Wire) -> Pattern:
+    """The scheduler's messages of one pair whose items have shape ids ``shape_seq``:
+    parts cut at ``size``, packed (``cut_messages``), rounds filled (``fill_rounds``),
+    each message's bytes as ``wire`` encodes them."""
+    part_bytes, part_elems, row = parts.expand(shape_seq, size)
+    msg, msg_bytes = cut_messages(part_bytes, size)
+    _, rounds = fill_rounds(msg_bytes, size)
+    if wire.delta is not None:
+        msg_bytes = wire.encode(msg_bytes, np.bincount(msg, weights=part_elems,
+                                                       minlength=len(msg_bytes)))
+    starts = np.searchsorted(row, np.arange(len(shape_seq) + 1))
+    return Pattern(rounds, msg_bytes, size, rounds[msg], starts)
+
+
 def direct_traffic(plan, sequences: PairSequences | None = None, *, bucket_bytes: int,
-                   staging_bytes: int,
-                   progress: Callable[[int, int], None] | None = None) -> PairTraffic:
+                   staging_bytes: int, progress: Callable[[int, int], None] | None = None,
+                   wire: Wire | None = None) -> PairTraffic:
     """The messages ``schedule.schedule(plan, all ranks, ...)`` would send, by pair.
 
     Args:
@@ -489,10 +517,13 @@ def direct_traffic(plan, sequences: PairSequences | None = None, *, bucket_bytes
         sequences: its pairs' transfer sequences (:func:`pair_sequences`; computed when
             None).
         bucket_bytes / staging_bytes: as ``RefitConfig``.
+        wire: what a transfer costs on the wire (``sim/wire.py``; default: the plan's
+            dtypes); ``sequences`` must have been listed with the same.
     """
+    wire = wire if wire is not None else Wire()
     if sequences is None:
-        sequences = pair_sequences(plan)
-    seqs, shapes = sequences.seqs, sequences.shapes
+        sequences = pair_sequences(plan, wire=wire)
+    parts = PartTable(sequences.shapes)
     peers = _peer_counts(sequences.pairs)
     memo: dict[tuple[int, int], int] = {}
     rounds_of: list[np.ndarray] = []
@@ -506,12 +537,10 @@ def direct_traffic(plan, sequences: PairSequences | None = None, *, bucket_bytes
         key = (size, sequences.seq_of[p])
         got = memo.get(key)
         if got is None:
-            parts = (nb for k in seqs[key[1]].tolist()
-                     for nb in split_sizes(shapes[k][0], shapes[k][1], size))
-            msgs = pair_messages(parts, size)
+            pat = pair_pattern(sequences.seqs[key[1]], size, parts, wire)
             got = memo[key] = len(rounds_of)
-            rounds_of.append(np.array([r for r, _ in msgs], np.int32))
-            sizes_of.append(np.array([b for _, b in msgs], np.int64))
+            rounds_of.append(pat.rounds.astype(np.int32))
+            sizes_of.append(pat.sizes)
         pattern[i] = got
         if progress is not None and (i % 4096 == 4095 or i + 1 == len(order)):
             progress(i + 1, len(order))
