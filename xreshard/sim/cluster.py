@@ -36,7 +36,7 @@ from typing import Any, Mapping, Sequence
 from ..errors import XreshardError
 
 __all__ = ["Cluster", "Placement", "ClusterError", "PRESETS", "load_cluster",
-           "default_placement", "load_placement", "placement_of_world"]
+           "default_placement", "load_placement", "placement_of_world", "localhost_path"]
 
 GB = 1e9
 
@@ -77,6 +77,20 @@ class Cluster:
     enters through the receiver's (not the NIC rails, which stay inside a site)."""
     site_latency: float = 0.0
     """Seconds added to each message between two sites."""
+    nvlink_out_bw: float = 0.0
+    """Bandwidth out of a GPU over the domain's fast links when it differs from
+    ``nvlink_bw`` (0: the same). On a CPU host (``localhost``) the shm transport's receiver
+    copies every byte (it pulls from the sender's memory), so senders are not limited."""
+    call_latency: float = 0.0
+    """Seconds a refit call spends outside its rounds (metadata exchanges, checks), added
+    once to every prediction (measured on ``localhost``; 0 elsewhere)."""
+    host_bw: float = 0.0
+    """Bandwidth of a node's memory copies between its GPUs' processes, all together (a
+    CPU host's cores and memory bus: measured on ``localhost``); 0: not a limit."""
+    message_cost: float = 0.0
+    """Seconds of work per message in each process of a pair besides moving its bytes, one
+    message after another (a CPU transport's per-message bookkeeping: measured on
+    ``localhost``; 0 on GPUs, where a round's messages are posted as one group)."""
 
     def __post_init__(self) -> None:
         problems = []
@@ -88,7 +102,8 @@ class Cluster:
             if not getattr(self, f) > 0:
                 problems.append(f"{f} must be > 0 bytes/s, got {getattr(self, f)!r}")
         for f in ("nvlink_latency", "network_latency", "net_channel_bw", "site_bw",
-                  "site_latency"):
+                  "site_latency", "nvlink_out_bw", "call_latency", "message_cost",
+                  "host_bw"):
             if not getattr(self, f) >= 0:
                 problems.append(f"{f} must be >= 0, got {getattr(self, f)!r}")
         if not problems and self.domain_size % self.gpus_per_node:
@@ -212,8 +227,16 @@ def load_cluster(name_or_path: str | Path | Cluster) -> Cluster:
     text = str(name_or_path)
     if text in PRESETS:
         return PRESETS[text]
+    if text == "localhost":
+        path = localhost_path()
+        if not path.exists():
+            raise ClusterError(f"the localhost cluster is measured, not typed in: run "
+                               f"python benchmarks/calibrate_localhost.py (it writes {path}), "
+                               f"or pass --cluster FILE.json")
+        return load_cluster(str(path))
     if not (text.endswith(".json") or "/" in text):
-        raise ClusterError(f"unknown cluster {text!r}; presets are {', '.join(PRESETS)} "
+        raise ClusterError(f"unknown cluster {text!r}; presets are {', '.join(PRESETS)}, "
+                           "localhost "
                            "(or pass the path of a JSON file with the Cluster fields)")
     try:
         data = json.loads(Path(text).expanduser().read_text())
@@ -234,6 +257,15 @@ def load_cluster(name_or_path: str | Path | Cluster) -> Cluster:
         data = base
     data.setdefault("name", Path(text).stem)
     return Cluster.from_dict(data, where=f"cluster file {text!r}")
+
+
+def localhost_path() -> Path:
+    """Where ``benchmarks/calibrate_localhost.py`` writes this machine's measured cluster
+    (``$XDG_CACHE_HOME/xreshard/localhost.json``, else ``~/.cache/xreshard/...``), read
+    by ``load_cluster("localhost")``."""
+    import os
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "xreshard" / "localhost.json"
 
 
 # ---------------------------------------------------------------------------- placement

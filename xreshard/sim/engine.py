@@ -51,7 +51,7 @@ class Network:
 
     Link ids: NVLink out / in of every physical GPU of the nodes in use, then NIC out / in
     of every (node, rail), then the site link out / in of every node (clusters of several
-    sites).
+    sites), then each node's host copy link (clusters with ``host_bw``: a CPU host).
     """
 
     def __init__(self, cluster: Cluster, placement: Placement, *, peer_cap: bool = True):
@@ -77,11 +77,15 @@ class Network:
             raise ClusterError(f"the placement puts ranks in {len(set(placement.sites))} "
                                f"sites but cluster {cluster.name!r} has no site links "
                                "(site_bw = 0); give it site_gbps, or one site")
-        self.num_links = 2 * n_g + 2 * n_n + 2 * n_s
+        self.num_host = self.num_nodes if cluster.host_bw > 0 else 0
+        self.num_links = 2 * n_g + 2 * n_n + 2 * n_s + self.num_host
         cap = np.empty(self.num_links + 1)
         cap[:2 * n_g] = cluster.nvlink_bw
+        if cluster.nvlink_out_bw > 0:
+            cap[:n_g] = cluster.nvlink_out_bw
         cap[2 * n_g:2 * n_g + 2 * n_n] = cluster.nic_bw
-        cap[2 * n_g + 2 * n_n:-1] = cluster.site_bw
+        cap[2 * n_g + 2 * n_n:2 * n_g + 2 * n_n + 2 * n_s] = cluster.site_bw
+        cap[self.num_links - self.num_host:-1] = cluster.host_bw
         cap[-1] = np.inf                       # the "no link" sentinel
         self.capacity = cap
         self.flow_cap = (cluster.peer_cap(placement.num_ranks, placement.num_nodes)
@@ -107,6 +111,9 @@ class Network:
         nv = kind == NVLINK
         links[nv, 0] = ps[nv]
         links[nv, 1] = n_g + pd[nv]
+        if self.num_host:       # copies inside a node also share the node's host link
+            inside = nv & (self.rank_node[src] == self.rank_node[dst])
+            links[inside, 3] = self.num_links - self.num_host + self.rank_node[src[inside]]
         net = kind == NETWORK
         # PXN: leave through the NIC of the destination's rail on the sender's node,
         # reached over NVLink from the sender unless the sender owns that rail
@@ -136,6 +143,10 @@ class Network:
             ranks = np.flatnonzero(self.rank_phys == phys).tolist()
             node, gpu = divmod(phys, c.gpus_per_node)
             return "nvlink", f"{_LINK_KINDS[link // n_g]} of node {inv[node]} GPU {gpu}", ranks
+        if link >= self.num_links - self.num_host:
+            node = link - (self.num_links - self.num_host)
+            return ("nvlink", f"host copies of node {inv[node]}",
+                    np.flatnonzero(self.rank_node == node).tolist())
         k = link - 2 * n_g
         if k >= 2 * self.num_nics:
             direction, node = divmod(k - 2 * self.num_nics, self.num_nodes)
@@ -303,6 +314,11 @@ def _simulate_round(net: Network, src: np.ndarray, dst: np.ndarray, nbytes: np.n
     c = net.cluster
     latency = np.select([kind == NETWORK, kind == NVLINK, kind == SITE],
                         [c.network_latency, c.nvlink_latency, c.site_latency], 0.0)
+    if c.message_cost > 0:
+        # the receiver's serial work per message, as bytes its in-link carries meanwhile
+        # (its one process handles its messages one after another)
+        into = np.where(kind == NVLINK, cols[1], cols[-1])
+        nbytes = np.where(kind != LOCAL, nbytes + c.message_cost * net.capacity[into], nbytes)
     moving = np.flatnonzero((kind != LOCAL) & (nbytes > 0))
     everyone = len(moving) == len(kind)
     mcols = cols if everyone else np.take(cols, moving, axis=1)
@@ -327,6 +343,11 @@ def _simulate_round(net: Network, src: np.ndarray, dst: np.ndarray, nbytes: np.n
         finish = _fluid(cols, net.capacity, caps, nbytes, moving, bound, window, max_reshares)
     landed = finish + latency
     seconds = float(landed.max()) if len(landed) else 0.0
+    if c.message_cost > 0 and len(moving):
+        # the sending process posts its messages one after another too: a round lasts at
+        # least as long as its busiest sender's work
+        posts = np.bincount(net.rank_phys[src[moving]], minlength=net.num_gpus)
+        seconds = max(seconds, float(posts.max()) * c.message_cost)
     crit = int(np.argmax(util)) if bound > 0 else -1
     last = int(np.argmax(landed)) if len(landed) else 0
     return RoundResult(seconds, landed, crit, int(kind[last]) if len(kind) else LOCAL)
@@ -494,6 +515,7 @@ def replay(net: Network, traffic: Traffic | PairTraffic,
     per_message = isinstance(traffic, Traffic)
     finish = np.zeros(len(traffic)) if per_message else None
     rounds = _message_rounds(traffic) if per_message else _pair_rounds(net, traffic)
+    grouped = grouped and not net.num_host    # classes drop every link but the NIC pair
     starts = np.zeros(num_rounds)
     secs = np.zeros(num_rounds)
     cache: dict[bytes, tuple[RoundResult, np.ndarray | None]] = {}

@@ -186,6 +186,7 @@ def _predict(name: str, traffic: Any, net: Any, progress: Callable[[int, int], N
              busy: bool = False) -> Prediction:
     from .engine import KIND_NAMES, NETWORK, NVLINK, SITE, replay
     rep = replay(net, traffic, progress, busy=busy)
+    seconds = rep.seconds + net.cluster.call_latency
     # bytes per link class, from the bytes per (src, dst) pair
     src, dst, b = traffic.pair_totals()
     links, kind = net.paths(src, dst)
@@ -201,7 +202,7 @@ def _predict(name: str, traffic: Any, net: Any, progress: Callable[[int, int], N
         cls, what, ranks = "none", "", []
     critical = {"link": cls, "where": what, "ranks": ranks,
                 "last_message": KIND_NAMES.get(rep.critical_kind, "local")}
-    return Prediction(name, rep.seconds, traffic.num_rounds, len(traffic), rep.distinct_rounds,
+    return Prediction(name, seconds, traffic.num_rounds, len(traffic), rep.distinct_rounds,
                       by_link, critical, traffic, rep, int(received.max(initial=0)))
 
 
