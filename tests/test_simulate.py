@@ -614,6 +614,53 @@ def test_xdc_preset_puts_each_job_in_its_own_site():
     assert out["critical"]["link"] == "site"
 
 
+
+# ---------------------------------------------------------------------------- localhost
+
+def test_host_link_and_message_cost_by_hand():
+    # one node of 3 processes (the localhost shape): rank 0 sends 1 GB to each of 1 and 2;
+    # each pulls at 10 GB/s but the host copies 15 GB/s in all: 2 GB at 15 GB/s
+    c = toy(gpus_per_node=3, domain_size=3, nvlink_bw=10 * GB, nvlink_out_bw=1e15,
+            host_bw=15 * GB)
+    pl = Placement((0, 0, 0), (0, 0, 0), (0, 1, 2))
+    net = Network(c, pl)
+    links, _ = net.paths(np.array([0]), np.array([1]))
+    assert net.describe_link(int(links[0, 3]))[1] == "host copies of node 0"
+    rows = [(0, 0, 1, 10**9), (0, 0, 2, 10**9)]
+    assert run_traffic(c, pl, rows) == pytest.approx(2 / 15)
+    # without the host limit each pulls at its own rate; senders are not limited
+    assert run_traffic(toy(gpus_per_node=3, domain_size=3, nvlink_bw=10 * GB,
+                           nvlink_out_bw=1e15), pl, rows) == pytest.approx(0.1)
+    # message_cost: each message costs the receiver 0.01 s of its link's time, and a round
+    # lasts at least its busiest sender's messages (here 3 x 0.01 s > the bytes' time)
+    cm = toy(gpus_per_node=3, domain_size=3, nvlink_bw=10 * GB, message_cost=0.01)
+    assert run_traffic(cm, pl, [(0, 0, 1, 10**8)]) == pytest.approx(0.01 + 0.01)
+    assert run_traffic(cm, pl, [(0, 0, 1, 1), (0, 0, 2, 1), (0, 0, 1, 1)]) == \
+        pytest.approx(0.03, rel=1e-6)
+
+
+def test_call_latency_is_added_once():
+    p = replicated_plan(1, rows=1024, cols=512)
+    pl = Placement((0, 0), (0, 0), (0, 1))
+    base = simulate_plan(p, toy(gpus_per_node=2, domain_size=2), pl, progress=False)
+    slow = simulate_plan(p, toy(gpus_per_node=2, domain_size=2, call_latency=0.5), pl,
+                         progress=False)
+    assert slow["seconds"] == pytest.approx(base["seconds"] + 0.5)
+
+
+def test_localhost_is_measured_not_typed(tmp_path, monkeypatch):
+    from xreshard.sim.cluster import localhost_path
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert localhost_path() == tmp_path / "xreshard" / "localhost.json"
+    with pytest.raises(ClusterError, match="calibrate_localhost.py"):
+        load_cluster("localhost")
+    c = toy(gpus_per_node=8, domain_size=8, host_bw=3 * GB, message_cost=1e-4,
+            call_latency=2e-3, nvlink_out_bw=1e15)
+    localhost_path().parent.mkdir(parents=True)
+    localhost_path().write_text(json.dumps(c.to_dict()))
+    assert load_cluster("localhost") == c
+
+
 # ---------------------------------------------------------------------------- pictures
 
 def test_busy_raster_by_hand():
@@ -626,6 +673,16 @@ def test_busy_raster_by_hand():
     r = busy_raster(rep, 2, 2.0, width=4)
     assert r[0, :, 0].tolist() == [1, 0, 0, 0] and r[1, :, 2].tolist() == [0, 0, 1, 1]
     assert r.sum() == 3
+
+
+def test_image_mixes_classes_busy_at_once():
+    from xreshard.sim.plot import COLORS, _image
+    img = _image(np.array([[[0, 0, 0], [1, 0, 0], [0, 0, 1], [1, 0, 1], [0.25, 0, 0]]]),
+                 np.arange(1))[0]
+    assert img[0].tolist() == [1, 1, 1]                                  # idle: white
+    assert np.allclose(img[1], COLORS[0]) and np.allclose(img[2], COLORS[2])
+    assert np.allclose(img[3], (COLORS[0] + COLORS[2]) / 2)              # both: a mix
+    assert np.allclose(img[4], 0.5 + 0.5 * COLORS[0])                    # sqrt(1/4)
 
 
 @pytest.mark.parametrize("schedule_name", ["auto", "direct"])
