@@ -69,12 +69,13 @@ def busy_raster(replay: Any, num_ranks: int, end: float, width: int = WIDTH) -> 
 
 
 def _image(raster: np.ndarray, order: np.ndarray) -> np.ndarray:
-    """RGB of a raster (white = idle); square roots lift short activity into view."""
-    img = np.ones(raster.shape[1:2] + (3,))[None].repeat(len(order), axis=0)
-    for c in range(3):
-        f = np.sqrt(raster[order, :, c])[..., None]
-        img = img * (1 - f) + COLORS[c] * f
-    return img
+    """RGB of a raster (white = idle): the classes' colours mixed by their shares (a rank
+    receiving and forwarding at once shows a colour of its own, not the last class
+    drawn), as strong as the busiest class; square roots lift short activity into view."""
+    f = np.sqrt(raster[order])
+    strength = f.max(axis=-1, keepdims=True)
+    mix = (f / np.maximum(f.sum(axis=-1, keepdims=True), 1e-12)) @ COLORS
+    return 1.0 - strength + mix * strength
 
 
 def _pair_bytes(traffic: Any, num_ranks: int) -> tuple[np.ndarray, np.ndarray]:
@@ -187,10 +188,29 @@ def plot(path: str, result: Mapping[str, Any]) -> None:
     fig.suptitle(f"{result['model']}: {result['src']} -> {result['dst']} on "
                  f"{result['cluster']} ({num} GPUs), {result['wire']['describe']}",
                  fontsize=11)
+    both = _image(np.array([[[1.0, 0.0, 1.0]]]), np.arange(1))[0, 0]
     fig.legend(handles=[Patch(color=COLORS[0], label="network transfer"),
                         Patch(color=COLORS[1], label="NVLink transfer"),
-                        Patch(color=COLORS[2], label="relay forward (NVLink)")],
-               loc="upper right", ncol=3, fontsize=8, frameon=False,
+                        Patch(color=COLORS[2], label="relay forward (NVLink)"),
+                        Patch(color=both, label="receiving and forwarding at once")],
+               loc="upper right", ncol=4, fontsize=8, frameon=False,
                bbox_to_anchor=(0.97, 0.955))
-    fig.savefig(path, dpi=90)
+    _save(fig, path)
     plt.close(fig)
+
+
+def _save(fig: Any, path: str) -> None:
+    """Write ``fig``; a PNG as a 128-colour palette image (a quarter of the bytes; the
+    octree keeps the few flat colours exact, where median cut merged the rare orange of
+    the forwards into its neighbours. Pillow comes with matplotlib)."""
+    if not path.lower().endswith(".png"):
+        fig.savefig(path, dpi=90)
+        return
+    import io
+    from PIL import Image
+    buf = io.BytesIO()
+    fig.savefig(buf, dpi=90, format="png")
+    buf.seek(0)
+    with Image.open(buf) as im:
+        im.convert("RGB").quantize(colors=128, method=Image.Quantize.FASTOCTREE).save(
+            path, optimize=True)
