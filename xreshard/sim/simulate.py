@@ -399,7 +399,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                                      "megatron:pp=4,ep=16,dp=2")
     parser.add_argument("--dst", required=True, help="destination recipe, e.g. vllm:tp=8,dp=16")
     parser.add_argument("--cluster", required=True,
-                        help=f"preset ({', '.join(PRESETS)}) or a cluster JSON file")
+                        help=f"preset ({', '.join(PRESETS)}), localhost (this machine, "
+                             "measured by benchmarks/calibrate_localhost.py) or a cluster "
+                             "JSON file")
     parser.add_argument("--gpus", type=int, default=None,
                         help="GPUs in the refit (source + destination); checked against "
                              "the recipes")
