@@ -258,6 +258,8 @@ def local_cuda_caps(ordinals: Sequence[int | None], api: Any = None) -> dict[str
 @dataclass
 class _Recv(Recv):
     device: int
+    ptr: int = 0        # imported when posted: our stream then follows the posting stream
+    nbytes: int = 0
 
 
 @dataclass
@@ -418,7 +420,12 @@ class CudaIpcTransport(PeerTransport):
         rnd = self._open_round("recv", src_rank, dst_rank, tag)
         self._dup(rnd, ("r", src_rank, dst_rank, tag), "recv")
         peer = self._peer_of(dst_rank, src_rank, src_rank, dst_rank, "recv")
-        self._add_recv(rnd, _Recv(buf, src_rank, dst_rank, tag, peer, self._devices[dst_rank]))
+        device = self._devices[dst_rank]
+        # imported now, with the poster's stream current: the copy into ``buf`` follows what
+        # was queued on it before (the executor's unpack of the staging's previous round)
+        ptr, nbytes, keep = self._api.pointer(buf, device)
+        rnd.keep.append(keep)
+        self._add_recv(rnd, _Recv(buf, src_rank, dst_rank, tag, peer, device, ptr, nbytes))
 
     # ------------------------------------------------------------------ the group
 
@@ -501,8 +508,7 @@ class CudaIpcTransport(PeerTransport):
                     raise TransportError(f"{where}: that process (pid {rec['dead']}) died")
                 if "error" in rec:
                     raise TransportError(f"{where}: the sender failed: {rec['error']}")
-                ptr, nbytes, keep = self._api.pointer(r.buf, r.device)
-                rnd.keep.append(keep)
+                ptr, nbytes = r.ptr, r.nbytes
                 if rec["n"] != nbytes:
                     raise TransportError(f"{where}: the sender posted {rec['n']} bytes, the "
                                          f"receive buffer has {nbytes}")
