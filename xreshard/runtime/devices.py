@@ -256,9 +256,8 @@ def cuda_preflight(device: int) -> None:
         raise RefitError(
             f"CUDA device {device} cannot run the refit's copy kernels: {step} failed: "
             f"{type(e).__name__}: {e}. CuPy compiles its kernels with NVRTC and needs the "
-            f"CUDA headers and libnvrtc of its CUDA major version: {install_hint()} "
-            f"(they bring NVRTC through cuda-toolkit[nvrtc,cudart]), or install the CUDA "
-            f"toolkit matching the CuPy wheel") from e
+            f"CUDA headers and libnvrtc of its CUDA major version: {install_hint()}; or "
+            f"install the CUDA toolkit matching the CuPy wheel") from e
     _PREFLIGHT_DONE.add(device)
 
 
