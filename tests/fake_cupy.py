@@ -131,11 +131,13 @@ def _event_query(ptr: int) -> int:
 
 
 def _memcpy_async(dst: int, src: int, nbytes: int, kind: int, stream: int) -> None:
+    runtime.copies.append((_tls.device, stream, nbytes))
     ctypes.memmove(dst, src, nbytes)
 
 
+#: ``copies``: (current device, stream, bytes) of every memcpyAsync, for the tests to read
 runtime = types.SimpleNamespace(eventQuery=_event_query, memcpyAsync=_memcpy_async,
-                                CUDARuntimeError=CUDARuntimeError,
+                                CUDARuntimeError=CUDARuntimeError, copies=[],
                                 getDeviceCount=lambda: 2, memcpyDefault=4)
 
 

@@ -49,7 +49,7 @@ def cupy(monkeypatch):
     from xreshard.runtime import devices
     module = fake_cupy.module()
     monkeypatch.setitem(sys.modules, "cupy", module)
-    monkeypatch.setattr(devices, "_OWN_STREAMS", {})
+    monkeypatch.setattr(devices, "_OWN_STREAMS", {}, raising=False)
     yield module
     fake_cupy.runtime.eventQuery = fake_cupy._event_query
 
@@ -130,6 +130,8 @@ def test_local_copies_between_two_gpus_of_one_process_use_the_right_device(cupy)
             with s_dst[0]:
                 t.recv(dst, 1, 0, 0)
     assert np.array_equal(np.asarray(dst), np.arange(64))
+    # one memcpy, queued under the receiver's device on the stream its receive was posted on
+    assert fake_cupy.runtime.copies[-1:] == [(0, s_dst[0].ptr, 64)]
     # the receiver's stream waited for the sender's, and the sender's for the copy
     assert [e.recorded_on for e in s_dst[0].waited] == [s_src[0]]
     assert [e.recorded_on for e in s_src[0].waited] == [s_dst[0]]
