@@ -24,8 +24,7 @@ budget per round for that); a schedule whose consecutive rounds do not fit runs 
 after round. Only one thread ever touches the transport, so a transport needs nothing
 beyond the grouped protocol (and NCCL's groupStart/End semantics hold: the wire opens a
 group, posts, closes it). Device (CUDA) bindings run round after round: their copies and
-NCCL calls are queued asynchronously on xreshard's own stream of the device already, and
-stream is per thread in CuPy, so a second thread would need cross-stream events.
+NCCL calls are queued asynchronously on xreshard's own stream of each device already.
 
 Forwards (a relay, see :mod:`xreshard.planner.relay`): a send may read what an earlier round of the
 same run received. The pipelined path then waits for (and unpacks) the earlier rounds
@@ -141,11 +140,10 @@ class Executor:
     """Runs a schedule between bindings over a transport.
 
     Device bindings (CuPy arrays over torch / JAX GPU memory) are packed, unpacked and
-    copied on xreshard's own non-blocking stream of the device that holds them, under that
-    device, after what the calling thread's current stream there holds (see
-    ``devices.py``; a process with several GPUs keeps one staging arena per device). Before the first
-    run on a device, :func:`cuda_preflight` compiles and runs the copy kernels once, so a
-    missing NVRTC or header fails with a clear error instead of mid-refit.
+    copied on xreshard's own non-blocking stream of the device holding them, after what
+    the calling thread's current stream there holds (``devices.py``; one staging arena
+    per device). Before the first run on a device, :func:`cuda_preflight` compiles and
+    runs the copy kernels once, so a missing NVRTC or header fails clearly, not mid-refit.
 
     Contract: when :meth:`run` returns, every byte of every destination has landed and
     every read of every source is done, for any stream: the executor waits (on the host,
@@ -491,9 +489,7 @@ class Executor:
                                  "own dtype (wire_dtype), or cast it in the framework first")
             for dev in gpus:
                 cuda_preflight(dev)
-            # the copies run on xreshard's own stream of each device (see devices.py),
-            # after what the bindings were ordered onto (this thread's current stream)
-            _order_after_current(gpus)
+            _order_after_current(gpus)      # own streams after the bindings' producers
         ok = False
         try:
             arena = None
@@ -569,8 +565,7 @@ class Executor:
         recvs, unpack = self._recv_buffers(buckets, offsets, stats)
         with self.transport.group(self.timeout):
             # receives first, so peers' sends can start while this process packs; posted
-            # on the rank's device and stream, so a transport orders after the unpacks and
-            # packs queued there
+            # on the rank's device and stream: transports order after what is queued there
             for buf, b in recvs:
                 with self._on(b.dst):
                     self.transport.recv(buf, b.src, b.dst, b.tag)
