@@ -85,7 +85,8 @@ def torch_nccl() -> tuple[int, str] | None:
     if torch is None or not cuda:
         return None
     try:
-        got = torch.cuda.nccl.version()
+        import importlib
+        got = importlib.import_module("torch.cuda.nccl").version()    # torch is loaded
     except Exception:       # noqa: BLE001 - a torch built without NCCL
         return None
     if isinstance(got, int):
