@@ -306,6 +306,7 @@ class CudaIpcTransport(PeerTransport):
         self._max_open = max(1, max_open)
         self._handles: dict[int, tuple[str, int, int]] = {}       # buffer id -> (hex, base, size)
         self._unexportable: set[int] = set()                      # buffer ids without a handle
+        self._warned = False
         self._stage: dict[int, tuple[int, int, Any]] = {}         # device -> (ptr, size, keep)
         self._events: dict[int, tuple[int, str]] = {}             # device -> (ipc event, hex)
         self._done: dict[int, int] = {}                           # device -> completion event
@@ -337,7 +338,11 @@ class CudaIpcTransport(PeerTransport):
     def _export(self, ptr: int, device: int) -> tuple[str, int, int, int] | None:
         """(handle hex, buffer id, allocation size, offset of ``ptr``): one handle per
         allocation, cached by buffer id; None when the allocation has no IPC handle."""
-        base, size, bid = self._api.allocation(ptr, device)
+        try:
+            base, size, bid = self._api.allocation(ptr, device)
+        except TransportError as e:     # the driver does not know it as an allocation
+            self._unexportable_once(ptr, device, e)
+            return None
         if bid in self._unexportable:
             return None
         got = self._handles.get(bid)
@@ -346,16 +351,18 @@ class CudaIpcTransport(PeerTransport):
                 handle = self._api.mem_handle(base, device)
             except Exception as e:   # noqa: BLE001 - staged instead; the driver says why
                 self._unexportable.add(bid)
-                if not self._unexportable - {bid}:
-                    logger.warning(
-                        "cuda_ipc: the allocation at %#x (%d bytes) on cuda:%d has no IPC "
-                        "handle (%s: torch's expandable segments or a cudaMallocAsync pool); "
-                        "its sends are copied into xreshard's staging first", base, size,
-                        device, e)
+                self._unexportable_once(base, device, e)
                 return None
             got = self._handles[bid] = (handle.hex(), base, size)
             self.num_exported += 1
         return got[0], bid, got[2], ptr - got[1]
+
+    def _unexportable_once(self, ptr: int, device: int, why: Exception) -> None:
+        if not self._warned:
+            self._warned = True
+            logger.warning("cuda_ipc: the memory at %#x on cuda:%d has no IPC handle (%s: "
+                           "torch's expandable segments or a cudaMallocAsync pool); such sends "
+                           "are copied into xreshard's staging first", ptr, device, why)
 
     def _staged(self, ptr: int, nbytes: int, device: int, rnd: _Round) -> int:
         """Copy ``nbytes`` at ``ptr`` into this device's staging (exportable memory, kept
