@@ -4,6 +4,7 @@
 #
 #     OUT=/some/dir bash scripts/gpu_check.sh                   # from anywhere
 #     XRESHARD_GPU_CHECK_DRY=1 OUT=/tmp/x bash scripts/gpu_check.sh   # no GPU: walk the parts
+#     GPU_CHECK_PARTS="d_cases f_ipc_torch" OUT=... bash scripts/gpu_check.sh   # a rerun of some
 #
 # What comes back from a lent GPU machine is at most 8 files from $OUT and the end of the
 # output, so every part works in a scratch folder and $OUT receives exactly two files:
@@ -84,7 +85,10 @@ part() {
     local left=$((BUDGET_S - RESERVE_S - SECONDS)) start=$SECONDS rc=0 timed_out=false
     local why="" limit=$secs
     [ "$left" -lt "$limit" ] && limit=$left
-    if [ "$DRY" = "1" ]; then
+    if [ -n "${GPU_CHECK_PARTS:-}" ] && [[ " $GPU_CHECK_PARTS " != *" $name "* ]]; then
+        why="not selected (GPU_CHECK_PARTS)"
+        : >"$WORK/$name.log"
+    elif [ "$DRY" = "1" ]; then
         why="dry run"
         local missing
         missing=$(missing_files "$@")
