@@ -28,7 +28,7 @@ from typing import Any
 from xreshard.errors import LayoutError
 from xreshard.ir.layout import Layout, LayoutMemo, Mesh, Region
 
-__all__ = ["array_layout", "bind", "bind_rules", "host_view", "layout_of",
+__all__ = ["array_layout", "bind", "bind_rules", "host_view", "layout_of", "pinned_pointer",
            "tree_names"]
 
 #: what ``ranks`` may be: a map from device (or device id) to world rank, a sequence aligned
@@ -276,8 +276,10 @@ def host_view(x: Any) -> Any:
     Typed on both (bf16 and float8 as their ml_dtypes types). On GPU, DLPack carries the
     types CuPy knows (bf16 only with CuPy >= 14, ml_dtypes and numpy >= 2.1.2), and its
     stream handshake orders CuPy's current stream after JAX's producer. Any other dtype
-    (float8, or bf16 under an older CuPy) is wrapped from the buffer pointer instead, after
-    waiting for the producer on the host; the CuPy array keeps ``x`` alive.
+    (float8, or bf16 under an older CuPy) is wrapped from the buffer's address, read from a
+    DLPack capsule that the CuPy array keeps unconsumed (see :func:`pinned_pointer`): JAX
+    orders the current stream after the producer for it too, and the buffer cannot be
+    donated away while the array lives.
     """
     import numpy as np
     device = next(iter(x.devices()))
@@ -295,13 +297,55 @@ def host_view(x: Any) -> Any:
     with cupy.cuda.Device(device.local_hardware_id):
         if cupy_knows(name):
             return cupy.from_dlpack(x)
-        x.block_until_ready()
+        stream = cupy.cuda.get_current_stream().ptr or 1    # DLPack: 1 is the legacy stream
+        ptr, owner = pinned_pointer(x, stream)
         nbytes = x.dtype.itemsize * math.prod(x.shape)
-        mem = cupy.cuda.UnownedMemory(x.unsafe_buffer_pointer(), nbytes, x,
-                                      device.local_hardware_id)
+        mem = cupy.cuda.UnownedMemory(ptr, nbytes, owner, device.local_hardware_id)
         raw = cupy.ndarray(tuple(x.shape), bits_dtype(x.dtype.itemsize),
                            cupy.cuda.MemoryPointer(mem, 0))
         return as_dtype(raw, name)
+
+
+def pinned_pointer(x: Any, stream: int | None = None) -> tuple[int, Any]:
+    """(address of the buffer, owner) of a single-device ``jax.Array``, the owner holding a
+    reference on the buffer that JAX honours.
+
+    The owner is ``x.__dlpack__()``'s capsule, kept unconsumed: while it lives JAX holds an
+    external reference on the buffer, and a jitted step that donates ``x`` gets a copy
+    instead of reusing (or freeing) the memory under a reader (PjRt refuses to donate a
+    buffer with external references). ``x.unsafe_buffer_pointer()`` holds nothing: a
+    donating step may free the buffer while ``Refit.start`` still reads it. ``stream``:
+    the consumer's CUDA stream, which JAX orders after the buffer's producer (DLPack's
+    handshake); None on CPU.
+
+    Raises:
+        LayoutError: JAX cannot export the array through DLPack.
+    """
+    try:
+        capsule = x.__dlpack__() if stream is None else x.__dlpack__(stream=stream)
+    except Exception as e:      # noqa: BLE001 - said with what to do
+        raise LayoutError(f"cannot hold a reference on a {x.dtype} JAX array's buffer "
+                          f"(its DLPack export failed: {type(e).__name__}: {e}); send it "
+                          f"cast to a dtype CuPy knows (wire_dtype), or upgrade JAX") from e
+    return _capsule_data(capsule), capsule
+
+
+def _capsule_data(capsule: Any) -> int:
+    """The data address (``data + byte_offset``) of the DLTensor an unconsumed DLPack capsule
+    holds: ``DLManagedTensor`` ("dltensor", the tensor first) or ``DLManagedTensorVersioned``
+    ("dltensor_versioned": version, manager_ctx, deleter, flags, then the tensor)."""
+    import ctypes
+    api = ctypes.pythonapi
+    get_name = ctypes.PYFUNCTYPE(ctypes.c_char_p, ctypes.py_object)(
+        ("PyCapsule_GetName", api))
+    get_pointer = ctypes.PYFUNCTYPE(ctypes.c_void_p, ctypes.py_object, ctypes.c_char_p)(
+        ("PyCapsule_GetPointer", api))
+    name = get_name(capsule)
+    if name not in (b"dltensor", b"dltensor_versioned"):
+        raise LayoutError(f"a DLPack capsule named {name!r} was already consumed")
+    tensor = get_pointer(capsule, name) + (32 if name == b"dltensor_versioned" else 0)
+    data = ctypes.c_void_p.from_address(tensor).value or 0
+    return data + ctypes.c_uint64.from_address(tensor + 40).value        # + byte_offset
 
 
 def _aligned_empty(shape: Sequence[int], dtype: Any, align: int = 64) -> Any:

@@ -367,6 +367,32 @@ def keep(obj: Any, side: str) -> Any:
     return obj
 
 
+def capture_streams() -> Any:
+    """This thread's current torch stream of every CUDA device, kept so that the thread of
+    a refit started with ``Refit.start`` makes them current there (``with
+    capture_streams()():``), or None when torch has no CUDA in use.
+
+    torch's current stream is per thread (``c10::cuda::getCurrentCUDAStream``): a thread
+    starts on the default stream. Binding a CUDA tensor makes CuPy's stream wait for torch's
+    current stream (DLPack's handshake, ``__dlpack__(stream=...)``), so without this a
+    refit started while the caller wrote its weights on a side stream would order after
+    the background thread's default stream instead, and could read them half written.
+    """
+    import sys
+    torch = sys.modules.get("torch")
+    if torch is None or not torch.cuda.is_available() or not torch.cuda.is_initialized():
+        return None
+    streams = [torch.cuda.current_stream(d) for d in range(torch.cuda.device_count())]
+
+    def enter() -> Any:
+        import contextlib
+        stack = contextlib.ExitStack()
+        for s in streams:
+            stack.enter_context(torch.cuda.stream(s))
+        return stack
+    return enter
+
+
 def _local_tensors(obj: Any) -> dict[str, Any]:
     import torch
     items = obj.state_dict(keep_vars=True).items() if isinstance(obj, torch.nn.Module) \

@@ -24,8 +24,7 @@ budget per round for that); a schedule whose consecutive rounds do not fit runs 
 after round. Only one thread ever touches the transport, so a transport needs nothing
 beyond the grouped protocol (and NCCL's groupStart/End semantics hold: the wire opens a
 group, posts, closes it). Device (CUDA) bindings run round after round: their copies and
-NCCL calls are queued asynchronously on the device's current stream already, and that
-stream is per thread in CuPy, so a second thread would need cross-stream events.
+NCCL calls are queued asynchronously on xreshard's own stream of each device already.
 
 Forwards (a relay, see :mod:`xreshard.planner.relay`): a send may read what an earlier round of the
 same run received. The pipelined path then waits for (and unpacks) the earlier rounds
@@ -64,6 +63,7 @@ from .devices import (Bindings, binding_devices, cast_problems, cuda_preflight, 
 from .devices import device_alloc as _device_alloc
 from .devices import device_ctx as _device_ctx
 from .devices import host_alloc as _host_alloc
+from .devices import order_after_current as _order_after_current
 from .devices import wait_devices as _wait_devices
 from ..dtypes import ITEMSIZE, as_dtype, bits_dtype, dtype_name, itemsize, numpy_dtype
 from ..errors import RefitError
@@ -140,10 +140,10 @@ class Executor:
     """Runs a schedule between bindings over a transport.
 
     Device bindings (CuPy arrays over torch / JAX GPU memory) are packed, unpacked and
-    copied on the current CuPy stream of the device that holds them, under that device
-    (a process with several GPUs keeps one staging arena per device). Before the first
-    run on a device, :func:`cuda_preflight` compiles and runs the copy kernels once, so a
-    missing NVRTC or header fails with a clear error instead of mid-refit.
+    copied on xreshard's own non-blocking stream of the device holding them, after what
+    the calling thread's current stream there holds (``devices.py``; one staging arena
+    per device). Before the first run on a device, :func:`cuda_preflight` compiles and
+    runs the copy kernels once, so a missing NVRTC or header fails clearly, not mid-refit.
 
     Contract: when :meth:`run` returns, every byte of every destination has landed and
     every read of every source is done, for any stream: the executor waits (on the host,
@@ -489,6 +489,7 @@ class Executor:
                                  "own dtype (wire_dtype), or cast it in the framework first")
             for dev in gpus:
                 cuda_preflight(dev)
+            _order_after_current(gpus)      # own streams after the bindings' producers
         ok = False
         try:
             arena = None
@@ -563,20 +564,22 @@ class Executor:
         offsets: dict[int | None, int] = {}
         recvs, unpack = self._recv_buffers(buckets, offsets, stats)
         with self.transport.group(self.timeout):
-            # receives first, so peers' sends can start while this process packs
+            # receives first, so peers' sends can start while this process packs; posted
+            # on the rank's device and stream: transports order after what is queued there
             for buf, b in recvs:
-                self.transport.recv(buf, b.src, b.dst, b.tag)
+                with self._on(b.dst):
+                    self.transport.recv(buf, b.src, b.dst, b.tag)
             # transports that start posts at once (gloo) move message i while i+1 packs
             for b in buckets:
                 if b.src in self._local_src:
-                    buf = self._zero_copy_send(b)
-                    if buf is None:
-                        buf = self._take(offsets, b.src, b.nbytes)
-                        with self._on(b.src):
+                    with self._on(b.src):
+                        buf = self._zero_copy_send(b)
+                        if buf is None:
+                            buf = self._take(offsets, b.src, b.nbytes)
                             self._pack(b, buf)
-                    else:
-                        stats.num_zero_copy += 1
-                    self.transport.send(buf, b.src, b.dst, b.tag)
+                        else:
+                            stats.num_zero_copy += 1
+                        self.transport.send(buf, b.src, b.dst, b.tag)
                     self._count_send(b, stats)
         for b, buf in unpack:
             with self._on(b.dst):

@@ -1,12 +1,44 @@
 """Threads a refit runs beside its caller: a started refit (:class:`RefitHandle`) and the
-checksums of the sources, computed while the bytes move (:class:`Background`)."""
+checksums of the sources, computed while the bytes move (:class:`Background`).
+
+A started refit binds and moves in its own thread, but the caller's CUDA streams are what
+its tensors were produced on: CuPy's and torch's current streams are per thread, and
+binding orders the copies after the *current* stream (DLPack's handshake). So ``start()``
+captures the caller's current streams (CuPy's, and every loaded adapter's through its
+optional ``capture_streams`` hook: torch's) and the thread makes them current before it
+binds.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from typing import Any, Callable
 
-__all__ = ["Background", "RefitHandle"]
+__all__ = ["Background", "RefitHandle", "caller_streams"]
+
+
+def caller_streams() -> Callable[[], Any]:
+    """The calling thread's current CUDA streams (CuPy's, and those of every loaded adapter
+    with a ``capture_streams`` hook), as a context factory that makes them current in
+    another thread. Imports no framework: one that is not loaded has no streams."""
+    from . import registry
+    from .devices import capture_streams
+    enters = [capture_streams()]
+    for entry in registry.adapters():
+        if entry.ready():
+            hook = getattr(entry.load(), "capture_streams", None)
+            got = hook() if hook is not None else None
+            if got is not None:
+                enters.append(got)
+
+    @contextlib.contextmanager
+    def enter() -> Any:
+        with contextlib.ExitStack() as stack:
+            for e in enters:
+                stack.enter_context(e())
+            yield
+    return enter
 
 
 class Background:
@@ -59,8 +91,14 @@ class RefitHandle:
         self._thread: Background | None = None
 
     def start(self) -> None:
-        self._thread = Background(lambda: self._run(self._send, self._receive),
-                                  name="xreshard-refit")
+        """Run the refit in a thread, on the caller's current CUDA streams (captured here,
+        in the caller's thread: see the module docstring)."""
+        streams = caller_streams()
+
+        def run() -> Any:
+            with streams():
+                return self._run(self._send, self._receive)
+        self._thread = Background(run, name="xreshard-refit")
 
     def done(self) -> bool:
         """Whether the refit finished (successfully or not)."""

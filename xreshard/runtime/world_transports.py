@@ -289,11 +289,7 @@ class WorldTransports:
         for r in members:
             dev = routes.rank_device[r]
             if dev is not None and dev in by_device:
-                raise RefitError(
-                    f"ranks {by_device[dev]} and {r} share GPU {dev} and both need NCCL for "
-                    f"pairs without an IPC path; NCCL allows one rank per GPU in a "
-                    f"communicator: give them GPUs of their own, or keep each colocated rank's "
-                    f"peers reachable by cuda_ipc")
+                self._refuse_shared_gpu(by_device[dev], r, dev)
             by_device[dev] = r
         index = {r: i for i, r in enumerate(members)}
         mine = {index[r]: cuda_ordinal(self._devices[i])
@@ -303,6 +299,23 @@ class WorldTransports:
         inner = NcclTransport(self._store, len(members), mine, key=f"{prefix}/nccl",
                               timeout=self._wait_seconds())
         return RenumberedTransport(inner, index, "nccl")
+
+    @staticmethod
+    def _refuse_shared_gpu(a: int, b: int, dev: Any) -> None:
+        """Ranks ``a`` and ``b`` share GPU ``dev`` and both need NCCL: fine where this
+        process's NCCL takes several ranks of one GPU (2.30+ with NCCL_MULTI_RANK_GPU_ENABLE=1,
+        which every process must set alike), else refused with what it would take."""
+        from ..transport.nccl_setup import import_cupy, multi_rank_gpu
+        try:
+            _, nccl = import_cupy()
+            version = int(nccl.get_version())
+        except ImportError:
+            version = 0
+        ok, why = multi_rank_gpu(version)
+        if not ok:
+            raise RefitError(f"ranks {a} and {b} share GPU {dev} and both need NCCL for pairs "
+                             f"without an IPC path; {why} - or keep each colocated rank's "
+                             f"peers reachable by cuda_ipc")
 
     def _make_gloo(self) -> Transport:
         from ..transport.gloo import GlooTransport, create_gloo_group
