@@ -34,10 +34,10 @@ from typing import Any
 import numpy as np
 
 from .codec import (BITMASK, DENSE, HEADER_BYTES, KINDS, RUNS, DeltaFormatError, Encoded,
-                    Header, apply_numpy, changed_mask, choose, encode_numpy, parse,
-                    payload_sizes)
+                    Header, choose, parse, payload_sizes)
+from .host import apply_numpy, changed_mask, encode_numpy
 
-__all__ = ["encode", "apply", "backend_of", "DeltaFormatError", "Encoded", "Header", "choose",
+__all__ = ["encode", "apply", "backend_of", "host_view", "DeltaFormatError", "Encoded", "Header", "choose",
            "payload_sizes", "parse", "HEADER_BYTES", "DENSE", "BITMASK", "RUNS", "KINDS",
            "changed_fraction"]
 
@@ -56,14 +56,45 @@ def backend_of(x: Any) -> str:
                     f"{type(x).__name__}")
 
 
-def encode(old: Any, new: Any) -> Encoded:
+def _on_host(x: Any, kind: str) -> bool:
+    if kind == "jax":
+        return all(d.platform == "cpu" for d in x.sharding.device_set)
+    return x.device.type == "cpu"
+
+
+def host_view(x: Any) -> np.ndarray:
+    """A zero-copy numpy view of a CPU-resident JAX array or torch tensor (dtypes numpy
+    lacks, such as torch's bf16 and fp8, as same-size integers: the kernels read bits)."""
+    kind = backend_of(x)
+    if kind == "numpy":
+        return x
+    if kind == "jax":
+        return np.asarray(x)
+    try:
+        return x.detach().numpy()
+    except TypeError:
+        import torch
+        same = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+        return x.detach().view(same[x.element_size()]).numpy()
+
+
+def encode(old: Any, new: Any, *, kernels: str = "auto") -> Encoded:
     """Encode ``new`` against the baseline ``old`` (two versions of one region, same
-    backend, shape and dtype) with that backend's kernels."""
+    backend, shape and dtype).
+
+    Args:
+        kernels: ``"auto"``: the numpy kernels for buffers in host memory (numpy arrays, and
+            JAX arrays and torch tensors on the CPU, read in place: XLA's and torch's CPU
+            stream compaction is many times slower), the backend's own kernels on an
+            accelerator; ``"device"``: the backend's kernels wherever the buffers are.
+    """
     kind = backend_of(new)
     if backend_of(old) != kind:
         raise TypeError(f"baseline is a {backend_of(old)} array, new a {kind} one")
-    if kind == "numpy":
-        return encode_numpy(old, new)
+    if kernels not in ("auto", "device"):
+        raise ValueError(f"kernels={kernels!r}: pass 'auto' or 'device'")
+    if kind == "numpy" or (kernels == "auto" and _on_host(new, kind) and _on_host(old, kind)):
+        return encode_numpy(host_view(old), host_view(new))
     if kind == "jax":
         from .jax_kernels import encode_jax
         return encode_jax(old, new)
@@ -71,15 +102,18 @@ def encode(old: Any, new: Any) -> Encoded:
     return encode_torch(old, new)
 
 
-def apply(message: Any, target: Any) -> Any:
+def apply(message: Any, target: Any, *, kernels: str = "auto") -> Any:
     """Apply an encoded message (bytes or a host uint8 array) to ``target``: numpy and
-    torch in place (returned), JAX as a new array with ``target``'s sharding."""
+    torch in place (returned), JAX as a new array on ``target``'s device. ``kernels`` as
+    for :func:`encode`."""
     kind = backend_of(target)
-    if kind == "numpy":
-        return apply_numpy(message, target)
+    host = kind == "numpy" or (kernels == "auto" and _on_host(target, kind))
+    if kind == "numpy" or (host and kind == "torch"):
+        apply_numpy(message, host_view(target))
+        return target
     if kind == "jax":
         from .jax_kernels import apply_jax
-        return apply_jax(message, target)
+        return apply_jax(message, target, on_host=host)
     from .torch_kernels import apply_torch
     return apply_torch(message, target)
 

@@ -41,9 +41,9 @@ import numpy as np
 from ..errors import CommunicationError
 
 __all__ = ["DeltaFormatError", "Encoded", "Header", "HEADER_BYTES", "DENSE", "BITMASK", "RUNS",
-           "KINDS", "choose", "payload_sizes", "parse", "encode_numpy", "apply_numpy",
-           "words_dtype", "index_width", "assemble", "section_bytes", "Parsed",
-           "dense_wins_without_runs", "changed_mask"]
+           "KINDS", "choose", "payload_sizes", "parse", "words_dtype", "index_width", "assemble",
+           "section_bytes", "Parsed", "dense_wins_without_runs", "dense_threshold", "words",
+           "align8"]
 
 MAGIC = b"XRDL"
 VERSION = 1
@@ -59,7 +59,7 @@ class DeltaFormatError(CommunicationError):
     nothing was written."""
 
 
-def _align8(n: int) -> int:
+def align8(n: int) -> int:
     return (n + 7) & ~7
 
 
@@ -72,8 +72,8 @@ def payload_sizes(n: int, count: int, nruns: int, itemsize: int) -> dict[int, in
     """Payload bytes (after the header) of each encoding."""
     values = count * itemsize
     return {DENSE: n * itemsize,
-            BITMASK: _align8((n + 7) // 8) + values,
-            RUNS: _align8(2 * nruns * index_width(n)) + values}
+            BITMASK: align8((n + 7) // 8) + values,
+            RUNS: align8(2 * nruns * index_width(n)) + values}
 
 
 def choose(n: int, count: int, nruns: int, itemsize: int) -> int:
@@ -87,6 +87,19 @@ def dense_wins_without_runs(n: int, count: int, itemsize: int) -> bool:
     then skip finding the runs."""
     sizes = payload_sizes(n, count, 1, itemsize)
     return sizes[DENSE] <= min(sizes[BITMASK], sizes[RUNS])
+
+
+def dense_threshold(n: int, itemsize: int) -> int:
+    """The least changed count (at least 1: no change is the empty runs message) at which
+    dense is chosen whatever the runs: a kernel counting changes may stop there."""
+    if n == 0:
+        return 1
+    c = max(1, n - align8((n + 7) // 8) // itemsize, n - 16 // itemsize)
+    while c > 1 and dense_wins_without_runs(n, c - 1, itemsize):
+        c -= 1
+    while not dense_wins_without_runs(n, c, itemsize):
+        c += 1
+    return c
 
 
 @dataclass(frozen=True, slots=True)
@@ -164,7 +177,7 @@ def assemble(header: Header, sections: list[np.ndarray]) -> np.ndarray:
         if sec.size < size:
             raise AssertionError(f"section {i} has {sec.size} bytes, the header needs {size}")
         out[at:at + size] = sec[:size]
-        at += size if i == len(sizes) - 1 else _align8(size)
+        at += size if i == len(sizes) - 1 else align8(size)
     return out
 
 
@@ -175,7 +188,7 @@ def words_dtype(itemsize: int) -> np.dtype:
     return np.dtype({1: np.uint8, 2: np.uint16, 4: np.uint32}.get(itemsize, np.uint64))
 
 
-def _words(arr: np.ndarray, what: str) -> np.ndarray:
+def words(arr: np.ndarray, what: str) -> np.ndarray:
     """``arr``'s elements as bits: ``(n,)`` unsigned ints, or ``(n, 2)`` uint64 for
     16-byte elements. Zero-copy; refuses non-contiguous arrays."""
     if not isinstance(arr, np.ndarray):
@@ -188,58 +201,6 @@ def _words(arr: np.ndarray, what: str) -> np.ndarray:
                          "got a strided view")
     flat = arr.reshape(-1).view(words_dtype(arr.dtype.itemsize))
     return flat.reshape(-1, 2) if arr.dtype.itemsize == 16 else flat
-
-
-# ---------------------------------------------------------------------------- numpy kernels
-
-def changed_mask(old: np.ndarray, new: np.ndarray) -> np.ndarray:
-    """Which elements' bits differ (bool, one per element)."""
-    o, w = _words(old, "baseline"), _words(new, "new")
-    if o.shape != w.shape:
-        raise ValueError(f"baseline has {o.shape[0]} elements, new {w.shape[0]}: a delta "
-                         "compares two versions of the same region")
-    diff = o != w
-    return diff.any(axis=1) if diff.ndim == 2 else diff
-
-
-def encode_numpy(old: np.ndarray, new: np.ndarray) -> Encoded:
-    """Encode ``new`` against the baseline ``old`` (same shape and element size)."""
-    diff = changed_mask(old, new)
-    w = _words(new, "new")
-    isz, n = new.dtype.itemsize, w.shape[0]
-    count = int(np.count_nonzero(diff))
-    if count and dense_wins_without_runs(n, count, isz):
-        return Encoded(Header(DENSE, isz, n, n, 0), (w,))
-    idx = np.flatnonzero(diff)
-    breaks = np.flatnonzero(np.diff(idx) != 1)
-    nruns = len(breaks) + 1 if count else 0
-    kind = choose(n, count, nruns, isz)
-    header = Header(kind, isz, n, count if kind != DENSE else n, nruns if kind == RUNS else 0)
-    if kind == DENSE:
-        return Encoded(header, (w,))
-    values = w[idx]
-    if kind == BITMASK:
-        return Encoded(header, (np.packbits(diff, bitorder="little"), values))
-    ix = np.uint32 if header.width == 4 else np.uint64
-    starts = idx[np.concatenate(([0], breaks + 1))] if count else idx[:0]
-    stops = idx[np.concatenate((breaks, [count - 1]))] + 1 if count else idx[:0]
-    return Encoded(header, (np.concatenate((starts, stops - starts)).astype(ix), values))
-
-
-def apply_numpy(message: Any, target: np.ndarray) -> np.ndarray:
-    """Overwrite ``target``'s changed elements with ``message``'s (in place); returns it."""
-    tw = _words(target, "target")
-    if not target.flags.writeable:
-        raise ValueError("target: a read-only array cannot take a delta")
-    msg = parse(message, target.dtype.itemsize, tw.shape[0])
-    values = msg.values.reshape((-1,) + tw.shape[1:])
-    if msg.header.kind == DENSE:
-        tw[...] = values
-    elif msg.header.kind == BITMASK:
-        tw[msg.mask()] = values
-    elif msg.header.count:
-        tw[msg.indices()] = values
-    return target
 
 
 # ---------------------------------------------------------------------------- parsing
@@ -323,13 +284,13 @@ def parse(message: Any, itemsize: int, n: int) -> Parsed:
         if int(np.unpackbits(mask).sum()) != count:
             raise _bad(f"the mask marks {int(np.unpackbits(mask).sum())} elements, count is "
                        f"{count}")
-        at += _align8(nb)
+        at += align8(nb)
         return Parsed(header, buf[at:at + count * isz].view(wd), mask_bytes=mask)
     ix = np.dtype("<u4") if width == 4 else np.dtype("<u8")
     starts = buf[at:at + nruns * width].view(ix)
     lengths = buf[at + nruns * width:at + 2 * nruns * width].view(ix)
     _check_runs(starts, lengths, n, count)
-    at += _align8(2 * nruns * width)
+    at += align8(2 * nruns * width)
     return Parsed(header, buf[at:at + count * isz].view(wd), starts=starts, lengths=lengths)
 
 

@@ -130,19 +130,19 @@ def encode_jax(old: Any, new: Any) -> Encoded:
                                       cap_runs=_cap(max(nruns, 1))))
 
 
-def apply_jax(message: Any, target: Any) -> Any:
+def apply_jax(message: Any, target: Any, *, on_host: bool = False) -> Any:
     """A new ``jax.Array`` on ``target``'s device: ``target`` (one device's buffer) with
     ``message`` applied (JAX arrays are immutable). Validates on the host before any
-    device work."""
+    device work. ``on_host``: a CPU buffer, applied by the host kernels to a copy."""
     jax = _jax()
-    jnp = jax.numpy
     _one_device(target, "target")
-    w = _words(target)
-    n = w.shape[0]
-    msg = parse(message, target.dtype.itemsize, n)
-    word = w.dtype
     device = next(iter(target.sharding.device_set))
-    values = jax.device_put(np.asarray(msg.values).view(np.dtype(word.name)).reshape(
+    if on_host:
+        from .host import apply_numpy
+        return jax.device_put(apply_numpy(message, np.array(target)), device)
+    w = _words(target)
+    msg = parse(message, target.dtype.itemsize, w.shape[0])
+    values = jax.device_put(np.asarray(msg.values).view(np.dtype(w.dtype.name)).reshape(
         (-1,) + w.shape[1:]), device)
     if msg.header.kind == DENSE:
         out = values
@@ -151,6 +151,7 @@ def apply_jax(message: Any, target: Any) -> Any:
     else:
         idx = msg.mask().nonzero()[0] if msg.header.kind == BITMASK else msg.indices()
         out = w.at[jax.device_put(idx.astype(np.int32), device)].set(values)
+    jnp = jax.numpy
     back = out.astype(bool) if target.dtype == jnp.bool_ else \
         jax.lax.bitcast_convert_type(out, target.dtype)
-    return jax.device_put(back.reshape(target.shape), target.sharding)
+    return jax.device_put(back.reshape(target.shape), device)

@@ -67,7 +67,7 @@ def encode_torch(old: Any, new: Any) -> Encoded:
     diff = o != w
     if diff.dim() == 2:
         diff = diff.any(dim=1)
-    count = int(diff.sum()) if n else 0
+    count = int(torch.count_nonzero(diff)) if n else 0
     if count and dense_wins_without_runs(n, count, isz):
         return Encoded(Header(DENSE, isz, n, n, 0), (w,))
     idx = torch.nonzero(diff).reshape(-1)
