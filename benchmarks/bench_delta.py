@@ -158,7 +158,7 @@ def demo_changed_fraction(lr: float = 1e-6, seed: int = 0) -> dict:
     import optax
 
     from xreshard.delta import changed_fraction
-    from xreshard.tools.demo import DemoConfig, forward, tensor_specs
+    from xreshard.tools.demo import DemoConfig, forward, nest, tensor_specs
 
     cfg = DemoConfig()
     specs = tensor_specs(cfg)
@@ -167,15 +167,6 @@ def demo_changed_fraction(lr: float = 1e-6, seed: int = 0) -> dict:
                      (rng.standard_normal(s.stored_shape) * 0.05).astype(np.float32))
             for s in specs}
 
-    def nest(d: dict) -> dict:
-        tree: dict = {}
-        for path, v in d.items():
-            *parents, leaf = path.split("/")
-            node = tree
-            for p in parents:
-                node = node.setdefault(p, {})
-            node[leaf] = v
-        return tree
     tokens = jnp.asarray(rng.integers(0, cfg.vocab, (cfg.batch, cfg.seq_len + 1)), jnp.int32)
 
     def loss(p: dict) -> Any:
