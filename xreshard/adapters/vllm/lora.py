@@ -275,14 +275,14 @@ class _Modules:
 
         self.manager = manager
         self.linear = BaseLinearLayerWithLoRA
-        self.by_name: dict[str, tuple[Any, int | None]] = {}
+        self.by_name: dict[str, tuple[Any, int | None, int]] = {}    # + sub-modules packed
         for name, layer in manager.modules.items():
             subs = manager.packed_modules.get(name)
             if subs:
                 for i, sub in enumerate(subs):
-                    self.by_name[sub] = (layer, i)
+                    self.by_name[sub] = (layer, i, len(subs))
             else:
-                self.by_name[name] = (layer, None)
+                self.by_name[name] = (layer, None, 1)
         model = manager.model
         mapper = getattr(model, "hf_to_vllm_mapper", None)
         self.mapper = None if mapper is None else mapper.get_rename_mapper()
@@ -301,20 +301,15 @@ class _Modules:
             raise LoRAError(f"target module {module!r} is not a LoRA module of this engine "
                             f"(its LoRA modules end in {known}; enable_lora wraps the modules "
                             "of lora_target_modules, or every supported one)")
-        layer, index = got
+        layer, index, num_packed = got
         if not isinstance(layer, self.linear):
             raise LoRAError(f"target module {module!r} is a {type(layer).__name__}; in-memory "
                             "LoRA refits take linear modules (embedding, LM-head and expert "
                             "LoRA load from a directory)")
-        if index is not None and len(self.manager.packed_modules[_packed_of(self, layer)]) \
-                != layer.n_slices:
+        if index is not None and num_packed != layer.n_slices:
             raise LoRAError(f"target module {module!r}: its packed layer has {layer.n_slices} "
                             "slices but a different number of sub-modules")
         return module, is_a, layer, index
-
-
-def _packed_of(modules: _Modules, layer: Any) -> str:
-    return next(n for n, lay in modules.manager.modules.items() if lay is layer)
 
 
 def _digest(obj: Any) -> str:

@@ -381,7 +381,9 @@ class XreshardWeightTransferEngine(WeightTransferEngine[XreshardInitInfo, Xresha
     def shutdown(self) -> None:
         if self.world is not None:
             self.world.close()
-        self.world = self.stream = None
+        # committed adapters stay served (they live with vLLM's LoRA manager); a new world
+        # gets a new LoRA receiver
+        self.world = self.stream = self.lora = None
 
 
 
