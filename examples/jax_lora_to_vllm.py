@@ -160,9 +160,10 @@ def main():
         failures += not same
         ranks = sorted(llm.collective_rpc("xreshard_lora_report"), key=lambda w: w["tp_rank"])
         print(f"step {k}: refit {len(adapter.tensors())} tensors "
-              f"({adapter.num_bytes()} bytes) in {report.seconds * 1e3:.1f} ms; "
-              + ", ".join(f"TP rank {w['tp_rank']} received {w['bytes_received']} bytes in "
-                          f"{w['num_messages']} message(s)" for w in ranks))
+              f"({adapter.num_bytes()} bytes) in {report.seconds * 1e3:.1f} ms, "
+              f"{report.num_messages} message(s) from the trainer; "
+              + ", ".join(f"TP rank {w['tp_rank']} received {w['bytes_received']} bytes"
+                          for w in ranks))
         print(f"  tokens (in memory)   : {got_tokens}\n  tokens (PEFT dir)    : {ref_tokens}\n"
               f"  tokens + logprobs bit-equal: {same}"
               + ("" if k else f"   (B = 0: the base model {base_tokens})"))
