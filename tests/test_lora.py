@@ -154,9 +154,6 @@ def test_each_rank_reads_the_slice_vllm_slices(kind, tp, full):
     from xreshard.adapters.vllm import read_regions
     from xreshard.ir.layout import Region
 
-    if full and kind == "gate_up" and tp > 1:
-        pytest.skip("vLLM 0.32 has no fully sharded merged-column layer for tp > 1 "
-                    "(can_replace_layer refuses it)")
     out_sizes = {"qkv": [HEADS * HEAD, KV * HEAD, KV * HEAD], "gate_up": [INTER, INTER],
                  "column": [INTER], "row": [HIDDEN]}[kind]
     in_size = INTER if kind == "row" else HIDDEN

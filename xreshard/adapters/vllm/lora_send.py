@@ -26,6 +26,11 @@ def _framework(t: Any) -> str:
     if module.startswith(("jax", "jaxlib")):
         return "jax"
     if module.startswith("torch"):
+        if type(t).__name__ == "DTensor":
+            # TODO(lora-dtensor): bind through the torch adapter's rank map, as Refit does
+            raise LoRAError("DTensor LoRA factors are not supported yet; pass each "
+                            "process's whole copy as a plain tensor (t.full_tensor()), or "
+                            "JAX arrays")
         return "torch"
     if module.startswith("numpy"):
         return "numpy"
