@@ -48,7 +48,7 @@ from typing import Any, Sequence
 import numpy as np
 
 __all__ = ["DemoConfig", "TensorSpec", "add_arguments", "chunk_bounds", "forward", "main",
-           "run", "run_demo", "tensor_specs", "torch_local"]
+           "nest", "run", "run_demo", "tensor_specs", "torch_local"]
 
 #: world group order: trainer ranks first (0..3), then one rank per torch process
 GROUPS = ("trainer", "rollout")
@@ -272,7 +272,8 @@ def _init_params(cfg: DemoConfig, specs: list[TensorSpec]) -> dict[str, np.ndarr
     return out
 
 
-def _nest(flat: dict[str, Any]) -> dict:
+def nest(flat: dict[str, Any]) -> dict:
+    """The model's pytree from ``{"a/b/c": value}`` paths (what :func:`forward` takes)."""
     tree: dict = {}
     for path, value in flat.items():
         *parents, leaf = path.split("/")
@@ -313,9 +314,9 @@ def _trainer(ctx: Any, cfg: DemoConfig) -> dict:
     by_path = {s.path: s for s in specs}
     dtype = numpy_dtype(cfg.dtype)
     dst_dtype = numpy_dtype(cfg.dst_dtype)
-    shardings = _nest({s.path: NamedSharding(mesh, P(*s.jax_spec)) for s in specs})
+    shardings = nest({s.path: NamedSharding(mesh, P(*s.jax_spec)) for s in specs})
     host_params = {p: v.astype(dtype) for p, v in _init_params(cfg, specs).items()}
-    params = jax.device_put(_nest(host_params), shardings)
+    params = jax.device_put(nest(host_params), shardings)
 
     optimizer = optax.adam(cfg.learning_rate)
     replicated = NamedSharding(mesh, P())
@@ -373,7 +374,7 @@ def _trainer(ctx: Any, cfg: DemoConfig) -> dict:
         ref_tokens = None
         if cfg.can_generate:
             # what the received weights should generate: the same bytes, upcast, in numpy
-            ref = _nest({path: value.astype(np.float32) for path, value in host.items()})
+            ref = nest({path: value.astype(np.float32) for path, value in host.items()})
             ref_tokens = _greedy(lambda toks: forward(ref, np.array([toks]), cfg, np)[0, -1]
                                  .argmax(), prompt, cfg.gen_tokens)
 

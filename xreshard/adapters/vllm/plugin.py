@@ -82,6 +82,15 @@ class WorkerExtension:
                                "pass weight_transfer_config={'backend': 'xreshard'}")
         return engine.report()
 
+    def xreshard_lora_report(self) -> dict:
+        """The last LoRA round on this worker (adapters and their versions, bytes received,
+        this rank's share of the factors); see :mod:`xreshard.adapters.vllm.lora`."""
+        engine = getattr(self, "weight_transfer_engine", None)
+        receiver = getattr(engine, "lora", None)
+        if receiver is None:
+            return {"lora_version": 0, "last_error": None}
+        return receiver.report()
+
     def xreshard_weights_digest(self) -> dict[str, str]:
         """sha256 of every tensor in the live model's state dict (parameters and persistent
         buffers, as processed after loading; a linear weight as its prepacked CPU kernel

@@ -166,6 +166,7 @@ class XreshardTrainerWeightTransferEngine(TrainerWeightTransferEngine[XreshardTr
         self.sender: WeightSender | None = None
         self.timeout = 300.0
         self._server: Any = None
+        self._lora: Any = None      # LoRASender, built on the first send_loras
 
     @classmethod
     def trainer_init(cls, init_info: XreshardTrainerInitInfo, *, client: Any,
@@ -269,6 +270,50 @@ class XreshardTrainerWeightTransferEngine(TrainerWeightTransferEngine[XreshardTr
             raise
         for c in self.clients:
             c.finish_weight_update(str(version))
+        return report
+
+    def send_loras(self, adapters: Sequence[Any]) -> RefitReport:
+        """One LoRA round: this process's part of ``adapters``
+        (:class:`~xreshard.adapters.lora.LoRAAdapter`, one per slot) into every engine's
+        LoRA slots, in memory, each TP rank receiving exactly what its LoRA layers read.
+        Collective over the trainer processes (a process holding none passes ``[]``); rank
+        0 drives the engines. Serve them with
+        :func:`~xreshard.adapters.vllm.lora.lora_request`. See
+        :mod:`xreshard.adapters.vllm.lora`.
+
+        Raises:
+            LoRAError: an adapter does not fit an engine (target modules, rank, shapes), on
+                every process before any byte moves; the engines keep serving what they
+                served.
+        """
+        from xreshard.adapters.lora import LoRAError
+
+        from .lora_send import LoRASender
+
+        if self.sender is None:
+            raise RefitError("trainer_init did not complete; nothing to send through")
+        if self._lora is None:
+            self._lora = LoRASender(self.world, self.sender.stream.config,
+                                    self.sender.stream.jax_ranks)
+        lora = self._lora
+        for c in self.clients:
+            c.start_weight_update()
+        calls = [functools.partial(c.update_weights, {"lora": {"version": lora.version + 1}})
+                 for c in self.clients]
+        try:
+            report = _concurrently(calls, lambda: lora.send(list(adapters)), self.timeout,
+                                   "update_weights")
+        except BaseException as e:
+            for c in self.clients:      # as send_weights: close the sessions still open
+                try:
+                    c.finish_weight_update(None)
+                except Exception:  # noqa: BLE001
+                    pass
+            if isinstance(e.__cause__, LoRAError) and not isinstance(e, LoRAError):
+                raise e.__cause__ from None     # the same error as every other process
+            raise
+        for c in self.clients:
+            c.finish_weight_update(None)        # the base weights' version is unchanged
         return report
 
     def shutdown(self) -> None:
