@@ -630,6 +630,7 @@ def test_missing_framework_names_the_extra(monkeypatch):
 # ---------------------------------------------------------------------------- the adapter registry
 
 def test_a_third_party_adapter_registered_by_module_path_is_used_by_refit():
+    pytest.importorskip("torch")        # the world's store is torch's TCPStore
     import xreshard as xr
     from xreshard.runtime import registry
     from . import refit_cases

