@@ -145,3 +145,76 @@ def test_vllm_module_source_from_an_fsdp_tp_trainer_loads_like_a_checkpoint(tmp_
     assert 0 < t0["sent"] <= t0["local_bytes"] and 0 < t1["sent"] <= t1["local_bytes"]
     assert t0["received"] == t1["received"] == 0
     assert "src -> dst" in t0["table"]
+
+
+class _World:
+    """The two facts source_tensors reads of a world: its processes and which one is us."""
+
+    def __init__(self, index: int):
+        self.processes = [{"group": "rollout", "index": 0, "ranks": [0]},
+                          {"group": "trainer", "index": 0, "ranks": [1]},
+                          {"group": "trainer", "index": 1, "ranks": [2]}]
+        self.process_index = 1 + index
+
+
+def test_a_source_with_vllm_033_ownership_is_bound_by_its_placements_not_gathered():
+    """vLLM 0.33's contract (read from its base.py): ParamMeta owners / mesh_shape /
+    placements of Shard / Replicate, iter_local() yielding each owner's piece."""
+    import types
+
+    import torch
+    from xreshard.adapters.torch import Sharded
+    from xreshard.adapters.vllm.source import is_weight_source, source_tensors
+    from xreshard.ir.layout import Layout
+
+    Shard = type("Shard", (), {"__init__": lambda self, dim: setattr(self, "dim", dim)})
+    Replicate = type("Replicate", (), {})
+    full = torch.arange(24.0).reshape(6, 4)
+
+    class Source:
+        metadata = [types.SimpleNamespace(name="w", dtype=torch.float32, shape=(6, 4),
+                                          owners=(0, 1), mesh_shape=(2,), placements=(Shard(1),)),
+                    types.SimpleNamespace(name="norm", dtype=torch.float32, shape=(4,),
+                                          owners=(0, 1), mesh_shape=(2,),
+                                          placements=(Replicate(),))]
+
+        def __init__(self, rank):
+            self.rank = rank
+
+        def implements_iter_local(self):
+            return True
+
+        def iter_local(self):
+            yield "w", full[:, 2 * self.rank:2 * self.rank + 2]
+            yield "norm", torch.ones(4)
+
+    assert is_weight_source(Source(0))
+    for rank in (0, 1):
+        tensors, shapes = source_tensors(Source(rank), _World(rank))
+        assert shapes == {"w": (6, 4), "norm": (4,)}
+        w = tensors["w"]
+        assert isinstance(w, Sharded) and w.placements == ("S1",) and w.mesh.ranks == (1, 2)
+        layout = Layout.from_placements(w.shape, "float32", w.mesh, w.placements)
+        assert layout.local_shape(1 + rank) == tuple(w.local.shape) == (6, 2)
+        assert torch.equal(tensors["norm"], torch.ones(4))      # replicated: a whole copy
+
+
+def test_a_source_yielding_a_name_it_does_not_own_is_refused():
+    import types
+
+    import torch
+    from xreshard.adapters.vllm.source import source_tensors
+    from xreshard.errors import RefitError
+
+    class Source:
+        metadata = [types.SimpleNamespace(name="w", dtype=torch.float32, shape=(2,),
+                                          owners=(1,), mesh_shape=None, placements=None)]
+
+        def implements_iter_local(self):
+            return True
+
+        def iter_local(self):
+            yield "w", torch.zeros(2)
+
+    with pytest.raises(RefitError, match=r"trainer rank 0 yielded 'w', owned by trainer ranks \[1\]"):
+        source_tensors(Source(), _World(0))
