@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import time
 
 import pytest
 
-pytest.importorskip("torch")       # launch serves the rendezvous store: torch's TCPStore
+# launch serves the rendezvous store, torch's TCPStore. find_spec, not importorskip: the
+# children import this module, and importing torch would slow every one of them down
+if importlib.util.find_spec("torch") is None:
+    pytest.skip("launch needs torch (its rendezvous store)", allow_module_level=True)
 
 from xreshard.tools.launch import Context, LaunchError, LaunchTimeout, Role, launch
 

@@ -150,9 +150,9 @@ def mesh_of(device_mesh: Any, *, ranks: RankMap = None, name: str | None = None)
             joined = ", ".join(f"{r} -> world rank {w}" for r, w in sorted(ranks.items()))
             raise LayoutError(
                 f"{where} lives on a DeviceMesh over torch ranks {pg_ranks} (shape {shape}), "
-                f"but the process of torch rank {missing[0]}"
-                + (f" (and of {missing[1:]})" if len(missing) > 1 else "")
-                + f" is not in this refit's world group (joined: {joined or 'none'}); "
+                + (f"but the process of torch rank {missing[0]} is" if len(missing) == 1 else
+                   f"but the processes of torch ranks {missing} are")
+                + f" not in this refit's world group (joined: {joined or 'none'}); "
                 "every process of the mesh must call World.join with the same group, "
                 "num_processes counting it, or shard the tensor over a mesh of the "
                 "processes that joined")
