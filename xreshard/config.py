@@ -91,11 +91,22 @@ class RefitConfig:
 
 @dataclass(frozen=True)
 class RefitReport:
-    """What one call moved, seen from this process."""
+    """What one call moved, seen from this process.
+
+    Time is split so rates are honest: ``move_seconds`` is the executor moving bytes
+    (staging, rounds, local copies); everything else in ``seconds`` is setup
+    (``setup_seconds``): binding, the checks' and the outcome's metadata exchanges,
+    planning (``plan_seconds``, large on a first call), creating transports (first call)
+    and checksums (``verify``).
+    """
 
     version: int
     seconds: float
+    """The whole call."""
     plan_seconds: float
+    """From the call's start until the plan was ready: binding, the checks' metadata
+    exchange (waiting for every process to arrive) and, on a first call or after a layout
+    changed, exchanging layouts and planning."""
     bytes_sent: int
     bytes_received: int
     bytes_local: int
@@ -114,17 +125,31 @@ class RefitReport:
     bytes_forwarded: int = 0
     """Bytes this process's destination ranks forwarded to others of their domain
     (``RefitConfig(relay=...)``); ``bytes_sent`` counts only what its sources sent."""
+    move_seconds: float = 0.0
+    """The executor moving bytes: staging, every round, local copies (0: not measured,
+    then rates fall back to ``seconds``)."""
+
+    @property
+    def setup_seconds(self) -> float:
+        """Everything but moving: ``seconds - move_seconds``."""
+        return max(self.seconds - self.move_seconds, 0.0)
 
     @property
     def gbps(self) -> float:
-        """GB/s through this process (sent + received)."""
-        return (self.bytes_sent + self.bytes_received) / max(self.seconds, 1e-9) / 1e9
+        """GB/s through this process (sent + received + forwarded) while moving."""
+        moved = self.bytes_sent + self.bytes_received + self.bytes_forwarded
+        return moved / max(self.move_seconds or self.seconds, 1e-9) / 1e9
 
     def __str__(self) -> str:
-        return (f"refit v{self.version}: sent {self.bytes_sent / 2**20:.1f} MiB, received "
-                f"{self.bytes_received / 2**20:.1f} MiB in {self.seconds * 1e3:.1f} ms "
-                f"({self.gbps:.2f} GB/s); world moved {self.bytes_moved_world / 2**20:.1f} MiB "
-                f"vs {self.bytes_gather_broadcast_world / 2**20:.1f} MiB gather+broadcast"
-                + ("; " + ", ".join(f"{k} {v / 2**20:.1f} MiB" for k, v in
+        from .units import format_bytes as size, format_rate, format_seconds as time
+        moved = self.bytes_sent + self.bytes_received + self.bytes_forwarded
+        forwarded = f", forwarded {size(self.bytes_forwarded)}" if self.bytes_forwarded else ""
+        return (f"refit v{self.version}: sent {size(self.bytes_sent)}, received "
+                f"{size(self.bytes_received)}{forwarded} in {time(self.move_seconds)} moving "
+                f"({format_rate(moved, self.move_seconds or self.seconds)}); setup "
+                f"{time(self.setup_seconds)} ({'planning' if self.replanned else 'checks'} "
+                f"{time(self.plan_seconds)}); world moved {size(self.bytes_moved_world)} vs "
+                f"{size(self.bytes_gather_broadcast_world)} gather+broadcast"
+                + ("; " + ", ".join(f"{k} {size(v)}" for k, v in
                                     sorted(self.bytes_by_transport.items()))
                    if self.bytes_by_transport else ""))

@@ -27,6 +27,7 @@ from typing import Any
 
 from xreshard.errors import LayoutError
 from xreshard.ir.layout import Layout, LayoutMemo, Mesh, Region
+from xreshard.runtime.binding import canonical_name
 
 __all__ = ["array_layout", "bind", "bind_rules", "host_view", "layout_of", "pinned_pointer",
            "tree_names"]
@@ -262,14 +263,6 @@ def _key_str(key: Any) -> str:
     return str(key).strip(".[]'\"")
 
 
-def _rename(default: str, names: Any) -> str:
-    if names is None:
-        return default
-    if callable(names):
-        return names(default)
-    return names.get(default, default)
-
-
 def host_view(x: Any) -> Any:
     """A zero-copy array over a single-device jax.Array's buffer: numpy on CPU, CuPy on GPU.
 
@@ -486,7 +479,7 @@ def _leaf_names(jax: Any, tree: Any, names: Any, cache: dict) -> tuple[list[str]
     if got is not None and got[0] == treedef and (got[1] is key or got[1] == key):
         return got[2], leaves, treedef
     flat, _ = jax.tree_util.tree_flatten_with_path(tree)
-    out = [_rename("/".join(_key_str(k) for k in path), names) for path, _ in flat]
+    out = [canonical_name("/".join(_key_str(k) for k in path), names) for path, _ in flat]
     cache["names"] = (treedef, key, out)
     return out, leaves, treedef
 

@@ -27,6 +27,7 @@ from typing import Any
 from xreshard.dtypes import as_dtype, dtype_name
 from xreshard.errors import LayoutError
 from xreshard.ir.layout import Layout, LayoutMemo, Mesh, Split, splits_of_placements
+from xreshard.runtime.binding import canonical_name
 
 __all__ = ["Sharded", "bind", "layout_of", "placements_of", "tensor_view"]
 
@@ -103,7 +104,7 @@ def layout_of(dtensor_or_mesh: Any, placements: Sequence[Any] | None = None,
         raise TypeError(f"layout_of expects a DTensor or a DeviceMesh, "
                         f"got {type(dtensor_or_mesh).__name__}")
 
-    mesh = mesh_of(device_mesh, ranks=ranks)
+    mesh = mesh_of(device_mesh, ranks=ranks, name=name)
     shape = tuple(int(s) for s in shape)
     splits = splits_of_placements(placements, mesh, shape, where)
     if shard_order is not None:
@@ -132,16 +133,29 @@ def _mesh_facts(device_mesh: Any) -> tuple[list[int], tuple[int, ...], Any]:
     return got
 
 
-def mesh_of(device_mesh: Any, *, ranks: RankMap = None) -> Mesh:
-    """The xreshard :class:`Mesh` of a ``DeviceMesh``, its ranks mapped through ``ranks``."""
+def mesh_of(device_mesh: Any, *, ranks: RankMap = None, name: str | None = None) -> Mesh:
+    """The xreshard :class:`Mesh` of a ``DeviceMesh``, its ranks mapped through ``ranks``.
+
+    Raises:
+        LayoutError: a rank of the mesh has no world rank in ``ranks``: its process did not
+            join the refit's world (or joined another group); the message names it.
+    """
     pg_ranks, shape, names = _mesh_facts(device_mesh)
     if ranks is None:
         world = pg_ranks
     elif isinstance(ranks, Mapping):
         missing = [r for r in pg_ranks if r not in ranks]
         if missing:
-            raise LayoutError(f"ranks has no world rank for process-group ranks {missing} of "
-                              f"mesh {pg_ranks} (shape {shape}); map every rank of the mesh")
+            where = f"DTensor {name!r}" if name else "a DTensor"
+            joined = ", ".join(f"{r} -> world rank {w}" for r, w in sorted(ranks.items()))
+            raise LayoutError(
+                f"{where} lives on a DeviceMesh over torch ranks {pg_ranks} (shape {shape}), "
+                + (f"but the process of torch rank {missing[0]} is" if len(missing) == 1 else
+                   f"but the processes of torch ranks {missing} are")
+                + f" not in this refit's world group (joined: {joined or 'none'}); "
+                "every process of the mesh must call World.join with the same group, "
+                "num_processes counting it, or shard the tensor over a mesh of the "
+                "processes that joined")
         world = [ranks[r] for r in pg_ranks]
     elif callable(ranks):
         world = [ranks(r) for r in pg_ranks]
@@ -462,7 +476,7 @@ def _bind(obj: Any, side: str, *, ranks: RankMap, local_ranks: Sequence[int], na
     holds: dict[Layout, bool] = {}          # layout -> whether this rank holds elements
     dtypes: dict[Any, str] = {}             # torch dtype -> canonical name
     for key, value in items:
-        name = key if names is None else (names(key) if callable(names) else names.get(key, key))
+        name = canonical_name(key, names)
         if name in layouts:
             errors.append(f"two state-dict entries map to tensor {name!r}")
             continue
@@ -472,7 +486,7 @@ def _bind(obj: Any, side: str, *, ranks: RankMap, local_ranks: Sequence[int], na
                                   lambda: layout_of(value, ranks=ranks, name=name))
                 local = _local_of(value)
             elif isinstance(value, Sharded):
-                mesh = value.mesh if isinstance(value.mesh, Mesh) else mesh_of(value.mesh, ranks=ranks)
+                mesh = value.mesh if isinstance(value.mesh, Mesh) else mesh_of(value.mesh, ranks=ranks, name=name)
                 layout = Layout.from_placements(value.shape, value.local.dtype, mesh,
                                                 value.placements, name=name)
                 local = value.local

@@ -17,16 +17,18 @@ before any byte moves (``side_problems`` feeds the refit's first exchange).
 
 from __future__ import annotations
 
+import os
+import traceback
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Mapping
 
 import numpy as np
 
 from ..dtypes import dtype_name, numpy_dtype
-from ..errors import XreshardError
+from ..errors import BindingError, XreshardError
 from ..ir.layout import Layout
 
-__all__ = ["Bindings", "Bound", "binding_problems", "side_problems"]
+__all__ = ["Bindings", "Bound", "binding_problems", "side_problems", "canonical_name"]
 
 #: (rank, tensor name) -> binding
 Bindings = Mapping[tuple[int, str], Any]
@@ -61,6 +63,43 @@ class Bound:
                 d["local_only"] = True
             out[name] = d
         return out
+
+
+def canonical_name(default: str, names: Mapping[str, str] | Callable[[str], str] | None) -> str:
+    """The canonical name of ``default`` (a JAX path, a state-dict key) under ``names=``.
+
+    A mapping renames the keys it has; a callable is the user's code, so whatever it raises
+    becomes a :class:`BindingError` that keeps the exception's type, message and where it was
+    raised (every process then reports the same words, and the user finds the line)::
+
+        names= raised KeyError('x') at my_module.py:12 in to_hf, for 'layers/0/kernel'
+
+    Raises:
+        BindingError: the callable raised, or returned something other than a string.
+    """
+    if names is None:
+        return default
+    if not callable(names):
+        return names.get(default, default)
+    try:
+        out = names(default)
+    except Exception as e:  # noqa: BLE001 - the user's code: any exception is bad input
+        raise BindingError(f"names= raised {e!r}{_raised_at(e)}, for {default!r}; fix the "
+                           "names= callable (or pass a mapping)") from e
+    if not isinstance(out, str):
+        raise BindingError(f"names= returned {out!r} ({type(out).__name__}) for {default!r}; "
+                           "it must return the canonical name as a str")
+    return out
+
+
+def _raised_at(e: BaseException) -> str:
+    """`` at file.py:12 in fn`` for the innermost Python frame that raised ``e`` (where the
+    user's code failed, or the library it called), or "" without a traceback."""
+    frames = traceback.extract_tb(e.__traceback__)
+    if len(frames) < 2:          # only canonical_name's own frame: raised in C below it
+        return ""
+    f = frames[-1]
+    return f" at {os.path.basename(f.filename)}:{f.lineno} in {f.name}"
 
 
 def _arrays(binding: Any, layout: Layout) -> list[Any]:

@@ -287,7 +287,8 @@ class Refit:
             num_messages=stats.num_messages, num_zero_copy=stats.num_zero_copy,
             staging_bytes=stats.staging_bytes,
             replanned=replanned, bytes_by_transport=moved.by_kind or None,
-            verified=verified, bytes_forwarded=stats.bytes_forwarded)
+            verified=verified, bytes_forwarded=stats.bytes_forwarded,
+            move_seconds=stats.seconds)
 
     # ------------------------------------------------------------ moving
 

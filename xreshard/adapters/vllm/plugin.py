@@ -70,6 +70,21 @@ class WorkerExtension:
     ``VLLM_ALLOW_INSECURE_SERIALIZATION=1``.
     """
 
+    def init_worker_extension(self) -> None:
+        """vLLM >= 0.33 calls this on every worker once its device is up: register the
+        ``"xreshard"`` backend there too, so a worker finds it even where xreshard's
+        ``vllm.general_plugins`` entry point is not installed (xreshard on ``PYTHONPATH``)."""
+        register_backend()
+
+    def destroy_worker_extension(self) -> None:
+        """vLLM >= 0.33 calls this on every worker before it shuts down: leave the refit
+        world first (its store connection, shared-memory segments, gloo groups), whatever
+        the engine's own shutdown does afterwards. (vLLM 0.32 has neither hook; there the
+        worker's shutdown closes the backend.)"""
+        engine = getattr(self, "weight_transfer_engine", None)
+        if engine is not None and getattr(engine, "world", None) is not None:
+            engine.shutdown()
+
     def xreshard_record(self, specs: Mapping[str, Sequence] | None = None) -> dict:
         return worker_record(self, specs)
 

