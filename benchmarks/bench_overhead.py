@@ -7,8 +7,8 @@ the checks, two metadata all-gathers, the executor's bookkeeping. Calls alternat
 
 * warm: the refit's layout memo (``Refit.layout_memo``) hands back the layouts of the last
   call, as every refit after the first finds it;
-* cold: the refit is given a switched-off memo (``enabled = False``) for the call, so every
-  layout is built anew, as before the memo existed,
+* cold: the refit is given a memo that remembers nothing (``tools.testing.ColdMemo``) for
+  the call, so every layout is built anew, as before the memo existed,
 
 in the same processes, and the script prints the median of each and their ratio.
 ``--fresh`` sends new arrays every call (``params + 0``, made outside the timed region),
@@ -48,11 +48,10 @@ def _calls(refit: Any, side: dict, reps: int, profile: int = 0, sort: str = "cum
     """Warm and cold calls in turn; ``fresh()`` (when given) makes this call's side anew
     before each call, outside the timed region, and ``barrier()`` then lines the processes
     up so no process times another's preparation."""
-    from xreshard.ir.layout import LayoutMemo
+    from xreshard.tools.testing import ColdMemo
 
     out: dict[str, Any] = {"warm": [], "cold": [], "warm_cpu": [], "cold_cpu": []}
-    warm_memo, cold_memo = refit.layout_memo, LayoutMemo()
-    cold_memo.enabled = False
+    warm_memo, cold_memo = refit.layout_memo, ColdMemo()
 
     def prepared() -> dict:
         now = side if fresh is None else fresh()
@@ -155,6 +154,7 @@ def naming(reps: int) -> None:
     from xreshard.adapters import naming, naming as vb  # vb: where bind_named keeps its caches
     from xreshard.adapters.naming import NameMap, jax_llama_rules, jax_moe_rules
     from xreshard.ir.layout import LayoutMemo
+    from xreshard.tools.testing import ColdMemo
 
     E, D, I, L = 64, 64, 32, 8
     mesh = jax.make_mesh((4, 2), ("ep", "tp"))
@@ -169,8 +169,7 @@ def naming(reps: int) -> None:
     names = NameMap(jax_llama_rules() + jax_moe_rules())
     ranks = {d.id: i for i, d in enumerate(mesh.devices.flat)}
     times: dict[str, list[float]] = {"warm": [], "cold": []}
-    warm_memo, cold_memo = LayoutMemo(), LayoutMemo()
-    cold_memo.enabled = False
+    warm_memo, cold_memo = LayoutMemo(), ColdMemo()
     if hasattr(naming, "bind_named"):
         bind = naming.bind_named
     else:       # before bind_named moved beside the rules: no memo argument

@@ -44,7 +44,7 @@ destination byte is checked once after each warm-up refit and once after a basel
                                      [--executor both|pipelined|rounds] [--json]
 
 ``--executor both`` (the default) adds, for each transport, a refit with the old
-round-by-round executor (``Refit.executor_kind = "rounds"``) in the same processes,
+round-by-round executor (``Refit(tuning=Tuning(executor="rounds"))``) in the same processes,
 interleaved: the side-by-side column "rounds / pipelined" is its time over the
 pipelined one's.
 """
@@ -117,7 +117,7 @@ def split_dim(kind: str) -> int | None:
 
 
 def np_dtype(name: str) -> np.dtype:
-    from xreshard.runtime.execute import numpy_dtype
+    from xreshard.dtypes import numpy_dtype
     return numpy_dtype(name)
 
 
@@ -443,14 +443,16 @@ def child(ctx: Any, cfg: dict) -> dict:
                                  staging_bytes=cfg["staging_mib"] * MiB, timeout=TIMEOUT,
                                  transport="auto" if k.startswith("shm") else "gloo")
                for k in kinds}
+    tunings = {k: xr.Tuning(executor="rounds" if k.endswith("+rounds") else "pipelined")
+               for k in kinds}
     t_setup = time.perf_counter()
     refits = {}
     if is_trainer:
         params = jax_params(specs, dtype, cfg["kernels"])
         transpose = {n for n, s, _ in specs if is_kernel(n, s, cfg["kernels"])}
         for k in kinds:
-            refits[k] = xr.Refit(world, send=params, transpose=transpose, config=configs[k])
-            refits[k].executor_kind = "rounds" if k.endswith("+rounds") else "pipelined"
+            refits[k] = xr.Refit(world, send=params, transpose=transpose, config=configs[k],
+                                 tuning=tunings[k])
         max_bytes = max(math.prod(s) for _, s, _ in specs) * 2
         gather_buf = np.empty(max_bytes, np.uint8)
         gather_buf[:] = 1                                       # resident, like a real buffer
@@ -458,8 +460,7 @@ def child(ctx: Any, cfg: dict) -> dict:
         state = dtensors(specs, dtype)
         views = local_views(state)
         for k in kinds:
-            refits[k] = xr.Refit(world, receive=state, config=configs[k])
-            refits[k].executor_kind = "rounds" if k.endswith("+rounds") else "pipelined"
+            refits[k] = xr.Refit(world, receive=state, config=configs[k], tuning=tunings[k])
         max_bytes = max(math.prod(s) for _, s, _ in specs) * 2
         recv_buf = np.ones(max_bytes, np.uint8)
     setup_s = time.perf_counter() - t_setup

@@ -428,8 +428,8 @@ def test_a_destination_sharing_memory_with_a_source_is_refused(executor):
                                              index=0, timeout=20) as world:
         send = xr.Bound({"w": src}, {(0, "w"): bufs[0], (1, "w"): bufs[1]})
         refit = xr.Refit(world, send=send,
-                         receive=xr.Bound({"w": dst}, {(0, "w"): views[0], (1, "w"): views[1]}))
-        refit.executor_kind = executor
+                         receive=xr.Bound({"w": dst}, {(0, "w"): views[0], (1, "w"): views[1]}),
+                         tuning=xr.Tuning(executor=executor))
         with pytest.raises(BindingError, match=r"receive 'w' on rank [01] shares memory with "
                                                r"send 'w' on rank [01]"):
             refit()
