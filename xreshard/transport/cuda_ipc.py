@@ -44,6 +44,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
 
+from ..extras import require
 from .base import TransportError, TransportTimeout
 from .peers import PeerTransport, Recv, Round
 
@@ -60,11 +61,7 @@ _POINTER_ATTRIBUTE_BUFFER_ID = 7
 
 
 def _import_cupy() -> Any:
-    try:
-        import cupy
-    except ImportError as e:
-        raise ImportError("the cuda_ipc transport needs CuPy: pip install 'xreshard[nccl]'") from e
-    return cupy
+    return require("cupy", "gpu", "the cuda_ipc transport")
 
 
 class CupyCuda:

