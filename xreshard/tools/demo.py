@@ -302,7 +302,7 @@ def _trainer(ctx: Any, cfg: DemoConfig) -> dict:
 
     import xreshard as xr
     from xreshard.adapters.jax import tree_names
-    from xreshard.runtime.execute import numpy_dtype
+    from xreshard.dtypes import numpy_dtype
 
     world = ctx.join(groups=GROUPS, timeout=cfg.timeout)
     rollout_ranks = world.group_ranks("rollout")
