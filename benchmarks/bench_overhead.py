@@ -15,7 +15,7 @@ in the same processes, and the script prints the median of each and their ratio.
 as a training loop does: each call's arrays and sharding objects are new, only equal.
 
 ``--naming`` measures instead, in this process, binding a JAX MoE tree through the vLLM
-naming rules (``bind_named``, what the ``"xreshard"`` trainer engine does every round):
+naming rules (``adapters.jax.bind_named``, what the ``"xreshard"`` trainer engine does every round):
 8 layers of 64 stacked experts split over a (ep=4, tp=2) mesh of 8 CPU devices, 1,544 HF
 tensors; warm keeps the rule check, layout memo and geometry caches, cold clears them.
 
@@ -151,7 +151,8 @@ def naming(reps: int) -> None:
     import jax
     import numpy as np
     from jax.sharding import NamedSharding, PartitionSpec as P
-    from xreshard.adapters import naming, naming as vb  # vb: where bind_named keeps its caches
+    from xreshard.adapters import naming as vb  # vb: where the naming rules keep their caches
+    from xreshard.adapters.jax import bind_named
     from xreshard.adapters.naming import NameMap, jax_llama_rules, jax_moe_rules
     from xreshard.ir.layout import LayoutMemo
     from xreshard.tools.testing import ColdMemo
@@ -170,11 +171,7 @@ def naming(reps: int) -> None:
     ranks = {d.id: i for i, d in enumerate(mesh.devices.flat)}
     times: dict[str, list[float]] = {"warm": [], "cold": []}
     warm_memo, cold_memo = LayoutMemo(), ColdMemo()
-    if hasattr(naming, "bind_named"):
-        bind = naming.bind_named
-    else:       # before bind_named moved beside the rules: no memo argument
-        def bind(tree: Any, names: Any, ranks: Any, memo: Any = None) -> Any:
-            return vb.bind_named(tree, names, ranks)
+    bind = bind_named
     bind(tree, names, ranks, memo=warm_memo)
     for _ in range(reps):
         for kind in ("warm", "cold"):

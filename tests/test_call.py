@@ -274,3 +274,31 @@ def test_an_adapters_own_error_keeps_its_class_in_the_raising_process():
             assert world.broken is None
     finally:
         registry.unregister_adapter("exploding")
+
+
+def test_device_bindings_run_full_rounds(monkeypatch):
+    """Issue 18: the halved schedule is only for the pipelined host executor. A process
+    with device bindings (any non-numpy binding) runs full rounds, and every process of
+    the call prepares the same schedule from what refit/check gathered."""
+    from xreshard.runtime import refit as refit_module
+    from xreshard.runtime.sides import on_device
+
+    class FakeDeviceArray:
+        pass
+
+    assert on_device(xr.Bound({}, {(0, "w"): [FakeDeviceArray()]}))
+    assert not on_device(xr.Bound({}, {(0, "w"): [np.zeros(1)]}), None)
+    with _solo() as world:
+        send, receive, dest = _whole(world)
+        plain = xr.Refit(world, send=send, receive=receive)
+        assert plain().version == 1
+        assert plain.prepared.options.halved
+        rounds = xr.Refit(world, send=send, receive=receive,
+                          tuning=xr.Tuning(executor="rounds"))
+        rounds()
+        assert not rounds.prepared.options.halved
+        # bindings on a device (seen through refit/check): full rounds, prepared again
+        monkeypatch.setattr(refit_module, "on_device", lambda *sides: True)
+        report = plain()
+        assert report.replanned and not plain.prepared.options.halved
+        assert np.array_equal(dest, _values(1))
