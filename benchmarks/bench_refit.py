@@ -306,10 +306,10 @@ def timed(world: Any, fn) -> float:
 #: functions whose cumulative time the profile reports, by (file suffix, function name)
 PROFILED = [
     ("refit.py", "__call__", "Refit.__call__ (all)"),
-    ("refit.py", "_bind", "  bind (adapters)"),
+    ("sides.py", "bind", "  bind (adapters)"),
     ("refit.py", "_prepare", "  metadata exchange + digest"),
     ("refit.py", "_commit", "  commit (outcome all-gather)"),
-    ("execute.py", "run", "  Executor.run"),
+    ("execute.py", "run", "  execute.run / Executor.run"),
     ("execute.py", "_staging_needed", "    staging sizing"),
     ("execute.py", "_pack", "    pack (sender copies)"),
     ("execute.py", "_unpack", "    unpack (receiver copies)"),
@@ -354,10 +354,12 @@ def per_call_overheads(refit: Any, is_trainer: bool, obj: Any,
     import json
     side = "send" if is_trainer else "receive"
     maps = refit._rank_maps()
+    (refit._sides.send if is_trainer else refit._sides.receive).obj = obj
     bind_s, digest_s = [], []
     for _ in range(reps):
         t0 = time.perf_counter()
-        bound = refit._bind(obj, side, maps)
+        sides = refit._sides
+        bound = sides.bind(sides.send if is_trainer else sides.receive, maps, refit.layout_memo)
         t1 = time.perf_counter()
         meta = {side: bound.describe(), "config": refit.config.to_dict()}
         hashlib.sha256(json.dumps(meta, sort_keys=True).encode()).hexdigest()
