@@ -233,6 +233,7 @@ def test_jax_bind_hands_back_the_same_layouts_each_call():
     objects (caches warm); another rank map or sharding gets its own; a disabled memo builds
     equal layouts anew. No module state: two memos do not share."""
     from xreshard.ir.layout import LayoutMemo
+    from xreshard.tools.testing import ColdMemo
     devices = _devices8()[:4]
     mesh = jax.sharding.Mesh(np.array(devices).reshape(2, 2), ("a", "b"))
     tree = {"w": jax.device_put(np.zeros((8, 4), np.float32), NamedSharding(mesh, P("a"))),
@@ -245,9 +246,7 @@ def test_jax_bind_hands_back_the_same_layouts_each_call():
     assert first.layouts["w"] != first.layouts["v"]
     shifted = xjax.bind(tree, "send", ranks={d: r + 10 for d, r in ranks.items()}, memo=memo)
     assert shifted.layouts["w"].ranks == (10, 11, 12, 13)
-    cold_memo = LayoutMemo()
-    cold_memo.enabled = False
-    cold = xjax.bind(tree, "send", ranks=ranks, memo=cold_memo)
+    cold = xjax.bind(tree, "send", ranks=ranks, memo=ColdMemo())
     assert cold.layouts["w"] == first.layouts["w"] and cold.layouts["w"] is not first.layouts["w"]
     # without a memo, layouts are still equal (and interned: the same objects)
     plain = xjax.bind(tree, "send", ranks=ranks)

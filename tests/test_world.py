@@ -141,6 +141,34 @@ def test_missing_processes_time_out_and_are_named():
     assert "allgather" not in v1
 
 
+def partial_outcomes(ctx: Context) -> dict:
+    """Three processes; after a barrier, process 0 posts its outcome at once with a short
+    wait, process 1 posts 3 s later (a survivor still stuck in its transport), process 2
+    never posts (dead)."""
+    with ctx.join(1, groups=("trainer", "rollout"), timeout=20) as w:
+        w.barrier(timeout=20)
+        me = w.process_index
+        if me == 2:
+            time.sleep(8)
+            return {"me": me}
+        if me == 1:
+            time.sleep(3)
+        got = w.allgather_json({"me": me}, timeout=1, kind="refit/outcome", partial=True)
+        return {"me": me, "got": got}
+
+
+@pytest.mark.slow
+def test_a_partial_collective_gives_every_survivor_the_same_arrivals():
+    """Issue 17.9: the survivors of a dead process build their failure message from the
+    outcomes that arrived; a survivor whose wait ended before a slow one posted must not
+    see other outcomes than that slow one (one message everywhere)."""
+    roles = [Role("plain", "trainer", 0), Role("plain", "rollout", 0),
+             Role("plain", "rollout", 1)]
+    values = {v["me"]: v for v in (r.value for r in launch(partial_outcomes, roles, timeout=90))}
+    assert values[0]["got"] == values[1]["got"], values
+    assert values[0]["got"][2] is None
+
+
 def test_in_process_world_and_errors():
     with serve() as server:
         host, port = parse_address(server.address)

@@ -12,7 +12,7 @@ from .ir.layout import Layout, Mesh, Region, Split
 from .planner.plan import Plan, PlanCache, PlanStats, Transfer, plan
 from .runtime.binding import Bound
 from .runtime.commcount import CommCounts, count_comm
-from .runtime.refit import Refit, RefitConfig, RefitReport
+from .runtime.refit import Refit, RefitConfig, RefitReport, Tuning
 from .ir.topology import Topology
 from .runtime.world import StoreServer, World, serve
 
@@ -21,7 +21,7 @@ __all__ = [
     "TransportError", "TransportTimeout", "VerificationError", "WorldBroken",
     "Bound", "CommCounts", "Layout", "LayoutError", "Mesh", "Plan", "PlanCache", "PlanError", "PlanStats",
     "Refit", "RefitConfig", "RefitError", "RefitReport", "Region", "Split", "StoreServer",
-    "Topology", "Transfer", "World", "XreshardError", "count_comm", "plan", "serve",
+    "Topology", "Transfer", "Tuning", "World", "XreshardError", "count_comm", "plan", "serve",
 ]
 __version__ = "0.1.0"
 

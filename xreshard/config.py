@@ -1,19 +1,28 @@
-"""How a refit moves bytes (``RefitConfig``) and what one call moved (``RefitReport``).
+"""How a refit moves bytes (``RefitConfig``), how this process runs it (``Tuning``) and
+what one call moved (``RefitReport``).
 
-Both are plain values: the config crosses processes as JSON (every process must pass the
-same), the report is what ``Refit.__call__`` returns.
+All are plain values. The config crosses processes as JSON (every process must pass the
+same); the tuning is this process's (the processes agree on the parts that shape the
+schedule, see ``Tuning``); the report is what ``Refit.__call__`` returns.
+
+A leaf module (it imports only ``dtypes`` and ``errors``), so the planner may take a
+config's values without importing the runtime.
 """
 
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 from typing import Any, Mapping
 
 from .dtypes import dtype_name
 from .errors import RefitError
 
-__all__ = ["RefitConfig", "RefitReport"]
+__all__ = ["EXECUTORS", "RefitConfig", "RefitReport", "Tuning"]
+
+#: the executors a refit may run (``Tuning.executor``)
+EXECUTORS = ("pipelined", "rounds")
 
 
 @dataclass(frozen=True)
@@ -87,6 +96,55 @@ class RefitConfig:
         elif self.wire_dtype is not None:
             d["wire_dtype"] = dtype_name(self.wire_dtype)
         return d
+
+
+@dataclass(frozen=True)
+class Tuning:
+    """How this process runs refits: switches that change how fast bytes move, never which
+    bytes. Pass one to ``Refit(..., tuning=)``; without one, a ``Refit`` takes
+    :meth:`from_env` once, when it is built.
+
+    ``executor`` and ``relay_overlap`` shape the schedule, so the processes of a refit
+    must agree on them (checked at ``refit/check``: a difference is refused before any
+    byte moves); ``pause_gc`` and ``layout_memo`` are this process's alone.
+    """
+
+    executor: str = "pipelined"
+    """"pipelined" (pack, wire and unpack overlap, rounds of half of ``staging_bytes``; host
+    bindings only: a process with device bindings runs full rounds one after another) or
+    "rounds" (round after round, full rounds). Environment: ``XRESHARD_EXECUTOR``."""
+    relay_overlap: bool = True
+    """``RefitConfig(relay=...)``: forwards overlap the arrival of later chunks (False: each
+    forward waits for its sender's whole stage 1, as two stages back to back; for
+    measuring what overlap saves)."""
+    pause_gc: bool = True
+    """Pause Python's cyclic garbage collector during a call (see
+    ``xreshard.runtime.execute.gc_paused``); False only to measure what it saves."""
+    layout_memo: bool = True
+    """Remember the layouts the adapters built across calls (``Refit.layout_memo``);
+    False builds every layout anew on every call (to measure what the memo saves)."""
+
+    def __post_init__(self) -> None:
+        if self.executor not in EXECUTORS:
+            raise RefitError(f"Tuning.executor must be one of {EXECUTORS}, got "
+                             f"{self.executor!r}")
+        for name in ("relay_overlap", "pause_gc", "layout_memo"):
+            if not isinstance(getattr(self, name), bool):
+                raise RefitError(f"Tuning.{name} must be a bool, got {getattr(self, name)!r}")
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> Tuning:
+        """The default tuning, from ``XRESHARD_EXECUTOR`` (``pipelined``, the default, or
+        ``rounds``; the table of variables is in docs/extending.md).
+
+        Raises:
+            RefitError: an unknown ``XRESHARD_EXECUTOR``.
+        """
+        env = os.environ if environ is None else environ
+        kind = env.get("XRESHARD_EXECUTOR", "pipelined").strip().lower()
+        if kind not in EXECUTORS:
+            raise RefitError(f"XRESHARD_EXECUTOR={kind!r}: expected 'pipelined' or 'rounds'")
+        return cls(executor=kind)
 
 
 @dataclass(frozen=True)

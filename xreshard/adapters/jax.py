@@ -26,11 +26,12 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from xreshard.errors import LayoutError
+from xreshard.extras import require
 from xreshard.ir.layout import Layout, LayoutMemo, Mesh, Region
 from xreshard.runtime.binding import canonical_name
 
-__all__ = ["array_layout", "bind", "bind_rules", "host_view", "layout_of", "pinned_pointer",
-           "tree_names"]
+__all__ = ["array_layout", "bind", "bind_named", "bind_rules", "host_view", "layout_of",
+           "pinned_pointer", "tree_names"]
 
 #: what ``ranks`` may be: a map from device (or device id) to world rank, a sequence aligned
 #: with the default device order, or a callable device -> world rank
@@ -38,11 +39,8 @@ RankSpec = Mapping[Any, int] | Sequence[int] | Callable[[Any], int] | None
 
 
 def _import_jax():
-    try:
-        import jax
-        import jax.sharding  # noqa: F401  (the submodule is what we use)
-    except ImportError as e:
-        raise ImportError("xreshard.adapters.jax needs JAX: pip install 'xreshard[jax]'") from e
+    jax = require("jax", "jax", "xreshard.adapters.jax")
+    require("jax.sharding", "jax", "xreshard.adapters.jax")    # the submodule we use
     return jax
 
 
@@ -278,13 +276,9 @@ def host_view(x: Any) -> Any:
     device = next(iter(x.devices()))
     if device.platform == "cpu":
         return np.asarray(x)
-    try:
-        import cupy
-    except ImportError as e:
-        from xreshard.transport.nccl import install_hint
-        raise ImportError(f"binding GPU JAX arrays needs CuPy: {install_hint()}") from e
+    cupy = require("cupy", "gpu", "binding GPU JAX arrays")
     from xreshard.dtypes import as_dtype, bits_dtype, dtype_name
-    from xreshard.runtime.execute import cupy_knows
+    from xreshard.runtime.devices import cupy_knows
 
     name = dtype_name(x.dtype)
     with cupy.cuda.Device(device.local_hardware_id):
@@ -427,7 +421,7 @@ def bind_rules(tree: Any, rules: Any, ranks: Mapping[int, int], *,
                memo: LayoutMemo | None = None) -> Any:
     """The send side of a JAX pytree mapped onto canonical (HF) tensors by naming rules
     (``xreshard.adapters.naming``): each canonical tensor is bound as views of the trainer
-    arrays' shards (``naming.bind_named``).
+    arrays' shards (:func:`bind_named`).
 
     Args:
         tree: a pytree of ``jax.Array``; its ``/``-joined paths are what the rules match.
@@ -435,9 +429,75 @@ def bind_rules(tree: Any, rules: Any, ranks: Mapping[int, int], *,
         ranks: JAX device id -> world rank.
         memo: where the arrays' layouts are remembered across calls (None: nowhere).
     """
-    from xreshard.adapters import naming
-    namemap = rules if isinstance(rules, naming.NameMap) else naming.NameMap(tuple(rules))
-    return naming.bind_named(tree, namemap, ranks, memo=memo)
+    from xreshard.adapters.naming import NameMap
+    namemap = rules if isinstance(rules, NameMap) else NameMap(tuple(rules))
+    return bind_named(tree, namemap, ranks, memo=memo)
+
+
+def bind_named(tree: Any, namemap: NameMap, ranks: Mapping[int, int], *, memo: Any = None
+               ) -> Any:
+    """The send side of a JAX pytree whose HF tensors the naming rules describe.
+
+    Each array becomes a :class:`ShardedView` (its layout, and its addressable shards as
+    zero-copy host views) and goes through its rule's transforms (:meth:`NameMap.expand`),
+    so each HF tensor's layout is product form over the trainer's mesh and its bindings are
+    views of the shards (a reshape that cannot be a view copies; sending never writes them).
+
+    Args:
+        tree: a pytree of ``jax.Array`` (``/``-joined paths are the trainer names).
+        namemap: the rules.
+        ranks: JAX device id -> world rank, for every device of the arrays.
+        memo: the ``LayoutMemo`` the arrays' layouts are remembered in (default a fresh
+            one).
+
+    Returns:
+        A :class:`~xreshard.runtime.binding.Bound`: HF name -> layout, (rank, HF name) -> view.
+        The views of the shards come from ``xreshard.adapters.naming`` (``ShardedView``).
+
+    Raises:
+        NamingError: names no rule maps (or several do), ConcatRules, or a transform the
+            sharding does not allow (naming the tensor and the mesh axes).
+    """
+    from xreshard.adapters.naming import ShardedView
+    from xreshard.adapters.naming_rules import ConcatRule, NamingError
+    from xreshard.runtime.binding import Bound
+
+    flat = dict(tree_names(tree))
+    namemap.check({n: tuple(a.shape) for n, a in flat.items()})
+    memo_kw = {} if memo is None else {"memo": memo}
+    layouts: dict[str, Layout] = {}
+    bindings: dict[tuple[int, str], Any] = {}
+    for name, arr in flat.items():
+        rule, fields = next((r, m) for r in namemap.rules if (m := r.match(name)) is not None)
+        if isinstance(rule, ConcatRule):
+            # TODO(explicit layouts per source): a ConcatRule's HF tensor is several arrays
+            raise NamingError(f"{name!r}: ConcatRule {rule.dst!r} cannot send sharded arrays: "
+                              f"its HF tensor is made of several trainer arrays; map each "
+                              f"part with a Rule of its own, or concatenate them in the "
+                              f"trainer")
+        layout = _as_product(array_layout(arr, ranks, name, **memo_kw), name)
+        local = {ranks[int(s.device.id)]: host_view(s.data) for s in arr.addressable_shards}
+        for view, f in namemap.expand(ShardedView(layout, local), dict(fields), rule.transforms,
+                                      name):
+            hf = rule.dst.format(**f)
+            layouts[hf] = view.layout
+            bindings.update(((r, hf), a) for r, a in view.arrays.items())
+    return Bound(layouts, bindings)
+
+
+def _as_product(layout: Layout, name: str) -> Layout:
+    """``layout`` in product form (what the naming rules' view algebra needs)."""
+    from xreshard.adapters.naming_rules import NamingError
+    if layout.is_product:
+        if any(sp.split_factor != 1 for sp in layout.splits):
+            raise NamingError(f"{name!r}: strided splits cannot go through naming rules")
+        return layout
+    full = (tuple(0 for _ in layout.shape), layout.shape)
+    if all(len(rs) == 1 and (rs[0].starts, rs[0].stops) == full for _, rs in layout.explicit):
+        ranks = tuple(r for r, _ in layout.explicit)
+        return Layout.replicated(layout.shape, layout.dtype, Mesh((len(ranks),), ranks))
+    raise NamingError(f"{name!r}: only NamedSharding (or fully replicated) arrays can go "
+                      "through naming rules")
 
 
 def bind(tree: Any, side: str, *, ranks: Mapping[int, int], names: Any = None,
@@ -489,7 +549,7 @@ def _bind(tree: Any, side: str, *, ranks: Mapping[int, int], names: Any, transpo
     jax = _import_jax()
     import numpy as np
     from xreshard.runtime.binding import Bound
-    from xreshard.runtime.execute import numpy_dtype
+    from xreshard.dtypes import numpy_dtype
 
     rank_of = _rank_of(ranks)
     leaf_names, leaves, treedef = _leaf_names(jax, tree, names, cache)

@@ -24,6 +24,7 @@ import weakref
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from xreshard.extras import require
 from xreshard.dtypes import as_dtype, dtype_name
 from xreshard.errors import LayoutError
 from xreshard.ir.layout import Layout, LayoutMemo, Mesh, Split, splits_of_placements
@@ -36,13 +37,9 @@ RankMap = Mapping[int, int] | Callable[[int], int] | None
 
 
 def _import_torch():
-    try:
-        import torch  # noqa: F401
-        from torch.distributed.tensor import placement_types
-    except ImportError as e:
-        raise ImportError("xreshard.adapters.torch needs PyTorch with torch.distributed: "
-                          "pip install 'xreshard[torch]'") from e
-    return placement_types
+    require("torch.distributed.tensor", "torch", "xreshard.adapters.torch")
+    return require("torch.distributed.tensor.placement_types", "torch",
+                   "xreshard.adapters.torch")
 
 
 def layout_of(dtensor_or_mesh: Any, placements: Sequence[Any] | None = None,

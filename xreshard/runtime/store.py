@@ -38,6 +38,7 @@ import socket
 import time
 from typing import Any, Sequence
 
+from ..extras import require
 from ..errors import (AuthenticationError, CollectiveMismatch, RefitError, TransportError,
                      TransportTimeout)
 
@@ -45,12 +46,7 @@ __all__ = ["Seal", "StoreServer", "connect", "parse_address", "serve", "token_fr
 
 
 def _tcp_store_class() -> Any:
-    try:
-        from torch.distributed import TCPStore
-    except ImportError as e:
-        raise ImportError("the refit world rendezvous needs PyTorch's TCPStore: "
-                          "pip install 'xreshard[torch]'") from e
-    return TCPStore
+    return require("torch.distributed", "torch", "the refit world rendezvous").TCPStore
 
 
 def parse_address(address: str) -> tuple[str, int]:

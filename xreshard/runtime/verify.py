@@ -388,8 +388,9 @@ def digest_bindings(plan: Any, local_ranks: Iterable[int],
                     version: int = 0, sides: str = "both") -> Digests:
     """Digest every transfer (and local copy) of ``plan`` that ``local_ranks`` take part in.
 
-    Call after the executor ran, with the bindings it used (``refit._fit`` output:
-    ``(rank, name) -> array``, a list of arrays for explicit layouts).
+    Call after the executor ran, with the bindings of the stage of ``plan`` it used
+    (``metadata.stage_bindings``: ``(rank, name) -> array``, a list of arrays for explicit
+    layouts).
 
     Args:
         plan: the refit's :class:`xreshard.planner.plan.Plan` (the same in every process).

@@ -463,8 +463,9 @@ class World(WorldTransports):
                   timeout: float | None, partial: bool = False) -> list[Any]:
         """One collective step: write a sealed ``obj`` (when ``writes``), wait for the
         payloads of processes ``readers``, check and open them, clean up. With
-        ``partial``, a timeout returns what did arrive (None for the rest) instead of
-        raising, and the caller must mark the world broken (it knows the first cause)."""
+        ``partial``, the processes settle which payloads count (see ``_settled``) and a
+        timeout returns those (None for the rest) instead of raising; the caller must then
+        mark the world broken (it knows the first cause)."""
         body = json.dumps(obj)      # TypeError before anything is posted
         with self.exclusive(kind):
             prefix, op = self._next_op(kind)
@@ -474,30 +475,28 @@ class World(WorldTransports):
             try:
                 if writes:
                     self._store.set(f"{prefix}/{me}", self._seal.seal(kind, op, me, body))
+                arrived = [True] * len(keys)
                 try:
                     wait_keys(self._store, keys, time.monotonic() + timeout)
                 except TransportTimeout as e:
                     try:
-                        missing = [p for k, p in zip(keys, readers) if not self._store.check([k])]
+                        arrived = [bool(self._store.check([k])) for k in keys]
                     except RuntimeError:
-                        missing = list(readers)
-                    names = "; ".join(self.describe_process(p) for p in missing)
-                    error = TransportTimeout(f"{kind} (collective #{op}) in world "
-                                             f"{self._world_id!r} timed out after {timeout} s: "
-                                             f"never arrived: {names}")
+                        arrived = [False] * len(keys)
                     if not partial:
-                        raise error from e
-                    got = [None if p in missing else self._store.get(k)
-                           for k, p in zip(keys, readers)]
-                    return [None if v is None else self._seal.open(
-                        v, key=k, kind=kind, op=op, process=p,
-                        what=f"from {self.describe_process(p)}")
-                        for k, p, v in zip(keys, readers, got)]
-                values = self._store.multi_get(keys)
+                        names = "; ".join(self.describe_process(p)
+                                          for p, a in zip(readers, arrived) if not a)
+                        raise TransportTimeout(f"{kind} (collective #{op}) in world "
+                                               f"{self._world_id!r} timed out after "
+                                               f"{timeout} s: never arrived: {names}") from e
+                if partial:
+                    arrived = self._settled(prefix, op, kind, readers, arrived)
+                got = [k for k, a in zip(keys, arrived) if a]
+                values = iter(self._store.multi_get(got) if got else [])
+                raws = [next(values) if a else None for a in arrived]
                 # the last reader deletes the keys, so a long-lived world does not grow the store
                 if int(self._store.add(f"{prefix}/done", 1)) == self.num_processes:
-                    self._store.delete_key(f"{prefix}/done")
-                    for k in keys:
+                    for k in [f"{prefix}/done", f"{prefix}/settled"][:1 + partial] + keys:
                         self._store.delete_key(k)
             except CommunicationError as e:
                 raise self._fail(e) from e.__cause__
@@ -506,11 +505,37 @@ class World(WorldTransports):
                     f"{kind} (collective #{op}) in world {self._world_id!r}: the rendezvous "
                     f"store failed: {e}")) from e
             try:
-                return [self._seal.open(v, key=k, kind=kind, op=op, process=p,
-                                        what=f"from {self.describe_process(p)}")
-                        for k, p, v in zip(keys, readers, values)]
+                return [None if v is None else self._seal.open(
+                    v, key=k, kind=kind, op=op, process=p,
+                    what=f"from {self.describe_process(p)}")
+                    for k, p, v in zip(keys, readers, raws)]
             except CommunicationError as e:
                 raise self._fail(e) from None
+
+    def _settled(self, prefix: str, op: int, kind: str, readers: Sequence[int],
+                 arrived: list[bool]) -> list[bool]:
+        """Which payloads of a partial collective count, the same for every process: the
+        first process to get here writes the set it saw (``compare_set``: first writer
+        wins), every other takes that set. Without it, a process whose grace ran out
+        before a slow survivor posted, and that survivor, would build their outcomes from
+        different payloads (and raise different messages, or one succeed)."""
+        me = self._process_index
+        mine = self._seal.seal(f"{kind}/settled", op, me,
+                               json.dumps([p for p, a in zip(readers, arrived) if a]))
+        raw = self._store.compare_set(f"{prefix}/settled", "",
+                                      json.dumps({"by": me, "payload": mine}))
+        try:
+            text = raw.decode() if isinstance(raw, bytes) else raw
+            env = json.loads(text)
+            writer, payload = int(env["by"]), env["payload"]
+        except (UnicodeDecodeError, ValueError, TypeError, KeyError) as e:
+            raise CollectiveMismatch(f"{kind} (collective #{op}): the settled arrivals at "
+                                     f"{prefix}/settled are not an xreshard payload ({e})") \
+                from None
+        counted = set(self._seal.open(payload, key=f"{prefix}/settled", kind=f"{kind}/settled",
+                                      op=op, process=writer,
+                                      what=f"settled by {self.describe_process(writer)}"))
+        return [p in counted for p in readers]
 
     def allgather_json(self, obj: Any, *, timeout: float | None = None,
                        kind: str = "allgather", partial: bool = False) -> list[Any]:
@@ -532,8 +557,10 @@ class World(WorldTransports):
 
         With ``partial=True`` a timeout returns the values that arrived, None for the
         processes that never did; the caller must then mark the world broken
-        (``mark_broken``), naming the first cause. A refit's outcome exchange builds the
-        same message on every survivor from it.
+        (``mark_broken``), naming the first cause. Which values arrived is settled once
+        (the first process to finish waiting decides, every other takes its decision, one
+        extra store round trip), so every survivor gets the same list: a refit's outcome
+        exchange builds the same message on every survivor from it.
         """
         return self._exchange(kind, obj, True, range(self.num_processes), timeout, partial)
 

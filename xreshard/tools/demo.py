@@ -318,7 +318,7 @@ def _trainer(ctx: Any, cfg: DemoConfig) -> dict:
 
     import xreshard as xr
     from xreshard.adapters.jax import tree_names
-    from xreshard.runtime.execute import numpy_dtype
+    from xreshard.dtypes import numpy_dtype
 
     _event(cfg, "trainer", "ready", devices=len(jax.local_devices()))
     world = ctx.join(groups=GROUPS, timeout=cfg.timeout)

