@@ -331,3 +331,35 @@ def test_kernel_stand_in_refuses_to_run_and_restores_vllms_choosers():
     layer.prefix = "model.layers.0.mlp.down_proj"
     with pytest.raises(RuntimeError, match="down_proj: this platform has no FP8 GEMM kernel"):
         xv.KernelStandIn().apply_weights(layer, torch.zeros(1, 4))
+
+
+@pytest.mark.parametrize("name", ["llama-checkpoint-tp2",
+                                  pytest.param("mixtral-checkpoint-ep2", marks=pytest.mark.slow)])
+def test_reload_from_fp8_shards_writes_what_a_fresh_load_writes(name):
+    """The receive side a refit into a block-FP8 checkpoint engine uses, today: checkpoint
+    A loaded and processed, then each rank's e4m3 + scale shards of checkpoint B handed to
+    vLLM's layerwise reload (``reload_from_shards``: vLLM's loaders, then its own
+    ``process_weights_after_loading``) - the rank's parameters equal a fresh load of B."""
+    from vllm.config import set_current_vllm_config
+    from vllm.model_executor.model_loader.utils import process_weights_after_loading
+
+    make, quant_config, quantization, par = CASES[name]
+    vllm_config = vllm_config_of(make, quant_config, quantization, par)
+    specs = full_checkpoint_specs(vllm_config, specs_of(make(quant_config)), ranks_of(par))
+    rec = xv.record_from_config(vllm_config, 1, par["tp"], specs)
+    a, b = (vllm_checkpoint(bf16_weights(specs_of(make(quant_config)), seed), rec.quantized)
+            for seed in (1, 2))
+    with xv.fake_tp(1, par["tp"]), set_current_vllm_config(vllm_config):
+        model = xv.build_model(vllm_config, device="cpu")
+        with xv.kernel_stand_ins(), torch.no_grad():
+            model.load_weights(iter(a.items()))
+            process_weights_after_loading(model, vllm_config.model_config, torch.device("cpu"))
+            xv.reload_from_shards(model, vllm_config.model_config, [
+                (n, xv.shard_weight(n, specs[n][0], xv.parts_from_full(ps, b[n])))
+                for n, ps in rec.pieces.items() if ps])
+    got = dict(model.named_parameters())
+    want = vllm_loads(vllm_config, 1, 0, par, b)
+    touched = {p.param for ps in rec.pieces.values() for p in ps}
+    assert any(rec.param_dtypes[p] == "float8_e4m3fn" for p in touched)
+    for param in touched:
+        assert (as_bytes(got[param].detach()) == as_bytes(want[param])).all(), param

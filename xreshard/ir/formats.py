@@ -310,6 +310,14 @@ class QuantizedTensor:
                               f"from {', '.join(QUANTIZABLE)} values (quantized on the way), "
                               f"not from {name} - send the tensor in one of those dtypes")
 
+    def check_request(self, fmt: Any) -> None:
+        """Raise :class:`FormatError` unless ``fmt`` (what a sender offers or a caller asks
+        for) is exactly this tensor's format: same kind, block size, codes and scales."""
+        if fmt != self.format:
+            raise FormatError(f"{self.name!r} is stored as {self.format} but {fmt} was "
+                              f"requested; block sizes, code types and scale formats must "
+                              f"match the destination's exactly - request {self.format}")
+
     def check_layouts(self, data: Any, scale: Any) -> None:
         """Check that the codes' and the scales' layouts fit each other and the format.
 

@@ -227,17 +227,21 @@ def _pow2(jnp: Any, lax: Any, k: Any) -> Any:
 
 @functools.cache
 def _mx_fn() -> Any:
+    """Scale bytes, then codes, in two jitted functions (as :func:`_block_fn`)."""
     jax = _import_jax()
     jnp, lax = jax.numpy, jax.lax
     group = MXFP8.group
 
-    def run(x: Any, fp8_max: Any) -> tuple[Any, Any]:
+    def scales(x: Any, fp8_max: Any) -> tuple[Any, Any]:
+        *lead, k = x.shape
+        mag, shift = _magnitudes(jnp, lax, x)
+        amax = mag.reshape(*lead, k // group, group).max(axis=-1).astype(jnp.uint32) << shift
+        return _mx_scale_bytes(jnp, lax, amax, fp8_max), amax > jnp.uint32(0x7F800000)
+
+    def codes(x: Any, sb: Any, nan_group: Any) -> Any:
         *lead, k = x.shape
         bits = _bits(jnp, lax, x)
-        sign = (bits >> 24) & jnp.uint32(0x80)
         a = (bits & jnp.uint32(0x7FFFFFFF)).reshape(*lead, k // group, group)
-        amax = a.max(axis=-1)          # over the minor dim XLA's reduce is the faster
-        sb = _mx_scale_bytes(jnp, lax, amax, fp8_max)
         # x * 2**(127 - sb), exact: a subnormal x is its mantissa * 2**-100 * 2**-49, and
         # the power of two is applied in two halves that are both normal floats
         sub = (a >> 23) == 0
@@ -247,9 +251,14 @@ def _mx_fn() -> Any:
         half = shift >> 1
         v = (xf * _pow2(jnp, lax, half)) * _pow2(jnp, lax, shift - half)
         code = _cast(jnp, lax, lax.bitcast_convert_type(v, jnp.uint32), "float8_e4m3fn", True)
-        nan = jnp.broadcast_to((amax > jnp.uint32(0x7F800000))[..., None], a.shape)
-        codes = _finish(jnp, lax, code.reshape(*lead, k), sign, nan.reshape(*lead, k),
-                        "float8_e4m3fn")
-        return codes, sb.astype(jnp.uint8)
+        nan = jnp.broadcast_to(nan_group[..., None], a.shape)
+        return _finish(jnp, lax, code.reshape(*lead, k), (bits >> 24) & jnp.uint32(0x80),
+                       nan.reshape(*lead, k), "float8_e4m3fn")
 
-    return jax.jit(run)
+    scales_fn, codes_fn = jax.jit(scales), jax.jit(codes)
+
+    def run(x: Any, fp8_max: Any) -> tuple[Any, Any]:
+        sb, nan_group = scales_fn(x, fp8_max)
+        return codes_fn(x, sb, nan_group), sb.astype(jnp.uint8)
+
+    return run

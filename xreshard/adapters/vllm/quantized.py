@@ -39,7 +39,11 @@ Decision record: kernels this platform lacks. vLLM chooses a GEMM kernel while i
 *builds* a quantized layer (``init_fp8_linear_kernel`` in ``create_weights``) and
 refuses to build when none fits; on a CPU without AMX (``torch.cpu.
 _is_amx_tile_supported()``) every FP8 layer is refused, so no FP8 model - and no engine -
-can be built here at all. :func:`kernel_stand_ins` lets vLLM choose as usual and, only
+can be built here at all: ``LLM(...)`` of a block-FP8 checkpoint, or with
+``quantization="fp8_per_block"``, fails in the worker with "Failed to find a kernel that
+can implement the ScaledMM linear layer" (``CPUFp8W8A8BlockScaledMMKernel`` and
+``CPUFp8BlockScaledMMKernel`` "require AMX tile support"), with ``"mxfp8"`` "... the
+MXFP8 linear layer"; MoE layers get the FP8 backend ``NONE`` (MXFP8 MoE: ``EMULATION``). :func:`kernel_stand_ins` lets vLLM choose as usual and, only
 where it finds no kernel, hands the layer :class:`KernelStandIn`: its post-processing
 leaves the tensors as vLLM's loaders (and online quantization) wrote them, and its GEMM
 raises. Parameters, loaders, online quantization and the block-shape checks stay vLLM's.
