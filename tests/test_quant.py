@@ -274,7 +274,12 @@ def test_numpy_jax_and_torch_give_vllms_bytes(rows, cols, lead, spread, seed, dt
     assert_same(scales, want[1], what="scales")
 
 
-def test_all_three_on_every_special_block():
+@pytest.mark.parametrize("dtype,formats", [
+    ("bfloat16", (BlockFP8(), MXFP8())),
+    pytest.param("bfloat16", (BlockFP8((1, 32)),), marks=pytest.mark.slow),
+    pytest.param("float32", (BlockFP8(), BlockFP8((1, 32)), MXFP8()), marks=pytest.mark.slow),
+])
+def test_all_three_on_every_special_block(dtype, formats):
     """NaN, infinities, subnormal groups (MXFP8 scales them up to normal floats: XLA
     flushes subnormals, the JAX path must not), bf16 max."""
     x = np.zeros((8, 256), np.float32)
@@ -284,16 +289,15 @@ def test_all_three_on_every_special_block():
     x[5, :] = 3.3895e38
     x[6, 64:96] = 1.6e-36                  # amax / 448 subnormal: scale byte 1 or 0
     x[7, :32] = 2.0 ** -118 * 1.5
-    for dtype in (BF16, np.float32):
-        xs = x.astype(dtype)
-        for fmt in (BlockFP8(), BlockFP8((1, 32)), MXFP8()):
-            (codes, scales), *others = all_three(xs, fmt)
-            for got_codes, got_scales in others:
-                assert_same(got_codes, codes)
-                assert_same(got_scales, scales, what="scales")
-            want = vllm_mxfp8(xs) if isinstance(fmt, MXFP8) else vllm_block(xs, fmt)
-            assert_same(codes, want[0], 0x7F)
-            assert_same(scales, want[1], what="scales")
+    xs = x.astype(BF16 if dtype == "bfloat16" else np.float32)
+    for fmt in formats:
+        (codes, scales), *others = all_three(xs, fmt)
+        for got_codes, got_scales in others:
+            assert_same(got_codes, codes)
+            assert_same(got_scales, scales, what="scales")
+        want = vllm_mxfp8(xs) if isinstance(fmt, MXFP8) else vllm_block(xs, fmt)
+        assert_same(codes, want[0], 0x7F)
+        assert_same(scales, want[1], what="scales")
 
 
 def test_jax_quantizes_on_the_arrays_devices_and_per_shard():
