@@ -45,7 +45,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence, Union
 
-from ..dtypes import dtype_name
+from ..dtypes import dtype_name, itemsize
 from ..errors import LayoutError
 from .geometry import Region
 
@@ -147,7 +147,6 @@ class _Blocked:
 
     def wire_bytes(self, shape: Sequence[int]) -> int:
         """Bytes of codes plus scales of a ``shape`` tensor (what crosses the wire)."""
-        from ..dtypes import itemsize
         return (math.prod(shape) * itemsize(self.dtype)
                 + math.prod(self.scale_shape(shape)) * itemsize(self.scale_dtype))
 
