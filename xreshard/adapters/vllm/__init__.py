@@ -63,6 +63,7 @@ The package, by concern::
     build.py        building a model to record (fake_tp, build_model, specs), in a worker too
     destination.py  layouts from recordings; EngineRecording, Destination, in-place rules
     reload.py       loading shards through vLLM's layerwise reload; weights_digest
+    quantized.py    FP8 engines: formats, quantized tensors, kernel stand-ins
     plugin.py       register_backend (the entry point), WorkerExtension (RPC by method name)
     stream.py       Stream: one process's side of streamed refits (both sides)
     worker.py       the backend's worker engine (XreshardWeightTransferEngine), its decisions
@@ -90,13 +91,16 @@ import importlib
 from typing import Any
 
 from .build import (allgather_json, build_model, checkpoint_specs, fake_tp, hf_tensor_specs,
-                    make_vllm_config, record_from_config, record_in_worker, record_workers)
+                    make_vllm_config, record_from_config, record_in_worker, record_quantized,
+                    record_workers)
 from xreshard.adapters.lora import LoRAAdapter, LoRAError, write_peft_dir
 
 from .destination import (INPLACE_ALLOWED, INPLACE_MOE_BACKENDS, Destination, EngineRecording,
                           inplace_refusal, layouts_from_pieces, replicate_layout)
 from .lora import LORA_SCHEME, LoRAReceiver, install_hook, lora_request, read_regions
 from .plugin import BACKEND, WorkerExtension, register_backend, worker_record
+from .quantized import (KernelStandIn, checkpoint_specs_fp8, engine_formats, kernel_stand_ins,
+                        quantized_of)
 from .record import (Piece, RecordError, Recording, parts_from_full, record_model,
                      shard_weight, view_box)
 from .reload import gemm_weight, reload_from_shards, reprocess_tied, weights_digest
@@ -110,6 +114,8 @@ __all__ = [
     "Destination", "weights_digest", "gemm_weight", "inplace_refusal", "INPLACE_ALLOWED",
     "INPLACE_MOE_BACKENDS", "LoRAAdapter", "LoRAError", "write_peft_dir", "lora_request",
     "LORA_SCHEME", "LoRAReceiver", "install_hook", "read_regions",
+    "KernelStandIn", "kernel_stand_ins", "engine_formats",
+    "quantized_of", "checkpoint_specs_fp8", "record_quantized",
 ]
 
 #: names of the backend modules, loaded on first use (they import vLLM's base classes)
