@@ -187,11 +187,8 @@ def write_peft_dir(adapter: LoRAAdapter, path: str) -> str:
     ``adapter_model.safetensors``, factors in their own dtype) that vLLM loads with
     ``LoRARequest(name, id, path)``; returns ``path``. Gathers sharded arrays: for
     references and checkpoints, not for refits."""
-    try:
-        from safetensors.torch import save_file
-    except ImportError as e:  # pragma: no cover - depends on the environment
-        raise ImportError("write_peft_dir needs safetensors and torch: pip install "
-                          "safetensors torch") from e
+    from ..extras import require
+    save_file = require("safetensors.torch", "vllm", "write_peft_dir").save_file   # vLLM brings it
     os.makedirs(path, exist_ok=True)
     tensors = {n: _host_tensor(t, adapter.kernel_layout) for n, t in adapter.tensors().items()}
     save_file(tensors, os.path.join(path, "adapter_model.safetensors"))

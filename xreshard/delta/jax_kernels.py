@@ -26,11 +26,8 @@ _LIMIT = (1 << 31) - 1      # JAX counts in int32 without x64
 
 
 def _jax() -> Any:
-    try:
-        import jax
-    except ImportError as e:  # pragma: no cover - depends on the environment
-        raise ImportError("JAX delta kernels need jax: pip install 'xreshard[jax]'") from e
-    return jax
+    from ..extras import require
+    return require("jax", "jax", "the JAX delta kernels")
 
 
 def _words(x: Any) -> Any:

@@ -21,11 +21,8 @@ __all__ = ["encode_torch", "apply_torch"]
 
 
 def _torch() -> Any:
-    try:
-        import torch
-    except ImportError as e:  # pragma: no cover - depends on the environment
-        raise ImportError("torch delta kernels need torch: pip install torch") from e
-    return torch
+    from ..extras import require
+    return require("torch", "torch", "the torch delta kernels")
 
 
 def _words(t: Any, what: str) -> Any:

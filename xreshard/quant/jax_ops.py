@@ -35,11 +35,8 @@ __all__ = ["quantize", "quantize_block_fp8", "quantize_mxfp8"]
 
 
 def _import_jax() -> Any:
-    try:
-        import jax
-    except ImportError as e:  # pragma: no cover - depends on the environment
-        raise ImportError("quantizing jax.Arrays needs JAX: pip install 'xreshard[jax]'") from e
-    return jax
+    from ..extras import require
+    return require("jax", "jax", "quantizing jax.Arrays")
 
 
 def quantize(x: Any, fmt: Any, *, name: str = "tensor") -> tuple[Any, Any]:

@@ -23,12 +23,8 @@ _CHUNK_ELEMENTS = 1 << 22          # float32 temporaries per chunk: 16 MiB
 
 
 def _import_torch() -> Any:
-    try:
-        import torch
-    except ImportError as e:  # pragma: no cover - depends on the environment
-        raise ImportError("quantizing torch tensors needs PyTorch: pip install "
-                          "'xreshard[torch]'") from e
-    return torch
+    from ..extras import require
+    return require("torch", "torch", "quantizing torch tensors")
 
 
 def quantize(x: Any, fmt: Any, *, name: str = "tensor", ops: str = "auto") -> tuple[Any, Any]:
