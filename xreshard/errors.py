@@ -39,6 +39,12 @@ class BindingError(RefitError):
     dtype, aliased, read-only, or missing where the layout says a rank holds a region."""
 
 
+class WorldMismatch(RefitError):
+    """The processes of one world joined with different ``num_processes`` or ``groups``:
+    raised by every one of them (the members that formed first learn it at their next
+    collective within the join timeout), naming who passed what."""
+
+
 class CommunicationError(RuntimeError):
     """Moving bytes or metadata between processes failed; not the caller's input."""
 
@@ -77,7 +83,8 @@ class RemoteError(CommunicationError):
 
 #: classes that may be raised again from a name that crossed processes
 _BY_NAME: dict[str, type[Exception]] = {c.__name__: c for c in (
-    XreshardError, LayoutError, PlanError, RefitError, BindingError, CommunicationError,
+    XreshardError, LayoutError, PlanError, RefitError, BindingError, WorldMismatch,
+    CommunicationError,
     TransportError, TransportTimeout, CollectiveMismatch, VerificationError, WorldBroken,
     AuthenticationError, RemoteError)}
 

@@ -26,18 +26,17 @@ import json
 import logging
 import os
 import socket
-import secrets
 import sys
 import threading
 import time
-from typing import Any, Iterator, Mapping, Sequence
+from typing import Any, Iterator, Sequence
 
-from ..errors import (AuthenticationError, CollectiveMismatch, CommunicationError, RefitError,
-                     WorldBroken)
+from ..errors import CommunicationError, RefitError, WorldBroken, WorldMismatch
+from .joining import KEY_ROOT, Joined, join_records, label, refusal, retire
 from .store import (Seal, StoreServer, connect, parse_address, serve, token_from,
                     wait_keys)
 from ..ir.topology import Topology
-from ..transport.base import Transport, TransportTimeout
+from ..transport.base import Transport, TransportTimeout, format_seconds
 from ..transport.routed import RenumberedTransport, RoutedTransport
 from .world_transports import WorldTransports, device_kind
 
@@ -45,8 +44,6 @@ __all__ = ["StoreServer", "World", "RoutedTransport", "RenumberedTransport", "se
            "parse_address"]
 
 logger = logging.getLogger(__name__)
-
-_KEY_ROOT = "xreshard"
 
 
 def _default_index(devices: Any) -> int:
@@ -70,76 +67,22 @@ def _group_key(groups: Sequence[str] | None) -> Any:
     return lambda info: (order[info["group"]], info["index"])
 
 
-def _label(info: Mapping[str, Any]) -> str:
-    return f"{info['group']}[{info['index']}]"
-
-
-def _join_records(store: Any, seal: Seal, world_id: str, me: dict[str, Any],
-                  expect: dict[str, Any], num_processes: int, deadline: float,
-                  address: str) -> list[dict[str, Any]]:
-    """Append this process's signed join record and wait for ``num_processes`` valid ones.
-
-    Records go to one append-only key, so nothing an outsider writes can take a member's
-    slot: records that are not JSON, not of this shape, or (with a token) not signed with
-    it are skipped; the first ``num_processes`` valid records, in append order (the same
-    order for every reader), are the world.
-    """
-    key = f"{_KEY_ROOT}/{world_id}/join"
-    mine = {"info": me, "expect": expect, "nonce": secrets.token_hex(16)}
-    store.append(key, seal.seal("join", 0, -1, json.dumps(mine)) + "\n")
-    rejected: list[str] = []
-    valid: list[dict[str, Any]] = []
-    foreign = 0         # records signed with another token (or signed, and we have none)
-    pause = 0.002
-    while True:
-        try:
-            raw = store.get(key)        # it exists: this process's own record is there
-        except (TransportTimeout, RuntimeError) as e:
-            raise TransportTimeout(f"world {world_id!r} at {address}: the store lost the join "
-                                   f"records: {e}") from e
-        valid, rejected, foreign = [], [], 0
-        for n, line in enumerate(raw.decode(errors="replace").splitlines()):
-            try:
-                rec = seal.open(line, key=key, kind="join", op=0, process=-1)
-                info = rec["info"]
-                if not (isinstance(info, dict) and isinstance(info.get("group"), str)
-                        and isinstance(info.get("index"), int)
-                        and isinstance(info.get("num_ranks"), int) and info["num_ranks"] >= 0
-                        and isinstance(info.get("device_kinds"), list)
-                        and len(info["device_kinds"]) == info["num_ranks"]
-                        and isinstance(rec.get("nonce"), str)):
-                    raise CollectiveMismatch("not a join record")
-            except (CommunicationError, KeyError, TypeError) as e:
-                rejected.append(f"line {n}: {type(e).__name__}")
-                foreign += isinstance(e, AuthenticationError)
-                continue
-            valid.append(rec)
-        if len(valid) >= num_processes or time.monotonic() >= deadline:
-            break
-        time.sleep(pause)
-        pause = min(pause * 2, 0.05)
-    if rejected:
-        logger.warning("world %r: skipped %d join record(s) that are not this world's "
-                       "(%s)", world_id, len(rejected), ", ".join(rejected[:5]))
-    if len(valid) < num_processes:
-        arrived = ", ".join(_label(r["info"]) for r in valid)
-        if foreign:
-            raise AuthenticationError(
-                f"world {world_id!r} at {address}: {len(valid)} of {num_processes} processes "
-                f"joined with this process's token ({arrived or 'none'}); {foreign} record(s) "
-                f"are signed with another token: every process must pass the same token "
-                f"(token= or XRESHARD_TOKEN)")
-        raise TransportTimeout(
-            f"world {world_id!r} at {address}: {len(valid)} of {num_processes} processes "
-            f"joined in time ({arrived}); {num_processes - len(valid)} never did")
-    members = valid[:num_processes]
-    if not any(r["nonce"] == mine["nonce"] for r in members):
-        raise RefitError(f"{_label(me)} came too late to world {world_id!r}: "
-                         f"{num_processes} processes joined before it "
-                         f"({', '.join(_label(r['info']) for r in members)}); give every "
-                         f"world on one store its own world_id and every process the same "
-                         f"num_processes")
-    return members
+def _numbered(records: list[dict[str, Any]], groups: Sequence[str] | None, world_id: str,
+              me: tuple[str, int]) -> tuple[list[dict[str, Any]], int]:
+    """The members' infos in process order, with their ranks, and this process's position
+    (see ``World``)."""
+    infos = sorted((rec["info"] for rec in records), key=_group_key(groups))
+    for a, b in zip(infos, infos[1:]):
+        if (a["group"], a["index"]) == (b["group"], b["index"]):
+            raise RefitError(f"two processes joined world {world_id!r} as {label(a)} "
+                             f"(pids {a['pid']} on {a['host']} and {b['pid']} on "
+                             f"{b['host']}); give each process of a group its own index")
+    first = 0
+    for info in infos:
+        info["ranks"] = list(range(first, first + info["num_ranks"]))
+        first += info["num_ranks"]
+    position = next(p for p, info in enumerate(infos) if (info["group"], info["index"]) == me)
+    return infos, position
 
 
 class World(WorldTransports):
@@ -170,16 +113,22 @@ class World(WorldTransports):
 
     def __init__(self, *, store: Any, server: StoreServer | None, address: str,
                  world_id: str, timeout: float, infos: list[dict[str, Any]],
-                 process_index: int, devices: Sequence[Any], seal: Seal | None = None):
+                 process_index: int, devices: Sequence[Any], seal: Seal | None = None,
+                 joined: Joined | None = None, instance_seal: Seal | None = None):
         self._store = store
         self._seal = seal or Seal(None, world_id)
+        # the join's instance, retired on close, and its refusal marker, read by every
+        # collective for one join timeout (a disagreeing process may join after us)
+        self._joined = joined
+        self._instance_seal = instance_seal
+        self._refusal_until = time.monotonic() + float(timeout) if joined is not None else 0.0
         self._broken: str | None = None
         self._lock = threading.RLock()
         self._limit: float | None = None      # a deadline every wait stops at (``limited``)
         self._server = server
         self._address = address
         self._world_id = world_id
-        self._root = f"{_KEY_ROOT}/{world_id}"
+        self._root = f"{KEY_ROOT}/{world_id}"
         self._timeout = float(timeout)
         self._infos = infos
         self._process_index = process_index
@@ -223,7 +172,8 @@ class World(WorldTransports):
                 process must pass the same value.
             host: the host name published for the topology; default ``socket.gethostname()``.
             timeout: seconds to wait for the others (and the default of every later wait).
-            world_id: distinguishes several worlds on one store; unique per store.
+            world_id: distinguishes several worlds on one store; unique per store among
+                the worlds open at one time (a closed world's id may be joined again).
             is_server: host the store in this process at ``address`` (its port must be
                 free and known to the others, so launchers should prefer ``serve()``).
             token: a secret shared by the world's processes (default ``XRESHARD_TOKEN``,
@@ -236,10 +186,14 @@ class World(WorldTransports):
 
         Raises:
             TransportTimeout: not every process joined within ``timeout``; names those that did.
-            RefitError: processes disagree (two with one group and index, different
-                ``num_processes`` or ``groups``), or too many joined.
+            WorldMismatch: processes passed different ``num_processes`` or ``groups``: every
+                one of them raises it, with one message (members that had formed a world
+                already raise it from their next collective, within ``timeout``).
+            RefitError: two processes joined with one group and index, or this one came
+                after the world was complete.
             AuthenticationError: join records signed with another token were found and
-                too few with this process's token.
+                too few with this process's token (at once when ``num_processes`` of them
+                exist), or the world's instance record was forged or replayed.
         """
         if not isinstance(group, str) or not group:
             raise RefitError(f"group must be a non-empty string, got {group!r}")
@@ -274,31 +228,23 @@ class World(WorldTransports):
               "pid": os.getpid(), "num_ranks": len(local_devices), "device_kinds": kinds,
               "devices": [str(d) for d in local_devices]}
         expect = {"num_processes": num_processes, "groups": groups}
-        records = _join_records(store, Seal(token_bytes, world_id), world_id, me, expect,
-                                num_processes, deadline, address)
-        for rec in records:
-            if rec["expect"] != expect:
-                raise RefitError(f"processes of world {world_id!r} disagree: "
-                                 f"{_label(rec['info'])} joined with {rec['expect']}, "
-                                 f"{_label(me)} with {expect}; pass the same num_processes "
-                                 f"and groups everywhere")
-        infos = sorted((rec["info"] for rec in records), key=_group_key(groups))
-        for a, b in zip(infos, infos[1:]):
-            if (a["group"], a["index"]) == (b["group"], b["index"]):
-                raise RefitError(f"two processes joined world {world_id!r} as {_label(a)} "
-                                 f"(pids {a['pid']} on {a['host']} and {b['pid']} on "
-                                 f"{b['host']}); give each process of a group its own index")
-        first = 0
-        for info in infos:
-            info["ranks"] = list(range(first, first + info["num_ranks"]))
-            first += info["num_ranks"]
-        position = next(p for p, info in enumerate(infos)
-                        if (info["group"], info["index"]) == (group, index))
-        nonce = hashlib.sha256(json.dumps(sorted(rec["nonce"] for rec in records))
+        seal = Seal(token_bytes, world_id)
+        try:
+            joined = join_records(store, seal, me, expect, num_processes, deadline, address)
+            records = joined.members
+            infos, position = _numbered(records, groups, world_id, (group, index))
+        except BaseException:
+            if server is not None:
+                server.close()
+            raise
+        # metadata is bound to this instance and this member set
+        nonce = hashlib.sha256(json.dumps([joined.instance,
+                                           sorted(rec["nonce"] for rec in records)])
                                .encode()).hexdigest()[:32]
         world = cls(store=store, server=server, address=address, world_id=world_id,
                     timeout=timeout, infos=infos, process_index=position,
-                    devices=local_devices, seal=Seal(token_bytes, world_id, nonce))
+                    devices=local_devices, seal=seal.with_nonce(nonce), joined=joined,
+                    instance_seal=seal.with_nonce(joined.instance))
         logger.debug("joined %r", world)
         return world
 
@@ -388,7 +334,7 @@ class World(WorldTransports):
     def describe_process(self, position: int) -> str:
         """``"trainer[0] (process 2, pid 123 on host-a)"``, for error messages."""
         info = self._infos[position]
-        return f"{_label(info)} (process {position}, pid {info['pid']} on {info['host']})"
+        return f"{label(info)} (process {position}, pid {info['pid']} on {info['host']})"
 
     # ------------------------------------------------------------------ collectives
 
@@ -455,9 +401,21 @@ class World(WorldTransports):
         self._num_ops += 1
         return f"{self._root}/op{self._num_ops}", self._num_ops
 
-    def _fail(self, error: CommunicationError) -> CommunicationError:
-        self.mark_broken(f"{type(error).__name__}: {error}")
-        return error
+    def _fail(self, error: CommunicationError) -> Exception:
+        """Mark the world broken by ``error``, or by the world's published refusal (a
+        process that disagreed on the world joined after us): that is the first cause."""
+        refused = self._refusal()
+        cause: Exception = refused if refused is not None else error
+        self.mark_broken(f"{type(cause).__name__}: {cause}")
+        return cause
+
+    def _refusal(self) -> WorldMismatch | None:
+        """The world's published ``WorldMismatch``, looked up for one join timeout after
+        joining (one store round trip), else None."""
+        joined = self._joined
+        if joined is None or self._store is None or time.monotonic() > self._refusal_until:
+            return None
+        return refusal(self._store, self._instance_seal, joined.refused_key)
 
     def _exchange(self, kind: str, obj: Any, writes: bool, readers: Sequence[int],
                   timeout: float | None, partial: bool = False) -> list[Any]:
@@ -472,6 +430,13 @@ class World(WorldTransports):
             timeout = self._wait_seconds(timeout)
             keys = [f"{prefix}/{p}" for p in readers]
             try:
+                refused = self._refusal()
+                if refused is not None:
+                    # wake the members waiting on this step: their payload check fails,
+                    # and their failure path reads the same refusal
+                    self._store.set(f"{prefix}/{me}", self._seal.seal(
+                        "world-mismatch", op, me, json.dumps(None)))
+                    raise self._fail(refused)
                 if writes:
                     self._store.set(f"{prefix}/{me}", self._seal.seal(kind, op, me, body))
                 try:
@@ -483,9 +448,10 @@ class World(WorldTransports):
                         missing = list(readers)
                     names = "; ".join(self.describe_process(p) for p in missing)
                     error = TransportTimeout(f"{kind} (collective #{op}) in world "
-                                             f"{self._world_id!r} timed out after {timeout} s: "
-                                             f"never arrived: {names}")
-                    if not partial:
+                                             f"{self._world_id!r} timed out after "
+                                             f"{format_seconds(timeout)}: never arrived: "
+                                             f"{names}")
+                    if not partial or self._refusal() is not None:
                         raise error from e
                     got = [None if p in missing else self._store.get(k)
                            for k, p in zip(keys, readers)]
@@ -572,6 +538,8 @@ class World(WorldTransports):
                 t.close()
         self._transports.clear()
         self._counted.clear()
+        if self._joined is not None and self._store is not None:
+            retire(self._store, self._joined)
         self._store = None
         if self._server is not None:
             self._server.close()

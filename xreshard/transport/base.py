@@ -17,7 +17,17 @@ from typing import Any, Iterator, Protocol, runtime_checkable
 
 from ..errors import TransportError, TransportTimeout
 
-__all__ = ["RecordingTransport", "Transport", "TransportError", "TransportTimeout", "nbytes_of"]
+__all__ = ["RecordingTransport", "Transport", "TransportError", "TransportTimeout", "nbytes_of",
+           "format_seconds"]
+
+
+def format_seconds(seconds: float) -> str:
+    """A duration for messages: ``"5 s"``, ``"0.25 s"``, ``"12 s"`` (not ``2.9874120 s``)."""
+    seconds = float(seconds)
+    if seconds >= 10:
+        return f"{seconds:.0f} s"
+    text = f"{seconds:.2f}".rstrip("0").rstrip(".")
+    return f"{text} s" if text != "0" else f"{seconds:.2g} s"
 
 
 @runtime_checkable
