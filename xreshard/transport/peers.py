@@ -37,14 +37,15 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Mapping, Sequence
 
-from .base import TransportError, TransportTimeout
+from .base import TransportError, TransportTimeout, format_seconds
 
-__all__ = ["PeerTransport", "Records", "Watch", "Recv", "Round", "process_start_time", "alive"]
+__all__ = ["PeerTransport", "Records", "Watch", "Recv", "Round", "process_start_time", "alive",
+           "own_start_time", "visible"]
 
 logger = logging.getLogger(__name__)
 
 
-def _stat_fields(pid: int) -> list[str] | None:
+def _stat_fields(pid: int | str) -> list[str] | None:
     """The fields of ``/proc/<pid>/stat`` after the command name (field 3 on); None if gone."""
     try:
         with open(f"/proc/{pid}/stat") as f:
@@ -58,6 +59,39 @@ def process_start_time(pid: int) -> str | None:
     """Field 22 of ``/proc/<pid>/stat`` (tells a live pid from a reused one); None if unknown."""
     fields = _stat_fields(pid)
     return fields[19] if fields is not None and len(fields) > 19 else None
+
+
+def own_start_time() -> str | None:
+    """This process's start time as ``process_start_time`` reads it for others. Read
+    through ``/proc/self``: in a pid namespace whose ``/proc`` is the parent's,
+    ``/proc/<getpid()>`` is another process."""
+    fields = _stat_fields("self")
+    return fields[19] if fields is not None and len(fields) > 19 else None
+
+
+def visible(pid: Any, start: Any, mapped: str | None = None) -> bool:
+    """Whether this process sees the peer that published ``pid`` and ``start`` (its own
+    ``own_start_time``) as that very process: ``/proc/<pid>`` here is a live process with
+    that start time, and, when ``mapped`` (a file the peer maps now) is given and the
+    peer's maps are readable, it maps that file.
+
+    False across pid namespaces (another process, or none, has that pid here), so a
+    watcher armed only for visible peers never declares a live peer dead. Start times are
+    clock ticks since boot, the same in every pid namespace of the host; the maps check
+    rules out another process that started in the same tick with the same pid.
+    """
+    if not isinstance(pid, int) or not isinstance(start, str):
+        return False
+    fields = _stat_fields(pid)
+    if not fields or fields[0] in ("Z", "X") or len(fields) <= 19 or fields[19] != start:
+        return False
+    if mapped is None:
+        return True
+    try:
+        with open(f"/proc/{pid}/maps") as f:
+            return any(mapped in line for line in f)
+    except OSError:     # not readable (hidepid, another user): pid and start time decide
+        return True
 
 
 def alive(pid: int, start: str | None) -> bool:
@@ -334,16 +368,28 @@ class PeerTransport:
         except BaseException:
             # posts of a block that raised are never completed: peers time out like with
             # gloo; our published records must not be read after we reuse the buffers
-            self._fail("a group's block raised before its posts completed")
+            self._cleanup(None, "a group's block raised before its posts completed")
             raise
         finally:
             self._round = None
         try:
             self._complete(rnd, timeout)
         except BaseException as e:
-            self._tell_senders(rnd, f"{type(e).__name__}: {e}")
-            self._fail(str(e))
+            self._cleanup(rnd, str(e), f"{type(e).__name__}: {e}")
             raise
+
+    def _cleanup(self, rnd: Round | None, why: str, tell: str | None = None) -> None:
+        """After a failure: tell the senders (``tell``), make the transport unusable and
+        release what it holds. Nothing raised here replaces the failure that called it
+        (a segment name another user owns, a store gone): it is logged instead."""
+        try:
+            if rnd is not None and tell is not None:
+                self._tell_senders(rnd, tell)
+            self._fail(why)
+        except Exception:   # noqa: BLE001 - the caller raises the first cause
+            self._broken = self._broken or why
+            logger.warning("%s: cleanup after a failure (%s) failed too; raising the "
+                           "failure", self.name, why, exc_info=True)
 
     def _fail(self, why: str) -> None:
         self._broken = why
@@ -416,7 +462,8 @@ class PeerTransport:
                                          f"came: that process (pid {dead}) died")
                 return
         raise TransportTimeout(f"{self.name}: {what} {self._labels[peer]} did not arrive "
-                               f"within {timeout} s: the peer never posted its side or is stuck")
+                               f"within {format_seconds(timeout)}: the peer never posted its "
+                               f"side or is stuck")
 
     # ------------------------------------------------------------------ lifetime
 
