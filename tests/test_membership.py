@@ -44,7 +44,9 @@ def members_once(ctx: Context) -> dict:
     with ctx.join(1, world_id="w", timeout=30, token=TOKEN) as world:
         world.barrier()
         raw = connect(ctx.address, 10).get("xreshard/w/join").decode()
-        return {"raw": raw, "ranks": list(world.rank_ids)}
+        records = "".join(line + "\n" for line in raw.splitlines()
+                          if line.startswith('{"kind"'))
+        return {"raw": records, "ranks": list(world.rank_ids)}
 
 
 def replayed(ctx: Context, old: str) -> dict:
@@ -122,12 +124,15 @@ def test_a_forged_instance_record_is_refused_by_name_not_waited_on():
 def wrong_token(ctx: Context, intruder_token: str | None) -> dict:
     if ctx.role.group == "intruder":
         _flag(ctx, "formed", wait=True)
-        return {"join": _attempt(lambda: xr.World.join(
+        out = {"join": _attempt(lambda: xr.World.join(
             ctx.address, "rollout", 1, num_processes=2, index=1, timeout=60,
             token=intruder_token))}
+        _flag(ctx, "intruder-done")
+        return out
     with ctx.join(1, num_processes=2, timeout=30, token=TOKEN) as world:
         if ctx.role.group == "trainer":
             _flag(ctx, "formed")
+        _flag(ctx, "intruder-done", wait=True)      # the world is in use meanwhile
         return {"ranks": list(world.rank_ids)}
 
 

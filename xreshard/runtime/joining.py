@@ -70,6 +70,7 @@ class _Seen:
     valid: list[dict[str, Any]] = field(default_factory=list)
     stale: list[str] = field(default_factory=list)      # other instances, by name
     foreign: int = 0                # well-formed, but not signed with this token
+    foreign_closed: int = 0         # the same, of instances whose world closed
     garbage: list[str] = field(default_factory=list)
 
 
@@ -164,8 +165,8 @@ def _read(raw: bytes, key: str, wseal: Seal, instance: str) -> _Seen:
                         continue
                 except (CommunicationError, KeyError, TypeError):
                     pass
-                if claimed in retired:      # another token's closed world: not evidence
-                    seen.stale.append(f"a record of closed instance {claimed[:8]}")
+                if claimed in retired and isinstance(e, AuthenticationError):
+                    seen.foreign_closed += 1    # another token's closed world: no evidence
                     continue
             if isinstance(e, AuthenticationError):
                 seen.foreign += 1
@@ -296,10 +297,11 @@ def join_records(store: Any, seal: Seal, me: dict[str, Any], expect: dict[str, A
 
 
 def _log(world_id: str, seen: _Seen) -> None:
-    if seen.stale:
+    if seen.stale or seen.foreign_closed:
         logger.info("world %r: ignored %d join record(s) of other instances of this world "
                     "(an earlier world with this id, or a replay): %s", world_id,
-                    len(seen.stale), "; ".join(seen.stale[:5]))
+                    len(seen.stale) + seen.foreign_closed,
+                    "; ".join(seen.stale[:5]) or "signed with other tokens")
     if seen.garbage or seen.foreign:
         logger.warning("world %r: skipped %d join record(s) that are not this world's "
                        "(%d signed with another token or none; %s)", world_id,
@@ -313,15 +315,17 @@ def _short(where: str, seen: _Seen, num_processes: int, signed: bool,
     arrived = ", ".join(label(r["info"]) for r in seen.valid) or "none"
     stale = (f"; ignored {len(seen.stale)} record(s) of other instances of this world "
              f"({'; '.join(seen.stale[:3])})") if seen.stale else ""
-    if seen.foreign:
+    if seen.foreign or seen.foreign_closed:
         now = " at once" if seen.foreign >= num_processes and time.monotonic() < deadline \
             else ""
         mine = "this process's token" if signed else "no token (this process has none)"
+        closed = f" ({seen.foreign_closed} of worlds that closed)" if seen.foreign_closed \
+            else ""
         return AuthenticationError(
             f"{where}: refused{now}: {len(seen.valid)} of {num_processes} processes joined "
-            f"with {mine} ({arrived}); {seen.foreign} record(s) are signed with another "
-            f"token{' or none' if signed else ''}: every process must pass the same token "
-            f"(token= or XRESHARD_TOKEN){stale}")
+            f"with {mine} ({arrived}); {seen.foreign + seen.foreign_closed} record(s) are "
+            f"signed with another token{' or none' if signed else ''}{closed}: every "
+            f"process must pass the same token (token= or XRESHARD_TOKEN){stale}")
     return TransportTimeout(f"{where}: {len(seen.valid)} of {num_processes} processes joined "
                             f"in time ({arrived}); {num_processes - len(seen.valid)} never "
                             f"did{stale}")
