@@ -137,6 +137,8 @@ class World(WorldTransports):
         self._transports: dict[str, Transport] = {}
         self._counted: dict[str, Transport] = {}
         self._closed = False
+        self._closing = False
+        self._depth = 0         # nesting of ``exclusive`` in the thread that holds it
         rank_process: list[int] = []
         kinds: list[str] = []
         for pos, info in enumerate(infos):
@@ -365,12 +367,19 @@ class World(WorldTransports):
             RefitError: another thread of this process is inside a collective of this world.
         """
         if not self._lock.acquire(blocking=False):
+            if self._closing:
+                raise RefitError(f"world {self._world_id!r} is closed")
             raise RefitError(f"{what} was called on world {self._world_id!r} while another "
                              f"thread of this process runs one; a world's collectives and "
                              f"refits run one at a time (use one thread, or a lock)")
+        if self._closing and self._depth == 0:     # nested steps of a running call go on
+            self._lock.release()
+            raise RefitError(f"world {self._world_id!r} is closed")
+        self._depth += 1
         try:
             yield
         finally:
+            self._depth -= 1
             self._lock.release()
 
     @contextlib.contextmanager
@@ -529,13 +538,39 @@ class World(WorldTransports):
                               f"world_id) to continue")
 
     def close(self) -> None:
-        """Close the transports and leave the store. Idempotent."""
+        """Close the transports and leave the store. Idempotent.
+
+        A collective or refit still running in another thread (``refit.start()``) is
+        waited for first, within the world's timeout: its own waits are bounded by it, and
+        tearing the store and transports down under it would turn its outcome into an
+        unrelated error.
+        """
+        if self._closed:
+            return
+        self._closing = True        # refuses new collectives while we wait for a running one
+        held = self._lock.acquire(timeout=self._timeout + 5.0)
+        if not held:
+            logger.warning("world %r: a collective of another thread did not finish within "
+                           "%s; closing under it", self._world_id,
+                           format_seconds(self._timeout + 5.0))
+        try:
+            self._close()
+        finally:
+            if held:
+                self._lock.release()
+
+    def _close(self) -> None:
         if self._closed:
             return
         self._closed = True
         for kind, t in self._transports.items():
-            if kind != "auto":
+            if kind == "auto":
+                continue        # a view of the others
+            try:
                 t.close()
+            except Exception:   # noqa: BLE001 - the others still close (and their threads end)
+                logger.warning("world %r: closing its %s transport failed", self._world_id,
+                               kind, exc_info=True)
         self._transports.clear()
         self._counted.clear()
         if self._joined is not None and self._store is not None:
