@@ -212,20 +212,12 @@ def _pair_here(tag: str) -> tuple[Any, Any, Any]:
     return a, b, server
 
 
-def _both(fa: Any, fb: Any) -> list[Any]:
-    import threading
-    out: list[Any] = [None, None]
-
-    def run(i: int, f: Any) -> None:
-        try:
-            out[i] = f()
-        except BaseException as e:      # noqa: BLE001 - returned to the scenario
-            out[i] = e
-    t = threading.Thread(target=run, args=(1, fb))
-    t.start()
-    run(0, fa)
-    t.join(30)
-    return out
+def _together(*fns: Any) -> list[BaseException | None]:
+    """Run ``fns`` at once (the two sides of an exchange); what each raised, or None."""
+    from concurrent.futures import ThreadPoolExecutor
+    with ThreadPoolExecutor(len(fns)) as pool:
+        futures = [pool.submit(fn) for fn in fns]
+        return [f.exception(timeout=60) for f in futures]
 
 
 def foreign_names() -> dict:
@@ -250,9 +242,9 @@ def foreign_names() -> dict:
     def recv(n: int) -> None:
         with b.group(10):
             b.recv(got[:n], 0, 2, 0)
-    ok = _both(lambda: send(4096), lambda: recv(4096))
+    ok = _together(lambda: send(4096), lambda: recv(4096))
     exact = got.tobytes() == payload.tobytes()
-    bad = _both(lambda: send(100), lambda: recv(99))      # the receiver's real error
+    bad = _together(lambda: send(100), lambda: recv(99))    # the receiver's real error
     for t in (a, b):
         with contextlib.suppress(Exception):
             t.close()

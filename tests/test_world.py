@@ -267,3 +267,26 @@ def test_a_receiver_keeps_no_thread_after_its_worlds_close():
         assert v["exact"]
         for after in v["seen"]:
             assert after == v["baseline"], (after, v["baseline"])
+
+
+def test_a_store_xreshard_did_not_start_hosts_worlds_too():
+    """A TCPStore another launcher started has no store nonce: the first joiner's instance
+    binds to none, and the world forms, closes and forms again under the same id."""
+    import datetime
+
+    from torch.distributed import TCPStore
+    from xreshard.runtime.store import STORE_NONCE_KEY
+    store = TCPStore("127.0.0.1", 0, None, True, datetime.timedelta(seconds=10),
+                     wait_for_workers=False)
+    address = f"tcp://127.0.0.1:{store.port}"
+    for _ in range(2):
+        with World.join(address, "solo", 1, num_processes=1, index=0, timeout=5,
+                        token="a-token-of-16-chars") as w:
+            assert w.allgather_json("x") == ["x"]
+    assert not store.check([STORE_NONCE_KEY])
+
+
+def test_timeouts_print_rounded():
+    from xreshard.transport.base import format_seconds
+    assert [format_seconds(x) for x in (5, 5.0, 0.25, 2.98741, 12.4, 300.0, 0.004)] == [
+        "5 s", "5 s", "0.25 s", "2.99 s", "12 s", "300 s", "0.004 s"]

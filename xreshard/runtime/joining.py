@@ -95,9 +95,10 @@ def _instance(store: Any, seal: Seal, address: str) -> tuple[str, str, str]:
     try:
         body = seal.open(text, key=key, kind="instance", op=0, process=-1)
     except CommunicationError as e:
-        raise AuthenticationError(f"{where} is not a member's ({e}); a process other than "
-                                  f"a member wrote it: nobody can join this world_id on "
-                                  f"this store until it is removed") from None
+        raise AuthenticationError(f"{where} is not a member's ({e}); a process without "
+                                  f"the token wrote it there first, so this world_id cannot "
+                                  f"form on this store: find what writes to the store, and "
+                                  f"join with another world_id (or on a new store)") from None
     if not (isinstance(body, dict) and isinstance(body.get("nonce"), str)
             and body.get("store") == bound):
         named = body.get("store") if isinstance(body, dict) else body
