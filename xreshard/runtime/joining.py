@@ -281,6 +281,11 @@ def join_records(store: Any, seal: Seal, me: dict[str, Any], expect: dict[str, A
             break
         if seen.foreign >= num_processes or time.monotonic() >= deadline:
             _log(world_id, seen)
+            if not any(r["nonce"] == mine["nonce"] for r in seen.valid):
+                raise TransportError(f"{where}: this process's own join record is not among "
+                                     f"the {len(seen.valid)} valid record(s) the store "
+                                     f"returns: another store answers at this address, or "
+                                     f"the key was overwritten; check the address")
             raise _short(where, seen, num_processes, seal.signed, deadline)
         time.sleep(pause)
         pause = min(pause * 2, 0.05)

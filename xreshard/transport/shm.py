@@ -33,9 +33,10 @@ every name of this world's prefix that this user owns, the dead peer's included.
 
 Names. ``/dev/shm`` is shared by every user of the host (and by containers run with
 ``--ipc=host``), and any of them can create a name first. So no name can be derived from
-what others see: a name is ``/xr<tag>_<process>_<kind><n>_<random>``, where the tag is a
-secret the world's members exchange over the signed store and ``<random>`` is drawn per
-segment; receivers learn names only from the sealed records. A creation that finds its
+what others see: a name is ``/xr<tag>_<process>_<kind><n>_<random>``, where the tag is
+drawn by the world's members and exchanged over the signed store (not the probe's name;
+it shows once a segment exists) and ``<random>``, 64 bits drawn per segment, is what
+nobody can guess; receivers learn names only from the sealed records. A creation that finds its
 name taken (``EEXIST``, ``EACCES``: another user got there first) draws another name.
 Cleanup unlinks only names this user owns, and a name it cannot remove never replaces the
 error that made it clean up.
@@ -45,8 +46,11 @@ published after the copy) or has moved on from: a send completes only when the r
 acknowledged it (the sender's group exit waits for one ack per peer), and each segment
 carries in its first 64 bytes the sender's group number, which the record repeats and the
 receiver checks before and after its copy. Every wait is bounded by the group's timeout,
-and a watcher thread checks the awaited peers' pids (same host) and wakes the wait when
-one died, so a killed peer raises in about a quarter second, naming it.
+and a watcher thread checks the awaited peers' pids and wakes the wait when one died, so
+a killed peer raises in about a quarter second, naming it. Pairs route here only when
+each process sees the other under the pid and start time it published (the world checks
+both ways), so the watcher never looks up a stranger: across pid namespaces (containers
+sharing ``/dev/shm`` only) a pid names another process, or none, and such pairs take gloo.
 
 Rejected: copying every private buffer into a segment (measured: the sender's copy makes
 a one-sender refit 0.37 of the memcpy bound, the pull 1.0+); ``vmsplice`` through pipes
