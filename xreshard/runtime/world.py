@@ -125,6 +125,7 @@ class World(WorldTransports):
         self._broken: str | None = None
         self._lock = threading.RLock()
         self._limit: float | None = None      # a deadline every wait stops at (``limited``)
+        self._limit_seconds = 0.0             # the length of that limit, for messages
         self._server = server
         self._address = address
         self._world_id = world_id
@@ -386,21 +387,27 @@ class World(WorldTransports):
     def limited(self, seconds: float) -> Iterator[None]:
         """Every wait inside (collectives, creating transports) ends within ``seconds``
         from now, whatever its own timeout: a refit bounds its whole call this way."""
-        outer = self._limit
-        self._limit = time.monotonic() + seconds
-        if outer is not None:
-            self._limit = min(self._limit, outer)
+        outer = (self._limit, self._limit_seconds)
+        deadline = time.monotonic() + seconds
+        if self._limit is None or deadline < self._limit:
+            self._limit, self._limit_seconds = deadline, float(seconds)
         try:
             yield
         finally:
-            self._limit = outer
+            self._limit, self._limit_seconds = outer
 
     def _wait_seconds(self, timeout: float | None = None) -> float:
         """``timeout`` (default the world's), cut to what ``limited`` leaves."""
+        return self._wait(timeout)[0]
+
+    def _wait(self, timeout: float | None) -> tuple[float, str]:
+        """``_wait_seconds`` and how a message says it ran out: the same words in every
+        process (the seconds a limit leaves differ between processes; the limit does not)."""
         timeout = self._timeout if timeout is None else float(timeout)
-        if self._limit is not None:
-            timeout = min(timeout, max(self._limit - time.monotonic(), 0.05))
-        return timeout
+        if self._limit is not None and self._limit - time.monotonic() < timeout:
+            left = max(self._limit - time.monotonic(), 0.05)
+            return left, f"at the end of its call's {format_seconds(self._limit_seconds)} limit"
+        return timeout, f"after {format_seconds(timeout)}"
 
     def _next_prefix(self, kind: str = "transport") -> str:
         return self._next_op(kind)[0]
@@ -436,7 +443,7 @@ class World(WorldTransports):
         with self.exclusive(kind):
             prefix, op = self._next_op(kind)
             me = self._process_index
-            timeout = self._wait_seconds(timeout)
+            timeout, ran_out = self._wait(timeout)
             keys = [f"{prefix}/{p}" for p in readers]
             try:
                 refused = self._refusal()
@@ -457,9 +464,8 @@ class World(WorldTransports):
                         missing = list(readers)
                     names = "; ".join(self.describe_process(p) for p in missing)
                     error = TransportTimeout(f"{kind} (collective #{op}) in world "
-                                             f"{self._world_id!r} timed out after "
-                                             f"{format_seconds(timeout)}: never arrived: "
-                                             f"{names}")
+                                             f"{self._world_id!r} timed out {ran_out}: "
+                                             f"never arrived: {names}")
                     if not partial or self._refusal() is not None:
                         raise error from e
                     got = [None if p in missing else self._store.get(k)
