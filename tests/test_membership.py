@@ -184,5 +184,5 @@ def test_processes_that_disagree_on_num_processes_all_raise_world_mismatch(order
     msg = messages.pop()
     assert "rollout[1] passed num_processes=3" in msg, msg
     assert "passed num_processes=2" in msg and "pass the same num_processes" in msg, msg
-    assert all(v["seconds"] < 20 + 5 for v in values)       # within the join timeout
+    assert all(v["seconds"] < 20 + 5 for v in values), values     # within the join timeout
     assert issubclass(xr.WorldMismatch, xr.RefitError)

@@ -20,7 +20,9 @@ outsider appends can take a member's slot. What "valid" means, and why:
   message: the first to see the disagreement publishes it (``compare_set``, signed) at
   ``xreshard/<world_id>/refused/<instance>``, and members that formed a world before the
   disagreeing record arrived read it at their next collective, for one join timeout
-  (``refusal``).
+  (``refusal``). A process that raises it from a step others may already wait in (its
+  join's end, a collective) first writes its payload of that step as a wake-up, so
+  nobody waits for its timeout to learn it.
 
 Rejected: a slot counter (an outsider's increments take slots); deleting the join key
 when a world forms or closes (a process that appended its record but has not read it yet
@@ -62,6 +64,7 @@ class Joined:
     instance_raw: str               # what ``retire`` compares before blanking the key
     refused_key: str
     join_key: str
+    refused: WorldMismatch | None = None    # raise it once the members are woken
 
 
 @dataclass
@@ -271,12 +274,20 @@ def join_records(store: Any, seal: Seal, me: dict[str, Any], expect: dict[str, A
                 wseal.seal("join", 0, -1, json.dumps(mine)) + "\n")
     where = f"world {world_id!r} at {address}"
     pause = 0.002
+    refused = None
     while True:
         raw = _store_call("reading the join records", store.get, key)
         seen = _read(raw, key, wseal, instance)
         disagree = _disagreement(world_id, seen.valid)
         if disagree is not None:
-            raise _refuse(store, wseal, refused_key, disagree)
+            refused = _refuse(store, wseal, refused_key, disagree)
+            formed = seen.valid[:num_processes]
+            if not (len(formed) == num_processes and all(r["expect"] == expect for r in formed)
+                    and any(r["nonce"] == mine["nonce"] for r in formed)):
+                raise refused
+            # the world had formed with us before the other record came: its members may
+            # wait for us in the first collective; World.join wakes them, then raises
+            break
         if len(seen.valid) >= num_processes:
             break
         if seen.foreign >= num_processes or time.monotonic() >= deadline:
@@ -296,10 +307,7 @@ def join_records(store: Any, seal: Seal, me: dict[str, Any], expect: dict[str, A
                          f"joined before it ({', '.join(label(r['info']) for r in members)}); "
                          f"give every world on one store its own world_id and every process "
                          f"the same num_processes")
-    published = refusal(store, wseal, refused_key)
-    if published is not None:
-        raise published
-    return Joined(members, instance, instance_key, instance_raw, refused_key, key)
+    return Joined(members, instance, instance_key, instance_raw, refused_key, key, refused)
 
 
 def _log(world_id: str, seen: _Seen) -> None:

@@ -248,6 +248,7 @@ class World(WorldTransports):
                     timeout=timeout, infos=infos, process_index=position,
                     devices=local_devices, seal=seal.with_nonce(nonce), joined=joined,
                     instance_seal=seal.with_nonce(joined.instance))
+        world._refuse_if_refused()
         logger.debug("joined %r", world)
         return world
 
@@ -417,21 +418,46 @@ class World(WorldTransports):
         self._num_ops += 1
         return f"{self._root}/op{self._num_ops}", self._num_ops
 
-    def _fail(self, error: CommunicationError) -> Exception:
+    def _fail(self, error: CommunicationError, since: float | None = None) -> Exception:
         """Mark the world broken by ``error``, or by the world's published refusal (a
-        process that disagreed on the world joined after us): that is the first cause."""
-        refused = self._refusal()
+        process that disagreed on the world joined after us): that is the first cause.
+        ``since``: when the failed step began (the refusal counts for steps begun within
+        the join timeout)."""
+        refused = self._refusal(since)
         cause: Exception = refused if refused is not None else error
         self.mark_broken(f"{type(cause).__name__}: {cause}")
         return cause
 
-    def _refusal(self) -> WorldMismatch | None:
-        """The world's published ``WorldMismatch``, looked up for one join timeout after
-        joining (one store round trip), else None."""
+    def _refusal(self, since: float | None = None) -> WorldMismatch | None:
+        """The world's published ``WorldMismatch``, looked up (one store round trip) for
+        steps begun (``since``, default now) within one join timeout of joining."""
         joined = self._joined
-        if joined is None or self._store is None or time.monotonic() > self._refusal_until:
+        begun = time.monotonic() if since is None else since
+        if joined is None or self._store is None or begun > self._refusal_until:
             return None
         return refusal(self._store, self._instance_seal, joined.refused_key)
+
+    def _refuse_if_refused(self) -> None:
+        """At the end of a join: a process that disagreed came while we formed (this
+        process saw its record, or another published the refusal), so the members may
+        already wait for us in the first collective: wake them, close, and raise it."""
+        joined = self._joined
+        refused = (joined.refused if joined is not None else None) or self._refusal()
+        if refused is not None:
+            prefix, op = self._next_op("join")
+            error = self._refuse_step(prefix, op, refused)
+            self.close()
+            raise error
+
+    def _refuse_step(self, prefix: str, op: int, refused: WorldMismatch) -> Exception:
+        """Raise ``refused`` from step ``op``: first write this process's payload of that
+        step as a wake-up, so the members waiting on it fail now (their payload check
+        fails and their failure path reads the same refusal), not at their timeout."""
+        me = self._process_index
+        with contextlib.suppress(RuntimeError):
+            self._store.set(f"{prefix}/{me}", self._seal.seal("world-mismatch", op, me,
+                                                              json.dumps(None)))
+        return self._fail(refused)
 
     def _exchange(self, kind: str, obj: Any, writes: bool, readers: Sequence[int],
                   timeout: float | None, partial: bool = False) -> list[Any]:
@@ -440,6 +466,7 @@ class World(WorldTransports):
         ``partial``, a timeout returns what did arrive (None for the rest) instead of
         raising, and the caller must mark the world broken (it knows the first cause)."""
         body = json.dumps(obj)      # TypeError before anything is posted
+        begun = time.monotonic()
         with self.exclusive(kind):
             prefix, op = self._next_op(kind)
             me = self._process_index
@@ -448,11 +475,7 @@ class World(WorldTransports):
             try:
                 refused = self._refusal()
                 if refused is not None:
-                    # wake the members waiting on this step: their payload check fails,
-                    # and their failure path reads the same refusal
-                    self._store.set(f"{prefix}/{me}", self._seal.seal(
-                        "world-mismatch", op, me, json.dumps(None)))
-                    raise self._fail(refused)
+                    raise self._refuse_step(prefix, op, refused)
                 if writes:
                     self._store.set(f"{prefix}/{me}", self._seal.seal(kind, op, me, body))
                 try:
@@ -466,7 +489,7 @@ class World(WorldTransports):
                     error = TransportTimeout(f"{kind} (collective #{op}) in world "
                                              f"{self._world_id!r} timed out {ran_out}: "
                                              f"never arrived: {names}")
-                    if not partial or self._refusal() is not None:
+                    if not partial or self._refusal(begun) is not None:
                         raise error from e
                     got = [None if p in missing else self._store.get(k)
                            for k, p in zip(keys, readers)]
@@ -481,17 +504,17 @@ class World(WorldTransports):
                     for k in keys:
                         self._store.delete_key(k)
             except CommunicationError as e:
-                raise self._fail(e) from e.__cause__
+                raise self._fail(e, begun) from e.__cause__
             except RuntimeError as e:       # the store connection itself failed
                 raise self._fail(CommunicationError(
                     f"{kind} (collective #{op}) in world {self._world_id!r}: the rendezvous "
-                    f"store failed: {e}")) from e
+                    f"store failed: {e}"), begun) from e
             try:
                 return [self._seal.open(v, key=k, kind=kind, op=op, process=p,
                                         what=f"from {self.describe_process(p)}")
                         for k, p, v in zip(keys, readers, values)]
             except CommunicationError as e:
-                raise self._fail(e) from None
+                raise self._fail(e, begun) from None
 
     def allgather_json(self, obj: Any, *, timeout: float | None = None,
                        kind: str = "allgather", partial: bool = False) -> list[Any]:
