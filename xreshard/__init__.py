@@ -7,7 +7,7 @@ and import their framework when used.
 from . import _moved
 from .errors import (AuthenticationError, BindingError, CollectiveMismatch, CommunicationError,
                      LayoutError, PlanError, RefitError, TransportError, TransportTimeout,
-                     VerificationError, WorldBroken, XreshardError)
+                     VerificationError, WorldBroken, WorldMismatch, XreshardError)
 from .ir.layout import Layout, Mesh, Region, Split
 from .planner.plan import Plan, PlanCache, PlanStats, Transfer, plan
 from .runtime.binding import Bound
@@ -18,7 +18,7 @@ from .runtime.world import StoreServer, World, serve
 
 __all__ = [
     "AuthenticationError", "BindingError", "CollectiveMismatch", "CommunicationError",
-    "TransportError", "TransportTimeout", "VerificationError", "WorldBroken",
+    "TransportError", "TransportTimeout", "VerificationError", "WorldBroken", "WorldMismatch",
     "Bound", "CommCounts", "Layout", "LayoutError", "Mesh", "Plan", "PlanCache", "PlanError", "PlanStats",
     "Refit", "RefitConfig", "RefitError", "RefitReport", "Region", "Split", "StoreServer",
     "Topology", "Transfer", "Tuning", "World", "XreshardError", "count_comm", "plan", "serve",

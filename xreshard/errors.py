@@ -73,6 +73,12 @@ class BindingError(RefitError):
     dtype, aliased, read-only, or missing where the layout says a rank holds a region."""
 
 
+class WorldMismatch(RefitError):
+    """The processes of one world joined with different ``num_processes`` or ``groups``:
+    raised by every one of them (the members that formed first learn it at their next
+    collective within the join timeout), naming who passed what."""
+
+
 class CommunicationError(RuntimeError):
     """Moving bytes or metadata between processes failed; not the caller's input."""
 

@@ -18,7 +18,7 @@ from typing import Any, Iterator, Protocol, runtime_checkable
 from ..errors import TransportError, TransportTimeout
 
 __all__ = ["CudaError", "RecordingTransport", "Transport", "TransportError", "TransportTimeout",
-           "event_done", "nbytes_of"]
+           "event_done", "format_seconds", "nbytes_of"]
 
 #: cudaErrorNotReady: what cudaEventQuery returns while the work before the event runs
 CUDA_NOT_READY = 600
@@ -59,6 +59,15 @@ def event_done(runtime: Any, event: int, where: str) -> bool:
     except Exception:       # noqa: BLE001 - the status alone still says what happened
         text = f"CUDA error {status}"
     raise CudaError(f"{where}: CUDA reported {text}")
+
+
+def format_seconds(seconds: float) -> str:
+    """A duration for messages: ``"5 s"``, ``"0.25 s"``, ``"12 s"`` (not ``2.9874120 s``)."""
+    seconds = float(seconds)
+    if seconds >= 10:
+        return f"{seconds:.0f} s"
+    text = f"{seconds:.2f}".rstrip("0").rstrip(".")
+    return f"{text} s" if text != "0" else f"{seconds:.2g} s"
 
 
 @runtime_checkable
