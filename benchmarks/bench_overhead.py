@@ -7,15 +7,15 @@ the checks, two metadata all-gathers, the executor's bookkeeping. Calls alternat
 
 * warm: the refit's layout memo (``Refit.layout_memo``) hands back the layouts of the last
   call, as every refit after the first finds it;
-* cold: the refit is given a switched-off memo (``enabled = False``) for the call, so every
-  layout is built anew, as before the memo existed,
+* cold: the refit is given a memo that remembers nothing (``tools.testing.ColdMemo``) for
+  the call, so every layout is built anew, as before the memo existed,
 
 in the same processes, and the script prints the median of each and their ratio.
 ``--fresh`` sends new arrays every call (``params + 0``, made outside the timed region),
 as a training loop does: each call's arrays and sharding objects are new, only equal.
 
 ``--naming`` measures instead, in this process, binding a JAX MoE tree through the vLLM
-naming rules (``bind_named``, what the ``"xreshard"`` trainer engine does every round):
+naming rules (``adapters.jax.bind_named``, what the ``"xreshard"`` trainer engine does every round):
 8 layers of 64 stacked experts split over a (ep=4, tp=2) mesh of 8 CPU devices, 1,544 HF
 tensors; warm keeps the rule check, layout memo and geometry caches, cold clears them.
 
@@ -48,11 +48,10 @@ def _calls(refit: Any, side: dict, reps: int, profile: int = 0, sort: str = "cum
     """Warm and cold calls in turn; ``fresh()`` (when given) makes this call's side anew
     before each call, outside the timed region, and ``barrier()`` then lines the processes
     up so no process times another's preparation."""
-    from xreshard.ir.layout import LayoutMemo
+    from xreshard.tools.testing import ColdMemo
 
     out: dict[str, Any] = {"warm": [], "cold": [], "warm_cpu": [], "cold_cpu": []}
-    warm_memo, cold_memo = refit.layout_memo, LayoutMemo()
-    cold_memo.enabled = False
+    warm_memo, cold_memo = refit.layout_memo, ColdMemo()
 
     def prepared() -> dict:
         now = side if fresh is None else fresh()
@@ -152,9 +151,11 @@ def naming(reps: int) -> None:
     import jax
     import numpy as np
     from jax.sharding import NamedSharding, PartitionSpec as P
-    from xreshard.adapters import naming, naming as vb  # vb: where bind_named keeps its caches
+    from xreshard.adapters import naming as vb  # vb: where the naming rules keep their caches
+    from xreshard.adapters.jax import bind_named
     from xreshard.adapters.naming import NameMap, jax_llama_rules, jax_moe_rules
     from xreshard.ir.layout import LayoutMemo
+    from xreshard.tools.testing import ColdMemo
 
     E, D, I, L = 64, 64, 32, 8
     mesh = jax.make_mesh((4, 2), ("ep", "tp"))
@@ -169,13 +170,8 @@ def naming(reps: int) -> None:
     names = NameMap(jax_llama_rules() + jax_moe_rules())
     ranks = {d.id: i for i, d in enumerate(mesh.devices.flat)}
     times: dict[str, list[float]] = {"warm": [], "cold": []}
-    warm_memo, cold_memo = LayoutMemo(), LayoutMemo()
-    cold_memo.enabled = False
-    if hasattr(naming, "bind_named"):
-        bind = naming.bind_named
-    else:       # before bind_named moved beside the rules: no memo argument
-        def bind(tree: Any, names: Any, ranks: Any, memo: Any = None) -> Any:
-            return vb.bind_named(tree, names, ranks)
+    warm_memo, cold_memo = LayoutMemo(), ColdMemo()
+    bind = bind_named
     bind(tree, names, ranks, memo=warm_memo)
     for _ in range(reps):
         for kind in ("warm", "cold"):

@@ -6,7 +6,7 @@ bytes every packaged model moves under a few recipe pairs.
 1. Headline cases (per-expert checkpoints, ranks: source first, then destination):
    DeepSeek-V3 megatron:pp=4,ep=16,dp=2 -> vllm:tp=8,dp=16   (128 -> 128 ranks)
    Kimi-K2     megatron:pp=16,ep=64,dp=1 -> vllm:tp=16,dp=64 (1,024 -> 1,024 ranks)
-   For each: recipe layouts, ``xreshard.planner.plan`` over the whole world,
+   For each: recipe layouts, ``xreshard.plan`` over the whole world,
    ``plan.transfers_for`` of one source and one destination rank, peak Python memory
    (tracemalloc, in a separate run so it does not slow the timed one) and the process's
    max RSS; then a NAIVE planner that intersects every source rank's regions with every
@@ -119,7 +119,7 @@ def headline(model_name: str, src_text: str, dst_text: str, naive_budget: float)
 
     gc.collect()
     t0, c0 = time.perf_counter(), time.process_time()
-    plan = xreshard.planner.plan(src, dst)
+    plan = xreshard.plan(src, dst)
     t_plan, c_plan = time.perf_counter() - t0, time.process_time() - c0
     stats = plan.stats
 
@@ -132,7 +132,7 @@ def headline(model_name: str, src_text: str, dst_text: str, naive_budget: float)
     gc.collect()
 
     tracemalloc.start()
-    xreshard.planner.plan(src, dst)
+    xreshard.plan(src, dst)
     _, peak_plan = tracemalloc.get_traced_memory()
     tracemalloc.stop()
 
@@ -151,7 +151,7 @@ def headline(model_name: str, src_text: str, dst_text: str, naive_budget: float)
             break
     t_naive_subset = time.process_time() - c0
     t_naive = t_naive_subset * len(names) / len(done)
-    sub = xreshard.planner.plan({n: src[n] for n in done}, {n: dst[n] for n in done})
+    sub = xreshard.plan({n: src[n] for n in done}, {n: dst[n] for n in done})
     same_bytes = sub.stats.bytes_moved == naive_moved == sub.stats.bytes_min
     same_received = ({r: b for r, b in sub.stats.bytes_received.items() if b}
                      == {r: b for r, b in received.items() if b})
@@ -188,7 +188,7 @@ def model_rows() -> list[dict]:
             src = recipe_layouts(model, src_r, 0)
             dst = recipe_layouts(model, dst_r, 0 if colocated else src_r.world_size)
             c0 = time.process_time()
-            s = xreshard.planner.plan(src, dst).stats
+            s = xreshard.plan(src, dst).stats
             cpu = time.process_time() - c0
             rows.append(dict(
                 model=model.name, layout=model.layout, src=str(src_r), dst=str(dst_r),
@@ -233,7 +233,7 @@ def print_headline(results: list[dict]) -> None:
     print("\n### Against a naive planner (every source rank's regions x every destination "
           "rank's regions, per tensor; least-loaded holder)\n")
     print("| model | naive: tensors run | naive: CPU s on them | naive: whole model, "
-          "extrapolated linearly (CPU s) | xreshard.planner.plan (CPU s) | speed-up | same bytes and "
+          "extrapolated linearly (CPU s) | xreshard.plan (CPU s) | speed-up | same bytes and "
           "per-rank bytes on the sample | naive greedy balance on sample | plan balance "
           "on sample |")
     print("|---|---:|---:|---:|---:|---:|---|---:|---:|")

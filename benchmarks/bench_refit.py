@@ -44,7 +44,7 @@ destination byte is checked once after each warm-up refit and once after a basel
                                      [--executor both|pipelined|rounds] [--json]
 
 ``--executor both`` (the default) adds, for each transport, a refit with the old
-round-by-round executor (``Refit.executor_kind = "rounds"``) in the same processes,
+round-by-round executor (``Refit(tuning=Tuning(executor="rounds"))``) in the same processes,
 interleaved: the side-by-side column "rounds / pipelined" is its time over the
 pipelined one's.
 """
@@ -117,7 +117,7 @@ def split_dim(kind: str) -> int | None:
 
 
 def np_dtype(name: str) -> np.dtype:
-    from xreshard.runtime.execute import numpy_dtype
+    from xreshard.dtypes import numpy_dtype
     return numpy_dtype(name)
 
 
@@ -306,10 +306,10 @@ def timed(world: Any, fn) -> float:
 #: functions whose cumulative time the profile reports, by (file suffix, function name)
 PROFILED = [
     ("refit.py", "__call__", "Refit.__call__ (all)"),
-    ("refit.py", "_bind", "  bind (adapters)"),
+    ("sides.py", "bind", "  bind (adapters)"),
     ("refit.py", "_prepare", "  metadata exchange + digest"),
     ("refit.py", "_commit", "  commit (outcome all-gather)"),
-    ("execute.py", "run", "  Executor.run"),
+    ("execute.py", "run", "  execute.run / Executor.run"),
     ("execute.py", "_staging_needed", "    staging sizing"),
     ("execute.py", "_pack", "    pack (sender copies)"),
     ("execute.py", "_unpack", "    unpack (receiver copies)"),
@@ -354,10 +354,12 @@ def per_call_overheads(refit: Any, is_trainer: bool, obj: Any,
     import json
     side = "send" if is_trainer else "receive"
     maps = refit._rank_maps()
+    (refit._sides.send if is_trainer else refit._sides.receive).obj = obj
     bind_s, digest_s = [], []
     for _ in range(reps):
         t0 = time.perf_counter()
-        bound = refit._bind(obj, side, maps)
+        sides = refit._sides
+        bound = sides.bind(sides.send if is_trainer else sides.receive, maps, refit.layout_memo)
         t1 = time.perf_counter()
         meta = {side: bound.describe(), "config": refit.config.to_dict()}
         hashlib.sha256(json.dumps(meta, sort_keys=True).encode()).hexdigest()
@@ -443,14 +445,16 @@ def child(ctx: Any, cfg: dict) -> dict:
                                  staging_bytes=cfg["staging_mib"] * MiB, timeout=TIMEOUT,
                                  transport="auto" if k.startswith("shm") else "gloo")
                for k in kinds}
+    tunings = {k: xr.Tuning(executor="rounds" if k.endswith("+rounds") else "pipelined")
+               for k in kinds}
     t_setup = time.perf_counter()
     refits = {}
     if is_trainer:
         params = jax_params(specs, dtype, cfg["kernels"])
         transpose = {n for n, s, _ in specs if is_kernel(n, s, cfg["kernels"])}
         for k in kinds:
-            refits[k] = xr.Refit(world, send=params, transpose=transpose, config=configs[k])
-            refits[k].executor_kind = "rounds" if k.endswith("+rounds") else "pipelined"
+            refits[k] = xr.Refit(world, send=params, transpose=transpose, config=configs[k],
+                                 tuning=tunings[k])
         max_bytes = max(math.prod(s) for _, s, _ in specs) * 2
         gather_buf = np.empty(max_bytes, np.uint8)
         gather_buf[:] = 1                                       # resident, like a real buffer
@@ -458,8 +462,7 @@ def child(ctx: Any, cfg: dict) -> dict:
         state = dtensors(specs, dtype)
         views = local_views(state)
         for k in kinds:
-            refits[k] = xr.Refit(world, receive=state, config=configs[k])
-            refits[k].executor_kind = "rounds" if k.endswith("+rounds") else "pipelined"
+            refits[k] = xr.Refit(world, receive=state, config=configs[k], tuning=tunings[k])
         max_bytes = max(math.prod(s) for _, s, _ in specs) * 2
         recv_buf = np.ones(max_bytes, np.uint8)
     setup_s = time.perf_counter() - t_setup

@@ -9,8 +9,8 @@ a host is the relay's fast domain). Three refits of the same model run interleav
 a. **direct** (``relay="off"``): the trainer sends 4 copies.
 b. **relay, back to back**: the trainer sends 2 copies (one per host), the receivers
    forward the other 2, every forward after its sender's whole stage 1
-   (``xreshard.planner.relay.OVERLAP = False``: the same schedule, buckets and budget as c, only
-   the rounds of the forwards differ).
+   (``Refit(tuning=Tuning(relay_overlap=False))``: the same schedule, buckets and budget as
+   c, only the rounds of the forwards differ).
 c. **relay, overlapped** (``relay="on"``, the default schedule): each forward in the round
    after the one that brought its bytes, beside the next chunk of stage 1.
 
@@ -58,7 +58,6 @@ def values(shapes: dict[str, tuple[int, int]], version: int) -> dict[str, np.nda
 
 def child(ctx: Any, cfg: dict) -> dict:
     import xreshard as xr
-    from xreshard.planner import relay
 
     trainer = ctx.role.group == "trainer"
     host = "t" if trainer else "ab"[ctx.role.index // 2]
@@ -72,7 +71,8 @@ def child(ctx: Any, cfg: dict) -> dict:
                                     bucket_bytes=cfg["bucket_mib"] * MiB,
                                     staging_bytes=cfg["staging_mib"] * MiB,
                                     transport=cfg["transport"])
-            refits[v] = xr.Refit(world, config=config)
+            tuning = xr.Tuning(relay_overlap=v != "relay back to back")
+            refits[v] = xr.Refit(world, config=config, tuning=tuning)
         if trainer:
             vals = values(shapes, 1)
             side = xr.Bound({n: xr.Layout.replicated(a.shape, "float32", xr.Mesh((1,), (rank,)))
@@ -84,7 +84,6 @@ def child(ctx: Any, cfg: dict) -> dict:
                             {(rank, n): [a] for n, a in dest.items()}, local_only=set(dest))
 
         def call(v: str) -> Any:
-            relay.OVERLAP = v != "relay back to back"
             return refits[v](send=side) if trainer else refits[v](receive=side)
 
         for v in VARIANTS:

@@ -173,7 +173,7 @@ def child(ctx: Any, cfg: dict) -> dict:
         "rounds": second.num_rounds, "messages": second.num_messages,
         "zero_copy": second.num_zero_copy,
         "sent": second.bytes_sent, "received": second.bytes_received,
-        "max_round_bytes": refit._schedule.max_round_bytes,
+        "max_round_bytes": refit.prepared.schedule.max_round_bytes,
     }
     everyone = world.allgather_json(mine, timeout=TIMEOUT)
     world.close()

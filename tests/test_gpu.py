@@ -37,7 +37,7 @@ def _why_no_gpu() -> str | None:
         import cupy
         from cupy.cuda import nccl
     except ImportError:
-        return "CuPy is not installed (pip install 'xreshard[nccl]')"
+        return "CuPy is not installed (pip install 'xreshard[gpu-cu13]')"
     if not nccl.available:
         return "CuPy cannot load NCCL"
     try:

@@ -261,6 +261,7 @@ def test_refit_keeps_no_sent_jax_array_alive():
     donated params staying alive). Needs the adapter (above) and Refit dropping its
     executor bindings and its reference to ``send=`` after each call."""
     jax = pytest.importorskip("jax")
+    pytest.importorskip("torch")        # the world's store is torch's TCPStore
     import jax.numpy as jnp
     from jax.sharding import NamedSharding, PartitionSpec as P
 
@@ -360,7 +361,8 @@ def fake_devices(monkeypatch):
     import contextlib
     from xreshard.runtime import execute
 
-    log = {"current": None, "allocs": [], "copies": [], "waits": [], "preflight": []}
+    log = {"current": None, "allocs": [], "copies": [], "waits": [], "preflight": [],
+           "ordered": []}
 
     @contextlib.contextmanager
     def device_ctx(dev):
@@ -386,6 +388,7 @@ def fake_devices(monkeypatch):
     monkeypatch.setattr(execute, "copy_into", copy_into)
     monkeypatch.setattr(execute, "_device_alloc", device_alloc)
     monkeypatch.setattr(execute, "_wait_devices", lambda devs, *a: log["waits"].append(devs))
+    monkeypatch.setattr(execute, "_order_after_current", lambda devs: log["ordered"].append(devs))
     monkeypatch.setattr(execute, "cuda_preflight", lambda dev: log["preflight"].append(dev))
     return log
 
@@ -561,5 +564,5 @@ def test_cuda_preflight_names_what_is_missing():
     from xreshard.runtime.execute import cuda_preflight
     with pytest.raises(xr.RefitError, match=r"CUDA device 0 cannot run the refit's copy kernels: "
                                             r"allocating on the device failed: .*pip install "
-                                            r"'xreshard\[nccl-cu1[23]\]'"):
+                                            r"'xreshard\[gpu-cu1[23]\]'"):
         cuda_preflight(0)

@@ -10,10 +10,11 @@ run of its logic, on CPU (``device="cpu"``: numpy bindings, the local / gloo tra
     a transposed Flax kernel, an fp32 -> bf16 wire cast, many staging rounds, and a
     consumer on a torch side stream reading right after ``run()`` returns, without a
     device synchronize, while the unpack is slowed down on purpose.
-(b) ``two_processes``: a JAX process and a torch process on the same GPU refit over NCCL.
-    NCCL refuses two ranks with one host hash and bus id ("Duplicate GPU detected"); a
-    distinct ``NCCL_HOSTID`` per process makes them look like two hosts talking over
-    loopback sockets. Whatever happens is reported, with the NCCL error when it fails.
+(b) ``two_processes``: a JAX process and a torch process on the same GPU refit 96 tensors
+    (~160 MiB of bf16) over NCCL. NCCL refuses two ranks of one GPU unless, from 2.30 on,
+    ``NCCL_MULTI_RANK_GPU_ENABLE=1`` is set, or before it each process has its own
+    ``NCCL_HOSTID`` (two "hosts" talking over loopback sockets). It passes bit-exact only;
+    any error fails it, reported with NCCL's lines.
 
     python -m tests.test_gpu_refit executor --json OUT.json [--device cpu]
     python -m tests.test_gpu_refit two-processes --json OUT.json --logs DIR [--device cpu]
@@ -374,6 +375,7 @@ def _side_stream_consumer(env: Env, tr: PostLog) -> dict:
 
     ok = consume(wait=True)
     control = consume(wait=False)
+    # a bar: a control that reads the right bytes without the wait could not see the race
     return {"bit_exact": ok, "control_without_wait_saw_stale_data": not control}
 
 
@@ -466,8 +468,8 @@ def executor_cases(device: str = "cuda", only: list[str] | None = None,
             tc = time.perf_counter()
             try:
                 out = case(env, transport)
-                out["ok"] = all(v for k, v in out.items()
-                                if isinstance(v, bool) and not k.startswith("control"))
+                # a control must see the race it controls (else the case proves nothing)
+                out["ok"] = all(v for k, v in out.items() if isinstance(v, bool))
             except Exception as e:
                 out = {"ok": False, "error": f"{type(e).__name__}: {e}",
                        "traceback": traceback.format_exc()}
@@ -479,20 +481,38 @@ def executor_cases(device: str = "cuda", only: list[str] | None = None,
             transport.close()
     report["ok"] = bool(report["cases"]) and all(c["ok"] for c in report["cases"].values())
     report["seconds"] = round(time.perf_counter() - t0, 3)
+    passed = sum(c["ok"] for c in report["cases"].values())
+    report["figure"] = f"{passed}/{len(report['cases'])} cases pass"
+    report["bar"] = ("every case bit-exact (zero-copy where contiguous, pointer identity), "
+                     "and the side-stream control without the executor's final wait reads "
+                     "stale bytes (so the check can see that race)")
     return report
 
 
 # ---------------------------------------------------------------------------- (b) processes
 
-_SHAPE = (1024, 512)
+#: (b) moves many tensors of assorted shapes (~160 MiB of bf16), not one buffer
+_TENSORS = {f"layers.{i}.{k}": shape for i in range(24)
+            for k, shape in (("qkv", (768, 1024)), ("o", (1024, 512)), ("up", (2048, 512)),
+                             ("norm", (1024,)))}
+
+
+def _many_values(seed: int) -> dict[str, np.ndarray]:
+    from xreshard.dtypes import numpy_dtype
+    rng = np.random.default_rng(seed)
+    return {n: (rng.standard_normal(s, dtype=np.float32) * 3).astype(numpy_dtype("bfloat16"))
+            for n, s in _TENSORS.items()}
 
 
 def two_process_child(role: str, address: str, device: str, timeout: float) -> dict:
-    """One side of (b): "jax" sends ``w`` (bf16), "torch" receives it and checks the bits."""
+    """One side of (b): "jax" sends every tensor of ``_TENSORS`` (bf16), "torch" receives
+    them into its own tensors and checks every bit."""
     import xreshard as xr
     out: dict[str, Any] = {"role": role, "pid": os.getpid(),
-                           "NCCL_HOSTID": os.environ.get("NCCL_HOSTID")}
-    value = _rng_values(_SHAPE, "bfloat16", 5)
+                           "NCCL_HOSTID": os.environ.get("NCCL_HOSTID"),
+                           "NCCL_MULTI_RANK_GPU_ENABLE":
+                               os.environ.get("NCCL_MULTI_RANK_GPU_ENABLE")}
+    values = _many_values(5)
     transport = "nccl" if device == "cuda" else "gloo"
     config = xr.RefitConfig(transport=transport, timeout=timeout)
     t0 = time.perf_counter()
@@ -502,25 +522,22 @@ def two_process_child(role: str, address: str, device: str, timeout: float) -> d
         dev = jax.devices("gpu" if device == "cuda" else "cpu")[0]
         world = xr.World.join(address, "trainer", [dev], num_processes=2, index=0,
                               groups=["trainer", "rollout"], timeout=timeout)
-        refit = xr.Refit(world, send={"w": jax.device_put(jnp.asarray(value), dev)},
-                         config=config)
-        report = refit()
+        params = {n: jax.device_put(jnp.asarray(v), dev) for n, v in values.items()}
+        report = xr.Refit(world, send=params, config=config)()
         out["ok"] = report.version == 1
     else:
         import torch
-        from xreshard.adapters.torch import tensor_view
         world = xr.World.join(address, "rollout", ["cuda:0" if device == "cuda" else "cpu"],
                               num_processes=2, index=0, groups=["trainer", "rollout"],
                               timeout=timeout)
-        me = world.rank_ids[0]
-        buf = torch.zeros(_SHAPE, dtype=torch.bfloat16,
-                          device="cuda:0" if device == "cuda" else "cpu")
-        layout = xr.Layout.replicated(_SHAPE, "bfloat16", xr.Mesh((1,), (me,)))
-        refit = xr.Refit(world, receive=xr.Bound({"w": layout}, {(me, "w"): tensor_view(buf)}),
-                         config=config)
-        report = refit()
-        got = buf.view(torch.int16).cpu().numpy()        # no synchronize: refit's contract
-        out["ok"] = bool(np.array_equal(got, _bits(value)))
+        dev = "cuda:0" if device == "cuda" else "cpu"
+        bufs = {n: torch.zeros(s, dtype=torch.bfloat16, device=dev) for n, s in _TENSORS.items()}
+        report = xr.Refit(world, receive=bufs, config=config)()
+        # no synchronize: refit's contract
+        out["ok"] = all(np.array_equal(bufs[n].view(torch.int16).cpu().numpy(), _bits(v))
+                        for n, v in values.items())
+        out["bytes"] = report.bytes_received
+        out["tensors"] = len(bufs)
     out["seconds"] = round(time.perf_counter() - t0, 3)
     out["report"] = str(report)
     world.close()
@@ -535,80 +552,103 @@ def _nccl_errors(text: str) -> list[str]:
             if not ln.startswith("{") and any(k in ln for k in keys)][:20]
 
 
-def two_processes(device: str = "cuda", *, timeout: float = 30.0, logs: Path | None = None,
-                  attempts: tuple[str, ...] = ("hostid", "plain"),
-                  on_update: Callable[[dict], None] = lambda report: None) -> dict:
-    """(b): a JAX process and a torch process refit over NCCL on one GPU.
+def _nccl_version() -> int:
+    try:
+        from cupy.cuda import nccl
+        return int(nccl.get_version()) if nccl.available else 0
+    except Exception:       # noqa: BLE001 - no CuPy: the CPU dry run
+        return 0
 
-    Attempt "hostid" gives each process its own ``NCCL_HOSTID`` (and loopback sockets);
-    "plain" is what NCCL does without it (runs only when "hostid" failed, to record the
-    refusal). Each attempt is bounded by ``timeout`` (the refit's own) plus a grace.
+
+def two_processes(device: str = "cuda", *, timeout: float = 30.0, logs: Path | None = None,
+                  on_update: Callable[[dict], None] = lambda report: None) -> dict:
+    """(b): a JAX process and a torch process refit many tensors over NCCL on one GPU.
+
+    NCCL refuses two ranks of one GPU unless told: from NCCL 2.30 on, with
+    ``NCCL_MULTI_RANK_GPU_ENABLE=1`` ("multirank"); before it, a distinct ``NCCL_HOSTID``
+    per process makes them look like two hosts talking over loopback sockets ("hostid").
+    One attempt, the one this NCCL supports; it passes only bit-exact, and any error fails
+    it (printed with NCCL's own lines).
     """
     import tempfile
     import xreshard as xr
     # children write to files, never to pipes: NCCL_DEBUG=INFO fills a pipe nobody reads
     logs = Path(logs) if logs is not None else Path(tempfile.mkdtemp(prefix="gpu-check-b-"))
     logs.mkdir(parents=True, exist_ok=True)
-    report: dict[str, Any] = {"device": device, "attempts": {}, "logs": str(logs)}
-    for attempt in attempts:
-        t0 = time.perf_counter()
-        env_common = {**os.environ, "PYTHONPATH": os.pathsep.join(
-            [str(REPO)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]),
-            "PYTHONUNBUFFERED": "1", "XLA_PYTHON_CLIENT_PREALLOCATE": "false",
-            "NCCL_DEBUG": os.environ.get("NCCL_DEBUG", "INFO")}
-        if device == "cpu":
-            env_common["JAX_PLATFORMS"] = "cpu"
-        if attempt == "hostid":
-            env_common.update({"NCCL_SOCKET_IFNAME": "lo", "NCCL_IB_DISABLE": "1"})
-        procs, paths = {}, {}
-        with xr.serve(timeout=timeout + 30) as server:
-            for role in ("jax", "torch"):
-                env = dict(env_common)
-                if attempt == "hostid":
-                    env["NCCL_HOSTID"] = f"xreshard-gpu-check-{role}"
-                paths[role] = (logs / f"b_{attempt}_{role}.stdout.log",
-                               logs / f"b_{attempt}_{role}.log")
-                with paths[role][0].open("w") as out, paths[role][1].open("w") as err:
-                    procs[role] = subprocess.Popen(
-                        [sys.executable, "-m", "tests.test_gpu_refit", "two-processes-child",
-                         "--role", role, "--address", server.address, "--device", device,
-                         "--timeout", str(timeout)],
-                        cwd=REPO, env=env, stdout=out, stderr=err, text=True)
-            results: dict[str, Any] = {}
-            deadline = time.monotonic() + timeout + 40      # imports + the refit's timeout
-            killed: set[str] = set()
-            failed_at: float | None = None
-            while any(p.poll() is None for p in procs.values()):
-                now = time.monotonic()
-                if failed_at is None and any(p.poll() not in (None, 0) for p in procs.values()):
-                    failed_at = now     # a peer failed: the other gets 15 s to say why
-                if now >= deadline or (failed_at is not None and now - failed_at > 15):
-                    for role, p in procs.items():
-                        if p.poll() is None:
-                            p.kill()
-                            killed.add(role)
-                    break
-                time.sleep(0.2)
-            for role, p in procs.items():
-                p.wait()
-                stdout = paths[role][0].read_text(errors="replace")
-                stderr = paths[role][1].read_text(errors="replace")
-                lines = [ln for ln in stdout.splitlines() if ln.startswith("{")]
-                res = json.loads(lines[-1]) if lines else {"ok": False}
-                res.update(returncode=p.returncode, killed=role in killed)
-                res["stderr_tail"] = stderr[-3000:]
-                res["nccl_errors"] = _nccl_errors(stdout + "\n" + stderr)
-                results[role] = res
-        ok = all(r.get("ok") and r["returncode"] == 0 for r in results.values())
-        report["attempts"][attempt] = {"ok": ok, "seconds": round(time.perf_counter() - t0, 1),
-                                       "processes": results}
-        report["ok"] = ok
-        on_update(report)
-        if ok:
-            break
-    report["ok"] = any(a["ok"] for a in report["attempts"].values())
+    version = _nccl_version() if device == "cuda" else 0
+    attempt = "multirank" if version >= 23000 else "hostid"
+    report: dict[str, Any] = {"device": device, "attempts": {}, "logs": str(logs),
+                              "nccl_version": version}
+    t0 = time.perf_counter()
+    env_common = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        [str(REPO)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]),
+        "PYTHONUNBUFFERED": "1", "XLA_PYTHON_CLIENT_PREALLOCATE": "false",
+        "NCCL_DEBUG": os.environ.get("NCCL_DEBUG", "WARN")}
+    if device == "cpu":
+        env_common["JAX_PLATFORMS"] = "cpu"
+    if attempt == "multirank":
+        env_common["NCCL_MULTI_RANK_GPU_ENABLE"] = "1"
+    else:
+        env_common.update({"NCCL_SOCKET_IFNAME": "lo", "NCCL_IB_DISABLE": "1"})
+    procs, paths = {}, {}
+    with xr.serve(timeout=timeout + 30) as server:
+        for role in ("jax", "torch"):
+            env = dict(env_common)
+            if attempt == "hostid":
+                env["NCCL_HOSTID"] = f"xreshard-gpu-check-{role}"
+            paths[role] = (logs / f"b_{attempt}_{role}.stdout.log", logs / f"b_{attempt}_{role}.log")
+            with paths[role][0].open("w") as out, paths[role][1].open("w") as err:
+                procs[role] = subprocess.Popen(
+                    [sys.executable, "-m", "tests.test_gpu_refit", "two-processes-child",
+                     "--role", role, "--address", server.address, "--device", device,
+                     "--timeout", str(timeout)],
+                    cwd=REPO, env=env, stdout=out, stderr=err, text=True)
+        results = _collect(procs, paths, deadline=time.monotonic() + timeout + 40)
+    ok = all(r.get("ok") and r["returncode"] == 0 for r in results.values())
+    report["attempts"][attempt] = {"ok": ok, "seconds": round(time.perf_counter() - t0, 1),
+                                   "processes": results}
+    report["ok"] = ok
+    torch_side = results.get("torch", {})
+    errors = sorted({e for r in results.values() for e in r.get("nccl_errors", [])
+                     + ([r["error"]] if r.get("error") else [])})
+    report["errors"] = errors[:20]
+    report["figure"] = (f"{attempt}: {torch_side.get('tensors')} tensors, "
+                        f"{torch_side.get('bytes')} B, bit-exact {bool(torch_side.get('ok'))}, "
+                        f"{len(errors)} error line(s)")
+    report["bar"] = ("a JAX and a torch process on one GPU refit every tensor over NCCL "
+                     "bit-exact; any error fails it")
     on_update(report)
     return report
+
+
+def _collect(procs: dict, paths: dict, deadline: float) -> dict:
+    """Wait for the children (a failed one gives the other 15 s to say why), then read what
+    each reported."""
+    killed: set[str] = set()
+    failed_at: float | None = None
+    while any(p.poll() is None for p in procs.values()):
+        now = time.monotonic()
+        if failed_at is None and any(p.poll() not in (None, 0) for p in procs.values()):
+            failed_at = now
+        if now >= deadline or (failed_at is not None and now - failed_at > 15):
+            for role, p in procs.items():
+                if p.poll() is None:
+                    p.kill()
+                    killed.add(role)
+            break
+        time.sleep(0.2)
+    results: dict[str, Any] = {}
+    for role, p in procs.items():
+        p.wait()
+        stdout = paths[role][0].read_text(errors="replace")
+        stderr = paths[role][1].read_text(errors="replace")
+        lines = [ln for ln in stdout.splitlines() if ln.startswith("{")]
+        res = json.loads(lines[-1]) if lines else {"ok": False}
+        res.update(returncode=p.returncode, killed=role in killed)
+        res["stderr_tail"] = stderr[-3000:]
+        res["nccl_errors"] = _nccl_errors(stdout + "\n" + stderr)
+        results[role] = res
+    return results
 
 
 # ---------------------------------------------------------------------------- pytest
@@ -711,7 +751,8 @@ def main(argv: list[str] | None = None) -> int:
                                on_update=save)
     save(report)
     print(json.dumps({k: v for k, v in report.items()
-                      if k in ("ok", "device", "seconds", "preflight_seconds", "error")}))
+                      if k in ("ok", "figure", "device", "seconds", "preflight_seconds",
+                               "error")}))
     for name, case in report.get("cases", {}).items():
         print(f"  {name}: {'ok' if case['ok'] else 'FAILED'} "
               f"{ {k: v for k, v in case.items() if k not in ('traceback',)} }")

@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import time
 
 import pytest
+
+# launch serves the rendezvous store, torch's TCPStore. find_spec, not importorskip: the
+# children import this module, and importing torch would slow every one of them down
+if importlib.util.find_spec("torch") is None:
+    pytest.skip("launch needs torch (its rendezvous store)", allow_module_level=True)
 
 from xreshard.tools.launch import Context, LaunchError, LaunchTimeout, Role, launch
 
@@ -112,3 +118,22 @@ def test_functions_children_cannot_import_are_refused():
         launch("no_colon", [Role()])
     with pytest.raises(ValueError, match="kind"):
         Role("tensorflow")
+
+
+def package_seen(ctx: Context) -> dict:
+    import xreshard
+    return {"file": xreshard.__file__, "has_refit": hasattr(xreshard, "Refit")}
+
+
+def test_children_import_the_parents_package_from_any_working_directory(tmp_path, monkeypatch):
+    """A launch started next to a folder named ``xreshard`` (a clone's parent directory):
+    ``python -m`` would put that folder first and shadow the package; the children must
+    import the package the parent imported."""
+    import xreshard
+
+    (tmp_path / "xreshard" / "xreshard").mkdir(parents=True)      # a clone, seen from above
+    (tmp_path / "xreshard" / "README.md").write_text("a clone\n")
+    monkeypatch.chdir(tmp_path)
+    results = launch(package_seen, [Role("plain", "trainer", 0), Role("jax", "rollout", 0)],
+                     timeout=60)
+    assert [r.value for r in results] == [{"file": xreshard.__file__, "has_refit": True}] * 2

@@ -67,7 +67,7 @@ def test_nccl_library_loads():
 def test_missing_cupy_raises_import_error_naming_the_extra(monkeypatch):
     monkeypatch.setitem(sys.modules, "cupy", None)
     with pytest.raises(ImportError, match=r"the nccl transport needs CuPy: "
-                                          r"pip install 'xreshard\[nccl-cu1[23]\]"):
+                                          r"pip install 'xreshard\[gpu-cu1[23]\]"):
         NcclTransport(object(), 1, {0: 0})
 
 

@@ -14,7 +14,8 @@ from hypothesis import strategies as st
 
 import xreshard as xr
 from xreshard.errors import TransportError, TransportTimeout
-from xreshard.runtime.execute import Executor, numpy_dtype
+from xreshard.dtypes import numpy_dtype
+from xreshard.runtime.execute import Executor
 from xreshard.planner.schedule import peer_counts, schedule
 from xreshard.tools.testing import local_arrays_from_global
 from xreshard.transport.base import RecordingTransport
@@ -227,16 +228,18 @@ def test_a_failing_post_mid_pipeline_raises_and_exits_its_group():
     assert not [t for t in threading.enumerate() if t.name == "xreshard-wire"]
 
 
-def test_executor_kind_from_the_environment(monkeypatch):
+def test_executor_from_the_environment():
+    """XRESHARD_EXECUTOR gives Tuning's default executor (read once, where a Refit is
+    built); an unknown kind is refused."""
+    from xreshard.config import Tuning
     from xreshard.errors import RefitError
-    from xreshard.runtime.execute import pipelined_by_default
-    monkeypatch.setenv("XRESHARD_EXECUTOR", "rounds")
-    assert not pipelined_by_default()
-    monkeypatch.setenv("XRESHARD_EXECUTOR", "pipelined")
-    assert pipelined_by_default()
-    monkeypatch.setenv("XRESHARD_EXECUTOR", "fast")
+    assert Tuning.from_env({"XRESHARD_EXECUTOR": "rounds"}).executor == "rounds"
+    assert Tuning.from_env({"XRESHARD_EXECUTOR": "pipelined"}).executor == "pipelined"
+    assert Tuning.from_env({}) == Tuning()
     with pytest.raises(RefitError, match="XRESHARD_EXECUTOR='fast'"):
-        pipelined_by_default()
+        Tuning.from_env({"XRESHARD_EXECUTOR": "fast"})
+    with pytest.raises(RefitError, match="Tuning.executor"):
+        Tuning(executor="fast")
 
 
 def test_gc_paused_nests_and_restores():
@@ -248,6 +251,8 @@ def test_gc_paused_nests_and_restores():
             assert not gc.isenabled()
         assert not gc.isenabled()
     assert gc.isenabled()
+    with gc_paused(enabled=False):          # Tuning(pause_gc=False)
+        assert gc.isenabled()
     gc.disable()
     try:
         with gc_paused():

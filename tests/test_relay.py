@@ -11,8 +11,8 @@ from xreshard.errors import RefitError
 from xreshard.ir.geometry import Region
 from xreshard.tools.launch import Context, Role, launch
 from xreshard.planner.plan import plan
-from xreshard.planner.relay import (FORWARD, overlapped_executor, overlapped_schedule, relay_layouts,
-                           stage_views)
+from xreshard.planner.prepare import CallOptions, prepare
+from xreshard.planner.relay import overlapped_schedule, relay_layouts
 from xreshard.planner.schedule import peer_counts, schedule
 from xreshard.ir.topology import Topology
 
@@ -281,8 +281,8 @@ def test_stage2_tags_continue_after_stage1_for_pairs_in_both_stages():
     for ranks in ([1], [2], [1, 2]):
         s = overlapped_schedule(p1, p2, ranks, bucket_bytes=64, staging_bytes=1 << 20)
         pair = [b for rnd in s.rounds for b in rnd if (b.src, b.dst) == (1, 2)]
-        tags1 = {b.tag for b in pair if not b.items[0].name.endswith(FORWARD)}
-        tags2 = {b.tag for b in pair if b.items[0].name.endswith(FORWARD)}
+        tags1 = {b.tag for b in pair if b.stage == 0}
+        tags2 = {b.tag for b in pair if b.stage == 1}
         assert tags1 and tags2 and min(tags2) > max(tags1), (ranks, tags1, tags2)
         assert sorted(tags2) == list(range(max(tags1) + 1, max(tags1) + 1 + len(tags2)))
 
@@ -308,7 +308,7 @@ def _overlap_case(num_tensors: int = 6):
 
 
 def _stage(b) -> int:
-    return 2 if b.items[0].name.endswith(FORWARD) else 1
+    return b.stage + 1
 
 
 def test_overlapped_schedule_forwards_chunk_c_beside_chunk_c_plus_1():
@@ -330,7 +330,7 @@ def test_overlapped_schedule_forwards_chunk_c_beside_chunk_c_plus_1():
     for k, rnd in enumerate(whole.rounds):
         for b in (b for b in rnd if _stage(b) == 2):
             for it in b.items:
-                name = it.name[:-len(FORWARD)]
+                name = it.name
                 cover = np.zeros(it.region.shape, np.int64)
                 for n, reg, j in landed[b.src]:
                     if n == name and j < k and reg.intersect(it.region) is not None:
@@ -362,40 +362,72 @@ def test_overlapped_schedule_forwards_chunk_c_beside_chunk_c_plus_1():
 
 @pytest.mark.parametrize("pipeline", [False, True])
 def test_overlapped_run_in_one_process_bit_exact(pipeline):
-    """Both executors run the overlapped schedule (all ranks in one process, so every
-    pair goes through the local transport): bit-exact, stage 2 counted as forwarded. The
-    small tensors are received into staging, so a pipelined executor that packed a
-    forward before unpacking the round that brought it would send stale bytes."""
-    from xreshard.runtime.execute import numpy_dtype
+    """Both executors run the overlapped schedule of a prepared call (all ranks in one
+    process, so every pair goes through the local transport): bit-exact, stage 2 counted
+    as forwarded. The small tensors are received into staging, so a pipelined executor
+    that packed a forward before unpacking the round that brought it would send stale
+    bytes."""
+    from xreshard.config import Tuning
+    from xreshard.dtypes import numpy_dtype
+    from xreshard.runtime.execute import run
+    from xreshard.runtime.metadata import stage_bindings
     from xreshard.tools.testing import local_arrays_from_global
     from xreshard.transport.base import RecordingTransport
     from xreshard.transport.local import LocalTransport
 
-    _, src, dst, stages, p1, p2 = _overlap_case()
+    topo, src, dst, stages, p1, p2 = _overlap_case()
     values = {n: (np.arange(int(np.prod(l.shape))) * 7 + 3).astype(numpy_dtype(l.dtype))
               .reshape(l.shape) for n, l in src.items()}
     src_b = {(0, n): local_arrays_from_global(l, 0, values[n]) for n, l in src.items()}
     real = {(r, n): np.full(l.shape, -1, np.float32) for n, l in dst.items() for r in l.ranks}
-    run = type("Stages", (), {})()
-    run.plan1, run.plan2, run.layouts, run.dst_layouts = p1, p2, stages, dst
-    dst1 = stage_views(dst, real, stages.stage1_dst, range(5))
+    options = CallOptions(bucket_bytes=1024, staging_bytes=1 << 14, relay="on",
+                          halved=pipeline)
+    prepared = prepare(src, dst, topo, options, ranks=range(5))
+    assert [s.index for s in prepared.stages] == [0, 1]
+    assert prepared.forwarded == {(n, 1) for n in stages.stage2_src}
+    bindings = stage_bindings(prepared, src_b, real)
     transport = RecordingTransport(LocalTransport())
-    executor, (src2, dst2) = overlapped_executor(
-        run, src_b, dst1, real, transport, 10, ranks=range(5), pipeline=pipeline,
-        bucket_bytes=1024, staging_bytes=1 << 14)
-    stats = executor.run()
+    tuning = Tuning(executor="pipelined" if pipeline else "rounds")
+    programs: dict = {}
+    stats, arena = run(prepared, bindings, transport, timeout=10, programs=programs,
+                       tuning=tuning)
     assert stats.pipelined == pipeline
     for (r, n), arr in real.items():
         assert arr.tobytes() == values[n].tobytes(), (r, n)
     total = sum(v.nbytes for v in values.values())
     assert stats.bytes_sent == 2 * total and stats.bytes_forwarded == 2 * total
     assert transport.bytes_sent == 4 * total
-    assert stats.num_rounds == len(executor.schedule.rounds)
-    assert set(src2) == {(r, n) for r in range(1, 5) for n in stages.stage2_src}
-    # the second call reuses the schedule built for these plans
-    again, _ = overlapped_executor(run, src_b, dst1, real, transport, 10, ranks=range(5),
-                                   pipeline=pipeline, bucket_bytes=1024, staging_bytes=1 << 14)
-    assert again.schedule is executor.schedule
+    assert stats.num_rounds == len(prepared.schedule.rounds)
+    assert set(bindings.src[1]) == {(r, n) for r in range(1, 5) for n in stages.stage2_src}
+    # a second run reuses the programs (and the staging) kept for this prepared call
+    kept = dict(programs)
+    assert kept
+    for arr in real.values():
+        arr[...] = -1
+    run(prepared, stage_bindings(prepared, src_b, real), transport, timeout=10,
+        arena=arena, programs=programs, tuning=tuning)
+    assert all(programs[k] is v for k, v in kept.items())
+    for (r, n), arr in real.items():
+        assert arr.tobytes() == values[n].tobytes(), (r, n)
+
+
+def test_prepared_relay_call_is_the_stages_schedule():
+    """``prepare`` (relay on) holds exactly the relay's plans and overlapped schedule; the
+    direct plan and its schedule when relay is off or "auto" finds nothing to forward."""
+    topo, src, dst, stages, p1, p2 = _overlap_case()
+    kw = dict(bucket_bytes=1024, staging_bytes=1 << 14)
+    on = prepare(src, dst, topo, CallOptions(relay="on", **kw), ranks=[1, 2])
+    want = overlapped_schedule(p1, p2, [1, 2], **kw)
+    assert on.schedule == want and on.relay == stages
+    assert on.bytes_moved == p1.stats.bytes_moved + p2.stats.bytes_moved
+    halved = prepare(src, dst, topo, CallOptions(relay="on", halved=True, **kw), ranks=[1, 2])
+    assert halved.schedule == overlapped_schedule(p1, p2, [1, 2], bucket_bytes=1024,
+                                                  staging_bytes=1 << 13)
+    near = _topology({r: "t" for r in range(5)})        # sources on the receivers' host
+    auto = prepare(src, dst, near, CallOptions(relay="auto", **kw), ranks=[1])
+    off = prepare(src, dst, near, CallOptions(**kw), ranks=[1])
+    assert auto.relay is None and len(auto.stages) == 1 and auto.schedule == off.schedule
+    assert auto.forwarded == frozenset() and auto.plan is auto.direct
 
 
 def relay_two_ranks(ctx: Context) -> dict:

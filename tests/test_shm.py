@@ -212,7 +212,7 @@ def test_silent_peer_times_out_naming_it():
     a, b, prefix = _pair(process_labels=["trainer[0]", "rollout[0]"])
     t0 = time.monotonic()
     with pytest.raises(TransportTimeout, match=r"message 0->2 tag 7 \(round 1\) from "
-                                               r"trainer\[0\].*within 1.0 s"):
+                                               r"trainer\[0\].*within 1 s"):
         with b.group(1.0):
             b.recv(np.zeros(8, np.uint8), 0, 2, 7)    # "process 0" never posts
     assert time.monotonic() - t0 < 5
@@ -527,3 +527,27 @@ def test_a_process_that_exits_without_closing_leaves_no_segment():
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert proc.returncode == 3, proc.stderr
     assert shm_names(f"xr{tag}_") == []
+
+
+def test_a_peer_that_failed_is_noticed_by_the_processes_waiting_for_it():
+    """The sender's group fails (its block raised) while the receiver waits for its message:
+    the receiver raises naming that failure within a watcher interval, not at its timeout
+    (and not as a dead process: it is alive)."""
+    a, b, prefix = _pair(process_labels=["trainer[0]", "rollout[0]"])
+
+    def send():
+        with a.group(20):
+            raise RuntimeError("the trainer's packing failed")
+
+    def recv():
+        with b.group(20):
+            b.recv(np.zeros(8, np.uint8), 0, 2, 7)
+    t0 = time.monotonic()
+    ra, rb = _both(send, recv)
+    assert isinstance(ra, RuntimeError)
+    assert isinstance(rb, TransportError) and not isinstance(rb, TransportTimeout), rb
+    assert "from trainer[0] never came: that process failed: trainer[0]" in str(rb), rb
+    assert time.monotonic() - t0 < 20
+    a.close()
+    b.close()
+    assert shm_names(prefix) == []

@@ -1,6 +1,6 @@
 """The cluster model and the refit simulator: hand-computable cases, and the schedules it
-replays are the executor's: the direct one as ``schedule.schedule`` builds it, the relay
-as ``relay_layouts`` + ``overlapped_schedule`` build it."""
+replays are the executor's: message for message the schedule of the call
+``planner.prepare.prepare`` builds, direct (``relay="off"``) and relayed (``"on"``)."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from xreshard.ir.layout import Layout, Mesh
 from xreshard.catalog.models import load_model
 from xreshard.planner.plan import plan
 from xreshard.catalog.recipes import parse_recipe, recipe_layouts
-from xreshard.planner.schedule import peer_counts, schedule
+from xreshard.planner.prepare import CallOptions, prepare
 from xreshard.sim.engine import Network, maxmin_rates, replay
 from xreshard.sim.relay import executor_messages, relay_replays_executor, relay_traffic
 from xreshard.sim.stages import relay_stages, stage2_layouts
@@ -253,13 +253,15 @@ def test_placement_of_world():
     # two holders per region: quota cuts split pieces between them
     ("qwen3_30b_a3b", "megatron:pp=2,ep=2,dp=2", "vllm:tp=2,dp=3", 1 << 20, 8 << 20),
 ])
-def test_direct_traffic_is_the_schedule(model, src, dst, bucket, staging):
+def test_direct_traffic_is_the_prepared_calls(model, src, dst, bucket, staging):
     m = load_model(model)
     s, d = parse_recipe(src), parse_recipe(dst)
     p = plan(recipe_layouts(m, s, 0), recipe_layouts(m, d, s.world_size))
     ranks = list(range(s.world_size + d.world_size))
-    sch = schedule(p, ranks, peer_counts(p, ranks), bucket_bytes=bucket, staging_bytes=staging)
-    want = sorted((b.round, b.src, b.dst, b.nbytes) for bs in sch.rounds for b in bs)
+    # the prepared call a Refit runs (relay="off"), every rank's buckets
+    call = prepare(p.src_layouts, p.dst_layouts, None,
+                   CallOptions(bucket_bytes=bucket, staging_bytes=staging), ranks=ranks)
+    want = sorted((b.round, b.src, b.dst, b.nbytes) for bs in call.schedule.rounds for b in bs)
     by_pair = direct_traffic(p, bucket_bytes=bucket, staging_bytes=staging)
     tr = by_pair.to_traffic()
     got = sorted(zip(tr.round.tolist(), tr.src.tolist(), tr.dst.tolist(), tr.nbytes.tolist()))

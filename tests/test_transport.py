@@ -11,7 +11,7 @@ import time
 
 import numpy as np
 import pytest
-import torch
+torch = pytest.importorskip("torch")
 
 from xreshard.tools.launch import Context, Role, launch
 from xreshard.transport.base import TransportError, TransportTimeout

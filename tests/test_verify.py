@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 import xreshard as xr
 from xreshard.runtime import verify
 from xreshard.dtypes import ITEMSIZE, numpy_dtype
-from xreshard.runtime.execute import view_of
+from xreshard.runtime.copies import view_of
 from xreshard.planner.plan import plan
 from xreshard.tools.testing import local_arrays_from_global, run_local
 from xreshard.ir.topology import Topology

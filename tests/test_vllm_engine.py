@@ -216,7 +216,7 @@ def _mesh():
 
 
 def test_named_jax_tree_binds_views_of_its_shards_in_hf_coordinates():
-    from xreshard.adapters.naming import bind_named
+    from xreshard.adapters.jax import bind_named
 
     mesh = _mesh()
     flat = cases.init_params(5)
@@ -241,7 +241,7 @@ def test_named_jax_tree_binds_views_of_its_shards_in_hf_coordinates():
 def test_named_binding_unstacks_experts_sharded_over_a_mesh_axis():
     """Stacked experts [E, D, I] split over "fsdp" on E and "tp" on I: expert e's HF tensor
     lives only on the two devices of its fsdp block, split there over tp."""
-    from xreshard.adapters.naming import bind_named
+    from xreshard.adapters.jax import bind_named
 
     mesh = _mesh()
     shapes = cases.moe_tree_shapes()
@@ -268,7 +268,7 @@ def test_named_binding_splits_fused_kernels_sharded_on_the_fused_dim():
     import jax
     from jax.sharding import NamedSharding, PartitionSpec as P
     from xreshard.adapters.naming import NamingError, jax_llama_rules
-    from xreshard.adapters.naming import bind_named
+    from xreshard.adapters.jax import bind_named
 
     mesh = _mesh()
     c = cases.CONFIG
@@ -305,7 +305,7 @@ def test_named_binding_refuses_a_shard_cut_by_a_reshape():
     import jax
     from jax.sharding import NamedSharding, PartitionSpec as P
     from xreshard.adapters.naming import NameMap, NamingError, Reshape, Rule, Transpose
-    from xreshard.adapters.naming import bind_named
+    from xreshard.adapters.jax import bind_named
 
     mesh = _mesh()
     # heads whole, head_dim split: merging [H, hd] -> [H*hd] would interleave the shards

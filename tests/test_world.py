@@ -3,10 +3,14 @@ timeouts naming the processes that never arrived. Real processes through xreshar
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import time
 
 import pytest
+
+if importlib.util.find_spec("torch") is None:     # the rendezvous store is torch's TCPStore
+    pytest.skip("the world needs torch (its rendezvous store)", allow_module_level=True)
 
 from xreshard.errors import RefitError, WorldBroken
 from xreshard.tools.launch import Context, Role, launch
@@ -131,10 +135,39 @@ def test_missing_processes_time_out_and_are_named():
     assert 1.9 <= elapsed < 2 + 5
     # world "two": rollout[0] is process 0 and never calls; trainer[0] (process 1) waits
     assert "allgather" in msg and "never arrived: rollout[0] (process 0" in msg
+    assert "timed out after 2 s: " in msg           # rounded, not 2.0 or 1.99873
     assert "trainer[0]" not in msg
     assert "is broken" in v0["barrier"] and "rollout[0] (process 0" in v0["barrier"]
     assert v0["broken"].startswith("TransportTimeout: allgather")
     assert "allgather" not in v1
+
+
+def partial_outcomes(ctx: Context) -> dict:
+    """Three processes; after a barrier, process 0 posts its outcome at once with a short
+    wait, process 1 posts 3 s later (a survivor still stuck in its transport), process 2
+    never posts (dead)."""
+    with ctx.join(1, groups=("trainer", "rollout"), timeout=20) as w:
+        w.barrier(timeout=20)
+        me = w.process_index
+        if me == 2:
+            time.sleep(8)
+            return {"me": me}
+        if me == 1:
+            time.sleep(3)
+        got = w.allgather_json({"me": me}, timeout=1, kind="refit/outcome", partial=True)
+        return {"me": me, "got": got}
+
+
+@pytest.mark.slow
+def test_a_partial_collective_gives_every_survivor_the_same_arrivals():
+    """Issue 17.9: the survivors of a dead process build their failure message from the
+    outcomes that arrived; a survivor whose wait ended before a slow one posted must not
+    see other outcomes than that slow one (one message everywhere)."""
+    roles = [Role("plain", "trainer", 0), Role("plain", "rollout", 0),
+             Role("plain", "rollout", 1)]
+    values = {v["me"]: v for v in (r.value for r in launch(partial_outcomes, roles, timeout=90))}
+    assert values[0]["got"] == values[1]["got"], values
+    assert values[0]["got"][2] is None
 
 
 def test_in_process_world_and_errors():
@@ -167,3 +200,125 @@ def test_first_process_can_host_the_store():
                     is_server=True) as w:
         host, port = parse_address(w.address)
         assert port > 0 and w.broadcast_json("x") == "x"
+
+
+def close_under_a_refit(ctx: Context) -> dict:
+    """rollout[0] starts a refit and closes the world while the refit waits for a trainer
+    that comes two seconds late: close waits for it (bounded by the timeout)."""
+    import numpy as np
+    import xreshard as xr
+    shape = (16, 8)
+    values = np.arange(128, dtype=np.float32).reshape(shape)
+    world = ctx.join(1, timeout=20)
+    rank = world.rank_ids[0]
+    config = xr.RefitConfig(timeout=20)
+    if ctx.role.group == "trainer":
+        time.sleep(2.0)
+        lay = xr.Layout.replicated(shape, "float32", xr.Mesh((1,), (rank,)))
+        report = xr.Refit(world, send=xr.Bound({"w": lay}, {(rank, "w"): values}),
+                          config=config)()
+        world.close()
+        return {"version": report.version}
+    dest = np.zeros(shape, np.float32)
+    lay = xr.Layout.explicit_form(shape, "float32", {rank: [[(0, 16), (0, 8)]]})
+    handle = xr.Refit(world, receive=xr.Bound({"w": lay}, {(rank, "w"): [dest]},
+                                              local_only={"w"}), config=config).start()
+    time.sleep(0.5)         # the refit waits in its first collective for the late trainer
+    world.close()
+    out = {"version": handle.wait().version, "exact": dest.tobytes() == values.tobytes()}
+    try:
+        world.barrier()
+    except RefitError as e:
+        out["after"] = str(e)
+    return out
+
+
+@pytest.mark.slow
+def test_closing_a_world_waits_for_a_refit_running_in_another_thread():
+    roles = [Role("plain", "trainer", 0), Role("plain", "rollout", 0)]
+    trainer, rollout = (r.value for r in launch(close_under_a_refit, roles, timeout=120))
+    assert trainer == {"version": 1}
+    assert rollout["version"] == 1 and rollout["exact"]
+    assert "is closed" in rollout["after"]
+
+
+def _os_threads() -> int:
+    import os
+    return len(os.listdir("/proc/self/task"))
+
+
+def threads_after_worlds(ctx: Context) -> dict:
+    """A torch receiver joins and closes three worlds in turn (shm, gloo, and two worlds
+    open at once), refitting in each; what threads it has after each close."""
+    import threading
+
+    import numpy as np
+    import torch
+    import xreshard as xr
+    shape = (512, 256)
+    dests = [torch.zeros(shape) for _ in range(4)]    # starts torch's own intra-op pool
+    baseline = (_os_threads(), sorted(t.name for t in threading.enumerate()))
+    seen = []
+
+    def refit(world, i, transport):
+        rank = world.rank_ids[0]
+        config = xr.RefitConfig(timeout=30, transport=transport, verify=True)
+        if ctx.role.group == "trainer":
+            lay = xr.Layout.replicated(shape, "float32", xr.Mesh((1,), (rank,)))
+            values = np.full(shape, i, np.float32)
+            r = xr.Refit(world, send=xr.Bound({"w": lay}, {(rank, "w"): values}),
+                         config=config)
+        else:
+            r = xr.Refit(world, receive={"w": dests[i]}, config=config)
+        r()
+        r.start().wait()
+
+    for i, transport in enumerate(["auto", "gloo"]):
+        with ctx.join(1, world_id=f"t{i}", timeout=30) as world:
+            refit(world, i, transport)
+        seen.append((_os_threads(), sorted(t.name for t in threading.enumerate())))
+    a = ctx.join(1, world_id="t2", timeout=30)
+    b = ctx.join(1, world_id="t3", timeout=30)
+    refit(a, 2, "auto")
+    refit(b, 3, "gloo")
+    a.close()
+    b.close()
+    seen.append((_os_threads(), sorted(t.name for t in threading.enumerate())))
+    exact = ctx.role.group == "trainer" or all(
+        bool((d == i).all()) for i, d in enumerate(dests))
+    return {"baseline": baseline, "seen": seen, "exact": exact}
+
+
+@pytest.mark.slow
+def test_a_receiver_keeps_no_thread_after_its_worlds_close():
+    """The thread the issue saw remain on a torch receiver is torch's intra-op pool (the
+    first parallel torch op starts it, process-wide); with it started before, a process
+    has exactly the threads it had before joining, after every world closed."""
+    roles = [Role("plain", "trainer", 0), Role("torch", "rollout", 0)]
+    for v in (r.value for r in launch(threads_after_worlds, roles, timeout=240)):
+        assert v["exact"]
+        for after in v["seen"]:
+            assert after == v["baseline"], (after, v["baseline"])
+
+
+def test_a_store_xreshard_did_not_start_hosts_worlds_too():
+    """A TCPStore another launcher started has no store nonce: the first joiner's instance
+    binds to none, and the world forms, closes and forms again under the same id."""
+    import datetime
+
+    from torch.distributed import TCPStore
+    from xreshard.runtime.store import STORE_NONCE_KEY
+    store = TCPStore("127.0.0.1", 0, None, True, datetime.timedelta(seconds=10),
+                     wait_for_workers=False)
+    address = f"tcp://127.0.0.1:{store.port}"
+    for _ in range(2):
+        with World.join(address, "solo", 1, num_processes=1, index=0, timeout=5,
+                        token="a-token-of-16-chars") as w:
+            assert w.allgather_json("x") == ["x"]
+    assert not store.check([STORE_NONCE_KEY])
+
+
+def test_timeouts_print_rounded():
+    from xreshard.transport.base import format_seconds
+    assert [format_seconds(x) for x in (5, 5.0, 0.25, 2.98741, 12.4, 300.0, 0.004)] == [
+        "5 s", "5 s", "0.25 s", "2.99 s", "12 s", "300 s", "0.004 s"]

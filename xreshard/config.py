@@ -1,19 +1,28 @@
-"""How a refit moves bytes (``RefitConfig``) and what one call moved (``RefitReport``).
+"""How a refit moves bytes (``RefitConfig``), how this process runs it (``Tuning``) and
+what one call moved (``RefitReport``).
 
-Both are plain values: the config crosses processes as JSON (every process must pass the
-same), the report is what ``Refit.__call__`` returns.
+All are plain values. The config crosses processes as JSON (every process must pass the
+same); the tuning is this process's (the processes agree on the parts that shape the
+schedule, see ``Tuning``); the report is what ``Refit.__call__`` returns.
+
+A leaf module (it imports only ``dtypes`` and ``errors``), so the planner may take a
+config's values without importing the runtime.
 """
 
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 from typing import Any, Mapping
 
 from .dtypes import dtype_name
 from .errors import RefitError
 
-__all__ = ["RefitConfig", "RefitReport"]
+__all__ = ["EXECUTORS", "RefitConfig", "RefitReport", "Tuning"]
+
+#: the executors a refit may run (``Tuning.executor``)
+EXECUTORS = ("pipelined", "rounds")
 
 
 @dataclass(frozen=True)
@@ -90,12 +99,72 @@ class RefitConfig:
 
 
 @dataclass(frozen=True)
+class Tuning:
+    """How this process runs refits: switches that change how fast bytes move, never which
+    bytes. Pass one to ``Refit(..., tuning=)``; without one, a ``Refit`` takes
+    :meth:`from_env` once, when it is built.
+
+    ``executor`` and ``relay_overlap`` shape the schedule, so the processes of a refit
+    must agree on them (checked at ``refit/check``: a difference is refused before any
+    byte moves); ``pause_gc`` and ``layout_memo`` are this process's alone.
+    """
+
+    executor: str = "pipelined"
+    """"pipelined" (pack, wire and unpack overlap, rounds of half of ``staging_bytes``; host
+    bindings only: a process with device bindings runs full rounds one after another) or
+    "rounds" (round after round, full rounds). Environment: ``XRESHARD_EXECUTOR``."""
+    relay_overlap: bool = True
+    """``RefitConfig(relay=...)``: forwards overlap the arrival of later chunks (False: each
+    forward waits for its sender's whole stage 1, as two stages back to back; for
+    measuring what overlap saves)."""
+    pause_gc: bool = True
+    """Pause Python's cyclic garbage collector during a call (see
+    ``xreshard.runtime.execute.gc_paused``); False only to measure what it saves."""
+    layout_memo: bool = True
+    """Remember the layouts the adapters built across calls (``Refit.layout_memo``);
+    False builds every layout anew on every call (to measure what the memo saves)."""
+
+    def __post_init__(self) -> None:
+        if self.executor not in EXECUTORS:
+            raise RefitError(f"Tuning.executor must be one of {EXECUTORS}, got "
+                             f"{self.executor!r}")
+        for name in ("relay_overlap", "pause_gc", "layout_memo"):
+            if not isinstance(getattr(self, name), bool):
+                raise RefitError(f"Tuning.{name} must be a bool, got {getattr(self, name)!r}")
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> Tuning:
+        """The default tuning, from ``XRESHARD_EXECUTOR`` (``pipelined``, the default, or
+        ``rounds``; the table of variables is in docs/extending.md).
+
+        Raises:
+            RefitError: an unknown ``XRESHARD_EXECUTOR``.
+        """
+        env = os.environ if environ is None else environ
+        kind = env.get("XRESHARD_EXECUTOR", "pipelined").strip().lower()
+        if kind not in EXECUTORS:
+            raise RefitError(f"XRESHARD_EXECUTOR={kind!r}: expected 'pipelined' or 'rounds'")
+        return cls(executor=kind)
+
+
+@dataclass(frozen=True)
 class RefitReport:
-    """What one call moved, seen from this process."""
+    """What one call moved, seen from this process.
+
+    Time is split so rates are honest: ``move_seconds`` is the executor moving bytes
+    (staging, rounds, local copies); everything else in ``seconds`` is setup
+    (``setup_seconds``): binding, the checks' and the outcome's metadata exchanges,
+    planning (``plan_seconds``, large on a first call), creating transports (first call)
+    and checksums (``verify``).
+    """
 
     version: int
     seconds: float
+    """The whole call."""
     plan_seconds: float
+    """From the call's start until the plan was ready: binding, the checks' metadata
+    exchange (waiting for every process to arrive) and, on a first call or after a layout
+    changed, exchanging layouts and planning."""
     bytes_sent: int
     bytes_received: int
     bytes_local: int
@@ -114,17 +183,31 @@ class RefitReport:
     bytes_forwarded: int = 0
     """Bytes this process's destination ranks forwarded to others of their domain
     (``RefitConfig(relay=...)``); ``bytes_sent`` counts only what its sources sent."""
+    move_seconds: float = 0.0
+    """The executor moving bytes: staging, every round, local copies (0: not measured,
+    then rates fall back to ``seconds``)."""
+
+    @property
+    def setup_seconds(self) -> float:
+        """Everything but moving: ``seconds - move_seconds``."""
+        return max(self.seconds - self.move_seconds, 0.0)
 
     @property
     def gbps(self) -> float:
-        """GB/s through this process (sent + received)."""
-        return (self.bytes_sent + self.bytes_received) / max(self.seconds, 1e-9) / 1e9
+        """GB/s through this process (sent + received + forwarded) while moving."""
+        moved = self.bytes_sent + self.bytes_received + self.bytes_forwarded
+        return moved / max(self.move_seconds or self.seconds, 1e-9) / 1e9
 
     def __str__(self) -> str:
-        return (f"refit v{self.version}: sent {self.bytes_sent / 2**20:.1f} MiB, received "
-                f"{self.bytes_received / 2**20:.1f} MiB in {self.seconds * 1e3:.1f} ms "
-                f"({self.gbps:.2f} GB/s); world moved {self.bytes_moved_world / 2**20:.1f} MiB "
-                f"vs {self.bytes_gather_broadcast_world / 2**20:.1f} MiB gather+broadcast"
-                + ("; " + ", ".join(f"{k} {v / 2**20:.1f} MiB" for k, v in
+        from .units import format_bytes as size, format_rate, format_seconds as time
+        moved = self.bytes_sent + self.bytes_received + self.bytes_forwarded
+        forwarded = f", forwarded {size(self.bytes_forwarded)}" if self.bytes_forwarded else ""
+        return (f"refit v{self.version}: sent {size(self.bytes_sent)}, received "
+                f"{size(self.bytes_received)}{forwarded} in {time(self.move_seconds)} moving "
+                f"({format_rate(moved, self.move_seconds or self.seconds)}); setup "
+                f"{time(self.setup_seconds)} ({'planning' if self.replanned else 'checks'} "
+                f"{time(self.plan_seconds)}); world moved {size(self.bytes_moved_world)} vs "
+                f"{size(self.bytes_gather_broadcast_world)} gather+broadcast"
+                + ("; " + ", ".join(f"{k} {size(v)}" for k, v in
                                     sorted(self.bytes_by_transport.items()))
                    if self.bytes_by_transport else ""))

@@ -75,10 +75,8 @@ def numpy_dtype(name: str) -> Any:
     name = dtype_name(name)
     if name not in _ML_DTYPES:
         return np.dtype(name)
-    try:
-        import ml_dtypes
-    except ImportError as e:  # pragma: no cover - jax and the dev extra bring it
-        raise ImportError(f"moving {name} needs ml_dtypes: pip install ml_dtypes") from e
+    from .extras import require
+    ml_dtypes = require("ml_dtypes", "jax", f"moving {name}")
     return np.dtype(getattr(ml_dtypes, name))
 
 

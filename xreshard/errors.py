@@ -12,14 +12,48 @@
   world's token, or signed for another world, collective or process.
 
 Every message says what, where, and how to fix it. Errors that cross processes travel as
-``(class name, message)`` and are raised again as the same class (``error_from``).
+``(class name, message)`` and are raised again as the same class (``error_from``): every
+subclass of ``XreshardError`` or ``CommunicationError``, wherever it is defined
+(``NamingError`` in the adapters, ``ClusterError`` in the simulator, a third party's),
+registers itself when its class is created. A class defined outside this module travels
+under its full dotted name, and a process that never imported its module imports it
+(only modules of the ``xreshard`` package) to raise it as itself.
+
+An exception that is not xreshard's is classified by the *phase* of the call it happened
+in (``error_name(exc, phase)``):
+
+| phase | what runs | a foreign exception becomes |
+|---|---|---|
+| ``"check"`` | binding, naming, adapters, checks, planning | ``RefitError`` (bad input: refused on every rank, the world stays usable) |
+| ``"move"`` | the executor, transports, checksums | ``RemoteError`` (a ``CommunicationError``: the transports are in an unknown state, the world breaks on every rank); a ``TimeoutError`` becomes ``TransportTimeout`` |
+
+Its message keeps the original class name (``"IndexError: ..."``).
 """
 
 from __future__ import annotations
 
+import importlib
+from typing import Any
+
+#: classes that may be raised again from a name that crossed processes: this module's
+#: under their own name, every other module's under ``module.ClassName``
+_BY_NAME: dict[str, type[Exception]] = {}
+
+
+def _key(cls: type) -> str:
+    return cls.__name__ if cls.__module__ == __name__ else f"{cls.__module__}.{cls.__qualname__}"
+
+
+def _register(cls: type[Exception]) -> None:
+    _BY_NAME[_key(cls)] = cls
+
 
 class XreshardError(ValueError):
     """Base class of every error xreshard raises for bad input."""
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        _register(cls)
 
 
 class LayoutError(XreshardError):
@@ -39,8 +73,18 @@ class BindingError(RefitError):
     dtype, aliased, read-only, or missing where the layout says a rank holds a region."""
 
 
+class WorldMismatch(RefitError):
+    """The processes of one world joined with different ``num_processes`` or ``groups``:
+    raised by every one of them (the members that formed first learn it at their next
+    collective within the join timeout), naming who passed what."""
+
+
 class CommunicationError(RuntimeError):
     """Moving bytes or metadata between processes failed; not the caller's input."""
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        _register(cls)
 
 
 class TransportError(CommunicationError):
@@ -72,31 +116,57 @@ class AuthenticationError(CommunicationError, PermissionError):
 
 
 class RemoteError(CommunicationError):
-    """An error raised on another process whose class is not one of xreshard's."""
+    """An exception that is not xreshard's, raised while moving bytes (in any process of
+    the call: a bug or a resource failure in the executor, a transport, a framework). The
+    transports are in an unknown state: the world is broken on every rank."""
 
 
-#: classes that may be raised again from a name that crossed processes
-_BY_NAME: dict[str, type[Exception]] = {c.__name__: c for c in (
-    XreshardError, LayoutError, PlanError, RefitError, BindingError, CommunicationError,
-    TransportError, TransportTimeout, CollectiveMismatch, VerificationError, WorldBroken,
-    AuthenticationError, RemoteError)}
+_register(XreshardError)
+_register(CommunicationError)
+
+#: what an exception that is not xreshard's becomes, by the phase it happened in
+PHASES = ("check", "move")
 
 
-def error_name(exc: BaseException) -> str:
-    """The name under which ``exc`` crosses processes: its class when it is one of
-    xreshard's, else its nearest xreshard base, else the kind it belongs to."""
+def error_name(exc: BaseException, phase: str = "check") -> str:
+    """The name under which ``exc`` crosses processes: its own class when xreshard's (or
+    registered), else what ``phase`` makes of it (see the module docstring)."""
+    if phase not in PHASES:
+        raise ValueError(f"phase must be one of {PHASES}, got {phase!r}")
     for cls in type(exc).__mro__:
-        if cls.__name__ in _BY_NAME and _BY_NAME[cls.__name__] is cls:
-            return cls.__name__
-    if isinstance(exc, (ValueError, TypeError, KeyError, IndexError)):
-        return "RefitError"     # a framework rejecting the caller's objects: bad input
+        if _BY_NAME.get(_key(cls)) is cls:
+            return _key(cls)
+    if phase == "check":
+        return "RefitError"     # a framework or adapter rejecting the caller's objects
     if isinstance(exc, TimeoutError):
         return "TransportTimeout"
     return "RemoteError"
 
 
+def error_message(exc: BaseException) -> str:
+    """``exc``'s message as it crosses processes: a foreign exception keeps its class name."""
+    text = str(exc)
+    if any(_BY_NAME.get(_key(cls)) is cls for cls in type(exc).__mro__):
+        return text or type(exc).__name__
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+def short_name(name: str) -> str:
+    """The class name of a crossing name (``"pkg.mod.NamingError"`` -> ``"NamingError"``)."""
+    return name.rpartition(".")[2]
+
+
 def error_from(name: str, message: str) -> Exception:
-    """The exception ``name`` (from ``error_name``) with ``message``; unknown names (a
-    tampered payload) become ``RemoteError``."""
-    cls = _BY_NAME.get(name, RemoteError)
+    """The exception ``name`` (from ``error_name``) with ``message``. A class of another
+    module of the package is imported when this process has not yet; unknown names (a
+    tampered payload, another version) become ``RemoteError``."""
+    cls = _BY_NAME.get(name)
+    if cls is None and name.startswith("xreshard.") and "." in name[len("xreshard."):]:
+        try:
+            importlib.import_module(name.rpartition(".")[0])
+        except Exception:       # noqa: BLE001 - an unknown name is a RemoteError below
+            pass
+        cls = _BY_NAME.get(name)
+    if cls is None:
+        return RemoteError(f"{short_name(name)}: {message}")
     return cls(message)

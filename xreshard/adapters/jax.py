@@ -26,10 +26,12 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from xreshard.errors import LayoutError
+from xreshard.extras import require
 from xreshard.ir.layout import Layout, LayoutMemo, Mesh, Region
+from xreshard.runtime.binding import canonical_name
 
-__all__ = ["array_layout", "bind", "bind_rules", "host_view", "layout_of",
-           "tree_names"]
+__all__ = ["array_layout", "bind", "bind_named", "bind_rules", "host_view", "layout_of",
+           "pinned_pointer", "tree_names"]
 
 #: what ``ranks`` may be: a map from device (or device id) to world rank, a sequence aligned
 #: with the default device order, or a callable device -> world rank
@@ -37,11 +39,8 @@ RankSpec = Mapping[Any, int] | Sequence[int] | Callable[[Any], int] | None
 
 
 def _import_jax():
-    try:
-        import jax
-        import jax.sharding  # noqa: F401  (the submodule is what we use)
-    except ImportError as e:
-        raise ImportError("xreshard.adapters.jax needs JAX: pip install 'xreshard[jax]'") from e
+    jax = require("jax", "jax", "xreshard.adapters.jax")
+    require("jax.sharding", "jax", "xreshard.adapters.jax")    # the submodule we use
     return jax
 
 
@@ -262,46 +261,78 @@ def _key_str(key: Any) -> str:
     return str(key).strip(".[]'\"")
 
 
-def _rename(default: str, names: Any) -> str:
-    if names is None:
-        return default
-    if callable(names):
-        return names(default)
-    return names.get(default, default)
-
-
 def host_view(x: Any) -> Any:
     """A zero-copy array over a single-device jax.Array's buffer: numpy on CPU, CuPy on GPU.
 
     Typed on both (bf16 and float8 as their ml_dtypes types). On GPU, DLPack carries the
     types CuPy knows (bf16 only with CuPy >= 14, ml_dtypes and numpy >= 2.1.2), and its
     stream handshake orders CuPy's current stream after JAX's producer. Any other dtype
-    (float8, or bf16 under an older CuPy) is wrapped from the buffer pointer instead, after
-    waiting for the producer on the host; the CuPy array keeps ``x`` alive.
+    (float8, or bf16 under an older CuPy) is wrapped from the buffer's address, read from a
+    DLPack capsule that the CuPy array keeps unconsumed (see :func:`pinned_pointer`): JAX
+    orders the current stream after the producer for it too, and the buffer cannot be
+    donated away while the array lives.
     """
     import numpy as np
     device = next(iter(x.devices()))
     if device.platform == "cpu":
         return np.asarray(x)
-    try:
-        import cupy
-    except ImportError as e:
-        from xreshard.transport.nccl import install_hint
-        raise ImportError(f"binding GPU JAX arrays needs CuPy: {install_hint()}") from e
+    cupy = require("cupy", "gpu", "binding GPU JAX arrays")
     from xreshard.dtypes import as_dtype, bits_dtype, dtype_name
-    from xreshard.runtime.execute import cupy_knows
+    from xreshard.runtime.devices import cupy_knows
 
     name = dtype_name(x.dtype)
     with cupy.cuda.Device(device.local_hardware_id):
         if cupy_knows(name):
             return cupy.from_dlpack(x)
-        x.block_until_ready()
+        stream = cupy.cuda.get_current_stream().ptr or 1    # DLPack: 1 is the legacy stream
+        ptr, owner = pinned_pointer(x, stream)
         nbytes = x.dtype.itemsize * math.prod(x.shape)
-        mem = cupy.cuda.UnownedMemory(x.unsafe_buffer_pointer(), nbytes, x,
-                                      device.local_hardware_id)
+        mem = cupy.cuda.UnownedMemory(ptr, nbytes, owner, device.local_hardware_id)
         raw = cupy.ndarray(tuple(x.shape), bits_dtype(x.dtype.itemsize),
                            cupy.cuda.MemoryPointer(mem, 0))
         return as_dtype(raw, name)
+
+
+def pinned_pointer(x: Any, stream: int | None = None) -> tuple[int, Any]:
+    """(address of the buffer, owner) of a single-device ``jax.Array``, the owner holding a
+    reference on the buffer that JAX honours.
+
+    The owner is ``x.__dlpack__()``'s capsule, kept unconsumed: while it lives JAX holds an
+    external reference on the buffer, and a jitted step that donates ``x`` gets a copy
+    instead of reusing (or freeing) the memory under a reader (PjRt refuses to donate a
+    buffer with external references). ``x.unsafe_buffer_pointer()`` holds nothing: a
+    donating step may free the buffer while ``Refit.start`` still reads it. ``stream``:
+    the consumer's CUDA stream, which JAX orders after the buffer's producer (DLPack's
+    handshake); None on CPU.
+
+    Raises:
+        LayoutError: JAX cannot export the array through DLPack.
+    """
+    try:
+        capsule = x.__dlpack__() if stream is None else x.__dlpack__(stream=stream)
+    except Exception as e:      # noqa: BLE001 - said with what to do
+        raise LayoutError(f"cannot hold a reference on a {x.dtype} JAX array's buffer "
+                          f"(its DLPack export failed: {type(e).__name__}: {e}); send it "
+                          f"cast to a dtype CuPy knows (wire_dtype), or upgrade JAX") from e
+    return _capsule_data(capsule), capsule
+
+
+def _capsule_data(capsule: Any) -> int:
+    """The data address (``data + byte_offset``) of the DLTensor an unconsumed DLPack capsule
+    holds: ``DLManagedTensor`` ("dltensor", the tensor first) or ``DLManagedTensorVersioned``
+    ("dltensor_versioned": version, manager_ctx, deleter, flags, then the tensor)."""
+    import ctypes
+    api = ctypes.pythonapi
+    get_name = ctypes.PYFUNCTYPE(ctypes.c_char_p, ctypes.py_object)(
+        ("PyCapsule_GetName", api))
+    get_pointer = ctypes.PYFUNCTYPE(ctypes.c_void_p, ctypes.py_object, ctypes.c_char_p)(
+        ("PyCapsule_GetPointer", api))
+    name = get_name(capsule)
+    if name not in (b"dltensor", b"dltensor_versioned"):
+        raise LayoutError(f"a DLPack capsule named {name!r} was already consumed")
+    tensor = get_pointer(capsule, name) + (32 if name == b"dltensor_versioned" else 0)
+    data = ctypes.c_void_p.from_address(tensor).value or 0
+    return data + ctypes.c_uint64.from_address(tensor + 40).value        # + byte_offset
 
 
 def _aligned_empty(shape: Sequence[int], dtype: Any, align: int = 64) -> Any:
@@ -390,7 +421,7 @@ def bind_rules(tree: Any, rules: Any, ranks: Mapping[int, int], *,
                memo: LayoutMemo | None = None) -> Any:
     """The send side of a JAX pytree mapped onto canonical (HF) tensors by naming rules
     (``xreshard.adapters.naming``): each canonical tensor is bound as views of the trainer
-    arrays' shards (``naming.bind_named``).
+    arrays' shards (:func:`bind_named`).
 
     Args:
         tree: a pytree of ``jax.Array``; its ``/``-joined paths are what the rules match.
@@ -398,9 +429,75 @@ def bind_rules(tree: Any, rules: Any, ranks: Mapping[int, int], *,
         ranks: JAX device id -> world rank.
         memo: where the arrays' layouts are remembered across calls (None: nowhere).
     """
-    from xreshard.adapters import naming
-    namemap = rules if isinstance(rules, naming.NameMap) else naming.NameMap(tuple(rules))
-    return naming.bind_named(tree, namemap, ranks, memo=memo)
+    from xreshard.adapters.naming import NameMap
+    namemap = rules if isinstance(rules, NameMap) else NameMap(tuple(rules))
+    return bind_named(tree, namemap, ranks, memo=memo)
+
+
+def bind_named(tree: Any, namemap: NameMap, ranks: Mapping[int, int], *, memo: Any = None
+               ) -> Any:
+    """The send side of a JAX pytree whose HF tensors the naming rules describe.
+
+    Each array becomes a :class:`ShardedView` (its layout, and its addressable shards as
+    zero-copy host views) and goes through its rule's transforms (:meth:`NameMap.expand`),
+    so each HF tensor's layout is product form over the trainer's mesh and its bindings are
+    views of the shards (a reshape that cannot be a view copies; sending never writes them).
+
+    Args:
+        tree: a pytree of ``jax.Array`` (``/``-joined paths are the trainer names).
+        namemap: the rules.
+        ranks: JAX device id -> world rank, for every device of the arrays.
+        memo: the ``LayoutMemo`` the arrays' layouts are remembered in (default a fresh
+            one).
+
+    Returns:
+        A :class:`~xreshard.runtime.binding.Bound`: HF name -> layout, (rank, HF name) -> view.
+        The views of the shards come from ``xreshard.adapters.naming`` (``ShardedView``).
+
+    Raises:
+        NamingError: names no rule maps (or several do), ConcatRules, or a transform the
+            sharding does not allow (naming the tensor and the mesh axes).
+    """
+    from xreshard.adapters.naming import ShardedView
+    from xreshard.adapters.naming_rules import ConcatRule, NamingError
+    from xreshard.runtime.binding import Bound
+
+    flat = dict(tree_names(tree))
+    namemap.check({n: tuple(a.shape) for n, a in flat.items()})
+    memo_kw = {} if memo is None else {"memo": memo}
+    layouts: dict[str, Layout] = {}
+    bindings: dict[tuple[int, str], Any] = {}
+    for name, arr in flat.items():
+        rule, fields = next((r, m) for r in namemap.rules if (m := r.match(name)) is not None)
+        if isinstance(rule, ConcatRule):
+            # TODO(explicit layouts per source): a ConcatRule's HF tensor is several arrays
+            raise NamingError(f"{name!r}: ConcatRule {rule.dst!r} cannot send sharded arrays: "
+                              f"its HF tensor is made of several trainer arrays; map each "
+                              f"part with a Rule of its own, or concatenate them in the "
+                              f"trainer")
+        layout = _as_product(array_layout(arr, ranks, name, **memo_kw), name)
+        local = {ranks[int(s.device.id)]: host_view(s.data) for s in arr.addressable_shards}
+        for view, f in namemap.expand(ShardedView(layout, local), dict(fields), rule.transforms,
+                                      name):
+            hf = rule.dst.format(**f)
+            layouts[hf] = view.layout
+            bindings.update(((r, hf), a) for r, a in view.arrays.items())
+    return Bound(layouts, bindings)
+
+
+def _as_product(layout: Layout, name: str) -> Layout:
+    """``layout`` in product form (what the naming rules' view algebra needs)."""
+    from xreshard.adapters.naming_rules import NamingError
+    if layout.is_product:
+        if any(sp.split_factor != 1 for sp in layout.splits):
+            raise NamingError(f"{name!r}: strided splits cannot go through naming rules")
+        return layout
+    full = (tuple(0 for _ in layout.shape), layout.shape)
+    if all(len(rs) == 1 and (rs[0].starts, rs[0].stops) == full for _, rs in layout.explicit):
+        ranks = tuple(r for r, _ in layout.explicit)
+        return Layout.replicated(layout.shape, layout.dtype, Mesh((len(ranks),), ranks))
+    raise NamingError(f"{name!r}: only NamedSharding (or fully replicated) arrays can go "
+                      "through naming rules")
 
 
 def bind(tree: Any, side: str, *, ranks: Mapping[int, int], names: Any = None,
@@ -442,7 +539,7 @@ def _leaf_names(jax: Any, tree: Any, names: Any, cache: dict) -> tuple[list[str]
     if got is not None and got[0] == treedef and (got[1] is key or got[1] == key):
         return got[2], leaves, treedef
     flat, _ = jax.tree_util.tree_flatten_with_path(tree)
-    out = [_rename("/".join(_key_str(k) for k in path), names) for path, _ in flat]
+    out = [canonical_name("/".join(_key_str(k) for k in path), names) for path, _ in flat]
     cache["names"] = (treedef, key, out)
     return out, leaves, treedef
 
@@ -452,7 +549,7 @@ def _bind(tree: Any, side: str, *, ranks: Mapping[int, int], names: Any, transpo
     jax = _import_jax()
     import numpy as np
     from xreshard.runtime.binding import Bound
-    from xreshard.runtime.execute import numpy_dtype
+    from xreshard.dtypes import numpy_dtype
 
     rank_of = _rank_of(ranks)
     leaf_names, leaves, treedef = _leaf_names(jax, tree, names, cache)

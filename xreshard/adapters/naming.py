@@ -11,8 +11,9 @@ interpreter of transforms (:meth:`NameMap.expand`) for two kinds of view:
   :class:`HFTensor` s of such views.
 * :class:`ShardedView`, a sharded JAX array: its :class:`~xreshard.ir.layout.Layout`, carried
   through the transforms by the layout's view algebra (``permuted``, ``reshaped``,
-  ``selected``, ``sliced``), and each local shard viewed alongside. :func:`bind_named` binds
-  a JAX pytree this way, so the HF tensors are sent from the devices that hold them.
+  ``selected``, ``sliced``), and each local shard viewed alongside. The JAX adapter's
+  ``bind_named`` (:mod:`xreshard.adapters.jax`) binds a JAX pytree this way, so the HF
+  tensors are sent from the devices that hold them.
 
 Xreshard's layouts are in canonical coordinates (HF names, torch ``[out, in]``); trainer
 paths are ``"/"``-joined pytree paths (:func:`flatten_tree`). See
@@ -21,7 +22,6 @@ paths are ``"/"``-joined pytree paths (:func:`flatten_tree`). See
 
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import dataclass
 from typing import Any, Iterable, Iterator, Mapping, Sequence
@@ -39,7 +39,7 @@ __all__ = [
     "NamingError", "StridedView", "ShardedView", "Source", "HFTensor", "NameMap", "Rule",
     "ConcatRule", "Transform", "Transpose", "Reshape", "Index", "Slice", "Unsqueeze",
     "Unstack", "Split", "HF_IDENTITY", "JAX_LLAMA", "jax_llama_rules", "jax_moe_rules",
-    "hf_stacked_experts_rules", "flatten_tree", "bind_named",
+    "hf_stacked_experts_rules", "flatten_tree",
 ]
 
 
@@ -242,7 +242,7 @@ class ShardedView:
 
     def transpose(self, perm: Sequence[int] | None = None) -> ShardedView:
         perm = tuple(reversed(range(self.layout.ndim))) if perm is None else tuple(perm)
-        return ShardedView(_permuted(self.layout, perm),
+        return ShardedView(self.layout.permuted(perm),
                            {r: a.transpose(perm) for r, a in self.arrays.items()})
 
     def reshape(self, new_shape: Sequence[int]) -> ShardedView:
@@ -272,11 +272,6 @@ class ShardedView:
                                     if r in local})
 
 
-@functools.lru_cache(maxsize=1 << 16)
-def _permuted(layout: Layout, perm: tuple[int, ...]) -> Layout:
-    """``layout.permuted(perm)``, remembered: a refit binds the same arrays every step (the
-    layout's other view methods remember their results themselves)."""
-    return layout.permuted(perm)
 
 
 # ---------------------------------------------------------------------------- applying rules
@@ -486,65 +481,3 @@ def flatten_tree(tree: Any, sep: str = "/") -> dict[str, Any]:
 
     walk(tree, "")
     return out
-
-
-
-# ---------------------------------------------------------------------------- sharded arrays
-
-def bind_named(tree: Any, namemap: NameMap, ranks: Mapping[int, int], *, memo: Any = None
-               ) -> Any:
-    """The send side of a JAX pytree whose HF tensors the naming rules describe.
-
-    Each array becomes a :class:`ShardedView` (its layout, and its addressable shards as
-    zero-copy host views) and goes through its rule's transforms (:meth:`NameMap.expand`),
-    so each HF tensor's layout is product form over the trainer's mesh and its bindings are
-    views of the shards (a reshape that cannot be a view copies; sending never writes them).
-
-    Args:
-        tree: a pytree of ``jax.Array`` (``/``-joined paths are the trainer names).
-        namemap: the rules.
-        ranks: JAX device id -> world rank, for every device of the arrays.
-        memo: the ``LayoutMemo`` the arrays' layouts are remembered in (default the JAX
-            adapter's).
-
-    Returns:
-        A :class:`~xreshard.runtime.binding.Bound`: HF name -> layout, (rank, HF name) -> view.
-
-    Raises:
-        NamingError: names no rule maps (or several do), ConcatRules, or a transform the
-            sharding does not allow (naming the tensor and the mesh axes).
-    """
-    from xreshard.adapters import jax as xjax
-    from xreshard.runtime.binding import Bound
-
-    flat = dict(xjax.tree_names(tree))
-    namemap.check({n: tuple(a.shape) for n, a in flat.items()})
-    memo_kw = {} if memo is None else {"memo": memo}
-    layouts: dict[str, Layout] = {}
-    bindings: dict[tuple[int, str], Any] = {}
-    for name, arr in flat.items():
-        rule, fields = next((r, m) for r in namemap.rules if (m := r.match(name)) is not None)
-        if isinstance(rule, ConcatRule):
-            raise NamingError(f"{name!r}: ConcatRule {rule.dst!r} is not supported when sending "
-                              "sharded arrays yet (TODO: explicit layouts per source)")
-        layout = _as_product(xjax.array_layout(arr, ranks, name, **memo_kw), name)
-        local = {ranks[int(s.device.id)]: xjax.host_view(s.data) for s in arr.addressable_shards}
-        for view, f in namemap.expand(ShardedView(layout, local), dict(fields), rule.transforms,
-                                      name):
-            hf = rule.dst.format(**f)
-            layouts[hf] = view.layout
-            bindings.update(((r, hf), a) for r, a in view.arrays.items())
-    return Bound(layouts, bindings)
-
-
-def _as_product(layout: Layout, name: str) -> Layout:
-    if layout.is_product:
-        if any(sp.split_factor != 1 for sp in layout.splits):
-            raise NamingError(f"{name!r}: strided splits cannot go through naming rules")
-        return layout
-    full = (tuple(0 for _ in layout.shape), layout.shape)
-    if all(len(rs) == 1 and (rs[0].starts, rs[0].stops) == full for _, rs in layout.explicit):
-        ranks = tuple(r for r, _ in layout.explicit)
-        return Layout.replicated(layout.shape, layout.dtype, Mesh((len(ranks),), ranks))
-    raise NamingError(f"{name!r}: only NamedSharding (or fully replicated) arrays can go "
-                      "through naming rules")

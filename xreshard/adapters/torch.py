@@ -24,24 +24,23 @@ import weakref
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from xreshard.extras import require
 from xreshard.dtypes import as_dtype, dtype_name
 from xreshard.errors import LayoutError
 from xreshard.ir.layout import Layout, LayoutMemo, Mesh, Split, splits_of_placements
+from xreshard.runtime.binding import canonical_name
 
-__all__ = ["Sharded", "bind", "layout_of", "placements_of", "tensor_view"]
+__all__ = ["Quantized", "Sharded", "bind", "layout_of", "placements_of", "quantized_layouts",
+           "tensor_view"]
 
 #: how default-process-group ranks become world ranks: a mapping or a callable
 RankMap = Mapping[int, int] | Callable[[int], int] | None
 
 
 def _import_torch():
-    try:
-        import torch  # noqa: F401
-        from torch.distributed.tensor import placement_types
-    except ImportError as e:
-        raise ImportError("xreshard.adapters.torch needs PyTorch with torch.distributed: "
-                          "pip install 'xreshard[torch]'") from e
-    return placement_types
+    require("torch.distributed.tensor", "torch", "xreshard.adapters.torch")
+    return require("torch.distributed.tensor.placement_types", "torch",
+                   "xreshard.adapters.torch")
 
 
 def layout_of(dtensor_or_mesh: Any, placements: Sequence[Any] | None = None,
@@ -103,7 +102,7 @@ def layout_of(dtensor_or_mesh: Any, placements: Sequence[Any] | None = None,
         raise TypeError(f"layout_of expects a DTensor or a DeviceMesh, "
                         f"got {type(dtensor_or_mesh).__name__}")
 
-    mesh = mesh_of(device_mesh, ranks=ranks)
+    mesh = mesh_of(device_mesh, ranks=ranks, name=name)
     shape = tuple(int(s) for s in shape)
     splits = splits_of_placements(placements, mesh, shape, where)
     if shard_order is not None:
@@ -132,16 +131,29 @@ def _mesh_facts(device_mesh: Any) -> tuple[list[int], tuple[int, ...], Any]:
     return got
 
 
-def mesh_of(device_mesh: Any, *, ranks: RankMap = None) -> Mesh:
-    """The xreshard :class:`Mesh` of a ``DeviceMesh``, its ranks mapped through ``ranks``."""
+def mesh_of(device_mesh: Any, *, ranks: RankMap = None, name: str | None = None) -> Mesh:
+    """The xreshard :class:`Mesh` of a ``DeviceMesh``, its ranks mapped through ``ranks``.
+
+    Raises:
+        LayoutError: a rank of the mesh has no world rank in ``ranks``: its process did not
+            join the refit's world (or joined another group); the message names it.
+    """
     pg_ranks, shape, names = _mesh_facts(device_mesh)
     if ranks is None:
         world = pg_ranks
     elif isinstance(ranks, Mapping):
         missing = [r for r in pg_ranks if r not in ranks]
         if missing:
-            raise LayoutError(f"ranks has no world rank for process-group ranks {missing} of "
-                              f"mesh {pg_ranks} (shape {shape}); map every rank of the mesh")
+            where = f"DTensor {name!r}" if name else "a DTensor"
+            joined = ", ".join(f"{r} -> world rank {w}" for r, w in sorted(ranks.items()))
+            raise LayoutError(
+                f"{where} lives on a DeviceMesh over torch ranks {pg_ranks} (shape {shape}), "
+                + (f"but the process of torch rank {missing[0]} is" if len(missing) == 1 else
+                   f"but the processes of torch ranks {missing} are")
+                + f" not in this refit's world group (joined: {joined or 'none'}); "
+                "every process of the mesh must call World.join with the same group, "
+                "num_processes counting it, or shard the tensor over a mesh of the "
+                "processes that joined")
         world = [ranks[r] for r in pg_ranks]
     elif callable(ranks):
         world = [ranks(r) for r in pg_ranks]
@@ -273,6 +285,85 @@ class Sharded:
         self.shape = tuple(int(s) for s in shape)
 
 
+class Quantized:
+    """A destination tensor stored quantized: fp8 ``codes`` plus their ``scales`` in ``fmt``.
+
+    Put it in a receive state dict in place of the tensor. ``codes`` and ``scales`` are
+    each a DTensor, a :class:`Sharded` or a plain tensor, sharded alike: every rank holds
+    whole blocks of the codes and exactly their scales (``fmt.scale_region`` of its
+    regions), which is checked, naming the tensor, before anything moves. The codes are
+    bound under the tensor's name, the scales under ``scale_name``.
+
+    Phase 1 of issue 20: a refit writes the codes and scales a sender sends under those
+    names (quantized with :func:`xreshard.quant.quantize`, vLLM's bytes); quantizing bf16
+    values on the way, per block where the block lives, is the planner's next stage.
+
+    Args:
+        codes: ``fmt.dtype`` values (``torch.float8_e4m3fn``), the tensor's global shape.
+        scales: ``fmt.scale_dtype`` values of shape ``fmt.scale_shape(shape)``.
+        fmt: :class:`~xreshard.ir.formats.BlockFP8` (default ``BlockFP8()``) or ``MXFP8()``.
+        scale_name: the scales' tensor name; default the tensor's name + ``"_scale_inv"``
+            (block FP8, DeepSeek's name) or ``"_scale"`` (MXFP8, vLLM's).
+    """
+
+    def __init__(self, codes: Any, scales: Any, fmt: Any = None, *,
+                 scale_name: str | None = None) -> None:
+        from xreshard.ir.formats import BlockFP8
+        self.codes, self.scales = codes, scales
+        self.format = BlockFP8() if fmt is None else fmt
+        self.scale_name = scale_name
+
+    def scale_of(self, name: str) -> str:
+        """The scales' tensor name for the tensor ``name``."""
+        if self.scale_name:
+            return self.scale_name
+        return name + ("_scale" if self.format.kind == "mxfp8" else "_scale_inv")
+
+
+def quantized_layouts(name: str, value: Quantized, *, ranks: RankMap = None, rank: int = 0
+                      ) -> tuple[Any, Layout, Layout]:
+    """(the :class:`~xreshard.ir.formats.QuantizedTensor`, the codes' layout, the scales'
+    layout) of a :class:`Quantized` destination, checked against its format.
+
+    Args:
+        name: the tensor's name.
+        value: the declaration.
+        ranks: default-process-group rank -> world rank (for DTensors).
+        rank: this process's world rank (a plain tensor is held whole by it).
+
+    Raises:
+        FormatError: codes or scales of the wrong dtype or shape, or shards that cut a block
+            or hold other blocks' scales, naming the tensor.
+    """
+    from xreshard.ir.formats import QuantizedTensor
+
+    codes = _layout_and_local(value.codes, name, ranks, rank, LayoutMemo(), None)[0]
+    scale_name = value.scale_of(name)
+    scales = _layout_and_local(value.scales, scale_name, ranks, rank, LayoutMemo(), None)[0]
+    qt = QuantizedTensor(name, scale_name, value.format, codes.shape)
+    qt.check_layouts(codes, scales)
+    return qt, codes, scales
+
+
+def _layout_and_local(value: Any, name: str, ranks: RankMap, me: int, memo: LayoutMemo,
+                      rid: int | None) -> tuple[Layout, Any, bool]:
+    """(layout, local tensor, whether only this process holds it) of a DTensor, a
+    :class:`Sharded` or a plain tensor (this process's whole copy)."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(value, DTensor):
+        layout = memo.get(None if rid is None else (value._spec, rid),
+                          lambda: layout_of(value, ranks=ranks, name=name))
+        return layout, _local_of(value), False
+    if isinstance(value, Sharded):
+        mesh = value.mesh if isinstance(value.mesh, Mesh) else mesh_of(value.mesh, ranks=ranks,
+                                                                       name=name)
+        return Layout.from_placements(value.shape, value.local.dtype, mesh, value.placements,
+                                      name=name), value.local, False
+    return Layout.explicit_form(tuple(value.shape), value.dtype,
+                                {me: [[(0, n) for n in value.shape]]}), value, True
+
+
 def tensor_view(t: Any) -> Any:
     """A zero-copy array over a torch tensor's memory: numpy on CPU, CuPy on CUDA.
 
@@ -349,7 +440,7 @@ def accepts(obj: Any) -> bool:
     if isinstance(obj, torch.nn.Module):
         return True
     return isinstance(obj, Mapping) and bool(obj) and all(
-        isinstance(v, (torch.Tensor, Sharded)) for v in obj.values())
+        isinstance(v, (torch.Tensor, Sharded, Quantized)) for v in obj.values())
 
 
 def identity(devices: Sequence[Any], ranks: Sequence[int]) -> list[list[int]]:
@@ -365,6 +456,32 @@ def identity(devices: Sequence[Any], ranks: Sequence[int]) -> list[list[int]]:
 def keep(obj: Any, side: str) -> Any:
     """A refit keeps torch objects (they are written or read in place on every call)."""
     return obj
+
+
+def capture_streams() -> Any:
+    """This thread's current torch stream of every CUDA device, kept so that the thread of
+    a refit started with ``Refit.start`` makes them current there (``with
+    capture_streams()():``), or None when torch has no CUDA in use.
+
+    torch's current stream is per thread (``c10::cuda::getCurrentCUDAStream``): a thread
+    starts on the default stream. Binding a CUDA tensor makes CuPy's stream wait for torch's
+    current stream (DLPack's handshake, ``__dlpack__(stream=...)``), so without this a
+    refit started while the caller wrote its weights on a side stream would order after
+    the background thread's default stream instead, and could read them half written.
+    """
+    import sys
+    torch = sys.modules.get("torch")
+    if torch is None or not torch.cuda.is_available() or not torch.cuda.is_initialized():
+        return None
+    streams = [torch.cuda.current_stream(d) for d in range(torch.cuda.device_count())]
+
+    def enter() -> Any:
+        import contextlib
+        stack = contextlib.ExitStack()
+        for s in streams:
+            stack.enter_context(torch.cuda.stream(s))
+        return stack
+    return enter
 
 
 def _local_tensors(obj: Any) -> dict[str, Any]:
@@ -424,7 +541,6 @@ def bind(obj: Any, side: str, *, ranks: RankMap, local_ranks: Sequence[int], nam
 def _bind(obj: Any, side: str, *, ranks: RankMap, local_ranks: Sequence[int], names: Any,
           transpose: frozenset[str], memo: LayoutMemo) -> Any:
     import torch
-    from torch.distributed.tensor import DTensor
     from xreshard.runtime.binding import Bound
 
     items = obj.state_dict().items() if isinstance(obj, torch.nn.Module) else obj.items()
@@ -435,29 +551,19 @@ def _bind(obj: Any, side: str, *, ranks: RankMap, local_ranks: Sequence[int], na
     rid = memo.ranks_id(ranks)
     holds: dict[Layout, bool] = {}          # layout -> whether this rank holds elements
     dtypes: dict[Any, str] = {}             # torch dtype -> canonical name
-    for key, value in items:
-        name = key if names is None else (names(key) if callable(names) else names.get(key, key))
+    quantized: list[tuple[Any, str, str]] = []
+    for key, value, named in _expand_quantized(items, names, quantized):
+        name = key if named else canonical_name(key, names)
         if name in layouts:
             errors.append(f"two state-dict entries map to tensor {name!r}")
             continue
         try:
-            if isinstance(value, DTensor):
-                layout = memo.get(None if rid is None else (value._spec, rid),
-                                  lambda: layout_of(value, ranks=ranks, name=name))
-                local = _local_of(value)
-            elif isinstance(value, Sharded):
-                mesh = value.mesh if isinstance(value.mesh, Mesh) else mesh_of(value.mesh, ranks=ranks)
-                layout = Layout.from_placements(value.shape, value.local.dtype, mesh,
-                                                value.placements, name=name)
-                local = value.local
-            else:
-                layout = Layout.explicit_form(tuple(value.shape), value.dtype,
-                                              {me: [[(0, n) for n in value.shape]]})
-                local_only.add(name)
-                local = value
+            layout, local, only = _layout_and_local(value, name, ranks, me, memo, rid)
         except LayoutError as e:
             errors.append(str(e))
             continue
+        if only:
+            local_only.add(name)
         if name in transpose:
             if layout.ndim != 2:
                 errors.append(f"{name!r} is in transpose but has {layout.ndim} dims (need 2)")
@@ -478,4 +584,30 @@ def _bind(obj: Any, side: str, *, ranks: RankMap, local_ranks: Sequence[int], na
             errors.append(f"{name!r}: this process (world rank {me}) holds a local tensor of "
                           f"shape {tuple(local.shape)} but is not in the tensor's mesh "
                           f"{layout.ranks}; check the torch-rank to world-rank map")
+    for fmt, name, scale in quantized:
+        if name in layouts and scale in layouts:
+            try:
+                _quantized_tensor(fmt, name, scale, layouts[name]).check_layouts(
+                    layouts[name], layouts[scale])
+            except LayoutError as e:
+                errors.append(str(e))
     return Bound(layouts, bindings, None, errors, local_only)
+
+
+def _expand_quantized(items: Any, names: Any, quantized: list) -> Any:
+    """``(key, value, key is already the tensor's name)`` for the state-dict items, each
+    :class:`Quantized` value as its codes (under its key) and its scales (under the scales'
+    name); ``quantized`` collects (format, name, scale name)."""
+    for key, value in items:
+        if not isinstance(value, Quantized):
+            yield key, value, False
+            continue
+        name = canonical_name(key, names)
+        quantized.append((value.format, name, value.scale_of(name)))
+        yield name, value.codes, True
+        yield value.scale_of(name), value.scales, True
+
+
+def _quantized_tensor(fmt: Any, name: str, scale: str, layout: Layout) -> Any:
+    from xreshard.ir.formats import QuantizedTensor
+    return QuantizedTensor(name, scale, fmt, layout.shape)

@@ -17,7 +17,6 @@ Equal meshes and equal layouts are one object: constructing a ``Mesh`` or ``Layo
 to one that is alive returns that one, geometry caches warm (as ``jax.sharding.Mesh`` does
 with its cache). The intern tables hold their values weakly, so nothing outlives its users;
 a refit rebuilding thousands of equal layouts every step pays for their geometry once.
-See docs/architecture.md.
 """
 
 from __future__ import annotations
@@ -81,7 +80,8 @@ class Layout:
 
     def _uninterned(self) -> Layout:
         """An equal layout (and mesh) outside the intern tables, its caches cold: what a
-        fresh build was before interning (``LayoutMemo(enabled=False)`` hands these out)."""
+        fresh build was before interning (benchmarks build these to measure what interning
+        and ``LayoutMemo`` save)."""
         twin = object.__new__(Layout)
         mesh = self.mesh
         if mesh is not None:
@@ -232,8 +232,12 @@ class Layout:
     def permuted(self, perm: Sequence[int]) -> Layout:
         """The same placement seen through ``transpose(perm)``: dim ``i`` of the result is
         dim ``perm[i]`` of this layout (``(1, 0)`` turns an ``[in, out]`` kernel's layout
-        into the ``[out, in]`` weight's)."""
+        into the ``[out, in]`` weight's). Remembered on this layout, as the other views are
+        (a refit permutes the same layouts every step)."""
         perm = tuple(perm)
+        return self._remember(("permuted", perm), lambda: self._permuted(perm))
+
+    def _permuted(self, perm: tuple[int, ...]) -> Layout:
         if sorted(perm) != list(range(self.ndim)):
             raise LayoutError(f"{perm} is not a permutation of the {self.ndim} dims of {self}")
         inverse = {d: i for i, d in enumerate(perm)}
@@ -249,6 +253,9 @@ class Layout:
         """``make()`` for a view method (product form only), memoized under ``key``."""
         if self.explicit is not None:
             raise LayoutError(f"{op} needs a product-form layout; {self} is explicit form")
+        return self._remember(key, make)
+
+    def _remember(self, key: tuple, make: Callable[[], Any]) -> Any:
         got = self._cache.get(key)
         if got is None:
             got = self._cache[key] = make()
@@ -651,20 +658,16 @@ class LayoutMemo:
     caches warm, instead of rebuilding thousands of equal ones (~0.2 ms each).
 
     ``ranks_id`` turns a rank map into a small int once per bind, so keys stay cheap to hash.
-    Bounded: it forgets everything when it holds ``limit`` layouts. ``enabled = False``
-    makes every ``get`` build anew, handing out an equal layout outside the intern tables
-    with cold caches (benchmarks compare both).
-
-    Layouts are interned (equal layouts are one object, caches warm), so this memo only
-    saves an adapter's own conversion work. A :class:`~xreshard.runtime.refit.Refit` owns one
-    (``Refit.layout_memo``) and hands it to its adapters' binds; there is no module state.
+    Bounded: it forgets everything when it holds ``limit`` layouts. Layouts are interned
+    (equal layouts are one object, caches warm): this memo saves an adapter's own conversion
+    work. A ``Refit`` owns one (``Refit.layout_memo``, ``Tuning.layout_memo``) and hands it
+    to its adapters' binds; there is no module state.
     """
 
     def __init__(self, limit: int = 1 << 16) -> None:
         self._layouts: dict[Any, Layout] = {}
         self._rank_maps: dict[Any, int] = {}
         self._limit = limit
-        self.enabled = True
 
     def ranks_id(self, ranks: Any) -> int | None:
         """A small int for a rank map (mapping), or None when it cannot key a memo."""
@@ -682,8 +685,6 @@ class LayoutMemo:
     def get(self, key: Any, make: Callable[[], Layout]) -> Layout:
         """The layout remembered under ``key``, else ``make()`` (remembered). A ``None`` key
         (nothing to key on) or an unhashable one is never remembered."""
-        if not self.enabled:
-            return make()._uninterned()
         if key is None:
             return make()
         try:

@@ -1,6 +1,8 @@
-"""The planner: pure functions from layouts, a topology and a config to a call's plan.
+"""The planner: pure functions from layouts, a topology and options to a call.
 
 Templates, streams and balance build the plan (``plan.plan``); ``schedule`` cuts it into
-buckets and rounds; ``relay`` builds the two stages of a relayed refit. Nothing here
-touches memory, a process or a transport (``tests/test_structure.py`` pins it).
+buckets and rounds; ``relay`` builds the two stages of a relayed refit and their
+overlapped schedule; ``prepare.prepare`` returns the whole call as one immutable
+``PreparedCall``, which the runtime runs. Nothing here touches memory, a process or a
+transport, or imports the runtime (``tests/test_structure.py`` pins it).
 """

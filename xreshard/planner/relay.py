@@ -15,9 +15,9 @@ schedule, in one call (see "Overlap" below):
   not receive in stage 1). Every piece of ``stage2_dst`` has exactly one holder, on the
   same domain, so the planner has nothing to choose.
 
-Both stages bind views of the real destination memory (``stage_views``), so stage 1
-writes straight into the final memory and stage 2 forwards from it; nothing is staged
-twice.
+Both stages bind views of the real destination memory (the runtime cuts them,
+``xreshard.runtime.execute.stage_views``), so stage 1 writes straight into the final
+memory and stage 2 forwards from it; nothing is staged twice.
 
 Pieces: a domain's needs of one tensor are cut by a grid made of every boundary of every
 region of the domain's ranks, so each grid cell lies inside or outside each rank's
@@ -48,8 +48,9 @@ the last round that brings any of its bytes to its sender, and never shares a ro
 more of its pair's bytes than the pair's bucket size. A round completes before the next
 begins (and the pipelined executor waits for the earlier rounds before packing a forward),
 so a byte is forwarded only once it has landed, and stage 2 of chunk ``c`` is on the wire
-with stage 1 of chunk ``c + 1``. Stage-2 tensors run under their own names
-(``name + FORWARD``), bound to views of the same destination memory. Every rank counts
+with stage 1 of chunk ``c + 1``. Stage-2 buckets carry ``stage=1`` (their tensors keep
+their names: the executor keys a tensor by ``(name, stage)``), bound to views of the same
+destination memory. Every rank counts
 its pairs of both stages when sizing buckets, so one round keeps at most
 ``staging_bytes`` in flight per rank, as a direct plan does. Each process derives the
 rounds of the pairs it takes part in from the two plans alone (a stage-2 pair's rounds
@@ -66,7 +67,9 @@ i.e. up to 8 replicas per domain on that preset). What overlap does not remove: 
 first round forwards nothing, and on CPU, where "fast" and "slow" are the same loopback
 and the same cores, both stages compete for them (see benchmarks/bench_relay.py).
 
-Pure: layouts and a topology in, layouts out; every process derives the same stages.
+Pure: layouts and a topology in, layouts and schedules out; every process derives the
+same stages. :func:`xreshard.planner.prepare.prepare` plans both stages and their
+overlapped schedule into one prepared call; the runtime runs it.
 """
 
 from __future__ import annotations
@@ -74,25 +77,16 @@ from __future__ import annotations
 import itertools
 from bisect import bisect_left
 import dataclasses
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Iterable, Mapping
 
 from ..dtypes import itemsize
-from ..errors import RefitError
 from ..ir.geometry import Region
 from ..ir.intervals import chunk
 from ..ir.layout import Layout
 from .schedule import Bucket, Schedule, pair_bucket_bytes, peer_counts, schedule
 
-__all__ = ["FORWARD", "RelayLayouts", "overlapped_executor", "overlapped_schedule",
-           "relay_layouts", "stage_views"]
-
-#: suffix of the stage-2 tensor names in the overlapped run (both stages in one executor)
-FORWARD = " (forwarded)"
-
-#: benchmarks switch overlap off (every forward waits for its sender's whole stage 1, as
-#: when the stages ran back to back) to measure what it saves
-OVERLAP = True
+__all__ = ["RelayLayouts", "overlapped_schedule", "relay_layouts"]
 
 
 @dataclass(frozen=True)
@@ -110,8 +104,6 @@ class RelayLayouts:
     stage2_src: dict[str, Layout]
     stage2_dst: dict[str, Layout]
     bytes_relayed: int
-    #: overlapped runs built from these stages (see overlapped_executor), per plans/config
-    runs: dict = field(default_factory=dict, compare=False, repr=False)
 
     @property
     def forwards(self) -> bool:
@@ -261,27 +253,6 @@ def _explicit(like: Layout, regions: dict[int, list[Region]], made: dict) -> Lay
     return got
 
 
-def stage_views(real_layouts: Mapping[str, Layout], real_bindings: Mapping[tuple[int, str], Any],
-                stage_layouts: Mapping[str, Layout], ranks: Iterable[int]) -> dict:
-    """Bindings of a stage layout for ``ranks``: per region, a view of the real binding
-    (``(rank, name) -> [view, ...]`` in ``stage_layouts[name].regions(rank)`` order)."""
-    out = {}
-    ranks = list(ranks)
-    for name, lay in stage_layouts.items():
-        real = real_layouts[name]
-        for r in ranks:
-            regions = lay.regions(r)
-            if not regions:
-                continue
-            b = real_bindings[(r, name)]
-            views = []
-            for region in regions:
-                i, slices = real.locate(r, region)
-                views.append((b if real.is_product else b[i])[slices + (Ellipsis,)])
-            out[(r, name)] = views
-    return out
-
-
 # ---------------------------------------------------------------------------- overlap
 
 
@@ -289,10 +260,10 @@ def overlapped_schedule(plan1: Any, plan2: Any, ranks: Iterable[int], *, bucket_
                         staging_bytes: int, overlap: bool = True) -> Schedule:
     """Both stages of a relayed refit as one schedule for ``ranks`` (this process's).
 
-    Stage 1's buckets keep their rounds; each stage-2 bucket runs in the first round after
-    every stage-1 round that brings its bytes to its sender (see the module docstring),
-    under the tensor's name plus :data:`FORWARD`. A pair's stage-2 tags follow its stage-1
-    tags. Pure: the same plans give every process the same rounds for every pair.
+    Stage 1's buckets (``stage=0``) keep their rounds; each stage-2 bucket (``stage=1``)
+    runs in the first round after every stage-1 round that brings its bytes to its
+    sender (see the module docstring). A pair's stage-2 tags follow its stage-1 tags.
+    Pure: the same plans give every process the same rounds for every pair.
 
     Args:
         plan1 / plan2: the stage plans (sources -> stage1_dst, stage2_src -> stage2_dst).
@@ -315,7 +286,7 @@ def overlapped_schedule(plan1: Any, plan2: Any, ranks: Iterable[int], *, bucket_
                           staging_bytes=staging_bytes)
         arrivals.update(_arrivals(remote.rounds, set(senders)))
     sched2 = schedule(plan2, ranks, counts, bucket_bytes=bucket_bytes,
-                      staging_bytes=staging_bytes)
+                      staging_bytes=staging_bytes, stage=1)
     first_tag: dict[tuple[int, int], int] = {}
     for rnd in sched1.rounds:
         for b in rnd:
@@ -343,17 +314,15 @@ def overlapped_schedule(plan1: Any, plan2: Any, ranks: Iterable[int], *, bucket_
             used += b.nbytes
             while len(rounds) <= rnd:
                 rounds.append([])
-            items = tuple(dataclasses.replace(it, name=it.name + FORWARD) for it in b.items)
-            rounds[rnd].append(Bucket(src, dst, rnd, first_tag.get((src, dst), 0) + i,
-                                      items, b.nbytes))
+            rounds[rnd].append(dataclasses.replace(
+                b, round=rnd, tag=first_tag.get((src, dst), 0) + i))
     in_flight: dict[tuple[int, int], int] = {}
     for k, rnd in enumerate(rounds):
         for b in rnd:
             for r in {b.src, b.dst} & mine:
                 in_flight[(k, r)] = in_flight.get((k, r), 0) + b.nbytes
-    copies = sched1.local_copies + tuple(dataclasses.replace(t, name=t.name + FORWARD)
-                                         for t in sched2.local_copies)
-    return Schedule(tuple(tuple(r) for r in rounds), copies,
+    return Schedule(tuple(tuple(r) for r in rounds),
+                    sched1.local_copies + sched2.local_copies,
                     max(in_flight.values(), default=0))
 
 
@@ -397,58 +366,3 @@ def _ready(b: Bucket, arrived: Mapping[str, list[tuple[Region, int]]]) -> int:
 def _overlaps(a: Region, b: Region) -> bool:
     return all(x0 < y1 and y0 < x1 for x0, x1, y0, y1 in zip(a.starts, a.stops, b.starts,
                                                              b.stops))
-
-
-def overlapped_executor(stages: Any, src_bindings: Mapping, dst_bindings: Mapping,
-                        real_dst: Mapping, transport: Any, timeout: float, *,
-                        ranks: Iterable[int], pipeline: bool, bucket_bytes: int,
-                        staging_bytes: int, arena: Any = None) -> tuple[Any, tuple]:
-    """The executor that runs both stages of a relayed refit overlapped, in one run.
-
-    Args:
-        stages: the refit's relay state: ``plan1``, ``plan2``, ``layouts`` (a
-            :class:`RelayLayouts`) and ``dst_layouts`` (the real destination layouts).
-        src_bindings: this process's real sources (stage 1's).
-        dst_bindings: stage 1's destination bindings (:func:`stage_views` of
-            ``stage1_dst``).
-        real_dst: this process's real destination bindings (for ``dst_layouts``).
-        transport / timeout: as for :class:`xreshard.runtime.execute.Executor`.
-        ranks: this process's world ranks.
-        pipeline: the pipelined executor (rounds of half of ``staging_bytes``) or not.
-        bucket_bytes / staging_bytes: the refit's config.
-        arena: staging kept from earlier runs (``Executor(arena=)``).
-
-    Returns:
-        ``(executor, (src2, dst2))``: the executor (its ``ExecStats.bytes_forwarded`` is
-        stage 2's sends), and stage 2's bindings under the tensors' own names (for
-        checksums of stage 2 against ``plan2``).
-    """
-    from ..runtime.execute import Executor
-    plan1, plan2, layouts = stages.plan1, stages.plan2, stages.layouts
-    ranks = tuple(sorted(ranks))
-    key = (ranks, pipeline, bucket_bytes, staging_bytes, OVERLAP)
-    run = layouts.runs.get(key)
-    if run is None or run[0] is not plan1 or run[1] is not plan2:
-        clash = sorted(n for n in layouts.stage2_src
-                       if n + FORWARD in plan1.src_layouts or n + FORWARD in plan1.dst_layouts)
-        if clash:
-            raise RefitError(f"tensor names {[n + FORWARD for n in clash[:3]]} are taken; the "
-                             f"relay runs forwarded copies of {clash[:3]} under those names - "
-                             f"rename the tensors or set RefitConfig(relay='off')")
-        staging = max(1, staging_bytes // 2 if pipeline else staging_bytes)
-        sched = overlapped_schedule(plan1, plan2, ranks, bucket_bytes=bucket_bytes,
-                                    staging_bytes=staging, overlap=OVERLAP)
-        src = dict(plan1.src_layouts) | {n + FORWARD: lay for n, lay in layouts.stage2_src.items()}
-        dst = dict(plan1.dst_layouts) | {n + FORWARD: lay for n, lay in layouts.stage2_dst.items()}
-        wire = dict(plan1.wire_dtypes) | {n + FORWARD: d for n, d in plan2.wire_dtypes.items()}
-        run = layouts.runs[key] = (plan1, plan2, sched, src, dst, wire,
-                                   frozenset(n + FORWARD for n in layouts.stage2_src))
-    _, _, sched, src, dst, wire, forwarded = run
-    src2 = stage_views(stages.dst_layouts, real_dst, layouts.stage2_src, ranks)
-    dst2 = stage_views(stages.dst_layouts, real_dst, layouts.stage2_dst, ranks)
-    src_all = dict(src_bindings) | {(r, n + FORWARD): b for (r, n), b in src2.items()}
-    dst_all = dict(dst_bindings) | {(r, n + FORWARD): b for (r, n), b in dst2.items()}
-    executor = Executor(sched, src, dst, wire, src_all, dst_all, transport, timeout,
-                        pipeline=pipeline, staging_bytes=staging_bytes, forwarded=forwarded,
-                        arena=arena)
-    return executor, (src2, dst2)

@@ -19,7 +19,7 @@ both directions, never exceed ``staging_bytes``.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Iterable, Mapping, Sequence
 
 from ..dtypes import itemsize
@@ -46,7 +46,8 @@ class Item:
 @dataclass(frozen=True, slots=True)
 class Bucket:
     """One message: ``items`` packed back to back, from ``src`` to ``dst`` in ``round``;
-    ``tag`` numbers the pair's messages."""
+    ``tag`` numbers the pair's messages; every item is a tensor of stage ``stage`` of the
+    prepared call (a bucket never mixes stages, see :mod:`xreshard.planner.prepare`)."""
 
     src: int
     dst: int
@@ -54,6 +55,19 @@ class Bucket:
     tag: int
     items: tuple[Item, ...]
     nbytes: int
+    stage: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Copy:
+    """A same-rank copy: ``region`` of tensor ``name`` (stage ``stage``), which ``rank``
+    holds on both sides, ``nbytes`` wire bytes. Never sent."""
+
+    name: str
+    region: Region
+    rank: int
+    nbytes: int
+    stage: int = 0
 
 
 @dataclass(frozen=True)
@@ -61,12 +75,9 @@ class Schedule:
     """The buckets of some local ranks, by round, plus their same-rank copies."""
 
     rounds: tuple[tuple[Bucket, ...], ...]
-    local_copies: tuple[Transfer, ...]
+    local_copies: tuple[Copy, ...]
     max_round_bytes: int
     """Most bytes any one local rank has in flight in one round."""
-    programs: dict = field(init=False, default_factory=dict, compare=False, repr=False)
-    """The executor's pack/unpack programs for this schedule, per set of layouts (a cache
-    owned by the schedule: it lives and dies with it)."""
 
     @property
     def num_rounds(self) -> int:
@@ -136,17 +147,27 @@ def peer_counts(plan: Plan, ranks: Iterable[int]) -> dict[int, int]:
     return out
 
 
+def paired_counts(plan: Plan, ranks: Iterable[int]) -> dict[int, int]:
+    """:func:`peer_counts` of every rank that shares a transfer with one of ``ranks`` (what
+    :func:`schedule` needs to size their pairs' buckets). Every process computes the same
+    count for a rank from the same plan."""
+    paired = {r for m in ranks for t in plan.transfers_for(m) for r in (t.src, t.dst)}
+    return peer_counts(plan, sorted(paired))
+
+
 def schedule(plan: Plan, local_ranks: Sequence[int], peer_counts: Mapping[int, int], *,
-             bucket_bytes: int, staging_bytes: int) -> Schedule:
+             bucket_bytes: int, staging_bytes: int, stage: int = 0) -> Schedule:
     """Buckets and rounds for this process's ranks.
 
     Args:
         plan: the plan (the same on every rank).
         local_ranks: the world ranks this process executes.
         peer_counts: for every rank paired with a local rank, its number of distinct
-            (peer, direction) pairs (see :func:`peer_counts`; all-gathered by the refit).
+            (peer, direction) pairs (see :func:`peer_counts` and :func:`paired_counts`).
         bucket_bytes: the most bytes in one message.
         staging_bytes: the most bytes a rank has in flight in one round.
+        stage: the stage of the prepared call ``plan`` is (stamped on every bucket and
+            copy).
     """
     order = {name: i for i, name in enumerate(plan.names)}
     itemsizes = {name: itemsize(plan.wire_dtypes[name]) for name in plan.names}
@@ -171,9 +192,10 @@ def schedule(plan: Plan, local_ranks: Sequence[int], peer_counts: Mapping[int, i
             used += nbytes
             while len(rounds) <= rnd:
                 rounds.append([])
-            rounds[rnd].append(Bucket(src, dst, rnd, tag, tuple(items), nbytes))
+            rounds[rnd].append(Bucket(src, dst, rnd, tag, tuple(items), nbytes, stage))
             for r in (src, dst):
                 if r in local:
                     in_flight[(rnd, r)] = in_flight.get((rnd, r), 0) + nbytes
-    copies = tuple(t for r in local_ranks for t in plan.local_copies_for(r))
+    copies = tuple(Copy(t.name, t.region, r, t.nbytes, stage)
+                   for r in local_ranks for t in plan.local_copies_for(r))
     return Schedule(tuple(tuple(r) for r in rounds), copies, max(in_flight.values(), default=0))

@@ -10,20 +10,25 @@ one directly.
 every binding must have its layout's exact shape and dtype (not only its element size),
 be writable when it receives, never write one element twice (no stride-0 or overlapping
 views), and every rank of this process that a layout says holds a region must bind it.
+Receiving memory that overlaps other receiving memory or a source is refused by address
+range, host and device (CuPy, torch: the CUDA Array Interface) alike, in every process
+before any byte moves (``side_problems`` feeds the refit's first exchange).
 """
 
 from __future__ import annotations
 
+import os
+import traceback
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Mapping
 
 import numpy as np
 
 from ..dtypes import dtype_name, numpy_dtype
-from ..errors import XreshardError
+from ..errors import BindingError, XreshardError
 from ..ir.layout import Layout
 
-__all__ = ["Bindings", "Bound", "binding_problems", "side_problems"]
+__all__ = ["Bindings", "Bound", "binding_problems", "side_problems", "canonical_name"]
 
 #: (rank, tensor name) -> binding
 Bindings = Mapping[tuple[int, str], Any]
@@ -58,6 +63,43 @@ class Bound:
                 d["local_only"] = True
             out[name] = d
         return out
+
+
+def canonical_name(default: str, names: Mapping[str, str] | Callable[[str], str] | None) -> str:
+    """The canonical name of ``default`` (a JAX path, a state-dict key) under ``names=``.
+
+    A mapping renames the keys it has; a callable is the user's code, so whatever it raises
+    becomes a :class:`BindingError` that keeps the exception's type, message and where it was
+    raised (every process then reports the same words, and the user finds the line)::
+
+        names= raised KeyError('x') at my_module.py:12 in to_hf, for 'layers/0/kernel'
+
+    Raises:
+        BindingError: the callable raised, or returned something other than a string.
+    """
+    if names is None:
+        return default
+    if not callable(names):
+        return names.get(default, default)
+    try:
+        out = names(default)
+    except Exception as e:  # noqa: BLE001 - the user's code: any exception is bad input
+        raise BindingError(f"names= raised {e!r}{_raised_at(e)}, for {default!r}; fix the "
+                           "names= callable (or pass a mapping)") from e
+    if not isinstance(out, str):
+        raise BindingError(f"names= returned {out!r} ({type(out).__name__}) for {default!r}; "
+                           "it must return the canonical name as a str")
+    return out
+
+
+def _raised_at(e: BaseException) -> str:
+    """`` at file.py:12 in fn`` for the innermost Python frame that raised ``e`` (where the
+    user's code failed, or the library it called), or "" without a traceback."""
+    frames = traceback.extract_tb(e.__traceback__)
+    if len(frames) < 2:          # only canonical_name's own frame: raised in C below it
+        return ""
+    f = frames[-1]
+    return f" at {os.path.basename(f.filename)}:{f.lineno} in {f.name}"
 
 
 def _arrays(binding: Any, layout: Layout) -> list[Any]:
@@ -110,8 +152,13 @@ def _np_dtype(name: str) -> Any:
 
 
 def _extent(a: Any) -> tuple[int, int] | None:
-    """[lo, hi) bytes the host array ``a`` spans, or None when not a numpy array."""
-    if not isinstance(a, np.ndarray) or a.size == 0:
+    """[lo, hi) bytes the array ``a`` spans (host memory, or device memory through the CUDA
+    Array Interface), or None when it holds nothing or exposes no address."""
+    if not isinstance(a, np.ndarray):
+        a = _address_proxy(a)
+        if a is None:
+            return None
+    if a.size == 0:
         return None
     lo = hi = a.__array_interface__["data"][0]
     if a.flags.c_contiguous:        # the common case: its bytes in one run
@@ -124,13 +171,48 @@ def _extent(a: Any) -> tuple[int, int] | None:
     return lo, hi + a.itemsize
 
 
+class _Addresses:
+    """A device array's address, shape and strides as a numpy array interface, so that
+    ``np.shares_memory`` can decide overlaps by arithmetic on the addresses (it never reads
+    the memory; nothing here does)."""
+
+    def __init__(self, ptr: int, shape: tuple[int, ...], strides: tuple[int, ...], item: int):
+        self.__array_interface__ = {"data": (ptr, False), "shape": shape, "strides": strides,
+                                    "typestr": f"|V{item}", "version": 3}
+
+
+def _address_proxy(a: Any) -> np.ndarray | None:
+    """A numpy array at the device addresses of ``a`` (CuPy, torch, anything with a
+    ``__cuda_array_interface__``): for overlap arithmetic only, never to be read. None when
+    ``a`` exposes no device address."""
+    cai = getattr(a, "__cuda_array_interface__", None)
+    if not isinstance(cai, Mapping):
+        return None
+    shape = tuple(int(n) for n in cai["shape"])
+    item = np.dtype(cai["typestr"]).itemsize
+    strides = cai.get("strides")
+    if strides is None:             # C-contiguous (the interface's convention)
+        strides, step = [], item
+        for n in reversed(shape):
+            strides.append(step)
+            step *= max(n, 1)
+        strides = tuple(reversed(strides))
+    ptr = int(cai["data"][0])
+    if ptr == 0 or 0 in shape:
+        return None
+    return np.asarray(_Addresses(ptr, shape, tuple(int(s) for s in strides), item))
+
+
 def _overlaps(items: list[tuple[str, Any]], sources: list[tuple[str, Any]] = ()
               ) -> list[str]:
-    """Pairs of host arrays that share an element (a sweep by address): two receiving
-    arrays of ``items``, or, when ``sources`` are given, a receiving array of ``items``
-    and a sending one of ``sources`` (a receive would overwrite bytes a send still reads)."""
-    spans = [(span, label, a, False) for label, a in items if (span := _extent(a)) is not None]
-    spans += [(span, label, a, True) for label, a in sources
+    """Pairs of arrays that share an element (a sweep by address): two receiving arrays of
+    ``items``, or, when ``sources`` are given, a receiving array of ``items`` and a sending
+    one of ``sources`` (a receive would overwrite bytes a send still reads). Host arrays
+    and device arrays alike: CUDA's unified addressing gives every byte of a process, host
+    or any of its GPUs, one address, so one sweep over all of them is exact."""
+    spans = [(span, label, _as_addresses(a), False) for label, a in items
+             if (span := _extent(a)) is not None]
+    spans += [(span, label, _as_addresses(a), True) for label, a in sources
               if (span := _extent(a)) is not None]
     spans.sort(key=lambda x: x[0])
     problems: list[str] = []
@@ -157,13 +239,18 @@ def _overlaps(items: list[tuple[str, Any]], sources: list[tuple[str, Any]] = ()
     return problems
 
 
-def _host_arrays(bound: Bound) -> list[tuple[str, Any]]:
-    """(label, array) of every host array ``bound`` binds (lists of an explicit layout's
-    regions included)."""
+def _as_addresses(a: Any) -> np.ndarray:
+    """``a`` itself when a host array, else its address proxy (see ``_address_proxy``)."""
+    return a if isinstance(a, np.ndarray) else _address_proxy(a)
+
+
+def _bound_arrays(bound: Bound) -> list[tuple[str, Any]]:
+    """(label, array) of every array ``bound`` binds, host or device (lists of an explicit
+    layout's regions included)."""
     out = []
     for (rank, name), b in bound.bindings.items():
         for a in (b if isinstance(b, (list, tuple)) else (b,)):
-            if isinstance(a, np.ndarray):
+            if isinstance(a, np.ndarray) or hasattr(a, "__cuda_array_interface__"):
                 out.append((f"{name!r} on rank {rank}", a))
     return out
 
@@ -293,7 +380,7 @@ def side_problems(sides: Mapping[str, Bound | None], local_ranks: Iterable[int],
                 break
     send, receive = sides.get("send"), sides.get("receive")
     if not out and send is not None and receive is not None:
-        aliased = _overlaps(_host_arrays(receive), _host_arrays(send))
+        aliased = _overlaps(_bound_arrays(receive), _bound_arrays(send))
         if aliased:
             out.append(["BindingError", "receive bindings alias send bindings: "
                         + "; ".join(aliased)])

@@ -63,6 +63,43 @@ class CommCounts:
     def total_received(self) -> int:
         return sum(self.bytes_received.values())
 
+    def __repr__(self) -> str:
+        return (f"CommCounts(bytes_sent={dict(sorted(self.bytes_sent.items()))}, "
+                f"bytes_received={dict(sorted(self.bytes_received.items()))}, "
+                f"messages_sent={dict(sorted(self.messages_sent.items()))}, "
+                f"messages_received={dict(sorted(self.messages_received.items()))}, "
+                f"rounds={self.rounds})")
+
+    def __str__(self) -> str:
+        """A table, one row per ``(src_rank, dst_rank)`` pair this process posted::
+
+            count_comm: 1 round, 2 messages; sent 2.01 MiB, received 0 B
+              src -> dst |     sent | msgs | received | msgs
+                0 ->   4 | 1.00 MiB |    1 |        - |    -
+                1 ->   5 | 1.00 MiB |    1 |        - |    -
+        """
+        from ..units import format_bytes
+
+        messages = sum(self.messages_sent.values()) + sum(self.messages_received.values())
+        head = (f"count_comm: {self.rounds} round{'s' if self.rounds != 1 else ''}, "
+                f"{messages} message{'s' if messages != 1 else ''}; sent "
+                f"{format_bytes(self.total_sent)}, received {format_bytes(self.total_received)}")
+        pairs = sorted(set(self.bytes_sent) | set(self.bytes_received))
+        if not pairs:
+            return head + " (nothing posted)"
+
+        def cell(c: Counter, pair: tuple[int, int], size: bool) -> str:
+            if pair not in c:
+                return "-"
+            return format_bytes(c[pair]) if size else str(c[pair])
+        rows = [("src -> dst", "sent", "msgs", "received", "msgs")] + [
+            (f"{s} -> {d}", cell(self.bytes_sent, (s, d), True),
+             cell(self.messages_sent, (s, d), False), cell(self.bytes_received, (s, d), True),
+             cell(self.messages_received, (s, d), False)) for s, d in pairs]
+        widths = [max(len(r[i]) for r in rows) for i in range(5)]
+        return "\n".join([head] + ["  " + " | ".join(v.rjust(w) for v, w in zip(r, widths))
+                                   for r in rows])
+
     def as_json(self) -> dict[str, Any]:
         """The counts as plain JSON: pair keys are ``"src->dst"`` strings."""
         def pairs(c: Counter) -> dict[str, int]:

@@ -6,12 +6,21 @@ compile and run (:func:`cuda_preflight`), and :func:`device_problems`, which a r
 before any byte moves so that every process refuses the same refit. Host memory is
 ``None`` throughout. Split out of ``execute.py``; ``xreshard.runtime.execute`` re-exports every
 public name.
+
+Streams. The executor packs, unpacks and copies on xreshard's own non-blocking stream of
+each device (:func:`own_stream`), never on the legacy default stream that torch's default
+stream is (a pack there would serialize with every legacy-stream kernel of the process, and
+theirs with it). Bindings are ordered onto the binding thread's current CuPy stream when
+they are made (DLPack's handshake; :func:`capture_streams` keeps the caller's streams for a
+refit started in a thread); :func:`order_after_current` makes the own streams wait for it,
+and :func:`wait_devices` waits on the host for everything queued on them.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import sys
 import time
 from typing import Any, Callable, Mapping, Sequence
 
@@ -20,23 +29,90 @@ import numpy as np
 from ..dtypes import numpy_dtype
 from ..errors import RefitError
 from ..ir.layout import Layout
-from ..transport.base import TransportTimeout
+from ..transport.base import TransportTimeout, event_done
 
 #: (rank, tensor name) -> binding
 Bindings = Mapping[tuple[int, str], Any]
 
-__all__ = ["Bindings", "binding_devices", "cast_problems", "cuda_preflight", "cupy_knows",
-           "cupy_missing", "device_alloc", "device_ctx", "device_of", "device_problems",
-           "host_alloc", "wait_devices"]
+__all__ = ["Bindings", "binding_devices", "capture_streams", "cast_problems", "cuda_preflight",
+           "cupy_knows", "cupy_missing", "device_alloc", "device_ctx", "device_of",
+           "device_problems", "host_alloc", "order_after_current", "own_stream",
+           "wait_devices"]
+
+_OWN_STREAMS: dict[int, Any] = {}
+
+
+def own_stream(dev: int) -> Any:
+    """xreshard's non-blocking CuPy stream on CUDA device ``dev`` (one per process)."""
+    s = _OWN_STREAMS.get(dev)
+    if s is None:
+        import cupy
+        with cupy.cuda.Device(dev):
+            s = _OWN_STREAMS.setdefault(dev, cupy.cuda.Stream(non_blocking=True))
+    return s
+
+
+@contextlib.contextmanager
+def _on_device(dev: int) -> Any:
+    import cupy
+    with cupy.cuda.Device(dev), own_stream(dev):
+        yield
 
 
 def device_ctx(dev: int | None) -> Any:
-    """``cupy.cuda.Device(dev)`` (CuPy kernels and allocations go to the current device),
-    or nothing for host memory."""
+    """``cupy.cuda.Device(dev)`` with xreshard's own stream there current (CuPy kernels,
+    copies and allocations go to the current device and stream), or nothing for host
+    memory."""
     if dev is None:
         return contextlib.nullcontext()
+    return _on_device(dev)
+
+
+def order_after_current(devices: Sequence[int]) -> None:
+    """Make xreshard's own stream of each device wait for what this thread's current CuPy
+    stream there holds (the producers the bindings were ordered after), without a host
+    wait: an event, as DLPack's handshake does."""
     import cupy
-    return cupy.cuda.Device(dev)
+    for dev in devices:
+        with cupy.cuda.Device(dev):
+            current = cupy.cuda.get_current_stream()
+            mine = own_stream(dev)
+            if current.ptr != mine.ptr:
+                mine.wait_event(current.record())
+
+
+def capture_streams() -> Callable[[], Any]:
+    """This thread's current CuPy stream of every device, kept so that another thread can
+    make them current (``with capture_streams()():``): a refit started with
+    ``Refit.start`` binds and orders in its own thread, where CuPy's current stream (per
+    thread) would be the default one, not the caller's. Imports nothing: without CuPy
+    loaded there is nothing to keep."""
+    cupy = sys.modules.get("cupy")
+    streams: list[tuple[int, Any]] = []
+    if cupy is not None:
+        try:
+            for dev in range(int(cupy.cuda.runtime.getDeviceCount())):
+                with cupy.cuda.Device(dev):
+                    s = cupy.cuda.get_current_stream()
+                if s.ptr not in (0, 1, 2):     # the default streams: the thread has them
+                    streams.append((dev, s))
+        except Exception:       # noqa: BLE001 - no device, no driver: nothing to keep
+            streams = []
+
+    @contextlib.contextmanager
+    def enter() -> Any:
+        entered: list[tuple[int, Any]] = []
+        try:
+            for dev, s in streams:      # CuPy makes a stream current only under its device
+                with cupy.cuda.Device(dev):
+                    s.__enter__()
+                entered.append((dev, s))
+            yield
+        finally:
+            for dev, s in reversed(entered):
+                with cupy.cuda.Device(dev):
+                    s.__exit__(None, None, None)
+    return enter
 
 
 def host_alloc(n: int) -> Any:
@@ -64,18 +140,26 @@ def device_of(arr: Any) -> int | None:
 
 
 def wait_devices(devices: Sequence[int], deadline: float, timeout: float) -> None:
-    """Wait on the host until every copy queued so far on each device's current CuPy
-    stream ran: an event recorded there, polled with the run's deadline."""
+    """Wait on the host until every copy queued so far on each device's own stream (see
+    :func:`own_stream`) ran: an event recorded there, polled with the run's deadline.
+
+    Raises:
+        TransportTimeout: the copies did not finish in time.
+        CudaError: CUDA reported a hard error (``cudaEventQuery`` returns the errors of
+            earlier asynchronous work), at once, with CUDA's text.
+    """
     import cupy
     events = []
     for dev in devices:
         with cupy.cuda.Device(dev):
             ev = cupy.cuda.Event(block=False, disable_timing=True)
-            ev.record()                     # on this device's current stream
+            ev.record(own_stream(dev))
             events.append((dev, ev))
+    where = f"the refit's copies on CUDA device(s) {list(devices)}"
     interval = 1e-5
     while True:
-        late = [dev for dev, ev in events if not ev.done]
+        late = [dev for dev, ev in events
+                if not event_done(cupy.cuda.runtime, ev.ptr, where)]
         if not late:
             return
         if time.monotonic() >= deadline:
@@ -172,9 +256,8 @@ def cuda_preflight(device: int) -> None:
         raise RefitError(
             f"CUDA device {device} cannot run the refit's copy kernels: {step} failed: "
             f"{type(e).__name__}: {e}. CuPy compiles its kernels with NVRTC and needs the "
-            f"CUDA headers and libnvrtc of its CUDA major version: {install_hint()} "
-            f"(they bring NVRTC through cuda-toolkit[nvrtc,cudart]), or install the CUDA "
-            f"toolkit matching the CuPy wheel") from e
+            f"CUDA headers and libnvrtc of its CUDA major version: {install_hint()}; or "
+            f"install the CUDA toolkit matching the CuPy wheel") from e
     _PREFLIGHT_DONE.add(device)
 
 

@@ -24,19 +24,25 @@ budget per round for that); a schedule whose consecutive rounds do not fit runs 
 after round. Only one thread ever touches the transport, so a transport needs nothing
 beyond the grouped protocol (and NCCL's groupStart/End semantics hold: the wire opens a
 group, posts, closes it). Device (CUDA) bindings run round after round: their copies and
-NCCL calls are queued asynchronously on the device's current stream already, and that
-stream is per thread in CuPy, so a second thread would need cross-stream events.
+NCCL calls are queued asynchronously on xreshard's own stream of each device already.
 
-Forwards (a relay, see :mod:`xreshard.planner.relay`): a send may read what an earlier round of the
-same run received. The pipelined path then waits for (and unpacks) the earlier rounds
-before packing it, after round k's other sends have gone to the wire:
+Stages (a prepared call, see :mod:`xreshard.planner.prepare`): every bucket and same-rank
+copy names its stage, and each stage has its own layouts, wire dtypes and bindings
+(:class:`Tables`), so a tensor is keyed by ``(name, stage)``. Forwards (a relay, see
+:mod:`xreshard.planner.relay`): a send may read what an earlier round of the same run
+received. The pipelined path then waits for (and unpacks) the earlier rounds before
+packing it, after round k's other sends have gone to the wire:
 
 ```
  calling thread  ... | pack k (own sources) | wait + unpack k-1 | pack k (forwards) | ...
 ```
 
-Modules: the wire thread is ``wire.py``, device placement and CUDA checks ``devices.py``,
-the copy kernels ``copies.py``; this module re-exports their public names.
+:func:`run` runs a whole prepared call (each stage's bindings cut by
+:func:`xreshard.runtime.metadata.stage_bindings`) in one executor.
+
+Modules: the wire thread is ``wire.py``, the pack/unpack programs ``programs.py``, device
+placement and CUDA checks ``devices.py``, the copy kernels ``copies.py``; this module
+re-exports the public names of the last two.
 
 A *binding* is what a rank holds of a tensor, in the tensor's canonical coordinates: an
 array (numpy on CPU, CuPy on GPU) for product layouts, a list of arrays (one per region)
@@ -49,7 +55,6 @@ from __future__ import annotations
 import contextlib
 import gc
 import logging
-import os
 import threading
 import time
 from dataclasses import dataclass, field
@@ -64,30 +69,32 @@ from .devices import (Bindings, binding_devices, cast_problems, cuda_preflight, 
 from .devices import device_alloc as _device_alloc
 from .devices import device_ctx as _device_ctx
 from .devices import host_alloc as _host_alloc
+from .devices import order_after_current as _order_after_current
 from .devices import wait_devices as _wait_devices
-from ..dtypes import ITEMSIZE, as_dtype, bits_dtype, dtype_name, itemsize, numpy_dtype
+from ..config import Tuning
+from ..dtypes import as_dtype, numpy_dtype
 from ..errors import RefitError
 from ..ir.layout import Layout, Region
-from ..planner.schedule import Bucket, Schedule
+from ..planner.prepare import PreparedCall
+from ..planner.schedule import Bucket, Copy, Schedule
 from ..transport.base import Transport
+from .metadata import StageBindings
+from .programs import Programs, Tables, packed
 from .wire import Wire
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Bindings", "ExecStats", "Executor", "binding_devices", "cast_problems",
+__all__ = ["Bindings", "ExecStats", "Executor", "Tables", "binding_devices", "cast_problems",
            "copy_into", "cuda_preflight", "cupy_knows", "cupy_missing", "device_of",
-           "device_problems", "gc_paused", "numpy_dtype", "pipelined_by_default", "view_of",
-           "widened"]
+           "device_problems", "gc_paused", "numpy_dtype", "run", "view_of", "widened"]
 
 
 _GC_LOCK = threading.Lock()
 _GC_STATE = [0, False]      # nesting depth, whether the collector was on at the first entry
-#: benchmarks switch the pause off to measure what it saves
-PAUSE_GC = True
 
 
 @contextlib.contextmanager
-def gc_paused() -> Any:
+def gc_paused(enabled: bool = True) -> Any:
     """Pause Python's cyclic garbage collector for a block (nested and threads: the last to
     leave restores it).
 
@@ -98,8 +105,11 @@ def gc_paused() -> Any:
     collected at the collector's next turn after the block. The collector is per process:
     while a refit started with ``Refit.start`` runs, the caller's own cyclic garbage waits
     for the refit's end too (reference counting still frees everything else).
+
+    Args:
+        enabled: False runs the block with the collector as it is (``Tuning.pause_gc``).
     """
-    if not PAUSE_GC:
+    if not enabled:
         yield
         return
     with _GC_LOCK:
@@ -140,10 +150,10 @@ class Executor:
     """Runs a schedule between bindings over a transport.
 
     Device bindings (CuPy arrays over torch / JAX GPU memory) are packed, unpacked and
-    copied on the current CuPy stream of the device that holds them, under that device
-    (a process with several GPUs keeps one staging arena per device). Before the first
-    run on a device, :func:`cuda_preflight` compiles and runs the copy kernels once, so a
-    missing NVRTC or header fails with a clear error instead of mid-refit.
+    copied on xreshard's own non-blocking stream of the device holding them, after what
+    the calling thread's current stream there holds (``devices.py``; one staging arena
+    per device). Before the first run on a device, :func:`cuda_preflight` compiles and
+    runs the copy kernels once, so a missing NVRTC or header fails clearly, not mid-refit.
 
     Contract: when :meth:`run` returns, every byte of every destination has landed and
     every read of every source is done, for any stream: the executor waits (on the host,
@@ -153,54 +163,75 @@ class Executor:
 
     Args:
         schedule: this process's buckets (see :mod:`xreshard.planner.schedule`).
-        src_layouts / dst_layouts: layouts of every tensor on each side. Their dtypes are
-            the truth: a binding may be a raw-bits view of its tensor (see copy_into).
-        wire_dtypes: dtype on the wire per tensor.
-        src_bindings / dst_bindings: ``(rank, name) -> binding`` for this process's ranks.
+        src_layouts / dst_layouts: stage 0's layouts of every tensor on each side. Their
+            dtypes are the truth: a binding may be a raw-bits view of its tensor (see
+            copy_into).
+        wire_dtypes: stage 0's dtype on the wire per tensor.
+        src_bindings / dst_bindings: stage 0's ``(rank, name) -> binding`` for this
+            process's ranks.
         transport: moves the buckets (routes same-process pairs to a local copy).
         timeout: seconds each round may take.
         alloc: ``alloc(nbytes)`` -> a 1-D uint8 staging array; called under the rank's
             CUDA device for device bindings. Default: numpy for host bindings, CuPy for
             device ones.
-        pipeline: overlap packing, the wire and unpacking (see the module docstring);
-            None reads ``XRESHARD_EXECUTOR`` (``pipelined``, the default, or ``rounds``).
-            Every process of a refit must choose the same (the refit schedules rounds of
-            half the budget when pipelining).
+        pipeline: overlap packing, the wire and unpacking (see the module docstring).
+            Every process of a refit runs rounds of the same size; the pipelined path
+            holds two rounds, so a refit that pipelines schedules rounds of half the
+            budget (``CallOptions.halved``).
         staging_bytes: the most staging one rank may hold; the pipelined arena (two
             rounds) stays within it times the ranks sharing the arena, else rounds run one
             after another. None: no cap.
-        forwarded: source tensors whose bindings are this run's own destination memory
-            (a relay forwards what it received, see :mod:`xreshard.planner.relay`). The schedule
-            puts each of their sends in a round after the one that writes its bytes; the
-            executor sends them only once the earlier rounds landed (the pipelined path
-            waits for them instead of packing ahead), runs their same-rank copies after
-            every round, and counts them in ``ExecStats.bytes_forwarded``.
+        forwarded: the ``(name, stage)`` whose source bindings are this run's own
+            destination memory (a relay forwards what it received, see
+            :mod:`xreshard.planner.relay`). The schedule puts each of their sends in a
+            round after the one that writes its bytes; the executor sends them only once
+            the earlier rounds landed (the pipelined path waits for them instead of
+            packing ahead), runs their same-rank copies after every round, and counts them
+            in ``ExecStats.bytes_forwarded``.
         arena: staging to reuse (another executor's :attr:`arena`), or None.
+        later_stages: the :class:`Tables` of stages 1, 2, ... of a prepared call (the
+            buckets and copies of ``schedule`` name their stage).
+        programs: a dict that keeps the pack/unpack programs across runs of this
+            schedule and these layouts (its owner resets it when they change), or None.
+        pause_gc: pause the cyclic garbage collector while running (``gc_paused``).
     """
 
     def __init__(self, schedule: Schedule, src_layouts: Mapping[str, Layout],
                  dst_layouts: Mapping[str, Layout], wire_dtypes: Mapping[str, str],
                  src_bindings: Bindings, dst_bindings: Bindings, transport: Transport,
                  timeout: float, alloc: Callable[[int], Any] | None = None,
-                 pipeline: bool | None = None, staging_bytes: int | None = None,
-                 forwarded: frozenset[str] = frozenset(), arena: Any = None):
+                 pipeline: bool = True, staging_bytes: int | None = None,
+                 forwarded: frozenset[tuple[str, int]] = frozenset(), arena: Any = None, *,
+                 later_stages: Sequence[Tables] = (), programs: dict | None = None,
+                 pause_gc: bool = True):
         self.schedule = schedule
-        self.src_layouts = src_layouts
-        self.dst_layouts = dst_layouts
-        # canonical names: an array's own dtype may be raw bits (see copy_into)
-        self.wire = {n: d if isinstance(d, str) and d in ITEMSIZE else dtype_name(d)
-                     for n, d in wire_dtypes.items()}
-        self.src_bindings = src_bindings
-        self.dst_bindings = dst_bindings
+        self.tables = (Tables(src_layouts, dst_layouts, wire_dtypes, src_bindings,
+                              dst_bindings),) + tuple(later_stages)
         self.transport = transport
         self.timeout = timeout
         self._alloc = alloc
-        self.pipeline = pipelined_by_default() if pipeline is None else bool(pipeline)
-        self._programs = _programs_for(schedule, src_layouts, dst_layouts, wire_dtypes)
+        self.pipeline = bool(pipeline)
+        self.programs = Programs(self.tables, programs)
         self.staging_bytes = staging_bytes
         #: staging per CUDA device ordinal (None: host memory), reused across runs
         self._arena: dict[int | None, Any] = {} if arena is None else arena
         self.forwarded = frozenset(forwarded)
+        self.pause_gc = pause_gc
+
+    @property
+    def src_bindings(self) -> Bindings:
+        """Stage 0's source bindings."""
+        return self.tables[0].src_bindings
+
+    @property
+    def dst_bindings(self) -> Bindings:
+        """Stage 0's destination bindings."""
+        return self.tables[0].dst_bindings
+
+    @property
+    def wire(self) -> Mapping[str, str]:
+        """Stage 0's wire dtype per tensor, by canonical name."""
+        return self.programs.wire(0)
 
     @property
     def arena(self) -> dict[int | None, Any]:
@@ -212,83 +243,46 @@ class Executor:
 
     # ------------------------------------------------------------ views
 
-    def _src(self, rank: int, name: str, region: Region) -> Any:
-        return view_of(self.src_bindings[(rank, name)], self.src_layouts[name], rank, region)
+    def _is_forward(self, b: Bucket) -> bool:
+        # a bucket holds one stage's tensors only (see relay.overlapped_schedule)
+        return bool(self.forwarded) and (b.items[0].name, b.stage) in self.forwarded
 
-    def _dst(self, rank: int, name: str, region: Region) -> Any:
-        return view_of(self.dst_bindings[(rank, name)], self.dst_layouts[name], rank, region)
-
-    def _program(self, b: Bucket, side: int) -> list[tuple]:
-        """How to pack (side 0) or unpack (side 1) bucket ``b``: per item, in message order,
-        (binding key, buffer index or None, slices, byte range, wire bits dtype, shape,
-        wire dtype, binding dtype). Geometry only, so it is computed once per bucket and
-        reused by every call with the same schedule and layouts (see ``_programs_for``)."""
-        key = (id(b), side)
-        prog = self._programs.get(key)
-        if prog is None:
-            layouts = self.src_layouts if side == 0 else self.dst_layouts
-            rank = b.src if side == 0 else b.dst
-            prog = []
-            for it, off in self._packed(b):
-                lay = layouts[it.name]
-                i, slices = lay.locate(rank, it.region)
-                wire = self.wire[it.name]
-                prog.append(((rank, it.name), None if lay.is_product else i,
-                             slices + (Ellipsis,), off, off + it.nbytes,
-                             bits_dtype(itemsize(wire)), it.region.shape, wire, lay.dtype))
-            self._programs[key] = prog
-        return prog
+    def _zero_copy(self, b: Bucket, side: int) -> Any:
+        """The bound view itself as the message (a bucket of one item, no cast, one
+        contiguous run; writeable to receive into), or None."""
+        if len(b.items) != 1:
+            return None
+        step = self.programs.program(b, side)[0]
+        if step.dtype != step.wire:
+            return None
+        tables = self.tables[b.stage]
+        arr = (tables.src_bindings if side == 0 else tables.dst_bindings)[step.key]
+        view = _item(arr, step.index, step.slices)
+        if not view.flags.c_contiguous or (side == 1 and not getattr(view.flags, "writeable",
+                                                                      True)):
+            return None
+        return view.reshape(-1).view(np.uint8)
 
     def _zero_copy_send(self, b: Bucket) -> Any:
-        if len(b.items) != 1:
-            return None
-        key, i, sl, _, _, _, _, wire, dtype = self._program(b, 0)[0]
-        if dtype != wire:
-            return None
-        arr = self.src_bindings[key]
-        view = (arr if i is None else arr[i])[sl]
-        if not view.flags.c_contiguous:
-            return None
-        return view.reshape(-1).view(np.uint8)
+        return self._zero_copy(b, 0)
 
     def _zero_copy_recv(self, b: Bucket) -> Any:
-        if len(b.items) != 1:
-            return None
-        key, i, sl, _, _, _, _, wire, dtype = self._program(b, 1)[0]
-        if dtype != wire:
-            return None
-        arr = self.dst_bindings[key]
-        view = (arr if i is None else arr[i])[sl]
-        if not view.flags.c_contiguous or not getattr(view.flags, "writeable", True):
-            return None
-        return view.reshape(-1).view(np.uint8)
+        return self._zero_copy(b, 1)
 
     # ------------------------------------------------------------ pack / unpack
 
     def _packed(self, b: Bucket) -> list[tuple[Any, int]]:
-        """A bucket's items with their byte offsets in its message.
-
-        Widest wire dtype first: element sizes are powers of two, so every item then starts
-        at a multiple of its own element size (the message starts 256-byte aligned in
-        staging). CUDA faults on misaligned loads; numpy would only be slower. Both peers
-        derive the same order from the same bucket.
-        """
-        items = sorted(b.items, key=lambda it: -itemsize(self.wire[it.name]))
-        out, off = [], 0
-        for it in items:
-            out.append((it, off))
-            off += it.nbytes
-        return out
+        """Bucket ``b``'s items with their byte offsets in its message (``programs.packed``)."""
+        return packed(b, self.programs.wire(b.stage))
 
     def _pack(self, b: Bucket, buf: Any) -> None:
-        bindings = self.src_bindings
+        bindings = self.tables[b.stage].src_bindings
         xp = array_module(buf)
         if xp is np and len(b.items) > 1:
             return self._pack_runs(b, buf)
-        for key, i, sl, lo, hi, wide, shape, wire, dtype in self._program(b, 0):
-            arr = bindings[key]
-            out = buf[lo:hi].view(wide).reshape(shape)
-            copy_into(xp, out, wire, (arr if i is None else arr[i])[sl], dtype)
+        for e in self.programs.program(b, 0):
+            out = buf[e.lo:e.hi].view(e.bits).reshape(e.shape)
+            copy_into(xp, out, e.wire, _item(bindings[e.key], e.index, e.slices), e.dtype)
 
     def _pack_runs(self, b: Bucket, buf: np.ndarray) -> None:
         """Host packing of a bucket of many items: consecutive small items of one dtype that
@@ -296,96 +290,70 @@ class Executor:
         (one C call instead of a copy per item; thousands of tiny tensors share a bucket),
         typed with ``casting="no"``: bits as they are; numpy refuses a binding of another
         numpy dtype (a raw-bits view), and that run is gathered as bits instead."""
-        runs = self._runs(b, 0)
-        bindings = self.src_bindings
-        for small, entries, lo, hi, wide, typed in runs:
-            if small and len(entries) > 1:
-                parts = [bindings[e[0]] if e[9] else _item(bindings[e[0]], e[1], e[2])
-                         for e in entries]
+        bindings = self.tables[b.stage].src_bindings
+        for run in self.programs.runs(b, 0):
+            if run.small and len(run.steps) > 1:
+                parts = [bindings[e.key] if e.whole else _item(bindings[e.key], e.index,
+                                                               e.slices)
+                         for e in run.steps]
                 try:
-                    np.concatenate(parts, axis=None, out=buf[lo:hi].view(typed),
+                    np.concatenate(parts, axis=None, out=buf[run.lo:run.hi].view(run.typed),
                                    casting="no")
                 except TypeError:       # some binding is not typed as its dtype: as bits
-                    np.concatenate([p.view(wide) for p in parts], axis=None,
-                                   out=buf[lo:hi].view(wide), casting="no")
+                    np.concatenate([p.view(run.bits) for p in parts], axis=None,
+                                   out=buf[run.lo:run.hi].view(run.bits), casting="no")
                 continue
-            for key_, i, sl, lo_, hi_, wide_, shape, wire, dtype, _ in entries:
-                out = buf[lo_:hi_].view(wide_).reshape(shape)
-                copy_into(np, out, wire, _item(bindings[key_], i, sl), dtype)
-
-    def _runs(self, b: Bucket, side: int) -> list[tuple]:
-        """Bucket ``b``'s program (side 0: pack, 1: unpack) cut into runs of consecutive
-        small items of one binding dtype that need no cast: ``(small, entries, lo, hi, bits
-        dtype, numpy dtype)``, each entry the program's plus whether it is its binding's
-        whole local array (no slicing needed). Computed once per bucket, like programs."""
-        key = (id(b), 2 + side)
-        runs = self._programs.get(key)
-        if runs is not None:
-            return runs
-        layouts = self.src_layouts if side == 0 else self.dst_layouts
-        raw: list[list] = []
-        for e in self._program(b, side):
-            lay = layouts[e[0][1]]
-            whole = lay.is_product and len(e[6]) == lay.ndim and all(
-                s.start == 0 and s.stop == n
-                for s, n in zip(e[2], lay.local_shape(e[0][0])))
-            e = e + (whole,)
-            small = e[7] == e[8] and e[4] - e[3] <= _RUN_ITEM_BYTES
-            if small and raw and raw[-1][0] and raw[-1][3] == e[5] and raw[-1][4] == e[8]:
-                raw[-1][1].append(e)
-                raw[-1][2] = e[4]
-            else:
-                raw.append([small, [e], e[4], e[5], e[8]])
-        runs = [(small, tuple(es), es[0][3], hi, wide,
-                 numpy_dtype(dtype) if small else None)
-                for small, es, hi, wide, dtype in raw]
-        self._programs[key] = runs
-        return runs
+            for e in run.steps:
+                out = buf[e.lo:e.hi].view(e.bits).reshape(e.shape)
+                copy_into(np, out, e.wire, _item(bindings[e.key], e.index, e.slices), e.dtype)
 
     def _unpack(self, b: Bucket, buf: Any) -> None:
         if isinstance(buf, np.ndarray):
             return self._unpack_host(b, buf)
-        for key, i, sl, lo, hi, wide, shape, wire, dtype in self._program(b, 1):
-            dst = _item(self.dst_bindings[key], i, sl)
-            data = buf[lo:hi].view(wide).reshape(shape)
-            copy_into(array_module(dst), dst, dtype, data, wire)
+        bindings = self.tables[b.stage].dst_bindings
+        for e in self.programs.program(b, 1):
+            dst = _item(bindings[e.key], e.index, e.slices)
+            data = buf[e.lo:e.hi].view(e.bits).reshape(e.shape)
+            copy_into(array_module(dst), dst, e.dtype, data, e.wire)
 
     def _unpack_host(self, b: Bucket, buf: np.ndarray) -> None:
         """Unpacking from host staging: a small item that needs no cast into a host array is
         one assignment of the message's bytes seen as the array's own dtype (so its bits are
         copied, as :func:`copy_into` copies them); anything else goes through
         :func:`copy_into`."""
-        bindings = self.dst_bindings
+        bindings = self.tables[b.stage].dst_bindings
         ndarray = np.ndarray
-        for small, entries, _, _, _, _ in self._runs(b, 1):
-            for key, i, sl, lo, hi, wide, shape, wire, dtype, whole in entries:
-                arr = bindings[key]
-                if small and type(arr) is ndarray:
-                    dst = arr if whole else _item(arr, i, sl)
+        for run in self.programs.runs(b, 1):
+            for e in run.steps:
+                arr = bindings[e.key]
+                if run.small and type(arr) is ndarray:
+                    dst = arr if e.whole else _item(arr, e.index, e.slices)
                     # the same dtype on both sides: item assignment copies bits, no cast
-                    dst[...] = buf[lo:hi].view(dst.dtype).reshape(shape)
+                    dst[...] = buf[e.lo:e.hi].view(dst.dtype).reshape(e.shape)
                     continue
-                dst = _item(arr, i, sl)
-                data = buf[lo:hi].view(wide).reshape(shape)
-                copy_into(array_module(dst), dst, dtype, data, wire)
+                dst = _item(arr, e.index, e.slices)
+                data = buf[e.lo:e.hi].view(e.bits).reshape(e.shape)
+                copy_into(array_module(dst), dst, e.dtype, data, e.wire)
 
-    def _local_copy(self, t: Any) -> int:
-        src = self._src(t.src, t.name, t.region)
-        dst = self._dst(t.dst, t.name, t.region)
-        wire = self.wire[t.name]
-        src_dtype, dst_dtype = self.src_layouts[t.name].dtype, self.dst_layouts[t.name].dtype
+    def _local_copy(self, c: Copy) -> int:
+        tables = self.tables[c.stage]
+        src_layout, dst_layout = tables.src_layouts[c.name], tables.dst_layouts[c.name]
+        src = view_of(tables.src_bindings[(c.rank, c.name)], src_layout, c.rank, c.region)
+        dst = view_of(tables.dst_bindings[(c.rank, c.name)], dst_layout, c.rank, c.region)
+        wire = self.programs.wire(c.stage)[c.name]
+        src_dtype, dst_dtype = src_layout.dtype, dst_layout.dtype
         xp = array_module(dst)
         if src_dtype != wire and dst_dtype != wire:
             # the cast the wire would have made, then the receiver's
             src, src_dtype = as_dtype(src, src_dtype).astype(numpy_dtype(wire)), wire
         copy_into(xp, dst, dst_dtype, src, src_dtype)
-        return t.nbytes
+        return c.nbytes
 
     # ------------------------------------------------------------ devices
 
     def _devices(self) -> dict[int, int | None]:
         """CUDA device ordinal of each local rank's bindings (None: host memory)."""
-        sides = (self.src_bindings, self.dst_bindings)
+        sides = [b for t in self.tables for b in (t.src_bindings, t.dst_bindings)]
         if all(set(map(type, b.values())) <= {np.ndarray} for b in sides):
             # host arrays only (the common case on CPU): no device, checked in C
             return {rank: None for b in sides for rank, _ in b}
@@ -398,10 +366,12 @@ class Executor:
     def _cast_problems(self) -> list[str]:
         """Casts this process would run on a GPU that CuPy cannot compute."""
         problems = []
-        for side, bindings, layouts in (("send", self.src_bindings, self.src_layouts),
-                                        ("receive", self.dst_bindings, self.dst_layouts)):
-            problems += cast_problems(bindings, layouts, lambda n: self.wire[n], self._device,
-                                      side, knows=cupy_knows)
+        for k, t in enumerate(self.tables):
+            wire = self.programs.wire(k)
+            for side, bindings, layouts in (("send", t.src_bindings, t.src_layouts),
+                                            ("receive", t.dst_bindings, t.dst_layouts)):
+                problems += cast_problems(bindings, layouts, wire.__getitem__, self._device,
+                                          side, knows=cupy_knows)
         return sorted(set(problems))
 
     # ------------------------------------------------------------ run
@@ -471,14 +441,14 @@ class Executor:
         When it returns, destinations are written and sources read, on every stream (see
         the class docstring).
         """
-        with gc_paused():
+        with gc_paused(self.pause_gc):
             return self._run()
 
     def _run(self) -> ExecStats:
         stats = ExecStats()
         t0 = time.perf_counter()
-        self._local_src = {r for r, _ in self.src_bindings}
-        self._local_dst = {r for r, _ in self.dst_bindings}
+        self._local_src = {r for t in self.tables for r, _ in t.src_bindings}
+        self._local_dst = {r for t in self.tables for r, _ in t.dst_bindings}
         self._device = self._devices()
         gpus = sorted({d for d in self._device.values() if d is not None})
         if gpus:
@@ -489,6 +459,7 @@ class Executor:
                                  "own dtype (wire_dtype), or cast it in the framework first")
             for dev in gpus:
                 cuda_preflight(dev)
+            _order_after_current(gpus)      # own streams after the bindings' producers
         ok = False
         try:
             arena = None
@@ -545,14 +516,13 @@ class Executor:
     def _local_copies(self, stats: ExecStats, forwarded: bool) -> None:
         """Same-rank copies: those of ``forwarded`` tensors read what the rounds wrote, so
         they run after every round (``forwarded=True``); the others before or beside."""
-        for t in self.schedule.local_copies:
-            if (t.name in self.forwarded) == forwarded:
-                with self._on(t.dst):
-                    stats.bytes_local += self._local_copy(t)
+        for c in self.schedule.local_copies:
+            if ((c.name, c.stage) in self.forwarded) == forwarded:
+                with self._on(c.rank):
+                    stats.bytes_local += self._local_copy(c)
 
     def _count_send(self, b: Bucket, stats: ExecStats) -> None:
-        # a bucket holds one stage's tensors only (see relay.overlapped_schedule)
-        if self.forwarded and b.items[0].name in self.forwarded:
+        if self._is_forward(b):
             stats.bytes_forwarded += b.nbytes
         else:
             stats.bytes_sent += b.nbytes
@@ -563,20 +533,22 @@ class Executor:
         offsets: dict[int | None, int] = {}
         recvs, unpack = self._recv_buffers(buckets, offsets, stats)
         with self.transport.group(self.timeout):
-            # receives first, so peers' sends can start while this process packs
+            # receives first, so peers' sends can start while this process packs; posted
+            # on the rank's device and stream: transports order after what is queued there
             for buf, b in recvs:
-                self.transport.recv(buf, b.src, b.dst, b.tag)
+                with self._on(b.dst):
+                    self.transport.recv(buf, b.src, b.dst, b.tag)
             # transports that start posts at once (gloo) move message i while i+1 packs
             for b in buckets:
                 if b.src in self._local_src:
-                    buf = self._zero_copy_send(b)
-                    if buf is None:
-                        buf = self._take(offsets, b.src, b.nbytes)
-                        with self._on(b.src):
+                    with self._on(b.src):
+                        buf = self._zero_copy_send(b)
+                        if buf is None:
+                            buf = self._take(offsets, b.src, b.nbytes)
                             self._pack(b, buf)
-                    else:
-                        stats.num_zero_copy += 1
-                    self.transport.send(buf, b.src, b.dst, b.tag)
+                        else:
+                            stats.num_zero_copy += 1
+                        self.transport.send(buf, b.src, b.dst, b.tag)
                     self._count_send(b, stats)
         for b, buf in unpack:
             with self._on(b.dst):
@@ -598,7 +570,6 @@ class Executor:
         wire = Wire(self.transport, self.timeout)
         pending: dict[int, list[tuple[Bucket, Any]]] = {}
         started: dict[int, float] = {}
-        forwarded = self.forwarded
 
         def finish(k: int) -> None:
             if k not in pending:
@@ -621,11 +592,11 @@ class Executor:
                 pending[k] = unpack
                 wire.open(k, recvs)
                 sends = [b for b in buckets if b.src in self._local_src]
-                if forwarded:
-                    sends.sort(key=lambda b: b.items[0].name in forwarded)
+                if self.forwarded:
+                    sends.sort(key=self._is_forward)
                 landed = False
                 for b in sends:
-                    if not landed and forwarded and b.items[0].name in forwarded:
+                    if not landed and self._is_forward(b):
                         for j in sorted(pending):
                             if j < k:
                                 finish(j)
@@ -654,34 +625,11 @@ class Executor:
 
 
 
-def _programs_for(schedule: Schedule, src_layouts: Mapping[str, Layout],
-                  dst_layouts: Mapping[str, Layout], wire_dtypes: Mapping[str, str]) -> dict:
-    """The pack/unpack programs of ``schedule`` with these layouts, kept on the schedule
-    (refits pass the same plan, schedule and layout objects on every call until they
-    replan; all are immutable), valid while the same layout objects are passed."""
-    ent = schedule.programs.get("last")
-    if ent is None or not (ent[0] is src_layouts and ent[1] is dst_layouts
-                           and ent[2] is wire_dtypes):
-        ent = schedule.programs["last"] = (src_layouts, dst_layouts, wire_dtypes, {})
-    return ent[3]
-
-
 def _item(binding: Any, i: int | None, slices: tuple) -> Any:
     """The view a program entry names: buffer ``i`` of an explicit binding (None: the one
     array of a product binding), sliced."""
     return (binding if i is None else binding[i])[slices]
 
-
-def pipelined_by_default() -> bool:
-    """``XRESHARD_EXECUTOR``: ``pipelined`` (default) or ``rounds``."""
-    kind = os.environ.get("XRESHARD_EXECUTOR", "pipelined").strip().lower()
-    if kind not in ("pipelined", "rounds"):
-        raise RefitError(f"XRESHARD_EXECUTOR={kind!r}: expected 'pipelined' or 'rounds'")
-    return kind == "pipelined"
-
-
-#: items up to this size are gathered together when packed on the host (see _pack_runs)
-_RUN_ITEM_BYTES = 1 << 14
 
 _ALIGN = 256    # staging offsets: what cudaMalloc guarantees, enough for any element
 
@@ -690,3 +638,38 @@ def _aligned(n: int) -> int:
     return -(-n // _ALIGN) * _ALIGN
 
 
+# ---------------------------------------------------------------------------- a prepared call
+
+
+def run(prepared: PreparedCall, bindings: StageBindings, transport: Transport, *,
+        timeout: float, arena: dict | None = None, programs: dict | None = None,
+        tuning: Tuning = Tuning()) -> tuple[ExecStats, dict]:
+    """Run a prepared call: every stage, in one executor, over ``transport``.
+
+    Args:
+        prepared: the call (:func:`xreshard.planner.prepare.prepare`, for this process's
+            ranks).
+        bindings: its stage bindings (``metadata.stage_bindings``).
+        transport: moves the buckets.
+        timeout: seconds each round may take.
+        arena: staging kept from earlier runs (per device), or None.
+        programs: the pack/unpack program cache of ``prepared`` (its owner keeps one per
+            prepared call), or None.
+        tuning: the executor kind and the GC pause (``Tuning``); the schedule's round size
+            was decided when the call was prepared (``CallOptions.halved``).
+
+    Returns:
+        ``(stats, arena)``: what this process moved, and the staging to keep.
+
+    Raises:
+        What the executor raises (see :meth:`Executor.run`).
+    """
+    tables = [Tables(st.src_layouts, st.dst_layouts, st.wire_dtypes, bindings.src[k],
+                     bindings.dst[k]) for k, st in enumerate(prepared.stages)]
+    executor = Executor(prepared.schedule, *tables[0], transport, timeout,
+                        pipeline=tuning.executor == "pipelined",
+                        staging_bytes=prepared.options.staging_bytes,
+                        forwarded=prepared.forwarded, arena=arena,
+                        later_stages=tables[1:], programs=programs, pause_gc=tuning.pause_gc)
+    stats = executor.run()
+    return stats, executor.arena

@@ -1,12 +1,48 @@
 """Threads a refit runs beside its caller: a started refit (:class:`RefitHandle`) and the
-checksums of the sources, computed while the bytes move (:class:`Background`)."""
+checksums of the sources, computed while the bytes move (:class:`Background`).
+
+A started refit binds and moves in its own thread, but the caller's CUDA streams are what
+its tensors were produced on: CuPy's and torch's current streams are per thread, and
+binding orders the copies after the *current* stream (DLPack's handshake). So ``start()``
+captures the caller's current streams (CuPy's, and every loaded adapter's through its
+optional ``capture_streams`` hook: torch's) and the thread makes them current before it
+binds.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import threading
+import weakref
 from typing import Any, Callable
 
-__all__ = ["Background", "RefitHandle"]
+__all__ = ["Background", "RefitHandle", "caller_streams"]
+
+
+def caller_streams() -> Callable[[], Any]:
+    """The calling thread's current CUDA streams (CuPy's, and those of every loaded adapter
+    with a ``capture_streams`` hook), as a context factory that makes them current in
+    another thread. Imports no framework: one that is not loaded has no streams."""
+    from . import registry
+    from .devices import capture_streams
+    enters = [capture_streams()]
+    for entry in registry.adapters():
+        if entry.ready():
+            hook = getattr(entry.load(), "capture_streams", None)
+            got = hook() if hook is not None else None
+            if got is not None:
+                enters.append(got)
+
+    @contextlib.contextmanager
+    def enter() -> Any:
+        with contextlib.ExitStack() as stack:
+            for e in enters:
+                stack.enter_context(e())
+            yield
+    return enter
+
+logger = logging.getLogger("xreshard.runtime.refit")
 
 
 class Background:
@@ -39,9 +75,46 @@ class Background:
         return self._value
 
 
+class _Outcome:
+    """What a started refit ended with, shared by its thread and its handle (the thread
+    holds no reference to the handle, so a dropped handle is collected while it runs)."""
+
+    def __init__(self, refit: Any):
+        self._lock = threading.Lock()
+        self._refit = refit
+        self.error: BaseException | None = None
+        self.observed = False
+        self.dropped = False
+
+    def failed(self, error: BaseException) -> None:
+        with self._lock:
+            self.error = error
+            report = self.dropped
+        if report:
+            self._unobserved()
+
+    def drop(self) -> None:
+        """The handle was collected (``weakref.finalize``)."""
+        with self._lock:
+            self.dropped = True
+            report = self.error is not None and not self.observed
+        if report:
+            self._unobserved()
+
+    def _unobserved(self) -> None:
+        """A failure nobody will ``wait()`` for: say so, and mark the destination stale."""
+        self._refit.stale = True
+        logger.warning("a started refit failed and its handle was dropped without wait() "
+                       "(destination stale at v%d): %s: %s", self._refit.version,
+                       type(self.error).__name__, self.error)
+
+
 class RefitHandle:
     """A refit started with :meth:`xreshard.runtime.refit.Refit.start`, running in a background
     thread.
+
+    A handle dropped without ``wait()`` whose refit fails logs the error at WARNING and
+    sets ``refit.stale`` (nobody else will hear of it).
 
     Args:
         refit: the refit (its ``version`` names the call in messages).
@@ -57,10 +130,23 @@ class RefitHandle:
         self._receive = receive
         self._run = run
         self._thread: Background | None = None
+        self._outcome = _Outcome(refit)
 
     def start(self) -> None:
-        self._thread = Background(lambda: self._run(self._send, self._receive),
-                                  name="xreshard-refit")
+        """Run the refit in a thread, on the caller's current CUDA streams (captured here,
+        in the caller's thread: see the module docstring)."""
+        streams = caller_streams()
+        run, send, receive, outcome = self._run, self._send, self._receive, self._outcome
+
+        def body() -> Any:
+            try:
+                with streams():
+                    return run(send, receive)
+            except BaseException as e:
+                outcome.failed(e)
+                raise
+        self._thread = Background(body, name="xreshard-refit")
+        weakref.finalize(self, outcome.drop)
 
     def done(self) -> bool:
         """Whether the refit finished (successfully or not)."""
@@ -81,4 +167,5 @@ class RefitHandle:
             raise TimeoutError(f"refit v{self._refit.version + 1} still running after "
                                f"{timeout} s")
         self._send = self._receive = None
+        self._outcome.observed = True
         return self._thread.result()

@@ -3,28 +3,30 @@
 - ``merge``: one layout per tensor from every process's description of its side (they
   must agree; plain tensors held whole are unioned, and must agree on shape and dtype);
 - ``fit``: a process's bindings as the merged layouts want them;
-- ``plan_from``: the plan, from every process's description of both sides, after checking
-  what only the merged layouts can tell.
+- ``merged_layouts``: both sides' merged layouts, from every process's description, after
+  checking what only the merged layouts can tell (the planner then prepares the call);
+- ``stage_bindings``: the bindings of every stage of a prepared call, cut from a
+  process's bindings of the two sides.
 
 (Which adapter binds an object, and the framework ids of a process's ranks, are the
 adapters' business: :mod:`xreshard.runtime.registry`.)
 
-Pure functions of JSON-able metadata, so every process computes the same result from the
-same gathered descriptions.
+Pure functions of JSON-able metadata (and, for bindings, views of this process's arrays),
+so every process computes the same result from the same gathered descriptions.
 """
 
 from __future__ import annotations
 
-from typing import Any, Mapping
-
 import json
+from typing import Any, Iterable, Mapping, NamedTuple
 
-from .binding import Bound, binding_problems
+from .binding import Bindings, Bound, binding_problems
 from ..errors import BindingError, RefitError
 from ..ir.layout import Layout, Mesh, Region
-from ..planner.plan import Plan, PlanCache, plan
+from ..planner.prepare import DESTINATIONS, SOURCES, PreparedCall
 
-__all__ = ["fit", "merge", "plan_from", "union_layout"]
+__all__ = ["StageBindings", "fit", "merge", "merged_layouts", "stage_bindings", "stage_views",
+           "union_layout"]
 
 
 def merge(per_process: list[dict[str, dict]], side: str, world: Any) -> dict[str, Layout]:
@@ -142,18 +144,20 @@ def union_layout(d: dict, parts: dict[int, list]) -> Layout:
         r: [Region(tuple(a), tuple(b)) for a, b in parts[r]] for r in ranks})
 
 
-def plan_from(metas: list[dict], src: Bound | None, dst: Bound | None, world: Any,
-              wire_dtype: Any, cache: PlanCache | None = None) -> Plan:
-    """The plan from every process's description of its sides (identical in every process),
-    after checking what only the merged layouts can tell: equal configs, ranks inside the
-    world, and this process's bindings covering what the merged layouts give its ranks.
+def merged_layouts(metas: list[dict], src: Bound | None, dst: Bound | None, world: Any
+                   ) -> tuple[dict[str, Layout], dict[str, Layout]]:
+    """Both sides' layouts from every process's description of its sides (identical in
+    every process), after checking what only the merged layouts can tell: equal configs,
+    ranks inside the world, and this process's bindings covering what the merged layouts
+    give its ranks.
 
     Args:
         metas: every process's ``{"send": ..., "receive": ..., "config": ...}``.
         src / dst: this process's sides.
-        world: the world (ranks, processes, topology).
-        wire_dtype: ``RefitConfig.wire_dtype``.
-        cache: plans remembered across replans.
+        world: the world (ranks, processes).
+
+    Returns:
+        ``(source layouts, destination layouts)``, ``{name: Layout}`` each.
     """
     configs = {json.dumps(m["config"], sort_keys=True) for m in metas}
     if len(configs) > 1:
@@ -175,4 +179,47 @@ def plan_from(metas: list[dict], src: Bound | None, dst: Bound | None, world: An
     if problems:
         raise BindingError("bindings do not cover what the merged layouts give this "
                            "process's ranks: " + "; ".join(problems[:20]))
-    return plan(src_layouts, dst_layouts, topology=world, wire_dtype=wire_dtype, cache=cache)
+    return src_layouts, dst_layouts
+
+
+class StageBindings(NamedTuple):
+    """This process's bindings of every stage of one call (index = stage)."""
+
+    src: tuple[Bindings, ...]
+    dst: tuple[Bindings, ...]
+
+
+def stage_views(real_layouts: Mapping[str, Layout], real_bindings: Bindings,
+                stage_layouts: Mapping[str, Layout], ranks: Iterable[int]) -> dict:
+    """Bindings of a stage layout for ``ranks``: per region, a view of the real binding
+    (``(rank, name) -> [view, ...]`` in ``stage_layouts[name].regions(rank)`` order)."""
+    out = {}
+    ranks = list(ranks)
+    for name, lay in stage_layouts.items():
+        real = real_layouts[name]
+        for r in ranks:
+            regions = lay.regions(r)
+            if not regions:
+                continue
+            b = real_bindings[(r, name)]
+            views = []
+            for region in regions:
+                i, slices = real.locate(r, region)
+                views.append((b if real.is_product else b[i])[slices + (Ellipsis,)])
+            out[(r, name)] = views
+    return out
+
+
+def stage_bindings(prepared: PreparedCall, src: Bindings, dst: Bindings) -> StageBindings:
+    """Each stage's bindings from this process's bindings of the call's two sides (fitted
+    to ``prepared.direct``'s layouts), as each stage says (``Stage.src_from`` /
+    ``dst_from``): the sides themselves, or views of the destination memory."""
+    given = {SOURCES: src, DESTINATIONS: dst}
+    srcs: list[Bindings] = []
+    dsts: list[Bindings] = []
+    for st in prepared.stages:
+        for origin, layouts, out in ((st.src_from, st.src_layouts, srcs),
+                                     (st.dst_from, st.dst_layouts, dsts)):
+            out.append(given[origin] if origin in given else stage_views(
+                prepared.direct.dst_layouts, dst, layouts, prepared.ranks))
+    return StageBindings(tuple(srcs), tuple(dsts))

@@ -4,7 +4,7 @@
 world = xr.World.join(address, group="trainer", devices=jax.local_devices(), num_processes=3)
 refit = xr.Refit(world, send=params)          # trainer: a pytree of jax.Arrays / a state dict
 refit = xr.Refit(world, receive=state_dict)   # inference side: DTensors are written in place
-report = refit(send=new_params)               # collective; plans once, reuses the plan
+report = refit(send=new_params)               # collective; prepares once, reuses the call
 ```
 
 One call is a fixed sequence of steps, the same in every process. Every step that may
@@ -14,30 +14,45 @@ step and raises the same error (same class, same message):
 
 ```
  step           collective (kind)        what it carries
- identity       refit/identity           first call only: each adapter's framework ids
- bind + check   refit/check              version, layout generation, every bind/check error
- (re)plan       refit/layouts            only when some process's layouts changed
- schedule       refit/schedule           peer counts, planning errors
- move           (transport)
+ identity       refit/identity           the world's first call only: each adapter's
+                                         framework ids
+ bind + check   refit/check              which Refit, version, layout generation, tuning,
+                                         device bindings, every bind/check error
+ (re)prepare    refit/layouts            only when some process's layouts (or the call's
+                                         options) changed
+                refit/schedule           preparing errors (planner.prepare runs between)
+ move           (transport)              execute.run(prepared call)
  outcome        refit/outcome            each process's error, checksums (verify=)
 ```
+
+Each metadata collective carries the Refit's identity, agreed by its processes at the
+first call that passes ``refit/check``: the name given (``Refit(world, name=...)``), else
+its position among the Refits of the world to run so far (``#1``, ``#2``, ...). Two Refits
+of one world called in a different order on two processes (a policy and a reference
+model) are refused as ``CollectiveMismatch`` on every process before any byte moves; the
+world stays usable. Unnamed Refits whose very first calls cross cannot be told apart (the
+two look the same): name them.
 
 A call that changes nothing (the same layouts everywhere) runs two metadata round trips,
 refit/check before moving and refit/outcome after: the least that still refuses bad input
 on every process before any byte moves.
 
-Objects are bound by the adapter that accepts them (:mod:`xreshard.runtime.registry`: the JAX and
-torch bridges, or one a third party registered), or passed as a :class:`Bound`.
+Objects are bound by the adapter that accepts them (:mod:`xreshard.runtime.registry`: the
+JAX and torch bridges, or one a third party registered), or passed as a :class:`Bound`.
 
-Bad input (a ``XreshardError``) is refused at ``refit/check`` or ``refit/schedule``,
-before any byte moves; the world stays usable. A failure while moving (a dead or silent
-peer) raises on every live process within ``RefitConfig.timeout`` plus a few seconds,
-keeps the first cause, leaves ``version`` unchanged and ``stale`` set, and marks the world
-broken (its transports are in an unknown state): later calls raise ``WorldBroken``.
+Bad input (a ``XreshardError``, or any exception while binding, checking or preparing:
+``RefitError``) is refused at ``refit/check`` or ``refit/schedule``, before any byte
+moves; the world stays usable. A failure while moving (a dead or silent peer, or any
+exception that is not xreshard's: ``RemoteError``) raises on every live process within
+``RefitConfig.timeout`` plus a few seconds, keeps the first cause, leaves ``version``
+unchanged and ``stale`` set, and marks the world broken (its transports are in an unknown
+state): later calls raise ``WorldBroken``.
 
 When a call returns, every destination byte has landed and every source byte was read, on
 any stream: a consumer may read destinations on its current CUDA stream (torch, vLLM, a
-side stream) and overwrite or donate sources without a device synchronize.
+side stream) and overwrite or donate sources without a device synchronize. ``version``
+moves after the call released the world, so a collective issued the moment it moves is
+not refused as concurrent.
 
 JAX arrays are immutable: a JAX destination never has its live arrays written; it gets new
 arrays built from the received buffers (``refit.received``). A refit keeps no reference to
@@ -50,29 +65,53 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import weakref
 from typing import Any, Callable, Iterable, Mapping
 
 from . import registry
 from .binding import Bound, side_problems
-from ..errors import (CommunicationError, RefitError, VerificationError, XreshardError,
-                     error_from, error_name)
-from .execute import Executor, gc_paused, pipelined_by_default
-from ..config import RefitConfig, RefitReport
+from ..config import RefitConfig, RefitReport, Tuning
+from ..errors import (CollectiveMismatch, CommunicationError, RefitError, VerificationError,
+                      XreshardError, error_from, error_message, error_name, short_name)
+from . import execute
+from .execute import gc_paused
 from ..ir.layout import LayoutMemo
-from .metadata import fit, plan_from
+from .metadata import fit, merged_layouts, stage_bindings
 from ..planner.plan import Plan, PlanCache
-from ..planner.schedule import Schedule, peer_counts, schedule
+from ..planner.prepare import CallOptions, PreparedCall, prepare
 from .handle import Background, RefitHandle
-from ..planner.stages import Stages, half_schedule, stages_of
+from .sides import Sides, on_device
 
-__all__ = ["Bound", "Refit", "RefitConfig", "RefitHandle", "RefitReport"]
+__all__ = ["Bound", "Refit", "RefitConfig", "RefitHandle", "RefitReport", "Tuning"]
 
 logger = logging.getLogger(__name__)
 
 #: seconds a process that already failed waits for the others' outcomes
 _GRACE = 3.0
 
-#: the name tests and tools knew stage 2's schedule by
+
+
+class _WorldState:
+    """What the Refits of one world share in this process: every process's framework ids
+    (gathered at the world's first refit call, ``refit/identity``) and how many Refits
+    agreed on their identity (every process agrees on them at the same collective, so the
+    counts stay equal). Per world, not per Refit: a Refit created on one side only (after a
+    refused call, or crossed) must not make one process gather while another checks."""
+
+    def __init__(self) -> None:
+        self.identity: list[dict] | None = None
+        self.agreed = 0
+
+
+#: world -> its _WorldState in this process
+_WORLDS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _world_state(world: Any) -> _WorldState:
+    state = _WORLDS.get(world)
+    if state is None:
+        state = _WORLDS[world] = _WorldState()
+    return state
 
 
 class _Failed(Exception):
@@ -83,21 +122,10 @@ class _Failed(Exception):
         self.error = error
 
 
-def _entry(exc: BaseException) -> list[str]:
-    """How a local exception crosses processes: [class name, message]."""
-    return [error_name(exc), str(exc) or type(exc).__name__]
-
-
-class _Side:
-    """One side (send or receive) of this process, as the last call bound it."""
-
-    def __init__(self, name: str):
-        self.name = name
-        self.obj: Any = None            # what the next argument-less call binds
-        self.adapter: str | None = None  # the adapter of the last bound object
-        self.cache: dict = {}           # that adapter's BindContext.cache
-        self.module: Any = None         # that adapter's module, this call
-        self.dropped: str | None = None  # LABEL of an object the adapter would not keep
+def _entry(exc: BaseException, phase: str) -> list[str]:
+    """How a local exception crosses processes: [class name, message] (see
+    ``xreshard.errors``: a foreign exception is classified by ``phase``)."""
+    return [error_name(exc, phase), error_message(exc)]
 
 
 class Refit:
@@ -122,49 +150,62 @@ class Refit:
             split or unstacked as the rules say; ``names`` and ``transpose`` are then unused
             for that side. The adapter applies them (an adapter that cannot refuses them,
             on every rank, before moving).
-        config: a :class:`RefitConfig`.
+        config: a :class:`RefitConfig` (the same in every process).
+        tuning: a :class:`Tuning` (default: ``Tuning.from_env()``, read once here).
+        name: this Refit's identity among the Refits of its world (the same in every
+            process); default: its position among them (see the module docstring).
 
     Attributes:
+        tuning: the :class:`Tuning`; may be replaced between calls.
         layout_memo: the layouts the adapters built, by sharding / spec and rank map, kept
-            across calls so a refit every step converts each sharding once. Assign a fresh
-            ``LayoutMemo`` (``enabled = False`` for none) to measure a call without it.
+            across calls so a refit every step converts each sharding once
+            (``Tuning.layout_memo``). May be replaced between calls.
+        version: calls that completed; moves after the call released the world.
+        stale: a call failed while moving (or a started call failed with nobody waiting):
+            the destinations may hold a mix of two versions.
     """
 
     def __init__(self, world: Any, *, send: Any = None, receive: Any = None,
                  names: Mapping[str, str] | Callable[[str], str] | None = None,
                  transpose: Iterable[str] = (), rules: Any = None,
-                 config: RefitConfig | None = None):
+                 config: RefitConfig | None = None, tuning: Tuning | None = None,
+                 name: str | None = None):
         if config is not None and not isinstance(config, RefitConfig):
             raise RefitError(f"config must be a RefitConfig, got {type(config).__name__}")
+        if tuning is not None and not isinstance(tuning, Tuning):
+            raise RefitError(f"tuning must be a Tuning, got {type(tuning).__name__}")
+        if name is not None and (not isinstance(name, str) or not name):
+            raise RefitError(f"name must be a non-empty str, got {name!r}")
         self.world = world
         self.config = config or RefitConfig()
+        self.tuning = tuning or Tuning.from_env()
         self.version = 0
         self.stale = False
         self.received: Any = None
         self.layout_memo = LayoutMemo()
-        self._sides = {"send": _Side("send"), "receive": _Side("receive")}
-        self._sides["send"].obj, self._sides["receive"].obj = send, receive
-        self._names = names
-        self._transpose = frozenset(transpose)
-        self._rules = rules
+        self._name = name
+        self._id: str | None = None                  # agreed at the first checked call
+        self._sides = Sides(send, receive, names, transpose, rules)
         self._busy = threading.Lock()
         self._last_layouts: tuple | None = None     # this process's layouts, last call
         self._generation = 0                        # bumped when they change
-        self._generations: tuple | None = None      # every process's, at the last plan
-        self._plan: Plan | None = None
-        self._schedule: Schedule | None = None
-        self._half: tuple[Plan, Schedule] | None = None   # the pipelined schedule, per plan
-        self._relay: Stages | None = None           # RefitConfig.relay: the two stages
+        self._generations: tuple | None = None      # every process's, at the last prepare
+        self._prepared: PreparedCall | None = None
+        self._programs: dict = {}                   # pack programs of _prepared
         self._arena: Any = None                     # staging, reused across calls
         self._cache = PlanCache()
         self._identity: list[dict] | None = None
         self._maps: dict[str, Any] | None = None    # from _identity, once
-        self._pipeline: bool | None = None
 
     @property
     def plan(self) -> Plan | None:
         """The current plan (after the first call); when relaying, stage 1's."""
-        return self._plan
+        return None if self._prepared is None else self._prepared.plan
+
+    @property
+    def prepared(self) -> PreparedCall | None:
+        """The prepared call the last call ran (see :mod:`xreshard.planner.prepare`)."""
+        return self._prepared
 
     @property
     def staging(self) -> Any:
@@ -186,11 +227,14 @@ class Refit:
         passed for this and later calls (e.g. the trainer's params after an optimizer step).
 
         Raises:
-            XreshardError (RefitError, BindingError, PlanError, LayoutError): bad input on
-                any process, identically on every process, before any byte moves.
+            XreshardError (RefitError, BindingError, PlanError, LayoutError, an adapter's
+                own): bad input on any process, identically on every process, before any
+                byte moves.
             CommunicationError (TransportTimeout, TransportError, CollectiveMismatch,
-                VerificationError, WorldBroken, AuthenticationError): moving failed, within
-                the timeout plus a few seconds; the version stays.
+                VerificationError, WorldBroken, AuthenticationError, RemoteError): moving
+                failed, within the timeout plus a few seconds; the version stays. A
+                ``CollectiveMismatch`` at ``refit/check`` (processes in different Refits)
+                moves nothing and leaves the world usable.
         """
         if not self._busy.acquire(blocking=False):
             raise RefitError("this Refit is already running a call in another thread; a "
@@ -208,8 +252,10 @@ class Refit:
         Torch senders must not write the sent tensors before ``wait()`` returns;
         ``RefitConfig(check_writes=True)`` detects it (torch version counters) and fails
         the refit on every rank. Receivers hold the new version only once ``wait()``
-        returned. While a refit runs, the world's other collectives from this process are
-        refused (they would interleave with the refit's).
+        returned: the handle is the signal (the same Refit may be called again once
+        ``wait()`` returned). While a refit runs, the world's other collectives from this
+        process are refused (they would interleave with the refit's). A handle dropped
+        without ``wait()`` whose refit fails logs the error at WARNING and sets ``stale``.
 
         Raises:
             RefitError: a call (or a started refit) of this Refit is still running.
@@ -219,8 +265,8 @@ class Refit:
                              "starting another")
         try:
             # the sent tensors' write counters: before the caller's next line can write them
-            versions = self._write_versions(send if send is not None else
-                                            self._sides["send"].obj) \
+            versions = self._sides.write_versions(
+                send if send is not None else self._sides.send.obj) \
                 if self.config.check_writes else None
             handle = RefitHandle(self, send, receive,
                                  lambda s, r: self._run(s, r, versions))
@@ -234,22 +280,29 @@ class Refit:
              versions: Mapping[str, int] | None) -> RefitReport:
         """One call, on a Refit already acquired (``_busy``); releases it. The cyclic
         collector waits for the call's end (see ``gc_paused``: the call's objects are not
-        cyclic, and a collection mid-call traverses the whole heap)."""
+        cyclic, and a collection mid-call traverses the whole heap). The version moves
+        once the world is released."""
         try:
-            with self.world.exclusive("refit"), gc_paused():
-                return self._call(send, receive, versions)
+            with self.world.exclusive("refit"), gc_paused(self.tuning.pause_gc):
+                report, finish = self._call(send, receive, versions)
+            if finish is not None:
+                self.received = finish()
+            self.stale = False
+            self.version = report.version
+            logger.info("%s", report)
+            return report
         except _Failed as f:
             raise f.error from None
         finally:
             self._busy.release()
 
-    def _call(self, send: Any, receive: Any,
-              versions: Mapping[str, int] | None = None) -> RefitReport:
+    def _call(self, send: Any, receive: Any, versions: Mapping[str, int] | None = None
+              ) -> tuple[RefitReport, Callable[[], Any] | None]:
+        """The call's steps; returns its report and the receiving side's ``finish``."""
         t0 = time.perf_counter()
         target = self.version + 1
         src, dst, errors, versions = self._bind_sides(send, receive, versions)
         replanned = self._prepare(src, dst, errors, target)
-        assert self._plan is not None and self._schedule is not None
         plan_seconds = time.perf_counter() - t0
         error: list[str] | None = None
         moved = _Moved()
@@ -257,120 +310,69 @@ class Refit:
         try:
             moved = self._move(src, dst, target, versions)
         except Exception as e:      # noqa: BLE001 - reported to the others before raising
-            error = _entry(e)
+            error = _entry(e, "move")
             logger.debug("refit v%d failed here while moving", target, exc_info=True)
         verified = self._commit(error, moved.digests, target)
-        if dst is not None and dst.finish is not None:
-            self.received = dst.finish()
-        self.stale = False
-        self.version = target
-        report = self._report(moved, time.perf_counter() - t0, plan_seconds, replanned,
-                              verified)
-        logger.info("%s", report)
-        return report
+        report = self._report(moved, target, time.perf_counter() - t0, plan_seconds,
+                              replanned, verified)
+        return report, (dst.finish if dst is not None else None)
 
-    def _report(self, moved: _Moved, seconds: float, plan_seconds: float, replanned: bool,
-                verified: int) -> RefitReport:
-        assert self._plan is not None and moved.stats is not None
-        moved_world = self._plan.stats.bytes_moved
-        gather_broadcast = self._plan.stats.bytes_gather_broadcast
-        if self._relay is not None:
-            gather_broadcast = self._relay.bytes_gather_broadcast
-            if self._relay.plan2 is not None:
-                moved_world += self._relay.plan2.stats.bytes_moved
-        stats = moved.stats
+    def _report(self, moved: _Moved, target: int, seconds: float, plan_seconds: float,
+                replanned: bool, verified: int) -> RefitReport:
+        prepared, stats = self._prepared, moved.stats
+        assert prepared is not None and stats is not None
         return RefitReport(
-            version=self.version, seconds=seconds, plan_seconds=plan_seconds,
+            version=target, seconds=seconds, plan_seconds=plan_seconds,
             bytes_sent=stats.bytes_sent, bytes_received=stats.bytes_received,
-            bytes_local=stats.bytes_local, bytes_moved_world=moved_world,
-            bytes_gather_broadcast_world=gather_broadcast, num_rounds=stats.num_rounds,
-            num_messages=stats.num_messages, num_zero_copy=stats.num_zero_copy,
-            staging_bytes=stats.staging_bytes,
+            bytes_local=stats.bytes_local, bytes_moved_world=prepared.bytes_moved,
+            bytes_gather_broadcast_world=prepared.direct.stats.bytes_gather_broadcast,
+            num_rounds=stats.num_rounds, num_messages=stats.num_messages,
+            num_zero_copy=stats.num_zero_copy, staging_bytes=stats.staging_bytes,
             replanned=replanned, bytes_by_transport=moved.by_kind or None,
-            verified=verified, bytes_forwarded=stats.bytes_forwarded)
+            verified=verified, bytes_forwarded=stats.bytes_forwarded,
+            move_seconds=stats.seconds)
 
     # ------------------------------------------------------------ moving
 
     def _move(self, src: Bound | None, dst: Bound | None, target: int,
               versions: Mapping[str, int]) -> _Moved:
-        """Move this call's bytes (relayed: both stages) and, with ``verify``, checksum
-        both ends. Raises whatever failed here (the caller reports it to the others)."""
-        assert self._plan is not None and self._schedule is not None
-        p, timeout = self._plan, self.config.timeout
+        """Run the prepared call and, with ``verify``, checksum both ends of every stage.
+        Raises whatever failed here (the caller reports it to the others)."""
+        prepared, timeout = self._prepared, self.config.timeout
+        assert prepared is not None
         with self.world.limited(timeout):     # creating it (first call) is collective
             transport = self.world.transport(self.config.transport)
-        relay = self._relay
-        src_bindings = fit(src, p.src_layouts)
-        real_dst: dict = {}
-        if relay is None:
-            dst_bindings = fit(dst, p.dst_layouts)
-        else:       # stage 1 writes views of the real destination memory
-            from ..planner.relay import stage_views
-            real_dst = fit(dst, relay.dst_layouts)
-            dst_bindings = stage_views(relay.dst_layouts, real_dst, relay.layouts.stage1_dst,
-                                       self.world.rank_ids)
-        pipeline = bool(self._pipeline)
-        sched = self._schedule
-        if pipeline:
-            if self._half is None or self._half[0] is not p:
-                self._half = (p, half_schedule(p, list(self.world.rank_ids),
-                                               self.config.bucket_bytes,
-                                               self.config.staging_bytes))
-            sched = self._half[1]
+        bindings = stage_bindings(prepared, fit(src, prepared.direct.src_layouts),
+                                  fit(dst, prepared.direct.dst_layouts))
         moved = _Moved()
         before = dict(getattr(transport, "bytes_by_transport", None) or {})
         # sources do not change during a refit: their checksums overlap the move
-        sent_half = Background(lambda: self._digest(src_bindings, {}, target, "send")) \
+        sent_half = Background(lambda: self._digest(0, bindings.src[0], {}, target, "send")) \
             if self.config.verify else None
-        relay_digests = None
-        if relay is not None and relay.plan2 is not None:
-            # both stages in one run, forwarding overlapped with arrival (see relay.py)
-            from ..planner.relay import overlapped_executor
-            executor, views2 = overlapped_executor(
-                relay, src_bindings, dst_bindings, real_dst, transport, timeout,
-                ranks=self.world.rank_ids, pipeline=pipeline,
-                bucket_bytes=self.config.bucket_bytes, staging_bytes=self.config.staging_bytes,
-                arena=self._arena)
-            moved.stats = self._execute(executor)
-            if self.config.verify:
-                from . import verify
-                relay_digests = verify.digest_bindings(
-                    relay.plan2, self.world.rank_ids, *views2, mode=self.config.verify,
-                    version=target)
-        else:
-            moved.stats = self._execute(Executor(
-                sched, p.src_layouts, p.dst_layouts, p.wire_dtypes, src_bindings, dst_bindings,
-                transport, timeout, pipeline=pipeline, staging_bytes=self.config.staging_bytes,
-                arena=self._arena))
+        moved.stats, self._arena = execute.run(
+            prepared, bindings, transport, timeout=timeout, arena=self._arena,
+            programs=self._programs, tuning=self.tuning)
         after = getattr(transport, "bytes_by_transport", None) or {}
         moved.by_kind = {k: v - before.get(k, 0) for k, v in after.items()
                          if v - before.get(k, 0)}
         if sent_half is not None:
-            merged = sent_half.result().merge(self._digest({}, dst_bindings, target, "recv"))
-            if relay_digests is not None:
-                merged = merged.merge(relay_digests)
+            merged = sent_half.result().merge(self._digest(0, {}, bindings.dst[0], target,
+                                                           "recv"))
+            for k in range(1, len(prepared.stages)):     # forwards: both ends, after moving
+                merged = merged.merge(self._digest(k, bindings.src[k], bindings.dst[k],
+                                                   target, "both"))
             moved.digests = merged.summary
         if versions:
-            self._check_unwritten(versions)
+            self._sides.check_unwritten(versions)
         return moved
 
-    def _execute(self, executor: Executor) -> Any:
-        """Run ``executor``, keeping its staging for the next call (``Refit.staging``)."""
-        stats = executor.run()
-        self._arena = executor.arena
-        return stats
-
-    def _pipelined(self) -> bool:
-        """Whether this process runs the pipelined executor (``refit.executor_kind``, else
-        ``XRESHARD_EXECUTOR``); every process of a refit must agree."""
-        kind = getattr(self, "executor_kind", None)
-        return pipelined_by_default() if kind is None else kind == "pipelined"
-
-    def _digest(self, src_bindings: Any, dst_bindings: Any, target: int, sides: str) -> Any:
+    def _digest(self, stage: int, src_bindings: Any, dst_bindings: Any, target: int,
+                sides: str) -> Any:
         from . import verify
-        return verify.digest_bindings(self._plan, self.world.rank_ids, src_bindings,
-                                      dst_bindings, mode=self.config.verify, version=target,
-                                      sides=sides)
+        assert self._prepared is not None
+        return verify.digest_bindings(self._prepared.stages[stage].plan, self.world.rank_ids,
+                                      src_bindings, dst_bindings, mode=self.config.verify,
+                                      version=target, sides=sides)
 
     # ------------------------------------------------------------ binding
 
@@ -379,40 +381,31 @@ class Refit:
         """Bind both sides; every local failure is collected (for refit/check), not raised.
         Returns (send side, receive side, errors, write versions of the sent tensors)."""
         sides = self._sides
-        if send is not None:
-            sides["send"].obj = send
-        if receive is not None:
-            sides["receive"].obj = receive
-        errors: list[list[str]] = []
+        errors = sides.take(send, receive)
         if versions is None:
-            versions = self._write_versions(sides["send"].obj) if self.config.check_writes \
+            versions = sides.write_versions(sides.send.obj) if self.config.check_writes \
                 else {}
-        dropped = sides["send"].dropped
-        if send is None and dropped:
-            errors.append(["RefitError", f"this process sent {dropped} before and passed no "
-                           f"send= now: a Refit keeps no reference to sent {dropped} (so the "
-                           f"trainer can donate them); pass send=params on every call"])
         src = dst = None
-        for state in sides.values():
-            state.module = None
+        memo = self.layout_memo if self.tuning.layout_memo else None
         try:
-            self._pipeline = None
-            self._pipeline = self._pipelined()
             maps = self._rank_maps()
-            src = self._bind(sides["send"].obj, "send", maps)
-            dst = self._bind(sides["receive"].obj, "receive", maps)
-            errors += self._local_problems(src, dst)
+            src = sides.bind(sides.send, maps, memo)
+            dst = sides.bind(sides.receive, maps, memo)
+            errors += side_problems({"send": src, "receive": dst}, self.world.rank_ids,
+                                    self.world.is_local, self.config.wire_dtype)
         except Exception as e:      # noqa: BLE001 - every local failure reaches every rank
             if isinstance(e, CommunicationError) and self.world.broken:
                 raise       # a collective failed: nobody is in step to hear about it
-            errors.append(_entry(e))
+            errors.append(_entry(e, "check"))
         finally:
-            self._forget()
+            sides.forget()
         return src, dst, errors, versions
 
     def _rank_maps(self) -> dict[str, Any]:
         """Framework ids -> world ranks per adapter (``{"torch": {...}, "jax": {...}}``), plus
-        ``"local"``: this process's ranks; from one all-gather on the first call.
+        ``"local"``: this process's ranks; from one all-gather at the world's first refit
+        call (a framework loaded, or a torch process group made, after it is not seen: join
+        a new world).
 
         A DTensor's mesh names torch default-group ranks and a JAX mesh names device ids;
         both are resolved among the processes of this process's world group, which is
@@ -421,16 +414,18 @@ class Refit:
         """
         if self._maps is not None:
             return self._maps
-        if self._identity is None:
+        shared = _world_state(self.world)
+        if shared.identity is None:
             ranks = list(self.world.rank_ids)
             me: dict[str, Any] = {"ranks": ranks, "ids": {}}
             try:
                 me["ids"] = registry.identity([self.world.local_device(r) for r in ranks],
                                               ranks)
             except Exception as e:      # noqa: BLE001 - reported at refit/check instead
-                me["error"] = _entry(e)
-            self._identity = self.world.allgather_json(me, timeout=self.config.timeout,
-                                                       kind="refit/identity")
+                me["error"] = _entry(e, "check")
+            shared.identity = self.world.allgather_json(me, timeout=self.config.timeout,
+                                                        kind="refit/identity")
+        self._identity = shared.identity
         processes, index = self.world.processes, self.world.process_index
         maps: dict[str, Any] = {}
         # several single-process JAX jobs in one group (engine replicas) reuse device ids:
@@ -449,74 +444,12 @@ class Refit:
         self._maps = maps       # the world's processes and their ids do not change
         return maps
 
-    def _bind(self, obj: Any, side: str, maps: dict[str, Any]) -> Bound | None:
-        if obj is None:
-            return None
-        if isinstance(obj, Bound):
-            return obj
-        found = registry.adapter_for(obj)
-        if found is None:
-            raise RefitError(f"cannot tell which framework {side}={type(obj).__name__} belongs "
-                             "to; pass a JAX pytree, a torch state dict or module, or an "
-                             "xreshard Bound (or register an adapter for it: "
-                             "xreshard.runtime.registry.register_adapter)")
-        entry, module = found
-        state = self._sides[side]
-        state.module = module
-        if state.adapter != entry.name:
-            state.adapter, state.cache = entry.name, {}
-        context = registry.BindContext(
-            ranks=maps.get(entry.name, {}), local_ranks=tuple(maps["local"]),
-            names=self._names, transpose=self._transpose,
-            rules=self._rules if side == "send" else None, memo=self.layout_memo,
-            cache=state.cache)
-        return module.refit_bind(obj, side, context)
-
-    def _forget(self) -> None:
-        """Keep of each side's object only what its adapter allows: no sent JAX arrays (pass
-        ``send=`` again), received JAX templates as ``ShapeDtypeStruct``s."""
-        for state in self._sides.values():
-            obj, module = state.obj, state.module
-            if obj is None or isinstance(obj, Bound):
-                continue
-            if module is None:      # binding failed before finding it
-                try:
-                    found = registry.adapter_for(obj)
-                except Exception:       # noqa: BLE001 - already reported by binding
-                    found = None
-                module = found[1] if found else None
-            keep = getattr(module, "keep", None)
-            if keep is None:
-                continue
-            state.obj = keep(obj, state.name)
-            state.dropped = getattr(module, "LABEL", "arrays") if state.obj is None else None
-
-    def _write_versions(self, obj: Any) -> dict[str, int]:
-        """Write counters of a send object's tensors (``RefitConfig.check_writes``)."""
-        if obj is None or isinstance(obj, Bound):
-            return {}
-        found = registry.adapter_for(obj)
-        versions = getattr(found[1], "write_versions", None) if found else None
-        return versions(obj) if versions is not None else {}
-
-    def _check_unwritten(self, versions: Mapping[str, int]) -> None:
-        now = self._write_versions(self._sides["send"].obj)
-        moved = [f"{k!r} ({v} -> {now[k]})" for k, v in versions.items()
-                 if k in now and now[k] != v]
-        if moved:
-            raise RefitError(f"sent torch tensors were written while the refit read them: "
-                             f"{', '.join(moved[:10])}; do not write sent tensors before "
-                             f"handle.wait() (or the call) returns")
-
-    def _local_problems(self, src: Bound | None, dst: Bound | None) -> list[list[str]]:
-        """This process's own problems with its sides (before any exchange)."""
-        return side_problems({"send": src, "receive": dst}, self.world.rank_ids,
-                             self.world.is_local, self.config.wire_dtype)
-
     def _agree(self, kind: str, body: dict[str, Any], what: str,
                timeout: float | None = None) -> list[dict[str, Any]]:
-        """All-gather ``body`` (with its ``errors``); raise the same error everywhere if any
-        process reported one."""
+        """All-gather ``body`` (with its ``errors`` and this Refit's identity); raise the
+        same error everywhere if any process reported one, or (after ``refit/check``)
+        named another Refit."""
+        body = dict(body, refit=self._id)
         gathered = self.world.allgather_json(body, timeout=timeout or self.config.timeout,
                                              kind=kind)
         failed = []
@@ -528,105 +461,167 @@ class Refit:
             failed += [(p, e) for e in entries]
         if failed:
             raise _Failed(error_from(failed[0][1][0], f"{what}:\n  " + _lines(failed, self.world)))
+        if kind != "refit/check" and len({g.get("refit") for g in gathered}) > 1:
+            raise _Failed(self._crossed(gathered, what))
         return gathered
 
     # ------------------------------------------------------------ metadata steps
 
     def _prepare(self, src: Bound | None, dst: Bound | None, errors: list[list[str]],
                  target: int) -> bool:
-        """Exchange errors and metadata; (re)plan when any layout changed. Every process
-        takes the same steps. Returns whether it planned."""
+        """Exchange errors and metadata; prepare the call again when any layout (or the
+        call's options) changed. Every process takes the same steps. Returns whether it
+        prepared."""
         refused = f"refit v{target} refused before moving anything"
-        key = self._check(src, dst, errors, refused)
-        if key == self._generations and self._plan is not None:
+        key, options = self._check(src, dst, errors, refused)
+        if (key == self._generations and self._prepared is not None
+                and self._prepared.options == options):
             return False
         errors = []
         meta = {"send": src.describe() if src else {},
                 "receive": dst.describe() if dst else {},
                 "config": self.config.to_dict(), "errors": []}
         metas = self._agree("refit/layouts", meta, refused)
-        new_plan = None
-        relay = None
-        counts: dict[str, int] = {}
+        prepared = None
         try:
-            new_plan = plan_from(metas, src, dst, self.world, self.config.wire_dtype,
-                                 self._cache)
-            relay = stages_of(new_plan, self.world, self.config.relay, self.config.wire_dtype,
-                              self._cache)
-            if relay is not None:
-                new_plan = relay.plan1
-            counts = {str(r): c for r, c in peer_counts(new_plan, self.world.rank_ids).items()}
+            src_layouts, dst_layouts = merged_layouts(metas, src, dst, self.world)
+            prepared = prepare(src_layouts, dst_layouts, self.world.topology, options,
+                               ranks=self.world.rank_ids, cache=self._cache)
+            errors += self._transport_problems(prepared)
         except Exception as e:      # noqa: BLE001 - every local failure reaches every rank
-            errors.append(_entry(e))
-        everyone = self._agree("refit/schedule", {"counts": counts, "errors": errors}, refused)
-        all_counts = {int(r): c for d in everyone for r, c in d["counts"].items()}
-        self._schedule = schedule(new_plan, list(self.world.rank_ids), all_counts,
-                                  bucket_bytes=self.config.bucket_bytes,
-                                  staging_bytes=self.config.staging_bytes)
-        self._plan = new_plan
-        self._relay = relay
+            errors.append(_entry(e, "check"))
+        self._agree("refit/schedule", {"errors": errors}, refused)
+        assert prepared is not None
+        self._prepared, self._programs = prepared, {}
         self._generations = key
-        logger.debug("refit planned: %s", new_plan.stats.to_dict())
+        logger.debug("refit prepared: %s", prepared.direct.stats.to_dict())
         return True
 
+    def _transport_problems(self, prepared: PreparedCall) -> list[list[str]]:
+        """``RefitConfig(transport="local")`` copies only inside a process: a pair of this
+        process's with another process is refused before any byte moves."""
+        if self.config.transport != "local":
+            return []
+        world = self.world
+        for rnd in prepared.schedule.rounds:
+            for b in rnd:
+                if not (world.is_local(b.src) and world.is_local(b.dst)):
+                    far = b.dst if world.is_local(b.src) else b.src
+                    return [["RefitError", (
+                        f"RefitConfig(transport='local') copies only between the ranks of one "
+                        f"process, but this refit moves {b.items[0].name!r} from rank {b.src} "
+                        f"to rank {b.dst}, and rank {far} is in "
+                        f"{world.describe_process(world.process_of(far))}; use "
+                        f"transport='auto' (or 'gloo', 'shm', 'nccl')")]]
+        return []
+
     def _check(self, src: Bound | None, dst: Bound | None, errors: list[list[str]],
-               refused: str) -> tuple:
-        """refit/check: every process's version, layout generation, executor kind and
-        errors, in one all-gather; raises (the same everywhere) on any error or
-        disagreement. Returns every process's layout generation."""
+               refused: str) -> tuple[tuple, CallOptions]:
+        """refit/check: every process's Refit identity, version, layout generation, tuning,
+        device bindings and errors, in one all-gather; raises (the same everywhere) on any
+        error or disagreement. Returns every process's layout generation and the options
+        the call is prepared with."""
         # a process says only whether its layouts changed since its last call (comparing
         # Layout objects is cheap; serializing every layout on every refit is not)
         mine = tuple((b.layouts, frozenset(b.local_only)) if b else None for b in (src, dst))
         if mine != self._last_layouts:
             self._last_layouts = mine
             self._generation += 1
-        gathered = self._agree("refit/check", {"version": self.version,
-                                               "generation": self._generation,
-                                               "pipelined": self._pipeline,
-                                               "errors": errors}, refused)
-        if len({g.get("pipelined") for g in gathered}) > 1:
-            where = ", ".join(f"{self.world.describe_process(p)}: "
-                              f"{'pipelined' if g.get('pipelined') else 'rounds'}"
-                              for p, g in enumerate(gathered))
-            raise _Failed(RefitError(f"{refused}: processes run different executors ({where}); "
-                                     f"set XRESHARD_EXECUTOR (or refit.executor_kind) the same "
-                                     f"in every process"))
+        tuning = [self.tuning.executor, self.tuning.relay_overlap]
+        gathered = self._agree("refit/check", {
+            "version": self.version, "generation": self._generation, "tuning": tuning,
+            "devices": on_device(src, dst), "propose": self._proposal(),
+            "errors": errors}, refused)
+        self._same_refit(gathered, refused)
+        describe = self.world.describe_process
+        if any(g.get("tuning") != tuning for g in gathered):
+            where = ", ".join(f"{describe(p)}: executor {g.get('tuning')[0]!r}, relay_overlap "
+                              f"{g.get('tuning')[1]}" for p, g in enumerate(gathered))
+            raise _Failed(RefitError(f"{refused}: processes run different tunings ({where}); "
+                                     f"pass the same Tuning (or set XRESHARD_EXECUTOR the "
+                                     f"same) in every process"))
         versions = {g.get("version") for g in gathered}
         if len(versions) > 1:
-            where = ", ".join(f"{self.world.describe_process(p)} at v{g.get('version')}"
+            where = ", ".join(f"{describe(p)} at v{g.get('version')}"
                               for p, g in enumerate(gathered))
             raise _Failed(RefitError(f"{refused}: processes are at different refit versions "
                                      f"({where}); every process must call the same Refit "
                                      f"the same number of times"))
-        return tuple(g.get("generation") for g in gathered)
+        config = self.config
+        options = CallOptions(
+            bucket_bytes=config.bucket_bytes, staging_bytes=config.staging_bytes,
+            wire_dtype=config.wire_dtype, relay=config.relay,
+            relay_overlap=self.tuning.relay_overlap,
+            # the pipelined host executor holds two rounds; device bindings run full ones
+            halved=self.tuning.executor == "pipelined" and not any(g.get("devices")
+                                                                  for g in gathered))
+        return tuple(g.get("generation") for g in gathered), options
+
+    def _proposal(self) -> str:
+        """The identity this Refit proposes until its processes agreed on one."""
+        return self._name if self._name is not None else \
+            f"#{_world_state(self.world).agreed + 1}"
+
+    def _same_refit(self, gathered: list[dict[str, Any]], refused: str) -> None:
+        """Agree on this Refit's identity (the first checked call), or check that every
+        process is in the same Refit."""
+        ids = [g.get("refit") for g in gathered]
+        if all(i is None for i in ids):
+            proposals = {g.get("propose") for g in gathered}
+            if len(proposals) == 1:
+                self._id = proposals.pop()
+                _world_state(self.world).agreed += 1
+                return
+        elif len(set(ids)) == 1:
+            return
+        raise _Failed(self._crossed(gathered, refused))
+
+    def _crossed(self, gathered: list[dict[str, Any]], what: str) -> CollectiveMismatch:
+        def label(g: dict[str, Any]) -> str:
+            agreed, proposed = g.get("refit"), g.get("propose")
+            return (f"Refit {agreed}" if agreed is not None
+                    else f"a Refit on its first call ({proposed})")
+        where = "; ".join(f"{self.world.describe_process(p)} in {label(g)}"
+                          for p, g in enumerate(gathered))
+        return CollectiveMismatch(
+            f"{what}: the processes are in different Refits of world "
+            f"{self.world.world_id!r} ({where}); every process must call the Refits of a "
+            f"world in the same order (two Refits of one world, e.g. a policy and a "
+            f"reference model: call them in the same order everywhere, and name them: "
+            f"Refit(world, name=...))")
 
     # ------------------------------------------------------------ outcome
 
     def _commit(self, error: list[str] | None, digests: Any, target: int) -> int:
         """All-gather every process's outcome; raise the first cause if any failed (the
         version stays). A process that already failed waits only a short grace for the
-        others; a process that never reports is named, and every survivor builds its
-        message from the outcomes that did arrive (the same ones, as a rule). Returns how
-        many checksums this process compared."""
+        others; a process that never reports is named; every survivor builds its message
+        from the same outcomes (the world settles which arrived, see
+        ``World.allgather_json(partial=True)``). Returns how many checksums this process
+        compared."""
         timeout = self.config.timeout if error is None else min(_GRACE, self.config.timeout)
         outcomes = self.world.allgather_json(
-            {"errors": [error] if error else [], "digests": digests},
+            {"errors": [error] if error else [], "digests": digests, "refit": self._id},
             timeout=timeout, kind="refit/outcome", partial=True)
         missing = [p for p, o in enumerate(outcomes) if o is None]
         failed = [(p, o["errors"][0]) for p, o in enumerate(outcomes)
                   if o is not None and o.get("errors")]
         if failed or missing:
-            lines = [_lines([(q, [e[0], f"{e[0]}: {e[1]}"]) for q, e in failed], self.world, 10)]
+            lines = [_lines([(q, [e[0], f"{short_name(e[0])}: {e[1]}"]) for q, e in failed],
+                            self.world, 10)]
             if missing:
                 lines.append("never reported its outcome (dead, or stuck past the timeout): "
                              + "; ".join(self.world.describe_process(p) for p in missing[:10]))
             where = "\n  ".join(x for x in lines if x)
             if missing or any(not isinstance(error_from(*e), XreshardError) for _, e in failed):
                 # a peer failed or went silent: the transports are in an unknown state
-                self._broken(f"refit v{target} failed while moving: {where}")
+                self.world.mark_broken(f"refit v{target} failed while moving: {where}")
             cls = failed[0][1][0] if failed else "TransportTimeout"
             raise _Failed(error_from(cls, f"refit v{target} failed while moving, destination "
                                           f"left stale at v{self.version}:\n  {where}"))
+        if len({o.get("refit") for o in outcomes}) > 1:
+            self.world.mark_broken(f"refit v{target}: processes ended different Refits")
+            raise _Failed(self._crossed(outcomes, f"refit v{target} moved bytes, but"))
         if not self.config.verify:
             return 0
         from . import verify
@@ -639,14 +634,10 @@ class Refit:
                 + (f"\n  ... and {len(messages) - 20} more" if len(messages) > 20 else "")))
         return compared
 
-    def _broken(self, cause: str) -> None:
-        """A failure while moving leaves the transports in an unknown state."""
-        self.world.mark_broken(cause)
-
 
 class _Moved:
-    """What one call's move left: executor stats (both stages' when relaying), checksums,
-    bytes per transport kind."""
+    """What one call's move left: executor stats (every stage's), checksums, bytes per
+    transport kind."""
 
     def __init__(self) -> None:
         self.stats: Any = None

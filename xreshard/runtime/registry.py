@@ -26,7 +26,10 @@ and optionally:
   donated, and keeps received ones as ``ShapeDtypeStruct`` templates);
 * ``write_versions(obj) -> {name: int}``: counters that move when a sent tensor is
   written (``RefitConfig(check_writes=True)``);
-* ``LABEL``: how messages name its objects ("JAX arrays").
+* ``LABEL``: how messages name its objects ("JAX arrays");
+* ``capture_streams() -> (() -> context manager) | None``: the calling thread's current
+  streams of its framework, to be made current in the thread of a refit started with
+  ``Refit.start`` (torch's current CUDA stream is per thread; see ``runtime/handle.py``).
 
 Rows are tried newest first, so a registration may shadow a built-in for the objects it
 accepts.

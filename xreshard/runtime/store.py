@@ -3,28 +3,55 @@
 Decision record. Processes meet through ``torch.distributed.TCPStore`` used stand-alone
 (it never touches torch's default process group). Everything written to it is JSON.
 
-Threat model (what the world's token protects, and what it does not):
+Threat model: what the world's token protects, from whom, and what each option costs.
 
-- The store has no access control: any process that can reach its address can read and
-  write every key. ``serve()`` therefore listens on loopback by default (and on exactly
+- **Who can reach the store can write every key.** The store has no access control and
+  its protocol is plaintext: any process that reaches its address can read, overwrite and
+  delete every key. ``serve()`` therefore listens on loopback by default (and on exactly
   the interface it is given, never every interface behind the caller's back).
-- With a token (``World.join(..., token=...)`` or ``XRESHARD_TOKEN``), every join record
-  and every metadata payload is signed with HMAC-SHA256, bound to the world (its id and a
-  nonce drawn by its members at join), the operation (kind and step) and the writing
-  process. A process without the token cannot join, cannot learn which ranks it would
-  get, and cannot make members accept metadata it wrote: members raise
-  ``AuthenticationError`` naming the key. A forged or garbage join record is ignored.
-- Not protected: denial of service (a process that reaches the store can delete keys or
-  write garbage, and the refit fails within its timeout, never succeeds with wrong
-  bytes), and the payload bytes on gloo/NCCL/shared memory, which are not encrypted or
-  signed, as in torch.distributed: run refits on an isolated network.
-- Without a token, payloads are still checked for shape, step, kind and writer, so
-  garbage and out-of-step collectives raise a typed error, but a process on the network
-  can impersonate a member.
+- **With a token** (``World.join(..., token=...)`` or ``XRESHARD_TOKEN``), everything a
+  member writes is signed with HMAC-SHA256 under the token, and the MAC binds exactly:
+  the ``world_id``; the world's instance nonce (below); the kind of write (join record,
+  collective name, transport record); its step (collective number, transport round); and
+  the writing process (its position, -1 for join records). Metadata payloads are
+  additionally bound to the member set (a hash of every member's join record nonce), so a
+  payload of one world instance never opens in another. Cost: one HMAC per payload
+  (microseconds), and the token must reach every process out of band.
+- **Instances.** Whoever starts the store (``StoreServer``: ``serve()``, ``launch``, an
+  ``is_server`` joiner) draws a store nonce and writes it at ``xreshard/store`` before
+  handing out the address. The first joiner of a world draws the world's instance nonce
+  and publishes it once (``compare_set``) at ``xreshard/<world_id>/instance/<key id>``,
+  signed with its token and bound to the store nonce it read (``<key id>`` is an HMAC of
+  the token, so worlds with other tokens never share it; "open" without one). Join records
+  carry and are signed with that nonce; records of another instance (an earlier world with
+  the same token and ``world_id`` on this store, or a record copied from an old store) are
+  refused by name and never take a member's slot. ``World.close`` retires the instance, so
+  the next world with that ``world_id`` draws a fresh one. On a store xreshard did not
+  start (no store nonce), the instance is bound to the world's key only.
+- **What members refuse, at once.** A process without the token cannot join (members skip
+  its records; it is refused as soon as ``num_processes`` records it cannot open exist),
+  cannot learn which ranks it would get, and cannot make members accept metadata or
+  transport records it wrote: members raise ``AuthenticationError`` naming the key.
+  Members that disagree on ``num_processes`` or ``groups`` all raise ``WorldMismatch``
+  (a signed marker tells members that already formed; cost: one store round trip, about
+  50 us on loopback, per collective during the join timeout after joining).
+- **Not protected:** denial of service. A process that reaches the store can delete or
+  overwrite keys (the instance keys included: one that pins a stale instance before the
+  first joiner, or rewrites it between joiners, makes the join fail), and then the join or
+  refit fails within its timeout; it never succeeds with another member or wrong metadata.
+  The payload bytes on gloo, NCCL and shared memory are neither signed nor encrypted (as
+  in torch.distributed): run refits on an isolated network, and count every process of
+  the user on the host inside the trust boundary (README, "Who can join").
+- **Without a token**, payloads are still checked for shape, step, kind, writer and
+  instance, so garbage, out-of-step and stale writes raise a typed error, but any process
+  that reaches the store can join or impersonate a member.
 
 Rejected: pickle anywhere (a store writer could run code in every reader); signing only
 the join (members would accept forged metadata later); a challenge-response handshake
-(needs a server of our own; the store cannot run code).
+(needs a server of our own; the store cannot run code); a store-wide instance nonce
+signed by the server (``serve()`` does not know the worlds' tokens, and an old signed
+nonce replays as well as an old record: freshness comes from the nonce drawn per world
+and retired on close).
 """
 
 from __future__ import annotations
@@ -34,23 +61,25 @@ import hashlib
 import hmac
 import json
 import os
+import secrets
 import socket
 import time
 from typing import Any, Sequence
 
+from ..extras import require
 from ..errors import (AuthenticationError, CollectiveMismatch, RefitError, TransportError,
                      TransportTimeout)
+from ..transport.base import format_seconds
 
-__all__ = ["Seal", "StoreServer", "connect", "parse_address", "serve", "token_from"]
+__all__ = ["Seal", "StoreServer", "connect", "parse_address", "serve", "token_from",
+           "STORE_NONCE_KEY", "store_nonce"]
+
+#: where the process that started the store publishes the store's nonce
+STORE_NONCE_KEY = "xreshard/store"
 
 
 def _tcp_store_class() -> Any:
-    try:
-        from torch.distributed import TCPStore
-    except ImportError as e:
-        raise ImportError("the refit world rendezvous needs PyTorch's TCPStore: "
-                          "pip install 'xreshard[torch]'") from e
-    return TCPStore
+    return require("torch.distributed", "torch", "the refit world rendezvous").TCPStore
 
 
 def parse_address(address: str) -> tuple[str, int]:
@@ -76,11 +105,16 @@ class StoreServer:
     (``master_listen_fd``). Keep it alive (and its process running) until every process has
     closed its world.
 
+    At start it draws a nonce and writes it at ``STORE_NONCE_KEY`` before anyone knows the
+    address: every world joined through this store binds its instance to it, so records
+    copied from another store never open here (``xreshard.runtime.store``).
+
     Attributes:
         host: the interface it listens on.
         port: the port it got (the OS picks one when asked for port 0).
         address: ``"tcp://host:port"``, what to pass to ``World.join``.
         store: the master ``TCPStore`` itself.
+        nonce: this store instance's nonce (32 hex digits).
     """
 
     def __init__(self, host: str = "127.0.0.1", port: int = 0, *, timeout: float = 300.0):
@@ -97,6 +131,8 @@ class StoreServer:
             sock.close()
             raise
         sock.detach()       # the store owns the descriptor now and closes it with itself
+        self.nonce = secrets.token_hex(16)
+        self.store.set(STORE_NONCE_KEY, json.dumps({"nonce": self.nonce}))
         self.host = host
         self.port = int(self.store.port)
         self.address = format_address(host, self.port)
@@ -170,8 +206,8 @@ def connect(address: str, timeout: float) -> Any:
         left = deadline - time.monotonic()
         if left <= 0:
             raise TransportTimeout(f"could not reach the rendezvous store at {address} within "
-                                   f"{timeout} s: {last}; is the store served (xreshard.serve) "
-                                   f"and the address right?")
+                                   f"{format_seconds(timeout)}: {last}; is the store served "
+                                   f"(xreshard.serve) and the address right?")
         try:
             socket.create_connection((host, port), timeout=min(left, 2.0)).close()
             break
@@ -184,7 +220,18 @@ def connect(address: str, timeout: float) -> Any:
                                   wait_for_workers=False)
     except (RuntimeError, TimeoutError) as e:
         raise TransportTimeout(f"could not reach the rendezvous store at {address} within "
-                               f"{timeout} s: {e}") from e
+                               f"{format_seconds(timeout)}: {e}") from e
+
+
+def store_nonce(store: Any) -> str:
+    """The text the store's starter wrote at ``STORE_NONCE_KEY``; "" on a store xreshard
+    did not start. Used only as binding material, so whatever is there counts."""
+    try:
+        if not store.check([STORE_NONCE_KEY]):
+            return ""
+        return store.get(STORE_NONCE_KEY).decode(errors="replace")
+    except RuntimeError as e:
+        raise TransportError(f"the rendezvous store failed: {e}") from e
 
 
 def wait_keys(store: Any, keys: Sequence[str], deadline: float) -> None:
@@ -224,7 +271,8 @@ class Seal:
         token: the shared secret, or None for unsigned payloads (still checked for shape,
             step, kind and writer).
         world_id: the world the payloads belong to.
-        nonce: drawn by the members at join; binds payloads to this instance of the world.
+        nonce: binds payloads to one instance of the world: the world's instance nonce for
+            join records, that and the member set for everything written after the join.
     """
 
     def __init__(self, token: bytes | None, world_id: str, nonce: str = ""):
@@ -235,6 +283,17 @@ class Seal:
     @property
     def signed(self) -> bool:
         return self.token is not None
+
+    def key_id(self) -> str:
+        """Names this token in store keys without revealing it ("open" without one): worlds
+        with other tokens never share a key named with it."""
+        if self.token is None:
+            return "open"
+        return hmac.new(self.token, b"xreshard key id", hashlib.sha256).hexdigest()[:16]
+
+    def with_nonce(self, nonce: str) -> Seal:
+        """This seal for another instance of the world."""
+        return Seal(self.token, self.world_id, nonce)
 
     def _mac(self, kind: str, op: int, process: int, body: str) -> str:
         if self.token is None:

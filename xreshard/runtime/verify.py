@@ -250,16 +250,18 @@ def _cast_into(out: np.ndarray, src: np.ndarray, have: str | None, wire: str | N
 def _device_digests(arrays: Sequence[Any]) -> list[str]:
     """xr64x2 of CuPy arrays (already in the receiver's dtype), one host sync for all.
 
-    TODO(no GPU on the CI machine): written to match the host path bit for bit, exercised
-    only on GPU runs (tests/test_gpu_path.py style); the reductions are plain uint64 sums,
-    which CuPy and numpy wrap identically.
+    Arrays are hashed as their raw bits: a strided region is made contiguous as same-size
+    unsigned ints, which CuPy copies for any dtype (its kernels refuse float8, and bf16
+    without ml_dtypes). Written to match the host path bit for bit (the reductions are
+    plain uint64 sums, which CuPy and numpy wrap identically); scripts/gpu_check.sh runs it
+    on a GPU against the host digests.
     """
     import cupy
 
     out, sizes = [], []
     row = ROW_WORDS * 8
     for arr in arrays:
-        flat = cupy.ascontiguousarray(arr).reshape(-1).view(cupy.uint8)
+        flat = cupy.ascontiguousarray(bits(arr)).reshape(-1).view(cupy.uint8)
         n = int(flat.size)
         sizes.append(n)
         if n % row or int(flat.data.ptr) % 8:
@@ -386,8 +388,9 @@ def digest_bindings(plan: Any, local_ranks: Iterable[int],
                     version: int = 0, sides: str = "both") -> Digests:
     """Digest every transfer (and local copy) of ``plan`` that ``local_ranks`` take part in.
 
-    Call after the executor ran, with the bindings it used (``refit._fit`` output:
-    ``(rank, name) -> array``, a list of arrays for explicit layouts).
+    Call after the executor ran, with the bindings of the stage of ``plan`` it used
+    (``metadata.stage_bindings``: ``(rank, name) -> array``, a list of arrays for explicit
+    layouts).
 
     Args:
         plan: the refit's :class:`xreshard.planner.plan.Plan` (the same in every process).

@@ -26,18 +26,17 @@ import json
 import logging
 import os
 import socket
-import secrets
 import sys
 import threading
 import time
-from typing import Any, Iterator, Mapping, Sequence
+from typing import Any, Iterator, Sequence
 
-from ..errors import (AuthenticationError, CollectiveMismatch, CommunicationError, RefitError,
-                     WorldBroken)
+from ..errors import CommunicationError, RefitError, WorldBroken, WorldMismatch
+from .joining import KEY_ROOT, Joined, join_records, label, refusal, retire
 from .store import (Seal, StoreServer, connect, parse_address, serve, token_from,
                     wait_keys)
 from ..ir.topology import Topology
-from ..transport.base import Transport, TransportTimeout
+from ..transport.base import Transport, TransportTimeout, format_seconds
 from ..transport.routed import RenumberedTransport, RoutedTransport
 from .world_transports import WorldTransports, device_kind
 
@@ -45,8 +44,6 @@ __all__ = ["StoreServer", "World", "RoutedTransport", "RenumberedTransport", "se
            "parse_address"]
 
 logger = logging.getLogger(__name__)
-
-_KEY_ROOT = "xreshard"
 
 
 def _default_index(devices: Any) -> int:
@@ -70,76 +67,22 @@ def _group_key(groups: Sequence[str] | None) -> Any:
     return lambda info: (order[info["group"]], info["index"])
 
 
-def _label(info: Mapping[str, Any]) -> str:
-    return f"{info['group']}[{info['index']}]"
-
-
-def _join_records(store: Any, seal: Seal, world_id: str, me: dict[str, Any],
-                  expect: dict[str, Any], num_processes: int, deadline: float,
-                  address: str) -> list[dict[str, Any]]:
-    """Append this process's signed join record and wait for ``num_processes`` valid ones.
-
-    Records go to one append-only key, so nothing an outsider writes can take a member's
-    slot: records that are not JSON, not of this shape, or (with a token) not signed with
-    it are skipped; the first ``num_processes`` valid records, in append order (the same
-    order for every reader), are the world.
-    """
-    key = f"{_KEY_ROOT}/{world_id}/join"
-    mine = {"info": me, "expect": expect, "nonce": secrets.token_hex(16)}
-    store.append(key, seal.seal("join", 0, -1, json.dumps(mine)) + "\n")
-    rejected: list[str] = []
-    valid: list[dict[str, Any]] = []
-    foreign = 0         # records signed with another token (or signed, and we have none)
-    pause = 0.002
-    while True:
-        try:
-            raw = store.get(key)        # it exists: this process's own record is there
-        except (TransportTimeout, RuntimeError) as e:
-            raise TransportTimeout(f"world {world_id!r} at {address}: the store lost the join "
-                                   f"records: {e}") from e
-        valid, rejected, foreign = [], [], 0
-        for n, line in enumerate(raw.decode(errors="replace").splitlines()):
-            try:
-                rec = seal.open(line, key=key, kind="join", op=0, process=-1)
-                info = rec["info"]
-                if not (isinstance(info, dict) and isinstance(info.get("group"), str)
-                        and isinstance(info.get("index"), int)
-                        and isinstance(info.get("num_ranks"), int) and info["num_ranks"] >= 0
-                        and isinstance(info.get("device_kinds"), list)
-                        and len(info["device_kinds"]) == info["num_ranks"]
-                        and isinstance(rec.get("nonce"), str)):
-                    raise CollectiveMismatch("not a join record")
-            except (CommunicationError, KeyError, TypeError) as e:
-                rejected.append(f"line {n}: {type(e).__name__}")
-                foreign += isinstance(e, AuthenticationError)
-                continue
-            valid.append(rec)
-        if len(valid) >= num_processes or time.monotonic() >= deadline:
-            break
-        time.sleep(pause)
-        pause = min(pause * 2, 0.05)
-    if rejected:
-        logger.warning("world %r: skipped %d join record(s) that are not this world's "
-                       "(%s)", world_id, len(rejected), ", ".join(rejected[:5]))
-    if len(valid) < num_processes:
-        arrived = ", ".join(_label(r["info"]) for r in valid)
-        if foreign:
-            raise AuthenticationError(
-                f"world {world_id!r} at {address}: {len(valid)} of {num_processes} processes "
-                f"joined with this process's token ({arrived or 'none'}); {foreign} record(s) "
-                f"are signed with another token: every process must pass the same token "
-                f"(token= or XRESHARD_TOKEN)")
-        raise TransportTimeout(
-            f"world {world_id!r} at {address}: {len(valid)} of {num_processes} processes "
-            f"joined in time ({arrived}); {num_processes - len(valid)} never did")
-    members = valid[:num_processes]
-    if not any(r["nonce"] == mine["nonce"] for r in members):
-        raise RefitError(f"{_label(me)} came too late to world {world_id!r}: "
-                         f"{num_processes} processes joined before it "
-                         f"({', '.join(_label(r['info']) for r in members)}); give every "
-                         f"world on one store its own world_id and every process the same "
-                         f"num_processes")
-    return members
+def _numbered(records: list[dict[str, Any]], groups: Sequence[str] | None, world_id: str,
+              me: tuple[str, int]) -> tuple[list[dict[str, Any]], int]:
+    """The members' infos in process order, with their ranks, and this process's position
+    (see ``World``)."""
+    infos = sorted((rec["info"] for rec in records), key=_group_key(groups))
+    for a, b in zip(infos, infos[1:]):
+        if (a["group"], a["index"]) == (b["group"], b["index"]):
+            raise RefitError(f"two processes joined world {world_id!r} as {label(a)} "
+                             f"(pids {a['pid']} on {a['host']} and {b['pid']} on "
+                             f"{b['host']}); give each process of a group its own index")
+    first = 0
+    for info in infos:
+        info["ranks"] = list(range(first, first + info["num_ranks"]))
+        first += info["num_ranks"]
+    position = next(p for p, info in enumerate(infos) if (info["group"], info["index"]) == me)
+    return infos, position
 
 
 class World(WorldTransports):
@@ -170,16 +113,23 @@ class World(WorldTransports):
 
     def __init__(self, *, store: Any, server: StoreServer | None, address: str,
                  world_id: str, timeout: float, infos: list[dict[str, Any]],
-                 process_index: int, devices: Sequence[Any], seal: Seal | None = None):
+                 process_index: int, devices: Sequence[Any], seal: Seal | None = None,
+                 joined: Joined | None = None, instance_seal: Seal | None = None):
         self._store = store
         self._seal = seal or Seal(None, world_id)
+        # the join's instance, retired on close, and its refusal marker, read by every
+        # collective for one join timeout (a disagreeing process may join after us)
+        self._joined = joined
+        self._instance_seal = instance_seal
+        self._refusal_until = time.monotonic() + float(timeout) if joined is not None else 0.0
         self._broken: str | None = None
         self._lock = threading.RLock()
         self._limit: float | None = None      # a deadline every wait stops at (``limited``)
+        self._limit_seconds = 0.0             # the length of that limit, for messages
         self._server = server
         self._address = address
         self._world_id = world_id
-        self._root = f"{_KEY_ROOT}/{world_id}"
+        self._root = f"{KEY_ROOT}/{world_id}"
         self._timeout = float(timeout)
         self._infos = infos
         self._process_index = process_index
@@ -188,6 +138,8 @@ class World(WorldTransports):
         self._transports: dict[str, Transport] = {}
         self._counted: dict[str, Transport] = {}
         self._closed = False
+        self._closing = False
+        self._depth = 0         # nesting of ``exclusive`` in the thread that holds it
         rank_process: list[int] = []
         kinds: list[str] = []
         for pos, info in enumerate(infos):
@@ -223,7 +175,8 @@ class World(WorldTransports):
                 process must pass the same value.
             host: the host name published for the topology; default ``socket.gethostname()``.
             timeout: seconds to wait for the others (and the default of every later wait).
-            world_id: distinguishes several worlds on one store; unique per store.
+            world_id: distinguishes several worlds on one store; unique per store among
+                the worlds open at one time (a closed world's id may be joined again).
             is_server: host the store in this process at ``address`` (its port must be
                 free and known to the others, so launchers should prefer ``serve()``).
             token: a secret shared by the world's processes (default ``XRESHARD_TOKEN``,
@@ -236,10 +189,14 @@ class World(WorldTransports):
 
         Raises:
             TransportTimeout: not every process joined within ``timeout``; names those that did.
-            RefitError: processes disagree (two with one group and index, different
-                ``num_processes`` or ``groups``), or too many joined.
+            WorldMismatch: processes passed different ``num_processes`` or ``groups``: every
+                one of them raises it, with one message (members that had formed a world
+                already raise it from their next collective, within ``timeout``).
+            RefitError: two processes joined with one group and index, or this one came
+                after the world was complete.
             AuthenticationError: join records signed with another token were found and
-                too few with this process's token.
+                too few with this process's token (at once when ``num_processes`` of them
+                exist), or the world's instance record was forged or replayed.
         """
         if not isinstance(group, str) or not group:
             raise RefitError(f"group must be a non-empty string, got {group!r}")
@@ -274,31 +231,24 @@ class World(WorldTransports):
               "pid": os.getpid(), "num_ranks": len(local_devices), "device_kinds": kinds,
               "devices": [str(d) for d in local_devices]}
         expect = {"num_processes": num_processes, "groups": groups}
-        records = _join_records(store, Seal(token_bytes, world_id), world_id, me, expect,
-                                num_processes, deadline, address)
-        for rec in records:
-            if rec["expect"] != expect:
-                raise RefitError(f"processes of world {world_id!r} disagree: "
-                                 f"{_label(rec['info'])} joined with {rec['expect']}, "
-                                 f"{_label(me)} with {expect}; pass the same num_processes "
-                                 f"and groups everywhere")
-        infos = sorted((rec["info"] for rec in records), key=_group_key(groups))
-        for a, b in zip(infos, infos[1:]):
-            if (a["group"], a["index"]) == (b["group"], b["index"]):
-                raise RefitError(f"two processes joined world {world_id!r} as {_label(a)} "
-                                 f"(pids {a['pid']} on {a['host']} and {b['pid']} on "
-                                 f"{b['host']}); give each process of a group its own index")
-        first = 0
-        for info in infos:
-            info["ranks"] = list(range(first, first + info["num_ranks"]))
-            first += info["num_ranks"]
-        position = next(p for p, info in enumerate(infos)
-                        if (info["group"], info["index"]) == (group, index))
-        nonce = hashlib.sha256(json.dumps(sorted(rec["nonce"] for rec in records))
+        seal = Seal(token_bytes, world_id)
+        try:
+            joined = join_records(store, seal, me, expect, num_processes, deadline, address)
+            records = joined.members
+            infos, position = _numbered(records, groups, world_id, (group, index))
+        except BaseException:
+            if server is not None:
+                server.close()
+            raise
+        # metadata is bound to this instance and this member set
+        nonce = hashlib.sha256(json.dumps([joined.instance,
+                                           sorted(rec["nonce"] for rec in records)])
                                .encode()).hexdigest()[:32]
         world = cls(store=store, server=server, address=address, world_id=world_id,
                     timeout=timeout, infos=infos, process_index=position,
-                    devices=local_devices, seal=Seal(token_bytes, world_id, nonce))
+                    devices=local_devices, seal=seal.with_nonce(nonce), joined=joined,
+                    instance_seal=seal.with_nonce(joined.instance))
+        world._refuse_if_refused()
         logger.debug("joined %r", world)
         return world
 
@@ -388,7 +338,7 @@ class World(WorldTransports):
     def describe_process(self, position: int) -> str:
         """``"trainer[0] (process 2, pid 123 on host-a)"``, for error messages."""
         info = self._infos[position]
-        return f"{_label(info)} (process {position}, pid {info['pid']} on {info['host']})"
+        return f"{label(info)} (process {position}, pid {info['pid']} on {info['host']})"
 
     # ------------------------------------------------------------------ collectives
 
@@ -419,33 +369,46 @@ class World(WorldTransports):
             RefitError: another thread of this process is inside a collective of this world.
         """
         if not self._lock.acquire(blocking=False):
+            if self._closing:
+                raise RefitError(f"world {self._world_id!r} is closed")
             raise RefitError(f"{what} was called on world {self._world_id!r} while another "
                              f"thread of this process runs one; a world's collectives and "
                              f"refits run one at a time (use one thread, or a lock)")
+        if self._closing and self._depth == 0:     # nested steps of a running call go on
+            self._lock.release()
+            raise RefitError(f"world {self._world_id!r} is closed")
+        self._depth += 1
         try:
             yield
         finally:
+            self._depth -= 1
             self._lock.release()
 
     @contextlib.contextmanager
     def limited(self, seconds: float) -> Iterator[None]:
         """Every wait inside (collectives, creating transports) ends within ``seconds``
         from now, whatever its own timeout: a refit bounds its whole call this way."""
-        outer = self._limit
-        self._limit = time.monotonic() + seconds
-        if outer is not None:
-            self._limit = min(self._limit, outer)
+        outer = (self._limit, self._limit_seconds)
+        deadline = time.monotonic() + seconds
+        if self._limit is None or deadline < self._limit:
+            self._limit, self._limit_seconds = deadline, float(seconds)
         try:
             yield
         finally:
-            self._limit = outer
+            self._limit, self._limit_seconds = outer
 
     def _wait_seconds(self, timeout: float | None = None) -> float:
         """``timeout`` (default the world's), cut to what ``limited`` leaves."""
+        return self._wait(timeout)[0]
+
+    def _wait(self, timeout: float | None) -> tuple[float, str]:
+        """``_wait_seconds`` and how a message says it ran out: the same words in every
+        process (the seconds a limit leaves differ between processes; the limit does not)."""
         timeout = self._timeout if timeout is None else float(timeout)
-        if self._limit is not None:
-            timeout = min(timeout, max(self._limit - time.monotonic(), 0.05))
-        return timeout
+        if self._limit is not None and self._limit - time.monotonic() < timeout:
+            left = max(self._limit - time.monotonic(), 0.05)
+            return left, f"at the end of its call's {format_seconds(self._limit_seconds)} limit"
+        return timeout, f"after {format_seconds(timeout)}"
 
     def _next_prefix(self, kind: str = "transport") -> str:
         return self._next_op(kind)[0]
@@ -455,62 +418,128 @@ class World(WorldTransports):
         self._num_ops += 1
         return f"{self._root}/op{self._num_ops}", self._num_ops
 
-    def _fail(self, error: CommunicationError) -> CommunicationError:
-        self.mark_broken(f"{type(error).__name__}: {error}")
-        return error
+    def _fail(self, error: CommunicationError, since: float | None = None) -> Exception:
+        """Mark the world broken by ``error``, or by the world's published refusal (a
+        process that disagreed on the world joined after us): that is the first cause.
+        ``since``: when the failed step began (the refusal counts for steps begun within
+        the join timeout)."""
+        refused = self._refusal(since)
+        cause: Exception = refused if refused is not None else error
+        self.mark_broken(f"{type(cause).__name__}: {cause}")
+        return cause
+
+    def _refusal(self, since: float | None = None) -> WorldMismatch | None:
+        """The world's published ``WorldMismatch``, looked up (one store round trip) for
+        steps begun (``since``, default now) within one join timeout of joining."""
+        joined = self._joined
+        begun = time.monotonic() if since is None else since
+        if joined is None or self._store is None or begun > self._refusal_until:
+            return None
+        return refusal(self._store, self._instance_seal, joined.refused_key)
+
+    def _refuse_if_refused(self) -> None:
+        """At the end of a join: a process that disagreed came while we formed (this
+        process saw its record, or another published the refusal), so the members may
+        already wait for us in the first collective: wake them, close, and raise it."""
+        joined = self._joined
+        refused = (joined.refused if joined is not None else None) or self._refusal()
+        if refused is not None:
+            prefix, op = self._next_op("join")
+            error = self._refuse_step(prefix, op, refused)
+            self.close()
+            raise error
+
+    def _refuse_step(self, prefix: str, op: int, refused: WorldMismatch) -> Exception:
+        """Raise ``refused`` from step ``op``: first write this process's payload of that
+        step as a wake-up, so the members waiting on it fail now (their payload check
+        fails and their failure path reads the same refusal), not at their timeout."""
+        me = self._process_index
+        with contextlib.suppress(RuntimeError):
+            self._store.set(f"{prefix}/{me}", self._seal.seal("world-mismatch", op, me,
+                                                              json.dumps(None)))
+        return self._fail(refused)
 
     def _exchange(self, kind: str, obj: Any, writes: bool, readers: Sequence[int],
                   timeout: float | None, partial: bool = False) -> list[Any]:
         """One collective step: write a sealed ``obj`` (when ``writes``), wait for the
         payloads of processes ``readers``, check and open them, clean up. With
-        ``partial``, a timeout returns what did arrive (None for the rest) instead of
-        raising, and the caller must mark the world broken (it knows the first cause)."""
+        ``partial``, the processes settle which payloads count (see ``_settled``) and a
+        timeout returns those (None for the rest) instead of raising; the caller must then
+        mark the world broken (it knows the first cause)."""
         body = json.dumps(obj)      # TypeError before anything is posted
+        begun = time.monotonic()
         with self.exclusive(kind):
             prefix, op = self._next_op(kind)
             me = self._process_index
-            timeout = self._wait_seconds(timeout)
+            timeout, ran_out = self._wait(timeout)
             keys = [f"{prefix}/{p}" for p in readers]
             try:
+                refused = self._refusal()
+                if refused is not None:
+                    raise self._refuse_step(prefix, op, refused)
                 if writes:
                     self._store.set(f"{prefix}/{me}", self._seal.seal(kind, op, me, body))
+                arrived = [True] * len(keys)
                 try:
                     wait_keys(self._store, keys, time.monotonic() + timeout)
                 except TransportTimeout as e:
                     try:
-                        missing = [p for k, p in zip(keys, readers) if not self._store.check([k])]
+                        arrived = [bool(self._store.check([k])) for k in keys]
                     except RuntimeError:
-                        missing = list(readers)
-                    names = "; ".join(self.describe_process(p) for p in missing)
-                    error = TransportTimeout(f"{kind} (collective #{op}) in world "
-                                             f"{self._world_id!r} timed out after {timeout} s: "
-                                             f"never arrived: {names}")
-                    if not partial:
-                        raise error from e
-                    got = [None if p in missing else self._store.get(k)
-                           for k, p in zip(keys, readers)]
-                    return [None if v is None else self._seal.open(
-                        v, key=k, kind=kind, op=op, process=p,
-                        what=f"from {self.describe_process(p)}")
-                        for k, p, v in zip(keys, readers, got)]
-                values = self._store.multi_get(keys)
+                        arrived = [False] * len(keys)
+                    if not partial or self._refusal(begun) is not None:
+                        names = "; ".join(self.describe_process(p)
+                                          for p, a in zip(readers, arrived) if not a)
+                        raise TransportTimeout(f"{kind} (collective #{op}) in world "
+                                               f"{self._world_id!r} timed out {ran_out}: "
+                                               f"never arrived: {names}") from e
+                if partial:
+                    arrived = self._settled(prefix, op, kind, readers, arrived)
+                got = [k for k, a in zip(keys, arrived) if a]
+                values = iter(self._store.multi_get(got) if got else [])
+                raws = [next(values) if a else None for a in arrived]
                 # the last reader deletes the keys, so a long-lived world does not grow the store
                 if int(self._store.add(f"{prefix}/done", 1)) == self.num_processes:
-                    self._store.delete_key(f"{prefix}/done")
-                    for k in keys:
+                    for k in [f"{prefix}/done", f"{prefix}/settled"][:1 + partial] + keys:
                         self._store.delete_key(k)
             except CommunicationError as e:
-                raise self._fail(e) from e.__cause__
+                raise self._fail(e, begun) from e.__cause__
             except RuntimeError as e:       # the store connection itself failed
                 raise self._fail(CommunicationError(
                     f"{kind} (collective #{op}) in world {self._world_id!r}: the rendezvous "
-                    f"store failed: {e}")) from e
+                    f"store failed: {e}"), begun) from e
             try:
-                return [self._seal.open(v, key=k, kind=kind, op=op, process=p,
-                                        what=f"from {self.describe_process(p)}")
-                        for k, p, v in zip(keys, readers, values)]
+                return [None if v is None else self._seal.open(
+                    v, key=k, kind=kind, op=op, process=p,
+                    what=f"from {self.describe_process(p)}")
+                    for k, p, v in zip(keys, readers, raws)]
             except CommunicationError as e:
-                raise self._fail(e) from None
+                raise self._fail(e, begun) from None
+
+    def _settled(self, prefix: str, op: int, kind: str, readers: Sequence[int],
+                 arrived: list[bool]) -> list[bool]:
+        """Which payloads of a partial collective count, the same for every process: the
+        first process to get here writes the set it saw (``compare_set``: first writer
+        wins), every other takes that set. Without it, a process whose grace ran out
+        before a slow survivor posted, and that survivor, would build their outcomes from
+        different payloads (and raise different messages, or one succeed)."""
+        me = self._process_index
+        mine = self._seal.seal(f"{kind}/settled", op, me,
+                               json.dumps([p for p, a in zip(readers, arrived) if a]))
+        raw = self._store.compare_set(f"{prefix}/settled", "",
+                                      json.dumps({"by": me, "payload": mine}))
+        try:
+            text = raw.decode() if isinstance(raw, bytes) else raw
+            env = json.loads(text)
+            writer, payload = int(env["by"]), env["payload"]
+        except (UnicodeDecodeError, ValueError, TypeError, KeyError) as e:
+            raise CollectiveMismatch(f"{kind} (collective #{op}): the settled arrivals at "
+                                     f"{prefix}/settled are not an xreshard payload ({e})") \
+                from None
+        counted = set(self._seal.open(payload, key=f"{prefix}/settled", kind=f"{kind}/settled",
+                                      op=op, process=writer,
+                                      what=f"settled by {self.describe_process(writer)}"))
+        return [p in counted for p in readers]
 
     def allgather_json(self, obj: Any, *, timeout: float | None = None,
                        kind: str = "allgather", partial: bool = False) -> list[Any]:
@@ -532,8 +561,10 @@ class World(WorldTransports):
 
         With ``partial=True`` a timeout returns the values that arrived, None for the
         processes that never did; the caller must then mark the world broken
-        (``mark_broken``), naming the first cause. A refit's outcome exchange builds the
-        same message on every survivor from it.
+        (``mark_broken``), naming the first cause. Which values arrived is settled once
+        (the first process to finish waiting decides, every other takes its decision, one
+        extra store round trip), so every survivor gets the same list: a refit's outcome
+        exchange builds the same message on every survivor from it.
         """
         return self._exchange(kind, obj, True, range(self.num_processes), timeout, partial)
 
@@ -563,15 +594,43 @@ class World(WorldTransports):
                               f"world_id) to continue")
 
     def close(self) -> None:
-        """Close the transports and leave the store. Idempotent."""
+        """Close the transports and leave the store. Idempotent.
+
+        A collective or refit still running in another thread (``refit.start()``) is
+        waited for first, within the world's timeout: its own waits are bounded by it, and
+        tearing the store and transports down under it would turn its outcome into an
+        unrelated error.
+        """
+        if self._closed:
+            return
+        self._closing = True        # refuses new collectives while we wait for a running one
+        held = self._lock.acquire(timeout=self._timeout + 5.0)
+        if not held:
+            logger.warning("world %r: a collective of another thread did not finish within "
+                           "%s; closing under it", self._world_id,
+                           format_seconds(self._timeout + 5.0))
+        try:
+            self._close()
+        finally:
+            if held:
+                self._lock.release()
+
+    def _close(self) -> None:
         if self._closed:
             return
         self._closed = True
         for kind, t in self._transports.items():
-            if kind != "auto":
+            if kind == "auto":
+                continue        # a view of the others
+            try:
                 t.close()
+            except Exception:   # noqa: BLE001 - the others still close (and their threads end)
+                logger.warning("world %r: closing its %s transport failed", self._world_id,
+                               kind, exc_info=True)
         self._transports.clear()
         self._counted.clear()
+        if self._joined is not None and self._store is not None:
+            retire(self._store, self._joined)
         self._store = None
         if self._server is not None:
             self._server.close()

@@ -103,14 +103,19 @@ class WorldTransports:
         """Every process's capabilities (collective: two JSON all-gathers).
 
         Each process with CPU ranks publishes a token in a tiny shared-memory probe; every
-        process then says which same-host probes it could read, so a pair takes shm only
-        when both sides can open each other's segments. CUDA processes publish the uuid of
-        each rank's device and those they can reach by peer access.
+        process then says which same-host probes it could read and which same-host
+        processes it can see as themselves (``sees``: the pid the peer published, with the
+        start time it published, in this process's ``/proc``), so a pair takes shm only
+        when both sides can open each other's segments *and* see each other's process:
+        containers that share ``/dev/shm`` but not a pid namespace would otherwise watch a
+        stranger's pid for liveness (see ``transport.peers.visible``). CUDA processes
+        publish the uuid of each rank's device and those they can reach by peer access.
         """
         import secrets
+        from ..transport import peers as peers_mod
         from ..transport import shm as shm_mod
 
-        token = secrets.token_hex(5)
+        token = secrets.token_hex(8)
         off = ("0", "false", "off")
         enabled = os.environ.get("XRESHARD_SHM", "1") not in off
         pull_ok = enabled and os.environ.get("XRESHARD_SHM_PULL", "1") not in off
@@ -125,19 +130,25 @@ class WorldTransports:
             cuda = local_cuda_caps([cuda_ordinal(d) if device_kind(d) == "cuda" else None
                                     for d in self._devices])
         first: list[dict[str, Any]] = []
+        me = self._process_index
         try:
-            mine = {"token": token, "probe": probe is not None,
+            # shm_tag: the secret every segment name of this world starts with (process 0's)
+            mine = {"token": token, "probe": probe is not None, "shm_tag": secrets.token_hex(8),
                     "mark": int(mark.ctypes.data) if pull_ok and probe is not None else None,
-                    "start": shm_mod.process_start_time(os.getpid()), **cuda}
+                    "start": peers_mod.own_start_time(), **cuda}
             first = self.allgather_json(mine)
-            host = self._infos[self._process_index]["host"]
-            reach = [q for q, c in enumerate(first)
-                     if q != self._process_index and c["probe"] and probe is not None
-                     and self._infos[q]["host"] == host and shm_mod.read_probe(c["token"])]
+            host = self._infos[me]["host"]
+            near = [q for q in range(len(first)) if q != me and self._infos[q]["host"] == host]
+            sees = [q for q in near if peers_mod.visible(
+                self._infos[q]["pid"], first[q]["start"],
+                shm_mod.probe_path(first[q]["token"]) if first[q]["probe"] else None)]
+            reach = [q for q in near if q in sees and first[q]["probe"] and probe is not None
+                     and shm_mod.read_probe(first[q]["token"])]
             pulls = [q for q in reach if first[q]["mark"] is not None and pull_ok
                      and shm_mod.can_pull(self._infos[q]["pid"], first[q]["mark"],
                                           first[q]["token"].encode())]
-            second = self.allgather_json({"shm_reach": reach, "pull_reach": pulls})
+            second = self.allgather_json({"shm_reach": reach, "pull_reach": pulls,
+                                          "sees": sees})
         except BaseException:
             # a peer that died after publishing its token cannot remove its probe
             for c in first:
@@ -151,9 +162,9 @@ class WorldTransports:
         caps = []
         for q, (c, r) in enumerate(zip(first, second)):
             caps.append({"host": self._infos[q]["host"], "pid": self._infos[q]["pid"],
-                         "start": c["start"], "token": c["token"],
+                         "start": c["start"], "token": c["token"], "shm_tag": c["shm_tag"],
                          "shm_reach": r["shm_reach"], "pull_reach": r["pull_reach"],
-                         "cuda_devices": c["cuda_devices"],
+                         "sees": r["sees"], "cuda_devices": c["cuda_devices"],
                          "cuda_reach": c["cuda_reach"]})
         return caps
 
@@ -234,18 +245,25 @@ class WorldTransports:
         caps, me = self._caps, self._process_index
         # both ways, so that sender and receiver agree on every message's path
         pulls = [q for q in peers if q in caps[me]["pull_reach"] and me in caps[q]["pull_reach"]]
-        return ShmTransport(self._store, f"{prefix}/shm", caps[0]["token"], self._rank_process,
+        return ShmTransport(self._store, f"{prefix}/shm", caps[0]["shm_tag"], self._rank_process,
                             me, peers, pids=pids, process_labels=labels,
                             connect=self._store_client, pull_peers=pulls, seal=self._seal)
 
     def _peer_setup(self, kind: str) -> tuple[Any, list[int], dict, str, list[str]]:
         """What a same-host transport of ``kind`` (shm, cuda_ipc) is built from: the routes,
         this process's peers over it, their (pid, start time), a fresh store prefix (a
-        collective step: every process takes one) and every process's label."""
+        collective step: every process takes one) and every process's label.
+
+        Only peers that each side sees as the same process (``sees``, both ways) get a
+        pid: the dead-peer watcher is armed for them alone; others are waited for until
+        the timeout (another pid namespace shows another process, or none, at that pid).
+        """
         routes = self.routes("auto")
         caps = self._caps
-        peers = routes.peers(self._process_index, kind)
-        pids = {q: (caps[q]["pid"], caps[q]["start"]) for q in peers}
+        me = self._process_index
+        peers = routes.peers(me, kind)
+        pids = {q: (caps[q]["pid"], caps[q]["start"]) for q in peers
+                if q in caps[me].get("sees", ()) and me in caps[q].get("sees", ())}
         prefix = self._next_prefix()
         labels = [self.describe_process(p) for p in range(self.num_processes)]
         return routes, peers, pids, prefix, labels
@@ -289,11 +307,7 @@ class WorldTransports:
         for r in members:
             dev = routes.rank_device[r]
             if dev is not None and dev in by_device:
-                raise RefitError(
-                    f"ranks {by_device[dev]} and {r} share GPU {dev} and both need NCCL for "
-                    f"pairs without an IPC path; NCCL allows one rank per GPU in a "
-                    f"communicator: give them GPUs of their own, or keep each colocated rank's "
-                    f"peers reachable by cuda_ipc")
+                self._refuse_shared_gpu(by_device[dev], r, dev)
             by_device[dev] = r
         index = {r: i for i, r in enumerate(members)}
         mine = {index[r]: cuda_ordinal(self._devices[i])
@@ -303,6 +317,23 @@ class WorldTransports:
         inner = NcclTransport(self._store, len(members), mine, key=f"{prefix}/nccl",
                               timeout=self._wait_seconds())
         return RenumberedTransport(inner, index, "nccl")
+
+    @staticmethod
+    def _refuse_shared_gpu(a: int, b: int, dev: Any) -> None:
+        """Ranks ``a`` and ``b`` share GPU ``dev`` and both need NCCL: fine where this
+        process's NCCL takes several ranks of one GPU (2.30+ with NCCL_MULTI_RANK_GPU_ENABLE=1,
+        which every process must set alike), else refused with what it would take."""
+        from ..transport.nccl_setup import import_cupy, multi_rank_gpu
+        try:
+            _, nccl = import_cupy()
+            version = int(nccl.get_version())
+        except ImportError:
+            version = 0
+        ok, why = multi_rank_gpu(version)
+        if not ok:
+            raise RefitError(f"ranks {a} and {b} share GPU {dev} and both need NCCL for pairs "
+                             f"without an IPC path; {why} - or keep each colocated rank's "
+                             f"peers reachable by cuda_ipc")
 
     def _make_gloo(self) -> Transport:
         from ..transport.gloo import GlooTransport, create_gloo_group

@@ -15,8 +15,9 @@ million: the stage decisions come from :mod:`.stages`; stage 1's transfers from 
 planner (``plan`` of the stage-1 layouts: its senders and quotas are the refit's); stage
 2's from the decisions (each forwarded part has one holder); each pair's messages from the
 scheduler's rules (``traffic.cut_messages``, ``fill_rounds``), once per distinct sequence.
-:func:`relay_replays_executor` builds the executor's own schedule of the same refit and
-compares the two message lists: the check ``tests/test_simulate.py`` pins and
+:func:`relay_replays_executor` prepares the same call as a ``Refit`` does
+(``xreshard.planner.prepare.prepare``, whose schedule the executor runs) and compares the
+two message lists: the check ``tests/test_simulate.py`` pins and
 ``benchmarks/bench_simulate.py`` reports.
 
 Pure: a plan, the domain of every rank and the two byte budgets in; messages out.
@@ -310,30 +311,22 @@ def relay_traffic(plan: Any, domain: Sequence[int], *, bucket_bytes: int,
 # ---------------------------------------------------------------------------- the check
 
 def executor_messages(plan: Any, domain: Sequence[int], *, bucket_bytes: int,
-                      staging_bytes: int, ranks: Iterable[int] | None = None) -> Traffic:
-    """The messages the executor's own schedule sends for ranks ``ranks`` (default: all)
-    in ``plan``'s refit with ``relay="on"``: ``relay_layouts``, the two stage plans and
-    ``overlapped_schedule``, as a refit builds them (``Bucket`` objects: small worlds)."""
-    from ..planner.plan import plan as make_plan
-    from ..planner.relay import overlapped_schedule, relay_layouts
-    from ..planner.schedule import peer_counts, schedule
-    topo = domain_topology(domain)
-    layouts = relay_layouts(plan.src_layouts, plan.dst_layouts, topo)
-    plan1 = make_plan(plan.src_layouts, layouts.stage1_dst, topo,
-                      wire_dtype=dict(plan.wire_dtypes))
-    ranks = sorted(range(len(domain)) if ranks is None else set(ranks))
-    if layouts.forwards:
-        plan2 = make_plan(layouts.stage2_src, layouts.stage2_dst, topo)
-        sched = overlapped_schedule(plan1, plan2, ranks, bucket_bytes=bucket_bytes,
-                                    staging_bytes=staging_bytes)
-    else:
-        paired = {x for r in ranks for t in plan1.transfers_for(r) for x in (t.src, t.dst)}
-        sched = schedule(plan1, ranks, peer_counts(plan1, sorted(paired)),
-                         bucket_bytes=bucket_bytes, staging_bytes=staging_bytes)
-    names = set(plan1.names)
-    return Traffic.of([(b.round, b.src, b.dst, b.nbytes) for rnd in sched.rounds for b in rnd],
-                      forward=[b.items[0].name not in names for rnd in sched.rounds
-                               for b in rnd])
+                      staging_bytes: int, ranks: Iterable[int] | None = None,
+                      relay: str = "on") -> Traffic:
+    """The messages the executor runs for ranks ``ranks`` (default: all) in ``plan``'s
+    refit when rank ``r`` lives in domain ``domain[r]``: the schedule of the call
+    :func:`xreshard.planner.prepare.prepare` builds, as a ``Refit`` prepares it
+    (``relay="on"``: both stages, overlapped; ``Bucket`` objects, so small worlds only).
+    A bucket of stage 1 is a forward."""
+    from ..planner.prepare import CallOptions, prepare
+    options = CallOptions(bucket_bytes=bucket_bytes, staging_bytes=staging_bytes,
+                          wire_dtype=dict(plan.wire_dtypes), relay=relay)
+    ranks = range(len(domain)) if ranks is None else ranks
+    call = prepare(plan.src_layouts, plan.dst_layouts, domain_topology(domain), options,
+                   ranks=ranks)
+    buckets = [b for rnd in call.schedule.rounds for b in rnd]
+    return Traffic.of([(b.round, b.src, b.dst, b.nbytes) for b in buckets],
+                      forward=[b.stage == 1 for b in buckets])
 
 
 def _rows(tr: Traffic, ranks: set[int] | None) -> list[tuple[int, int, int, int, bool]]:

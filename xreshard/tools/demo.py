@@ -39,7 +39,9 @@ from __future__ import annotations
 import argparse
 import hashlib
 import importlib.util
+import json
 import math
+import os
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -48,7 +50,7 @@ from typing import Any, Sequence
 import numpy as np
 
 __all__ = ["DemoConfig", "TensorSpec", "add_arguments", "chunk_bounds", "forward", "main",
-           "run", "run_demo", "tensor_specs", "torch_local"]
+           "nest", "run", "run_demo", "tensor_specs", "torch_local"]
 
 #: world group order: trainer ranks first (0..3), then one rank per torch process
 GROUPS = ("trainer", "rollout")
@@ -95,6 +97,9 @@ class DemoConfig:
     """Seconds for the whole launch, and for any single wait inside a refit."""
     corrupt: bool = False
     """Test hook: flip one received byte on the last torch rank after the first refit."""
+    events: str | None = None
+    """A file every process appends its progress to, one JSON line per event (set by
+    :func:`run_demo`, which prints them as they come); None: no events."""
 
     def __post_init__(self) -> None:
         for dtype in (self.dtype, self.wire_dtype):
@@ -205,6 +210,16 @@ def _sha(arr: np.ndarray) -> str:
     return hashlib.sha256(np.ascontiguousarray(arr).tobytes()).hexdigest()
 
 
+def _event(cfg: DemoConfig, who: str, kind: str, **data: Any) -> None:
+    """Append one progress event to ``cfg.events`` (one short JSON line: an O_APPEND
+    write, so the processes' lines never interleave)."""
+    if cfg.events is None:
+        return
+    line = json.dumps({"t": time.time(), "who": who, "kind": kind, **data}) + "\n"
+    with open(cfg.events, "a") as f:
+        f.write(line)
+
+
 # ---------------------------------------------------------------------------- the model
 
 def _rms(x: Any, w: Any, xp: Any) -> Any:
@@ -272,7 +287,8 @@ def _init_params(cfg: DemoConfig, specs: list[TensorSpec]) -> dict[str, np.ndarr
     return out
 
 
-def _nest(flat: dict[str, Any]) -> dict:
+def nest(flat: dict[str, Any]) -> dict:
+    """The model's pytree from ``{"a/b/c": value}`` paths (what :func:`forward` takes)."""
     tree: dict = {}
     for path, value in flat.items():
         *parents, leaf = path.split("/")
@@ -302,10 +318,12 @@ def _trainer(ctx: Any, cfg: DemoConfig) -> dict:
 
     import xreshard as xr
     from xreshard.adapters.jax import tree_names
-    from xreshard.runtime.execute import numpy_dtype
+    from xreshard.dtypes import numpy_dtype
 
+    _event(cfg, "trainer", "ready", devices=len(jax.local_devices()))
     world = ctx.join(groups=GROUPS, timeout=cfg.timeout)
     rollout_ranks = world.group_ranks("rollout")
+    _event(cfg, "trainer", "joined", processes=len(world.processes))
     # Auto axes: jit's sharding propagation partitions the model, as in a usual trainer.
     mesh = jax.make_mesh((2, 2), ("fsdp", "tp"), (AxisType.Auto,) * 2,
                          devices=jax.local_devices())
@@ -313,9 +331,9 @@ def _trainer(ctx: Any, cfg: DemoConfig) -> dict:
     by_path = {s.path: s for s in specs}
     dtype = numpy_dtype(cfg.dtype)
     dst_dtype = numpy_dtype(cfg.dst_dtype)
-    shardings = _nest({s.path: NamedSharding(mesh, P(*s.jax_spec)) for s in specs})
+    shardings = nest({s.path: NamedSharding(mesh, P(*s.jax_spec)) for s in specs})
     host_params = {p: v.astype(dtype) for p, v in _init_params(cfg, specs).items()}
-    params = jax.device_put(_nest(host_params), shardings)
+    params = jax.device_put(nest(host_params), shardings)
 
     optimizer = optax.adam(cfg.learning_rate)
     replicated = NamedSharding(mesh, P())
@@ -355,11 +373,13 @@ def _trainer(ctx: Any, cfg: DemoConfig) -> dict:
     steps_done, loss = 0, None
     for r in range(cfg.refits):
         if r > 0:
+            _event(cfg, "trainer", "training", steps=cfg.steps, first=r == 1)
             for _ in range(cfg.steps):
                 batch = jax.device_put(_batch(cfg, successor, data_rng), data_sharding)
                 params, opt_state, loss_arr = step(params, opt_state, batch)
                 steps_done += 1
             loss = float(loss_arr) if cfg.steps else loss
+        _event(cfg, "trainer", "refit-start", refit=r + 1, steps=steps_done)
         report = refit(send=params)
 
         # Verification only: the trainer's own global values, cast like the wire.
@@ -373,7 +393,7 @@ def _trainer(ctx: Any, cfg: DemoConfig) -> dict:
         ref_tokens = None
         if cfg.can_generate:
             # what the received weights should generate: the same bytes, upcast, in numpy
-            ref = _nest({path: value.astype(np.float32) for path, value in host.items()})
+            ref = nest({path: value.astype(np.float32) for path, value in host.items()})
             ref_tokens = _greedy(lambda toks: forward(ref, np.array([toks]), cfg, np)[0, -1]
                                  .argmax(), prompt, cfg.gen_tokens)
 
@@ -400,13 +420,17 @@ def _trainer(ctx: Any, cfg: DemoConfig) -> dict:
                    if tokens else None)
         records.append({
             "refit": r + 1, "version": report.version, "steps": steps_done, "loss": loss,
-            "seconds": report.seconds,
+            "seconds": report.seconds, "move_seconds": report.move_seconds,
+            "setup_seconds": report.setup_seconds,
             "plan_seconds": report.plan_seconds, "replanned": report.replanned,
             "bytes_moved_world": report.bytes_moved_world, "bytes_sent": report.bytes_sent,
+            "bytes_forwarded": report.bytes_forwarded,
             "bytes_gather_broadcast_world": report.bytes_gather_broadcast_world,
             "num_tensors": len(specs), "num_ranks": len(rollout_ranks),
+            "rollout_ranks": list(rollout_ranks),
             "mismatches": mismatches, "tokens": tokens, "ref_tokens": ref_tokens,
             "follows": follows})
+        _event(cfg, "trainer", "refit", record=records[-1])
     world.close()
     return {"records": records, "rollout_ranks": list(rollout_ranks), "prompt": prompt}
 
@@ -501,8 +525,11 @@ def _rollout(ctx: Any, cfg: DemoConfig) -> dict:
 
     # one core per process at most: the trainer shares this machine
     torch.set_num_threads(1)
+    who = f"rollout[{ctx.role.index}]"
+    _event(cfg, who, "ready")
     _torch_group(ctx, cfg)
     world = ctx.join(groups=GROUPS, timeout=cfg.timeout)
+    _event(cfg, who, "joined")
     mesh = init_device_mesh("cpu", (cfg.torch_procs,), mesh_dim_names=("tp",))
     placements = {"S0": Shard(0), "S1": Shard(1), "R": Replicate()}
     specs = tensor_specs(cfg)
@@ -537,70 +564,8 @@ def _child(ctx: Any, cfg_dict: dict) -> dict:
 
 # ---------------------------------------------------------------------------- the command
 
-def _mib(n: int) -> str:
-    return f"{n / 2**20:.2f} MiB"
-
-
-def _format(cfg: DemoConfig, out: dict) -> tuple[list[str], bool]:
-    """The trainer's results as report lines, and whether every check passed."""
-    lines = []
-    ok = True
-    ranks = out["rollout_ranks"]
-    for rec in out["records"]:
-        loss = "-" if rec["loss"] is None else f"{rec['loss']:.3f}"
-        gbps = rec["bytes_sent"] / max(rec["seconds"], 1e-9) / 1e9
-        ratio = rec["bytes_gather_broadcast_world"] / max(rec["bytes_moved_world"], 1)
-        # the first call exchanges layouts, plans and sets up gloo: say how much was planning
-        planned = (f", incl. {rec['plan_seconds'] * 1e3:.0f} ms meeting the peers and planning"
-                   if rec["replanned"] else "")
-        lines.append(
-            f"refit {rec['refit']} (v{rec['version']}, after {rec['steps']} steps, loss {loss}): "
-            f"plan moved {_mib(rec['bytes_moved_world'])}, trainer sent "
-            f"{_mib(rec['bytes_sent'])} in {rec['seconds'] * 1e3:.1f} ms "
-            f"({gbps:.3f} GB/s{planned}); "
-            f"gather+broadcast would move {_mib(rec['bytes_gather_broadcast_world'])} "
-            f"({ratio:.2f}x)")
-        if rec["mismatches"]:
-            ok = False
-            lines.append(f"  MISMATCH: {len(rec['mismatches'])} check(s) against the "
-                         f"trainer's values: " + "; ".join(rec["mismatches"][:8]))
-        else:
-            n = rec["num_ranks"]
-            lines.append(f"  verified {rec['num_tensors']} tensors bit-exact on {n} "
-                         f"rank{'s' if n != 1 else ''} (world ranks "
-                         f"{', '.join(map(str, ranks))}), sha256 per local shard")
-        if rec["tokens"] is not None:
-            agree = ("same as the trainer's numpy forward" if rec["tokens"] == rec["ref_tokens"]
-                     else f"trainer's numpy forward gives {rec['ref_tokens']} (float rounding "
-                          "near a tie)")
-            lines.append(f"  greedy tokens (torch TP={cfg.torch_procs}): "
-                         f"{' '.join(map(str, rec['tokens']))}; {rec['follows']}/"
-                         f"{cfg.gen_tokens} follow the training rule; {agree}")
-    return lines, ok
-
-
-def _header(cfg: DemoConfig) -> list[str]:
-    """What runs where, printed before the launch."""
-    specs = tensor_specs(cfg)
-    num_params = sum(math.prod(s.shape) for s in specs)
-    wire = f"{cfg.dtype}, wire {cfg.wire_dtype}" if cfg.wire_dtype else cfg.dtype
-
-    def sizes(n: int) -> list[int]:
-        return [b - a for a, b in (chunk_bounds(n, cfg.torch_procs, i)
-                                   for i in range(cfg.torch_procs))]
-    return [
-        f"xreshard demo: JAX trainer (1 process, 4 CPU devices, mesh fsdp=2 x tp=2, optax "
-        f"adam) -> {cfg.torch_procs} torch process(es) (DTensor TP={cfg.torch_procs}, gloo)",
-        f"model: {cfg.num_layers}-layer decoder, vocab {cfg.vocab}, hidden {cfg.hidden}, "
-        f"{cfg.num_heads} heads, mlp {cfg.intermediate}: {len(specs)} tensors, "
-        f"{num_params:,} params, {wire}",
-        f"torch.chunk shards per torch rank: vocab {sizes(cfg.vocab)}, hidden "
-        f"{sizes(cfg.hidden)}, mlp {sizes(cfg.intermediate)}; the JAX side replicates the "
-        "vocab dim (its splits must be even)"]
-
-
 def run_demo(cfg: DemoConfig) -> int:
-    """Launch the trainer and the torch processes and print the report.
+    """Launch the trainer and the torch processes and print the report as it happens.
 
     Returns:
         0 when every tensor was bit-exact on every torch rank after every refit; 1 when a
@@ -611,11 +576,14 @@ def run_demo(cfg: DemoConfig) -> int:
         print(f"xreshard demo: error: it needs {', '.join(missing)}: pip install "
               "'xreshard[jax,torch]' optax", file=sys.stderr)
         return 2
+    import tempfile
+
     import torch
 
+    from .demo_report import Progress, header
     from .launch import LaunchError, Role, launch
 
-    print("\n".join(_header(cfg)))
+    print("\n".join(header(cfg)))
     if torch.cuda.is_available():
         print("note: GPUs found, but the GPU path (NCCL) is not wired into the demo yet; "
               "running on CPU")
@@ -625,21 +593,28 @@ def run_demo(cfg: DemoConfig) -> int:
     if not cfg.can_generate and cfg.gen_tokens:
         print(f"(no generation: {cfg.num_heads} heads do not split over "
               f"{cfg.torch_procs} torch ranks)")
+    if sys.stdout.isatty():
+        print("starting the processes (importing JAX and torch takes a while)")
     sys.stdout.flush()     # before the children start, so the report reads in order
     roles = [Role("jax", "trainer", 0, num_devices=4)] + [
         Role("torch", "rollout", i) for i in range(cfg.torch_procs)]
     t0 = time.perf_counter()
-    try:
-        # CUDA hidden from the children: this demo moves CPU memory only.
-        results = launch("xreshard.tools.demo:_child", roles, args=(asdict(cfg),),
-                         timeout=cfg.timeout, env={"CUDA_VISIBLE_DEVICES": ""})
-    except LaunchError as e:
-        print(f"xreshard demo: FAILED: {e}", file=sys.stderr)
-        return 1
-    lines, ok = _format(cfg, results[0].value)
-    print("\n".join(lines))
+    with tempfile.TemporaryDirectory(prefix="xreshard-demo-") as tmp:
+        events = os.path.join(tmp, "events.jsonl")
+        open(events, "w").close()
+        cfg = DemoConfig(**{**asdict(cfg), "events": events})
+        try:
+            with Progress(cfg, events, time.time()) as progress:
+                # CUDA hidden from the children: this demo moves CPU memory only.
+                results = launch("xreshard.tools.demo:_child", roles, args=(asdict(cfg),),
+                                 timeout=cfg.timeout, env={"CUDA_VISIBLE_DEVICES": ""})
+        except LaunchError as e:
+            print(f"xreshard demo: FAILED: {e}", file=sys.stderr)
+            return 1
+    for rec in results[0].value["records"]:      # any the events did not bring
+        progress.record(rec)
     total = time.perf_counter() - t0
-    if ok:
+    if progress.ok:
         print(f"OK: {cfg.refits} refit(s), every tensor bit-exact on every rank "
               f"({total:.1f} s in all)")
         return 0

@@ -1,7 +1,11 @@
 """Run a function in several fresh processes that form a refit world: multi-process tests.
 
 ``launch`` starts a rendezvous store in the calling process (a free port), then one child
-process per ``Role`` running ``python -m xreshard.tools.launch spec.json``. Each child imports
+process per ``Role`` running this module's child side (``spec.json`` names the rest). Each
+child imports xreshard from where the calling process imported it, whatever its working
+directory (not ``python -m``, which puts the working directory first on ``sys.path``: run
+from a clone's parent folder, the clone's ``xreshard/`` folder would shadow the installed
+package). Each child imports
 the function by ``"module:qualname"`` (nothing is pickled), calls ``fn(ctx, *args)`` and
 writes its JSON return value, or its traceback as text, to a file the parent reads::
 
@@ -38,6 +42,18 @@ __all__ = ["Role", "Context", "Result", "LaunchError", "LaunchTimeout", "launch"
 
 _KINDS = ("jax", "torch", "plain")
 _OUTPUT_TAIL = 4000
+
+# The child's command line: ``python -c CHILD ROOT SPEC``. ``-c`` puts the working directory
+# ("") first on sys.path; CHILD replaces it with ROOT, the folder holding the package the
+# parent imported, before importing anything of xreshard.
+_CHILD = ("import sys; sys.path[0] = sys.argv.pop(1); "
+          "import xreshard.tools.launch as launch; launch.run_child(sys.argv[1])")
+
+
+def _package_root() -> str:
+    """The folder ``xreshard`` was imported from (a site-packages, or an editable clone)."""
+    import xreshard
+    return os.path.dirname(os.path.dirname(os.path.abspath(xreshard.__file__)))
 
 
 @dataclass(frozen=True)
@@ -277,6 +293,7 @@ def launch(fn: Callable[..., Any] | str | Sequence[Callable[..., Any] | str],
             raise ValueError(f"launch got {len(refs)} functions for {len(roles)} roles: pass "
                              f"one function, or one per role")
     json_args = json.loads(json.dumps(list(args)))
+    root = _package_root()
     results = [Result(role=r, launch_index=i) for i, r in enumerate(roles)]
     procs: list[subprocess.Popen | None] = [None] * len(roles)
     with tempfile.TemporaryDirectory(prefix="xreshard-launch-") as tmp, serve(host) as server:
@@ -291,7 +308,7 @@ def launch(fn: Callable[..., Any] | str | Sequence[Callable[..., Any] | str],
                     json.dump(spec, f)
                 with open(os.path.join(tmp, f"out{i}.txt"), "wb") as out:
                     procs[i] = subprocess.Popen(
-                        [sys.executable, "-m", "xreshard.tools.launch", spec_path],
+                        [sys.executable, "-c", _CHILD, root, spec_path],
                         env=_child_env(role, env), stdout=out, stderr=subprocess.STDOUT,
                         stdin=subprocess.DEVNULL, start_new_session=True)
                 results[i].pid = procs[i].pid
@@ -406,9 +423,14 @@ def child_main(spec_path: str) -> int:
     return code
 
 
+def run_child(spec_path: str) -> None:
+    """A launched child's entry point: :func:`child_main`, then exit at once (a finished
+    child must not hang in interpreter teardown on gloo threads)."""
+    os._exit(child_main(spec_path))
+
+
 if __name__ == "__main__":
     # Run through the canonical module so Role/Context are the classes users import.
-    # os._exit: a finished child must not hang in interpreter teardown (gloo threads).
     import xreshard.tools.launch as canonical
 
-    os._exit(canonical.child_main(sys.argv[1]))
+    canonical.run_child(sys.argv[1])

@@ -8,6 +8,9 @@ tracebacks, and kills everything at the timeout (see :mod:`xreshard.tools.launch
 ``run_local`` executes a plan on numpy local arrays exactly as the real executor moves
 regions (from the sender's local array to the receiver's, located through the layouts),
 never assembling a global array, so planner tests check bytes, not just counts.
+
+``ColdMemo`` is a layout memo that remembers nothing and hands out cold twins (benchmarks
+and tests measure what the memo and interning save with it).
 """
 
 from __future__ import annotations
@@ -18,14 +21,25 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from ..runtime.execute import numpy_dtype, view_of
-from ..ir.layout import Layout
+from ..dtypes import numpy_dtype
+from ..ir.layout import Layout, LayoutMemo
 from ..planner.plan import Plan
+from ..runtime.copies import view_of
 
 from .launch import Context, LaunchError, LaunchTimeout, Result, Role, launch  # noqa: E402
 
-__all__ = ["Context", "LaunchError", "LaunchTimeout", "Result", "Role", "launch",
+__all__ = ["ColdMemo", "Context", "LaunchError", "LaunchTimeout", "Result", "Role", "launch",
            "local_arrays_from_global", "numpy_dtype", "run_local"]
+
+
+class ColdMemo(LayoutMemo):
+    """A layout memo that remembers nothing: every ``get`` builds anew and hands out an
+    equal layout outside the intern tables, its caches cold (what building a layout cost
+    before interning and the memo). Give it to a refit (``refit.layout_memo = ColdMemo()``)
+    or an adapter's bind to measure what they save."""
+
+    def get(self, key: Any, make: Any) -> Layout:
+        return make()._uninterned()
 
 
 def _poisoned(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:

@@ -17,7 +17,57 @@ from typing import Any, Iterator, Protocol, runtime_checkable
 
 from ..errors import TransportError, TransportTimeout
 
-__all__ = ["RecordingTransport", "Transport", "TransportError", "TransportTimeout", "nbytes_of"]
+__all__ = ["CudaError", "RecordingTransport", "Transport", "TransportError", "TransportTimeout",
+           "event_done", "format_seconds", "nbytes_of"]
+
+#: cudaErrorNotReady: what cudaEventQuery returns while the work before the event runs
+CUDA_NOT_READY = 600
+
+
+class CudaError(TransportError):
+    """CUDA reported a hard error (an illegal address, a launch failure, an ECC error) while
+    the refit's copies or transfers ran. Raised at once, never waited out as a timeout nor
+    counted as a finished copy; the message carries CUDA's own text. CUDA errors of this kind
+    are sticky: the process's context is unusable afterwards, restart it. Crosses processes
+    as a ``TransportError`` with the same message."""
+
+
+def event_done(runtime: Any, event: int, where: str) -> bool:
+    """Whether the work before CUDA event ``event`` finished, asked of ``runtime`` (CuPy's
+    ``cupy.cuda.runtime``).
+
+    ``cudaEventQuery`` returns cudaSuccess, cudaErrorNotReady, or the error of earlier
+    asynchronous work (CUDA Runtime API, cudaEventQuery); CuPy's ``eventQuery`` returns that
+    status without raising, and ``cupy.cuda.Event.done`` is ``status == 0``, so an error
+    polled through ``done`` looks like "not yet" until the timeout. Here it raises at once.
+
+    Raises:
+        CudaError: any status but those two, with CUDA's name and text for it.
+    """
+    try:
+        status = runtime.eventQuery(event)
+    except Exception as e:      # a runtime binding that raises its statuses
+        if getattr(e, "status", None) == CUDA_NOT_READY:
+            return False
+        raise CudaError(f"{where}: CUDA reported {e}") from e
+    if status == 0:
+        return True
+    if status == CUDA_NOT_READY:
+        return False
+    try:
+        text = str(runtime.CUDARuntimeError(status))
+    except Exception:       # noqa: BLE001 - the status alone still says what happened
+        text = f"CUDA error {status}"
+    raise CudaError(f"{where}: CUDA reported {text}")
+
+
+def format_seconds(seconds: float) -> str:
+    """A duration for messages: ``"5 s"``, ``"0.25 s"``, ``"12 s"`` (not ``2.9874120 s``)."""
+    seconds = float(seconds)
+    if seconds >= 10:
+        return f"{seconds:.0f} s"
+    text = f"{seconds:.2f}".rstrip("0").rstrip(".")
+    return f"{text} s" if text != "0" else f"{seconds:.2g} s"
 
 
 @runtime_checkable

@@ -29,7 +29,8 @@ from typing import Any, Iterator, Sequence
 
 import numpy as np
 
-from .base import TransportError, TransportTimeout
+from ..extras import require
+from .base import TransportError, TransportTimeout, format_seconds
 
 __all__ = ["GlooTransport", "create_gloo_group", "GLOO_TAG_BITS"]
 
@@ -40,12 +41,8 @@ GLOO_TAG_BITS = 31   # c10d checks gloo tags as non-negative int32
 
 
 def _torch() -> Any:
-    try:
-        import torch
-        import torch.distributed
-    except ImportError as e:
-        raise ImportError("the gloo transport needs PyTorch: pip install 'xreshard[torch]'") from e
-    return torch
+    require("torch.distributed", "torch", "the gloo transport")
+    return require("torch", "torch", "the gloo transport")
 
 
 def _local_address_toward(host: str) -> str:
@@ -88,7 +85,7 @@ def create_gloo_group(store: Any, prefix: str, *, rank: int, size: int, timeout:
     except RuntimeError as e:
         if "timeout" in str(e).lower() or "timed out" in str(e).lower():
             raise TransportTimeout(f"gloo group {prefix!r}: not all {size} processes "
-                                   f"connected within {timeout} s: {e}") from e
+                                   f"connected within {format_seconds(timeout)}: {e}") from e
         raise TransportError(f"gloo group {prefix!r} failed to connect: {e}") from e
 
 
@@ -247,7 +244,8 @@ class GlooTransport:
         msg = str(e)
         if "timed out" in msg.lower() or time.monotonic() >= deadline - 0.01:
             self._broken = f"{what} timed out"
-            raise TransportTimeout(f"{what} did not complete within {timeout} s: the peer "
+            raise TransportTimeout(f"{what} did not complete within "
+                                   f"{format_seconds(timeout)}: the peer "
                                    f"never posted its side or is stuck; {msg}") from e
         self._broken = f"{what} failed: {msg}"
         raise TransportError(f"{what} failed (did the peer process die?): {msg}") from e

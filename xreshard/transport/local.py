@@ -6,6 +6,13 @@ transports (the executor need not special-case them), but the group's exit is on
 copy per message (``np.copyto`` / ``Tensor.copy_``), with no staging and no thread.
 A send and a receive match on (src rank, dst rank, tag), exactly like the other transports,
 so a schedule that works here has no pairing mistakes on the network either.
+Device (CuPy) buffers, possibly on two GPUs of the process, are copied with one
+``cudaMemcpyAsync`` (``cudaMemcpyDefault``: the driver knows each pointer's device) on the
+stream the receive was posted on, after an event of the stream the send was posted on, and
+the sender's stream then waits for the copy: the executor posts on its own stream of each
+device, so its unpack follows the copy and its next pack waits for the copy to have read,
+with no host wait per group (the executor waits once at the end of its run). A CuPy kernel
+would run on whichever device the thread has current, which is not always the receiver's.
 Rejected: aliasing the receive buffer to the send buffer (the executor owns both and unpacks
 from the receive buffer, so a copy is the contract), and matching posts in post order
 (order-dependent, and it would hide the tag mistakes the other transports punish).
@@ -24,6 +31,35 @@ from .base import TransportError, nbytes_of
 __all__ = ["LocalTransport", "copy_bytes"]
 
 Key = tuple[int, int, int]   # (src rank, dst rank, tag)
+_MEMCPY_DEFAULT = 4          # cudaMemcpyDefault
+
+
+def _on_cuda(buf: Any) -> bool:
+    """A CuPy array (device memory), told by its module: CuPy is never imported here."""
+    return type(buf).__module__.startswith("cupy")
+
+
+def _posting_stream(buf: Any) -> Any:
+    """The current CuPy stream of ``buf``'s device in this thread (None for host buffers)."""
+    if not _on_cuda(buf):
+        return None
+    return sys.modules["cupy"].cuda.get_current_stream(buf.device.id)
+
+
+def _device_copy(dst: Any, dst_stream: Any, src: Any, src_stream: Any) -> None:
+    """``dst`` <- ``src`` (CuPy, any two devices of this process) on ``dst_stream`` after
+    ``src_stream``; ``src_stream`` then waits for the copy (see the module docstring)."""
+    cuda = sys.modules["cupy"].cuda
+    src_dev, dst_dev = src.device.id, dst.device.id
+    with cuda.Device(src_dev):
+        produced = src_stream.record()
+    with cuda.Device(dst_dev):
+        dst_stream.wait_event(produced)
+        cuda.runtime.memcpyAsync(dst.data.ptr, src.data.ptr, nbytes_of(dst), _MEMCPY_DEFAULT,
+                                 dst_stream.ptr)
+        copied = dst_stream.record()
+    with cuda.Device(src_dev):
+        src_stream.wait_event(copied)
 
 
 def copy_bytes(dst: Any, src: Any) -> None:
@@ -35,13 +71,18 @@ def copy_bytes(dst: Any, src: Any) -> None:
     if isinstance(dst, np.ndarray):
         if isinstance(src, np.ndarray):
             np.copyto(dst, src, casting="no")
+        elif _on_cuda(src):
+            src.get(out=dst)                                 # device -> host
         else:
             np.copyto(dst, np.asarray(src), casting="no")   # CPU torch tensor: zero-copy view
     elif hasattr(dst, "copy_"):                              # torch.Tensor
         if isinstance(src, np.ndarray):
             src = sys.modules["torch"].from_numpy(src)
         dst.copy_(src)
-    else:                                                    # CuPy and other array types
+    elif _on_cuda(dst):                                      # host -> CuPy, on its device
+        with sys.modules["cupy"].cuda.Device(dst.device.id):
+            dst[...] = src
+    else:                                                    # other array types
         dst[...] = src
 
 
@@ -63,7 +104,8 @@ class LocalTransport:
 
     @contextlib.contextmanager
     def group(self, timeout: float) -> Iterator[None]:
-        """Collect posts; on exit match every send with its receive and copy.
+        """Collect posts; on exit match every send with its receive and copy (host buffers:
+        done at exit; device buffers: queued on the posting streams, see the module).
 
         ``timeout`` is accepted for the protocol; copies do not wait on anyone.
 
@@ -86,14 +128,19 @@ class LocalTransport:
         if unmatched:
             raise TransportError(f"local transport: {len(unmatched)} unmatched post(s) at group "
                                  f"exit: {'; '.join(sorted(unmatched))}")
-        for key, src in sends.items():
-            dst = recvs[key]
+        for key, (src, _) in sends.items():
+            dst = recvs[key][0]
             if nbytes_of(src) != nbytes_of(dst):
                 raise TransportError(f"local transport: {key[0]}->{key[1]} tag {key[2]}: send "
                                      f"buffer has {nbytes_of(src)} bytes, recv buffer "
                                      f"{nbytes_of(dst)}")
-        for key, src in sends.items():
-            copy_bytes(recvs[key], src)
+        for key, (src, src_stream) in sends.items():
+            dst, dst_stream = recvs[key]
+            if src_stream is not None and dst_stream is not None:
+                if nbytes_of(dst):
+                    _device_copy(dst, dst_stream, src, src_stream)
+            else:
+                copy_bytes(dst, src)
 
     def _post(self, posts: dict[Key, Any] | None, what: str, buf: Any, src_rank: int,
               dst_rank: int, tag: int) -> None:
@@ -108,7 +155,7 @@ class LocalTransport:
         if key in posts:
             raise TransportError(f"local {what} {src_rank}->{dst_rank} tag {tag} posted twice "
                                  f"in one group")
-        posts[key] = buf
+        posts[key] = (buf, _posting_stream(buf))
 
     def send(self, buf: Any, src_rank: int, dst_rank: int, tag: int) -> None:
         self._post(self._sends, "send", buf, src_rank, dst_rank, tag)

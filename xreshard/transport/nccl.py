@@ -73,9 +73,9 @@ import time
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
 from ..errors import RefitError
-from .base import TransportError, TransportTimeout
+from .base import CudaError, TransportError, TransportTimeout, event_done
 from .nccl_setup import (NoCudaDeviceError, cuda_major, format_version, import_cupy,
-                         install_hint, ranks_str, rendezvous, visible_devices)
+                         install_hint, multi_rank_gpu, ranks_str, rendezvous, visible_devices)
 
 __all__ = [
     "NcclTransport", "NoCudaDeviceError", "Post", "cuda_major", "install_hint",
@@ -127,10 +127,13 @@ def wait_or_abort(pending: Sequence[Any], comms: Sequence[Any], posts: Sequence[
     Each round also checks every communicator's asynchronous error
     (``comm.check_async_error()``, i.e. ``ncclCommGetAsyncError``). The sleep between polls
     doubles from 10 us to 2 ms, so a short group is not slowed and a long one costs
-    nothing.
+    nothing. A hard CUDA error seen while polling (``cudaEventQuery`` returns the errors of
+    earlier asynchronous work; CuPy raises them) aborts the communicators and raises at
+    once: the peers then see NCCL's remote error instead of waiting out their timeout.
 
     Args:
-        pending: objects with a boolean ``done`` (``cupy.cuda.Event``).
+        pending: objects with a boolean ``done`` that raises ``CudaError`` on a CUDA error
+            (``_EventDone`` over CuPy events; a plain ``cupy.cuda.Event`` hides them).
         comms: objects with ``check_async_error()`` (``NcclCommunicator``).
         posts: what the group moves, for the error message.
         where: this process's ranks, e.g. ``"rank 0 (CUDA device 0)"``.
@@ -142,12 +145,19 @@ def wait_or_abort(pending: Sequence[Any], comms: Sequence[Any], posts: Sequence[
 
     Raises:
         TransportTimeout: the deadline passed; names the peers and tags.
+        CudaError: CUDA reported a hard error; carries CUDA's text.
         TransportError: NCCL reported an asynchronous error.
     """
     interval = 1e-5
     while True:
-        if all(p.done for p in pending):
-            return
+        try:
+            if all(p.done for p in pending):
+                return
+        except CudaError as e:          # an illegal address, an ECC error, ...
+            note = abort()
+            raise CudaError(f"nccl group on {where} failed while {stage}: {e}, with posts: "
+                            f"{_describe(posts)}. {note} CUDA errors of this kind leave the "
+                            f"process's CUDA context unusable: restart it") from e
         for comm in comms:
             try:
                 comm.check_async_error()
@@ -202,6 +212,18 @@ def _order_posts(posts: Sequence[Post], local_ranks: Sequence[int],
         return (local, p.peer, p.tag, 0 if p.kind == "send" else 1)
 
     return sorted(range(len(posts)), key=issue_key)
+
+
+class _EventDone:
+    """A CuPy event seen as a pollable whose ``.done`` raises ``CudaError`` on a CUDA error
+    (``cupy.cuda.Event.done`` would say False until the timeout: see ``base.event_done``)."""
+
+    def __init__(self, event: Any, runtime: Any, where: str):
+        self._event, self._runtime, self._where = event, runtime, where
+
+    @property
+    def done(self) -> bool:
+        return event_done(self._runtime, self._event.ptr, self._where)
 
 
 class _Done:
@@ -315,7 +337,8 @@ class NcclTransport:
                 f"when every rank is 'cpu')")
         self._cupy, self._nccl = cupy, nccl
         self._store = store
-        self._devices = _check_devices(devices, world_size, count)
+        self._devices = _check_devices(devices, world_size, count,
+                                       multi_rank_gpu(int(nccl.get_version())))
         self.world_size = world_size
         self.key = key
         self._local = tuple(sorted(self._devices))
@@ -420,6 +443,11 @@ class NcclTransport:
     def recv(self, buf: Any, src_rank: int, dst_rank: int, tag: int) -> None:
         """Post a receive into ``buf`` (1-D contiguous uint8 on ``dst_rank``'s GPU)."""
         self._post("recv", buf, src_rank, dst_rank, tag, dst_rank)
+
+    def stream(self, device: int) -> Any:
+        """The CuPy stream this transport's NCCL calls run on for ``device`` (benchmarks time
+        the transfers with CUDA events recorded on it)."""
+        return self._streams[device]
 
     def close(self) -> None:
         """Destroy the communicators (local; no peer takes part). Idempotent."""
@@ -542,7 +570,8 @@ class NcclTransport:
         for dev in sorted({op.device for op in ops}):
             with cupy.cuda.Device(dev):
                 self._events[dev].record(self._streams[dev])
-                events.append(self._events[dev])
+                events.append(_EventDone(self._events[dev], cupy.cuda.runtime,
+                                         f"the nccl transfers on CUDA device {dev}"))
         return events
 
     def _abort(self) -> str:
@@ -577,7 +606,10 @@ def _new_communicator(nccl: Any, world_size: int, uid: bytes, rank: int) -> Any:
                                      rank)
 
 
-def _check_devices(devices: Mapping[int, int], world_size: int, count: int) -> dict[int, int]:
+def _check_devices(devices: Mapping[int, int], world_size: int, count: int,
+                   multi_rank: tuple[bool, str] = (False, "")) -> dict[int, int]:
+    """The ranks' devices, checked. ``multi_rank`` (``nccl_setup.multi_rank_gpu``): whether
+    NCCL takes two ranks of one GPU here, and what that needs when it does not."""
     if world_size < 1:
         raise RefitError(f"world_size must be >= 1, got {world_size}")
     if not devices:
@@ -593,9 +625,9 @@ def _check_devices(devices: Mapping[int, int], world_size: int, count: int) -> d
             raise RefitError(f"rank {rank} is mapped to CUDA device {dev}, but this process "
                              f"sees {count} device(s) (0..{count - 1}); check "
                              f"CUDA_VISIBLE_DEVICES")
-        if dev in by_device:
+        if dev in by_device and not multi_rank[0]:
             raise RefitError(f"ranks {by_device[dev]} and {rank} both map to CUDA device {dev}; "
-                             f"NCCL allows one rank per GPU in a communicator")
+                             f"{multi_rank[1]}")
         by_device[dev] = rank
         out[rank] = dev
     return out

@@ -14,9 +14,14 @@ It lives here once:
   ``<key>/a/<sender>/<receiver>/<round>`` once its copies have landed, and a sender's group
   exit waits for one ack per peer, so no buffer is reused while a peer still reads it. A
   failed receiver answers its pending acks with the error, so its senders raise at once.
-- **Bounded waits that notice death.** Every wait ends at the group's deadline; a watcher
-  thread (``Watch``) checks the awaited peers' pids and wakes a wait on one that died, so
-  a killed peer raises in about a quarter second, naming it.
+- **Bounded waits that notice death and failure.** Every wait ends at the group's
+  deadline; a watcher thread (``Watch``) checks the awaited peers' pids and wakes a wait
+  on one that died, so a killed peer raises in about a quarter second, naming it. Pids are
+  only watched for peers this process sees as themselves (the world checks pid and start
+  time both ways: in another pid namespace a pid names a stranger). A peer whose group
+  failed publishes it (sealed, ``<key>/failed/<process>``) and the watcher wakes waits on
+  it too, pids or not, so the processes waiting for its next posts raise with its cause
+  instead of at their timeout.
 
 A transport subclasses ``PeerTransport`` and supplies its posts, its ``_complete`` (the
 bytes) and, if it holds more than the protocol's state, ``_fail`` and ``close``.
@@ -37,14 +42,16 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Mapping, Sequence
 
-from .base import TransportError, TransportTimeout
+from ..errors import CommunicationError
+from .base import TransportError, TransportTimeout, format_seconds
 
-__all__ = ["PeerTransport", "Records", "Watch", "Recv", "Round", "process_start_time", "alive"]
+__all__ = ["PeerTransport", "Records", "Watch", "Recv", "Round", "process_start_time", "alive",
+           "own_start_time", "visible"]
 
 logger = logging.getLogger(__name__)
 
 
-def _stat_fields(pid: int) -> list[str] | None:
+def _stat_fields(pid: int | str) -> list[str] | None:
     """The fields of ``/proc/<pid>/stat`` after the command name (field 3 on); None if gone."""
     try:
         with open(f"/proc/{pid}/stat") as f:
@@ -58,6 +65,39 @@ def process_start_time(pid: int) -> str | None:
     """Field 22 of ``/proc/<pid>/stat`` (tells a live pid from a reused one); None if unknown."""
     fields = _stat_fields(pid)
     return fields[19] if fields is not None and len(fields) > 19 else None
+
+
+def own_start_time() -> str | None:
+    """This process's start time as ``process_start_time`` reads it for others. Read
+    through ``/proc/self``: in a pid namespace whose ``/proc`` is the parent's,
+    ``/proc/<getpid()>`` is another process."""
+    fields = _stat_fields("self")
+    return fields[19] if fields is not None and len(fields) > 19 else None
+
+
+def visible(pid: Any, start: Any, mapped: str | None = None) -> bool:
+    """Whether this process sees the peer that published ``pid`` and ``start`` (its own
+    ``own_start_time``) as that very process: ``/proc/<pid>`` here is a live process with
+    that start time, and, when ``mapped`` (a file the peer maps now) is given and the
+    peer's maps are readable, it maps that file.
+
+    False across pid namespaces (another process, or none, has that pid here), so a
+    watcher armed only for visible peers never declares a live peer dead. Start times are
+    clock ticks since boot, the same in every pid namespace of the host; the maps check
+    rules out another process that started in the same tick with the same pid.
+    """
+    if not isinstance(pid, int) or not isinstance(start, str):
+        return False
+    fields = _stat_fields(pid)
+    if not fields or fields[0] in ("Z", "X") or len(fields) <= 19 or fields[19] != start:
+        return False
+    if mapped is None:
+        return True
+    try:
+        with open(f"/proc/{pid}/maps") as f:
+            return any(mapped in line for line in f)
+    except OSError:     # not readable (hidepid, another user): pid and start time decide
+        return True
 
 
 def alive(pid: int, start: str | None) -> bool:
@@ -97,17 +137,27 @@ class Records:
 
 
 class Watch:
-    """Wakes a store wait on a peer that died: a thread checks the awaited peers' pids and
-    sets the awaited keys to ``{"dead": pid}`` through its own store client (the waiting
-    client is blocked inside ``wait``). The same thread deletes the keys this process has
-    consumed (``discard``), off the critical path, so a long-lived world does not grow the
-    store."""
+    """Wakes a store wait on a peer that died or failed: a thread checks the awaited peers'
+    pids (``{"dead": pid}``) and, with ``failed``, whether they published a failure
+    (``{"failed": message}``: a peer that raised in a group no longer posts, and its
+    receivers would otherwise wait for its next round until their timeout), and sets the
+    awaited keys to that through its own store client (the waiting client is blocked inside
+    ``wait``). The same thread deletes the keys this process has consumed (``discard``),
+    off the critical path, so a long-lived world does not grow the store.
+
+    Args:
+        failed: ``failed(client, peer)`` -> the failure ``peer`` published, or None. It
+            does not depend on pids, so peers without one (another pid namespace) are
+            watched for it too.
+    """
 
     INTERVAL_S = 0.25
 
-    def __init__(self, connect: Any, pids: Mapping[int, tuple[int, str | None]], name: str):
+    def __init__(self, connect: Any, pids: Mapping[int, tuple[int, str | None]], name: str,
+                 failed: Any = None):
         self._connect = connect
         self._pids = pids
+        self._failed = failed
         self._name = name
         self._active: dict[str, int] = {}
         self._trash: list[str] = []
@@ -116,6 +166,7 @@ class Watch:
         self._thread: threading.Thread | None = None
         self._client: Any = None
         self.dead: dict[str, int] = {}
+        self.failed: dict[str, str] = {}
 
     def _start(self) -> None:
         if self._thread is None:
@@ -125,7 +176,7 @@ class Watch:
 
     @contextlib.contextmanager
     def waiting(self, keys: list[str], peer: int) -> Iterator[None]:
-        if self._connect is None or peer not in self._pids:
+        if self._connect is None or (peer not in self._pids and self._failed is None):
             yield
             return
         with self._lock:
@@ -165,13 +216,21 @@ class Watch:
             for key in trash:
                 with contextlib.suppress(Exception):
                     client.delete_key(key)
+            failures: dict[int, str | None] = {}
             for key, peer in active:
-                pid = self._pids[peer]
-                if alive(*pid):
-                    continue
                 try:
-                    self.dead[key] = pid[0]
-                    client.set(key, json.dumps({"dead": pid[0]}))
+                    pid = self._pids.get(peer)
+                    if pid is not None and not alive(*pid):
+                        self.dead[key] = pid[0]
+                        client.set(key, json.dumps({"dead": pid[0]}))
+                        continue
+                    if self._failed is None:
+                        continue
+                    if peer not in failures:        # one look per peer and interval
+                        failures[peer] = self._failed(client, peer)
+                    if failures[peer] is not None:
+                        self.failed[key] = failures[peer]
+                        client.set(key, json.dumps({"failed": failures[peer]}))
                 except Exception:   # noqa: BLE001 - the waiter still has its timeout
                     logger.debug("%s watcher could not wake %s", self._name, key,
                                  exc_info=True)
@@ -244,7 +303,7 @@ class PeerTransport:
         self._pids = dict(pids or {})
         n = max(self._rank_process, default=0) + 1
         self._labels = tuple(process_labels or (f"process {p}" for p in range(n)))
-        self._watch = Watch(connect, self._pids, self.name)
+        self._watch = Watch(connect, self._pids, self.name, self._published_failure)
         self._gen = 0                                   # groups this process ran
         self._seq_out: dict[int, int] = {}              # peer -> rounds it acknowledged
         self._seq_in: dict[int, int] = {}               # peer -> rounds we acknowledged
@@ -263,6 +322,23 @@ class PeerTransport:
 
     def _ack_key(self, sender: int, receiver: int, seq: int) -> str:
         return f"{self._key}/a/{sender}/{receiver}/{seq}"
+
+    def _failed_key(self, process: int) -> str:
+        return f"{self._key}/failed/{process}"
+
+    def _published_failure(self, client: Any, peer: int) -> str | None:
+        """What ``peer`` published when its transport failed (through ``client``), if it
+        did and the record is its own (sealed: an outsider cannot fake one)."""
+        key = self._failed_key(peer)
+        if not client.check([key]):
+            return None
+        try:
+            rec = self._records.unpack(self._kind + "-failed", key, 0, peer, client.get(key),
+                                       {})
+        except (CommunicationError, ValueError):
+            return None
+        error = rec.get("error")
+        return error if isinstance(error, str) else None
 
     def _owns(self, rank: int) -> bool:
         """Whether this transport may post for ``rank`` here (its process is this one)."""
@@ -334,16 +410,35 @@ class PeerTransport:
         except BaseException:
             # posts of a block that raised are never completed: peers time out like with
             # gloo; our published records must not be read after we reuse the buffers
-            self._fail("a group's block raised before its posts completed")
+            self._cleanup(None, "a group's block raised before its posts completed")
             raise
         finally:
             self._round = None
         try:
             self._complete(rnd, timeout)
         except BaseException as e:
-            self._tell_senders(rnd, f"{type(e).__name__}: {e}")
-            self._fail(str(e))
+            self._cleanup(rnd, str(e), f"{type(e).__name__}: {e}")
             raise
+
+    def _cleanup(self, rnd: Round | None, why: str, tell: str | None = None) -> None:
+        """After a failure: publish it (peers waiting for this process's next posts learn
+        it within a watcher interval), tell the senders (``tell``), make the transport
+        unusable and release what it holds. Nothing raised here replaces the failure that
+        called it (a segment name another user owns, a store gone): it is logged."""
+        key = self._failed_key(self._me)
+        steps = [lambda: self._fail(why)]
+        if rnd is not None and tell is not None:
+            steps.insert(0, lambda: self._tell_senders(rnd, tell))
+        if self._store is not None:
+            steps.insert(0, lambda: self._store.set(key, self._records.pack(
+                self._kind + "-failed", key, 0, {"error": f"{self._labels[self._me]}: {why}"})))
+        for step in steps:
+            try:
+                step()
+            except Exception:   # noqa: BLE001 - the caller raises the first cause
+                logger.warning("%s: cleanup after a failure (%s) failed too; raising the "
+                               "failure", self.name, why, exc_info=True)
+        self._broken = self._broken or why
 
     def _fail(self, why: str) -> None:
         self._broken = why
@@ -414,9 +509,15 @@ class PeerTransport:
                 if dead is not None:
                     raise TransportError(f"{self.name}: {what} {self._labels[peer]} never "
                                          f"came: that process (pid {dead}) died")
+                failed = next((self._watch.failed[k] for k in keys
+                               if k in self._watch.failed), None)
+                if failed is not None:
+                    raise TransportError(f"{self.name}: {what} {self._labels[peer]} never "
+                                         f"came: that process failed: {failed}")
                 return
         raise TransportTimeout(f"{self.name}: {what} {self._labels[peer]} did not arrive "
-                               f"within {timeout} s: the peer never posted its side or is stuck")
+                               f"within {format_seconds(timeout)}: the peer never posted its "
+                               f"side or is stuck")
 
     # ------------------------------------------------------------------ lifetime
 

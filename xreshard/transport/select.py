@@ -228,14 +228,17 @@ def choose_routes(rank_process: Sequence[int], rank_kind: Sequence[str],
     ``caps[p]`` is process ``p``'s JSON capability record:
 
     - ``host``: the host it joined with (``World.join(host=...)``);
-    - ``shm_reach``: the processes whose shared-memory probe it could open and read
-      (empty when shm is off there, e.g. ``XRESHARD_SHM=0``);
+    - ``shm_reach``: the processes whose shared-memory probe it could open and read and
+      whose process it sees as itself (the pid and start time that process published;
+      empty when shm is off there, e.g. ``XRESHARD_SHM=0``);
     - ``cuda_devices``: the CUDA uuid of each of its ranks (``None`` for CPU ranks);
     - ``cuda_reach``: the device uuids it can read through IPC (its own devices and
       those it has peer access to).
 
     A pair takes ``shm`` when both processes share a host name *and* each read the
-    other's probe (two containers with one host name but separate ``/dev/shm`` do not);
+    other's probe and sees the other's process (two containers with one host name but
+    separate ``/dev/shm`` do not; nor do containers sharing ``/dev/shm`` in separate pid
+    namespaces, whose dead-peer watcher could not tell a live peer by its pid);
     ``cuda_ipc`` when both ranks are on one GPU or on GPUs each side can reach.
 
     | pair                                | "auto"   | "shm" / "cuda_ipc" | "gloo" / "nccl" |

@@ -29,16 +29,28 @@ reader of its pair segment, so it unlinks the name as soon as it mapped it: from
 the kernel frees the memory when the last of the two processes unmaps or dies, and a
 SIGKILL leaves nothing in ``/dev/shm``. Staging segments from ``alloc`` are read by several
 peers, so they keep their name until ``close``; a failure (timeout, dead peer) removes
-every name of this world's prefix, the dead peer's included. Names are
-``/xr<world tag>_<process>_<kind><n>``; the tag is unique per world transport.
+every name of this world's prefix that this user owns, the dead peer's included.
+
+Names. ``/dev/shm`` is shared by every user of the host (and by containers run with
+``--ipc=host``), and any of them can create a name first. So no name can be derived from
+what others see: a name is ``/xr<tag>_<process>_<kind><n>_<random>``, where the tag is
+drawn by the world's members and exchanged over the signed store (not the probe's name;
+it shows once a segment exists) and ``<random>``, 64 bits drawn per segment, is what
+nobody can guess; receivers learn names only from the sealed records. A creation that finds its
+name taken (``EEXIST``, ``EACCES``: another user got there first) draws another name.
+Cleanup unlinks only names this user owns, and a name it cannot remove never replaces the
+error that made it clean up.
 
 Safety: a receiver never reads a buffer the sender is still writing (the record is
 published after the copy) or has moved on from: a send completes only when the receiver
 acknowledged it (the sender's group exit waits for one ack per peer), and each segment
 carries in its first 64 bytes the sender's group number, which the record repeats and the
 receiver checks before and after its copy. Every wait is bounded by the group's timeout,
-and a watcher thread checks the awaited peers' pids (same host) and wakes the wait when
-one died, so a killed peer raises in about a quarter second, naming it.
+and a watcher thread checks the awaited peers' pids and wakes the wait when one died, so
+a killed peer raises in about a quarter second, naming it. Pairs route here only when
+each process sees the other under the pid and start time it published (the world checks
+both ways), so the watcher never looks up a stranger: across pid namespaces (containers
+sharing ``/dev/shm`` only) a pid names another process, or none, and such pairs take gloo.
 
 Rejected: copying every private buffer into a segment (measured: the sender's copy makes
 a one-sender refit 0.37 of the memcpy bound, the pull 1.0+); ``vmsplice`` through pipes
@@ -58,6 +70,7 @@ import glob
 import logging
 import mmap
 import os
+import secrets
 import weakref
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
@@ -67,7 +80,7 @@ import numpy as np
 from .base import TransportError
 from .peers import PeerTransport, Recv, Round, alive, process_start_time
 
-__all__ = ["ShmTransport", "shm_names", "remove_shm", "HEADER_BYTES", "probe_name",
+__all__ = ["ShmTransport", "shm_names", "remove_shm", "HEADER_BYTES", "probe_name", "probe_path",
            "create_probe", "read_probe", "process_start_time", "pull", "can_pull"]
 
 logger = logging.getLogger(__name__)
@@ -92,9 +105,20 @@ def shm_names(prefix: str) -> list[str]:
 
 
 def remove_shm(prefix: str) -> int:
-    """Unlink every segment whose name starts with ``prefix``; returns how many."""
+    """Unlink every segment of this user whose name starts with ``prefix``; returns how
+    many. Names owned by another user are not ours (one who got to a name first): they are
+    left alone, and nothing here raises (a cleanup never hides the error that called it)."""
     n = 0
+    uid = os.geteuid()
     for name in shm_names(prefix):
+        try:
+            owner = os.stat(os.path.join(_SHM_DIR, name)).st_uid
+        except OSError:
+            continue
+        if owner != uid:
+            logger.debug("left %s in %s alone: uid %d owns it, not this user", name,
+                         _SHM_DIR, owner)
+            continue
         if _unlink(name):
             n += 1
     return n
@@ -105,6 +129,9 @@ def _unlink(name: str) -> bool:
         _posix().shm_unlink("/" + name)
         return True
     except FileNotFoundError:
+        return False
+    except OSError as e:        # PermissionError: not ours to remove
+        logger.debug("could not unlink %s: %s", name, e)
         return False
 
 
@@ -219,6 +246,11 @@ def probe_name(token: str) -> str:
     return f"xrp{token}"
 
 
+def probe_path(token: str) -> str:
+    """Where the probe of ``token`` shows in a process's maps."""
+    return os.path.join(_SHM_DIR, probe_name(token))
+
+
 def create_probe(token: str) -> _Segment | None:
     """A tiny segment holding ``token``: a peer that can read it shares this host's shm."""
     try:
@@ -273,7 +305,8 @@ class ShmTransport(PeerTransport):
     """Grouped point-to-point moves of CPU byte buffers through POSIX shared memory.
 
     Args:
-        tag: the segment name tag, unique to this transport on this host (from the world).
+        tag: the segment name tag: a secret of this world transport, exchanged over the
+            signed store (never derived from a name others can see in ``/dev/shm``).
         pull_peers: the peers that can read this process's memory and this process theirs
             with ``process_vm_readv`` (probed both ways by the world; needs their pids).
 
@@ -310,9 +343,18 @@ class ShmTransport(PeerTransport):
 
     def _new_segment(self, kind: str, size: int) -> _Segment:
         self._num += 1
-        name = f"{self.prefix}{self._me}_{kind}{self._num}"
         _unlink_at_exit(self)       # if never closed (an exception on the way out, exit())
-        return _Segment(name, HEADER_BYTES + size, create=True)
+        taken = []
+        for _ in range(_NAME_TRIES):
+            name = f"{self.prefix}{self._me}_{kind}{self._num}_{_random_part()}"
+            try:
+                return _Segment(name, HEADER_BYTES + size, create=True)
+            except (FileExistsError, PermissionError) as e:
+                # another user (or container) created it first: never ours, draw again
+                taken.append(f"{name} ({e.strerror})")
+        raise TransportError(f"shm: {_NAME_TRIES} fresh segment names in {_SHM_DIR} were all "
+                             f"taken ({'; '.join(taken[:3])}, ...): another process is "
+                             f"creating names there; set XRESHARD_SHM=0 to use gloo")
 
     def alloc(self, nbytes: int) -> np.ndarray:
         """A staging buffer in shared memory: sends from it are exposed with no copy.
@@ -601,6 +643,14 @@ def _at_exit() -> None:
     for t in list(_LIVE):
         with contextlib.suppress(Exception):
             t.remove_own_names()
+
+
+_NAME_TRIES = 8
+
+
+def _random_part() -> str:
+    """The unguessable part of a segment name (64 bits)."""
+    return secrets.token_hex(8)
 
 
 def _aligned(n: int) -> int:

@@ -63,10 +63,13 @@ The package, by concern::
     build.py        building a model to record (fake_tp, build_model, specs), in a worker too
     destination.py  layouts from recordings; EngineRecording, Destination, in-place rules
     reload.py       loading shards through vLLM's layerwise reload; weights_digest
+    quantized.py    FP8 engines: formats, quantized tensors, kernel stand-ins
     plugin.py       register_backend (the entry point), WorkerExtension (RPC by method name)
     stream.py       Stream: one process's side of streamed refits (both sides)
     worker.py       the backend's worker engine (XreshardWeightTransferEngine), its decisions
     trainer.py      the backend's trainer engine, WeightSender, LLMClient
+    lora.py         in-memory LoRA refits: the engine side (regions, the vLLM hook, commits)
+    lora_send.py    in-memory LoRA refits: the trainer side (LoRASender)
 
 ``worker`` and ``trainer`` import vLLM's weight-transfer base classes, so they load on first
 use of one of their names (``from xreshard.adapters.vllm import LLMClient``); the rest
@@ -88,10 +91,16 @@ import importlib
 from typing import Any
 
 from .build import (allgather_json, build_model, checkpoint_specs, fake_tp, hf_tensor_specs,
-                    make_vllm_config, record_from_config, record_in_worker, record_workers)
+                    make_vllm_config, record_from_config, record_in_worker, record_quantized,
+                    record_workers)
+from xreshard.adapters.lora import LoRAAdapter, LoRAError, write_peft_dir
+
 from .destination import (INPLACE_ALLOWED, INPLACE_MOE_BACKENDS, Destination, EngineRecording,
                           inplace_refusal, layouts_from_pieces, replicate_layout)
+from .lora import LORA_SCHEME, LoRAReceiver, install_hook, lora_request, read_regions
 from .plugin import BACKEND, WorkerExtension, register_backend, worker_record
+from .quantized import (KernelStandIn, checkpoint_specs_fp8, engine_formats, kernel_stand_ins,
+                        quantized_of)
 from .record import (Piece, RecordError, Recording, parts_from_full, record_model,
                      shard_weight, view_box)
 from .reload import gemm_weight, reload_from_shards, reprocess_tied, weights_digest
@@ -103,7 +112,10 @@ __all__ = [
     "parts_from_full", "view_box", "allgather_json", "reload_from_shards", "reprocess_tied",
     "WorkerExtension", "checkpoint_specs", "register_backend", "BACKEND", "EngineRecording",
     "Destination", "weights_digest", "gemm_weight", "inplace_refusal", "INPLACE_ALLOWED",
-    "INPLACE_MOE_BACKENDS",
+    "INPLACE_MOE_BACKENDS", "LoRAAdapter", "LoRAError", "write_peft_dir", "lora_request",
+    "LORA_SCHEME", "LoRAReceiver", "install_hook", "read_regions",
+    "KernelStandIn", "kernel_stand_ins", "engine_formats",
+    "quantized_of", "checkpoint_specs_fp8", "record_quantized",
 ]
 
 #: names of the backend modules, loaded on first use (they import vLLM's base classes)
@@ -112,13 +124,13 @@ _LAZY = {
     "XreshardWeightTransferEngine": "worker", "XreshardTrainerInitInfo": "trainer",
     "XreshardTrainerWeightTransferEngine": "trainer", "WeightSender": "trainer",
     "LLMClient": "trainer", "Stream": "stream", "GROUPS": "stream",
-    "DEFAULT_WORLD_ID": "stream",
+    "DEFAULT_WORLD_ID": "stream", "LoRASender": "lora_send",
 }
 
 
 def __getattr__(name: str) -> Any:
-    if name == "bind_named":        # the backend exported it; it lives with the naming rules
-        from xreshard.adapters.naming import bind_named
+    if name == "bind_named":        # the backend exported it; it lives in the JAX adapter
+        from xreshard.adapters.jax import bind_named
         return bind_named
     if name in _LAZY:
         return getattr(importlib.import_module(f"{__name__}.{_LAZY[name]}"), name)

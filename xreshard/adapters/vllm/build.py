@@ -13,14 +13,20 @@ See the decision record in :mod:`xreshard.adapters.vllm`.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import json
 from typing import Any, Iterator, Mapping, Sequence
 
+from xreshard.extras import require
+
+from .quantized import (checkpoint_specs_fp8, engine_formats, kernel_stand_ins, quantized_of,
+                        refusal_as_format_error, scale_fmt_ue8m0)
 from .record import RecordError, Recording, dtype_str, import_torch, import_vllm, record_model
 
 __all__ = ["fake_tp", "build_model", "make_vllm_config", "hf_tensor_specs", "checkpoint_specs",
-           "record_from_config", "record_in_worker", "record_workers", "allgather_json"]
+           "record_from_config", "record_in_worker", "record_workers", "allgather_json",
+           "record_quantized"]
 
 
 # ---------------------------------------------------------------------------- building models
@@ -71,16 +77,18 @@ _GROUP_SLOTS = ("_TP", "_PP", "_DP", "_EP", "_DCP", "_PCP", "_WORLD")
 
 
 @contextlib.contextmanager
-def fake_tp(tp_rank: int, tp_size: int) -> Iterator[None]:
-    """Make vLLM build layers as TP rank ``tp_rank`` of ``tp_size``, in this one process.
+def fake_tp(tp_rank: int, tp_size: int, *, pp_rank: int = 0, pp_size: int = 1
+            ) -> Iterator[None]:
+    """Make vLLM build layers as TP rank ``tp_rank`` of ``tp_size`` (in pipeline stage
+    ``pp_rank`` of ``pp_size``), in this one process.
 
-    Installs stand-ins in ``vllm.distributed.parallel_state``'s group slots (TP at the given
-    rank and size; PP, DP, EP, DCP, PCP of size 1) and restores the previous ones on exit.
-    Only for constructing models to record; nothing can communicate through them.
+    Installs stand-ins in ``vllm.distributed.parallel_state``'s group slots (TP and PP at
+    the given ranks and sizes; DP, EP, DCP, PCP of size 1) and restores the previous ones
+    on exit. Only for constructing models to record; nothing can communicate through them.
     """
-    if not 0 <= tp_rank < tp_size:
-        raise ValueError(f"tp_rank {tp_rank} is outside [0, {tp_size}); "
-                         "pass 0 <= tp_rank < tp_size")
+    if not 0 <= tp_rank < tp_size or not 0 <= pp_rank < pp_size:
+        raise ValueError(f"tp_rank {tp_rank} / pp_rank {pp_rank} is outside [0, {tp_size}) / "
+                         f"[0, {pp_size}); pass 0 <= rank < size")
     import_vllm()
     from vllm.distributed import parallel_state as ps
 
@@ -90,7 +98,8 @@ def fake_tp(tp_rank: int, tp_size: int) -> Iterator[None]:
             setattr(ps, slot, _StandInGroup(slot.strip("_"), 0, 1))
         # vLLM's group slots (module privates, no setter) are what every layer reads
         ps._TP = _StandInGroup("TP", tp_rank, tp_size)
-        ps._WORLD = _StandInGroup("WORLD", tp_rank, tp_size)
+        ps._PP = _StandInGroup("PP", pp_rank, pp_size)
+        ps._WORLD = _StandInGroup("WORLD", pp_rank * tp_size + tp_rank, pp_size * tp_size)
         yield
     finally:
         for slot, value in saved.items():
@@ -141,7 +150,13 @@ def build_model(vllm_config: Any, *, device: str = "meta") -> Any:
     size come from the current process groups (a worker's, or :func:`fake_tp`'s).
     Attention layers register themselves by name in the compilation config and rotary
     embeddings are cached process-wide; both are swapped out for the build, so a worker's
-    live model and any later engine in this process are left untouched.
+    live model and any later engine in this process are left untouched. FP8 layers get a
+    :class:`~.quantized.KernelStandIn` where vLLM finds no FP8 kernel on this platform
+    (:func:`~.quantized.kernel_stand_ins`).
+
+    Raises:
+        FormatError: vLLM refuses a block-quantized layer's TP shard (its edge is off the
+            block grid), naming the layer.
     """
     torch = import_torch()
     import_vllm()
@@ -160,8 +175,14 @@ def build_model(vllm_config: Any, *, device: str = "meta") -> Any:
     rotary_embedding._ROPE_DICT.clear()
     place = _MetaWeights() if torch.device(device).type == "meta" else torch.device(device)
     try:
-        with set_default_torch_dtype(vllm_config.model_config.dtype), place:
+        with set_default_torch_dtype(vllm_config.model_config.dtype), place, \
+                kernel_stand_ins():
             return initialize_model(vllm_config=vllm_config)
+    except ValueError as e:
+        refused = refusal_as_format_error(e)
+        if refused is None:
+            raise
+        raise refused from e
     finally:
         cc.static_forward_context, cc.static_all_moe_layers = saved
         rotary_embedding._ROPE_DICT.clear()
@@ -169,13 +190,16 @@ def build_model(vllm_config: Any, *, device: str = "meta") -> Any:
 
 
 def make_vllm_config(model: str | Any, *, dtype: str = "bfloat16", tp_size: int = 1,
-                     enable_expert_parallel: bool = False) -> Any:
+                     enable_expert_parallel: bool = False, pp_size: int = 1,
+                     quantization: str | None = None) -> Any:
     """A ``VllmConfig`` for a local model directory (config.json only) or a HF config object.
 
     A config object is written to a fresh temporary directory; nothing is downloaded.
     ``enable_expert_parallel`` is vLLM's flag: MoE experts are then split over the TP ranks
     whole (expert e on rank ``e // (num_experts / tp)`` by vLLM's default linear placement)
-    instead of each expert being tensor-parallel.
+    instead of each expert being tensor-parallel. ``quantization`` is vLLM's
+    ``--quantization`` (``"fp8_per_block"``, ``"mxfp8"``: online); a block-FP8 checkpoint
+    says so in its config's ``quantization_config``.
     """
     import_vllm()
     from vllm.config import ModelConfig, ParallelConfig, VllmConfig
@@ -185,10 +209,11 @@ def make_vllm_config(model: str | Any, *, dtype: str = "bfloat16", tp_size: int 
         import tempfile
         path = tempfile.mkdtemp(prefix="xreshard-vllm-config-")
         model.save_pretrained(path)
-    model_config = ModelConfig(model=path, skip_tokenizer_init=True, dtype=dtype)
+    model_config = ModelConfig(model=path, skip_tokenizer_init=True, dtype=dtype,
+                               quantization=quantization)
     return VllmConfig(model_config=model_config,
                       parallel_config=ParallelConfig(
-                          tensor_parallel_size=tp_size,
+                          tensor_parallel_size=tp_size, pipeline_parallel_size=pp_size,
                           enable_expert_parallel=enable_expert_parallel))
 
 
@@ -201,10 +226,7 @@ def hf_tensor_specs(hf_config: Any, dtype: Any = None) -> dict[str, tuple[tuple[
     MoE models read the checkpoint instead (:func:`checkpoint_specs`).
     """
     torch = import_torch()
-    try:
-        import transformers
-    except ImportError as e:  # pragma: no cover
-        raise ImportError("hf_tensor_specs needs transformers: pip install transformers") from e
+    transformers = require("transformers", "vllm", "hf_tensor_specs")
     with torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(hf_config)
     specs = {}
@@ -247,20 +269,51 @@ def checkpoint_specs(model_dir: str) -> dict[str, tuple[tuple[int, ...], str]]:
 
 
 def record_from_config(vllm_config: Any, tp_rank: int, tp_size: int,
-                       specs: Mapping[str, tuple[Sequence[int], Any]] | None = None) -> Recording:
-    """Record one TP rank without an engine: build on meta under :func:`fake_tp`, then record.
+                       specs: Mapping[str, tuple[Sequence[int], Any]] | None = None, *,
+                       pp_rank: int = 0, pp_size: int = 1) -> Recording:
+    """Record one rank without an engine: build on meta under :func:`fake_tp`, then record.
 
     Args:
         vllm_config: from :func:`make_vllm_config`.
-        tp_rank, tp_size: the rank to simulate.
+        tp_rank, tp_size, pp_rank, pp_size: the rank to simulate.
         specs: HF name -> (shape, dtype); default :func:`hf_tensor_specs` of the model's HF
-            config in the model dtype.
+            config in the model dtype. A block-FP8 checkpoint's scale tensors are added
+            when they are missing (:func:`~.quantized.checkpoint_specs_fp8`).
     """
+    from vllm.config import set_current_vllm_config
+
     if specs is None:
         specs = hf_tensor_specs(vllm_config.model_config.hf_config, vllm_config.model_config.dtype)
-    with fake_tp(tp_rank, tp_size):     # loaders may ask the group again while loading
+    # loaders may ask the groups (and quantized layers the config) again while loading
+    with fake_tp(tp_rank, tp_size, pp_rank=pp_rank, pp_size=pp_size), \
+            set_current_vllm_config(vllm_config):
         model = build_model(vllm_config)
-        return record_model(model, specs, tp_rank=tp_rank, tp_size=tp_size)
+        return record_quantized(model, specs, scale_fmt_ue8m0(vllm_config), tp_rank=tp_rank,
+                                tp_size=tp_size, pp_rank=pp_rank, pp_size=pp_size)[0]
+
+
+def record_quantized(model: Any, specs: Mapping[str, tuple[Sequence[int], Any]],
+                     ue8m0: bool = False, **ranks: int) -> tuple[Recording, dict]:
+    """:func:`record_model`, plus what the model stores quantized (``Recording.quantized``).
+
+    A block-FP8 checkpoint model fed bf16 specs (a config without a checkpoint) is
+    recorded again with the checkpoint's tensors: each quantized weight in e4m3 and its
+    ``weight_scale_inv``, so the scales' places are recorded like any tensor's. Only the
+    weights this rank loads are known to be quantized then (another rank's experts are
+    not): record every rank with the same full specs - a checkpoint's safetensors headers
+    (:func:`checkpoint_specs`), or :func:`~.quantized.checkpoint_specs_fp8` of every
+    rank's quantized weights, as :func:`record_workers` does.
+
+    Returns:
+        the recording and the specs it fed.
+    """
+    engine_formats(model, ue8m0=ue8m0)     # refuse what cannot be recorded, naming the layer
+    rec = record_model(model, specs, **ranks)
+    quantized, params = quantized_of(model, rec, specs, ue8m0=ue8m0)
+    if any(q.scale not in specs for q in quantized):
+        specs = checkpoint_specs_fp8(specs, quantized)
+        rec = record_model(model, specs, **ranks)
+    return dataclasses.replace(rec, quantized=quantized, quantized_params=params), dict(specs)
 
 
 # ---------------------------------------------------------------------------- inside a worker
@@ -293,12 +346,22 @@ def record_workers(vllm_config: Any, specs: Mapping[str, Any] | None
     else:
         specs = {n: (tuple(s[0]), str(s[1])) for n, s in specs.items()}
     with set_current_vllm_config(vllm_config):
-        rec = _record_here(build_model(vllm_config), specs)
+        model = build_model(vllm_config)
+        rec, fed = _record_here(model, specs, vllm_config)
     if rec.num_workers > 1:     # the world group of an engine without DP: its workers
         group = ps.get_world_group()
         if group.world_size != rec.num_workers:
             raise RecordError(f"vLLM's world group has {group.world_size} workers but "
                               f"pp x tp = {rec.num_workers}; data parallelism is not supported")
+        # a checkpoint engine fed specs without scales (no checkpoint on disk) derived
+        # them from its own rank's weights only: the same test on every worker
+        if type(vllm_config.quant_config).__name__ == "Fp8Config" and \
+                not any(n.endswith("_scale_inv") for n in specs):
+            from xreshard.ir.formats import QuantizedTensor
+            every = [QuantizedTensor.from_dict(q) for qs in allgather_json(
+                [q.to_dict() for q in rec.quantized], group.cpu_group) for q in qs]
+            with set_current_vllm_config(vllm_config):
+                rec, fed = _record_here(model, checkpoint_specs_fp8(specs, every), vllm_config)
         dicts = allgather_json(rec.to_dict(), group.cpu_group)
     else:
         dicts = [rec.to_dict()]
@@ -306,7 +369,7 @@ def record_workers(vllm_config: Any, specs: Mapping[str, Any] | None
     if [r.worker for r in recs] != list(range(rec.num_workers)):
         raise RecordError("the all-gather of recordings returned workers "
                           f"{[r.worker for r in recs]}, not 0..{rec.num_workers - 1}")
-    return recs, rec.worker, specs
+    return recs, rec.worker, fed
 
 
 def allgather_json(obj: Any, group: Any) -> list[Any]:
@@ -328,14 +391,16 @@ def allgather_json(obj: Any, group: Any) -> list[Any]:
     return [json.loads(bytes(b[:int(s)].numpy())) for b, s in zip(out, sizes)]
 
 
-def _record_here(model: Any, specs: Mapping[str, Any]) -> Recording:
-    """Record ``model`` as this process's TP rank and pipeline stage."""
+def _record_here(model: Any, specs: Mapping[str, Any], vllm_config: Any
+                 ) -> tuple[Recording, dict]:
+    """Record ``model`` as this process's TP rank and pipeline stage (and the specs fed)."""
     from vllm.distributed import parallel_state as ps
 
-    return record_model(model, specs, tp_rank=ps.get_tensor_model_parallel_rank(),
-                        tp_size=ps.get_tensor_model_parallel_world_size(),
-                        pp_rank=ps.get_pp_group().rank_in_group,
-                        pp_size=ps.get_pp_group().world_size)
+    return record_quantized(model, specs, scale_fmt_ue8m0(vllm_config),
+                            tp_rank=ps.get_tensor_model_parallel_rank(),
+                            tp_size=ps.get_tensor_model_parallel_world_size(),
+                            pp_rank=ps.get_pp_group().rank_in_group,
+                            pp_size=ps.get_pp_group().world_size)
 
 
 def record_in_worker(worker: Any, specs: Mapping[str, tuple[Sequence[int], Any]] | None = None
@@ -350,4 +415,4 @@ def record_in_worker(worker: Any, specs: Mapping[str, tuple[Sequence[int], Any]]
     vllm_config = worker.vllm_config
     if specs is None:
         specs = _default_specs(vllm_config)
-    return _record_here(build_model(vllm_config), specs)
+    return _record_here(build_model(vllm_config), specs, vllm_config)[0]

@@ -17,6 +17,7 @@ import math
 from typing import Any, Iterable, Mapping, Sequence
 
 from xreshard.errors import LayoutError
+from xreshard.ir.formats import FormatError
 from xreshard.ir.layout import Layout, Mesh, Region, Split
 from xreshard.runtime.binding import Bound
 
@@ -156,6 +157,16 @@ class EngineRecording:
         rec: this worker's recording.
         names: the HF tensors some worker loads; ``unused``: those none does.
         shapes, dtypes: HF name -> global shape, and the dtype its parameter loads.
+        quantized: HF name -> :class:`~xreshard.ir.formats.QuantizedTensor` for the HF
+            weights a block-FP8 checkpoint engine stores quantized (each with its scale
+            tensor, itself an HF tensor of ``names``); checked against the layouts here.
+        quantized_params: this worker's parameters vLLM's online ``fp8_per_block`` or
+            ``mxfp8`` quantizes after loading (their grid is the local parameter's).
+
+    Raises:
+        FormatError: a worker holds part of a block of a quantized tensor, or scales that
+            are not those of the blocks it holds (vLLM's mismatch allowance for merged
+            layers), naming the tensor - on every worker alike, before any byte moves.
     """
 
     def __init__(self, recordings: Sequence[Recording], worker: int,
@@ -174,6 +185,24 @@ class EngineRecording:
                     self.dtypes[name] = rec.param_dtypes[pieces[0].param]
         self.names = [n for n in self.shapes if n in self.dtypes]
         self.unused = [n for n in self.shapes if n not in self.dtypes]
+        self.quantized = {q.name: q for rec in self.recordings for q in rec.quantized}
+        self.quantized_params = list(self.rec.quantized_params)
+        self._check_quantized()
+
+    def _check_quantized(self) -> None:
+        """Every worker holds whole blocks of each quantized tensor and their own scales."""
+        if not self.quantized:
+            return
+        names = {n for q in self.quantized.values() for n in (q.name, q.scale)}
+        missing = sorted(n for n in names if n not in self.dtypes)
+        if missing:
+            raise FormatError(f"quantized tensors {missing[:4]} are loaded by no worker; the "
+                              "recording needs each quantized weight and its scale tensor")
+        layouts = layouts_from_pieces(
+            {w: {n: rec.pieces.get(n, []) for n in names} for w, rec in enumerate(self.recordings)},
+            {n: self.shapes[n] for n in names}, {n: self.dtypes[n] for n in names})
+        for q in self.quantized.values():
+            q.check_layouts(layouts[q.name], layouts[q.scale])
 
     @classmethod
     def record_in_engine(cls, vllm_config: Any, specs: Mapping[str, Any] | None = None

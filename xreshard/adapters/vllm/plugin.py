@@ -70,6 +70,21 @@ class WorkerExtension:
     ``VLLM_ALLOW_INSECURE_SERIALIZATION=1``.
     """
 
+    def init_worker_extension(self) -> None:
+        """vLLM >= 0.33 calls this on every worker once its device is up: register the
+        ``"xreshard"`` backend there too, so a worker finds it even where xreshard's
+        ``vllm.general_plugins`` entry point is not installed (xreshard on ``PYTHONPATH``)."""
+        register_backend()
+
+    def destroy_worker_extension(self) -> None:
+        """vLLM >= 0.33 calls this on every worker before it shuts down: leave the refit
+        world first (its store connection, shared-memory segments, gloo groups), whatever
+        the engine's own shutdown does afterwards. (vLLM 0.32 has neither hook; there the
+        worker's shutdown closes the backend.)"""
+        engine = getattr(self, "weight_transfer_engine", None)
+        if engine is not None and getattr(engine, "world", None) is not None:
+            engine.shutdown()
+
     def xreshard_record(self, specs: Mapping[str, Sequence] | None = None) -> dict:
         return worker_record(self, specs)
 
@@ -81,6 +96,15 @@ class WorkerExtension:
             raise RuntimeError("this engine does not run the 'xreshard' weight-transfer backend; "
                                "pass weight_transfer_config={'backend': 'xreshard'}")
         return engine.report()
+
+    def xreshard_lora_report(self) -> dict:
+        """The last LoRA round on this worker (adapters and their versions, bytes received,
+        this rank's share of the factors); see :mod:`xreshard.adapters.vllm.lora`."""
+        engine = getattr(self, "weight_transfer_engine", None)
+        receiver = getattr(engine, "lora", None)
+        if receiver is None:
+            return {"lora_version": 0, "last_error": None}
+        return receiver.report()
 
     def xreshard_weights_digest(self) -> dict[str, str]:
         """sha256 of every tensor in the live model's state dict (parameters and persistent

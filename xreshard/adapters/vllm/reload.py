@@ -5,6 +5,21 @@ own loaders and ``process_weights_after_loading``, per module) and re-processes 
 modules (:func:`reprocess_tied`). :func:`weights_digest` hashes the weights a model
 computes with, through its CPU kernels where vLLM prepacked them (:func:`gemm_weight`), so
 two engines, or one engine before and after a refit, compare bit for bit.
+
+FP8 engines (see :mod:`.quantized`). A block-FP8 *checkpoint* engine reloads through the
+same path: the shards are the checkpoint's own tensors (``X.weight`` e4m3 and
+``X.weight_scale_inv`` float32, each an HF name of the recording), vLLM's loaders write
+them where they wrote the checkpoint, and ``finalize_layerwise_reload`` runs the layer's
+``Fp8LinearMethod`` / ``Fp8MoEMethod.process_weights_after_loading`` - DeepGEMM's E8M0
+requantization and scale layout, CPU (AMX) VNNI prepacking, MoE kernel formats stay
+vLLM's (``tests/test_vllm_fp8.py`` reloads FP8 shards this way and gets a fresh load's
+bytes). An *online* engine (``fp8_per_block``, ``mxfp8``) reloads bf16 weights and vLLM
+quantizes them again (``Fp8PerBlockOnlineLinearMethod.process_weights_after_loading``:
+``per_block_cast_to_fp8`` of the TP-local parameter, then the kernel's own
+``fp8_linear.process_weights_after_loading``; ``_already_called_process_weights_after_
+loading`` guards against a second run). Writing FP8 bytes into an online engine instead
+means writing its processed ``weight`` / ``weight_scale_inv`` and running only the
+kernel's hook: TODO(issue 20 phase 2).
 """
 
 from __future__ import annotations

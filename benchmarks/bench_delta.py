@@ -1,0 +1,222 @@
+"""Delta refit, phase 1: what finding and encoding the changes of a bucket costs, per
+backend, and how much of a model changes after one RL-sized optimizer step.
+
+``--kernels`` (this phase): a bf16 bucket of ``--mib`` MiB (the refit's default bucket is
+64 MiB) and a new version of it in which a fraction of the elements changed, at random
+places, by one unit in the last place (what an Adam step at RL learning rates does to the
+few BF16 weights it changes at all). For each backend (numpy on host buffers, jitted JAX
+and torch ops on CPU here) and each changed fraction, ``xreshard.delta.encode`` (compare
+bits, count, choose, compact) is timed, median of ``--reps``, beside a plain copy of the
+bucket in the same process (the memory-speed baseline: finding the changes reads both
+versions, a copy reads one and writes one). Then the message is applied to a copy of the
+baseline (``delta.apply``), timed the same way, and checked bit for bit.
+
+It also trains the demo model (``xreshard.tools.demo``) for one optax Adam step at learning
+rate 1e-6 and prints the fraction of its BF16 weights whose bits changed (fp32 master
+weights cast to bf16, as RL trainers send them; and bf16 parameters updated in place).
+
+    python benchmarks/bench_delta.py --kernels [--mib 64] [--reps 5] [--changed 1.0,0.01,0.001]
+        [--json]
+
+The refit-level comparison (dense vs ``RefitConfig(delta=True)`` over gloo, with
+``--link-gbps``) needs phase 2 (the executor's delta buckets); without ``--kernels`` this
+script says so and exits.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+MiB = 2 ** 20
+
+
+def median_seconds(fn: Callable[[], Any], reps: int) -> float:
+    fn()                                    # warm-up: compilation, first-touch pages
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def versions(mib: float, fraction: float, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """(baseline, new) bf16 buckets; ``fraction`` of the elements differ by one ulp."""
+    from xreshard.dtypes import numpy_dtype
+
+    rng = np.random.default_rng(seed)
+    n = int(mib * MiB) // 2
+    old = (rng.standard_normal(n, dtype=np.float32) * 0.02).astype(numpy_dtype("bfloat16"))
+    new = old.copy()
+    k = int(round(n * fraction))
+    pos = rng.choice(n, k, replace=False) if k < n else np.arange(n)
+    new.view(np.uint16)[pos] ^= np.uint16(1)
+    return old, new
+
+
+def backends() -> dict[str, tuple[Callable[[np.ndarray], Any], str]]:
+    """Row name -> (how the backend holds a host array, on its CPU device; kernels).
+
+    ``auto`` picks the numpy kernels for CPU-resident buffers (read in place); ``device``
+    forces the backend's own kernels (jitted XLA, torch ops): what runs on an accelerator,
+    measured here on the CPU.
+    """
+    out: dict[str, tuple[Callable[[np.ndarray], Any], str]] = {"numpy": (lambda a: a, "auto")}
+    try:
+        import jax
+        cpu = jax.devices("cpu")[0]
+        for kernels in ("auto", "device"):
+            out[f"jax/{kernels}"] = (lambda a: jax.device_put(a, cpu), kernels)
+    except ImportError:
+        pass
+    try:
+        import torch
+        for kernels in ("auto", "device"):
+            out[f"torch/{kernels}"] = (
+                lambda a: torch.from_numpy(a.view(np.uint16).copy()).view(torch.bfloat16),
+                kernels)
+    except ImportError:
+        pass
+    return out
+
+
+def ready(x: Any) -> Any:
+    if hasattr(x, "block_until_ready"):
+        x.block_until_ready()
+    return x
+
+
+def host_bytes(x: Any) -> bytes:
+    from xreshard.delta import host_view
+    return host_view(x).tobytes()
+
+
+def kernel_rows(mib: float, fractions: list[float], reps: int, device_reps: int) -> list[dict]:
+    from xreshard import delta
+
+    rows = []
+    for fraction in fractions:
+        old, new = versions(mib, fraction)
+        copy_into = np.empty_like(new)
+        copy_s = median_seconds(lambda: np.copyto(copy_into, new), reps)
+        want = delta.encode(old, new).to_bytes()
+        for name, (hold, kernels) in backends().items():
+            o, w = hold(old), hold(new)
+            n_reps = device_reps if kernels == "device" else reps
+
+            def encode() -> Any:
+                msg = delta.encode(o, w, kernels=kernels)
+                for s in msg.sections:
+                    ready(s)
+                return msg
+            enc_s = median_seconds(encode, n_reps)
+            msg = encode()
+            same = msg.to_bytes().tobytes() == want.tobytes()
+            target = hold(old.copy())
+            apply_s = median_seconds(lambda: ready(delta.apply(want, target, kernels=kernels)),
+                                     n_reps)
+            out = delta.apply(want, hold(old.copy()), kernels=kernels)
+            rows.append({"backend": name, "changed": fraction, "mib": mib, "kind": msg.kind,
+                         "bytes_ratio": msg.nbytes / new.nbytes,
+                         "encode_seconds": enc_s, "encode_gbps": new.nbytes / enc_s / 1e9,
+                         "encode_vs_copy": enc_s / copy_s, "apply_seconds": apply_s,
+                         "apply_gbps": new.nbytes / apply_s / 1e9, "copy_seconds": copy_s,
+                         "copy_gbps": new.nbytes / copy_s / 1e9,
+                         "same_bytes_as_numpy": same,
+                         "applied_bit_exact": host_bytes(out) == new.tobytes()})
+            print_row(rows[-1])
+    return rows
+
+
+def print_row(r: dict) -> None:
+    print(f"  {r['backend']:12s} changed {r['changed']:<6g} {r['kind']:7s} bytes {r['bytes_ratio']:.4f} "
+          f"of dense | diff+encode {r['encode_seconds'] * 1e3:8.2f} ms = "
+          f"{r['encode_gbps']:6.2f} GB/s ({r['encode_vs_copy']:5.2f}x a copy at "
+          f"{r['copy_gbps']:.2f} GB/s) | apply {r['apply_gbps']:6.2f} GB/s | same bytes as "
+          f"numpy: {r['same_bytes_as_numpy']}, applied bit-exact: {r['applied_bit_exact']}",
+          flush=True)
+
+
+def demo_changed_fraction(lr: float = 1e-6, seed: int = 0) -> dict:
+    """One optax Adam step of the demo model at ``lr``: the fraction of its BF16 weights
+    whose bits changed (fp32 master weights cast to bf16, and bf16 parameters)."""
+    import jax
+    import jax.numpy as jnp
+    import optax
+
+    from xreshard.delta import changed_fraction
+    from xreshard.tools.demo import DemoConfig, forward, nest, tensor_specs
+
+    cfg = DemoConfig()
+    specs = tensor_specs(cfg)
+    rng = np.random.default_rng(seed)
+    flat = {s.path: (np.ones(s.stored_shape, np.float32) if s.path.endswith("/scale") else
+                     (rng.standard_normal(s.stored_shape) * 0.05).astype(np.float32))
+            for s in specs}
+
+    tokens = jnp.asarray(rng.integers(0, cfg.vocab, (cfg.batch, cfg.seq_len + 1)), jnp.int32)
+
+    def loss(p: dict) -> Any:
+        logits = forward(p, tokens[:, :-1], cfg, jnp)
+        return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
+    out = {}
+    for label, dtype in (("fp32 master -> bf16", jnp.float32), ("bf16 params", jnp.bfloat16)):
+        params = jax.tree_util.tree_map(lambda a: jnp.asarray(a, dtype), nest(flat))
+        opt = optax.adam(lr)
+        grads = jax.grad(loss)(params)
+        updates, _ = opt.update(grads, opt.init(params), params)
+        stepped = optax.apply_updates(params, updates)
+        before = [np.asarray(a.astype(jnp.bfloat16)) for a in jax.tree_util.tree_leaves(params)]
+        after = [np.asarray(a.astype(jnp.bfloat16)) for a in jax.tree_util.tree_leaves(stepped)]
+        n = sum(a.size for a in before)
+        changed = sum(changed_fraction(a, b) * a.size for a, b in zip(before, after))
+        out[label] = {"elements": n, "changed": changed / n}
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--kernels", action="store_true", help="phase 1: the delta kernels alone")
+    ap.add_argument("--mib", type=float, default=64.0, help="bucket size (MiB of bf16)")
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--device-reps", type=int, default=2,
+                    help="repetitions of the JAX/torch device kernels (slow on a CPU)")
+    ap.add_argument("--changed", default="1.0,0.01,0.001", help="changed fractions")
+    ap.add_argument("--json", action="store_true", help="print one JSON object at the end")
+    args = ap.parse_args(argv)
+    if not args.kernels:
+        print("the refit-level comparison (dense vs RefitConfig(delta=True), --link-gbps) "
+              "needs phase 2 of issue 22 (the executor's delta buckets); run --kernels",
+              file=sys.stderr)
+        return 2
+    fractions = [float(x) for x in args.changed.split(",")]
+    print(f"delta kernels: a {args.mib:g} MiB bf16 bucket, median of {args.reps}, "
+          f"{platform.machine()} {platform.processor() or ''} ({__import__('os').cpu_count()} "
+          "CPUs), JAX and torch on CPU", flush=True)
+    rows = kernel_rows(args.mib, fractions, args.reps, args.device_reps)
+    print("demo model (xreshard.tools.demo), one optax Adam step at lr 1e-6:", flush=True)
+    demo = demo_changed_fraction()
+    for label, d in demo.items():
+        print(f"  {label}: {d['changed'] * 100:.3f}% of {d['elements']:,} BF16 weights "
+              "changed bits", flush=True)
+    if args.json:
+        print(json.dumps({"kernels": rows, "demo_adam_lr1e-6": demo}))
+    bad = [r for r in rows if not (r["same_bytes_as_numpy"] and r["applied_bit_exact"])]
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,154 @@
+"""Pack and unpack programs: how each item of a bucket is read from (or written into) its
+binding, computed once per bucket from geometry alone and reused by every run.
+
+A program is a tuple of :class:`Step` (one per item, in message order); a bucket's program
+is also cut into :class:`Run` s of consecutive small items that need no cast, which the
+host path gathers (pack) or scatters (unpack) with one numpy call each. Both depend only
+on the schedule and the stage tables' layouts and wire dtypes, so a cache of them
+(:class:`Programs`) lives as long as the prepared call it was made for: the ``Refit``
+that owns the call owns the cache.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping, NamedTuple
+
+from ..dtypes import ITEMSIZE, bits_dtype, dtype_name, itemsize, numpy_dtype
+from ..ir.layout import Layout
+from ..planner.schedule import Bucket, Item
+
+__all__ = ["Programs", "Run", "Step", "Tables", "canonical_wire"]
+
+#: items up to this size are gathered together when packed on the host (see Run)
+RUN_ITEM_BYTES = 1 << 14
+
+
+class Tables(NamedTuple):
+    """What the executor reads and writes for one stage of a call."""
+
+    src_layouts: Mapping[str, Layout]
+    dst_layouts: Mapping[str, Layout]
+    wire_dtypes: Mapping[str, Any]
+    src_bindings: Mapping[tuple[int, str], Any]
+    """``(rank, name) -> binding`` of this process's sending ranks."""
+    dst_bindings: Mapping[tuple[int, str], Any]
+    """``(rank, name) -> binding`` of this process's receiving ranks."""
+
+
+class Step(NamedTuple):
+    """How one item of a bucket is packed from (side 0) or unpacked into (side 1) its
+    binding: ``bindings[key][index][slices]`` <-> ``message[lo:hi]``."""
+
+    key: tuple[int, str]
+    """``(rank, name)`` in the stage's bindings of that side."""
+    index: int | None
+    """Which buffer of an explicit binding (a list); None: the product binding's array."""
+    slices: tuple
+    lo: int
+    hi: int
+    bits: Any
+    """The unsigned numpy dtype of the wire element size (how the message is viewed)."""
+    shape: tuple[int, ...]
+    wire: str
+    """The dtype on the wire."""
+    dtype: str
+    """The dtype the binding holds (its layout's)."""
+    whole: bool
+    """The step covers its binding's whole local array (no slicing needed)."""
+
+
+class Run(NamedTuple):
+    """Consecutive steps of a program that the host path moves with one numpy call when
+    ``small`` (items of at most ``RUN_ITEM_BYTES``, one binding dtype, no cast)."""
+
+    small: bool
+    steps: tuple[Step, ...]
+    lo: int
+    hi: int
+    bits: Any
+    typed: Any
+    """The numpy dtype of the run's items (None unless ``small``)."""
+
+
+def canonical_wire(wire_dtypes: Mapping[str, Any]) -> dict[str, str]:
+    """Wire dtypes by canonical name (an array's own dtype may be raw bits)."""
+    return {n: d if isinstance(d, str) and d in ITEMSIZE else dtype_name(d)
+            for n, d in wire_dtypes.items()}
+
+
+def packed(b: Bucket, wire: Mapping[str, str]) -> list[tuple[Item, int]]:
+    """A bucket's items with their byte offsets in its message.
+
+    Widest wire dtype first: element sizes are powers of two, so every item then starts at
+    a multiple of its own element size (the message starts 256-byte aligned in staging).
+    CUDA faults on misaligned loads; numpy would only be slower. Both peers derive the
+    same order from the same bucket.
+    """
+    items = sorted(b.items, key=lambda it: -itemsize(wire[it.name]))
+    out, off = [], 0
+    for it in items:
+        out.append((it, off))
+        off += it.nbytes
+    return out
+
+
+class Programs:
+    """The programs of one schedule with one set of stage tables, by bucket and side.
+
+    Args:
+        tables: per stage, the layouts and wire dtypes the programs read (their bindings
+            are not used: programs are geometry only).
+        cache: a dict kept across runs of the same prepared call (its owner resets it when
+            the call changes), or None for this executor alone.
+    """
+
+    def __init__(self, tables: tuple[Tables, ...], cache: dict | None = None):
+        self._tables = tables
+        self._wire = tuple(canonical_wire(t.wire_dtypes) for t in tables)
+        self._cache: dict = {} if cache is None else cache
+
+    def wire(self, stage: int) -> Mapping[str, str]:
+        return self._wire[stage]
+
+    def program(self, b: Bucket, side: int) -> tuple[Step, ...]:
+        """How to pack (side 0) or unpack (side 1) bucket ``b``, item by item."""
+        key = (id(b), side)
+        prog = self._cache.get(key)
+        if prog is None:
+            tables = self._tables[b.stage]
+            layouts = tables.src_layouts if side == 0 else tables.dst_layouts
+            wires = self._wire[b.stage]
+            rank = b.src if side == 0 else b.dst
+            steps = []
+            for it, off in packed(b, wires):
+                lay = layouts[it.name]
+                i, slices = lay.locate(rank, it.region)
+                wire = wires[it.name]
+                whole = lay.is_product and len(it.region.shape) == lay.ndim and all(
+                    s.start == 0 and s.stop == n
+                    for s, n in zip(slices, lay.local_shape(rank)))
+                steps.append(Step((rank, it.name), None if lay.is_product else i,
+                                  slices + (Ellipsis,), off, off + it.nbytes,
+                                  bits_dtype(itemsize(wire)), it.region.shape, wire,
+                                  lay.dtype, whole))
+            prog = self._cache[key] = tuple(steps)
+        return prog
+
+    def runs(self, b: Bucket, side: int) -> tuple[Run, ...]:
+        """Bucket ``b``'s program cut into :class:`Run` s (see there)."""
+        key = (id(b), 2 + side)
+        runs = self._cache.get(key)
+        if runs is not None:
+            return runs
+        raw: list[list] = []
+        for e in self.program(b, side):
+            small = e.wire == e.dtype and e.hi - e.lo <= RUN_ITEM_BYTES
+            if small and raw and raw[-1][0] and raw[-1][3] == e.bits and raw[-1][4] == e.dtype:
+                raw[-1][1].append(e)
+                raw[-1][2] = e.hi
+            else:
+                raw.append([small, [e], e.hi, e.bits, e.dtype])
+        runs = self._cache[key] = tuple(
+            Run(small, tuple(es), es[0].lo, hi, bits, numpy_dtype(dtype) if small else None)
+            for small, es, hi, bits, dtype in raw)
+        return runs
