@@ -149,7 +149,8 @@ def test_bad_flag_prints_the_subcommands_usage(capsys, command):
 
 @pytest.mark.parametrize("command", [PLAN, SIM])
 def test_bf16_suggests_bfloat16(capsys, command):
-    assert main(command + ["--wire-dtype", "bf16"]) == 1
+    # simulate checks its flags before any work (usage error: 2); plan fails planning (1)
+    assert main(command + ["--wire-dtype", "bf16"]) == (2 if command is SIM else 1)
     err = capsys.readouterr().err
     assert "dtype 'bf16' is not supported (did you mean 'bfloat16'?)" in err
     assert err.count("\n") == 1
@@ -180,7 +181,7 @@ def test_simulate_sizes_take_units():
     from xreshard.sim.simulate import byte_size, check_arguments
     assert byte_size("64MiB") == byte_size("64M") == 64 << 20 and byte_size("1GB") == 10**9
     args = argparse.Namespace(bucket_bytes="2MiB", staging_bytes="8MiB", gpus=None,
-                              delta=None, wire="dtype", plot=None)
+                              delta=None, wire="dtype", plot=None, wire_dtype=None)
     assert check_arguments(args) is None and args.bucket_bytes == 2 << 20
 
 

@@ -452,6 +452,12 @@ def check_arguments(args: argparse.Namespace) -> str | None:
         setattr(args, flag, value)
     if args.gpus is not None and args.gpus <= 0:
         return f"--gpus must be a positive number of GPUs, got {args.gpus}"
+    if args.wire_dtype is not None:
+        from ..dtypes import dtype_name
+        try:
+            dtype_name(args.wire_dtype)
+        except XreshardError as e:
+            return f"--wire-dtype: {str(e).split('; ')[0]}"
     if args.delta is not None and not 0.0 <= args.delta <= 1.0:
         return f"--delta is the changed fraction of elements, in [0, 1]; got {args.delta}"
     if args.delta is not None and args.wire == "fp8":
