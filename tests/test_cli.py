@@ -121,3 +121,117 @@ def test_plan_describe_rank(capsys):
     assert "send to" in r["describe"] and "direction | peer | tensor" not in r["describe"]
     assert main(PLAN + ["--describe", "8"]) == 1
     assert "--describe 8 is outside the world" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------- a newcomer's CLI
+
+SIM = ["simulate", "--model", "qwen2_5_0_5b", "--src", "fsdp:dp=2", "--dst", "vllm:tp=2",
+       "--cluster", "dgx-h100"]
+
+
+def test_version(capsys):
+    import xreshard
+    with pytest.raises(SystemExit) as e:
+        main(["--version"])
+    assert e.value.code == 0
+    assert capsys.readouterr().out.strip() == f"xreshard {xreshard.__version__}"
+
+
+@pytest.mark.parametrize("command", [PLAN, SIM])
+def test_bad_flag_prints_the_subcommands_usage(capsys, command):
+    with pytest.raises(SystemExit) as e:
+        main(command + ["--bogus", "1"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert f"usage: xreshard {command[0]} " in err
+    assert "unrecognized arguments: --bogus 1" in err
+
+
+@pytest.mark.parametrize("command", [PLAN, SIM])
+def test_bf16_suggests_bfloat16(capsys, command):
+    # simulate checks its flags before any work (usage error: 2); plan fails planning (1)
+    assert main(command + ["--wire-dtype", "bf16"]) == (2 if command is SIM else 1)
+    err = capsys.readouterr().err
+    assert "dtype 'bf16' is not supported (did you mean 'bfloat16'?)" in err
+    assert err.count("\n") == 1
+
+
+@pytest.mark.parametrize("flag, value, message", [
+    ("--bucket-bytes", "0", "--bucket-bytes must be a positive number of bytes, as "
+                            "RefitConfig.bucket_bytes"),
+    ("--bucket-bytes", "-5", "--bucket-bytes must be a positive number of bytes"),
+    ("--staging-bytes", "0", "--staging-bytes must be a positive number of bytes, as "
+                             "RefitConfig.staging_bytes"),
+    ("--staging-bytes", "lots", "--staging-bytes: 'lots' is not a number of bytes"),
+    ("--gpus", "-4", "--gpus must be a positive number of GPUs"),
+    ("--delta", "1.5", "--delta is the changed fraction of elements, in [0, 1]"),
+])
+def test_simulate_refuses_bad_numbers_in_one_line(capsys, monkeypatch, flag, value, message):
+    # refused before any work: a model that does not exist is never looked up
+    import xreshard.catalog.models as models
+    monkeypatch.setattr(models, "load_model", lambda *a, **k: pytest.fail("model loaded"))
+    assert main(SIM + [flag, value]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("xreshard simulate: error: ") and message in err
+    assert err.count("\n") == 1
+
+
+def test_simulate_sizes_take_units():
+    import argparse
+    from xreshard.sim.simulate import byte_size, check_arguments
+    assert byte_size("64MiB") == byte_size("64M") == 64 << 20 and byte_size("1GB") == 10**9
+    args = argparse.Namespace(bucket_bytes="2MiB", staging_bytes="8MiB", gpus=None,
+                              delta=None, wire="dtype", plot=None, wire_dtype=None)
+    assert check_arguments(args) is None and args.bucket_bytes == 2 << 20
+
+
+@pytest.mark.parametrize("path, message", [
+    ("{tmp}/missing/x.png", "folder '{tmp}/missing' does not exist"),
+    ("{tmp}/x.gif", "the file type must be one of .png, .pdf, .svg (got .gif)"),
+    ("{tmp}", "is a folder; give a file name"),
+])
+def test_simulate_refuses_a_bad_plot_path_first(capsys, monkeypatch, tmp_path, path, message):
+    import xreshard.catalog.models as models
+    monkeypatch.setattr(models, "load_model", lambda *a, **k: pytest.fail("model loaded"))
+    path = path.format(tmp=tmp_path)
+    if path == str(tmp_path):
+        path = str(tmp_path) + ".png"
+        Path(path).mkdir()
+    assert main(SIM + ["--plot", path]) == 2
+    err = capsys.readouterr().err
+    assert message.format(tmp=tmp_path) in err and err.count("\n") == 1
+
+
+def test_uneven_jax_recipe_says_it_replicates(capsys):
+    assert main(["plan", "--model", "qwen2_5_0_5b", "--src", "jax:fsdp=3", "--dst",
+                 "vllm:tp=2"]) == 0
+    err = capsys.readouterr().err
+    assert "xreshard plan: note: jax:dp=1,fsdp=3,tp=1: " in err
+    assert "replicated instead" in err and "over fsdp=3" in err
+    assert main(SIM[:4] + ["jax:fsdp=3"] + SIM[5:] + ["--json"]) == 0
+    assert "xreshard simulate: note: jax:dp=1,fsdp=3,tp=1: " in capsys.readouterr().err
+
+
+def test_progress_on_a_terminal_only(capsys, monkeypatch):
+    from xreshard.sim.traffic import Progress
+    Progress("plan")(1, 3, "layouts")            # stderr is captured: not a terminal
+    assert capsys.readouterr().err == ""
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
+    step = Progress("plan")
+    step(1, 3, "layouts")
+    step(3, 3, "done")
+    err = capsys.readouterr().err
+    assert "\rplan: layouts (1/3)" in err and err.endswith("\rplan: done (3/3)   \n")  # covers the longer line
+
+
+def test_quiet_when_piped_and_no_traceback_when_cut():
+    # a pipe: no progress lines on stderr; `| head` closing the pipe: no traceback
+    root = Path(__file__).resolve().parents[1]
+    argv = [sys.executable, "-m", "xreshard", *PLAN, "--describe", "4", "--max-rows", "-1"]
+    proc = subprocess.Popen(argv, cwd=root, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    first = proc.stdout.readline()
+    proc.stdout.close()
+    err = proc.stderr.read().decode()
+    proc.wait(timeout=120)
+    assert first.startswith(b"model") and "Traceback" not in err and "plan:" not in err
+    assert proc.returncode in (0, 1)

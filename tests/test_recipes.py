@@ -252,7 +252,8 @@ def test_vllm_by_hand_with_kv_head_replication():
         4: ["[0:2, 0:4]"], 5: ["[0:2, 0:4]"], 6: ["[2:4, 0:4]"], 7: ["[2:4, 0:4]"]}
     assert held(L["model.layers.0.self_attn.q_proj.weight"])[5] == ["[2:4, 0:4]"]
     assert held(L["model.layers.0.self_attn.o_proj.weight"])[6] == ["[0:4, 4:6]"]
-    assert held(L["lm_head.weight"])[7] == ["[6:8, 0:4]"]
+    # vLLM pads the 8-row vocab to 64 and splits that evenly: tp rank 0 holds every row
+    assert held(L["lm_head.weight"]) == {0: ["[0:8, 0:4]"], 4: ["[0:8, 0:4]"]}
     assert held(L["model.layers.1.mlp.experts.gate_up_proj"])[1] == [
         "[0:4, 1:2, 0:4]", "[0:4, 5:6, 0:4]"]                       # gate row 1, up row 1
     assert held(L["model.layers.1.mlp.experts.down_proj"])[3] == ["[0:4, 0:4, 3:4]"]
@@ -267,6 +268,30 @@ def test_vllm_by_hand_with_kv_head_replication():
     L = recipe_layouts(TOY, "vllm:tp=4", 0, config={"num_key_value_heads": 1})
     assert held(L["model.layers.0.self_attn.k_proj.weight"]) == {
         r: ["[0:4, 0:4]"] for r in range(4)}
+
+
+@pytest.mark.parametrize("vocab,tp", [(32001, 2), (151655, 4), (1000, 8), (129280, 8)])
+def test_vllm_vocab_is_padded_as_vllm_pads_it(vocab, tp):
+    # the rows each tp rank of a VocabParallelEmbedding / ParallelLMHead holds, from vLLM's
+    # own functions (pad to a multiple of 64, split evenly), clipped to the real vocab
+    pytest.importorskip("vllm")
+    from vllm.model_executor.layers.vocab_parallel_embedding import (
+        DEFAULT_VOCAB_PADDING_SIZE, pad_vocab_size, vocab_range_from_global_vocab_size)
+    params = [("model.embed_tokens.weight", (vocab, 16), "bfloat16")]
+    L = recipe_layouts(params, f"vllm:tp={tp}", 0)["model.embed_tokens.weight"]
+    padded = pad_vocab_size(vocab, DEFAULT_VOCAB_PADDING_SIZE)
+    for t in range(tp):
+        lo, hi = vocab_range_from_global_vocab_size(padded, t, tp)
+        want = [f"[{min(lo, vocab)}:{min(hi, vocab)}, 0:16]"] if lo < vocab else []
+        assert held(L).get(t, []) == want
+    assert sum(reg.size for r in L.ranks for reg in L.regions(r)) == vocab * 16
+
+
+def test_vllm_vocab_padding_that_tp_does_not_divide():
+    params = [("lm_head.weight", (32001, 16), "bfloat16")]
+    with pytest.raises(RecipeError, match="padded to 32064 .* does not split evenly over "
+                                          "tp=7"):
+        recipe_layouts(params, "vllm:tp=7", 0)
 
 
 def test_fsdp_tp_strided_by_hand():
@@ -298,9 +323,13 @@ def test_jax_by_hand_and_uneven_fallback(caplog):
     assert held(L["model.layers.1.mlp.experts.gate_up_proj"])[3] == ["[0:4, 4:8, 2:4]"]
     assert held(L["model.norm.weight"]) == {r: ["[0:4]"] for r in range(4)}
     # 8 rows over tp=3 do not divide: that dim is replicated, fsdp still splits dim 1
+    notes: list[str] = []
     with caplog.at_level("INFO", logger="xreshard.catalog.recipes"):
-        L = recipe_layouts(TOY, "jax:fsdp=2,tp=3", 0)
+        L = recipe_layouts(TOY, "jax:fsdp=2,tp=3", 0, notes=notes)
     assert "replicated instead" in caplog.text
+    # said once, for a terminal: how many tensors, which dims
+    assert len(notes) == 1 and "replicated instead" in notes[0]
+    assert "'model.layers.0.self_attn.q_proj.weight' dim 0 (8) over tp=3" in notes[0]
     q = L["model.layers.0.self_attn.q_proj.weight"]
     assert q.dim_axes(0) == () and held(q)[5] == ["[0:8, 2:4]"]
 

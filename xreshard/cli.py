@@ -1,4 +1,4 @@
-"""The ``xreshard`` command line: ``xreshard plan | demo``.
+"""The ``xreshard`` command line: ``xreshard plan | demo | simulate``.
 
 (Benchmarks are scripts in ``benchmarks/``, not shipped with the package.)
 
@@ -56,14 +56,32 @@ _TABLE = (
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the ``xreshard`` script and ``python -m xreshard``; returns the exit code."""
-    argv = list(sys.argv[1:] if argv is None else argv)
+    """Entry point of the ``xreshard`` script and ``python -m xreshard``; returns the exit code.
+
+    A bad flag prints the usage of the subcommand it was given to; output cut short by a
+    closed pipe (``xreshard plan ... | head``) ends quietly.
+    """
+    try:
+        return _main(list(sys.argv[1:] if argv is None else argv))
+    except BrokenPipeError:
+        # the reader went away (e.g. `| head`): stop writing, say nothing (Python's advice:
+        # point stdout at devnull so the interpreter's final flush does not raise again)
+        import os
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 1
+
+
+def _main(argv: list[str]) -> int:
+    from . import __version__
     parser = argparse.ArgumentParser(
         prog="xreshard", description="Weight refit between differently sharded jobs.")
+    parser.add_argument("--version", action="version", version=f"xreshard {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     chosen = next((a for a in argv if not a.startswith("-")), None)
+    parsers = {}
     for name, (module_name, help_text) in COMMANDS.items():
-        p = sub.add_parser(name, help=help_text, description=help_text)
+        p = parsers[name] = sub.add_parser(name, help=help_text, description=help_text)
         if name == chosen:
             try:
                 module = importlib.import_module(module_name)
@@ -71,7 +89,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                 parser.error(f"subcommand {name!r} is not available: {e}")
             module.add_arguments(p)
             p.set_defaults(run=module.run)
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    if extra:       # report it against the subcommand's usage, not the top-level one
+        (parsers.get(args.command) or parser).error(f"unrecognized arguments: "
+                                                    f"{' '.join(extra)}")
     if args.command is None:
         parser.print_help()
         return 2
@@ -112,9 +133,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    notes: list[str] = []
     result = plan_summary(args.model, args.src, args.dst, layout=args.layout,
                           rank=args.rank, wire_dtype=args.wire_dtype, describe=args.describe,
-                          max_rows=None if args.max_rows < 0 else args.max_rows)
+                          max_rows=None if args.max_rows < 0 else args.max_rows, notes=notes,
+                          progress=None)
+    for note in notes:
+        print(f"xreshard plan: note: {note}", file=sys.stderr)
     if args.json:
         print(json.dumps(result, sort_keys=True))
     else:
@@ -127,13 +152,17 @@ def run(args: argparse.Namespace) -> int:
 
 def plan_summary(model: str, src: str, dst: str, *, layout: str = "per_expert",
                  rank: int | None = None, wire_dtype: str | None = None,
-                 describe: int | None = None, max_rows: int | None = 100) -> dict[str, Any]:
+                 describe: int | None = None, max_rows: int | None = 100,
+                 notes: list[str] | None = None,
+                 progress: bool | None = False) -> dict[str, Any]:
     """Plan ``model`` from recipe ``src`` (ranks 0..) to ``dst`` (ranks after the source's)
     and return the statistics as a JSON-able dict.
 
     Args:
         rank: also time ``plan.transfers_for(rank)`` and count its bytes.
         describe: also return ``plan.describe(describe, max_rows)`` under ``"describe"``.
+        notes: receives what the recipes changed (``recipe_layouts(notes=)``).
+        progress: show the steps on stderr (None: when stderr is a terminal).
 
     Raises:
         XreshardError: unknown model, bad recipe, or a plan error; ``rank`` or ``describe``
@@ -142,7 +171,10 @@ def plan_summary(model: str, src: str, dst: str, *, layout: str = "per_expert",
     from .catalog.models import load_model
     from .planner.plan import plan
     from .catalog.recipes import RecipeError, parse_recipe, recipe_layouts
+    from .sim.traffic import Progress
 
+    step = Progress("plan", progress)
+    step(0, 3, "model")
     m = load_model(model, layout)
     src_recipe, dst_recipe = parse_recipe(src), parse_recipe(dst)
     world = src_recipe.world_size + dst_recipe.world_size
@@ -151,12 +183,15 @@ def plan_summary(model: str, src: str, dst: str, *, layout: str = "per_expert",
             raise RecipeError(f"{flag} {value} is outside the world: ranks 0..{world - 1} "
                               f"({src_recipe.world_size} source, then {dst_recipe.world_size} "
                               "destination)")
+    step(1, 3, "layouts")
     t0 = time.perf_counter()
-    src_layouts = recipe_layouts(m, src_recipe, 0)
-    dst_layouts = recipe_layouts(m, dst_recipe, src_recipe.world_size)
+    src_layouts = recipe_layouts(m, src_recipe, 0, notes=notes)
+    dst_layouts = recipe_layouts(m, dst_recipe, src_recipe.world_size, notes=notes)
     t1 = time.perf_counter()
+    step(2, 3, "plan")
     p = plan(src_layouts, dst_layouts, wire_dtype=wire_dtype)
     t2 = time.perf_counter()
+    step(3, 3, "done")
     stats = p.stats
     out: dict[str, Any] = stats.to_dict()
     out.update(

@@ -31,6 +31,11 @@ ITEMSIZE: dict[str, int] = {
 _ALIASES = {"half": "float16", "float": "float32", "double": "float64", "bool_": "bool",
             "cfloat": "complex64", "cdouble": "complex128", "long": "int64", "int": "int32"}
 
+#: short spellings people type for a dtype, suggested (not accepted: a name is explicit)
+_SHORT = {"bf16": "bfloat16", "fp16": "float16", "f16": "float16", "fp32": "float32",
+          "f32": "float32", "fp64": "float64", "f64": "float64", "fp8": "float8_e4m3fn",
+          "e4m3": "float8_e4m3fn", "e5m2": "float8_e5m2", "i32": "int32", "i64": "int64"}
+
 
 def dtype_name(dtype: object) -> str:
     """Canonical name of ``dtype``; raises LayoutError for dtypes xreshard cannot move."""
@@ -44,8 +49,11 @@ def dtype_name(dtype: object) -> str:
     name = name.removeprefix("torch.").removeprefix("dtype(").strip("')\"")
     name = _ALIASES.get(name, name)
     if name not in ITEMSIZE:
+        hint = _SHORT.get(name.lower())
         raise LayoutError(
-            f"dtype {dtype!r} is not supported; xreshard moves {', '.join(sorted(ITEMSIZE))} "
+            f"dtype {dtype!r} is not supported"
+            + (f" (did you mean {hint!r}?)" if hint else "")
+            + f"; xreshard moves {', '.join(sorted(ITEMSIZE))} "
             "- view sub-byte or packed types as uint8 before describing them")
     return name
 

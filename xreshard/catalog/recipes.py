@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from typing import Any, Iterable, Mapping, Sequence
 
 from ..errors import XreshardError
-from ..ir.layout import Layout, Mesh, Split
+from ..ir.layout import Layout, Mesh, Region, Split
 
 logger = logging.getLogger(__name__)
 
@@ -116,8 +116,10 @@ FRAMEWORKS: dict[str, Framework] = {f.name: f for f in (
               }),
     # vLLM: dp engine replicas of a tp group; no expert parallelism; replicated over dp.
     # Even splits (vLLM's divide() asserts), heads % tp == 0, and kv heads either split
-    # (KV % tp == 0) or replicated over tp/KV consecutive ranks (tp % KV == 0). Vocab
-    # padding is left to the engine adapter.
+    # (KV % tp == 0) or replicated over tp/KV consecutive ranks (tp % KV == 0). The vocab
+    # is padded as VocabParallelEmbedding / ParallelLMHead pad it: to a multiple of
+    # VLLM_VOCAB_PADDING (pad_vocab_size), then split evenly over tp; the padded tail
+    # holds no tensor element (_vllm_vocab).
     Framework("vllm", ("dp", "tp"), example="vllm:tp=8,dp=16", table={
         "vocab": {"tp": "S0"},                      # VocabParallelEmbedding, ParallelLMHead
         "col": {"tp": "S0"},                        # QKV / MergedColumnParallelLinear
@@ -243,7 +245,8 @@ def parse_recipe(text: str | Recipe) -> Recipe:
 # ---------------------------------------------------------------------------- layouts
 
 def recipe_layouts(model: Any, recipe: str | Recipe, offset: int = 0, *,
-                   config: Mapping[str, Any] | None = None) -> dict[str, Layout]:
+                   config: Mapping[str, Any] | None = None,
+                   notes: list[str] | None = None) -> dict[str, Layout]:
     """``{name: Layout}`` for every parameter of ``model`` under ``recipe``.
 
     Args:
@@ -253,6 +256,8 @@ def recipe_layouts(model: Any, recipe: str | Recipe, offset: int = 0, *,
         config: HF config values (num_attention_heads, num_key_value_heads, ...); taken
             from ``model.config`` when not given. Without it the head checks and vLLM's
             kv-head replication are skipped (k/v rows are then split like any column).
+        notes: when given, receives one line per thing the recipe did that its user may
+            not expect (JAX dims that do not divide, replicated instead), for a terminal.
 
     Returns:
         Layouts in parameter order; equal layouts are the same object.
@@ -276,7 +281,14 @@ def recipe_layouts(model: Any, recipe: str | Recipe, offset: int = 0, *,
     if config is None:
         config = getattr(model, "config", None) or {}
     params = getattr(model, "params", model)
-    return _Builder(recipe, offset, config).build(params)
+    builder = _Builder(recipe, offset, config)
+    out = builder.build(params)
+    if notes is not None and builder.replicated_dims:
+        dims = builder.replicated_dims
+        notes.append(f"{recipe}: {builder.replicated_tensors} tensor(s) have dims that do not "
+                     f"divide evenly over their mesh axes; those dims are replicated instead "
+                     f"(JAX NamedSharding needs even splits), e.g. {'; '.join(dims[:3])}")
+    return out
 
 
 _ROLE_RES = tuple((re.compile(p), role) for p, role in ROLES)
@@ -350,6 +362,8 @@ class _Builder:
         self.layouts: dict[tuple, Layout] = {}
         self.interned: dict[Layout, Layout] = {}      # equal layouts of different roles
         self.replicated_dims: list[str] = []
+        self.replicating: set[tuple] = set()          # layout keys that replicate a dim
+        self.replicated_tensors = 0
 
     # ------------------------------------------------------------ walk
 
@@ -396,14 +410,22 @@ class _Builder:
             key = (role, shape, dtype, stages, expert // per_group[layer] if pinned else None)
             layout = layouts.get(key)
             if layout is None:
+                before = len(self.replicated_dims)
                 layout = self._layout(name, role, shape, dtype, stages, key[4])
                 layout = layouts[key] = self.interned.setdefault(layout, layout)
+                if len(self.replicated_dims) > before:
+                    self.replicating.add(key)
+            self.replicated_tensors += key in self.replicating
             out[name] = layout
         if self.replicated_dims:
             logger.info("%s: %d tensor dims do not divide evenly and are replicated instead, "
                         "e.g. %s", self.recipe, len(self.replicated_dims),
                         "; ".join(self.replicated_dims[:3]))
         return out
+
+    def _vllm_vocab(self, name: str, shape: tuple[int, ...], dtype: Any, mesh: Mesh,
+                    splits: list[tuple[int, int, int]]) -> Layout:
+        return _vllm_vocab_layout(name, shape, dtype, mesh, splits, self.recipe)
 
     def _outside_stages(self, name: str, tpl: str, num_stages: int,
                         tied: bool) -> tuple[int, ...]:
@@ -519,6 +541,8 @@ class _Builder:
         # later axes' blocks (FSDP2 + TP, docs/layouts.md §4.4): _StridedShard(dim, their sizes).
         splits = [(d, a, sf if sf > 1 else math.prod(
             mesh.shape[a2] for d2, a2, _ in splits if d2 == d and a2 > a)) for d, a, sf in splits]
+        if fw.name == "vllm" and role == "vocab" and splits:
+            return self._vllm_vocab(name, shape, dtype, mesh, splits)
         if fw.name in ("megatron", "vllm") and role != "vocab":
             for d, a, sf in splits:
                 ways = mesh.shape[a] * sf
@@ -529,3 +553,40 @@ class _Builder:
                         + (f" in {sf} strided pieces" if sf > 1 else "")
                         + f"; {fw.name} shards evenly - choose sizes that divide {shape[d]}")
         return Layout.product(shape, dtype, mesh, [Split(d, a, sf) for d, a, sf in splits])
+
+
+#: vLLM's DEFAULT_VOCAB_PADDING_SIZE (vocab_parallel_embedding.py): the vocab is padded to a
+#: multiple of it, then split evenly over tp
+VLLM_VOCAB_PADDING = 64
+
+
+def _vllm_vocab_layout(name: str, shape: tuple[int, ...], dtype: Any, mesh: Mesh,
+                       splits: list[tuple[int, int, int]], recipe: Recipe) -> Layout:
+    """vLLM's vocab-parallel layout: ``padded = ceil(vocab / 64) * 64`` rows split evenly,
+    tp rank ``t`` holding rows ``[t * padded / tp, (t + 1) * padded / tp)`` of the padded
+    table, clipped to the real vocab (the last ranks may hold fewer rows, or none). The
+    same as torch.chunk's split when the vocab is a multiple of 64 * tp (every packaged
+    model), and then kept as that product layout.
+
+    Raises:
+        RecipeError: the padded vocab does not divide by tp (vLLM's ``divide`` asserts).
+    """
+    (dim, axis, _), = splits
+    vocab, tp = shape[dim], mesh.shape[axis]
+    padded = -(-vocab // VLLM_VOCAB_PADDING) * VLLM_VOCAB_PADDING
+    if padded % tp:
+        raise RecipeError(f"{recipe}: tensor {name!r} vocab {vocab} is padded to {padded} "
+                          f"(a multiple of {VLLM_VOCAB_PADDING}, as vLLM's "
+                          f"VocabParallelEmbedding pads it), which does not split evenly "
+                          f"over tp={tp}; vLLM refuses it - choose a tp dividing {padded}")
+    per = padded // tp
+    product = Layout.product(shape, dtype, mesh, [Split(dim, axis, 1)])
+    if -(-vocab // tp) == per:
+        return product                    # torch.chunk's rows are vLLM's rows
+    regions: dict[int, list[Region]] = {}
+    for rank in mesh.ranks:
+        t = mesh.coord(rank)[axis]
+        lo, hi = min(t * per, vocab), min((t + 1) * per, vocab)
+        regions[rank] = [Region(tuple(lo if d == dim else 0 for d in range(len(shape))),
+                                tuple(hi if d == dim else n for d, n in enumerate(shape)))]
+    return Layout.explicit_form(shape, dtype, regions)

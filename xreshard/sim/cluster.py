@@ -36,7 +36,7 @@ from typing import Any, Mapping, Sequence
 from ..errors import XreshardError
 
 __all__ = ["Cluster", "Placement", "ClusterError", "PRESETS", "load_cluster",
-           "default_placement", "load_placement", "placement_of_world"]
+           "default_placement", "load_placement", "placement_of_world", "localhost_path"]
 
 GB = 1e9
 
@@ -71,6 +71,26 @@ class Cluster:
     communicators (max(local NICs, ceil(NIC GB/s / 14)); paths.cc)."""
     p2p_channels: int = 32
     """NCCL's p2p channel count (p2pnChannels) used in the halving rule."""
+    site_bw: float = 0.0
+    """Bandwidth of each node's link to other sites (datacenters), each direction; 0: one
+    site. A message between ranks of two sites leaves through its node's site link and
+    enters through the receiver's (not the NIC rails, which stay inside a site)."""
+    site_latency: float = 0.0
+    """Seconds added to each message between two sites."""
+    nvlink_out_bw: float = 0.0
+    """Bandwidth out of a GPU over the domain's fast links when it differs from
+    ``nvlink_bw`` (0: the same). On a CPU host (``localhost``) the shm transport's receiver
+    copies every byte (it pulls from the sender's memory), so senders are not limited."""
+    call_latency: float = 0.0
+    """Seconds a refit call spends outside its rounds (metadata exchanges, checks), added
+    once to every prediction (measured on ``localhost``; 0 elsewhere)."""
+    host_bw: float = 0.0
+    """Bandwidth of a node's memory copies between its GPUs' processes, all together (a
+    CPU host's cores and memory bus: measured on ``localhost``); 0: not a limit."""
+    message_cost: float = 0.0
+    """Seconds of work per message in each process of a pair besides moving its bytes, one
+    message after another (a CPU transport's per-message bookkeeping: measured on
+    ``localhost``; 0 on GPUs, where a round's messages are posted as one group)."""
 
     def __post_init__(self) -> None:
         problems = []
@@ -81,7 +101,9 @@ class Cluster:
         for f in ("nvlink_bw", "nic_bw"):
             if not getattr(self, f) > 0:
                 problems.append(f"{f} must be > 0 bytes/s, got {getattr(self, f)!r}")
-        for f in ("nvlink_latency", "network_latency", "net_channel_bw"):
+        for f in ("nvlink_latency", "network_latency", "net_channel_bw", "site_bw",
+                  "site_latency", "nvlink_out_bw", "call_latency", "message_cost",
+                  "host_bw"):
             if not getattr(self, f) >= 0:
                 problems.append(f"{f} must be >= 0, got {getattr(self, f)!r}")
         if not problems and self.domain_size % self.gpus_per_node:
@@ -122,7 +144,8 @@ class Cluster:
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any], where: str = "cluster JSON") -> Cluster:
-        """From ``to_dict()``'s keys; bandwidths may also be given in GB/s as ``*_gbps``."""
+        """From ``to_dict()``'s keys; bandwidths may also be given in GB/s as ``*_gbps``
+        (``nvlink_gbps``, ``nic_gbps``, ``net_channel_gbps``, ``site_gbps``)."""
         known = {f.name for f in fields(cls)}
         data = dict(d)
         for key in list(data):
@@ -135,7 +158,8 @@ class Cluster:
         if unknown or missing:
             raise ClusterError(f"{where}: unknown keys {unknown}, missing keys {missing}; "
                                f"a cluster has {sorted(known)} (bandwidths in bytes/s, or "
-                               "GB/s as nvlink_gbps / nic_gbps / net_channel_gbps)")
+                               "GB/s as nvlink_gbps / nic_gbps / net_channel_gbps / "
+                               "site_gbps)")
         return cls(**data)
 
 
@@ -176,14 +200,23 @@ PRESETS: dict[str, Cluster] = {
                            nvlink_bw=720 * GB, nic_bw=47 * GB, nics_per_node=4,
                            nvlink_latency=4e-6, network_latency=15e-6,
                            net_channel_bw=21 * GB, net_channels_min=4, p2p_channels=32),
+    # Cross-datacenter (issue 22): DGX H100 nodes in two sites, trainer in one and engines
+    # in the other, each node joined to the other site by one 100 Gb/s Ethernet port.
+    #   12.25 GB/s per direction: 12.5 GB/s line rate less RoCEv2 framing at a 4 KiB MTU
+    #     (82 B of Ethernet, IP, UDP, BTH and ICRC per 4,096 B: 98.0%) [infer].
+    #   250 us per message between sites: ~50 km of fiber at 5 us/km, one way [infer: a
+    #     metro pair of datacenters; pass a cluster JSON for another distance].
+    #   Inside a site: the dgx-h100 values.
+    "xdc-h100": Cluster("xdc-h100", **_H100, site_bw=12.25 * GB, site_latency=250e-6),
 }
 
 
 def load_cluster(name_or_path: str | Path | Cluster) -> Cluster:
-    """A preset by name (``dgx-h100``, ``hgx-h200``, ``gb200-nvl72``) or a JSON file.
+    """A preset by name (``dgx-h100``, ``hgx-h200``, ``gb200-nvl72``, ``xdc-h100``,
+    ``localhost``) or a JSON file.
 
     The JSON holds ``Cluster``'s fields (``"name"`` optional; bandwidths in bytes/s, or
-    GB/s under ``nvlink_gbps``, ``nic_gbps``, ``net_channel_gbps``), or
+    GB/s under ``nvlink_gbps``, ``nic_gbps``, ``net_channel_gbps``, ``site_gbps``), or
     ``{"preset": NAME, ...overrides}``.
 
     Raises:
@@ -194,8 +227,16 @@ def load_cluster(name_or_path: str | Path | Cluster) -> Cluster:
     text = str(name_or_path)
     if text in PRESETS:
         return PRESETS[text]
+    if text == "localhost":
+        path = localhost_path()
+        if not path.exists():
+            raise ClusterError(f"the localhost cluster is measured, not typed in: run "
+                               f"python benchmarks/calibrate_localhost.py (it writes {path}), "
+                               f"or pass --cluster FILE.json")
+        return load_cluster(str(path))
     if not (text.endswith(".json") or "/" in text):
-        raise ClusterError(f"unknown cluster {text!r}; presets are {', '.join(PRESETS)} "
+        raise ClusterError(f"unknown cluster {text!r}; presets are {', '.join(PRESETS)}, "
+                           "localhost "
                            "(or pass the path of a JSON file with the Cluster fields)")
     try:
         data = json.loads(Path(text).expanduser().read_text())
@@ -218,12 +259,22 @@ def load_cluster(name_or_path: str | Path | Cluster) -> Cluster:
     return Cluster.from_dict(data, where=f"cluster file {text!r}")
 
 
+def localhost_path() -> Path:
+    """Where ``benchmarks/calibrate_localhost.py`` writes this machine's measured cluster
+    (``$XDG_CACHE_HOME/xreshard/localhost.json``, else ``~/.cache/xreshard/...``), read
+    by ``load_cluster("localhost")``."""
+    import os
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "xreshard" / "localhost.json"
+
+
 # ---------------------------------------------------------------------------- placement
 
 @dataclass(frozen=True, slots=True)
 class Placement:
-    """Where each world rank runs: ``domain[r]``, ``node[r]`` (global ids) and ``gpu[r]``,
-    the GPU's index in its node (which sets its NIC rail).
+    """Where each world rank runs: ``domain[r]``, ``node[r]`` (global ids), ``gpu[r]``,
+    the GPU's index in its node (which sets its NIC rail), and ``site[r]`` (a datacenter;
+    empty: all in site 0).
 
     Two ranks share a GPU only if they share (node, gpu); such pairs copy locally.
     """
@@ -231,17 +282,30 @@ class Placement:
     domain: tuple[int, ...]
     node: tuple[int, ...]
     gpu: tuple[int, ...]
+    site: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         n = len(self.domain)
         if len(self.node) != n or len(self.gpu) != n:
             raise ClusterError(f"placement lists {n} domains, {len(self.node)} nodes and "
                                f"{len(self.gpu)} GPUs; give one (domain, node, gpu) per rank")
+        if self.site and len(self.site) != n:
+            raise ClusterError(f"placement lists {len(self.site)} sites for {n} ranks; give "
+                               "one per rank or none")
         node_domain: dict[int, int] = {}
-        for r, (d, nd) in enumerate(zip(self.domain, self.node)):
+        domain_site: dict[int, int] = {}
+        for r, (d, nd, st) in enumerate(zip(self.domain, self.node, self.sites)):
             if node_domain.setdefault(nd, d) != d:
                 raise ClusterError(f"placement: node {nd} is in domain {node_domain[nd]} "
                                    f"and in domain {d} (rank {r}); a node lies in one domain")
+            if domain_site.setdefault(d, st) != st:
+                raise ClusterError(f"placement: domain {d} is in site {domain_site[d]} and "
+                                   f"in site {st} (rank {r}); a domain lies in one site")
+
+    @property
+    def sites(self) -> tuple[int, ...]:
+        """The site of every rank (all 0 when the placement names none)."""
+        return self.site or (0,) * len(self.domain)
 
     @property
     def num_ranks(self) -> int:
@@ -270,12 +334,15 @@ class Placement:
                                    f"{cluster.nodes_per_domain}")
 
     def to_dict(self) -> dict[str, Any]:
+        if self.site:
+            return {"ranks": [list(x) for x in zip(self.domain, self.node, self.gpu,
+                                                   self.site)]}
         return {"ranks": [[d, n, g] for d, n, g in zip(self.domain, self.node, self.gpu)]}
 
     @classmethod
     def from_dict(cls, data: Any, where: str = "placement") -> Placement:
-        """``{"ranks": [[domain, node, gpu], ...]}`` (by rank), or
-        ``{"RANK": [domain, node, gpu] | {"domain", "node", "gpu"}}``."""
+        """``{"ranks": [[domain, node, gpu(, site)], ...]}`` (by rank), or
+        ``{"RANK": [domain, node, gpu(, site)] | {"domain", "node", "gpu"(, "site")}}``."""
         rows: list[Any]
         if isinstance(data, dict) and "ranks" in data:
             rows = list(data["ranks"])
@@ -294,12 +361,14 @@ class Placement:
         out = []
         for r, row in enumerate(rows):
             if isinstance(row, dict):
-                row = [row.get("domain"), row.get("node"), row.get("gpu")]
-            if not (isinstance(row, (list, tuple)) and len(row) == 3
+                row = [row.get(k) for k in ("domain", "node", "gpu", "site") if k in row]
+            if not (isinstance(row, (list, tuple)) and len(row) in (3, 4)
                     and all(isinstance(x, int) for x in row)):
                 raise ClusterError(f"{where}: rank {r} is {row!r}; expected [domain, node, "
-                                   "gpu] integers")
+                                   "gpu] or [domain, node, gpu, site] integers")
             out.append(tuple(row))
+        if len({len(row) for row in out}) > 1:
+            raise ClusterError(f"{where}: give a site for every rank or for none")
         return cls(*(tuple(c) for c in zip(*out))) if out else cls((), (), ())
 
 
@@ -316,10 +385,13 @@ def default_placement(cluster: Cluster, job_sizes: Sequence[int]) -> Placement:
         # 64..127   | 0   | 1      | 64               | 18..33
         # 128..191  | 1   | 2      | 64               | 36..51
         # 192..255  | 1   | 3      | 64               | 54..69
+
+    On a cluster of several sites (``site_bw > 0``: ``xdc-h100``) each job is in a site
+    of its own.
     """
-    domain, node, gpu = [], [], []
+    domain, node, gpu, site = [], [], [], []
     next_domain = 0
-    for size in job_sizes:
+    for job, size in enumerate(job_sizes):
         if size < 0:
             raise ClusterError(f"a job of {size} ranks")
         num = max(1, math.ceil(size / cluster.domain_size))
@@ -330,8 +402,10 @@ def default_placement(cluster: Cluster, job_sizes: Sequence[int]) -> Placement:
                 domain.append(d)
                 node.append(d * cluster.nodes_per_domain + i // cluster.gpus_per_node)
                 gpu.append(i % cluster.gpus_per_node)
+                site.append(job)
         next_domain += num
-    return Placement(tuple(domain), tuple(node), tuple(gpu))
+    return Placement(tuple(domain), tuple(node), tuple(gpu),
+                     tuple(site) if cluster.site_bw > 0 else ())
 
 
 def load_placement(path: str | Path) -> Placement:

@@ -33,20 +33,25 @@ from typing import Callable, Iterator
 
 import numpy as np
 
-from .cluster import Cluster, Placement
+from .cluster import Cluster, ClusterError, Placement
 from .traffic import PairTraffic, Traffic
 
-__all__ = ["Network", "RoundResult", "Replay", "maxmin_rates", "reduced_paths", "replay"]
+__all__ = ["Network", "RoundResult", "Replay", "maxmin_rates", "reduced_paths", "replay",
+           "KIND_NAMES", "BUSY_CLASSES"]
 
-NVLINK, NETWORK, LOCAL = 1, 2, 0
-_LINK_KINDS = ("nvlink out", "nvlink in", "nic out", "nic in")
+NVLINK, NETWORK, LOCAL, SITE = 1, 2, 0, 3
+_LINK_KINDS = ("nvlink out", "nvlink in", "nic out", "nic in", "site link out",
+               "site link in")
+#: what each message kind is called in results
+KIND_NAMES = {LOCAL: "local", NVLINK: "nvlink", NETWORK: "network", SITE: "site"}
 
 
 class Network:
     """The links of ``cluster`` under ``placement``, and each message's path over them.
 
     Link ids: NVLink out / in of every physical GPU of the nodes in use, then NIC out / in
-    of every (node, rail).
+    of every (node, rail), then the site link out / in of every node (clusters of several
+    sites), then each node's host copy link (clusters with ``host_bw``: a CPU host).
     """
 
     def __init__(self, cluster: Cluster, placement: Placement, *, peer_cap: bool = True):
@@ -65,11 +70,22 @@ class Network:
         self.rank_phys = node * g + gpu
         self.rank_domain = np.array(placement.domain, np.int64)
         self.rank_rail = gpu * rails // g
+        self.rank_site = np.array(placement.sites, np.int64)
         n_g, n_n = self.num_gpus, self.num_nics
-        self.num_links = 2 * n_g + 2 * n_n
+        n_s = self.num_nodes if len(set(placement.sites)) > 1 else 0
+        if n_s and cluster.site_bw <= 0:
+            raise ClusterError(f"the placement puts ranks in {len(set(placement.sites))} "
+                               f"sites but cluster {cluster.name!r} has no site links "
+                               "(site_bw = 0); give it site_gbps, or one site")
+        self.num_host = self.num_nodes if cluster.host_bw > 0 else 0
+        self.num_links = 2 * n_g + 2 * n_n + 2 * n_s + self.num_host
         cap = np.empty(self.num_links + 1)
         cap[:2 * n_g] = cluster.nvlink_bw
-        cap[2 * n_g:-1] = cluster.nic_bw
+        if cluster.nvlink_out_bw > 0:
+            cap[:n_g] = cluster.nvlink_out_bw
+        cap[2 * n_g:2 * n_g + 2 * n_n] = cluster.nic_bw
+        cap[2 * n_g + 2 * n_n:2 * n_g + 2 * n_n + 2 * n_s] = cluster.site_bw
+        cap[self.num_links - self.num_host:-1] = cluster.host_bw
         cap[-1] = np.inf                       # the "no link" sentinel
         self.capacity = cap
         self.flow_cap = (cluster.peer_cap(placement.num_ranks, placement.num_nodes)
@@ -82,16 +98,22 @@ class Network:
 
     def paths(self, src: np.ndarray, dst: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """``(links, kind)``: per message its 4 link ids (the sentinel pads) and whether it
-        is LOCAL (same GPU), NVLINK (same domain) or NETWORK."""
+        is LOCAL (same GPU), NVLINK (same domain), NETWORK or SITE (another site: out of
+        the sender's node's site link, into the receiver's)."""
         c = self.cluster
         n_g, n_n, sentinel = self.num_gpus, self.num_nics, self.num_links
         ps, pd = self.rank_phys[src], self.rank_phys[dst]
         same_domain = self.rank_domain[src] == self.rank_domain[dst]
         kind = np.where(ps == pd, LOCAL, np.where(same_domain, NVLINK, NETWORK))
+        far = self.rank_site[src] != self.rank_site[dst]
+        kind[far] = SITE
         links = np.full((len(src), 4), sentinel, np.int64)
         nv = kind == NVLINK
         links[nv, 0] = ps[nv]
         links[nv, 1] = n_g + pd[nv]
+        if self.num_host:       # copies inside a node also share the node's host link
+            inside = nv & (self.rank_node[src] == self.rank_node[dst])
+            links[inside, 3] = self.num_links - self.num_host + self.rank_node[src[inside]]
         net = kind == NETWORK
         # PXN: leave through the NIC of the destination's rail on the sender's node,
         # reached over NVLink from the sender unless the sender owns that rail
@@ -105,6 +127,9 @@ class Network:
         links[idx[hop], 1] = n_g + proxy[hop]
         links[idx, 2] = 2 * n_g + snode * c.nics_per_node + rail
         links[idx, 3] = 2 * n_g + n_n + self.rank_node[dst[net]] * c.nics_per_node + rail
+        site = np.flatnonzero(far)
+        links[site, 2] = 2 * n_g + 2 * n_n + self.rank_node[src[site]]
+        links[site, 3] = 2 * n_g + 2 * n_n + self.num_nodes + self.rank_node[dst[site]]
         return links, kind
 
     def describe_link(self, link: int) -> tuple[str, str, list[int]]:
@@ -118,7 +143,15 @@ class Network:
             ranks = np.flatnonzero(self.rank_phys == phys).tolist()
             node, gpu = divmod(phys, c.gpus_per_node)
             return "nvlink", f"{_LINK_KINDS[link // n_g]} of node {inv[node]} GPU {gpu}", ranks
+        if link >= self.num_links - self.num_host:
+            node = link - (self.num_links - self.num_host)
+            return ("nvlink", f"host copies of node {inv[node]}",
+                    np.flatnonzero(self.rank_node == node).tolist())
         k = link - 2 * n_g
+        if k >= 2 * self.num_nics:
+            direction, node = divmod(k - 2 * self.num_nics, self.num_nodes)
+            ranks = np.flatnonzero(self.rank_node == node).tolist()
+            return "site", f"{_LINK_KINDS[4 + direction]} of node {inv[node]}", ranks
         direction, nic = divmod(k, self.num_nics)
         node, rail = divmod(nic, c.nics_per_node)
         ranks = np.flatnonzero((self.rank_node == node) & (self.rank_rail == rail)).tolist()
@@ -279,8 +312,13 @@ def _simulate_round(net: Network, src: np.ndarray, dst: np.ndarray, nbytes: np.n
     else:
         cols, kind = paths
     c = net.cluster
-    latency = np.where(kind == NETWORK, c.network_latency,
-                       np.where(kind == NVLINK, c.nvlink_latency, 0.0))
+    latency = np.select([kind == NETWORK, kind == NVLINK, kind == SITE],
+                        [c.network_latency, c.nvlink_latency, c.site_latency], 0.0)
+    if c.message_cost > 0:
+        # the receiver's serial work per message, as bytes its in-link carries meanwhile
+        # (its one process handles its messages one after another)
+        into = np.where(kind == NVLINK, cols[1], cols[-1])
+        nbytes = np.where(kind != LOCAL, nbytes + c.message_cost * net.capacity[into], nbytes)
     moving = np.flatnonzero((kind != LOCAL) & (nbytes > 0))
     everyone = len(moving) == len(kind)
     mcols = cols if everyone else np.take(cols, moving, axis=1)
@@ -289,7 +327,7 @@ def _simulate_round(net: Network, src: np.ndarray, dst: np.ndarray, nbytes: np.n
     load = np.bincount(mcols.ravel(), weights=weights, minlength=len(net.capacity))[:-1]
     util = load / net.capacity[:-1]
     bound = float(util.max()) if len(util) else 0.0
-    caps = np.where(kind == NETWORK, net.flow_cap, np.inf)
+    caps = np.where(kind >= NETWORK, net.flow_cap, np.inf)
     finish = None
     if grouped and len(moving):
         if reduced is None:
@@ -305,6 +343,11 @@ def _simulate_round(net: Network, src: np.ndarray, dst: np.ndarray, nbytes: np.n
         finish = _fluid(cols, net.capacity, caps, nbytes, moving, bound, window, max_reshares)
     landed = finish + latency
     seconds = float(landed.max()) if len(landed) else 0.0
+    if c.message_cost > 0 and len(moving):
+        # the sending process posts its messages one after another too: a round lasts at
+        # least as long as its busiest sender's work
+        posts = np.bincount(net.rank_phys[src[moving]], minlength=net.num_gpus)
+        seconds = max(seconds, float(posts.max()) * c.message_cost)
     crit = int(np.argmax(util)) if bound > 0 else -1
     last = int(np.argmax(landed)) if len(landed) else 0
     return RoundResult(seconds, landed, crit, int(kind[last]) if len(kind) else LOCAL)
@@ -316,7 +359,7 @@ def reduced_paths(net: Network, cols: np.ndarray, kind: np.ndarray
     detour to the proxy GPU), and those paths: 2 x R link ids, (NIC out, NIC in) across
     domains, (NVLink out, NVLink in) inside one."""
     s = net.num_links + 1
-    far = kind == NETWORK
+    far = kind >= NETWORK
     a = np.where(far, cols[2], cols[0])
     b = np.where(far, cols[3], cols[1])
     uniq, rid = np.unique(a * s + b, return_inverse=True)
@@ -432,11 +475,33 @@ class Replay:
     critical_link: int        # link that was the most loaded in the rounds worth most time
     critical_kind: int
     distinct_rounds: int
+    busy: list[np.ndarray] | None = None
+    """Per round, ``[rank, class]``: when the rank's last message of that class lands,
+    from the round's start (0: none), classes :data:`BUSY_CLASSES` (``replay(busy=True)``)."""
+
+
+#: what a rank is busy with in a round (columns of ``Replay.busy``)
+BUSY_CLASSES = ("network", "nvlink", "forward")
+
+
+def _busy(net: Network, src: np.ndarray, dst: np.ndarray, kind: np.ndarray,
+          landed: np.ndarray, forward: np.ndarray | None) -> np.ndarray:
+    """``[rank, class]`` landing time of each rank's last message of each class (it is
+    busy sending or receiving until then)."""
+    n = net.placement.num_ranks
+    cls = np.where(kind == NVLINK, 1, 0)
+    if forward is not None:
+        cls = np.where(forward, 2, cls)
+    keep = kind != LOCAL
+    out = np.zeros(n * 3)
+    for ranks in (src, dst):
+        np.maximum.at(out, (ranks.astype(np.int64) * 3 + cls)[keep], landed[keep])
+    return out.reshape(n, 3)
 
 
 def replay(net: Network, traffic: Traffic | PairTraffic,
            progress: Callable[[int, int], None] | None = None, *,
-           grouped: bool = True) -> Replay:
+           grouped: bool = True, busy: bool = False) -> Replay:
     """Run ``traffic`` on ``net``, round after round.
 
     A :class:`Traffic` gets every message's landing time (``Replay.finish``); a
@@ -444,26 +509,36 @@ def replay(net: Network, traffic: Traffic | PairTraffic,
     and only the time of each distinct round is kept: its rounds are told apart by their
     patterns' messages, so a repeated round is not even generated. ``grouped=False``
     solves every flow on its own (the reference the class solver is tested against).
+    ``busy=True`` also keeps, per distinct round, when each rank is busy (``Replay.busy``).
     """
     num_rounds = traffic.num_rounds
     per_message = isinstance(traffic, Traffic)
     finish = np.zeros(len(traffic)) if per_message else None
     rounds = _message_rounds(traffic) if per_message else _pair_rounds(net, traffic)
+    grouped = grouped and not net.num_host    # classes drop every link but the NIC pair
     starts = np.zeros(num_rounds)
     secs = np.zeros(num_rounds)
-    cache: dict[bytes, RoundResult] = {}
+    cache: dict[bytes, tuple[RoundResult, np.ndarray | None]] = {}
+    busy_of: list[np.ndarray] | None = [] if busy else None
     crit_time: dict[tuple[int, int], float] = {}
     t = 0.0
     for k, (key, sel, build) in enumerate(rounds):
-        res = cache.get(key)
-        if res is None:
-            src, dst, nb, paths, reduced = build()
+        got = cache.get(key)
+        if got is None:
+            src, dst, nb, paths, reduced, fwd = build()
             res = _simulate_round(net, src, dst, nb, paths=paths, reduced=reduced,
                                   grouped=grouped)
+            used = None
+            if busy:
+                kind = paths[1] if paths is not None else net.paths(src, dst)[1]
+                used = _busy(net, src, dst, kind, res.finish, fwd)
             if not per_message:     # keep memory bounded: a round's times are not kept
                 res = RoundResult(res.seconds, np.zeros(0), res.critical_link,
                                   res.critical_kind)
-            cache[key] = res
+            got = cache[key] = (res, used)
+        res = got[0]
+        if busy_of is not None:
+            busy_of.append(got[1])
         starts[k] = t
         secs[k] = res.seconds
         if finish is not None:
@@ -474,7 +549,7 @@ def replay(net: Network, traffic: Traffic | PairTraffic,
         if progress is not None and (k % 16 == 15 or k + 1 == num_rounds):
             progress(k + 1, num_rounds)
     link, kind = max(crit_time, key=crit_time.get) if crit_time else (-1, LOCAL)
-    return Replay(t, starts, secs, finish, link, kind, len(cache))
+    return Replay(t, starts, secs, finish, link, kind, len(cache), busy_of)
 
 
 def _digest(*arrays: np.ndarray) -> bytes:
@@ -485,7 +560,9 @@ def _message_rounds(traffic: Traffic) -> Iterator[tuple[bytes, np.ndarray, Calla
     """``(key, index, build)`` per round of a :class:`Traffic`: equal keys, equal
     messages."""
     for sel, src, dst, nb in traffic.rounds():
-        yield _digest(src, dst, nb), sel, lambda s=src, d=dst, b=nb: (s, d, b, None, None)
+        fwd = traffic.forward[sel]
+        yield (_digest(src, dst, nb, fwd), sel,
+               lambda s=src, d=dst, b=nb, f=fwd: (s, d, b, None, None, f))
 
 
 def _pair_rounds(net: Network, traffic: PairTraffic
@@ -500,6 +577,7 @@ def _pair_rounds(net: Network, traffic: PairTraffic
     def build(k: int) -> tuple:
         pair, src, dst, nb = traffic.round(k)
         paths = (np.take(cols, pair, axis=1), kind[pair])
-        return src, dst, nb, paths, (reduced[0][pair], reduced[1])
+        fwd = None if traffic.forward is None else traffic.forward[pair]
+        return src, dst, nb, paths, (reduced[0][pair], reduced[1]), fwd
     for k, key in enumerate(traffic.round_keys()):
         yield key, None, lambda k=k: build(k)

@@ -23,15 +23,18 @@ import sys
 import time
 from dataclasses import dataclass
 from functools import cached_property, lru_cache
-from typing import Callable, Iterable, Iterator, Sequence
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import numpy as np
 
 from ..dtypes import itemsize
 from ..planner.schedule import MIN_BUCKET_BYTES, OWN_MESSAGE_BYTES
+from .wire import Wire, wire_parts
 
-__all__ = ["Traffic", "split_sizes", "pair_messages", "receive_lists", "PairSequences",
-           "pair_sequences", "PairTraffic", "direct_traffic", "Progress"]
+__all__ = ["Traffic", "split_sizes", "cut_messages", "fill_rounds",
+           "PairSequences", "pair_sequences", "rank_receives", "RankReceives",
+           "ShapeIds", "WireKeys", "PartTable", "Pattern", "pair_pattern",
+           "PairTraffic", "direct_traffic", "Progress"]
 
 
 @dataclass(frozen=True)
@@ -107,6 +110,8 @@ class PairTraffic:
     pattern: np.ndarray
     rounds_of: list[np.ndarray]
     sizes_of: list[np.ndarray]
+    forward: np.ndarray | None = None
+    """Per pair: its messages forward bytes a relay received in this refit (None: none do)."""
 
     def __len__(self) -> int:
         counts = np.array([len(r) for r in self.rounds_of], np.int64)
@@ -180,28 +185,33 @@ class PairTraffic:
         if not len(self.pattern):
             return Traffic.of()
         counts = np.array([len(r) for r in self.rounds_of], np.int64)[self.pattern]
+        fwd = (np.zeros(int(counts.sum()), bool) if self.forward is None
+               else np.repeat(self.forward, counts))
         return Traffic(np.concatenate([self.rounds_of[p] for p in self.pattern.tolist()]),
                        np.repeat(self.src, counts), np.repeat(self.dst, counts),
-                       np.concatenate([self.sizes_of[p] for p in self.pattern.tolist()]),
-                       np.zeros(int(counts.sum()), bool))
+                       np.concatenate([self.sizes_of[p] for p in self.pattern.tolist()]), fwd)
 
 
 class Progress:
-    """``label: i/n`` on stderr, only when stderr is a terminal, at most 5 times a second."""
+    """``label: i/n`` (or ``label: what (i/n)``) on stderr, only when stderr is a terminal
+    (``enabled=None``), at most 5 times a second, the last one on its own line."""
 
     def __init__(self, label: str, enabled: bool | None = None) -> None:
         self.label = label
         self.enabled = sys.stderr.isatty() if enabled is None else enabled
         self._last = 0.0
+        self._width = 0
 
-    def __call__(self, i: int, n: int) -> None:
+    def __call__(self, i: int, n: int, what: str = "") -> None:
         if not self.enabled:
             return
         now = time.monotonic()
-        if now - self._last >= 0.2 or i == n:
+        if now - self._last >= 0.2 or i == n or what:
             self._last = now
-            end = "\n" if i == n else ""
-            print(f"\r{self.label}: {i}/{n}", end=end, file=sys.stderr, flush=True)
+            text = f"{self.label}: {what} ({i}/{n})" if what else f"{self.label}: {i}/{n}"
+            pad = " " * max(0, self._width - len(text))     # cover a longer line before
+            self._width = len(text)
+            print(f"\r{text}{pad}", end="\n" if i == n else "", file=sys.stderr, flush=True)
 
 
 @lru_cache(maxsize=65536)
@@ -220,49 +230,100 @@ def split_sizes(shape: tuple[int, ...], isz: int, max_bytes: int) -> tuple[int, 
     return split_sizes((1,) * (d + 1) + tuple(shape[d + 1:]), isz, max_bytes) * n
 
 
-def pair_messages(item_sizes: Iterable[int], size: int) -> list[tuple[int, int]]:
-    """``(round, bytes)`` of one pair's messages from its item sizes in canonical order
-    (``schedule._pair_buckets`` then the round fill of ``schedule.schedule``)."""
-    messages: list[int] = []
-    fill = size
-    own = min(OWN_MESSAGE_BYTES, size)
-    for nb in item_sizes:
-        if nb >= own:
-            messages.append(nb)
-            fill = size
-            continue
-        if fill + nb > size:
-            messages.append(0)
-            fill = 0
-        messages[-1] += nb
-        fill += nb
-    out = []
-    rnd = used = 0
-    for nb in messages:
-        if used and used + nb > size:
-            rnd, used = rnd + 1, 0
-        used += nb
-        out.append((rnd, nb))
-    return out
+def cut_messages(part_bytes: np.ndarray, size: int) -> tuple[np.ndarray, np.ndarray]:
+    """The scheduler's packing (``schedule._pair_buckets``), in numpy: ``(message of each
+    part, message bytes)`` for one pair's parts in canonical order. A part of at least
+    ``min(OWN_MESSAGE_BYTES, size)`` is a message of its own; runs of smaller parts share
+    messages up to ``size``."""
+    part_bytes = np.asarray(part_bytes, np.int64)
+    n = len(part_bytes)
+    if n == 0:
+        return np.zeros(0, np.int64), np.zeros(0, np.int64)
+    own = part_bytes >= min(OWN_MESSAGE_BYTES, size)
+    opens = np.ones(n, bool)
+    small = np.flatnonzero(~own)
+    if len(small):
+        # a small part joins the message of the part before it when that one was small
+        # and the message still has room (the only sequential rule: loop over small parts)
+        fill = size
+        prev = -2
+        sizes = part_bytes[small].tolist()
+        for i, nb in zip(small.tolist(), sizes):
+            if i == prev + 1 and fill + nb <= size:
+                opens[i] = False
+                fill += nb
+            else:
+                fill = nb
+            prev = i
+    msg = np.cumsum(opens) - 1
+    return msg, np.bincount(msg, weights=part_bytes).astype(np.int64)
 
 
-def receive_lists(plan, progress: Callable[[int, int], None] | None = None
-                  ) -> dict[tuple[int, int], list]:
-    """Every transfer of ``plan`` between two different ranks, by (src, dst) pair, in
-    plan order (walks each destination rank's ``transfers_for``)."""
-    dst_ranks = sorted({r for lay in {id(v): v for v in plan.dst.values()}.values()
-                        for r in lay.ranks})
-    by_pair: dict[tuple[int, int], list] = {}
-    for i, rank in enumerate(dst_ranks):
-        for t in plan.transfers_for(rank):
-            if t.dst == rank and t.src != rank:
-                lst = by_pair.get((t.src, rank))
-                if lst is None:
-                    lst = by_pair[(t.src, rank)] = []
-                lst.append(t)
-        if progress is not None:
-            progress(i + 1, len(dst_ranks))
-    return by_pair
+def fill_rounds(msg_bytes: np.ndarray, size: int,
+                ready: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Rounds of one pair's messages, filled up to ``size`` bytes each (the scheduler's
+    rule: a message opens a new round when the current one has bytes and would overflow).
+
+    With ``ready`` (the first round each message may run in: a forward waits for the
+    rounds that land its bytes), messages run in order of readiness (stable) and a message
+    not yet ready opens the round it becomes ready in (``relay.overlapped_schedule``).
+
+    Returns:
+        ``(order, rounds)``: the messages' order (``arange`` without ``ready``) and the
+        round of each, in that order (non-decreasing).
+    """
+    n = len(msg_bytes)
+    order = (np.arange(n) if ready is None else np.argsort(ready, kind="stable"))
+    cum = np.concatenate([[0], np.cumsum(np.asarray(msg_bytes, np.int64)[order])])
+    # nxt[i]: where a round that starts at message i ends, by bytes alone (>= i + 1)
+    nxt_arr = np.maximum(np.searchsorted(cum, cum[:-1] + size, side="right") - 1,
+                         np.arange(1, n + 1))
+    starts: list[int] = []
+    values: list[int] = []
+    i, rnd = 0, -1
+    if ready is not None and n:
+        rd_arr = np.asarray(ready, np.int64)[order]
+        top = int(rd_arr[-1])
+        # upto[v]: messages ready by round v
+        upto = np.searchsorted(rd_arr, np.arange(top + 1), side="right").tolist()
+        rd, nxt = rd_arr.tolist(), nxt_arr.tolist()
+        # while some message is not yet ready, one step per round (over lists: a numpy
+        # call per step would cost more than the step)
+        while i < n:
+            rnd = max(rnd + 1, rd[i])
+            if rnd >= top:
+                rnd -= 1
+                break
+            starts.append(i)
+            values.append(rnd)
+            end = min(nxt[i], upto[rnd])
+            i = end if end > i else i + 1
+    # every message ready: the rest is a plain fill, one round per step of nxt
+    rest = _chain(nxt_arr, i, n)
+    counts = np.diff(np.concatenate([np.asarray(starts, np.int64), rest, [n]]))
+    first = np.concatenate([np.asarray(values, np.int64), rnd + 1 + np.arange(len(rest))])
+    return order, np.repeat(first, counts)
+
+
+def _chain(nxt: np.ndarray, i: int, n: int) -> np.ndarray:
+    """``i, nxt[i], nxt[nxt[i]], ...`` while below ``n`` (``nxt[j] > j``), by pointer
+    doubling: log2(n) array passes instead of one Python step per element."""
+    if i >= n:
+        return np.zeros(0, np.int64)
+    jumps = [np.append(np.minimum(nxt, n), n)]
+    while (1 << len(jumps)) <= n - i:
+        jumps.append(jumps[-1][jumps[-1]])
+    steps, p = 0, i
+    for k in range(len(jumps) - 1, -1, -1):
+        if jumps[k][p] < n:
+            p = int(jumps[k][p])
+            steps += 1 << k
+    k_of = np.arange(steps + 1)
+    pos = np.full(steps + 1, i, np.int64)
+    for k, jump in enumerate(jumps):
+        sel = (k_of >> k) & 1 == 1
+        pos[sel] = jump[pos[sel]]
+    return pos
 
 
 def _peer_counts(pairs: Iterable[tuple[int, int]]) -> dict[int, int]:
@@ -289,62 +350,166 @@ class PairSequences:
     shapes: list[tuple[tuple[int, ...], int]]
 
 
-def pair_sequences(plan, progress: Callable[[int, int], None] | None = None
-                   ) -> PairSequences:
+@dataclass(frozen=True)
+class RankReceives:
+    """One destination rank's receives in the scheduler's canonical order: by source rank,
+    then tensor (plan order), then region bounds. ``shape[i]`` indexes the
+    ``(region shape, wire itemsize)`` list the caller keeps; ``starts`` / ``stops`` bound
+    each source's rows; ``table`` and ``region`` locate each row's ``Region``."""
+
+    src: np.ndarray
+    tensor: np.ndarray
+    region: np.ndarray
+    shape: np.ndarray
+    starts: np.ndarray
+    stops: np.ndarray
+    table: object
+
+
+class ShapeIds:
+    """``(region shape, wire)`` -> a small id, shared over every rank's rows (``wire``: an
+    itemsize, or what ``sim/wire.py`` says a transfer costs)."""
+
+    def __init__(self) -> None:
+        self.ids: dict[tuple[tuple[int, ...], Any], int] = {}
+        self.shapes: list[tuple[tuple[int, ...], Any]] = []
+
+    def __call__(self, key: tuple[tuple[int, ...], Any]) -> int:
+        got = self.ids.get(key)
+        if got is None:
+            got = self.ids[key] = len(self.shapes)
+            self.shapes.append(key)
+        return got
+
+
+class WireKeys:
+    """What each of a plan's tensors costs on the wire, as ``ShapeIds`` keys per region:
+    ``cls[t]`` is tensor ``t``'s class (``Wire.classes``); ``key(c, region)`` the key."""
+
+    def __init__(self, plan, wire: Wire | None = None, dtypes: Any = None):
+        self.wire = wire if wire is not None else Wire()
+        self.cls, self.specs = self.wire.classes(
+            plan.names, plan.wire_dtypes if dtypes is None else dtypes, plan.dst_layouts)
+
+    def key(self, c: int, region: Any) -> tuple[tuple[int, ...], Any]:
+        return self.wire.key(self.specs[c], region)
+
+
+def rank_receives(plan, rank: int, keys: WireKeys, shape_ids: ShapeIds) -> RankReceives:
+    """``rank``'s receives from other ranks (``Plan.receive_table``) in canonical order,
+    each with its ``shape_ids`` id (region shape and wire cost, from ``keys``)."""
+    tb = plan.receive_table(rank)
+    keep = tb.src != rank
+    src, tensor, region = tb.src[keep], tb.tensor[keep], tb.region[keep]
+    if not len(src):
+        e = np.zeros(0, np.int64)
+        return RankReceives(e, e, e, e, e, e, tb)
+    regs = tb.regions
+    # canonical order within a pair: tensor (plan order), then region starts, stops
+    by_bounds = sorted(range(len(regs)), key=lambda k: (regs[k].starts, regs[k].stops))
+    reg_rank = np.empty(len(regs), np.int64)
+    reg_rank[by_bounds] = np.arange(len(regs))
+    width = len(keys.specs)
+    combo = region.astype(np.int64) * width + keys.cls[tensor]
+    uniq, inverse = np.unique(combo, return_inverse=True)
+    ids = np.fromiter((shape_ids(keys.key(c % width, regs[c // width]))
+                       for c in uniq.tolist()), np.int32, len(uniq))
+    order = np.lexsort((reg_rank[region], tensor, src))
+    s_sorted = src[order]
+    cuts = np.flatnonzero(np.diff(s_sorted)) + 1
+    return RankReceives(s_sorted, tensor[order], region[order],
+                        ids[inverse.reshape(-1)[order]],
+                        np.concatenate([[0], cuts]), np.concatenate([cuts, [len(s_sorted)]]),
+                        tb)
+
+
+def pair_sequences(plan, progress: Callable[[int, int], None] | None = None, *,
+                   wire: Wire | None = None) -> PairSequences:
     """:class:`PairSequences` of ``plan``, one destination rank at a time from
-    ``Plan.receive_table`` (no ``Transfer`` objects; memory is the distinct sequences)."""
+    ``Plan.receive_table`` (no ``Transfer`` objects; memory is the distinct sequences);
+    transfers cost what ``wire`` says (default: the plan's dtypes)."""
     dst_ranks = sorted({r for lay in {id(v): v for v in plan.dst.values()}.values()
                         for r in lay.ranks})
-    isz = np.array([itemsize(plan.wire_dtypes[n]) for n in plan.names], np.int64)
-    shape_id: dict[tuple[tuple[int, ...], int], int] = {}
-    shapes: list[tuple[tuple[int, ...], int]] = []
+    keys = WireKeys(plan, wire)
+    shape_ids = ShapeIds()
     seq_id: dict[bytes, int] = {}
     seqs: list[np.ndarray] = []
     pairs: list[tuple[int, int]] = []
     seq_of: list[int] = []
     for i, rank in enumerate(dst_ranks):
-        tb = plan.receive_table(rank)
-        keep = tb.src != rank
-        src, tensor, region = tb.src[keep], tb.tensor[keep], tb.region[keep]
-        if len(src):
-            regs = tb.regions
-            # canonical order within a pair: tensor (plan order), then region starts, stops
-            by_bounds = sorted(range(len(regs)), key=lambda k: (regs[k].starts, regs[k].stops))
-            reg_rank = np.empty(len(regs), np.int64)
-            reg_rank[by_bounds] = np.arange(len(regs))
-            combo = region.astype(np.int64) * 64 + isz[tensor]
-            uniq, inverse = np.unique(combo, return_inverse=True)
-            ids = np.empty(len(uniq), np.int32)
-            for u, c in enumerate(uniq.tolist()):
-                key = (regs[c // 64].shape, c % 64)
-                got = shape_id.get(key)
-                if got is None:
-                    got = shape_id[key] = len(shapes)
-                    shapes.append(key)
-                ids[u] = got
-            order = np.lexsort((reg_rank[region], tensor, src))
-            sid = ids[inverse.reshape(-1)[order]]
-            s_sorted = src[order]
-            cuts = np.flatnonzero(np.diff(s_sorted)) + 1
-            starts = np.concatenate([[0], cuts])
-            stops = np.concatenate([cuts, [len(s_sorted)]])
-            for a, b in zip(starts.tolist(), stops.tolist()):
-                seq = sid[a:b]
-                key_b = seq.tobytes()
-                k = seq_id.get(key_b)
-                if k is None:
-                    k = seq_id[key_b] = len(seqs)
-                    seqs.append(seq.copy())
-                pairs.append((int(s_sorted[a]), rank))
-                seq_of.append(k)
+        got = rank_receives(plan, rank, keys, shape_ids)
+        for a, b in zip(got.starts.tolist(), got.stops.tolist()):
+            seq = got.shape[a:b]
+            key_b = seq.tobytes()
+            k = seq_id.get(key_b)
+            if k is None:
+                k = seq_id[key_b] = len(seqs)
+                seqs.append(seq.copy())
+            pairs.append((int(got.src[a]), rank))
+            seq_of.append(k)
         if progress is not None:
             progress(i + 1, len(dst_ranks))
-    return PairSequences(pairs, seq_of, seqs, shapes)
+    return PairSequences(pairs, seq_of, seqs, shape_ids.shapes)
+
+
+class PartTable:
+    """The parts ``split_region`` cuts regions into, per (shape id, bucket size), as
+    arrays for many rows at once: bytes and elements of each (``wire.wire_parts``)."""
+
+    def __init__(self, shapes: list[tuple[tuple[int, ...], Any]]):
+        self.shapes = shapes
+        self.memo: dict[int, tuple[int, np.ndarray, np.ndarray, np.ndarray, np.ndarray]] = {}
+
+    def expand(self, shape: np.ndarray, size: int
+               ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """``(bytes, elements, row)`` of the parts of rows whose shape ids are ``shape``."""
+        got = self.memo.get(size)
+        if got is None or got[0] < len(self.shapes):
+            parts = [wire_parts(sh, w, size) for sh, w in self.shapes]
+            count = np.array([len(p[0]) for p in parts], np.int64)
+            first = np.concatenate([[0], np.cumsum(count)[:-1]]).astype(np.int64)
+            got = self.memo[size] = (len(self.shapes), count, first,
+                                     np.array([x for p in parts for x in p[0]], np.int64),
+                                     np.array([x for p in parts for x in p[1]], np.int64))
+        _, count, first, nbytes, elems = got
+        c = count[shape]
+        if len(c) == 0 or int(c.max()) == 1:
+            at = first[shape]
+            return nbytes[at], elems[at], np.arange(len(shape))
+        row = np.repeat(np.arange(len(shape)), c)
+        at = np.repeat(first[shape] - (np.cumsum(c) - c), c) + np.arange(int(c.sum()))
+        return nbytes[at], elems[at], row
+
+
+@dataclass(frozen=True)
+class Pattern:
+    """One pair's messages (round and wire bytes of each, in round order) and, per item
+    (a transfer, in canonical order), the rounds its parts land in."""
+
+    rounds: np.ndarray
+    sizes: np.ndarray
+    size: int                   # the pair's bucket size
+    part_round: np.ndarray
+    item_parts: np.ndarray      # where each item's parts start in part_round, then the end
+
+
+def pair_pattern(shape_seq: np.ndarray, size: int, parts: PartTable, wire: Wire) -> Pattern:
+    """The scheduler's messages of one pair whose items have shape ids ``shape_seq``:
+    parts cut at ``size``, packed (``cut_messages``), rounds filled (``fill_rounds``),
+    each message's bytes as ``wire`` encodes them."""
+    part_bytes, part_elems, row = parts.expand(shape_seq, size)
+    msg, msg_bytes = cut_messages(part_bytes, size)
+    _, rounds = fill_rounds(msg_bytes, size)
+    if wire.delta is not None:
+        msg_bytes = wire.encode(msg_bytes, np.bincount(msg, weights=part_elems,
+                                                       minlength=len(msg_bytes)))
+    starts = np.searchsorted(row, np.arange(len(shape_seq) + 1))
+    return Pattern(rounds, msg_bytes, size, rounds[msg], starts)
 
 
 def direct_traffic(plan, sequences: PairSequences | None = None, *, bucket_bytes: int,
-                   staging_bytes: int,
-                   progress: Callable[[int, int], None] | None = None) -> PairTraffic:
+                   staging_bytes: int, progress: Callable[[int, int], None] | None = None,
+                   wire: Wire | None = None) -> PairTraffic:
     """The messages ``schedule.schedule(plan, all ranks, ...)`` would send, by pair.
 
     Args:
@@ -352,10 +517,13 @@ def direct_traffic(plan, sequences: PairSequences | None = None, *, bucket_bytes
         sequences: its pairs' transfer sequences (:func:`pair_sequences`; computed when
             None).
         bucket_bytes / staging_bytes: as ``RefitConfig``.
+        wire: what a transfer costs on the wire (``sim/wire.py``; default: the plan's
+            dtypes); ``sequences`` must have been listed with the same.
     """
+    wire = wire if wire is not None else Wire()
     if sequences is None:
-        sequences = pair_sequences(plan)
-    seqs, shapes = sequences.seqs, sequences.shapes
+        sequences = pair_sequences(plan, wire=wire)
+    parts = PartTable(sequences.shapes)
     peers = _peer_counts(sequences.pairs)
     memo: dict[tuple[int, int], int] = {}
     rounds_of: list[np.ndarray] = []
@@ -369,12 +537,10 @@ def direct_traffic(plan, sequences: PairSequences | None = None, *, bucket_bytes
         key = (size, sequences.seq_of[p])
         got = memo.get(key)
         if got is None:
-            parts = (nb for k in seqs[key[1]].tolist()
-                     for nb in split_sizes(shapes[k][0], shapes[k][1], size))
-            msgs = pair_messages(parts, size)
+            pat = pair_pattern(sequences.seqs[key[1]], size, parts, wire)
             got = memo[key] = len(rounds_of)
-            rounds_of.append(np.array([r for r, _ in msgs], np.int32))
-            sizes_of.append(np.array([b for _, b in msgs], np.int64))
+            rounds_of.append(pat.rounds.astype(np.int32))
+            sizes_of.append(pat.sizes)
         pattern[i] = got
         if progress is not None and (i % 4096 == 4095 or i + 1 == len(order)):
             progress(i + 1, len(order))
