@@ -34,9 +34,7 @@ for p in (str(ROOT), str(HERE)):
         sys.path.insert(0, p)
 
 import bench_refit as br  # noqa: E402  (the model, the process groups, the checks)
-
-MiB = 2 ** 20
-TIMEOUT = 600.0
+from bench_verify import MiB, TIMEOUT, slowest  # noqa: E402
 TP = br.ROLLOUT_TP      # both sides: DTensors over 2 torch processes
 
 
@@ -117,11 +115,6 @@ def child(ctx: Any, cfg: dict) -> dict:
     return {"processes": everyone}
 
 
-def _slowest(procs: list[dict], key: str) -> list[float]:
-    """Per repetition, the slowest process's time."""
-    return [max(vals) for vals in zip(*(p["times"][key] for p in procs))]
-
-
 def summarize(res: dict, cfg: dict, command: str) -> str:
     procs = res["processes"]
     specs = br.model_specs(cfg["gib"])
@@ -135,8 +128,8 @@ def summarize(res: dict, cfg: dict, command: str) -> str:
     w("| call | check_writes=False s | check_writes=True s | True / False |")
     w("|---|---|---|---|")
     for what, label in (("call", "refit() (blocking)"), ("start", "start() + wait()")):
-        off = statistics.median(_slowest(procs, f"{what}:off"))
-        on = statistics.median(_slowest(procs, f"{what}:on"))
+        off = statistics.median(slowest(procs, f"{what}:off"))
+        on = statistics.median(slowest(procs, f"{what}:on"))
         w(f"| {label} | {off:.3f} | {on:.3f} | {on / off:.2f}x |")
     trainers = [p for p in procs if p["returns"]]
     off = statistics.median(max(v) for v in zip(*(p["returns"]["off"] for p in trainers)))
