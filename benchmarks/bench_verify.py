@@ -124,7 +124,7 @@ def child(ctx: Any, cfg: dict) -> dict:
     return {"processes": everyone}
 
 
-def _slowest(procs: list[dict], key: str) -> list[float]:
+def slowest(procs: list[dict], key: str) -> list[float]:
     """Per repetition, the slowest process's time."""
     return [max(vals) for vals in zip(*(p["times"][key] for p in procs))]
 
@@ -139,13 +139,13 @@ def summarize(res: dict, cfg: dict, command: str) -> str:
       f"torch TP=2 (2 processes); transport={cfg['transport']}, {cfg['reps']} repetitions, "
       f"medians of the slowest process per repetition.")
     w("")
-    refit = statistics.median(_slowest(procs, "refit:off"))
+    refit = statistics.median(slowest(procs, "refit:off"))
     w("| verify | refit s (median of the slowest process) | extra vs off | extra / refit | "
       "transfers compared |")
     w("|---|---|---|---|---|")
     ratio = 0.0
     for k in ("off", "true", "sample"):
-        t = statistics.median(_slowest(procs, f"refit:{k}"))
+        t = statistics.median(slowest(procs, f"refit:{k}"))
         w(f"| {k} | {t:.3f} | {t - refit:+.3f} s | {(t - refit) / refit:+.1%} | "
           f"{procs[0]['verified'].get(k, 0)} |")
         if k == "true":

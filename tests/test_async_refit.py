@@ -66,7 +66,8 @@ def test_started_refit_overlaps_the_caller_and_catches_writes():
     assert trainer["returned_at_once"]
     assert trainer["version"] == rollout["version"] == 1 and rollout["exact"]
     assert trainer["written"] == rollout["written"]
-    assert "'w' (0 -> 1)" in trainer["written"] and "handle.wait()" in trainer["written"]
+    assert "'w' (bytes changed, version 0 -> 1)" in trainer["written"]
+    assert "handle.wait()" in trainer["written"]
     assert trainer["version_after"] == rollout["version_after"] == 1
     assert trainer["broken"] is None and rollout["broken"] is None
     assert trainer["third"] == rollout["third"] == 2

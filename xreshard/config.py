@@ -56,9 +56,12 @@ class RefitConfig:
     sources, else "off")."""
 
     check_writes: bool = False
-    """Debug: fail the refit (on every rank) when a sent torch tensor was written while
-    the refit read it (its version counter moved), e.g. an optimizer step before
-    ``handle.wait()`` of a started refit."""
+    """Fail the refit (the same ``RefitError`` on every rank; the version stays) when a sent
+    torch tensor was written while the refit read it, e.g. an optimizer step before
+    ``handle.wait()`` of a started refit: its bytes (a checksum on its device, taken before
+    ``start()`` returns and after the last send) or its version counter changed. Sees fused
+    optimizers, ``.data`` and numpy-view writes; costs two reads of the sent bytes on the
+    sender (see :mod:`xreshard.runtime.writes`). JAX arrays are immutable: not checked."""
 
     def __post_init__(self) -> None:
         for name in ("bucket_bytes", "staging_bytes"):

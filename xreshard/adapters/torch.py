@@ -498,10 +498,12 @@ def _local_tensors(obj: Any) -> dict[str, Any]:
     return out
 
 
-def write_versions(obj: Any) -> dict[str, int]:
-    """Version counters of the local tensors of ``obj`` (views share them): they move when
-    a tensor is written in place."""
-    return {k: int(t._version) for k, t in _local_tensors(obj).items()}
+def write_snapshot(obj: Any) -> Callable[[], list[str]]:
+    """``RefitConfig(check_writes=True)``: the content digests (on each tensor's device) and
+    version counters of the local tensors of ``obj`` now; returns ``written()``, which lists
+    those written since (:mod:`xreshard.adapters.torch_writes`)."""
+    from . import torch_writes
+    return torch_writes.snapshot(lambda: _local_tensors(obj))
 
 
 def refit_bind(obj: Any, side: str, context: Any) -> Any:

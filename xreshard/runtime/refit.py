@@ -68,7 +68,7 @@ import time
 import weakref
 from typing import Any, Callable, Iterable, Mapping
 
-from . import registry
+from . import registry, writes
 from .binding import Bound, side_problems
 from ..config import RefitConfig, RefitReport, Tuning
 from ..errors import (CollectiveMismatch, CommunicationError, RefitError, VerificationError,
@@ -250,8 +250,9 @@ class Refit:
         can send step k's arrays while step k+1 runs: JAX arrays are immutable, no
         snapshot copy is needed (a step that donates them gets a copy from JAX instead).
         Torch senders must not write the sent tensors before ``wait()`` returns;
-        ``RefitConfig(check_writes=True)`` detects it (torch version counters) and fails
-        the refit on every rank. Receivers hold the new version only once ``wait()``
+        ``RefitConfig(check_writes=True)`` detects it (content checksums taken here, before
+        ``start()`` returns, and after the last send; see :mod:`xreshard.runtime.writes`)
+        and fails the refit on every rank. Receivers hold the new version only once ``wait()``
         returned: the handle is the signal (the same Refit may be called again once
         ``wait()`` returned). While a refit runs, the world's other collectives from this
         process are refused (they would interleave with the refit's). A handle dropped
@@ -264,12 +265,11 @@ class Refit:
             raise RefitError("this Refit is already running a call; wait() for it before "
                              "starting another")
         try:
-            # the sent tensors' write counters: before the caller's next line can write them
-            versions = self._sides.write_versions(
-                send if send is not None else self._sides.send.obj) \
+            # the sent tensors' digests: before the caller's next line can write them
+            snapshot = writes.take(send if send is not None else self._sides.send.obj) \
                 if self.config.check_writes else None
             handle = RefitHandle(self, send, receive,
-                                 lambda s, r: self._run(s, r, versions))
+                                 lambda s, r: self._run(s, r, snapshot))
             handle.start()
         except BaseException:
             self._busy.release()
@@ -277,14 +277,14 @@ class Refit:
         return handle
 
     def _run(self, send: Any, receive: Any,
-             versions: Mapping[str, int] | None) -> RefitReport:
+             snapshot: writes.Snapshot | None) -> RefitReport:
         """One call, on a Refit already acquired (``_busy``); releases it. The cyclic
         collector waits for the call's end (see ``gc_paused``: the call's objects are not
         cyclic, and a collection mid-call traverses the whole heap). The version moves
         once the world is released."""
         try:
             with self.world.exclusive("refit"), gc_paused(self.tuning.pause_gc):
-                report, finish = self._call(send, receive, versions)
+                report, finish = self._call(send, receive, snapshot)
             if finish is not None:
                 self.received = finish()
             self.stale = False
@@ -296,19 +296,19 @@ class Refit:
         finally:
             self._busy.release()
 
-    def _call(self, send: Any, receive: Any, versions: Mapping[str, int] | None = None
+    def _call(self, send: Any, receive: Any, snapshot: writes.Snapshot | None = None
               ) -> tuple[RefitReport, Callable[[], Any] | None]:
         """The call's steps; returns its report and the receiving side's ``finish``."""
         t0 = time.perf_counter()
         target = self.version + 1
-        src, dst, errors, versions = self._bind_sides(send, receive, versions)
+        src, dst, errors, snapshot = self._bind_sides(send, receive, snapshot)
         replanned = self._prepare(src, dst, errors, target)
         plan_seconds = time.perf_counter() - t0
         error: list[str] | None = None
         moved = _Moved()
         self.stale = True
         try:
-            moved = self._move(src, dst, target, versions)
+            moved = self._move(src, dst, target, snapshot)
         except Exception as e:      # noqa: BLE001 - reported to the others before raising
             error = _entry(e, "move")
             logger.debug("refit v%d failed here while moving", target, exc_info=True)
@@ -335,7 +335,7 @@ class Refit:
     # ------------------------------------------------------------ moving
 
     def _move(self, src: Bound | None, dst: Bound | None, target: int,
-              versions: Mapping[str, int]) -> _Moved:
+              snapshot: writes.Snapshot | None) -> _Moved:
         """Run the prepared call and, with ``verify``, checksum both ends of every stage.
         Raises whatever failed here (the caller reports it to the others)."""
         prepared, timeout = self._prepared, self.config.timeout
@@ -362,8 +362,7 @@ class Refit:
                 merged = merged.merge(self._digest(k, bindings.src[k], bindings.dst[k],
                                                    target, "both"))
             moved.digests = merged.summary
-        if versions:
-            self._sides.check_unwritten(versions)
+        writes.check(snapshot)      # every source read: were they written meanwhile?
         return moved
 
     def _digest(self, stage: int, src_bindings: Any, dst_bindings: Any, target: int,
@@ -376,15 +375,17 @@ class Refit:
 
     # ------------------------------------------------------------ binding
 
-    def _bind_sides(self, send: Any, receive: Any, versions: Mapping[str, int] | None
-                    ) -> tuple[Bound | None, Bound | None, list[list[str]], Mapping[str, int]]:
+    def _bind_sides(self, send: Any, receive: Any, snapshot: writes.Snapshot | None
+                    ) -> tuple[Bound | None, Bound | None, list[list[str]],
+                               writes.Snapshot | None]:
         """Bind both sides; every local failure is collected (for refit/check), not raised.
-        Returns (send side, receive side, errors, write versions of the sent tensors)."""
+        Returns (send side, receive side, errors, the sent tensors' write snapshot)."""
         sides = self._sides
         errors = sides.take(send, receive)
-        if versions is None:
-            versions = sides.write_versions(sides.send.obj) if self.config.check_writes \
-                else {}
+        if snapshot is None and self.config.check_writes:
+            snapshot = writes.take(sides.send.obj)
+        if snapshot is not None and snapshot.error is not None:
+            errors.append(_entry(snapshot.error, "check"))
         src = dst = None
         memo = self.layout_memo if self.tuning.layout_memo else None
         try:
@@ -399,7 +400,7 @@ class Refit:
             errors.append(_entry(e, "check"))
         finally:
             sides.forget()
-        return src, dst, errors, versions
+        return src, dst, errors, snapshot
 
     def _rank_maps(self) -> dict[str, Any]:
         """Framework ids -> world ranks per adapter (``{"torch": {...}, "jax": {...}}``), plus

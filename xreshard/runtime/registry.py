@@ -24,8 +24,12 @@ and optionally:
 * ``keep(obj, side) -> obj | None``: what a refit may keep of ``obj`` after a call (None:
   nothing, the caller passes it on every call; JAX drops sent arrays so they can be
   donated, and keeps received ones as ``ShapeDtypeStruct`` templates);
-* ``write_versions(obj) -> {name: int}``: counters that move when a sent tensor is
-  written (``RefitConfig(check_writes=True)``);
+* ``write_snapshot(obj) -> written``: ``RefitConfig(check_writes=True)``: take what a
+  write to ``obj``'s sent tensors would change (torch: content checksums and version
+  counters) and return ``written() -> ["'name' (what changed)", ...]``, the tensors
+  written since (see :mod:`xreshard.runtime.writes`; the older
+  ``write_versions(obj) -> {name: int}``, counters alone, is still used when it is the
+  only hook);
 * ``LABEL``: how messages name its objects ("JAX arrays");
 * ``capture_streams() -> (() -> context manager) | None``: the calling thread's current
   streams of its framework, to be made current in the thread of a refit started with

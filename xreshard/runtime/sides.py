@@ -8,7 +8,7 @@ that the refit's first call gathered (``refit/identity``). Nothing here is colle
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable, Mapping
+from typing import Any, Iterable, Mapping
 
 import numpy as np
 
@@ -108,26 +108,6 @@ class Sides:
                 continue
             state.obj = keep(obj, state.name)
             state.dropped = getattr(module, "LABEL", "arrays") if state.obj is None else None
-
-    @staticmethod
-    def write_versions(obj: Any) -> dict[str, int]:
-        """Write counters of a send object's tensors (``RefitConfig.check_writes``)."""
-        if obj is None or isinstance(obj, Bound):
-            return {}
-        found = registry.adapter_for(obj)
-        versions: Callable[[Any], dict[str, int]] | None = \
-            getattr(found[1], "write_versions", None) if found else None
-        return versions(obj) if versions is not None else {}
-
-    def check_unwritten(self, versions: Mapping[str, int]) -> None:
-        """Raise when a sent tensor's write counter moved since ``versions``."""
-        now = self.write_versions(self.send.obj)
-        moved = [f"{k!r} ({v} -> {now[k]})" for k, v in versions.items()
-                 if k in now and now[k] != v]
-        if moved:
-            raise RefitError(f"sent torch tensors were written while the refit read them: "
-                             f"{', '.join(moved[:10])}; do not write sent tensors before "
-                             f"handle.wait() (or the call) returns")
 
 
 def on_device(*bounds: Bound | None) -> bool:

@@ -71,7 +71,8 @@ from ..errors import RefitError
 from .execute import copy_into, view_of
 from ..ir.layout import Layout, Region
 
-__all__ = ["Digests", "Mismatch", "checksum", "compare", "digest_bindings", "digests", "key_of",
+__all__ = ["Digests", "Mismatch", "checksum", "checksum_hex", "checksum_weights", "compare",
+           "digest_bindings", "digests", "key_of",
            "message", "mismatches",
            "INLINE_TRANSFERS", "ROW_WORDS", "SAMPLE_PERIOD", "SAMPLE_SMALL_BYTES"]
 
@@ -180,6 +181,19 @@ def _hex(h1: int, h2: int, nbytes: int) -> str:
 
 
 _LENGTH_MIX = 0xD6E8FEB86659FD93
+
+
+def checksum_weights(num_rows: int) -> tuple[np.ndarray, np.ndarray]:
+    """The xr64x2 weights (uint64, odd): ``P`` for ``num_rows`` rows and ``Q`` for the
+    ``ROW_WORDS`` columns, for another implementation of :func:`checksum` that must give
+    the same digests (torch's on CUDA tensors: :mod:`xreshard.adapters.torch_writes`)."""
+    return _weights("P", num_rows), _weights("Q", ROW_WORDS)
+
+
+def checksum_hex(h1: int, h2: int, nbytes: int) -> str:
+    """The xr64x2 digest of ``nbytes`` bytes from its weighted row sum ``h1`` and column sum
+    ``h2`` (any ints, taken mod 2**64): see :func:`checksum_weights`."""
+    return _hex(h1, h2, nbytes)
 
 
 def _bytes_of(arr: Any) -> Any:
