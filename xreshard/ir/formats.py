@@ -43,7 +43,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence, Union
+from typing import Any, Mapping, Sequence
 
 from ..dtypes import dtype_name, itemsize
 from ..errors import LayoutError
@@ -247,7 +247,7 @@ class MXFP8(_Blocked):
 
 
 #: a quantized format
-Format = Union[BlockFP8, MXFP8]
+Format = BlockFP8 | MXFP8
 
 
 def _fp8_dtype(dtype: Any, where: str) -> str:

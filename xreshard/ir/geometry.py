@@ -56,7 +56,8 @@ class Region:
             raise LayoutError(f"region starts {self.starts} and stops {self.stops} differ in "
                               "length (one start and one stop per dim)")
         if any(a < 0 or b < a for a, b in zip(self.starts, self.stops)):
-            raise LayoutError(f"region {self.starts}..{self.stops} needs 0 <= start <= stop per dim")
+            raise LayoutError(f"region {self.starts}..{self.stops} needs 0 <= start <= stop "
+                              f"per dim")
 
     @classmethod
     def of(cls, bounds: Iterable[Sequence[int]]) -> Region:
@@ -131,7 +132,8 @@ class Mesh:
         if any(s < 1 for s in shape):
             raise LayoutError(f"mesh shape {shape} needs every axis size >= 1")
         size = math.prod(shape)
-        ranks = tuple(range(size)) if self.ranks is None else tuple(int(r) for r in flat(self.ranks))
+        ranks = (tuple(range(size)) if self.ranks is None
+                 else tuple(int(r) for r in flat(self.ranks)))
         if len(ranks) != size:
             raise LayoutError(f"mesh of shape {shape} has {size} positions but {len(ranks)} ranks "
                               "were given; list one world rank per mesh position, row-major")
@@ -145,7 +147,8 @@ class Mesh:
         if names is not None:
             names = tuple(str(n) for n in names)
             if len(names) != len(shape):
-                raise LayoutError(f"mesh of shape {shape} needs {len(shape)} axis names, got {names}")
+                raise LayoutError(f"mesh of shape {shape} needs {len(shape)} axis names, "
+                                  f"got {names}")
             if len(set(names)) != len(names):
                 raise LayoutError(f"mesh axis names {names} must be distinct")
         object.__setattr__(self, "shape", shape)
@@ -184,7 +187,8 @@ class Mesh:
         if isinstance(axis, str):
             if self.axis_names is None or axis not in self.axis_names:
                 raise LayoutError(f"mesh axis {axis!r} is not one of the mesh axis names "
-                                  f"{self.axis_names}; name the axes with Mesh(..., axis_names=...)")
+                                  f"{self.axis_names}; name the axes with "
+                                  f"Mesh(..., axis_names=...)")
             return self.axis_names.index(axis)
         if not 0 <= axis < self.ndim:
             raise LayoutError(f"mesh axis {axis} out of range for a {self.ndim}-d mesh")

@@ -108,7 +108,8 @@ class Layout:
             for rank, regions in self.explicit:
                 for i, r in enumerate(regions):
                     if r.ndim != len(shape) or any(b > n for b, n in zip(r.stops, shape)):
-                        raise LayoutError(f"rank {rank} region {r} does not fit in tensor shape {shape}")
+                        raise LayoutError(f"rank {rank} region {r} does not fit in tensor "
+                                          f"shape {shape}")
                     for other in regions[:i]:
                         if r.intersect(other) is not None:
                             raise LayoutError(f"rank {rank} holds regions {other} and {r}, which "
@@ -244,7 +245,8 @@ class Layout:
         shape = tuple(self.shape[d] for d in perm)
         if self.explicit is not None:
             return Layout(shape, self.dtype, None, (), tuple(
-                (rank, tuple(Region(tuple(r.starts[d] for d in perm), tuple(r.stops[d] for d in perm))
+                (rank, tuple(Region(tuple(r.starts[d] for d in perm),
+                                    tuple(r.stops[d] for d in perm))
                              for r in regions)) for rank, regions in self.explicit))
         return Layout(shape, self.dtype, self.mesh,
                       tuple(Split(inverse[sp.dim], sp.axis, sp.split_factor) for sp in self.splits))
@@ -445,7 +447,8 @@ class Layout:
         if table is None:
             dim_splits = [sp for sp in self.splits if sp.dim == dim]
             table = {}
-            for coords in itertools.product(*(range(self.mesh.shape[sp.axis]) for sp in dim_splits)):
+            for coords in itertools.product(*(range(self.mesh.shape[sp.axis])
+                                              for sp in dim_splits)):
                 ivs: tuple[Interval, ...] = ((0, self.shape[dim]),) if self.shape[dim] else ()
                 for sp, c in zip(dim_splits, coords):
                     ivs = split_intervals(ivs, self.mesh.shape[sp.axis], c, sp.split_factor)

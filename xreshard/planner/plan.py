@@ -40,7 +40,7 @@ from typing import Any, Iterator, Mapping, Sequence
 from .balance import split_piece
 from ..dtypes import dtype_name
 from ..errors import PlanError
-from ..ir.layout import Layout
+from ..ir.layout import Layout, Region
 from .streams import (Quotas, SenderClasses, Streams, Sub, cut_quotas, lay_streams, piece_at,
                       sender_classes)
 from .templates import MAX_LISTED, PlanCache, build_templates
@@ -53,7 +53,8 @@ __all__ = ["Plan", "PlanCache", "PlanStats", "ReceiveTable", "Transfer", "plan"]
 
 @dataclass(frozen=True, slots=True)
 class Transfer:
-    """``region`` of tensor ``name`` goes from rank ``src`` to rank ``dst`` (``nbytes`` on the wire)."""
+    """``region`` of tensor ``name`` goes from rank ``src`` to rank ``dst`` (``nbytes`` on the
+    wire)."""
 
     name: str
     region: Region
@@ -127,10 +128,12 @@ class PlanStats:
             ("minimum", f"{self.bytes_min / gib:.3f} GiB (moved/min "
                         f"{self.bytes_moved / max(self.bytes_min, 1):.3f})"),
             ("gather+broadcast", f"{self.bytes_gather_broadcast / gib:.3f} GiB "
-                                 f"({self.bytes_gather_broadcast / max(self.bytes_moved, 1):.1f}x moved)"),
+                                 f"({self.bytes_gather_broadcast / max(self.bytes_moved, 1):.1f}x "
+                                 f"moved)"),
             ("local copies", f"{self.bytes_local / gib:.3f} GiB in {self.num_local_copies}"),
             ("max sent / rank", f"{max(self.bytes_sent.values(), default=0) / gib:.3f} GiB"),
-            ("max received / rank", f"{max(self.bytes_received.values(), default=0) / gib:.3f} GiB"),
+            ("max received / rank",
+             f"{max(self.bytes_received.values(), default=0) / gib:.3f} GiB"),
             ("sender balance", f"{self.sender_balance:.4f} x lower bound, "
                                f"{self.sender_balance_mean:.3f} x mean"),
             ("transfers", str(self.num_transfers)),
@@ -561,7 +564,8 @@ def _validate(src_layouts: Mapping[str, Layout], dst_layouts: Mapping[str, Layou
     if shape_bad:
         problems.append(f"shape mismatch in {len(shape_bad)} tensor(s): "
                         + "; ".join(shape_bad[:MAX_LISTED])
-                        + (f"; and {len(shape_bad) - MAX_LISTED} more" if len(shape_bad) > MAX_LISTED else ""))
+                        + (f"; and {len(shape_bad) - MAX_LISTED} more"
+                           if len(shape_bad) > MAX_LISTED else ""))
     if dtype_bad:
         problems.append(f"dtype mismatch in {len(dtype_bad)} tensor(s) and no cast requested: "
                         + "; ".join(dtype_bad[:MAX_LISTED])
