@@ -16,7 +16,7 @@ schedule, in one call (see "Overlap" below):
   same domain, so the planner has nothing to choose.
 
 Both stages bind views of the real destination memory (the runtime cuts them,
-``xreshard.runtime.execute.stage_views``), so stage 1 writes straight into the final
+``xreshard.runtime.metadata.stage_views``), so stage 1 writes straight into the final
 memory and stage 2 forwards from it; nothing is staged twice.
 
 Pieces: a domain's needs of one tensor are cut by a grid made of every boundary of every
