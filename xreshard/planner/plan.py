@@ -35,7 +35,7 @@ import logging
 import time
 from bisect import bisect_right
 from dataclasses import dataclass
-from typing import Any, Iterator, Mapping, Sequence
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 from .balance import split_piece
 from ..dtypes import dtype_name
@@ -476,6 +476,7 @@ class Plan:
         copies = self.local_copies_for(rank)
         per_peer: dict[tuple[int, str], list[int]] = {}
         rows = []
+        peer_of: Callable[[Transfer], int]
         for direction, peer_of, transfers in (("recv from", lambda t: t.src, recv),
                                               ("send to", lambda t: t.dst, send),
                                               ("local", lambda t: t.src, copies)):
@@ -583,12 +584,11 @@ def _topology_of(topology: Any, world: Any) -> Topology | None:
         if topology is not None:
             raise TypeError("plan() takes topology= or its alias world=, not both")
         topology = world
-    topology = getattr(topology, "topology", topology)
-    if topology is not None and not (hasattr(topology, "process_of")
-                                     and hasattr(topology, "host_of")):
+    topo: Topology | None = getattr(topology, "topology", topology)
+    if topo is not None and not (hasattr(topo, "process_of") and hasattr(topo, "host_of")):
         raise TypeError(f"plan(topology=...) takes a World or a Topology (or None), got "
-                        f"{type(topology).__name__}")
-    return topology
+                        f"{type(topo).__name__}")
+    return topo
 
 
 def plan(src_layouts: Mapping[str, Layout], dst_layouts: Mapping[str, Layout],
