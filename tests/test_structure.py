@@ -2,7 +2,11 @@
 direction (``ir`` <- ``planner`` <- ``runtime``, nothing of the core importing the tools,
 catalog or simulator on top), modules under 700 lines, functions under 100, and no module
 importing another xreshard module's private names. The demo (``xreshard/tools/demo.py``)
-is exempt from the size rules, as examples are."""
+is exempt from the size rules, as examples are. Every dotted xreshard name the docstrings
+and docs/ mention resolves (``reference_breaks`` says what counts as one).
+
+The lint and the type check (``ruff check xreshard && mypy``, configured in pyproject.toml)
+run in .ci/run beside the tests."""
 
 from __future__ import annotations
 
