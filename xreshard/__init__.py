@@ -19,7 +19,8 @@ from .runtime.world import StoreServer, World, serve
 __all__ = [
     "AuthenticationError", "BindingError", "CollectiveMismatch", "CommunicationError",
     "TransportError", "TransportTimeout", "VerificationError", "WorldBroken", "WorldMismatch",
-    "Bound", "CommCounts", "Layout", "LayoutError", "Mesh", "Plan", "PlanCache", "PlanError", "PlanStats",
+    "Bound", "CommCounts", "Layout", "LayoutError", "Mesh", "Plan", "PlanCache", "PlanError",
+    "PlanStats",
     "Refit", "RefitConfig", "RefitError", "RefitReport", "Region", "Split", "StoreServer",
     "Topology", "Transfer", "Tuning", "World", "XreshardError", "count_comm", "plan", "serve",
 ]

@@ -68,7 +68,7 @@ def itemsize(dtype: object) -> int:
 _ML_DTYPES = frozenset(n for n in ITEMSIZE if n == "bfloat16" or n.startswith("float8"))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def numpy_dtype(name: str) -> Any:
     """numpy dtype of a canonical dtype name (bfloat16 and float8 through ml_dtypes)."""
     import numpy as np
@@ -80,7 +80,7 @@ def numpy_dtype(name: str) -> Any:
     return np.dtype(getattr(ml_dtypes, name))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def bits_dtype(itemsize: int) -> Any:
     """The unsigned integer (or opaque) numpy dtype of ``itemsize`` bytes."""
     import numpy as np

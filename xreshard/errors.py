@@ -22,10 +22,11 @@ under its full dotted name, and a process that never imported its module imports
 An exception that is not xreshard's is classified by the *phase* of the call it happened
 in (``error_name(exc, phase)``):
 
-| phase | what runs | a foreign exception becomes |
-|---|---|---|
-| ``"check"`` | binding, naming, adapters, checks, planning | ``RefitError`` (bad input: refused on every rank, the world stays usable) |
-| ``"move"`` | the executor, transports, checksums | ``RemoteError`` (a ``CommunicationError``: the transports are in an unknown state, the world breaks on every rank); a ``TimeoutError`` becomes ``TransportTimeout`` |
+- ``"check"`` (binding, naming, adapters, checks, planning): ``RefitError``, bad input,
+  refused on every rank; the world stays usable.
+- ``"move"`` (the executor, transports, checksums): ``RemoteError``, a
+  ``CommunicationError``: the transports are in an unknown state, the world breaks on every
+  rank; a ``TimeoutError`` becomes ``TransportTimeout``.
 
 Its message keeps the original class name (``"IndexError: ..."``).
 """

@@ -23,12 +23,15 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from xreshard.errors import LayoutError
 from xreshard.extras import require
 from xreshard.ir.layout import Layout, LayoutMemo, Mesh, Region
 from xreshard.runtime.binding import canonical_name
+
+if TYPE_CHECKING:       # naming imports this module: at run time NameMap is imported lazily
+    from xreshard.adapters.naming import NameMap
 
 __all__ = ["array_layout", "bind", "bind_named", "bind_rules", "host_view", "layout_of",
            "pinned_pointer", "tree_names"]
@@ -351,7 +354,8 @@ def _rank_of(ranks: Mapping[int, int]) -> Callable[[Any], int]:
             return ranks[int(device.id)]
         except KeyError:
             raise LayoutError(f"JAX device {device} is not a rank of the refit world; pass "
-                              f"jax.local_devices() (or the devices you use) to World.join") from None
+                              f"jax.local_devices() (or the devices you use) to "
+                              f"World.join") from None
     return rank_of
 
 

@@ -29,7 +29,7 @@ from typing import Any, Iterable, Iterator, Mapping, Sequence
 import numpy as np
 
 from xreshard.errors import LayoutError
-from xreshard.ir.layout import Layout, Mesh, Region
+from xreshard.ir.layout import Layout, Region
 
 from .naming_rules import (HF_IDENTITY, JAX_LLAMA, ConcatRule, Index, NamingError, Reshape,
                            Rule, Slice, Split, Transform, Transpose, Unsqueeze, Unstack,

@@ -112,7 +112,7 @@ def layout_of(dtensor_or_mesh: Any, placements: Sequence[Any] | None = None,
 
 #: DeviceMesh -> (its rank grid, shape, dim names): torch rebuilds ``device_mesh.mesh`` on
 #: every read (~40 us), and a model's DTensors share a handful of meshes
-_MESH_CACHE: "weakref.WeakKeyDictionary[Any, tuple[list[int], tuple[int, ...], Any]]" = \
+_MESH_CACHE: weakref.WeakKeyDictionary[Any, tuple[list[int], tuple[int, ...], Any]] = \
     weakref.WeakKeyDictionary()
 
 

@@ -111,7 +111,8 @@ FRAMEWORKS: dict[str, Framework] = {f.name: f for f in (
                   "rep": {},
                   "expert_col": {"ep": "expert", "tp": "S0"},   # expert e on ep rank e//(E/ep)
                   "expert_row": {"ep": "expert", "tp": "S1"},
-                  "experts_gate_up": {"ep": "S0", "tp": "SS1/2"},  # gate rows and up rows each over tp
+                  # gate rows and up rows each over tp
+                  "experts_gate_up": {"ep": "S0", "tp": "SS1/2"},
                   "experts_down": {"ep": "S0", "tp": "S2"},
               }),
     # vLLM: dp engine replicas of a tp group; no expert parallelism; replicated over dp.

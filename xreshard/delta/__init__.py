@@ -37,7 +37,8 @@ from .codec import (BITMASK, DENSE, HEADER_BYTES, KINDS, RUNS, DeltaFormatError,
                     Header, choose, parse, payload_sizes)
 from .host import apply_numpy, changed_mask, encode_numpy
 
-__all__ = ["encode", "apply", "backend_of", "host_view", "DeltaFormatError", "Encoded", "Header", "choose",
+__all__ = ["encode", "apply", "backend_of", "host_view", "DeltaFormatError", "Encoded", "Header",
+           "choose",
            "payload_sizes", "parse", "HEADER_BYTES", "DENSE", "BITMASK", "RUNS", "KINDS",
            "changed_fraction"]
 

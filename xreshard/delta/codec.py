@@ -121,7 +121,8 @@ class Header:
     @property
     def nbytes(self) -> int:
         """Bytes of the whole message."""
-        return HEADER_BYTES + payload_sizes(self.n, self.count, self.nruns, self.itemsize)[self.kind]
+        sizes = payload_sizes(self.n, self.count, self.nruns, self.itemsize)
+        return HEADER_BYTES + sizes[self.kind]
 
 
 @dataclass(frozen=True)

@@ -97,7 +97,7 @@ def _one_device(x: Any, what: str) -> None:
 def encode_jax(old: Any, new: Any) -> Encoded:
     """Encode ``new`` against the baseline ``old`` (single-device ``jax.Array`` of the same
     shape and dtype, on the same device); sections stay on the device."""
-    jax = _jax()
+    _jax()                  # a missing JAX says how to install it before anything runs
     _one_device(old, "baseline")
     _one_device(new, "new")
     if old.shape != new.shape or old.dtype != new.dtype:

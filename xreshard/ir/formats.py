@@ -43,7 +43,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence, Union
+from typing import Any, Mapping, Sequence, cast
 
 from ..dtypes import dtype_name, itemsize
 from ..errors import LayoutError
@@ -75,6 +75,8 @@ class _Blocked:
 
     __slots__ = ()
     block: tuple[int, ...]
+    dtype: str
+    scale_dtype: str
 
     def block_shape(self, ndim: int) -> tuple[int, ...]:
         """The block over all ``ndim`` dims: 1 for every leading dim."""
@@ -192,7 +194,7 @@ class BlockFP8(_Blocked):
     def fp8_max(self) -> float:
         return FP8_MAX[self.dtype]
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, Any]:
         return {"format": self.kind, "block": list(self.block), "dtype": self.dtype,
                 "ue8m0": self.ue8m0}
 
@@ -239,7 +241,7 @@ class MXFP8(_Blocked):
                               "pad the tensor or quantize it as block_fp8")
         return shape
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, Any]:
         return {"format": self.kind, "dtype": self.dtype}
 
     def __str__(self) -> str:
@@ -247,7 +249,7 @@ class MXFP8(_Blocked):
 
 
 #: a quantized format
-Format = Union[BlockFP8, MXFP8]
+Format = BlockFP8 | MXFP8
 
 
 def _fp8_dtype(dtype: Any, where: str) -> str:
@@ -260,11 +262,12 @@ def _fp8_dtype(dtype: Any, where: str) -> str:
     return name
 
 
-def format_from_dict(d: Mapping) -> Format:
+def format_from_dict(d: Mapping[str, Any]) -> Format:
     """A format from its :meth:`to_dict` (JSON): ``{"format": "block_fp8", ...}``."""
     kind = d.get("format") if isinstance(d, Mapping) else None
     if kind == BlockFP8.kind:
-        return BlockFP8(tuple(int(b) for b in d.get("block", (128, 128))),
+        block = cast("tuple[int, int]", tuple(int(b) for b in d.get("block", (128, 128))))
+        return BlockFP8(block,                          # its length checked by BlockFP8
                         d.get("dtype", "float8_e4m3fn"), bool(d.get("ue8m0", False)))
     if kind == MXFP8.kind:
         return MXFP8(d.get("dtype", "float8_e4m3fn"))
@@ -344,12 +347,12 @@ class QuantizedTensor:
                     f"blocks of {self.name!r} there need scales "
                     f"{sorted(map(str, want))} ({fmt}); shard the scales like the codes")
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, Any]:
         return {"name": self.name, "scale": self.scale, "format": self.format.to_dict(),
                 "shape": list(self.shape)}
 
     @classmethod
-    def from_dict(cls, d: Mapping) -> QuantizedTensor:
+    def from_dict(cls, d: Mapping[str, Any]) -> QuantizedTensor:
         return cls(d["name"], d["scale"], format_from_dict(d["format"]),
                    tuple(int(n) for n in d["shape"]))
 

@@ -13,11 +13,13 @@ import math
 import sys
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Mapping, Sequence
+from typing import Any, Callable, Iterable, Mapping, Sequence, TypeVar
 
 from ..errors import LayoutError
 
 __all__ = ["Mesh", "Region", "Split"]
+
+_T = TypeVar("_T")
 
 if sys.version_info >= (3, 11):
     SLOTS: dict[str, bool] = {"slots": True, "weakref_slot": True}
@@ -30,18 +32,19 @@ else:   # TODO(python 3.10): slotted dataclasses take weak references from 3.11 
 _INTERN_LIMIT = 1 << 16
 
 #: the live meshes by value
-_MESHES = new_table()
+_MESHES: dict[Any, Any] = new_table()
 
 
-def interned(table: Any, key: tuple, value: Any) -> Any:
+def interned(table: Any, key: tuple[Any, ...], value: _T) -> _T:
     """The object equal to ``value`` already in ``table`` under ``key``, else ``value``
     (now interned). Two threads racing on one key may each get their own equal object."""
-    got = table.get(key)
+    got: _T | None = table.get(key)
     if got is not None:
         return got
     if type(table) is dict and len(table) >= _INTERN_LIMIT:
         table.clear()
-    return table.setdefault(key, value)
+    out: _T = table.setdefault(key, value)
+    return out
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,7 +59,8 @@ class Region:
             raise LayoutError(f"region starts {self.starts} and stops {self.stops} differ in "
                               "length (one start and one stop per dim)")
         if any(a < 0 or b < a for a, b in zip(self.starts, self.stops)):
-            raise LayoutError(f"region {self.starts}..{self.stops} needs 0 <= start <= stop per dim")
+            raise LayoutError(f"region {self.starts}..{self.stops} needs 0 <= start <= stop "
+                              f"per dim")
 
     @classmethod
     def of(cls, bounds: Iterable[Sequence[int]]) -> Region:
@@ -109,10 +113,10 @@ class Mesh:
     """
 
     shape: tuple[int, ...]
-    ranks: tuple[int, ...] | None = None
+    ranks: tuple[int, ...] = ()        # () only before __new__ fills it in
     axis_names: tuple[str, ...] | None = None
     _hash: int = field(init=False, repr=False, compare=False)
-    _coords: dict | None = field(init=False, repr=False, compare=False)
+    _coords: dict[int, tuple[int, ...]] | None = field(init=False, repr=False, compare=False)
 
     def __new__(cls, shape: Sequence[int], ranks: Any = None,
                 axis_names: Sequence[str] | None = None) -> Mesh:
@@ -123,7 +127,7 @@ class Mesh:
         self._normalize()
         return interned(_MESHES, (self.shape, self.ranks, self.axis_names), self)
 
-    def __reduce__(self) -> tuple:
+    def __reduce__(self) -> tuple[Any, ...]:
         return Mesh, (self.shape, self.ranks, self.axis_names)
 
     def _normalize(self) -> None:
@@ -131,7 +135,8 @@ class Mesh:
         if any(s < 1 for s in shape):
             raise LayoutError(f"mesh shape {shape} needs every axis size >= 1")
         size = math.prod(shape)
-        ranks = tuple(range(size)) if self.ranks is None else tuple(int(r) for r in flat(self.ranks))
+        ranks = (tuple(range(size)) if self.ranks is None
+                 else tuple(int(r) for r in flat(self.ranks)))
         if len(ranks) != size:
             raise LayoutError(f"mesh of shape {shape} has {size} positions but {len(ranks)} ranks "
                               "were given; list one world rank per mesh position, row-major")
@@ -145,7 +150,8 @@ class Mesh:
         if names is not None:
             names = tuple(str(n) for n in names)
             if len(names) != len(shape):
-                raise LayoutError(f"mesh of shape {shape} needs {len(shape)} axis names, got {names}")
+                raise LayoutError(f"mesh of shape {shape} needs {len(shape)} axis names, "
+                                  f"got {names}")
             if len(set(names)) != len(names):
                 raise LayoutError(f"mesh axis names {names} must be distinct")
         object.__setattr__(self, "shape", shape)
@@ -184,7 +190,8 @@ class Mesh:
         if isinstance(axis, str):
             if self.axis_names is None or axis not in self.axis_names:
                 raise LayoutError(f"mesh axis {axis!r} is not one of the mesh axis names "
-                                  f"{self.axis_names}; name the axes with Mesh(..., axis_names=...)")
+                                  f"{self.axis_names}; name the axes with "
+                                  f"Mesh(..., axis_names=...)")
             return self.axis_names.index(axis)
         if not 0 <= axis < self.ndim:
             raise LayoutError(f"mesh axis {axis} out of range for a {self.ndim}-d mesh")
@@ -193,12 +200,12 @@ class Mesh:
     def axis_label(self, axis: int) -> str:
         return self.axis_names[axis] if self.axis_names else str(axis)
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, Any]:
         return {"shape": list(self.shape), "ranks": list(self.ranks),
                 "axis_names": None if self.axis_names is None else list(self.axis_names)}
 
     @classmethod
-    def from_dict(cls, d: Mapping) -> Mesh:
+    def from_dict(cls, d: Mapping[str, Any]) -> Mesh:
         names = d.get("axis_names")
         return cls(tuple(d["shape"]), tuple(d["ranks"]), None if names is None else tuple(names))
 
@@ -223,11 +230,11 @@ class Split:
         return f"S({self.dim})" if self.split_factor == 1 else f"SS({self.dim},{self.split_factor})"
 
 
-def flat(xs: Any) -> list:
+def flat(xs: Any) -> list[Any]:
     if hasattr(xs, "tolist"):
         xs = xs.tolist()
     if isinstance(xs, (list, tuple)):
-        out = []
+        out: list[Any] = []
         for x in xs:
             out.extend(flat(x) if isinstance(x, (list, tuple)) or hasattr(x, "tolist") else [x])
         return out

@@ -27,24 +27,24 @@ import math
 from bisect import bisect_right
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Any, Callable, Iterable, Mapping, Sequence
+from typing import Any, Callable, Iterable, Mapping, Sequence, TypeVar
 
 from ..dtypes import dtype_name
 from ..errors import LayoutError
 from .geometry import SLOTS, Mesh, Region, Split, interned, new_table
 from .intervals import Interval, chunk, split_intervals
+from .placements import is_unconstrained, parse_placement, splits_of_placements
 
 __all__ = ["Interval", "Layout", "LayoutMemo", "Mesh", "Region", "Split", "chunk",
            "parse_placement", "split_intervals", "splits_of_placements"]
 
+_T = TypeVar("_T")
+
 #: the live layouts by value (see the module docstring)
-_LAYOUTS = new_table()
+_LAYOUTS: dict[Any, Layout] = new_table()
 
 
 # ---------------------------------------------------------------------------- Layout
-
-_PLACEMENT_HELP = ('placements are one entry per mesh axis: "R" (Replicate), "S<dim>" (Shard), '
-                   '"SS<dim>/<split_factor>" (_StridedShard), or torch placement objects')
 
 
 @dataclass(frozen=True, init=False, **SLOTS)
@@ -62,7 +62,7 @@ class Layout:
     splits: tuple[Split, ...] = ()
     explicit: tuple[tuple[int, tuple[Region, ...]], ...] | None = None
     _hash: int = field(init=False, repr=False, compare=False)
-    _cache: dict = field(init=False, repr=False, compare=False)
+    _cache: dict[Any, Any] = field(init=False, repr=False, compare=False)
 
     def __new__(cls, shape: Sequence[int], dtype: object, mesh: Mesh | None = None,
                 splits: tuple[Split, ...] = (),
@@ -75,7 +75,7 @@ class Layout:
         return interned(_LAYOUTS, (self.shape, self.dtype, self.mesh, self.splits,
                                   self.explicit), self)
 
-    def __reduce__(self) -> tuple:
+    def __reduce__(self) -> tuple[Any, ...]:
         return Layout, (self.shape, self.dtype, self.mesh, self.splits, self.explicit)
 
     def _uninterned(self) -> Layout:
@@ -108,7 +108,8 @@ class Layout:
             for rank, regions in self.explicit:
                 for i, r in enumerate(regions):
                     if r.ndim != len(shape) or any(b > n for b, n in zip(r.stops, shape)):
-                        raise LayoutError(f"rank {rank} region {r} does not fit in tensor shape {shape}")
+                        raise LayoutError(f"rank {rank} region {r} does not fit in tensor "
+                                          f"shape {shape}")
                     for other in regions[:i]:
                         if r.intersect(other) is not None:
                             raise LayoutError(f"rank {rank} holds regions {other} and {r}, which "
@@ -142,15 +143,21 @@ class Layout:
     def __hash__(self) -> int:
         return self._hash
 
+    @property
+    def _mesh(self) -> Mesh:
+        """``mesh`` where the layout is product form (explicit-form paths return before)."""
+        assert self.mesh is not None, f"{self} is explicit form"
+        return self.mesh
+
     # ------------------------------------------------------------ constructors
 
     @classmethod
     def product(cls, shape: Sequence[int], dtype: object, mesh: Mesh,
-                splits: Iterable[Split | tuple], *, even: bool = False,
+                splits: Iterable[Split | tuple[int, ...]], *, even: bool = False,
                 name: str | None = None) -> Layout:
         """Product form from explicit splits; ``even=True`` enforces JAX's divisibility rule."""
-        splits = tuple(s if isinstance(s, Split) else Split(*s) for s in splits)
-        layout = cls(tuple(shape), dtype, mesh, splits)
+        parsed = tuple(s if isinstance(s, Split) else Split(*s) for s in splits)
+        layout = cls(tuple(shape), dtype, mesh, parsed)
         if even:
             layout._check_even(name)
         return layout
@@ -184,9 +191,9 @@ class Layout:
         where = f"tensor {name!r}: " if name else ""
         if mesh.axis_names is None:
             raise LayoutError(f"{where}Layout.from_spec needs a mesh with axis_names")
-        if getattr(spec, "unreduced", None):
+        if unreduced := getattr(spec, "unreduced", None):
             raise LayoutError(f"{where}PartitionSpec {spec} has unreduced axes "
-                              f"{sorted(spec.unreduced)} (a pending reduction); xreshard does not "
+                              f"{sorted(unreduced)} (a pending reduction); xreshard does not "
                               "reduce yet - reduce (e.g. jax.lax.psum) before refitting")
         entries = list(spec)
         if len(entries) > len(shape):
@@ -194,7 +201,7 @@ class Layout:
                               f"but the tensor has {len(shape)} dims (shape {tuple(shape)})")
         splits, used = [], set()
         for dim, entry in enumerate(entries):
-            if entry is None or _is_unconstrained(entry):
+            if entry is None or is_unconstrained(entry):
                 continue
             names = (entry,) if isinstance(entry, str) else tuple(entry)
             for axis_name in names:
@@ -209,7 +216,7 @@ class Layout:
 
     @classmethod
     def explicit_form(cls, shape: Sequence[int], dtype: object,
-                      regions: Mapping[int, Iterable[Region | Sequence]]) -> Layout:
+                      regions: Mapping[int, Iterable[Region | Sequence[Any]]]) -> Layout:
         """Explicit form: ``{rank: [Region | [(start, stop), ...], ...]}``."""
         items = []
         for rank in sorted(regions):
@@ -220,9 +227,9 @@ class Layout:
     def _check_even(self, name: str | None) -> None:
         for dim, n in enumerate(self.shape):
             axes = [sp.axis for sp in self.splits if sp.dim == dim]
-            ways = math.prod(self.mesh.shape[a] for a in axes)
+            ways = math.prod(self._mesh.shape[a] for a in axes)
             if n % ways:
-                label = tuple(self.mesh.axis_label(a) for a in axes)
+                label = tuple(self._mesh.axis_label(a) for a in axes)
                 who = f"tensor {name!r}" if name else "tensor"
                 raise LayoutError(
                     f"{who} dim {dim} (size {n}) is split {ways} ways by mesh axes {label} but "
@@ -244,19 +251,20 @@ class Layout:
         shape = tuple(self.shape[d] for d in perm)
         if self.explicit is not None:
             return Layout(shape, self.dtype, None, (), tuple(
-                (rank, tuple(Region(tuple(r.starts[d] for d in perm), tuple(r.stops[d] for d in perm))
+                (rank, tuple(Region(tuple(r.starts[d] for d in perm),
+                                    tuple(r.stops[d] for d in perm))
                              for r in regions)) for rank, regions in self.explicit))
         return Layout(shape, self.dtype, self.mesh,
                       tuple(Split(inverse[sp.dim], sp.axis, sp.split_factor) for sp in self.splits))
 
-    def _view(self, op: str, key: tuple, make: Callable[[], Any]) -> Any:
+    def _view(self, op: str, key: tuple[Any, ...], make: Callable[[], _T]) -> _T:
         """``make()`` for a view method (product form only), memoized under ``key``."""
         if self.explicit is not None:
             raise LayoutError(f"{op} needs a product-form layout; {self} is explicit form")
         return self._remember(key, make)
 
-    def _remember(self, key: tuple, make: Callable[[], Any]) -> Any:
-        got = self._cache.get(key)
+    def _remember(self, key: tuple[Any, ...], make: Callable[[], _T]) -> _T:
+        got: _T | None = self._cache.get(key)
         if got is None:
             got = self._cache[key] = make()
         return got
@@ -279,7 +287,7 @@ class Layout:
                           lambda: self._sliced(dim, start, stop))
 
     def _sliced(self, dim: int, start: int, stop: int) -> tuple[Layout, Mapping[int, slice]]:
-        mesh, axes, n = self.mesh, self.dim_axes(dim), self.shape[dim]
+        mesh, axes, n = self._mesh, self.dim_axes(dim), self.shape[dim]
         shape = self.shape[:dim] + (stop - start,) + self.shape[dim + 1:]
         if not axes or n == 0:
             return (Layout(shape, self.dtype, mesh, self.splits),
@@ -297,7 +305,8 @@ class Layout:
                 "a split dim must lie in one block or be whole blocks of one axis (an even "
                 "split) - split another dim, or align the slice with the blocks")
         (ax,) = axes
-        ranks = tuple(r for r in mesh.ranks if k0 <= mesh.coord(r)[ax] < k1)   # row-major
+        coords = itertools.product(*map(range, mesh.shape))      # row-major, as mesh.ranks
+        ranks = tuple(r for r, c in zip(mesh.ranks, coords) if k0 <= c[ax] < k1)
         sub = Mesh(mesh.shape[:ax] + (k1 - k0,) + mesh.shape[ax + 1:], ranks, mesh.axis_names)
         local = slice(start - k0 * block, stop - k0 * block) if k1 - k0 == 1 else slice(None)
         return Layout(shape, self.dtype, sub, self.splits), MappingProxyType(dict.fromkeys(
@@ -319,7 +328,7 @@ class Layout:
         return self._view("select", ("selected", dim, index), lambda: self._selected(dim, index))
 
     def _selected(self, dim: int, index: int) -> tuple[Layout, Mapping[int, int]]:
-        mesh, axes = self.mesh, self.dim_axes(dim)
+        mesh, axes = self._mesh, self.dim_axes(dim)
         shape = self.shape[:dim] + self.shape[dim + 1:]
         keep = [a for a in range(mesh.ndim) if a not in axes]
         renumber = {a: k for k, a in enumerate(keep)}
@@ -327,8 +336,9 @@ class Layout:
                        for sp in self.splits if sp.dim != dim)
         local = {}
         for r in mesh.ranks:
-            pos = 0
-            for a, b in self.dim_intervals(r)[dim]:
+            pos, held = 0, self.dim_intervals(r)
+            assert held is not None                # every rank of the mesh holds something
+            for a, b in held[dim]:
                 if a <= index < b:
                     local[r] = pos + index - a
                 pos += b - a
@@ -378,12 +388,12 @@ class Layout:
             major_old = next((d for d in od if old[d] > 1), od[0])
             major_new = next((d for d in nd if new[d] > 1), nd[0])
             moved = [sp for sp in self.splits if sp.dim == major_old]
-            ways = math.prod(self.mesh.shape[sp.axis] for sp in moved)
+            ways = math.prod(self._mesh.shape[sp.axis] for sp in moved)
             whole = old[major_old] == new[major_new] == math.prod(new[d] for d in nd)
             if split_dims != [major_old] or not whole and (
                     old[major_old] % ways or new[major_new] % ways
                     or any(sp.split_factor > 1 for sp in moved)):
-                axes = [self.mesh.axis_label(a) for d in split_dims for a in self.dim_axes(d)]
+                axes = [self._mesh.axis_label(a) for d in split_dims for a in self.dim_axes(d)]
                 raise LayoutError(
                     f"reshape {old} -> {new} would cut the shards of dims {split_dims} (split "
                     f"by mesh axes {axes}) into non-boxes; only the major dim of a merged or "
@@ -409,11 +419,11 @@ class Layout:
         """Every rank the layout places (some may hold nothing)."""
         if self.explicit is not None:
             return tuple(r for r, _ in self.explicit)
-        return self.mesh.ranks
+        return self._mesh.ranks
 
     def dim_axes(self, dim: int) -> tuple[int, ...]:
         """Mesh axes splitting ``dim``, in the order they apply."""
-        axes = self._cache.get("axes")
+        axes: tuple[tuple[int, ...], ...] | None = self._cache.get("axes")
         if axes is None:
             axes = self._cache["axes"] = tuple(
                 tuple(sp.axis for sp in self.splits if sp.dim == d) for d in range(self.ndim))
@@ -445,10 +455,11 @@ class Layout:
         if table is None:
             dim_splits = [sp for sp in self.splits if sp.dim == dim]
             table = {}
-            for coords in itertools.product(*(range(self.mesh.shape[sp.axis]) for sp in dim_splits)):
+            for coords in itertools.product(*(range(self._mesh.shape[sp.axis])
+                                              for sp in dim_splits)):
                 ivs: tuple[Interval, ...] = ((0, self.shape[dim]),) if self.shape[dim] else ()
                 for sp, c in zip(dim_splits, coords):
-                    ivs = split_intervals(ivs, self.mesh.shape[sp.axis], c, sp.split_factor)
+                    ivs = split_intervals(ivs, self._mesh.shape[sp.axis], c, sp.split_factor)
                 table[coords] = ivs
             self._cache[key] = table
         return table
@@ -460,8 +471,9 @@ class Layout:
                               "layout has only regions(rank)")
         key = ("iv", rank)
         if key in self._cache:
-            return self._cache[key]
-        coord = self.mesh.coord(rank)
+            known: tuple[tuple[Interval, ...], ...] | None = self._cache[key]
+            return known
+        coord = self._mesh.coord(rank)
         got = None if coord is None else tuple(
             self.dim_table(d)[tuple(coord[a] for a in self.dim_axes(d))] for d in range(self.ndim))
         self._cache[key] = got
@@ -480,12 +492,13 @@ class Layout:
         if self.explicit is not None:
             raise LayoutError("rank_groups needs a product-form layout; an explicit-form "
                               "layout has only regions(rank)")
-        got = self._cache.get("groups")
+        got: tuple[tuple[tuple[tuple[Interval, ...], ...], tuple[int, ...]], ...] | None = \
+            self._cache.get("groups")
         if got is None:
-            groups: dict[tuple, list[int]] = {}
-            for rank in self.mesh.ranks:
+            groups: dict[tuple[tuple[Interval, ...], ...], list[int]] = {}
+            for rank in self._mesh.ranks:
                 per_dim = self.dim_intervals(rank)
-                if all(per_dim):
+                if per_dim is not None and all(per_dim):
                     groups.setdefault(per_dim, []).append(rank)
             got = self._cache["groups"] = tuple((k, tuple(v)) for k, v in groups.items())
         return got
@@ -546,18 +559,18 @@ class Layout:
 
     # ------------------------------------------------------------ serialization
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, Any]:
         d: dict[str, Any] = {"shape": list(self.shape), "dtype": self.dtype}
         if self.explicit is not None:
             d["explicit"] = [[rank, [[list(r.starts), list(r.stops)] for r in regions]]
                              for rank, regions in self.explicit]
         else:
-            d["mesh"] = self.mesh.to_dict()
+            d["mesh"] = self._mesh.to_dict()
             d["splits"] = [[s.dim, s.axis, s.split_factor] for s in self.splits]
         return d
 
     @classmethod
-    def from_dict(cls, d: Mapping) -> Layout:
+    def from_dict(cls, d: Mapping[str, Any]) -> Layout:
         if "explicit" in d:
             return cls(tuple(d["shape"]), d["dtype"], None, (), tuple(
                 (int(rank), tuple(Region(tuple(a), tuple(b)) for a, b in regions))
@@ -569,87 +582,16 @@ class Layout:
         return json.dumps(self.to_dict(), separators=(",", ":"))
 
     @classmethod
-    def from_json(cls, text: str | Mapping) -> Layout:
+    def from_json(cls, text: str | Mapping[str, Any]) -> Layout:
         return cls.from_dict(json.loads(text) if isinstance(text, (str, bytes)) else text)
 
     def __str__(self) -> str:
         head = f"{tuple(self.shape)} {self.dtype}"
         if self.explicit is not None:
             return f"Layout({head}, explicit over {len(self.explicit)} ranks)"
-        parts = [f"d{sp.dim}<-{self.mesh.axis_label(sp.axis)}"
+        parts = [f"d{sp.dim}<-{self._mesh.axis_label(sp.axis)}"
                  + (f"/sf{sp.split_factor}" if sp.split_factor > 1 else "") for sp in self.splits]
         return f"Layout({head} on {self.mesh}: {' '.join(parts) or 'replicated'})"
-
-
-def _is_unconstrained(entry: Any) -> bool:
-    return type(entry).__name__ == "UnconstrainedSingleton" or repr(entry) == "UNCONSTRAINED"
-
-
-def splits_of_placements(placements: Sequence[Any], mesh: Mesh, shape: tuple[int, ...],
-                         where: str = "") -> list[Split]:
-    """One Split per shard placement, in mesh-axis order (the order DTensor applies them);
-    ``where`` prefixes error messages (``"tensor 'w': "``)."""
-    if len(placements) != mesh.ndim:
-        raise LayoutError(f"{where}{len(placements)} placements for a {mesh.ndim}-d mesh "
-                          f"{mesh}: {list(placements)}; {_PLACEMENT_HELP}")
-    ndim = len(shape)
-    splits = []
-    for axis, p in enumerate(placements):
-        parsed = parse_placement(p, where, mesh.axis_label(axis))
-        if parsed is None:
-            continue
-        dim, sf = parsed
-        if not -ndim <= dim < ndim:
-            raise LayoutError(f"{where}placement {p!r} on mesh axis {mesh.axis_label(axis)!r} "
-                              f"shards dim {dim} of a {ndim}-d tensor of shape {shape}")
-        splits.append(Split(dim % ndim, axis, sf))
-    return splits
-
-
-def parse_placement(p: Any, where: str = "", axis: str | None = None) -> tuple[int, int] | None:
-    """(dim, split_factor) of a shard placement, None for Replicate.
-
-    Takes the neutral strings (``"R"``, ``"S0"``, ``"SS1/2"``) or torch placement objects,
-    recognised by class name along the MRO (so subclasses work, and ``_StridedShard`` is
-    tested first: before torch 2.10 it subclassed ``Shard``) without importing torch.
-
-    Raises:
-        LayoutError: Partial (a pending reduction) or anything not understood.
-    """
-    shown = repr(p) if isinstance(p, str) else str(p)
-    on = f" on mesh axis {axis!r}" if axis is not None else ""
-    partial = (f"{where}placement {shown}{on} is Partial (a pending reduction); xreshard does "
-               "not reduce yet - redistribute to Replicate/Shard first (e.g. "
-               "dt.redistribute(placements=[Replicate()]))")
-    if isinstance(p, str):
-        s = p.strip()
-        if s in ("R", "Replicate", "Replicate()"):
-            return None
-        try:
-            if s.startswith("SS") and "/" in s:
-                dim, sf = s[2:].split("/", 1)
-                return int(dim), int(sf)
-            if s.startswith("S"):
-                return int(s[1:]), 1
-        except ValueError:
-            pass
-        if s.startswith("P"):
-            raise LayoutError(partial)
-        raise LayoutError(f"{where}placement {shown}{on} is not understood; {_PLACEMENT_HELP}")
-    kinds = [c.__name__ for c in type(p).__mro__]
-    if "_StridedShard" in kinds:
-        dim, sf = int(p.dim), int(p.split_factor)
-        if sf < 1:
-            raise LayoutError(f"{where}placement {shown}{on} needs split_factor >= 1")
-        return dim, sf
-    if "Shard" in kinds:
-        return int(p.dim), 1
-    if "Replicate" in kinds:
-        return None
-    if any("Partial" in k for k in kinds):
-        raise LayoutError(partial)
-    raise LayoutError(f"{where}placement {p!r} (type {kinds[0]}){on} is not understood; "
-                      f"{_PLACEMENT_HELP}")
 
 
 class LayoutMemo:

@@ -35,12 +35,12 @@ import logging
 import time
 from bisect import bisect_right
 from dataclasses import dataclass
-from typing import Any, Iterator, Mapping, Sequence
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 from .balance import split_piece
 from ..dtypes import dtype_name
 from ..errors import PlanError
-from ..ir.layout import Layout
+from ..ir.layout import Layout, Region
 from .streams import (Quotas, SenderClasses, Streams, Sub, cut_quotas, lay_streams, piece_at,
                       sender_classes)
 from .templates import MAX_LISTED, PlanCache, build_templates
@@ -53,7 +53,8 @@ __all__ = ["Plan", "PlanCache", "PlanStats", "ReceiveTable", "Transfer", "plan"]
 
 @dataclass(frozen=True, slots=True)
 class Transfer:
-    """``region`` of tensor ``name`` goes from rank ``src`` to rank ``dst`` (``nbytes`` on the wire)."""
+    """``region`` of tensor ``name`` goes from rank ``src`` to rank ``dst`` (``nbytes`` on the
+    wire)."""
 
     name: str
     region: Region
@@ -127,10 +128,12 @@ class PlanStats:
             ("minimum", f"{self.bytes_min / gib:.3f} GiB (moved/min "
                         f"{self.bytes_moved / max(self.bytes_min, 1):.3f})"),
             ("gather+broadcast", f"{self.bytes_gather_broadcast / gib:.3f} GiB "
-                                 f"({self.bytes_gather_broadcast / max(self.bytes_moved, 1):.1f}x moved)"),
+                                 f"({self.bytes_gather_broadcast / max(self.bytes_moved, 1):.1f}x "
+                                 f"moved)"),
             ("local copies", f"{self.bytes_local / gib:.3f} GiB in {self.num_local_copies}"),
             ("max sent / rank", f"{max(self.bytes_sent.values(), default=0) / gib:.3f} GiB"),
-            ("max received / rank", f"{max(self.bytes_received.values(), default=0) / gib:.3f} GiB"),
+            ("max received / rank",
+             f"{max(self.bytes_received.values(), default=0) / gib:.3f} GiB"),
             ("sender balance", f"{self.sender_balance:.4f} x lower bound, "
                                f"{self.sender_balance_mean:.3f} x mean"),
             ("transfers", str(self.num_transfers)),
@@ -473,6 +476,7 @@ class Plan:
         copies = self.local_copies_for(rank)
         per_peer: dict[tuple[int, str], list[int]] = {}
         rows = []
+        peer_of: Callable[[Transfer], int]
         for direction, peer_of, transfers in (("recv from", lambda t: t.src, recv),
                                               ("send to", lambda t: t.dst, send),
                                               ("local", lambda t: t.src, copies)):
@@ -561,7 +565,8 @@ def _validate(src_layouts: Mapping[str, Layout], dst_layouts: Mapping[str, Layou
     if shape_bad:
         problems.append(f"shape mismatch in {len(shape_bad)} tensor(s): "
                         + "; ".join(shape_bad[:MAX_LISTED])
-                        + (f"; and {len(shape_bad) - MAX_LISTED} more" if len(shape_bad) > MAX_LISTED else ""))
+                        + (f"; and {len(shape_bad) - MAX_LISTED} more"
+                           if len(shape_bad) > MAX_LISTED else ""))
     if dtype_bad:
         problems.append(f"dtype mismatch in {len(dtype_bad)} tensor(s) and no cast requested: "
                         + "; ".join(dtype_bad[:MAX_LISTED])
@@ -579,12 +584,11 @@ def _topology_of(topology: Any, world: Any) -> Topology | None:
         if topology is not None:
             raise TypeError("plan() takes topology= or its alias world=, not both")
         topology = world
-    topology = getattr(topology, "topology", topology)
-    if topology is not None and not (hasattr(topology, "process_of")
-                                     and hasattr(topology, "host_of")):
+    topo: Topology | None = getattr(topology, "topology", topology)
+    if topo is not None and not (hasattr(topo, "process_of") and hasattr(topo, "host_of")):
         raise TypeError(f"plan(topology=...) takes a World or a Topology (or None), got "
-                        f"{type(topology).__name__}")
-    return topology
+                        f"{type(topo).__name__}")
+    return topo
 
 
 def plan(src_layouts: Mapping[str, Layout], dst_layouts: Mapping[str, Layout],

@@ -16,7 +16,7 @@ schedule, in one call (see "Overlap" below):
   same domain, so the planner has nothing to choose.
 
 Both stages bind views of the real destination memory (the runtime cuts them,
-``xreshard.runtime.execute.stage_views``), so stage 1 writes straight into the final
+``xreshard.runtime.metadata.stage_views``), so stage 1 writes straight into the final
 memory and stage 2 forwards from it; nothing is staged twice.
 
 Pieces: a domain's needs of one tensor are cut by a grid made of every boundary of every
@@ -116,11 +116,11 @@ def domain_of(topology: Any, rank: int) -> Any:
     return ("host", host) if host is not None else ("rank", rank)
 
 
-def _cells(regions: list[tuple[int, Region]], ndim: int) -> dict[tuple[int, ...], list]:
+def _cells(regions: list[tuple[int, Region]], ndim: int) -> dict[tuple[int, ...], list[Any]]:
     """Grid cells (index tuples) of ``regions`` -> [cell region, ranks needing it]."""
     bounds = [sorted({b for _, r in regions for b in (r.starts[d], r.stops[d])})
               for d in range(ndim)]
-    cells: dict[tuple[int, ...], list] = {}
+    cells: dict[tuple[int, ...], list[Any]] = {}
     for rank, r in regions:
         ranges = [range(bisect_left(bounds[d], r.starts[d]), bisect_left(bounds[d], r.stops[d]))
                   for d in range(ndim)]
@@ -149,7 +149,7 @@ def _cut(box: Region, k: int) -> list[Region]:
     return out
 
 
-def _pieces(dst: Layout, src_domains: frozenset | None, domain: Any) -> list:
+def _pieces(dst: Layout, src_domains: frozenset[Any] | None, domain: Any) -> list[Any]:
     """Per domain of ``dst``'s ranks: (domain, ranks, cells) with cells the sorted
     [(box, ranks needing it, its parts)], or None where the domain receives directly."""
     by_domain: dict[Any, list[int]] = {}
@@ -189,9 +189,10 @@ def relay_layouts(src_layouts: Mapping[str, Layout], dst_layouts: Mapping[str, L
     relayed = 0
     loads: dict[Any, dict[int, int]] = {}       # domain -> rank -> bytes assigned
     domains: dict[int, Any] = {}
-    src_memo: dict[Layout, frozenset] = {}
-    pieces_memo: dict[tuple, list] = {}     # layouts are interned: tensors share the work
-    made: dict[tuple, Layout] = {}          # and most tensors get equal stage layouts
+    src_memo: dict[Layout, frozenset[Any]] = {}
+    # layouts are interned: tensors share the work, and most get equal stage layouts
+    pieces_memo: dict[tuple[Any, ...], list[Any]] = {}
+    made: dict[tuple[Any, ...], Layout] = {}
 
     def domain(rank: int) -> Any:
         got = domains.get(rank)
@@ -243,7 +244,8 @@ def relay_layouts(src_layouts: Mapping[str, Layout], dst_layouts: Mapping[str, L
     return RelayLayouts(stage1, stage2_src, stage2_dst, relayed)
 
 
-def _explicit(like: Layout, regions: dict[int, list[Region]], made: dict) -> Layout:
+def _explicit(like: Layout, regions: dict[int, list[Region]],
+              made: dict[tuple[Any, ...], Layout]) -> Layout:
     """``Layout.explicit_form`` (shape and dtype of ``like``), remembered in ``made``: its
     checks cost ~1 ms for a hundred ranks, and most tensors repeat a few stage layouts."""
     key = (like.shape, like.dtype, tuple((r, tuple(regions[r])) for r in sorted(regions)))
@@ -305,20 +307,20 @@ def overlapped_schedule(plan1: Any, plan2: Any, ranks: Iterable[int], *, bucket_
         else:
             last = 1 + max((k for got in arrived.values() for _, k in got), default=0)
             ready = {b.tag: last for b in buckets}
-        rnd = used = 0
+        at = used = 0
         for i, b in enumerate(sorted(buckets, key=lambda b: (ready[b.tag], b.tag))):
-            if ready[b.tag] > rnd:
-                rnd, used = ready[b.tag], 0
+            if ready[b.tag] > at:
+                at, used = ready[b.tag], 0
             elif used and used + b.nbytes > size:
-                rnd, used = rnd + 1, 0
+                at, used = at + 1, 0
             used += b.nbytes
-            while len(rounds) <= rnd:
+            while len(rounds) <= at:
                 rounds.append([])
-            rounds[rnd].append(dataclasses.replace(
-                b, round=rnd, tag=first_tag.get((src, dst), 0) + i))
+            rounds[at].append(dataclasses.replace(
+                b, round=at, tag=first_tag.get((src, dst), 0) + i))
     in_flight: dict[tuple[int, int], int] = {}
-    for k, rnd in enumerate(rounds):
-        for b in rnd:
+    for k, buckets in enumerate(rounds):
+        for b in buckets:
             for r in {b.src, b.dst} & mine:
                 in_flight[(k, r)] = in_flight.get((k, r), 0) + b.nbytes
     return Schedule(tuple(tuple(r) for r in rounds),

@@ -16,7 +16,7 @@ from __future__ import annotations
 from bisect import bisect_right
 from collections import Counter
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable
 
 from .balance import balance
 from ..ir.layout import Region
@@ -73,7 +73,7 @@ def sender_classes(use: TemplateUse, topology: Topology | None) -> SenderClasses
     rank_tuples: list[tuple[int, ...]] = []
     tuple_id: dict[tuple[int, ...], int] = {}
 
-    def intern(xs: tuple, table: dict, store: list) -> int:
+    def intern(xs: tuple[int, ...], table: dict[Any, int], store: list[Any]) -> int:
         i = table.get(xs)
         if i is None:
             i = table[xs] = len(store)
@@ -252,10 +252,10 @@ def cut_quotas(cls: SenderClasses, streams: Streams, topology: Topology | None) 
         for v, cnt in streams.view_counts.items():
             view = cls.views[v]
             for _, holders, ranks, n in view.template.groups:
-                b = cnt * n * view.itemsize * len(ranks)
+                nbytes = cnt * n * view.itemsize * len(ranks)
                 if len(holders) == 1:
-                    lb_fixed[holders[0]] = lb_fixed.get(holders[0], 0) + b
+                    lb_fixed[holders[0]] = lb_fixed.get(holders[0], 0) + nbytes
                 else:
-                    lb_demand[holders] = lb_demand.get(holders, 0) + b
+                    lb_demand[holders] = lb_demand.get(holders, 0) + nbytes
         lower, _ = balance(lb_demand, lb_fixed)
     return Quotas(bounds, sender_classes, lower)

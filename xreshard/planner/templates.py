@@ -172,7 +172,9 @@ def _product_pieces(src: Layout, dst: Layout
     for dim in range(ndim):
         items = sorted((s, e, key) for key, ivs in src.dim_table(dim).items() for s, e in ivs)
         segs.append(([s for s, _, _ in items], items))
-    holders_memo: dict[tuple, Holders] = {}
+    holders_memo: dict[tuple[int, ...], Holders] = {}
+    mesh = src.mesh
+    assert mesh is not None                        # product form
     for per_dim, ranks in dst.rank_groups():
         dim_lists = [_overlaps(*segs[dim], per_dim[dim]) for dim in range(ndim)]
         for combo in itertools.product(*dim_lists):
@@ -180,9 +182,9 @@ def _product_pieces(src: Layout, dst: Layout
             holders = holders_memo.get(keys)
             if holders is None:
                 fixed = {a: c for dim in range(ndim) for a, c in zip(src_axes[dim], keys[dim])}
-                coords = [[fixed[a]] if a in fixed else range(src.mesh.shape[a])
-                          for a in range(src.mesh.ndim)]
-                holders = tuple(sorted(src.mesh.rank_at(c) for c in itertools.product(*coords)))
+                coords = [[fixed[a]] if a in fixed else range(mesh.shape[a])
+                          for a in range(mesh.ndim)]
+                holders = tuple(sorted(mesh.rank_at(c) for c in itertools.product(*coords)))
                 holders_memo[keys] = holders
             yield ranks, Region(tuple(c[0] for c in combo), tuple(c[1] for c in combo)), holders
 
@@ -203,17 +205,17 @@ def _general_pieces(src: Layout, dst: Layout, name: str, problems: list[str]
 
 
 def _cells(want: Region, inter: list[tuple[tuple[int, int], Region]], rank: int, name: str,
-           problems: list[str]) -> list[tuple[Region, tuple]]:
+           problems: list[str]) -> list[tuple[Region, tuple[tuple[int, int], ...]]]:
     """``want`` cut on every boundary of the source regions it meets, with the (rank,
     buffer) holders of each cell; runs along the last dim sharing holders are merged."""
     cuts = []
     for dim in range(want.ndim):
-        pts = {want.starts[dim], want.stops[dim]}
+        seen = {want.starts[dim], want.stops[dim]}
         for _, x in inter:
-            pts.update((x.starts[dim], x.stops[dim]))
-        pts = sorted(pts)
+            seen.update((x.starts[dim], x.stops[dim]))
+        pts = sorted(seen)
         cuts.append(list(zip(pts, pts[1:])))
-    cells: list[tuple[Region, tuple]] = []
+    cells: list[tuple[Region, tuple[tuple[int, int], ...]]] = []
     for combo in itertools.product(*cuts):
         cell = Region(tuple(c[0] for c in combo), tuple(c[1] for c in combo))
         holders = tuple(sorted(h for h, x in inter if x.contains(cell)))

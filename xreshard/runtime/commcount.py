@@ -34,7 +34,7 @@ from ..transport.base import Transport, nbytes_of
 __all__ = ["CommCounts", "CountedTransport", "count_comm"]
 
 _LOCK = threading.Lock()
-_ACTIVE: list["CommCounts"] = []
+_ACTIVE: list[CommCounts] = []
 
 
 class CommCounts:

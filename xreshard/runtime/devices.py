@@ -175,7 +175,7 @@ def wait_devices(devices: Sequence[int], deadline: float, timeout: float) -> Non
 _BF16_NEEDS = "CuPy >= 14 with ml_dtypes and numpy >= 2.1.2"
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def cupy_knows(name: str) -> bool:
     """Whether CuPy's kernels (and DLPack import) handle the canonical dtype ``name``.
 

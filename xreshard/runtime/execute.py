@@ -74,7 +74,7 @@ from .devices import wait_devices as _wait_devices
 from ..config import Tuning
 from ..dtypes import as_dtype, numpy_dtype
 from ..errors import RefitError
-from ..ir.layout import Layout, Region
+from ..ir.layout import Layout
 from ..planner.prepare import PreparedCall
 from ..planner.schedule import Bucket, Copy, Schedule
 from ..transport.base import Transport

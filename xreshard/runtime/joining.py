@@ -39,7 +39,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from ..errors import (AuthenticationError, CollectiveMismatch, CommunicationError,
+from ..errors import (AuthenticationError, CommunicationError,
                       RefitError, TransportError, WorldMismatch)
 from ..transport.base import TransportTimeout
 from .store import Seal, store_nonce

@@ -24,11 +24,11 @@ The checksum (``xr64x2``, 128 bits) is built for speed on CPU and GPU from two r
 that numpy and CuPy run at memory speed, with identical integer results: the bytes as
 little-endian uint64 words (zero-padded tail), laid out in rows of ``ROW_WORDS`` words;
 ``h1 = sum_r P[r] * rowsum[r]``, ``h2 = sum_c Q[c] * colsum[c]`` (mod 2**64), ``P``/``Q`` odd
-pseudo-random constants, and the byte length mixed into ``h1``. Any change confined to one word changes ``h1`` (an odd factor is
-invertible mod 2**64); exchanging two different words changes ``h1`` or ``h2`` unless their
-difference is divisible by about 2**62. zlib.crc32 runs at ~1.7 GB/s on the benchmark
-machine against ~10 GB/s for this; it is not a cryptographic hash (a peer that wants to
-fool it can).
+pseudo-random constants, and the byte length mixed into ``h1``. Any change confined to one
+word changes ``h1`` (an odd factor is invertible mod 2**64); exchanging two different words
+changes ``h1`` or ``h2`` unless their difference is divisible by about 2**62. zlib.crc32
+runs at ~1.7 GB/s on the benchmark machine against ~10 GB/s for this; it is not a
+cryptographic hash (a peer that wants to fool it can).
 
 Coverage: ``verify=True`` hashes every transfer. ``verify="sample"`` hashes every transfer
 of at most ``SAMPLE_SMALL_BYTES`` and those whose key falls in this call's slot

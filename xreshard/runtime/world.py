@@ -31,7 +31,8 @@ import threading
 import time
 from typing import Any, Iterator, Sequence
 
-from ..errors import CommunicationError, RefitError, WorldBroken, WorldMismatch
+from ..errors import (CollectiveMismatch, CommunicationError, RefitError, WorldBroken,
+                      WorldMismatch)
 from .joining import KEY_ROOT, Joined, join_records, label, refusal, retire
 from .store import (Seal, StoreServer, connect, parse_address, serve, token_from,
                     wait_keys)

@@ -186,7 +186,8 @@ class Result:
         else:
             why = f"exited with code {self.returncode} without a result"
         tail = self.output.strip()[-1500:]
-        return f"{head}: {why}" + (f"\n  output tail:\n{tail}" if tail and not self.traceback else "")
+        shown = f"\n  output tail:\n{tail}" if tail and not self.traceback else ""
+        return f"{head}: {why}{shown}"
 
 
 class LaunchError(RuntimeError):

@@ -509,7 +509,8 @@ class NcclTransport:
             dev_type, dev_id = buf.__dlpack_device__()
         except AttributeError:
             raise RefitError(f"nccl {what}: {type(buf).__name__} is not a DLPack array; pass a "
-                             f"torch CUDA tensor, a single-device JAX array or a CuPy array")
+                             f"torch CUDA tensor, a single-device JAX array or a CuPy array") \
+                from None
         if int(dev_type) != _KDL_CUDA or int(dev_id) != device:
             raise RefitError(f"nccl {what}: the buffer is on DLPack device "
                              f"({int(dev_type)}, {int(dev_id)}) but this rank's GPU is CUDA "

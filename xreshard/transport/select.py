@@ -218,7 +218,8 @@ class Routes:
         """The processes that ``process`` exchanges with over ``kind``."""
         n = len(self.representatives())
         return [q for q in range(n) if q != process
-                and (kind in self.process_kind(process, q) or kind in self.process_kind(q, process))]
+                and (kind in self.process_kind(process, q)
+                     or kind in self.process_kind(q, process))]
 
 
 def choose_routes(rank_process: Sequence[int], rank_kind: Sequence[str],

@@ -625,7 +625,7 @@ class ShmTransport(PeerTransport):
                 f"peers={sorted(self._peers)})")
 
 
-_LIVE: "weakref.WeakSet[ShmTransport]" = weakref.WeakSet()
+_LIVE: weakref.WeakSet[ShmTransport] = weakref.WeakSet()
 
 
 def _unlink_at_exit(transport: ShmTransport) -> None:

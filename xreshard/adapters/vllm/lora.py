@@ -110,7 +110,7 @@ def vllm_problem() -> str | None:
         major = minor = -1
     if (major, minor) not in SUPPORTED_VLLM:
         return (f"in-memory LoRA refits wrap vLLM's WorkerLoRAManager._load_adapter, checked "
-                f"against vLLM {', '.join('%d.%d' % v for v in SUPPORTED_VLLM)}; this is vLLM "
+                f"against vLLM {', '.join(f'{a}.{b}' for a, b in SUPPORTED_VLLM)}; this is vLLM "
                 f"{version} - use a checked version, or load adapters from a directory "
                 "(xreshard.adapters.lora.write_peft_dir)")
     params = list(inspect.signature(WorkerLoRAManager._load_adapter).parameters)
@@ -139,7 +139,7 @@ class _Committed:
 
 
 #: adapter manager (one per model, in its worker process) -> lora_id -> committed adapter
-_STORES: "weakref.WeakKeyDictionary[Any, dict[int, _Committed]]" = weakref.WeakKeyDictionary()
+_STORES: weakref.WeakKeyDictionary[Any, dict[int, _Committed]] = weakref.WeakKeyDictionary()
 
 
 def _peft_helper(config: Mapping[str, Any], max_position_embeddings: Any) -> Any:
@@ -255,7 +255,8 @@ def read_regions(layer: Any, index: int | None, shape: Sequence[int], factor: st
                    for c in _runs(col_ids.tolist())]
     # the non-rank dim must fill the slot exactly (set_lora would copy a short slice silently)
     fixed, limit = (got_cols, stacked.shape[3]) if factor == "A" else (got_rows, stacked.shape[2])
-    ranks, max_rank = (got_rows, stacked.shape[2]) if factor == "A" else (got_cols, stacked.shape[3])
+    ranks, max_rank = ((got_rows, stacked.shape[2]) if factor == "A"
+                       else (got_cols, stacked.shape[3]))
     if fixed != limit or ranks > max_rank:
         raise LoRAError(f"{type(layer).__name__}: the {factor} factor {rows}x{cols} slices to "
                         f"{got_rows}x{got_cols} on this rank but its slot holds "
@@ -317,7 +318,7 @@ def _digest(obj: Any) -> str:
                           ).hexdigest()
 
 
-# ---------------------------------------------------------------------------- the round's agreements
+# -------------------------------------------------------------------------- the round's agreements
 
 def _refuse(problems: Sequence[str]) -> None:
     """Raise the same LoRAError on every process that saw the same ``problems``."""

@@ -43,7 +43,8 @@ can be built here at all: ``LLM(...)`` of a block-FP8 checkpoint, or with
 ``quantization="fp8_per_block"``, fails in the worker with "Failed to find a kernel that
 can implement the ScaledMM linear layer" (``CPUFp8W8A8BlockScaledMMKernel`` and
 ``CPUFp8BlockScaledMMKernel`` "require AMX tile support"), with ``"mxfp8"`` "... the
-MXFP8 linear layer"; MoE layers get the FP8 backend ``NONE`` (MXFP8 MoE: ``EMULATION``). :func:`kernel_stand_ins` lets vLLM choose as usual and, only
+MXFP8 linear layer"; MoE layers get the FP8 backend ``NONE`` (MXFP8 MoE: ``EMULATION``).
+:func:`kernel_stand_ins` lets vLLM choose as usual and, only
 where it finds no kernel, hands the layer :class:`KernelStandIn`: its post-processing
 leaves the tensors as vLLM's loaders (and online quantization) wrote them, and its GEMM
 raises. Parameters, loaders, online quantization and the block-shape checks stay vLLM's.

@@ -473,10 +473,10 @@ def _probe_class() -> type:
 
         @classmethod
         def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-            names = sorted({a.hf_name for a in tree_flatten((args, kwargs))[0] if isinstance(a, cls)})
-            raise RecordError(f"tensors {names}: {func} reached the dispatcher on the "
-                              "recording probe; the weight loader does something other than "
-                              "views and copy_")
+            flat = tree_flatten((args, kwargs))[0]
+            names = sorted({a.hf_name for a in flat if isinstance(a, cls)})
+            raise RecordError(f"tensors {names}: {func} reached the dispatcher on the recording "
+                              "probe; the weight loader does something other than views and copy_")
 
     return _Probe
 

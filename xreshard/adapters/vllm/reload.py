@@ -164,7 +164,8 @@ def gemm_weight(module: Any, *, rows: int = 1024) -> Any:
         if not k:
             raise RecordError(f"{type(module).__name__}: its weight was replaced by a prepacked "
                               "kernel and the module names no input size "
-                              "(input_size_per_partition, embedding_dim, input_size) to read it back")
+                              "(input_size_per_partition, embedding_dim, input_size) to read it "
+                              "back")
     cols = []
     for a in range(0, int(k), rows):
         b = min(int(k), a + rows)

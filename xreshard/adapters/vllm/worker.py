@@ -38,11 +38,11 @@ Decision record.
   ``"rollout"`` with index = worker (stage-major, then TP rank), trainer processes as
   ``"trainer"``.
 * The workers all-gather their recordings over vLLM's own world group (its gloo CPU group,
-  JSON bytes, never pickle), so every worker describes the same global layouts (product form where vLLM's sharding is
-  one, explicit for the padded vocab). Rejected: marking per-rank layouts ``local_only``
-  and letting the refit union them (explicit form only, so the planner loses the per-dim
-  intersection), and an extra all-gather over the xreshard world (the trainer would need
-  to know about it). The trainer's protocol is "join, then :class:`Stream`".
+  JSON bytes, never pickle), so every worker describes the same global layouts (product form
+  where vLLM's sharding is one, explicit for the padded vocab). Rejected: marking per-rank
+  layouts ``local_only`` and letting the refit union them (explicit form only, so the
+  planner loses the per-dim intersection), and an extra all-gather over the xreshard world
+  (the trainer would need to know about it). The trainer's protocol is "join, then :class:`Stream`".
 * Everything happens in ``update_weights``; ``start_weight_update`` and
   ``finish_weight_update`` do nothing.
 * Streaming: the groups come from the recordings (:meth:`EngineRecording.groups
