@@ -142,7 +142,7 @@ def _cells(dst: Layout, src_domains: frozenset | None, domain: Sequence[int]) ->
             by_m.setdefault(len(cells[c][1]), []).append(c)
         for m, cs in by_m.items():
             needers = np.array([cells[c][1] for c in cs], np.int64).reshape(len(cs), m)
-            nbytes = np.zeros((len(cs), m), np.int64)
+            nbytes: Any = np.zeros((len(cs), m), np.int64)
             for i, c in enumerate(cs):
                 sizes = [p.size * isz for p in cells[c][2]]
                 nbytes[i, :len(sizes)] = sizes
@@ -170,12 +170,12 @@ def relay_stages(src_layouts: Mapping[str, Layout], dst_layouts: Mapping[str, La
     """
     names = sorted(dst_layouts)
     n = len(domain)
-    load = np.zeros(n, np.int64)        # bytes each rank took so far (its domain's counter)
+    load: Any = np.zeros(n, np.int64)        # bytes each rank took so far (its domain's counter)
     src_memo: dict[int, frozenset | None] = {}
     cells_memo: dict[tuple, tuple[int, _Cells]] = {}
     made: dict[tuple, int] = {}
     stage1: dict[str, Layout] = {}
-    choice = np.empty(len(names), np.int32)
+    choice: Any = np.empty(len(names), np.int32)
     forwards: list[tuple[Forward, ...]] = []
     layouts: list[Layout] = []
     relayed_of: list[int] = []
@@ -268,7 +268,8 @@ def _cut_pieces(fwd: list[Forward]) -> tuple[Forward, ...]:
             out.append(Forward(f.taker, f.index, f.region, f.targets, (f.region,)))
             continue
         want = f.region
-        inter = [(buffer[j], want.intersect(fwd[j].region)) for j in others]
+        inter = [(buffer[j], box) for j in others
+                 if (box := want.intersect(fwd[j].region)) is not None]
         cuts = []
         for d in range(want.ndim):
             pts = sorted({x for _, box in inter for x in (box.starts[d], box.stops[d])})

@@ -27,7 +27,6 @@ from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import numpy as np
 
-from ..dtypes import itemsize
 from ..planner.schedule import MIN_BUCKET_BYTES, OWN_MESSAGE_BYTES
 from .wire import Wire, wire_parts
 

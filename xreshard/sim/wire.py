@@ -135,7 +135,7 @@ class Wire:
         needs: the itemsize of its dtype in ``dtypes``, or (itemsize, tensor shape) when
         the tensor travels block-quantized."""
         spec: dict[Any, int] = {}
-        out = np.empty(len(names), np.int64)
+        out: Any = np.empty(len(names), np.int64)
         for t, name in enumerate(names):
             isz = itemsize(dtypes[name])
             shape = layouts[name].shape
@@ -159,8 +159,8 @@ class Wire:
         return delta_bytes(nbytes, elements, self.delta)
 
     def describe(self) -> str:
-        parts = ["block FP8 (e4m3 + float32 scale per %dx%d block) for linear weights"
-                 % (self.block, self.block) if self.fmt == "fp8" else "the plan's dtypes"]
+        parts = [f"block FP8 (e4m3 + float32 scale per {self.block}x{self.block} block) for "
+                 "linear weights" if self.fmt == "fp8" else "the plan's dtypes"]
         if self.delta is not None:
             parts.append(f"delta: {self.delta:g} of elements changed, smallest of dense / "
                          "bitmask / index runs per bucket")
