@@ -4,9 +4,9 @@ What the planner decided (:mod:`xreshard.planner.quantize`) the executor does pe
 inside its pipeline:
 
 * **pack** an FP8 item: read the region's values from the source binding, cast them to
-  the dtype the trainer exports (``QuantStep.values``), quantize them with the host
-  quantizer (:mod:`xreshard.quant.host`, vLLM's bytes) and write the scales, then the
-  codes, into the message; the pipelined executor does this while the wire moves the
+  the dtype the trainer exports (``QuantStep.values``), quantize them (:func:`quantize_
+  values`: JAX's jitted quantizer in a JAX process, numpy's otherwise; vLLM's bytes
+  either way) and write the scales, then the codes, into the message; the pipelined executor does this while the wire moves the
   previous messages, so quantizing overlaps the transport instead of adding to it;
 * **unpack** an FP8 item: codes into the codes' binding, scales into the scales';
 * rest items land in scratch buffers (ordinary unpacks: the scratch is a binding of its
@@ -20,6 +20,7 @@ before anything moves.
 
 from __future__ import annotations
 
+import sys
 from typing import Any, Mapping
 
 import numpy as np
@@ -33,8 +34,25 @@ __all__ = ["pack", "unpack", "copy_local", "finish", "scratch_bindings", "quanti
            "quantized_report"]
 
 
+#: regions at least this big are quantized by JAX's jitted quantizer in a process that has
+#: JAX loaded (a JAX trainer); smaller ones by numpy (no compile per shape for them)
+JAX_MIN_ELEMENTS = 1 << 16
+
+
 def quantize_values(values: np.ndarray, fmt: Any, name: str) -> tuple[np.ndarray, np.ndarray]:
-    """``(codes, scales)`` of ``values`` (numpy, a dtype the format quantizes)."""
+    """``(codes, scales)`` of ``values`` (numpy, a dtype the format quantizes).
+
+    Identical bytes whichever runs (``tests/test_quant.py``): in a process that has JAX
+    loaded (a JAX trainer, whose CPU arrays are host memory), large regions go through
+    :mod:`xreshard.quant.jax_ops` on its CPU device - jitted per shape, ~5x numpy's
+    throughput per CPU-second (``benchmarks/RESULTS.md``); else :mod:`xreshard.quant.host`.
+    """
+    jax = sys.modules.get("jax")
+    if jax is not None and values.size >= JAX_MIN_ELEMENTS:
+        from ..quant import jax_ops
+        codes, scales = jax_ops.quantize(jax.device_put(values, jax.devices("cpu")[0]), fmt,
+                                         name=name)
+        return np.asarray(codes), np.asarray(scales)
     from ..quant import host
     fn = host.quantize_mxfp8 if isinstance(fmt, MXFP8) else host.quantize_block_fp8
     return fn(values, fmt, name=name)
