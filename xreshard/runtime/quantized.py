@@ -50,8 +50,16 @@ def quantize_values(values: np.ndarray, fmt: Any, name: str) -> tuple[np.ndarray
     jax = sys.modules.get("jax")
     if jax is not None and values.size >= JAX_MIN_ELEMENTS:
         from ..quant import jax_ops
-        codes, scales = jax_ops.quantize(jax.device_put(values, jax.devices("cpu")[0]), fmt,
-                                         name=name)
+        if isinstance(fmt, MXFP8) or values.dtype != numpy_dtype("bfloat16"):
+            codes, scales = jax_ops.quantize(jax.device_put(values, jax.devices("cpu")[0]),
+                                             fmt, name=name)
+        else:       # bf16 bits, imported without a copy where aligned (a JAX buffer's are)
+            bits = np.ascontiguousarray(values).view(np.uint16)
+            try:
+                x = jax.numpy.from_dlpack(bits, copy=False)
+            except (BufferError, ValueError, TypeError, RuntimeError):
+                x = jax.device_put(bits, jax.devices("cpu")[0])
+            codes, scales = jax_ops.quantize_bf16_bits(x, fmt)
         return np.asarray(codes), np.asarray(scales)
     from ..quant import host
     fn = host.quantize_mxfp8 if isinstance(fmt, MXFP8) else host.quantize_block_fp8
@@ -60,7 +68,9 @@ def quantize_values(values: np.ndarray, fmt: Any, name: str) -> tuple[np.ndarray
 
 def _values(src: Any, src_dtype: str, values: str) -> np.ndarray:
     """The region ``src`` (a binding view holding ``src_dtype``) as ``values`` values,
-    cast as the wire casts (``copy_into``), contiguous."""
+    cast as the wire casts (``copy_into``), contiguous (``src`` itself when it is)."""
+    if src_dtype == values and isinstance(src, np.ndarray) and src.flags.c_contiguous:
+        return src.view(numpy_dtype(values))
     out = np.empty(src.shape, numpy_dtype(values))
     copy_into(np, out, values, src, src_dtype)
     return out
