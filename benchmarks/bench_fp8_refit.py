@@ -164,6 +164,20 @@ def child(ctx: Any, cfg: dict) -> dict:
     def call(k: str) -> Any:
         return refits[k](send=params) if is_trainer else refits[k]()
 
+    # time spent in the executor's FP8 pack (trainer) and unpack (receivers) steps
+    from xreshard.runtime import quantized as qmod
+    spent = {"pack": 0.0, "unpack": 0.0}
+
+    def timed_step(fn: Any, key: str) -> Any:
+        def wrapper(*a: Any, **kw: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **kw)
+            finally:
+                spent[key] += time.perf_counter() - t0
+        return wrapper
+    qmod.pack, qmod.unpack = timed_step(qmod.pack, "pack"), timed_step(qmod.unpack, "unpack")
+
     wire: dict[str, int] = {}
     for k in ("bf16", "fp8"):           # warm-up: plans, transports; then every byte checked
         world.barrier(timeout=TIMEOUT)
@@ -181,12 +195,14 @@ def child(ctx: Any, cfg: dict) -> dict:
         if is_trainer:
             qbytes[0] = quantize_alone(params, specs)
 
+    spent.update(pack=0.0, unpack=0.0)
     for _ in range(cfg["reps"]):
         for k in ("bf16", "fp8"):
             times[k].append(timed(world, lambda: call(k)))
         times["quantize"].append(timed(world, alone))
     mine = {"times": times, "wire": wire, "quantized": quantized, "qbytes": qbytes[0],
-            "trainer": is_trainer}
+            "trainer": is_trainer,
+            "step_seconds": {k: v / cfg["reps"] for k, v in spent.items()}}
     everyone = world.allgather_json(mine, timeout=TIMEOUT)
     world.close()
     if not is_trainer:
@@ -209,6 +225,8 @@ def figures(res: dict, cfg: dict) -> dict[str, Any]:
             "wire_ratio": trainer["wire"]["fp8"] / trainer["wire"]["bf16"],
             "quantize_gbps": trainer["qbytes"] / med["quantize"] / 1e9,
             "quantized": trainer["quantized"], "cpu_bar_seconds": bar,
+            "trainer_pack_seconds": trainer["step_seconds"]["pack"],
+            "receiver_unpack_seconds": max(p["step_seconds"]["unpack"] for p in procs),
             "cpu_bar_met": med["fp8"] <= bar}
 
 
@@ -241,6 +259,8 @@ def main(argv: list[str] | None = None) -> None:
           f" ({fig['wire_ratio']:.3f}x)")
     print(f"  quantize alone  {fig['quantize_seconds']:.3f} s   ({fig['quantize_gbps']:.2f} GB/s "
           "of bf16 input)")
+    print(f"  in the fp8 refit: trainer's FP8 pack steps {fig['trainer_pack_seconds']:.3f} s, "
+          f"a receiver's FP8 unpack steps {fig['receiver_unpack_seconds']:.3f} s")
     print(f"  fp8 / bf16      {fig['fp8_over_bf16']:.3f}   bar 1.15 x max(0.55 x bf16, quantize) "
           f"= {fig['cpu_bar_seconds']:.3f} s: {'met' if fig['cpu_bar_met'] else 'NOT met'}")
     if args.json:

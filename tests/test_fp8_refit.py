@@ -191,3 +191,36 @@ def test_bad_offers_are_refused_before_planning():
     with pytest.raises(FormatError, match="wire_dtype int8 cannot be quantized"):
         prepare(src, dst, None, CallOptions(wire_dtype={"w": "int8"}), ranks=range(5),
                 quantized=quantized)
+
+
+def test_what_does_not_quantize_yet_is_refused_by_name():
+    """relay='on' and verify=True with tensors quantized on the way: a clear error, the
+    same in every process (prepare and the refit's check both run everywhere)."""
+    from xreshard.runtime.quantized import quantized_problems
+
+    src, dst, quantized = _case()
+    with pytest.raises(FormatError, match="relay='on' with quantized destinations"):
+        prepare(src, dst, None, CallOptions(relay="on"), ranks=range(5), quantized=quantized)
+    prepared = prepare(src, dst, None, CallOptions(relay="auto"), ranks=range(5),
+                       quantized=quantized)
+    assert [s.index for s in prepared.stages] == [0]
+    problems = quantized_problems(prepared, xr.RefitConfig(verify=True))
+    assert problems[0][0] == "RefitError" and "verify cannot check" in problems[0][1]
+    assert quantized_problems(prepared, xr.RefitConfig()) == []
+
+
+def test_codes_and_scales_offered_by_the_sender_move_as_they_are():
+    """A sender that quantized itself (codes under the name, scales under the scales'):
+    a plain move, nothing quantized on the way."""
+    src, dst, quantized = _case()
+    pre = {n: dst[n].with_dtype(dst[n].dtype) for n in dst}
+    src_q = {}
+    for name, lay in src.items():
+        qt = quantized[name]
+        src_q[name] = lay.with_dtype(qt.format.dtype)
+        src_q[qt.scale] = _sharded(qt.scale_shape, qt.format.scale_dtype, (0,), (1,), (0,))
+    prepared = prepare(src_q, pre, None, CallOptions(), ranks=range(5), quantized=quantized)
+    assert prepared.quant is None
+    with pytest.raises(FormatError, match="offers its scales 'w_scale' but bfloat16 values"):
+        prepare(dict(src_q, w=src["w"]), pre, None, CallOptions(), ranks=range(5),
+                quantized=quantized)
