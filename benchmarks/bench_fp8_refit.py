@@ -14,6 +14,8 @@ of the slowest process:
 * ``quantize_seconds``: the trainer quantizing the same bytes alone (its shards of the
   quantized tensors, with the quantizer the executor runs there - JAX's jitted one on its
   CPU devices - nothing else running);
+* CPU seconds of each phase per process (all threads; ``trainer_cpu_seconds``): what a
+  shared machine's load does not change;
 * ``fp8_over_bf16``; ``wire_bytes_fp8`` and ``wire_bytes_bf16`` (what crossed the
   transports, ``count_comm`` on the trainer); ``quantize_gbps`` (GB of bf16 input per
   second of ``quantize_seconds``).
@@ -138,6 +140,15 @@ def quantize_alone(params: dict, specs) -> int:
     return n
 
 
+def timed_cpu(world: Any, fn: Any, cpu: list) -> float:
+    """``timed`` (wall seconds after a barrier), appending this process's CPU seconds
+    (all its threads) to ``cpu``: on a loaded machine, the load-independent figure."""
+    c0 = time.process_time()
+    wall = timed(world, fn)
+    cpu.append(time.process_time() - c0)
+    return wall
+
+
 def child(ctx: Any, cfg: dict) -> dict:
     import xreshard as xr
 
@@ -196,12 +207,13 @@ def child(ctx: Any, cfg: dict) -> dict:
             qbytes[0] = quantize_alone(params, specs)
 
     spent.update(pack=0.0, unpack=0.0)
+    cpu: dict[str, list[float]] = {k: [] for k in times}
     for _ in range(cfg["reps"]):
         for k in ("bf16", "fp8"):
-            times[k].append(timed(world, lambda: call(k)))
-        times["quantize"].append(timed(world, alone))
+            times[k].append(timed_cpu(world, lambda: call(k), cpu[k]))
+        times["quantize"].append(timed_cpu(world, alone, cpu["quantize"]))
     mine = {"times": times, "wire": wire, "quantized": quantized, "qbytes": qbytes[0],
-            "trainer": is_trainer,
+            "trainer": is_trainer, "cpu": {k: statistics.median(v) for k, v in cpu.items()},
             "step_seconds": {k: v / cfg["reps"] for k, v in spent.items()}}
     everyone = world.allgather_json(mine, timeout=TIMEOUT)
     world.close()
@@ -227,6 +239,9 @@ def figures(res: dict, cfg: dict) -> dict[str, Any]:
             "quantized": trainer["quantized"], "cpu_bar_seconds": bar,
             "trainer_pack_seconds": trainer["step_seconds"]["pack"],
             "receiver_unpack_seconds": max(p["step_seconds"]["unpack"] for p in procs),
+            "trainer_cpu_seconds": trainer["cpu"],
+            "receiver_cpu_seconds": {k: max(p["cpu"][k] for p in procs if not p["trainer"])
+                                     for k in ("bf16", "fp8")},
             "cpu_bar_met": med["fp8"] <= bar}
 
 
@@ -261,6 +276,9 @@ def main(argv: list[str] | None = None) -> None:
           "of bf16 input)")
     print(f"  in the fp8 refit: trainer's FP8 pack steps {fig['trainer_pack_seconds']:.3f} s, "
           f"a receiver's FP8 unpack steps {fig['receiver_unpack_seconds']:.3f} s")
+    tc = fig["trainer_cpu_seconds"]
+    print(f"  trainer CPU seconds: bf16 refit {tc['bf16']:.3f}, fp8 refit {tc['fp8']:.3f}, "
+          f"quantize alone {tc['quantize']:.3f}")
     print(f"  fp8 / bf16      {fig['fp8_over_bf16']:.3f}   bar 1.15 x max(0.55 x bf16, quantize) "
           f"= {fig['cpu_bar_seconds']:.3f} s: {'met' if fig['cpu_bar_met'] else 'NOT met'}")
     if args.json:

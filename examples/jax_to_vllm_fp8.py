@@ -67,7 +67,6 @@ def trainer(ctx, work: str, steps: int) -> dict:
     from xreshard.adapters.naming import NameMap, jax_llama_rules
 
     base, _ = _config()
-    world = ctx.join(groups=["trainer", "rollout"], timeout=600)
     mesh = jax.make_mesh((4,), ("x",), devices=jax.local_devices())
     rules = jax_llama_rules(tied=True, qkv_bias=True)
 
@@ -82,6 +81,8 @@ def trainer(ctx, work: str, steps: int) -> dict:
 
     params = base.init_params(jax.random.key(0))
     save_file(hf_of(params), os.path.join(work, "init.safetensors"))
+    # the ranks read the initial weights once the world formed: after this file exists
+    world = ctx.join(groups=["trainer", "rollout"], timeout=600)
     print(f"trainer: {steps} optax steps", flush=True)
     params = base.train(params, steps)
     trained = hf_of(params)
