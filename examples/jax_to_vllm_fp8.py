@@ -4,10 +4,11 @@ The same tiny Qwen2 as ``jax_to_vllm.py`` with dims on the 128 grid (hidden 256,
 of 128, intermediate 512), served by vLLM from a DeepSeek-style block-FP8 checkpoint
 (``quantization_config = {quant_method: fp8, weight_block_size: [128, 128]}``), TP=2:
 
-1. A JAX trainer process (4 CPU devices) trains it, exports bf16 and refits every vLLM
-   rank: whole 128x128 blocks are quantized by the trainer's shards (jitted, on its own
-   devices) and travel as e4m3 codes + float32 scales - half the bytes -, blocks split
-   across its shards travel bf16 and are quantized by the rank that receives them; then
+1. A JAX trainer process (4 CPU devices, 2x2 mesh) trains it, exports bf16 and refits
+   every vLLM rank: whole 128x128 blocks are quantized by the trainer's shards (jitted,
+   on its own devices) and travel as e4m3 codes + float32 scales - half the bytes -,
+   blocks split across its shards would travel bf16 and be quantized by the rank that
+   receives them; then
    vLLM's own loaders and ``process_weights_after_loading`` take them (layerwise reload).
 2. Each vLLM rank (a process building vLLM's model for its TP rank) then compares every
    parameter the refit wrote, byte for byte, with what vLLM's own ``load_weights`` writes
@@ -67,7 +68,7 @@ def trainer(ctx, work: str, steps: int) -> dict:
     from xreshard.adapters.naming import NameMap, jax_llama_rules
 
     base, _ = _config()
-    mesh = jax.make_mesh((4,), ("x",), devices=jax.local_devices())
+    mesh = jax.make_mesh((2, 2), ("a", "b"), devices=jax.local_devices())
     rules = jax_llama_rules(tied=True, qkv_bias=True)
 
     def hf_of(params):
@@ -75,9 +76,13 @@ def trainer(ctx, work: str, steps: int) -> dict:
         views = NameMap(rules).apply({n: a.shape for n, a in flat.items()})
         return {n: _bf16(np.ascontiguousarray(t.view(flat))) for n, t in views.items()}
 
-    def sharded(hf):      # what a JAX trainer holds: bf16, rows over its 4 devices
-        return {n: jax.device_put(a, NamedSharding(mesh, P("x") if a.shape[0] % 4 == 0
-                                                   else P())) for n, a in hf.items()}
+    def spec(shape):      # 2-D weights on the 2x2 mesh (128x128 shards: whole blocks)
+        if len(shape) == 2 and shape[0] % 256 == 0 and shape[1] % 256 == 0:
+            return P("a", "b")
+        return P(("a", "b")) if shape[0] % 4 == 0 else P()
+
+    def sharded(hf):      # what a JAX trainer holds: bf16, over its 4 devices
+        return {n: jax.device_put(a, NamedSharding(mesh, spec(a.shape))) for n, a in hf.items()}
 
     params = base.init_params(jax.random.key(0))
     save_file(hf_of(params), os.path.join(work, "init.safetensors"))
