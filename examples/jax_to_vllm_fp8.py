@@ -27,6 +27,7 @@ fresh engine's; this example says when it skips that.
 from __future__ import annotations
 
 import os
+import shutil
 import sys
 import tempfile
 
@@ -175,8 +176,12 @@ def main(steps: int = 60, workdir: str | None = None) -> int:
         Role("plain", "rollout", i) for i in range(TP)]
     print(f"block-FP8 Qwen2 (hidden 256, 128x128 blocks), JAX trainer (4 CPU devices) -> "
           f"vLLM TP={TP}; work dir {work}", flush=True)
-    results = launch(["jax_to_vllm_fp8:trainer", "jax_to_vllm_fp8:rollout",
-                      "jax_to_vllm_fp8:rollout"], roles, args=(work, steps), timeout=1800)
+    try:
+        results = launch(["jax_to_vllm_fp8:trainer", "jax_to_vllm_fp8:rollout",
+                          "jax_to_vllm_fp8:rollout"], roles, args=(work, steps), timeout=1800)
+    finally:
+        if workdir is None:
+            shutil.rmtree(work, ignore_errors=True)
     t = results[0].value
     q = t["quantized"]
     print(f"refit: {t['report']}")
