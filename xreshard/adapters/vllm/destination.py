@@ -391,6 +391,11 @@ class Destination:
         return cls(recording, {m: replicate_layout(lay, per_engine) for m, lay in one.items()},
                    per_engine[engine][recording.worker])
 
+    def with_scales(self, names: Iterable[str]) -> list[str]:
+        """``names`` plus the scale tensors of the quantized ones among them (a group's
+        receive side: the trainer offers the weights' values, never their scales)."""
+        return self.recording.with_scales(names)
+
     def shard_bytes(self) -> int:
         """Bytes this rank's shards hold: what it must receive (padding excluded)."""
         from xreshard.dtypes import itemsize

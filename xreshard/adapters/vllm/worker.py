@@ -317,7 +317,7 @@ class XreshardWeightTransferEngine(WeightTransferEngine[XreshardInitInfo, Xresha
         def done(g: int, names: list[str]) -> None:
             buffers, _ = held.pop(g)
             dest.load(self.model, self.model_config, buffers, self._inplace,
-                      dest.recording.with_scales(names))
+                      dest.with_scales(names))
             if not self._inplace:
                 del buffers
                 _trim_heap()
@@ -353,7 +353,7 @@ class XreshardWeightTransferEngine(WeightTransferEngine[XreshardInitInfo, Xresha
         """(buffers, receive side) of one group; any failure becomes an error of the refit,
         raised on every rank by its error gather, never here on this rank alone."""
         dest = self._dest
-        names = dest.recording.with_scales(names)
+        names = dest.with_scales(names)
         try:
             buffers = dest.buffers(self.model, self._inplace, self.device, names)
             return buffers, dest.bind(buffers, [], names)
