@@ -42,6 +42,10 @@ destination byte is checked once after each warm-up refit and once after a basel
     python benchmarks/bench_refit.py [--quick] [--gib 1.0] [--reps 7] [--kernels out_in]
                                      [--transport both|shm|gloo]
                                      [--executor both|pipelined|rounds] [--json]
+                                     [--dst-format bf16|fp8-block]
+
+``--dst-format fp8-block`` runs ``bench_fp8_refit.py`` instead: the same refit into
+block-FP8 destinations beside bf16, and the trainer's quantizer alone (issue 20).
 
 ``--executor both`` (the default) adds, for each transport, a refit with the old
 round-by-round executor (``Refit(tuning=Tuning(executor="rounds"))``) in the same processes,
@@ -729,6 +733,16 @@ def figures(res: dict, cfg: dict) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if "--dst-format" in argv:          # FP8 destinations: their own side-by-side script
+        i = argv.index("--dst-format")
+        fmt = argv[i + 1] if i + 1 < len(argv) else ""
+        if fmt == "fp8-block":
+            import bench_fp8_refit
+            return bench_fp8_refit.main(argv[:i] + argv[i + 2:])
+        if fmt != "bf16":
+            raise SystemExit(f"--dst-format must be bf16 or fp8-block, not {fmt!r}")
+        argv = argv[:i] + argv[i + 2:]
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--gib", type=float, default=1.0, help="model size in GiB (bf16)")
     ap.add_argument("--quick", action="store_true", help="a ~0.1 GiB model, 3 repetitions")
@@ -757,8 +771,7 @@ def main(argv: list[str] | None = None) -> None:
            "bucket_mib": args.bucket_mib, "staging_mib": args.staging_mib,
            "p2p_mib": args.p2p_mib, "profile_top": args.profile_top,
            "transport": args.transport, "executor": args.executor}
-    command = "python " + " ".join([sys.argv[0] if argv is None else "benchmarks/bench_refit.py",
-                                    *(sys.argv[1:] if argv is None else argv)])
+    command = "python " + " ".join(["benchmarks/bench_refit.py", *argv])
     from xreshard.tools.launch import Role, launch
 
     roles = [Role("jax", "trainer", 0, num_devices=TRAINER_TP)] + [

@@ -2,6 +2,7 @@
 
     python examples/jax_to_vllm.py            # vLLM TP=2 on CPU: ~5 min on 2 cores; --tp 1 is faster
     python examples/jax_to_vllm.py --tp 1 --stream-kib 512   # refit in groups of layers
+    python examples/jax_to_vllm.py --fp8      # a block-FP8 engine (see jax_to_vllm_fp8.py)
 
 1. A tiny Qwen2 (tied embeddings, GQA, q/k/v bias, padded vocab) in plain JAX, sharded
    over a 2x2 mesh (fsdp x tp) of CPU devices, in the canonical JAX Llama/Qwen2 tree that
@@ -224,10 +225,17 @@ def main():
                     help="each vLLM worker's memory budget for a refit: it receives and "
                          "reloads in groups of layers that fit (default: 256 MiB, the "
                          "staging budget)")
+    ap.add_argument("--fp8", action="store_true",
+                    help="refit a block-FP8 engine instead (examples/jax_to_vllm_fp8.py): "
+                         "quantized on the way, checked byte for byte against vLLM's own load")
     ap.add_argument("--reference-of", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.reference_of:
         return reference_main(args.reference_of, args.tp, args.dtype)
+    if args.fp8:
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        import jax_to_vllm_fp8
+        sys.exit(jax_to_vllm_fp8.main(args.steps, args.workdir))
 
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     os.environ.setdefault("JAX_NUM_CPU_DEVICES", "4")

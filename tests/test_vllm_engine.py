@@ -460,7 +460,7 @@ def test_a_binding_error_becomes_an_error_of_the_refit_not_a_raise_here():
 
     lay = Layout.replicated((4,), "float32", Mesh((1,), (1,)))
     fake = SimpleNamespace(model=None, device="cuda:0", _inplace=True, _dest=SimpleNamespace(
-        buffers=buffers, layouts={"w": lay}, rec=SimpleNamespace(worker=3)))
+        buffers=buffers, layouts={"w": lay}, rec=SimpleNamespace(worker=3), with_scales=list))
     errors: list[str] = []
     held, bound = XreshardWeightTransferEngine._bind_group(fake, ["w"], errors)
     assert errors == ["worker 3 could not bind its receive buffers: RuntimeError: DLPack: "

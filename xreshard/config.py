@@ -189,6 +189,13 @@ class RefitReport:
     move_seconds: float = 0.0
     """The executor moving bytes: staging, every round, local copies (0: not measured,
     then rates fall back to ``seconds``)."""
+    quantized: Mapping[str, int] | None = None
+    """Destinations quantized on the way (FP8, issue 20), None when none is: bytes this
+    process sent and received as FP8 items (``fp8_sent``, ``fp8_received``: codes plus
+    scales, quantized by their sender, part of ``bytes_sent``/``bytes_received``) and as
+    values of blocks split across senders (``bf16_sent``, ``bf16_received``: in the wire
+    dtype, quantized by their receiver); and over the whole world ``fp8_world``,
+    ``bf16_world`` and ``unquantized_world`` (all of it in the wire dtype)."""
 
     @property
     def setup_seconds(self) -> float:

@@ -294,9 +294,12 @@ class Quantized:
     regions), which is checked, naming the tensor, before anything moves. The codes are
     bound under the tensor's name, the scales under ``scale_name``.
 
-    Phase 1 of issue 20: a refit writes the codes and scales a sender sends under those
-    names (quantized with :func:`xreshard.quant.quantize`, vLLM's bytes); quantizing bf16
-    values on the way, per block where the block lives, is the planner's next stage.
+    A sender offers either the values (bfloat16, float16 or float32 under the tensor's
+    name, nothing under the scales' name): they are quantized on the way, byte for byte
+    vLLM's function on the whole tensor (each block where it lives: by the sender that
+    holds it whole, else by this receiver after its pieces land; see
+    :mod:`xreshard.planner.quantize`); or codes and scales already quantized (under both
+    names), which are moved as they are.
 
     Args:
         codes: ``fmt.dtype`` values (``torch.float8_e4m3fn``), the tensor's global shape.
@@ -586,14 +589,16 @@ def _bind(obj: Any, side: str, *, ranks: RankMap, local_ranks: Sequence[int], na
             errors.append(f"{name!r}: this process (world rank {me}) holds a local tensor of "
                           f"shape {tuple(local.shape)} but is not in the tensor's mesh "
                           f"{layout.ranks}; check the torch-rank to world-rank map")
+    declared = {}
     for fmt, name, scale in quantized:
         if name in layouts and scale in layouts:
             try:
-                _quantized_tensor(fmt, name, scale, layouts[name]).check_layouts(
-                    layouts[name], layouts[scale])
+                qt = _quantized_tensor(fmt, name, scale, layouts[name])
+                qt.check_layouts(layouts[name], layouts[scale])
+                declared[name] = qt
             except LayoutError as e:
                 errors.append(str(e))
-    return Bound(layouts, bindings, None, errors, local_only)
+    return Bound(layouts, bindings, None, errors, local_only, declared)
 
 
 def _expand_quantized(items: Any, names: Any, quantized: list) -> Any:

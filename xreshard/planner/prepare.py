@@ -65,6 +65,7 @@ from typing import Any, Iterable, Mapping
 
 from ..ir.layout import Layout
 from .plan import Plan, PlanCache, plan
+from .quantize import Quantization, quantization, value_layouts, with_scratch
 from .relay import RelayLayouts, overlapped_schedule, relay_layouts
 from .schedule import Schedule, paired_counts, schedule
 
@@ -145,6 +146,9 @@ class PreparedCall:
     """The relay's stage layouts (``options.relay`` not "off" and relaying), else None."""
     schedule: Schedule
     forwarded: frozenset[tuple[str, int]]
+    quant: Quantization | None = None
+    """The stage-0 tensors quantized on the way (:mod:`xreshard.planner.quantize`), with
+    this process's receivers' scratch buffers; None when nothing is."""
 
     @property
     def plan(self) -> Plan:
@@ -163,7 +167,8 @@ class PreparedCall:
 
 def prepare(src_layouts: Mapping[str, Layout], dst_layouts: Mapping[str, Layout],
             topology: Any = None, options: CallOptions = CallOptions(), *,
-            ranks: Iterable[int], cache: PlanCache | None = None) -> PreparedCall:
+            ranks: Iterable[int], cache: PlanCache | None = None,
+            quantized: Mapping[str, Any] | None = None) -> PreparedCall:
     """Prepare one refit call for the local ranks ``ranks``.
 
     Args:
@@ -175,18 +180,26 @@ def prepare(src_layouts: Mapping[str, Layout], dst_layouts: Mapping[str, Layout]
         ranks: the world ranks whose buckets the schedule holds (a process's own; every
             rank of the world for a whole-world replay).
         cache: plan templates to reuse across calls (``PlanCache``).
+        quantized: name -> ``QuantizedTensor`` of the destinations stored quantized (the
+            codes under the name, the scales under its ``scale``); those a sender offers
+            unquantized are quantized on the way (:mod:`xreshard.planner.quantize`).
 
     Returns:
         The :class:`PreparedCall`.
 
     Raises:
         PlanError: the layouts do not fit together (see :func:`xreshard.planner.plan.plan`).
+        FormatError: a quantized destination cannot take what is offered to it.
     """
     ranks = tuple(sorted(set(ranks)))
+    quant = quantization(src_layouts, dst_layouts, quantized or {}, options.wire_dtype)
+    if quant is not None:
+        return _prepare_quantized(src_layouts, dst_layouts, topology, options, ranks, cache,
+                                  quant)
     direct = plan(src_layouts, dst_layouts, topology, wire_dtype=options.wire_dtype,
                   cache=cache)
     staging = max(1, options.staging_bytes // 2) if options.halved else options.staging_bytes
-    sizes = dict(bucket_bytes=options.bucket_bytes, staging_bytes=staging)
+    sizes: dict[str, Any] = dict(bucket_bytes=options.bucket_bytes, staging_bytes=staging)
     layouts = None
     if options.relay != "off":
         layouts = relay_layouts(direct.src_layouts, direct.dst_layouts, topology)
@@ -208,3 +221,24 @@ def prepare(src_layouts: Mapping[str, Layout], dst_layouts: Mapping[str, Layout]
     sched = overlapped_schedule(plan1, plan2, ranks, overlap=options.relay_overlap, **sizes)
     forwarded = frozenset((name, 1) for name in layouts.stage2_src)
     return PreparedCall(options, ranks, direct, stages, layouts, sched, forwarded)
+
+
+def _prepare_quantized(src_layouts: Mapping[str, Layout], dst_layouts: Mapping[str, Layout],
+                       topology: Any, options: CallOptions, ranks: tuple[int, ...],
+                       cache: PlanCache | None, quant: Quantization) -> PreparedCall:
+    """A direct call whose quantized destinations are planned as their values (see
+    :mod:`xreshard.planner.quantize`): the scheduler cuts their transfers into quantized
+    whole blocks and the rest."""
+    from ..ir.formats import FormatError
+    if options.relay == "on":
+        raise FormatError(f"relay='on' with quantized destinations ({sorted(quant.tensors)[:3]}"
+                          "...) is not supported yet: the relay's forwards would have to "
+                          "carry codes and scales; use relay='off' or 'auto'")
+    direct = plan(src_layouts, value_layouts(dst_layouts, quant), topology,
+                  wire_dtype=options.wire_dtype, cache=cache)
+    staging = max(1, options.staging_bytes // 2) if options.halved else options.staging_bytes
+    sched = schedule(direct, ranks, paired_counts(direct, ranks),
+                     bucket_bytes=options.bucket_bytes, staging_bytes=staging,
+                     quantized=quant.tensors)
+    return PreparedCall(options, ranks, direct, (Stage(0, direct, SOURCES, DESTINATIONS),),
+                        None, sched, frozenset(), with_scratch(quant, direct, ranks))

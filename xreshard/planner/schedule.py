@@ -20,11 +20,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Iterable, Mapping, Sequence
+from typing import Any, Iterable, Iterator, Mapping, Sequence
 
 from ..dtypes import itemsize
 from ..ir.layout import Region
 from .plan import Plan, Transfer
+from .quantize import split_quantized
 
 #: a bucket never shrinks below this, whatever the staging budget and the peer count (so
 #: staging_bytes is honoured as long as it allows this much per peer)
@@ -36,11 +37,14 @@ OWN_MESSAGE_BYTES = 1 << 16
 
 @dataclass(frozen=True, slots=True)
 class Item:
-    """One region of one tensor inside a bucket (``nbytes`` wire bytes)."""
+    """One region of one tensor inside a bucket (``nbytes`` wire bytes); ``quantized``:
+    whole blocks of a quantized destination, sent as codes plus scales (see
+    :mod:`xreshard.planner.quantize`)."""
 
     name: str
     region: Region
     nbytes: int
+    quantized: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,13 +65,15 @@ class Bucket:
 @dataclass(frozen=True, slots=True)
 class Copy:
     """A same-rank copy: ``region`` of tensor ``name`` (stage ``stage``), which ``rank``
-    holds on both sides, ``nbytes`` wire bytes. Never sent."""
+    holds on both sides, ``nbytes`` wire bytes. Never sent. ``quantized``: as
+    :attr:`Item.quantized`."""
 
     name: str
     region: Region
     rank: int
     nbytes: int
     stage: int = 0
+    quantized: bool = False
 
 
 @dataclass(frozen=True)
@@ -118,10 +124,15 @@ def pair_bucket_bytes(src: int, dst: int, peer_counts: Mapping[int, int], *,
 
 
 def _pair_buckets(src: int, dst: int, transfers: Sequence[Transfer], order: Mapping[str, int],
-                  size: int, itemsizes: Mapping[str, int]) -> list[list[Item]]:
+                  size: int, itemsizes: Mapping[str, int], quantized: Mapping[str, Any]
+                  ) -> list[list[Item]]:
     items: list[Item] = []
     for t in sorted(transfers, key=lambda t: (order[t.name], t.region.starts, t.region.stops)):
         isz = itemsizes[t.name]
+        if t.name in quantized:
+            items += [Item(t.name, part, n, q) for part, n, q in split_quantized(
+                quantized[t.name], t.region, isz, size, split_region)]
+            continue
         for part in split_region(t.region, isz, size):
             items.append(Item(t.name, part, part.size * isz))
     messages: list[list[Item]] = []
@@ -156,7 +167,8 @@ def paired_counts(plan: Plan, ranks: Iterable[int]) -> dict[int, int]:
 
 
 def schedule(plan: Plan, local_ranks: Sequence[int], peer_counts: Mapping[int, int], *,
-             bucket_bytes: int, staging_bytes: int, stage: int = 0) -> Schedule:
+             bucket_bytes: int, staging_bytes: int, stage: int = 0,
+             quantized: Mapping[str, Any] | None = None) -> Schedule:
     """Buckets and rounds for this process's ranks.
 
     Args:
@@ -168,7 +180,11 @@ def schedule(plan: Plan, local_ranks: Sequence[int], peer_counts: Mapping[int, i
         staging_bytes: the most bytes a rank has in flight in one round.
         stage: the stage of the prepared call ``plan`` is (stamped on every bucket and
             copy).
+        quantized: name -> ``QuantizedTensor`` of the tensors quantized on the way: their
+            transfers and copies are cut into quantized whole blocks and the rest
+            (:func:`~xreshard.planner.quantize.split_quantized`).
     """
+    quantized = quantized or {}
     order = {name: i for i, name in enumerate(plan.names)}
     itemsizes = {name: itemsize(plan.wire_dtypes[name]) for name in plan.names}
     by_pair: dict[tuple[int, int], list[Transfer]] = {}
@@ -185,7 +201,8 @@ def schedule(plan: Plan, local_ranks: Sequence[int], peer_counts: Mapping[int, i
         size = pair_bucket_bytes(src, dst, peer_counts, bucket_bytes=bucket_bytes,
                                  staging_bytes=staging_bytes)
         rnd, used = 0, 0
-        for tag, items in enumerate(_pair_buckets(src, dst, transfers, order, size, itemsizes)):
+        for tag, items in enumerate(_pair_buckets(src, dst, transfers, order, size, itemsizes,
+                                                         quantized)):
             nbytes = sum(it.nbytes for it in items)
             if used and used + nbytes > size:
                 rnd, used = rnd + 1, 0
@@ -196,6 +213,20 @@ def schedule(plan: Plan, local_ranks: Sequence[int], peer_counts: Mapping[int, i
             for r in (src, dst):
                 if r in local:
                     in_flight[(rnd, r)] = in_flight.get((rnd, r), 0) + nbytes
-    copies = tuple(Copy(t.name, t.region, r, t.nbytes, stage)
-                   for r in local_ranks for t in plan.local_copies_for(r))
+    copies = tuple(_copies(plan, local_ranks, stage, quantized, itemsizes))
     return Schedule(tuple(tuple(r) for r in rounds), copies, max(in_flight.values(), default=0))
+
+
+def _copies(plan: Plan, local_ranks: Sequence[int], stage: int, quantized: Mapping[str, Any],
+            itemsizes: Mapping[str, int]) -> Iterator[Copy]:
+    """The same-rank copies of ``local_ranks``; a quantized tensor's cut like its transfers
+    (one piece per part: a copy is never bucketed)."""
+    for r in local_ranks:
+        for t in plan.local_copies_for(r):
+            qt = quantized.get(t.name)
+            if qt is None:
+                yield Copy(t.name, t.region, r, t.nbytes, stage)
+                continue
+            for part, n, q in split_quantized(qt, t.region, itemsizes[t.name], 1 << 62,
+                                              split_region):
+                yield Copy(t.name, part, r, n, stage, q)

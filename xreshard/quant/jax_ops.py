@@ -31,7 +31,7 @@ from ..dtypes import dtype_name
 from ..ir.formats import QUANTIZABLE, BlockFP8, FormatError, MXFP8
 from .host import CAST, ceil_log2_thresholds
 
-__all__ = ["quantize", "quantize_block_fp8", "quantize_mxfp8"]
+__all__ = ["quantize", "quantize_block_fp8", "quantize_bf16_bits", "quantize_mxfp8"]
 
 
 def _import_jax() -> Any:
@@ -65,6 +65,12 @@ def quantize_block_fp8(x: Any, fmt: BlockFP8 = BlockFP8(), *, name: str = "tenso
     return _block_fn(fmt)(x, _divisor(fmt.scale_shape(x.shape), fmt.fp8_max))
 
 
+def quantize_bf16_bits(bits: Any, fmt: BlockFP8 = BlockFP8()) -> tuple[Any, Any]:
+    """:func:`quantize_block_fp8` of bf16 values given as their uint16 bits (a host buffer
+    imported without a copy: DLPack carries no bfloat16)."""
+    return _block_fn(fmt)(bits, _divisor(fmt.scale_shape(bits.shape), fmt.fp8_max))
+
+
 def quantize_mxfp8(x: Any, fmt: MXFP8 = MXFP8(), *, name: str = "tensor") -> tuple[Any, Any]:
     """MXFP8 of ``x`` (see :func:`xreshard.quant.host.quantize_mxfp8`): e4m3fn codes and
     uint8 scales ``[..., K / 32]``, jitted, on ``x``'s devices."""
@@ -82,8 +88,9 @@ def _divisor(shape: tuple[int, ...], value: float) -> np.ndarray:
 # ---------------------------------------------------------------------------- pieces
 
 def _bits(jnp: Any, lax: Any, x: Any) -> Any:
-    """float32 bits of ``x`` (integer ops only: a bf16 subnormal stays exact)."""
-    if x.dtype == jnp.bfloat16:
+    """float32 bits of ``x`` (integer ops only: a bf16 subnormal stays exact); uint16 ``x``
+    holds bf16 bits."""
+    if x.dtype in (jnp.bfloat16, jnp.uint16):
         return lax.bitcast_convert_type(x, jnp.uint16).astype(jnp.uint32) << 16
     return lax.bitcast_convert_type(x.astype(jnp.float32), jnp.uint32)
 
@@ -134,8 +141,9 @@ def _tree_max(jnp: Any, lax: Any, v: Any, axis: int) -> Any:
 
 def _magnitudes(jnp: Any, lax: Any, x: Any) -> tuple[Any, int]:
     """Magnitude bits of ``x`` as a signed int of its own width (ordered like the
-    values, NaN above infinity; small ints reduce fastest), and the shift to float32."""
-    if x.dtype == jnp.bfloat16:
+    values, NaN above infinity; small ints reduce fastest), and the shift to float32; uint16
+    ``x`` holds bf16 bits."""
+    if x.dtype in (jnp.bfloat16, jnp.uint16):
         return lax.bitcast_convert_type(x, jnp.int16) & jnp.int16(0x7FFF), 16
     b = lax.bitcast_convert_type(x.astype(jnp.float32), jnp.int32)
     return b & jnp.int32(0x7FFFFFFF), 0

@@ -46,6 +46,9 @@ class Bound:
         errors: problems found while binding, raised on every rank by the refit.
         local_only: names whose layout covers only this process's ranks (e.g. a plain
             tensor each process holds whole); the refit unions them over processes.
+        quantized: name -> :class:`~xreshard.ir.formats.QuantizedTensor` of the tensors
+            this (receiving) side stores quantized: codes under the name, scales under its
+            ``scale`` (a sender offering the values has them quantized on the way).
     """
 
     layouts: dict[str, Layout]
@@ -53,6 +56,7 @@ class Bound:
     finish: Callable[[], Any] | None = None
     errors: list[str] = field(default_factory=list)
     local_only: set[str] = field(default_factory=set)
+    quantized: dict[str, Any] = field(default_factory=dict)
 
     def describe(self) -> dict[str, dict]:
         """JSON description of the layouts, for the metadata exchange."""
@@ -63,6 +67,10 @@ class Bound:
                 d["local_only"] = True
             out[name] = d
         return out
+
+    def describe_quantized(self) -> dict[str, dict]:
+        """JSON description of :attr:`quantized`, for the metadata exchange."""
+        return {name: q.to_dict() for name, q in sorted(self.quantized.items())}
 
 
 def canonical_name(default: str, names: Mapping[str, str] | Callable[[str], str] | None) -> str:

@@ -79,6 +79,7 @@ from ..planner.prepare import PreparedCall
 from ..planner.schedule import Bucket, Copy, Schedule
 from ..transport.base import Transport
 from .metadata import StageBindings
+from . import quantized
 from .programs import Programs, Tables, packed
 from .wire import Wire
 
@@ -142,6 +143,8 @@ class ExecStats:
     num_rounds: int = 0
     staging_bytes: int = 0
     pipelined: bool = False
+    quantized: dict[str, int] = field(default_factory=dict)
+    """Quantized destinations' bytes by ``fp8_sent``, ``bf16_sent``, ... (quantized.count)."""
     seconds: float = 0.0
     per_round_seconds: list[float] = field(default_factory=list)
 
@@ -194,6 +197,7 @@ class Executor:
         programs: a dict that keeps the pack/unpack programs across runs of this
             schedule and these layouts (its owner resets it when they change), or None.
         pause_gc: pause the cyclic garbage collector while running (``gc_paused``).
+        quant: ``PreparedCall.quant`` (its scratch buffers among ``dst_bindings``).
     """
 
     def __init__(self, schedule: Schedule, src_layouts: Mapping[str, Layout],
@@ -203,7 +207,7 @@ class Executor:
                  pipeline: bool = True, staging_bytes: int | None = None,
                  forwarded: frozenset[tuple[str, int]] = frozenset(), arena: Any = None, *,
                  later_stages: Sequence[Tables] = (), programs: dict | None = None,
-                 pause_gc: bool = True):
+                 pause_gc: bool = True, quant: Any = None):
         self.schedule = schedule
         self.tables = (Tables(src_layouts, dst_layouts, wire_dtypes, src_bindings,
                               dst_bindings),) + tuple(later_stages)
@@ -211,7 +215,8 @@ class Executor:
         self.timeout = timeout
         self._alloc = alloc
         self.pipeline = bool(pipeline)
-        self.programs = Programs(self.tables, programs)
+        self.programs = Programs(self.tables, programs, quant)
+        self.quant = quant
         self.staging_bytes = staging_bytes
         #: staging per CUDA device ordinal (None: host memory), reused across runs
         self._arena: dict[int | None, Any] = {} if arena is None else arena
@@ -253,7 +258,7 @@ class Executor:
         if len(b.items) != 1:
             return None
         step = self.programs.program(b, side)[0]
-        if step.dtype != step.wire:
+        if step.dtype != step.wire or step.quant is not None:
             return None
         tables = self.tables[b.stage]
         arr = (tables.src_bindings if side == 0 else tables.dst_bindings)[step.key]
@@ -281,6 +286,9 @@ class Executor:
         if xp is np and len(b.items) > 1:
             return self._pack_runs(b, buf)
         for e in self.programs.program(b, 0):
+            if e.quant is not None:
+                quantized.pack(e, buf, bindings, _item)
+                continue
             out = buf[e.lo:e.hi].view(e.bits).reshape(e.shape)
             copy_into(xp, out, e.wire, _item(bindings[e.key], e.index, e.slices), e.dtype)
 
@@ -304,6 +312,9 @@ class Executor:
                                    out=buf[run.lo:run.hi].view(run.bits), casting="no")
                 continue
             for e in run.steps:
+                if e.quant is not None:
+                    quantized.pack(e, buf, bindings, _item)
+                    continue
                 out = buf[e.lo:e.hi].view(e.bits).reshape(e.shape)
                 copy_into(np, out, e.wire, _item(bindings[e.key], e.index, e.slices), e.dtype)
 
@@ -312,6 +323,9 @@ class Executor:
             return self._unpack_host(b, buf)
         bindings = self.tables[b.stage].dst_bindings
         for e in self.programs.program(b, 1):
+            if e.quant is not None:
+                quantized.unpack(e, buf, bindings, _item)
+                continue
             dst = _item(bindings[e.key], e.index, e.slices)
             data = buf[e.lo:e.hi].view(e.bits).reshape(e.shape)
             copy_into(array_module(dst), dst, e.dtype, data, e.wire)
@@ -325,6 +339,9 @@ class Executor:
         ndarray = np.ndarray
         for run in self.programs.runs(b, 1):
             for e in run.steps:
+                if e.quant is not None:
+                    quantized.unpack(e, buf, bindings, _item)
+                    continue
                 arr = bindings[e.key]
                 if run.small and type(arr) is ndarray:
                     dst = arr if e.whole else _item(arr, e.index, e.slices)
@@ -337,6 +354,8 @@ class Executor:
 
     def _local_copy(self, c: Copy) -> int:
         tables = self.tables[c.stage]
+        if quantized.copies(self.quant, c):
+            return quantized.copy_local(c, self.quant, tables)
         src_layout, dst_layout = tables.src_layouts[c.name], tables.dst_layouts[c.name]
         src = view_of(tables.src_bindings[(c.rank, c.name)], src_layout, c.rank, c.region)
         dst = view_of(tables.dst_bindings[(c.rank, c.name)], dst_layout, c.rank, c.region)
@@ -457,6 +476,7 @@ class Executor:
                 raise RefitError("casts this refit needs cannot run on the GPU: "
                                  + "; ".join(problems[:10]) + " - send the tensor in its "
                                  "own dtype (wire_dtype), or cast it in the framework first")
+            quantized.refuse_devices(self.quant)
             for dev in gpus:
                 cuda_preflight(dev)
             _order_after_current(gpus)      # own streams after the bindings' producers
@@ -479,6 +499,7 @@ class Executor:
                 for buckets in self.schedule.rounds:
                     self._round(buckets, stats)
                 self._local_copies(stats, forwarded=True)
+            quantized.finish(self.quant, self.tables[0].dst_bindings)
             ok = True
         finally:
             if gpus:    # also after a failure: no copy may still read or write afterwards
@@ -511,6 +532,7 @@ class Executor:
                     stats.num_zero_copy += 1
                 recvs.append((buf, b))
                 stats.bytes_received += b.nbytes
+                quantized.count(self.quant, b, stats, "received")
         return recvs, unpack
 
     def _local_copies(self, stats: ExecStats, forwarded: bool) -> None:
@@ -527,6 +549,7 @@ class Executor:
         else:
             stats.bytes_sent += b.nbytes
         stats.num_messages += 1
+        quantized.count(self.quant, b, stats, "sent")
 
     def _round(self, buckets: Sequence[Bucket], stats: ExecStats) -> None:
         tr = time.perf_counter()
@@ -664,12 +687,14 @@ def run(prepared: PreparedCall, bindings: StageBindings, transport: Transport, *
     Raises:
         What the executor raises (see :meth:`Executor.run`).
     """
+    dsts = quantized.with_scratch(prepared.quant, bindings.dst, programs)
     tables = [Tables(st.src_layouts, st.dst_layouts, st.wire_dtypes, bindings.src[k],
-                     bindings.dst[k]) for k, st in enumerate(prepared.stages)]
+                     dsts[k]) for k, st in enumerate(prepared.stages)]
     executor = Executor(prepared.schedule, *tables[0], transport, timeout,
                         pipeline=tuning.executor == "pipelined",
                         staging_bytes=prepared.options.staging_bytes,
                         forwarded=prepared.forwarded, arena=arena,
-                        later_stages=tables[1:], programs=programs, pause_gc=tuning.pause_gc)
+                        later_stages=tables[1:], programs=programs, pause_gc=tuning.pause_gc,
+                        quant=prepared.quant)
     stats = executor.run()
     return stats, executor.arena

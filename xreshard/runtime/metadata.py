@@ -25,8 +25,8 @@ from ..errors import BindingError, RefitError
 from ..ir.layout import Layout, Mesh, Region
 from ..planner.prepare import DESTINATIONS, SOURCES, PreparedCall
 
-__all__ = ["StageBindings", "fit", "merge", "merged_layouts", "stage_bindings", "stage_views",
-           "union_layout"]
+__all__ = ["StageBindings", "fit", "merge", "merged_layouts", "merged_quantized",
+           "stage_bindings", "stage_views", "union_layout"]
 
 
 def merge(per_process: list[dict[str, dict]], side: str, world: Any) -> dict[str, Layout]:
@@ -180,6 +180,25 @@ def merged_layouts(metas: list[dict], src: Bound | None, dst: Bound | None, worl
         raise BindingError("bindings do not cover what the merged layouts give this "
                            "process's ranks: " + "; ".join(problems[:20]))
     return src_layouts, dst_layouts
+
+
+def merged_quantized(metas: list[dict], world: Any) -> dict[str, Any]:
+    """The receiving side's quantized tensors from every process's ``"quantized"``
+    description (the same in every process).
+
+    Raises:
+        FormatError: two processes declare one tensor in different formats.
+    """
+    from ..ir.formats import FormatError, QuantizedTensor
+    seen: dict[str, tuple[int, dict]] = {}
+    for p, m in enumerate(metas):
+        for name, d in (m.get("quantized") or {}).items():
+            first = seen.setdefault(name, (p, d))
+            if first[1] != d:
+                raise FormatError(f"{name!r}: {world.describe_process(first[0])} stores it as "
+                                  f"{first[1]} but {world.describe_process(p)} as {d}; every "
+                                  "process of an engine must declare the same format")
+    return {name: QuantizedTensor.from_dict(d) for name, (_, d) in sorted(seen.items())}
 
 
 class StageBindings(NamedTuple):

@@ -17,7 +17,7 @@ from ..dtypes import ITEMSIZE, bits_dtype, dtype_name, itemsize, numpy_dtype
 from ..ir.layout import Layout
 from ..planner.schedule import Bucket, Item
 
-__all__ = ["Programs", "Run", "Step", "Tables", "canonical_wire"]
+__all__ = ["Programs", "QuantStep", "Run", "Step", "Tables", "canonical_wire"]
 
 #: items up to this size are gathered together when packed on the host (see Run)
 RUN_ITEM_BYTES = 1 << 14
@@ -55,6 +55,24 @@ class Step(NamedTuple):
     """The dtype the binding holds (its layout's)."""
     whole: bool
     """The step covers its binding's whole local array (no slicing needed)."""
+    quant: Any = None
+    """An FP8 item (whole blocks quantized by the sender): its :class:`QuantStep`; None
+    for every other item (see :mod:`xreshard.planner.quantize`)."""
+
+
+class QuantStep(NamedTuple):
+    """What an FP8 item adds to its :class:`Step`: the message holds the scales at
+    ``[lo, lo + scale_bytes)``, then the codes up to ``hi``; ``scale_key``,
+    ``scale_index`` and ``scale_slices`` locate the scales in the receiver's binding."""
+
+    format: Any
+    values: str
+    """The dtype quantized from: the binding's values are cast to it first (the
+    ``wire_dtype`` the trainer exports)."""
+    scale_bytes: int
+    scale_key: tuple[int, str] | None
+    scale_index: int | None
+    scale_slices: tuple
 
 
 class Run(NamedTuple):
@@ -79,12 +97,13 @@ def canonical_wire(wire_dtypes: Mapping[str, Any]) -> dict[str, str]:
 def packed(b: Bucket, wire: Mapping[str, str]) -> list[tuple[Item, int]]:
     """A bucket's items with their byte offsets in its message.
 
-    Widest wire dtype first: element sizes are powers of two, so every item then starts at
-    a multiple of its own element size (the message starts 256-byte aligned in staging).
+    Widest wire dtype first (an FP8 item counts as 4 bytes wide: its float32 scales lead):
+    element sizes are powers of two, so every item then starts at a multiple of its own
+    element size (the message starts 256-byte aligned in staging).
     CUDA faults on misaligned loads; numpy would only be slower. Both peers derive the
     same order from the same bucket.
     """
-    items = sorted(b.items, key=lambda it: -itemsize(wire[it.name]))
+    items = sorted(b.items, key=lambda it: -(4 if it.quantized else itemsize(wire[it.name])))
     out, off = [], 0
     for it in items:
         out.append((it, off))
@@ -102,8 +121,10 @@ class Programs:
             the call changes), or None for this executor alone.
     """
 
-    def __init__(self, tables: tuple[Tables, ...], cache: dict | None = None):
+    def __init__(self, tables: tuple[Tables, ...], cache: dict | None = None,
+                 quant: Any = None):
         self._tables = tables
+        self._quant = quant
         self._wire = tuple(canonical_wire(t.wire_dtypes) for t in tables)
         self._cache: dict = {} if cache is None else cache
 
@@ -121,6 +142,9 @@ class Programs:
             rank = b.src if side == 0 else b.dst
             steps = []
             for it, off in packed(b, wires):
+                if self._quant is not None and b.stage == 0 and it.name in self._quant.tensors:
+                    steps.append(self._quant_step(it, off, rank, side))
+                    continue
                 lay = layouts[it.name]
                 i, slices = lay.locate(rank, it.region)
                 wire = wires[it.name]
@@ -134,6 +158,39 @@ class Programs:
             prog = self._cache[key] = tuple(steps)
         return prog
 
+    def _quant_step(self, it: Any, off: int, rank: int, side: int) -> Step:
+        """The step of an item of a tensor quantized on the way: an FP8 item (codes and
+        scales), or on the receiving side a rest item, which lands in its scratch."""
+        q = self._quant
+        qt, wire = q.tensors[it.name], q.wire[it.name]
+        tables = self._tables[0]
+        if not it.quantized and side == 1:
+            s = q.scratch_for(rank, it.name, it.region)
+            slices = tuple(slice(a - o, b - o) for a, b, o in zip(
+                it.region.starts, it.region.stops, s.region.starts)) + (Ellipsis,)
+            return Step(s.key, None, slices, off, off + it.nbytes, bits_dtype(itemsize(wire)),
+                        it.region.shape, wire, wire, False)
+        layouts = tables.src_layouts if side == 0 else q.codes
+        lay = layouts[it.name]
+        i, slices = lay.locate(rank, it.region)
+        if not it.quantized:
+            return Step((rank, it.name), None if lay.is_product else i, slices + (Ellipsis,),
+                        off, off + it.nbytes, bits_dtype(itemsize(wire)), it.region.shape,
+                        wire, lay.dtype, False)
+        fmt = qt.format
+        scale_bytes = fmt.blocks(it.region, qt.shape).size * itemsize(fmt.scale_dtype)
+        skey = sindex = None
+        sslices: tuple = ()
+        if side == 1:
+            slay = q.scales[it.name]
+            sindex, sslices = slay.locate(rank, fmt.scale_region(it.region, qt.shape, it.name))
+            skey, sindex, sslices = (rank, qt.scale), (None if slay.is_product else sindex), \
+                sslices + (Ellipsis,)
+        quant = QuantStep(fmt, wire, scale_bytes, skey, sindex, sslices)
+        return Step((rank, it.name), None if lay.is_product else i, slices + (Ellipsis,), off,
+                    off + it.nbytes, bits_dtype(1), it.region.shape, fmt.dtype,
+                    lay.dtype if side == 0 else fmt.dtype, False, quant)
+
     def runs(self, b: Bucket, side: int) -> tuple[Run, ...]:
         """Bucket ``b``'s program cut into :class:`Run` s (see there)."""
         key = (id(b), 2 + side)
@@ -142,7 +199,7 @@ class Programs:
             return runs
         raw: list[list] = []
         for e in self.program(b, side):
-            small = e.wire == e.dtype and e.hi - e.lo <= RUN_ITEM_BYTES
+            small = e.wire == e.dtype and e.hi - e.lo <= RUN_ITEM_BYTES and e.quant is None
             if small and raw and raw[-1][0] and raw[-1][3] == e.bits and raw[-1][4] == e.dtype:
                 raw[-1][1].append(e)
                 raw[-1][2] = e.hi

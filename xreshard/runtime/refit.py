@@ -76,7 +76,8 @@ from ..errors import (CollectiveMismatch, CommunicationError, RefitError, Verifi
 from . import execute
 from .execute import gc_paused
 from ..ir.layout import LayoutMemo
-from .metadata import fit, merged_layouts, stage_bindings
+from .metadata import fit, merged_layouts, merged_quantized, stage_bindings
+from .quantized import quantized_problems, quantized_report
 from ..planner.plan import Plan, PlanCache
 from ..planner.prepare import CallOptions, PreparedCall, prepare
 from .handle import Background, RefitHandle
@@ -330,7 +331,7 @@ class Refit:
             num_zero_copy=stats.num_zero_copy, staging_bytes=stats.staging_bytes,
             replanned=replanned, bytes_by_transport=moved.by_kind or None,
             verified=verified, bytes_forwarded=stats.bytes_forwarded,
-            move_seconds=stats.seconds)
+            move_seconds=stats.seconds, quantized=quantized_report(prepared, stats))
 
     # ------------------------------------------------------------ moving
 
@@ -481,13 +482,16 @@ class Refit:
         errors = []
         meta = {"send": src.describe() if src else {},
                 "receive": dst.describe() if dst else {},
+                "quantized": dst.describe_quantized() if dst else {},
                 "config": self.config.to_dict(), "errors": []}
         metas = self._agree("refit/layouts", meta, refused)
         prepared = None
         try:
             src_layouts, dst_layouts = merged_layouts(metas, src, dst, self.world)
             prepared = prepare(src_layouts, dst_layouts, self.world.topology, options,
-                               ranks=self.world.rank_ids, cache=self._cache)
+                               ranks=self.world.rank_ids, cache=self._cache,
+                               quantized=merged_quantized(metas, self.world))
+            errors += quantized_problems(prepared, self.config)
             errors += self._transport_problems(prepared)
         except Exception as e:      # noqa: BLE001 - every local failure reaches every rank
             errors.append(_entry(e, "check"))

@@ -212,6 +212,23 @@ class EngineRecording:
         worker sees the same. Collective over the workers."""
         return cls(*record_workers(vllm_config, specs))
 
+    def scale_names(self) -> set[str]:
+        """The scale tensors of the quantized HF weights: a trainer offering the weights'
+        values has them quantized on the way, and never offers these."""
+        return {q.scale for q in self.quantized.values()}
+
+    def with_scales(self, names: Iterable[str]) -> list[str]:
+        """``names`` plus the scale tensor of each quantized one among them."""
+        names = list(names)
+        return names + [self.quantized[n].scale for n in names if n in self.quantized
+                        and self.quantized[n].scale not in names]
+
+    def offered_groups(self, budget_bytes: int) -> list[list[str]]:
+        """:meth:`groups` as a trainer offers them: without the scale tensors."""
+        scales = self.scale_names()
+        groups = [[n for n in g if n not in scales] for g in self.groups(budget_bytes)]
+        return [g for g in groups if g]
+
     def touched(self, names: Iterable[str] | None = None) -> list[str]:
         """Parameters the pieces of ``names`` (default: every tensor) write on this worker."""
         names = self.names if names is None else names
@@ -374,6 +391,11 @@ class Destination:
         return cls(recording, {m: replicate_layout(lay, per_engine) for m, lay in one.items()},
                    per_engine[engine][recording.worker])
 
+    def with_scales(self, names: Iterable[str]) -> list[str]:
+        """``names`` plus the scale tensors of the quantized ones among them (a group's
+        receive side: the trainer offers the weights' values, never their scales)."""
+        return self.recording.with_scales(names)
+
     def shard_bytes(self) -> int:
         """Bytes this rank's shards hold: what it must receive (padding excluded)."""
         from xreshard.dtypes import itemsize
@@ -422,7 +444,10 @@ class Destination:
                 first.setdefault(p.region, p)
             views = [tensor_view(self._view(buffers, first[r])) for r in regions]
             bindings[(self.rank, name)] = views[0] if lay.is_product else views
-        return Bound({n: self.layouts[n] for n in names}, bindings, errors=errors)
+        quantized = {n: self.recording.quantized[n] for n in names
+                     if n in self.recording.quantized}
+        return Bound({n: self.layouts[n] for n in names}, bindings, errors=errors,
+                     quantized=quantized)
 
     def load(self, model: Any, model_config: Any, buffers: Mapping[str, Any], inplace: bool,
              names: Iterable[str] | None = None) -> None:

@@ -242,7 +242,7 @@ class XreshardWeightTransferEngine(WeightTransferEngine[XreshardInitInfo, Xresha
         self.budget = init_info.stream_bytes or refit_config.staging_bytes
         self._measure = init_info.measure_memory
         self.stream = Stream(self.world, "receive", config=refit_config)
-        self.stream.set_groups(recording.groups(self.budget))
+        self.stream.set_groups(recording.offered_groups(self.budget))
         logger.info("xreshard: worker %d (pp %d, tp %d) joined %r as world rank %d (%s, %d "
                     "shard bytes in %d group(s) of at most %d bytes)", dest.rec.worker,
                     dest.rec.pp_rank, dest.rec.tp_rank, self.world, dest.rank, mode,
@@ -316,14 +316,17 @@ class XreshardWeightTransferEngine(WeightTransferEngine[XreshardInitInfo, Xresha
 
         def done(g: int, names: list[str]) -> None:
             buffers, _ = held.pop(g)
-            dest.load(self.model, self.model_config, buffers, self._inplace, names)
+            dest.load(self.model, self.model_config, buffers, self._inplace,
+                      dest.with_scales(names))
             if not self._inplace:
                 del buffers
                 _trim_heap()
 
         rss0 = _reset_peak_rss() if self._measure else None
         try:
-            report = stream.run({n: dest.shapes[n] for n in dest.names}, errors, part, done)
+            scales = dest.recording.scale_names()      # quantized on the way, never offered
+            report = stream.run({n: dest.shapes[n] for n in dest.names if n not in scales},
+                                errors, part, done)
         except Exception as e:  # noqa: BLE001 - collective: every rank raises alike
             self.last_error = f"{type(e).__name__}: {e}"
             if self._inplace:
@@ -350,6 +353,7 @@ class XreshardWeightTransferEngine(WeightTransferEngine[XreshardInitInfo, Xresha
         """(buffers, receive side) of one group; any failure becomes an error of the refit,
         raised on every rank by its error gather, never here on this rank alone."""
         dest = self._dest
+        names = dest.with_scales(names)
         try:
             buffers = dest.buffers(self.model, self._inplace, self.device, names)
             return buffers, dest.bind(buffers, [], names)
