@@ -184,6 +184,9 @@ class StoreClient:
     def start_weight_update(self) -> None:
         self.call("start_weight_update")
 
+    def start_draft_weight_update(self) -> None:
+        self.call("start_draft_weight_update")
+
     def update_weights(self, update_info: dict) -> None:
         self.call("update_weights", update_info=update_info)
 
