@@ -2,7 +2,7 @@
 
 The engine runs speculative decoding with a separate draft model (``speculative_config=
 {"method": "draft_model", ...}``: a one-layer Qwen2 next to the two-layer policy, both tied,
-same vocab) at TP=2. A JAX trainer (4 CPU devices, mesh fsdp=2 x tp=2) refits the policy
+same vocab) at TP=1 and TP=2. A JAX trainer (4 CPU devices, mesh fsdp=2 x tp=2) refits the policy
 with ``send_weights`` and the draft with ``send_draft_weights`` (vLLM's
 ``start_draft_weight_update`` session). After each draft round, the draft's weights as its
 kernels use them (:func:`~xreshard.adapters.vllm.weights_digest`, every tensor of every TP
@@ -24,8 +24,9 @@ cases.importorskip_vllm()
 
 from xreshard.tools.launch import Role, launch  # noqa: E402
 
-#: the draft: one layer, a quarter of the policy's width, the policy's vocab (vLLM checks it)
-DRAFT_CONFIG = dict(cases.CONFIG, hidden_size=64, intermediate_size=128, num_hidden_layers=1)
+#: the draft: one layer, half the policy's MLP, the policy's vocab (vLLM checks it) and head
+#: size (vLLM's CPU attention has no kernel for head_dim 16)
+DRAFT_CONFIG = dict(cases.CONFIG, intermediate_size=128, num_hidden_layers=1)
 TOKENS = 8
 
 
@@ -126,12 +127,15 @@ def draft_trainer(ctx, tp: int, tmp: str) -> dict:
     return out
 
 
+ENGINE_ENV = {1: {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"},      # in-process engine
+              2: {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}}
+
+
 @pytest.mark.slow
-def test_trainer_refits_the_speculative_draft_like_vllms_own_load(tmp_path):
-    tp = 2
+@pytest.mark.parametrize("tp", [1, 2])
+def test_trainer_refits_the_speculative_draft_like_vllms_own_load(tp, tmp_path):
     roles = [Role("jax", "trainer", 0, num_devices=4),
-             Role("plain", "engine", 0, env={"VLLM_CPU_KVCACHE_SPACE": "1",
-                                             "VLLM_CPU_OMP_THREADS_BIND": "0|1"})]
+             Role("plain", "engine", 0, env={"VLLM_CPU_KVCACHE_SPACE": "1", **ENGINE_ENV[tp]})]
     trainer = launch([draft_trainer, draft_engine], roles, args=(tp, str(tmp_path)),
                      timeout=400)[0].value
     policy = trainer["policy"]
@@ -152,8 +156,8 @@ def test_trainer_refits_the_speculative_draft_like_vllms_own_load(tmp_path):
         for x in reports:
             assert x["bytes_received"] == x["shard_bytes"] > 0, x
         assert r["bytes_sent"] == sum(x["bytes_received"] for x in reports)
-        # shard to shard: no TP rank got the whole draft
-        assert max(x["bytes_received"] for x in reports) < 0.7 * r["bytes_sent"]
+        if tp > 1:      # shard to shard: no TP rank got the whole draft
+            assert max(x["bytes_received"] for x in reports) < 0.7 * r["bytes_sent"]
     # the checks can fail: each draft round changed every TP rank's draft weights
     d0, d1, d2 = trainer["start_digests"], rounds[0]["digests"], rounds[1]["digests"]
     for rank in range(tp):
@@ -234,3 +238,37 @@ def test_the_draft_verdict_names_the_first_engine_without_a_draft_and_the_client
     assert "has no start_draft_weight_update()" in client_problem([object()])
     assert draft_verdict([{"client": client_problem([object()])},
                           {"engine": 0, "problem": None}], 1).startswith("the client of engine 0")
+
+
+def test_the_worker_swaps_in_the_drafts_state_for_a_draft_session_and_back():
+    """One layer, no engine: vLLM's set/reset_weight_update_target swap the per-target state;
+    a session that loads one target refuses the other's round; without a draft, a draft
+    session's update_weights raises DraftError naming why."""
+    from types import SimpleNamespace
+
+    from xreshard.adapters.vllm.draft import TARGET_STATE, DraftError
+    from xreshard.adapters.vllm.worker import XreshardUpdateInfo, XreshardWeightTransferEngine
+
+    config = SimpleNamespace(parallel_config=SimpleNamespace(), model_config="policy-config")
+    policy, draft = object(), object()
+    engine = XreshardWeightTransferEngine(None, config, SimpleNamespace(type="cpu"), policy)
+    engine._draft_refusal = "the engine has no draft to refit: no speculative_config"
+    engine.set_weight_update_target(draft, "draft-config")
+    assert engine.target == "draft" and engine.model is draft
+    with pytest.raises(DraftError, match="no draft round: the engine has no draft to refit"):
+        engine.update_weights({"version": 1, "draft": True})
+    engine.reset_weight_update_target()
+    assert engine.target == "policy" and engine.model is policy
+
+    engine._other = {k: f"draft {k}" for k in TARGET_STATE}
+    engine._draft_mode = "reload"
+    engine.stream = "policy stream"
+    engine.set_weight_update_target(draft, "draft-config")
+    assert engine.stream == "draft stream" and engine.model_config == "draft-config"
+    assert engine._other["stream"] == "policy stream"
+    assert engine._target_errors(XreshardUpdateInfo(version=1, draft=True)) == []
+    assert "sends the policy's weights but vLLM's update session loads the draft" in \
+        engine._target_errors(XreshardUpdateInfo(version=1))[0]
+    engine.reset_weight_update_target()
+    assert engine.stream == "policy stream" and engine._other["stream"] == "draft stream"
+    assert "loads the policy" in engine._target_errors(XreshardUpdateInfo(draft=True))[0]

@@ -317,7 +317,10 @@ class XreshardTrainerWeightTransferEngine(TrainerWeightTransferEngine[XreshardTr
         while this process sends, finish; the policy's rounds set the weight version."""
         version = sender.version + 1
         for c in self.clients:
-            c.start_draft_weight_update() if draft else c.start_weight_update()
+            if draft:
+                c.start_draft_weight_update()
+            else:
+                c.start_weight_update()
         info = {"version": version, "draft": True} if draft else {"version": version}
         calls = [functools.partial(c.update_weights, info) for c in self.clients]
         try:

@@ -45,6 +45,10 @@ Decision record.
   to know about it). The trainer's protocol is "join, then :class:`Stream`".
 * Everything happens in ``update_weights``; ``start_weight_update`` and
   ``finish_weight_update`` do nothing.
+* The speculative draft is a second target with its own recording, destination, stream
+  and version, swapped in by vLLM's ``set_weight_update_target`` (its
+  ``start_draft_weight_update`` session) and out by ``reset_weight_update_target``; see
+  :mod:`xreshard.adapters.vllm.draft`.
 * Streaming: the groups come from the recordings (:meth:`EngineRecording.groups
   <xreshard.adapters.vllm.EngineRecording.groups>`: modules never split, layerwise order, each
   group within half the budget, the other half for staging), identical on every worker;
