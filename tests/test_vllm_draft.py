@@ -106,8 +106,14 @@ def draft_trainer(ctx, tp: int, tmp: str) -> dict:
         report = engine.send_weights(cases.shard(policy, mesh))
         out["policy"] = {"version": report.version,
                          **client.call("check_policy", weights_path=os.path.join(tmp, "A"))}
-        for name, flat in drafts.items():
-            report = engine.send_draft_weights(cases.shard(flat, mesh, shapes))
+        # D2 goes inside a larger tree (as an MTP head's weights go inside its policy's):
+        # the draft takes its tensors, the second layer is left on the trainer
+        wider = cases.tree_shapes(dict(DRAFT_CONFIG, num_hidden_layers=2))
+        trees = {"D1": cases.shard(drafts["D1"], mesh, shapes),
+                 "D2": cases.shard({**cases.init_params(99, wider), **drafts["D2"]}, mesh,
+                                   wider)}
+        for name, tree in trees.items():
+            report = engine.send_draft_weights(tree)
             out["draft"].append({"name": name, "version": report.version,
                                  "bytes_sent": report.bytes_sent,
                                  **client.call("check_draft",
@@ -155,6 +161,7 @@ def test_trainer_refits_the_speculative_draft_like_vllms_own_load(tp, tmp_path):
         assert [x["version"] for x in reports] == [r["version"]] * tp
         for x in reports:
             assert x["bytes_received"] == x["shard_bytes"] > 0, x
+        # exactly the draft's shards crossed (D2's extra layer stayed on the trainer)
         assert r["bytes_sent"] == sum(x["bytes_received"] for x in reports)
         if tp > 1:      # shard to shard: no TP rank got the whole draft
             assert max(x["bytes_received"] for x in reports) < 0.7 * r["bytes_sent"]

@@ -36,6 +36,10 @@ Decision record.
   on every trainer rank, before any engine is asked. Rejected: letting vLLM refuse
   ``start_draft_weight_update`` (its ``RuntimeError`` reaches trainer rank 0 only; the
   other trainer ranks would wait out the timeout).
+* **The draft takes what it loads.** The workers' draft groups reach the trainer at init,
+  and a draft round sends only the tensors the draft loads, so an MTP head (or any draft
+  whose weights are part of the policy's) is sent the policy's whole tree; a tensor the
+  draft loads and the weights lack still refuses the round on every rank.
 * **The weight version labels the policy.** A draft round passes no version to
   ``finish_weight_update``; the engine's weight version stays the policy's.
 * Pipeline parallelism with a draft is refused by name (vLLM builds the drafter on the
@@ -51,7 +55,7 @@ from typing import Any, Mapping
 from xreshard.errors import RefitError
 
 __all__ = ["DraftError", "draft_problem", "draft_build", "record_draft", "draft_verdict",
-           "client_problem", "TARGET_STATE"]
+           "client_problem", "share_groups", "TARGET_STATE"]
 
 logger = logging.getLogger(__name__)
 
@@ -126,6 +130,18 @@ def draft_verdict(everyone: list[Mapping[str, Any]], num_engines: int) -> str | 
         return f"{which} has no draft to refit{more}: {why}"
     client = next((p["client"] for p in everyone if p.get("client")), None)
     return client
+
+
+def share_groups(stream: Any, timeout: float) -> None:
+    """The draft's groups, from the first vLLM worker to every process (collective at
+    init): the trainer then sends only the tensors the draft loads (an MTP head takes its
+    ``mtp.*`` layers from the policy's whole tree)."""
+    world = stream.world
+    root = next(p for p, info in enumerate(world.processes) if info["group"] == "rollout")
+    groups = world.broadcast_json(stream.groups if world.process_index == root else None,
+                                  root_process=root, timeout=timeout,
+                                  kind="xreshard-vllm/draft-groups")
+    stream.set_groups(groups)
 
 
 def client_problem(clients: list[Any]) -> str | None:

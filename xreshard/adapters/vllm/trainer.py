@@ -35,7 +35,7 @@ from xreshard.runtime.world import World, serve
 
 from ..jax import bind_named
 from ..naming import NameMap
-from .draft import DraftError, client_problem, draft_verdict
+from .draft import DraftError, client_problem, draft_verdict, share_groups
 from .plugin import BACKEND
 from .source import is_weight_source, source_tensors
 from .stream import DEFAULT_WORLD_ID, GROUPS, Stream
@@ -256,7 +256,8 @@ class XreshardTrainerWeightTransferEngine(TrainerWeightTransferEngine[XreshardTr
             self.draft_sender = WeightSender(
                 self.world, rules=info.draft_rules if info.draft_rules is not None else
                 info.rules, rule_params=info.draft_rule_params or info.rule_params,
-                names=info.names, transpose=info.transpose, config=config)
+                names=info.names, transpose=info.transpose, config=config, subset=True)
+            share_groups(self.draft_sender.stream, info.timeout)
 
     def serve_store(self, host: str, advertise_host: str | None, timeout: float) -> str:
         """Serve the world's rendezvous store on a free port of ``host`` (closed by
@@ -433,12 +434,16 @@ class WeightSender:
         rule_params: sizes the rules name (``NameMap(params=...)``).
         names, transpose: as for :class:`~xreshard.runtime.refit.Refit` (without ``rules``).
         config: the :class:`~xreshard.runtime.refit.RefitConfig` every process uses.
+        subset: send only the tensors of the workers' groups (known before the first
+            round) and leave the rest of the weights (a draft's part of the policy's tree).
     """
 
     def __init__(self, world: World, *, rules: Sequence[Any] | None = None,
                  rule_params: Mapping[str, int] | None = None, names: Any = None,
-                 transpose: Iterable[str] = (), config: RefitConfig | None = None) -> None:
+                 transpose: Iterable[str] = (), config: RefitConfig | None = None,
+                 subset: bool = False) -> None:
         self.world = world
+        self._subset = subset
         self._namemap = None if rules is None else NameMap(rules, rule_params)
         self._memo = LayoutMemo()       # the trainer arrays' layouts, kept across rounds
         self._names = names
@@ -460,6 +465,9 @@ class WeightSender:
         except Exception as e:  # noqa: BLE001 - refused on every process, not a hang on the others
             obj, shapes = Bound({}, {}), {}
             errors.append(f"{type(e).__name__}: {e}")
+        if self._subset and self.stream.groups:
+            wanted = {n for g in self.stream.groups for n in g}
+            shapes = {n: s for n, s in shapes.items() if n in wanted}
 
         def part(g: int, names: list[str], errs: list[str]) -> Any:
             wanted = set(names)

@@ -105,7 +105,8 @@ from xreshard.config import RefitConfig, RefitReport
 from xreshard.runtime.world import World
 
 from .destination import Destination, EngineRecording
-from .draft import TARGET_STATE, DraftError, draft_problem, draft_verdict, record_draft
+from .draft import (TARGET_STATE, DraftError, draft_problem, draft_verdict, record_draft,
+                    share_groups)
 from .lora import LoRAReceiver
 from .stream import DEFAULT_WORLD_ID, GROUPS, Stream
 
@@ -320,6 +321,7 @@ class XreshardWeightTransferEngine(WeightTransferEngine[XreshardInitInfo, Xresha
             return
         stream = Stream(self.world, "receive", config=config)
         stream.set_groups(draft.groups(self.budget))
+        share_groups(stream, init_info.timeout)
         self._other = {"_recording": draft, "_dest": Destination.place(draft, ranks,
                                                                       init_info.engine),
                        "stream": stream, "_inplace": False, "_init_errors": [],
