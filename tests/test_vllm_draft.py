@@ -96,7 +96,8 @@ def draft_trainer(ctx, tp: int, tmp: str) -> dict:
     cases.save_checkpoint(policy, os.path.join(tmp, "A"))
     for name, flat in drafts.items():
         cases.save_checkpoint(flat, os.path.join(tmp, name))
-    client = cases.StoreClient(ctx.address)
+    # a TP=2 engine with a draft starts three processes, minutes on a loaded 2-core box
+    client = cases.StoreClient(ctx.address, start_timeout=2 * cases.ENGINE_START_TIMEOUT)
     start = client.call("start_digest")
     engine = XreshardTrainerWeightTransferEngine.trainer_init(
         XreshardTrainerInitInfo(rank=0, engine_world_size=tp, timeout=cases.REFIT_TIMEOUT,
@@ -143,7 +144,7 @@ def test_trainer_refits_the_speculative_draft_like_vllms_own_load(tp, tmp_path):
     roles = [Role("jax", "trainer", 0, num_devices=4),
              Role("plain", "engine", 0, env={"VLLM_CPU_KVCACHE_SPACE": "1", **ENGINE_ENV[tp]})]
     trainer = launch([draft_trainer, draft_engine], roles, args=(tp, str(tmp_path)),
-                     timeout=400)[0].value
+                     timeout=720)[0].value
     policy = trainer["policy"]
     assert policy["version"] == 1 and policy["weight_version"] == "1"
     assert policy["equal"] and policy["tokens"] == policy["ref_tokens"]
@@ -279,3 +280,19 @@ def test_the_worker_swaps_in_the_drafts_state_for_a_draft_session_and_back():
     engine.reset_weight_update_target()
     assert engine.stream == "policy stream" and engine._other["stream"] == "draft stream"
     assert "loads the policy" in engine._target_errors(XreshardUpdateInfo(draft=True))[0]
+
+
+def test_a_draft_sharing_the_policys_embedding_refuses_to_write_it():
+    """vLLM shares an EAGLE head's embedding with the target: a draft round writing it would
+    change the policy, so the draft's rounds are refused naming the tensor."""
+    import torch
+
+    from xreshard.adapters.vllm.draft import shared_with_policy
+
+    policy = torch.nn.Module()
+    policy.embed = torch.nn.Embedding(4, 2)
+    draft = torch.nn.Module()
+    draft.embed, draft.fc = policy.embed, torch.nn.Linear(2, 2)
+    assert shared_with_policy(draft, policy, ["fc.weight"]) is None
+    why = shared_with_policy(draft, policy, ["embed.weight", "fc.weight"])
+    assert why.startswith("the draft's ['embed.weight'] are the policy's own tensors")

@@ -164,10 +164,11 @@ class StoreClient:
     """``VLLMWeightSyncClient`` over a TCPStore: each call is a numbered request the engine
     process (:func:`serve_requests`) answers. ``check``/``stop`` drive the test."""
 
-    def __init__(self, address: str, engine: int = 0, timeout: float = RPC_TIMEOUT) -> None:
+    def __init__(self, address: str, engine: int = 0, timeout: float = RPC_TIMEOUT,
+                 start_timeout: float = ENGINE_START_TIMEOUT) -> None:
         self.store, self.timeout, self.n = _store(address, timeout), timeout, 0
         self.prefix = f"engine{engine}/"
-        _wait(self.store, self.prefix + "ready", ENGINE_START_TIMEOUT)
+        _wait(self.store, self.prefix + "ready", start_timeout)
 
     def call(self, method: str, **kwargs: Any) -> Any:
         n, self.n = self.n, self.n + 1

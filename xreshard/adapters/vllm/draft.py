@@ -28,7 +28,9 @@ Decision record.
   The worker engine swaps its per-target state (recording, destination, stream, mode)
   in ``set_weight_update_target`` and back in ``reset_weight_update_target``; the trainer
   says ``{"draft": true}`` in the round's update info, and a disagreement refuses the
-  round on every rank before anything moves.
+  round on every rank before anything moves. So does a draft whose recorded parameters
+  include tensors vLLM shares with the policy (an EAGLE/MTP head's embedding or LM head,
+  :func:`shared_with_policy`): a draft round would overwrite the policy's.
 * **Whether a draft round can run is settled at init, on every process.** After joining,
   every process all-gathers what it knows (each worker: its engine's draft, or why there
   is none; trainer rank 0: whether every client can ``start_draft_weight_update``), so a
@@ -55,7 +57,7 @@ from typing import Any, Mapping
 from xreshard.errors import RefitError
 
 __all__ = ["DraftError", "draft_problem", "draft_build", "record_draft", "draft_verdict",
-           "client_problem", "share_groups", "TARGET_STATE"]
+           "client_problem", "share_groups", "shared_with_policy", "TARGET_STATE"]
 
 logger = logging.getLogger(__name__)
 
@@ -142,6 +144,22 @@ def share_groups(stream: Any, timeout: float) -> None:
                                   root_process=root, timeout=timeout,
                                   kind="xreshard-vllm/draft-groups")
     stream.set_groups(groups)
+
+
+def shared_with_policy(draft_model: Any, policy_model: Any, params: list[str]) -> str | None:
+    """Why a draft round must not write ``params`` (None: it may): some are the policy's
+    own tensors, which vLLM shares into an EAGLE/MTP head (its embedding or LM head, when
+    the draft's checkpoint has none or the same: ``_maybe_share_embeddings`` /
+    ``_maybe_share_lm_head``); writing them would change the policy too."""
+    policy = {id(p) for p in policy_model.parameters()}
+    live = dict(draft_model.named_parameters(remove_duplicate=False))
+    shared = sorted(n for n in params if n in live and id(live[n]) in policy)
+    if not shared:
+        return None
+    return (f"the draft's {shared[:3]}{' ...' if len(shared) > 3 else ''} are the policy's own "
+            "tensors (vLLM shares an EAGLE/MTP head's embedding or LM head with the target), "
+            "so a draft round would overwrite the policy's; leave them out of the draft's "
+            "draft_specs and refit them with the policy")
 
 
 def client_problem(clients: list[Any]) -> str | None:

@@ -106,7 +106,7 @@ from xreshard.runtime.world import World
 
 from .destination import Destination, EngineRecording
 from .draft import (TARGET_STATE, DraftError, draft_problem, draft_verdict, record_draft,
-                    share_groups)
+                    share_groups, shared_with_policy)
 from .lora import LoRAReceiver
 from .stream import DEFAULT_WORLD_ID, GROUPS, Stream
 
@@ -339,6 +339,10 @@ class XreshardWeightTransferEngine(WeightTransferEngine[XreshardInitInfo, Xresha
                 # the live draft is known only now: decide in place or reload for it
                 self._draft_mode = self._choose_mode(self._recording, self._mode)
                 self._inplace = self._draft_mode == "inplace"
+                shared = shared_with_policy(model, self._default_model,
+                                            self._recording.touched())
+                if shared:
+                    self._init_errors.append(shared)
 
     def reset_weight_update_target(self) -> None:
         super().reset_weight_update_target()
