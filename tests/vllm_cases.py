@@ -164,10 +164,11 @@ class StoreClient:
     """``VLLMWeightSyncClient`` over a TCPStore: each call is a numbered request the engine
     process (:func:`serve_requests`) answers. ``check``/``stop`` drive the test."""
 
-    def __init__(self, address: str, engine: int = 0, timeout: float = RPC_TIMEOUT) -> None:
+    def __init__(self, address: str, engine: int = 0, timeout: float = RPC_TIMEOUT,
+                 start_timeout: float = ENGINE_START_TIMEOUT) -> None:
         self.store, self.timeout, self.n = _store(address, timeout), timeout, 0
         self.prefix = f"engine{engine}/"
-        _wait(self.store, self.prefix + "ready", ENGINE_START_TIMEOUT)
+        _wait(self.store, self.prefix + "ready", start_timeout)
 
     def call(self, method: str, **kwargs: Any) -> Any:
         n, self.n = self.n, self.n + 1
@@ -183,6 +184,9 @@ class StoreClient:
 
     def start_weight_update(self) -> None:
         self.call("start_weight_update")
+
+    def start_draft_weight_update(self) -> None:
+        self.call("start_draft_weight_update")
 
     def update_weights(self, update_info: dict) -> None:
         self.call("update_weights", update_info=update_info)

@@ -70,6 +70,7 @@ The package, by concern::
     trainer.py      the backend's trainer engine, WeightSender, LLMClient
     lora.py         in-memory LoRA refits: the engine side (regions, the vLLM hook, commits)
     lora_send.py    in-memory LoRA refits: the trainer side (LoRASender)
+    draft.py        the speculative draft as a second target: how vLLM builds it, DraftError
 
 ``worker`` and ``trainer`` import vLLM's weight-transfer base classes, so they load on first
 use of one of their names (``from xreshard.adapters.vllm import LLMClient``); the rest
@@ -97,6 +98,7 @@ from xreshard.adapters.lora import LoRAAdapter, LoRAError, write_peft_dir
 
 from .destination import (INPLACE_ALLOWED, INPLACE_MOE_BACKENDS, Destination, EngineRecording,
                           inplace_refusal, layouts_from_pieces, replicate_layout)
+from .draft import DraftError
 from .lora import LORA_SCHEME, LoRAReceiver, install_hook, lora_request, read_regions
 from .plugin import BACKEND, WorkerExtension, register_backend, worker_record
 from .quantized import (KernelStandIn, checkpoint_specs_fp8, engine_formats, kernel_stand_ins,
@@ -115,7 +117,7 @@ __all__ = [
     "INPLACE_MOE_BACKENDS", "LoRAAdapter", "LoRAError", "write_peft_dir", "lora_request",
     "LORA_SCHEME", "LoRAReceiver", "install_hook", "read_regions",
     "KernelStandIn", "kernel_stand_ins", "engine_formats",
-    "quantized_of", "checkpoint_specs_fp8", "record_quantized",
+    "quantized_of", "checkpoint_specs_fp8", "record_quantized", "DraftError",
 ]
 
 #: names of the backend modules, loaded on first use (they import vLLM's base classes)

@@ -142,8 +142,12 @@ def _MetaWeights() -> Any:
     return _meta_weights_class()()
 
 
-def build_model(vllm_config: Any, *, device: str = "meta") -> Any:
+def build_model(vllm_config: Any, *, device: str = "meta", model_config: Any = None) -> Any:
     """The vLLM model class of ``vllm_config``, built on ``device`` (default ``meta``).
+
+    ``model_config``: build that model under ``vllm_config`` instead of
+    ``vllm_config.model_config``'s, as vLLM builds an EAGLE/MTP draft
+    (``get_model(vllm_config=..., model_config=draft_model_config)``).
 
     Uses vLLM's ``initialize_model`` under the config's dtype, exactly as its loaders do,
     so parameter names, shapes and weight loaders are those of the engine. The TP rank and
@@ -175,9 +179,9 @@ def build_model(vllm_config: Any, *, device: str = "meta") -> Any:
     rotary_embedding._ROPE_DICT.clear()
     place = _MetaWeights() if torch.device(device).type == "meta" else torch.device(device)
     try:
-        with set_default_torch_dtype(vllm_config.model_config.dtype), place, \
+        with set_default_torch_dtype((model_config or vllm_config.model_config).dtype), place, \
                 kernel_stand_ins():
-            return initialize_model(vllm_config=vllm_config)
+            return initialize_model(vllm_config=vllm_config, model_config=model_config)
     except ValueError as e:
         refused = refusal_as_format_error(e)
         if refused is None:
@@ -318,17 +322,16 @@ def record_quantized(model: Any, specs: Mapping[str, tuple[Sequence[int], Any]],
 
 # ---------------------------------------------------------------------------- inside a worker
 
-def _default_specs(vllm_config: Any) -> dict:
-    """HF tensor specs of the served model: its safetensors headers, else its config."""
+def _default_specs(model_config: Any) -> dict:
+    """HF tensor specs of a served model: its safetensors headers, else its config."""
     try:
-        return checkpoint_specs(vllm_config.model_config.model)
+        return checkpoint_specs(model_config.model)
     except FileNotFoundError:
-        return hf_tensor_specs(vllm_config.model_config.hf_config,
-                               vllm_config.model_config.dtype)
+        return hf_tensor_specs(model_config.hf_config, model_config.dtype)
 
 
-def record_workers(vllm_config: Any, specs: Mapping[str, Any] | None
-                   ) -> tuple[list[Recording], int, dict]:
+def record_workers(vllm_config: Any, specs: Mapping[str, Any] | None, *,
+                   model_config: Any = None) -> tuple[list[Recording], int, dict]:
     """(every worker's recording in worker order, this worker's index, the specs fed):
     record this worker on a meta copy of its model, then all-gather over the engine's
     workers (vLLM's world group, its gloo CPU group). Collective over the workers.
@@ -337,16 +340,18 @@ def record_workers(vllm_config: Any, specs: Mapping[str, Any] | None
         vllm_config: the worker's config.
         specs: HF name -> [shape, dtype]; default :func:`checkpoint_specs` of the model
             directory, else :func:`hf_tensor_specs` of its HF config.
+        model_config: record this model instead of ``vllm_config.model_config``'s (a
+            draft, see :func:`build_model`).
     """
     from vllm.config import set_current_vllm_config
     from vllm.distributed import parallel_state as ps
 
     if specs is None:
-        specs = _default_specs(vllm_config)
+        specs = _default_specs(model_config or vllm_config.model_config)
     else:
         specs = {n: (tuple(s[0]), str(s[1])) for n, s in specs.items()}
     with set_current_vllm_config(vllm_config):
-        model = build_model(vllm_config)
+        model = build_model(vllm_config, model_config=model_config)
         rec, fed = _record_here(model, specs, vllm_config)
     if rec.num_workers > 1:     # the world group of an engine without DP: its workers
         group = ps.get_world_group()
@@ -414,5 +419,5 @@ def record_in_worker(worker: Any, specs: Mapping[str, tuple[Sequence[int], Any]]
     import_vllm()
     vllm_config = worker.vllm_config
     if specs is None:
-        specs = _default_specs(vllm_config)
+        specs = _default_specs(vllm_config.model_config)
     return _record_here(build_model(vllm_config), specs, vllm_config)[0]

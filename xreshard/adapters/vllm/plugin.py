@@ -10,7 +10,7 @@ from typing import Any, Mapping, Sequence
 
 from .build import record_in_worker
 from .record import import_torch, import_vllm
-from .reload import reprocess_tied, weights_digest
+from .reload import reload_from_shards, reprocess_tied, weights_digest
 
 __all__ = ["BACKEND", "register_backend", "WorkerExtension", "worker_record"]
 
@@ -88,14 +88,15 @@ class WorkerExtension:
     def xreshard_record(self, specs: Mapping[str, Sequence] | None = None) -> dict:
         return worker_record(self, specs)
 
-    def xreshard_transfer_report(self) -> dict:
+    def xreshard_transfer_report(self, target: str | None = None) -> dict:
         """The ``"xreshard"`` weight-transfer backend's last round on this worker: bytes
-        received, this rank's shard bytes, version (see ``XreshardWeightTransferEngine``)."""
+        received, this rank's shard bytes, version (see ``XreshardWeightTransferEngine``);
+        ``target="draft"``: the speculative draft's last round."""
         engine = getattr(self, "weight_transfer_engine", None)
         if engine is None or not hasattr(engine, "report"):
             raise RuntimeError("this engine does not run the 'xreshard' weight-transfer backend; "
                                "pass weight_transfer_config={'backend': 'xreshard'}")
-        return engine.report()
+        return engine.report(target)
 
     def xreshard_lora_report(self) -> dict:
         """The last LoRA round on this worker (adapters and their versions, bytes received,
@@ -106,12 +107,38 @@ class WorkerExtension:
             return {"lora_version": 0, "last_error": None}
         return receiver.report()
 
-    def xreshard_weights_digest(self) -> dict[str, str]:
+    def xreshard_weights_digest(self, target: str = "policy") -> dict[str, str]:
         """sha256 of every tensor in the live model's state dict (parameters and persistent
         buffers, as processed after loading; a linear weight as its prepacked CPU kernel
         holds it, see :func:`weights_digest`), by name: compare two engines' weights, or one
-        engine's weights after a refit and after ``reload_weights``, bit for bit."""
-        return weights_digest(self.model_runner.get_model())
+        engine's weights after a refit and after ``reload_weights``, bit for bit.
+        ``target="draft"``: the speculative draft model's."""
+        return weights_digest(self._xreshard_model(target))
+
+    def xreshard_reload_draft(self, weights_path: str) -> None:
+        """Load the safetensors checkpoint in ``weights_path`` into the speculative draft
+        through vLLM's own loaders (layerwise reload, as ``reload_weights`` does for the
+        target, which vLLM 0.32 offers for the target only)."""
+        import glob
+        import os
+
+        from vllm.model_executor.model_loader.weight_utils import safetensors_weights_iterator
+
+        files = sorted(glob.glob(os.path.join(weights_path, "*.safetensors")))
+        if not files:
+            raise FileNotFoundError(f"no *.safetensors files in {weights_path!r}")
+        reload_from_shards(self._xreshard_model("draft"),
+                           self.speculative_config.draft_model_config,
+                           safetensors_weights_iterator(files, use_tqdm_on_load=False))
+
+    def _xreshard_model(self, target: str) -> Any:
+        if target == "policy":
+            return self.model_runner.get_model()
+        model = self.model_runner.get_draft_model() if target == "draft" else None
+        if model is None:
+            raise ValueError(f"target {target!r}: this engine has no such model (targets: "
+                             "'policy', and 'draft' with a draft model, EAGLE or MTP head)")
+        return model
 
     def xreshard_reprocess_tied(self) -> list[str]:
         """Re-process tied modules after vLLM's own ``reload_weights`` (see

@@ -35,6 +35,7 @@ from xreshard.runtime.world import World, serve
 
 from ..jax import bind_named
 from ..naming import NameMap
+from .draft import DraftError, client_problem, draft_verdict, share_groups
 from .plugin import BACKEND
 from .source import is_weight_source, source_tensors
 from .stream import DEFAULT_WORLD_ID, GROUPS, Stream
@@ -119,6 +120,10 @@ class XreshardTrainerInitInfo(TrainerInitInfo):
             (see :class:`WeightSender`).
         devices: this process's devices (default ``jax.local_devices()`` when JAX is
             loaded, else this process's CUDA device or one CPU rank).
+        draft_specs, draft_rules, draft_rule_params: as ``specs`` / ``rules`` /
+            ``rule_params``, for the engine's speculative draft
+            (:meth:`XreshardTrainerWeightTransferEngine.send_draft_weights`); None: the
+            draft's checkpoint headers, the policy's rules and sizes.
     """
 
     backend: ClassVar[str] = BACKEND
@@ -143,6 +148,9 @@ class XreshardTrainerInitInfo(TrainerInitInfo):
     names: Any = None
     transpose: Iterable[str] = ()
     devices: Any = None
+    draft_specs: dict[str, Any] | None = None
+    draft_rules: Sequence[Any] | None = None
+    draft_rule_params: Mapping[str, int] | None = None
 
     def refit_config(self) -> RefitConfig:
         return RefitConfig(bucket_bytes=self.bucket_bytes, staging_bytes=self.staging_bytes,
@@ -170,6 +178,8 @@ class XreshardTrainerWeightTransferEngine(TrainerWeightTransferEngine[XreshardTr
         self.timeout = 300.0
         self._server: Any = None
         self._lora: Any = None      # LoRASender, built on the first send_loras
+        self.draft_sender: WeightSender | None = None   # see send_draft_weights
+        self._draft_refusal: str | None = "trainer_init did not complete"
 
     @classmethod
     def trainer_init(cls, init_info: XreshardTrainerInitInfo, *, client: Any,
@@ -211,7 +221,7 @@ class XreshardTrainerWeightTransferEngine(TrainerWeightTransferEngine[XreshardTr
                        "num_engines": info.num_engines,
                        "engine_world_size": info.engine_world_size,
                        "stream_bytes": info.stream_bytes,
-                       "measure_memory": info.measure_memory}
+                       "measure_memory": info.measure_memory, "draft_specs": info.draft_specs}
         devices = _default_devices() if info.devices is None else info.devices
 
         def join() -> tuple[World, WeightSender]:
@@ -220,9 +230,10 @@ class XreshardTrainerWeightTransferEngine(TrainerWeightTransferEngine[XreshardTr
                                groups=GROUPS, timeout=info.timeout, world_id=info.world_id)
             engine.world = world
             # collective with the workers' init (their side of the stream)
-            return world, WeightSender(world, rules=info.rules, rule_params=info.rule_params,
-                                       names=info.names, transpose=info.transpose,
-                                       config=config)
+            sender = WeightSender(world, rules=info.rules, rule_params=info.rule_params,
+                                  names=info.names, transpose=info.transpose, config=config)
+            engine._join_draft(info, config)
+            return world, sender
 
         calls = [functools.partial(c.init_weight_transfer_engine, {**worker_info, "engine": e})
                  for e, c in enumerate(engine.clients)]
@@ -233,6 +244,20 @@ class XreshardTrainerWeightTransferEngine(TrainerWeightTransferEngine[XreshardTr
             engine.shutdown()
             raise
         return engine
+
+    def _join_draft(self, info: XreshardTrainerInitInfo, config: RefitConfig) -> None:
+        """Collective with the workers' init (``_place_draft``): every process's word on the
+        draft; where a draft round can run, the draft's own sender (and stream)."""
+        mine = {"client": client_problem(self.clients)} if info.is_sender else {}
+        everyone = self.world.allgather_json(mine, kind="xreshard-vllm/draft",
+                                             timeout=info.timeout)
+        self._draft_refusal = draft_verdict(everyone, info.num_engines)
+        if self._draft_refusal is None:
+            self.draft_sender = WeightSender(
+                self.world, rules=info.draft_rules if info.draft_rules is not None else
+                info.rules, rule_params=info.draft_rule_params or info.rule_params,
+                names=info.names, transpose=info.transpose, config=config, subset=True)
+            share_groups(self.draft_sender.stream, info.timeout)
 
     def serve_store(self, host: str, advertise_host: str | None, timeout: float) -> str:
         """Serve the world's rendezvous store on a free port of ``host`` (closed by
@@ -260,12 +285,47 @@ class XreshardTrainerWeightTransferEngine(TrainerWeightTransferEngine[XreshardTr
         weights = self.source if weights is None else weights
         if weights is None:
             raise RefitError("send_weights needs the weights (or a source at trainer_init)")
-        version = self.sender.version + 1
+        return self._round(self.sender, weights, draft=False)
+
+    def send_draft_weights(self, weights: Any) -> RefitReport:
+        """One round into the engines' speculative draft (a draft model, EAGLE or MTP head):
+        rank 0 starts it with vLLM's ``start_draft_weight_update()``, so the workers load
+        the draft, then updates and finishes as :meth:`send_weights` does. Collective over
+        the trainer processes; call it after the policy's round, in the same pause.
+
+        Args:
+            weights: the draft's weights, in any form :meth:`send_weights` takes (named
+                by ``draft_rules`` / ``draft_specs`` of the init info where given).
+
+        Returns:
+            This process's report; ``version`` counts the draft's rounds. The engine's
+            weight version stays the policy's (``finish_weight_update`` gets none).
+
+        Raises:
+            DraftError: an engine has no draft to refit (no speculative decoding, a method
+                without draft weights, pipeline parallelism) or a client cannot start a
+                draft session: the same message on every trainer process, before any
+                engine is asked. See :mod:`xreshard.adapters.vllm.draft`.
+        """
+        if self.draft_sender is None:
+            raise DraftError(f"cannot refit the draft: {self._draft_refusal}")
+        if weights is None:
+            raise RefitError("send_draft_weights needs the draft's weights")
+        return self._round(self.draft_sender, weights, draft=True)
+
+    def _round(self, sender: WeightSender, weights: Any, *, draft: bool) -> RefitReport:
+        """Rank 0: start the session (the draft's or the policy's), update every engine
+        while this process sends, finish; the policy's rounds set the weight version."""
+        version = sender.version + 1
         for c in self.clients:
-            c.start_weight_update()
-        calls = [functools.partial(c.update_weights, {"version": version}) for c in self.clients]
+            if draft:
+                c.start_draft_weight_update()
+            else:
+                c.start_weight_update()
+        info = {"version": version, "draft": True} if draft else {"version": version}
+        calls = [functools.partial(c.update_weights, info) for c in self.clients]
         try:
-            report = _concurrently(calls, lambda: self.sender.send_weights(weights),
+            report = _concurrently(calls, lambda: sender.send_weights(weights),
                                    self.timeout, "update_weights")
         except BaseException:
             # close the update session on the workers that did not raise (see
@@ -277,7 +337,7 @@ class XreshardTrainerWeightTransferEngine(TrainerWeightTransferEngine[XreshardTr
                     pass
             raise
         for c in self.clients:
-            c.finish_weight_update(str(version))
+            c.finish_weight_update(None if draft else str(version))
         return report
 
     def send_loras(self, adapters: Sequence[Any]) -> RefitReport:
@@ -348,6 +408,9 @@ class LLMClient:
     def start_weight_update(self) -> None:
         self.llm.start_weight_update()
 
+    def start_draft_weight_update(self) -> None:
+        self.llm.start_draft_weight_update()
+
     def update_weights(self, update_info: dict[str, Any]) -> None:
         self.llm.update_weights({"update_info": update_info})
 
@@ -371,12 +434,16 @@ class WeightSender:
         rule_params: sizes the rules name (``NameMap(params=...)``).
         names, transpose: as for :class:`~xreshard.runtime.refit.Refit` (without ``rules``).
         config: the :class:`~xreshard.runtime.refit.RefitConfig` every process uses.
+        subset: send only the tensors of the workers' groups (known before the first
+            round) and leave the rest of the weights (a draft's part of the policy's tree).
     """
 
     def __init__(self, world: World, *, rules: Sequence[Any] | None = None,
                  rule_params: Mapping[str, int] | None = None, names: Any = None,
-                 transpose: Iterable[str] = (), config: RefitConfig | None = None) -> None:
+                 transpose: Iterable[str] = (), config: RefitConfig | None = None,
+                 subset: bool = False) -> None:
         self.world = world
+        self._subset = subset
         self._namemap = None if rules is None else NameMap(rules, rule_params)
         self._memo = LayoutMemo()       # the trainer arrays' layouts, kept across rounds
         self._names = names
@@ -398,6 +465,9 @@ class WeightSender:
         except Exception as e:  # noqa: BLE001 - refused on every process, not a hang on the others
             obj, shapes = Bound({}, {}), {}
             errors.append(f"{type(e).__name__}: {e}")
+        if self._subset and self.stream.groups:
+            wanted = {n for g in self.stream.groups for n in g}
+            shapes = {n: s for n, s in shapes.items() if n in wanted}
 
         def part(g: int, names: list[str], errs: list[str]) -> Any:
             wanted = set(names)

@@ -45,6 +45,10 @@ Decision record.
   (the trainer would need to know about it). The trainer's protocol is "join, then :class:`Stream`".
 * Everything happens in ``update_weights``; ``start_weight_update`` and
   ``finish_weight_update`` do nothing.
+* The speculative draft is a second target with its own recording, destination, stream
+  and version, swapped in by vLLM's ``set_weight_update_target`` (its
+  ``start_draft_weight_update`` session) and out by ``reset_weight_update_target``; see
+  :mod:`xreshard.adapters.vllm.draft`.
 * Streaming: the groups come from the recordings (:meth:`EngineRecording.groups
   <xreshard.adapters.vllm.EngineRecording.groups>`: modules never split, layerwise order, each
   group within half the budget, the other half for staging), identical on every worker;
@@ -101,6 +105,8 @@ from xreshard.config import RefitConfig, RefitReport
 from xreshard.runtime.world import World
 
 from .destination import Destination, EngineRecording
+from .draft import (TARGET_STATE, DraftError, draft_problem, draft_verdict, record_draft,
+                    share_groups, shared_with_policy)
 from .lora import LoRAReceiver
 from .stream import DEFAULT_WORLD_ID, GROUPS, Stream
 
@@ -133,6 +139,9 @@ class XreshardInitInfo(WeightTransferInitInfo):
             ``config["staging_bytes"]``, i.e. ``RefitConfig.staging_bytes``).
         measure_memory: report each round's peak RSS growth of the worker process (Linux:
             resets the process's VmHWM through ``/proc/self/clear_refs``).
+        draft_specs: as ``specs``, for the speculative draft (default its model
+            directory's safetensors headers, else its HF config); see
+            :mod:`xreshard.adapters.vllm.draft`.
     """
 
     address: str
@@ -147,6 +156,7 @@ class XreshardInitInfo(WeightTransferInitInfo):
     engine_world_size: int | None = None
     stream_bytes: int | None = None
     measure_memory: bool = False
+    draft_specs: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         if self.mode not in _MODES:
@@ -163,10 +173,13 @@ class XreshardInitInfo(WeightTransferInitInfo):
 class XreshardUpdateInfo(WeightTransferUpdateInfo):
     """Per round: the version this round makes (checked against the worker's own count);
     ``lora`` set: a LoRA round instead (``{"version": n}``; the adapters travel in the
-    round's own exchange, see :mod:`xreshard.adapters.vllm.lora`)."""
+    round's own exchange, see :mod:`xreshard.adapters.vllm.lora`); ``draft``: the trainer
+    sends the speculative draft's weights (checked against the session vLLM started:
+    ``start_draft_weight_update``, see :mod:`xreshard.adapters.vllm.draft`)."""
 
     version: int | None = None
     lora: dict[str, Any] | None = None
+    draft: bool = False
 
 
 class XreshardWeightTransferEngine(WeightTransferEngine[XreshardInitInfo, XreshardUpdateInfo]):
@@ -174,7 +187,7 @@ class XreshardWeightTransferEngine(WeightTransferEngine[XreshardInitInfo, Xresha
 
     init_info_cls = XreshardInitInfo
     update_info_cls = XreshardUpdateInfo
-    supports_draft_weight_update = False
+    supports_draft_weight_update = True
 
     def __init__(self, config: Any, vllm_config: Any, device: Any, model: Any) -> None:
         super().__init__(config, vllm_config, device, model)
@@ -191,6 +204,14 @@ class XreshardWeightTransferEngine(WeightTransferEngine[XreshardInitInfo, Xresha
         self._measure = False
         self._init_errors: list[str] = []
         self.lora: LoRAReceiver | None = None    # built on the first LoRA round
+        # the speculative draft (see .draft): which target this session loads, the other
+        # target's TARGET_STATE while swapped out, why a draft round cannot run
+        self.target = "policy"
+        self._other: dict[str, Any] | None = None
+        self._draft_refusal: str | None = None
+        self._draft_cache: tuple[Any, Any] = (None, None)
+        self._draft_mode: str | None = None
+        self._mode = "auto"
 
     def init_transfer_engine(self, init_info: XreshardInitInfo) -> None:
         """Record (once per ``specs``), then join the trainer's world as ``rollout[worker]``
@@ -215,6 +236,8 @@ class XreshardWeightTransferEngine(WeightTransferEngine[XreshardInitInfo, Xresha
                 logger.info("xreshard: no rank loads %s; the trainer must not send them",
                             self._recording.unused)
         recording = self._recording
+        draft, problem = self._record_draft(init_info)
+        self._mode = init_info.mode
         mode = self._choose_mode(recording, init_info.mode)
         self._inplace = mode == "inplace"
         device = "cpu" if self.device.type == "cpu" else self.device
@@ -243,6 +266,7 @@ class XreshardWeightTransferEngine(WeightTransferEngine[XreshardInitInfo, Xresha
         self._measure = init_info.measure_memory
         self.stream = Stream(self.world, "receive", config=refit_config)
         self.stream.set_groups(recording.offered_groups(self.budget))
+        self._place_draft(init_info, draft, problem, ranks, refit_config)
         logger.info("xreshard: worker %d (pp %d, tp %d) joined %r as world rank %d (%s, %d "
                     "shard bytes in %d group(s) of at most %d bytes)", dest.rec.worker,
                     dest.rec.pp_rank, dest.rec.tp_rank, self.world, dest.rank, mode,
@@ -269,6 +293,81 @@ class XreshardWeightTransferEngine(WeightTransferEngine[XreshardInitInfo, Xresha
                 + " - use mode 'reload' (or 'auto')")
         return mode
 
+    # ------------------------------------------------------------ the speculative draft
+
+    def _record_draft(self, init_info: XreshardInitInfo) -> tuple[EngineRecording | None,
+                                                                   str | None]:
+        """(the draft's recording, None) or (None, why there is no draft to refit). Records
+        once per ``draft_specs``; collective over the engine's workers, as the policy's."""
+        problem = draft_problem(self.vllm_config)
+        if problem is not None:
+            return None, problem
+        key = repr(sorted((init_info.draft_specs or {}).items()))
+        if self._draft_cache[0] != key:
+            self._draft_cache = (key, record_draft(self.vllm_config, init_info.draft_specs))
+        return self._draft_cache[1], None
+
+    def _place_draft(self, init_info: XreshardInitInfo, draft: EngineRecording | None,
+                     problem: str | None, ranks: Any, config: RefitConfig) -> None:
+        """Collective with every process (the trainer's ``trainer_init``): every process's
+        word on the draft, then, where every engine has one and the trainer can start a
+        draft session, the draft's destination and its own stream."""
+        everyone = self.world.allgather_json(
+            {"engine": init_info.engine, "problem": problem}, kind="xreshard-vllm/draft",
+            timeout=init_info.timeout)
+        self._draft_refusal = draft_verdict(everyone, init_info.num_engines)
+        self._other, self.target, self._draft_mode = None, "policy", None
+        if self._draft_refusal is not None:
+            return
+        stream = Stream(self.world, "receive", config=config)
+        stream.set_groups(draft.offered_groups(self.budget))
+        share_groups(stream, init_info.timeout)
+        self._other = {"_recording": draft, "_dest": Destination.place(draft, ranks,
+                                                                      init_info.engine),
+                       "stream": stream, "_inplace": False, "_init_errors": [],
+                       "last_report": None, "last_error": None, "peak_rss_growth": None}
+        logger.info("xreshard: the draft streams %d shard bytes in %d group(s) to this worker",
+                    self._other["_dest"].shard_bytes(), len(stream.groups))
+
+    def set_weight_update_target(self, model: Any, model_config: Any) -> None:
+        """vLLM's ``start_draft_weight_update``: this session loads ``model`` (the draft),
+        with the draft's recording, destination and stream."""
+        super().set_weight_update_target(model, model_config)
+        if model is not self._default_model and self.target == "policy":
+            self._swap_target()
+            if self._other is not None and self._draft_mode is None:
+                # the live draft is known only now: decide in place or reload for it
+                self._draft_mode = self._choose_mode(self._recording, self._mode)
+                self._inplace = self._draft_mode == "inplace"
+                shared = shared_with_policy(model, self._default_model,
+                                            self._recording.touched())
+                if shared:
+                    self._init_errors.append(shared)
+
+    def reset_weight_update_target(self) -> None:
+        super().reset_weight_update_target()
+        if self.target == "draft":
+            self._swap_target()
+
+    def _swap_target(self) -> None:
+        """Exchange the per-target state (:data:`~.draft.TARGET_STATE`) with the other
+        target's; without a draft to refit only the label changes (its rounds refuse)."""
+        self.target = "draft" if self.target == "policy" else "policy"
+        if self._other is None:
+            return
+        mine = {k: getattr(self, k) for k in TARGET_STATE}
+        for k in TARGET_STATE:
+            setattr(self, k, self._other[k])
+        self._other = mine
+
+    def _target_errors(self, info: XreshardUpdateInfo) -> list[str]:
+        """Why this round must not load into the session's target (refused on every rank)."""
+        if info.draft != (self.target == "draft"):
+            return [f"the trainer sends the {'draft' if info.draft else 'policy'}'s weights "
+                    f"but vLLM's update session loads the {self.target} (start_weight_update "
+                    "for the policy, start_draft_weight_update for the draft)"]
+        return []
+
     def start_weight_update(self) -> None:
         """Nothing: the round is received and loaded in ``update_weights``."""
 
@@ -277,6 +376,9 @@ class XreshardWeightTransferEngine(WeightTransferEngine[XreshardInitInfo, Xresha
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
         info = self.parse_update_info(update_info)
+        if self.target == "draft" and self._other is None:
+            # the trainer refuses such a round itself (same verdict), so no rank waits here
+            raise DraftError(f"no draft round: {self._draft_refusal or 'not initialized'}")
         if info.lora is not None:
             if self.stream is None or self._dest is None:
                 raise RefitError("the xreshard backend is not initialized: call "
@@ -296,7 +398,7 @@ class XreshardWeightTransferEngine(WeightTransferEngine[XreshardInitInfo, Xresha
             raise RefitError("the xreshard backend is not initialized: call "
                              "init_weight_transfer_engine first")
         dest, stream = self._dest, self.stream
-        errors = list(self._init_errors)
+        errors = list(self._init_errors) + self._target_errors(update_info)
         if update_info.version is not None and update_info.version != stream.version + 1:
             errors.append(f"the trainer sends version {update_info.version} but this worker "
                           f"holds version {stream.version}; a round was missed")
@@ -362,10 +464,22 @@ class XreshardWeightTransferEngine(WeightTransferEngine[XreshardInitInfo, Xresha
                           f"{type(e).__name__}: {e}")
             return {}, Bound({n: dest.layouts[n] for n in names}, {})
 
-    def report(self) -> dict[str, Any]:
-        """The last round as seen by this worker (JSON)."""
+    def report(self, target: str | None = None) -> dict[str, Any]:
+        """The last round of ``target`` (``"policy"``, ``"draft"``; default the session's)
+        as seen by this worker (JSON)."""
+        if target not in (None, self.target):
+            if target not in ("policy", "draft"):
+                raise ValueError(f"target {target!r} is not 'policy' or 'draft'")
+            if self._other is None:
+                return {"target": target, "version": 0, "last_error": self._draft_refusal}
+            self._swap_target()
+            try:
+                return self.report()
+            finally:
+                self._swap_target()
         r, rec = self.last_report, self._dest
-        return {"tp_rank": rec.rec.tp_rank if rec else None,
+        return {"target": self.target,
+                "tp_rank": rec.rec.tp_rank if rec else None,
                 "pp_rank": rec.rec.pp_rank if rec else None,
                 "worker": rec.rec.worker if rec else None,
                 "world_rank": rec.rank if rec else None,
@@ -387,7 +501,9 @@ class XreshardWeightTransferEngine(WeightTransferEngine[XreshardInitInfo, Xresha
             self.world.close()
         # committed adapters stay served (they live with vLLM's LoRA manager); a new world
         # gets a new LoRA receiver
-        self.world = self.stream = self.lora = None
+        if self.target == "draft":
+            self._swap_target()
+        self.world = self.stream = self.lora = self._other = None
 
 
 
