@@ -60,6 +60,15 @@ class RefitConfig:
     the refit read it (its version counter moved), e.g. an optimizer step before
     ``handle.wait()`` of a started refit."""
 
+    atomic: bool = False
+    """Transactional destinations: in-place destinations (torch tensors and DTensors, a
+    :class:`~xreshard.runtime.binding.Bound`) receive into staging that is copied into
+    them only after every process agreed the call succeeded, so a call that fails leaves
+    every destination at its previous version, bit for bit (and ``stale`` unset). Costs
+    one extra buffer of this process's destination bytes (kept across calls) and two
+    local copies of them per call (:mod:`xreshard.runtime.atomic`). JAX destinations are
+    new arrays, atomic either way. False: a failed call may leave a mix (``stale``)."""
+
     def __post_init__(self) -> None:
         for name in ("bucket_bytes", "staging_bytes"):
             value = getattr(self, name)
@@ -85,6 +94,8 @@ class RefitConfig:
                 not isinstance(self.verify, (bool, str))):
             raise RefitError(f"RefitConfig.verify must be False, True or 'sample', got "
                              f"{self.verify!r}")
+        if not isinstance(self.atomic, bool):
+            raise RefitError(f"RefitConfig.atomic must be a bool, got {self.atomic!r}")
         if self.relay not in ("off", "on", "auto"):
             raise RefitError(f"RefitConfig.relay must be 'off', 'on' or 'auto', got "
                              f"{self.relay!r}")

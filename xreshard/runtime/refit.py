@@ -79,6 +79,7 @@ from ..ir.layout import LayoutMemo
 from .metadata import fit, merged_layouts, stage_bindings
 from ..planner.plan import Plan, PlanCache
 from ..planner.prepare import CallOptions, PreparedCall, prepare
+from .atomic import Staging
 from .handle import Background, RefitHandle
 from .sides import Sides, on_device
 
@@ -196,6 +197,7 @@ class Refit:
         self._cache = PlanCache()
         self._identity: list[dict] | None = None
         self._maps: dict[str, Any] | None = None    # from _identity, once
+        self._staging: Staging | None = None        # RefitConfig.atomic's shadows
 
     @property
     def plan(self) -> Plan | None:
@@ -306,16 +308,33 @@ class Refit:
         plan_seconds = time.perf_counter() - t0
         error: list[str] | None = None
         moved = _Moved()
-        self.stale = True
+        self.stale = not self.config.atomic
         try:
-            moved = self._move(src, dst, target, versions)
+            moved = self._move(src, self._staged(dst), target, versions)
         except Exception as e:      # noqa: BLE001 - reported to the others before raising
             error = _entry(e, "move")
             logger.debug("refit v%d failed here while moving", target, exc_info=True)
-        verified = self._commit(error, moved.digests, target)
+        try:
+            verified = self._commit(error, moved.digests, target)
+        except BaseException:
+            if self._staging is not None:
+                self._staging.abandon()
+            raise
+        if self._staging is not None:       # every process agreed the call succeeded
+            self._staging.commit()
         report = self._report(moved, target, time.perf_counter() - t0, plan_seconds,
                               replanned, verified)
         return report, (dst.finish if dst is not None else None)
+
+    def _staged(self, dst: Bound | None) -> Bound | None:
+        """``RefitConfig.atomic``: the destination to move into, its bindings replaced by
+        staging (committed by ``_call`` once every process agreed); else ``dst``. JAX
+        destinations are new arrays (atomic already) and are not shadowed."""
+        if not self.config.atomic or dst is None or self._sides.receive.adapter == "jax":
+            return dst
+        if self._staging is None:
+            self._staging = Staging()
+        return self._staging.stage(dst)
 
     def _report(self, moved: _Moved, target: int, seconds: float, plan_seconds: float,
                 replanned: bool, verified: int) -> RefitReport:
@@ -617,8 +636,8 @@ class Refit:
                 # a peer failed or went silent: the transports are in an unknown state
                 self.world.mark_broken(f"refit v{target} failed while moving: {where}")
             cls = failed[0][1][0] if failed else "TransportTimeout"
-            raise _Failed(error_from(cls, f"refit v{target} failed while moving, destination "
-                                          f"left stale at v{self.version}:\n  {where}"))
+            raise _Failed(error_from(cls, f"refit v{target} failed while moving, "
+                                          f"{self._left()}:\n  {where}"))
         if len({o.get("refit") for o in outcomes}) > 1:
             self.world.mark_broken(f"refit v{target}: processes ended different Refits")
             raise _Failed(self._crossed(outcomes, f"refit v{target} moved bytes, but"))
@@ -629,10 +648,16 @@ class Refit:
         if messages:        # the same list on every process: it compared the same digests
             raise _Failed(VerificationError(
                 f"refit v{target}: {len(messages)} transfer(s) arrived with other bytes than "
-                f"were sent (checksums differ), destination left stale at v{self.version}:\n  "
+                f"were sent (checksums differ), {self._left()}:\n  "
                 + "\n  ".join(messages[:20])
                 + (f"\n  ... and {len(messages) - 20} more" if len(messages) > 20 else "")))
         return compared
+
+    def _left(self) -> str:
+        """What a failed call left in the destinations, for its message."""
+        if self.config.atomic:
+            return f"destinations kept at v{self.version} (atomic)"
+        return f"destination left stale at v{self.version}"
 
 
 class _Moved:
