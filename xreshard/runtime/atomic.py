@@ -37,7 +37,14 @@ import numpy as np
 
 from .binding import Bound
 
-__all__ = ["Staging"]
+__all__ = ["Staging", "left"]
+
+
+def left(atomic: bool, version: int) -> str:
+    """What a failed call left in the destinations, in its message."""
+    if atomic:
+        return f"destinations kept at v{version} (atomic)"
+    return f"destination left stale at v{version}"
 
 
 def _empty_like(a: Any) -> Any:
