@@ -31,6 +31,11 @@ call did not raise ``WorldBroken`` within 1 s).
 
     python scripts/kill_peers.py [--trials 20] [--timeout 5] [--parallel 2]
                                  [--transport gloo|auto] [--atomic] [--json out.json]
+    python scripts/kill_peers.py --victim engine [--trials 20] [--timeout 5] [--json]
+
+``--victim engine`` runs scripts/kill_engines.py's trials (an elastic world that loses an
+engine process mid-refit, see there) and prints one JSON object of its figures (``--json``
+without a file: only that object, on stdout; with one: the rows too, into the file).
 """
 
 from __future__ import annotations
@@ -354,6 +359,24 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def _engines(args: argparse.Namespace) -> int:
+    import kill_engines
+    if args.transport == "gloo" and "--transport" not in sys.argv:
+        args.transport = "auto"         # shm between the processes of this host, as deployed
+    with ThreadPoolExecutor(args.parallel) as pool:
+        rows = list(pool.map(lambda i: kill_engines.run_trial(i, args), range(args.trials)))
+    summary = kill_engines.summarize(rows, args.timeout)
+    if args.json and args.json != "-":
+        with open(args.json, "w") as f:
+            json.dump({"rows": rows, "summary": summary}, f, indent=1)
+    print(json.dumps(summary))
+    ok = (summary["hangs"] == 0 and summary["survivors_completed"] >= args.trials - 1
+          and summary["max_seconds"] <= args.timeout + SLACK
+          and summary["next_refit_ok"] == args.trials
+          and summary["rejoin_ok"] >= args.trials - 1)
+    return 0 if ok else 2
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--trials", type=int, default=20, help="per victim side")
@@ -363,8 +386,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--atomic", action="store_true",
                     help="RefitConfig(atomic=True), torch receivers, kill the sender only")
-    ap.add_argument("--json", help="write the rows and the summary here")
+    ap.add_argument("--victim", choices=("any", "engine"), default="any",
+                    help="engine: kill an engine's receiver in an elastic world "
+                         "(scripts/kill_engines.py)")
+    ap.add_argument("--json", nargs="?", const="-",
+                    help="write the rows and the summary here (no file: print the summary "
+                         "alone, as one JSON object)")
     args = ap.parse_args(argv)
+    if args.victim == "engine":
+        return _engines(args)
     plan = []
     for side in (("sender",) if args.atomic else ("sender", "receiver")):
         for k in range(args.trials):
@@ -393,7 +423,7 @@ def main(argv: list[str] | None = None) -> int:
         if s.get("outcome") == "raised")
     summary["messages"] = dict(messages.most_common(8))
     print(json.dumps(summary, indent=2))
-    if args.json:
+    if args.json and args.json != "-":
         with open(args.json, "w") as f:
             json.dump({"rows": rows, "summary": summary, "hard_failures": bad,
                        "contract_deviations": contract}, f, indent=1)
