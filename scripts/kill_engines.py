@@ -125,11 +125,15 @@ def engine_trial(ctx: Any, spec: dict) -> dict:
         if not _wait(lambda: os.path.exists(spec["next_file"]), 120):
             return {"role": "spare", "joined": False, "why": "no next refit"}
         seen = time.time()
+        with open(spec["next_file"]) as f:
+            version = int(f.read())         # the version the survivors call next
         world = ctx.join(elastic=True, groups=groups, timeout=60)
         joined = time.time()
-        side = _Side(False)
-        refit = xr.Refit(world, receive=xr.Rebuilt(side.build), config=config)
-        out = _call(refit, side, 0)
+        trainer = ctx.role.group == "trainer"
+        side = _Side(trainer)
+        refit = xr.Refit(world, config=config,
+                         **{("send" if trainer else "receive"): xr.Rebuilt(side.build)})
+        out = _call(refit, side, version)
         out.update(role="spare", joined=True, epoch_after=world.epoch, flag_seen=seen,
                    joined_at=joined)
         world.close()
@@ -159,15 +163,21 @@ def engine_trial(ctx: Any, spec: dict) -> dict:
         if not calls[-1]["ok"] or calls[-1].get("lost"):
             loss_call = len(calls) - 1
     out: dict[str, Any] = {"role": label, "calls": calls, "loss_call": loss_call}
-    if loss_call is None or not calls[-1]["ok"]:
+    source = spec["victim"].startswith("trainer")
+    if loss_call is None or calls[-1]["ok"] == source:
         world.close()
         return out
-    version += 1
-    out["next"] = _call(refit, side, version)
-    out["next"]["members"] = list(world.members)
-    if label == "trainer[0]":
-        with open(spec["next_file"], "w") as f:
-            f.write("go")
+    if source:              # the call failed: the next version is the same one again
+        version -= 1
+    else:
+        version += 1
+        out["next"] = _call(refit, side, version)
+        out["next"]["members"] = list(world.members)
+    writer = "trainer[1]" if spec["victim"] == "trainer[0]" else "trainer[0]"
+    if label == writer:
+        with open(spec["next_file"] + ".tmp", "w") as f:
+            f.write(str(version + 1))
+        os.replace(spec["next_file"] + ".tmp", spec["next_file"])
     if _wait(lambda: any(r["kind"] == "join" for r in world.pending()), 90):
         version += 1
         out["rejoin"] = _call(refit, side, version)
@@ -182,15 +192,16 @@ def run_trial(i: int, args: Any) -> dict:
     from xreshard.tools.launch import LaunchTimeout, Role, launch
 
     rng = random.Random(args.seed * 1000 + i)
-    v = rng.randrange(ENGINES * TP)
-    victim = f"rollout[{v}]"
+    v = rng.randrange(2 if args.victim == "trainer" else ENGINES * TP)
+    group = "trainer" if args.victim == "trainer" else "rollout"
+    victim = f"{group}[{v}]"
     with tempfile.TemporaryDirectory(prefix="kill-engines-") as tmp:
         spec = {"victim": victim, "seed": args.seed * 1000 + i, "timeout": args.timeout,
                 "transport": args.transport, "kill_file": os.path.join(tmp, "killed.json"),
                 "next_file": os.path.join(tmp, "next")}
         roles = ([Role("plain", "trainer", k) for k in range(2)]
                  + [Role("plain", "rollout", k) for k in range(ENGINES * TP)]
-                 + [Role("plain", "rollout", v)])
+                 + [Role("plain", group, v)])
         limit = 60 + 8 * (args.timeout + 5) + 120
         t0 = time.time()
         try:
@@ -234,6 +245,38 @@ def summarize(rows: list[dict], timeout: float) -> dict:
         if all(r and r["ok"] and r.get("exact", True) for r in rejoins) and sv.get("ok") \
                 and sv.get("exact") and sv.get("version") == rejoins[0]["version"]:
             rejoin_ok += 1
+    if rows and rows[0]["victim"].startswith("trainer"):
+        return _summarize_source(rows, timeout)
     return {"trials": len(rows), "survivors_completed": completed, "hangs": hangs,
             "max_seconds": round(worst, 2), "next_refit_ok": next_ok, "rejoin_ok": rejoin_ok,
             "timeout": timeout}
+
+
+def _summarize_source(rows: list[dict], timeout: float) -> dict:
+    """A trainer (the only holder of its rows) killed: every survivor must raise one
+    typed error within timeout + 5 s, and the restarted trainer's refit must be exact."""
+    typed = hangs = restarted = 0
+    worst = 0.0
+    errors: dict[str, int] = {}
+    for row in rows:
+        survivors = [r for r in row["results"][:-1] if r["role"] != row["victim"]]
+        hangs += sum(1 for r in row["results"] if r["timed_out"])
+        values = [r["value"] for r in survivors if r["ok"] and r["value"]]
+        if len(values) != len(survivors) or any(v["loss_call"] is None for v in values):
+            continue
+        lost = [v["calls"][v["loss_call"]] for v in values]
+        seconds = [c["end"] - c["start"] for c in lost]
+        worst = max([worst] + seconds)
+        messages = {c.get("error") for c in lost}
+        if len(messages) == 1 and not any(c["ok"] for c in lost) \
+                and max(seconds) <= timeout + 5:
+            typed += 1
+            cls = next(iter(messages)).split(":")[0]
+            errors[cls] = errors.get(cls, 0) + 1
+        rejoins = [v.get("rejoin") for v in values]
+        spare = row["results"][-1]["value"] or {}
+        if all(r and r["ok"] and r.get("exact", True) for r in rejoins) and spare.get("ok"):
+            restarted += 1
+    return {"trials": len(rows), "victim": "trainer", "one_typed_error": typed,
+            "errors": errors, "hangs": hangs, "max_seconds": round(worst, 2),
+            "restarted_trainer_ok": restarted, "timeout": timeout}

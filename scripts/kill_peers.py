@@ -370,6 +370,9 @@ def _engines(args: argparse.Namespace) -> int:
         with open(args.json, "w") as f:
             json.dump({"rows": rows, "summary": summary}, f, indent=1)
     print(json.dumps(summary))
+    if args.victim == "trainer":
+        return 0 if summary["one_typed_error"] == summary["restarted_trainer_ok"] \
+            == args.trials and summary["hangs"] == 0 else 2
     ok = (summary["hangs"] == 0 and summary["survivors_completed"] >= args.trials - 1
           and summary["max_seconds"] <= args.timeout + SLACK
           and summary["next_refit_ok"] == args.trials
@@ -386,14 +389,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--atomic", action="store_true",
                     help="RefitConfig(atomic=True), torch receivers, kill the sender only")
-    ap.add_argument("--victim", choices=("any", "engine"), default="any",
+    ap.add_argument("--victim", choices=("any", "engine", "trainer"), default="any",
                     help="engine: kill an engine's receiver in an elastic world "
                          "(scripts/kill_engines.py)")
     ap.add_argument("--json", nargs="?", const="-",
                     help="write the rows and the summary here (no file: print the summary "
                          "alone, as one JSON object)")
     args = ap.parse_args(argv)
-    if args.victim == "engine":
+    if args.victim in ("engine", "trainer"):
         return _engines(args)
     plan = []
     for side in (("sender",) if args.atomic else ("sender", "receiver")):
