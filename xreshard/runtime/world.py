@@ -63,6 +63,25 @@ def _default_index(devices: Any) -> int:
                      "or an initialized torch.distributed (its rank)")
 
 
+def _checked(group: str, devices: Sequence[Any] | int, num_processes: int,
+             groups: Sequence[str] | None) -> tuple[list[str] | None, list[Any]]:
+    """``World.join``'s arguments checked: (groups as a list, the local devices)."""
+    if not isinstance(group, str) or not group:
+        raise RefitError(f"group must be a non-empty string, got {group!r}")
+    if num_processes < 1:
+        raise RefitError(f"num_processes must be >= 1, got {num_processes}")
+    if groups is not None:
+        groups = list(groups)
+        if group not in groups:
+            raise RefitError(f"group {group!r} is not in groups={groups}; "
+                             f"add it or pass groups=None for sorted group names")
+    if isinstance(devices, int):
+        if devices < 0:
+            raise RefitError(f"devices must be a device list or a count >= 0, got {devices}")
+        return groups, ["cpu"] * devices
+    return groups, list(devices)
+
+
 class World(WorldTransports, ElasticWorld):
     """The processes of one refit and the world ranks each one hosts.
 
@@ -192,21 +211,7 @@ class World(WorldTransports, ElasticWorld):
                 too few with this process's token (at once when ``num_processes`` of them
                 exist), or the world's instance record was forged or replayed.
         """
-        if not isinstance(group, str) or not group:
-            raise RefitError(f"group must be a non-empty string, got {group!r}")
-        if num_processes < 1:
-            raise RefitError(f"num_processes must be >= 1, got {num_processes}")
-        if groups is not None:
-            groups = list(groups)
-            if group not in groups:
-                raise RefitError(f"group {group!r} is not in groups={groups}; "
-                                 f"add it or pass groups=None for sorted group names")
-        if isinstance(devices, int):
-            if devices < 0:
-                raise RefitError(f"devices must be a device list or a count >= 0, got {devices}")
-            local_devices: list[Any] = ["cpu"] * devices
-        else:
-            local_devices = list(devices)
+        groups, local_devices = _checked(group, devices, num_processes, groups)
         if index is None:
             index = _default_index(local_devices)
         kinds = [device_kind(d) for d in local_devices]
