@@ -473,11 +473,11 @@ class Refit:
         return maps
 
     def _agree(self, kind: str, body: dict[str, Any], what: str,
-               timeout: float | None = None, partial: bool = False) -> list[dict[str, Any]]:
+               timeout: float | None = None) -> list[dict[str, Any]]:
         """All-gather ``body`` (with its ``errors`` and this Refit's identity); raise the
         same error everywhere if any process reported one, or (after ``refit/check``)
-        named another Refit (``partial``: members may change, ``fleet.after_check``)."""
-        body = dict(body, refit=self._id)
+        named another Refit (an elastic world's members may change: ``fleet.after_check``)."""
+        body, partial = dict(body, refit=self._id), self.world.elastic
         gathered = self.world.allgather_json(body, timeout=timeout or self.config.timeout,
                                              kind=kind, partial=partial)
         if partial:
@@ -561,8 +561,7 @@ class Refit:
         gathered = self._agree("refit/check", {
             "version": self.version, "generation": self._generation, "tuning": tuning,
             "devices": on_device(src, dst), "propose": self._proposal(),
-            "requests": fleet.check_body(self.world), "errors": errors}, refused,
-            partial=self.world.elastic)
+            "requests": fleet.check_body(self.world), "errors": errors}, refused)
         self._same_refit(gathered, refused)
         describe = self.world.describe_process
         if any(g.get("tuning") != tuning for g in gathered):
