@@ -122,6 +122,7 @@ def engine_trial(ctx: Any, spec: dict) -> dict:
                             bucket_bytes=1 << 20, staging_bytes=4 << 20)
     groups = ["trainer", "rollout"]
     if spare:       # the victim, restarted: waits until the survivors ran the next refit
+        import torch.distributed    # noqa: F401 - as a restarted engine has (the store's client)
         if not _wait(lambda: os.path.exists(spec["next_file"]), 120):
             return {"role": "spare", "joined": False, "why": "no next refit"}
         seen = time.time()
