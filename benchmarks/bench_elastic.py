@@ -77,19 +77,16 @@ def member(ctx: Any, spec: dict) -> dict:
         arrays = {(rank, n): np.zeros(lay.local_shape(rank), np.float32) for n in NAMES}
         return {"receive": xr.Bound({n: lay for n in NAMES}, arrays)}
 
-    # phase 1: the trainer refits engine B
-    if group in ("trainer", "b"):
+    # phase 1: the trainer refits engine B; phase 2: engine A (already up to date: the
+    # same halves B holds) fills engine B, without the trainer
+    for key, sender, kind, world_id in (("trainer_refit", "trainer", "rows", "trainer+B"),
+                                        ("catchup", "a", "cols", "A+B")):
+        if group not in (sender, "b"):
+            continue
         world = World.join(ctx.address, group, 1, num_processes=4, index=index,
-                           groups=["trainer", "b"], world_id="trainer+B", timeout=120)
-        refit = xr.Refit(world, config=config, **side(world, "trainer", "b", "rows"))
-        out["trainer_refit"] = _timed(refit, spec["calls"])
-        world.close()
-    # phase 2: engine A (already up to date: the same halves B holds) fills engine B
-    if group in ("a", "b"):
-        world = World.join(ctx.address, group, 1, num_processes=4, index=index,
-                           groups=["a", "b"], world_id="A+B", timeout=120)
-        refit = xr.Refit(world, config=config, **side(world, "a", "b", "cols"))
-        out["catchup"] = _timed(refit, spec["calls"])
+                           groups=[sender, "b"], world_id=world_id, timeout=120)
+        refit = xr.Refit(world, config=config, **side(world, sender, "b", kind))
+        out[key] = _timed(refit, spec["calls"])
         world.close()
     return out
 
