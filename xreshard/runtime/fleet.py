@@ -92,10 +92,11 @@ def lost_sources(refit: Any, missing: list[int]) -> list[str]:
 
 
 def after_loss(refit: Any, missing: list[int]) -> bool:
-    """After ``refit/outcome`` of an elastic world found failures or members missing.
-    Raises :class:`Restart` when the survivors finish the call in a new epoch; returns
-    True when the world moved on without them and the call fails (the caller raises its
-    error, without marking the world broken), False when nothing changed membership."""
+    """After ``refit/outcome`` of an elastic world found members missing or a transport
+    failure: every survivor moves to the next epoch (without the missing; with fresh
+    transports either way). Raises :class:`Restart` when the survivors finish the call
+    there; else returns True: the call fails (the caller raises its error) and the world,
+    not broken, runs the next call."""
     world = refit.world
     _excluded(world, missing)
     sources = lost_sources(refit, missing)

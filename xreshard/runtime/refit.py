@@ -648,11 +648,11 @@ class Refit:
                 lines.append("never reported its outcome (dead, or stuck past the timeout): "
                              + "; ".join(self.world.describe_process(p) for p in missing[:10]))
             where = "\n  ".join(x for x in lines if x)
-            if not (self.world.elastic and fleet.after_loss(self, missing)) and (
-                    missing or any(not isinstance(error_from(*e), XreshardError)
-                                   for _, e in failed)):
-                # a peer failed or went silent: the transports are in an unknown state
-                self.world.mark_broken(f"refit v{target} failed while moving: {where}")
+            if missing or any(not isinstance(error_from(*e), XreshardError) for _, e in failed):
+                # a peer failed or went silent: the transports are in an unknown state (an
+                # elastic world moves to a new epoch instead, or finishes the call there)
+                if not (self.world.elastic and fleet.after_loss(self, missing)):
+                    self.world.mark_broken(f"refit v{target} failed while moving: {where}")
             cls = failed[0][1][0] if failed else "TransportTimeout"
             raise _Failed(error_from(cls, f"refit v{target} failed while moving, "
                                           f"{left(self.config.atomic, self.version)}:\n  {where}"))
