@@ -65,3 +65,27 @@ def test_members_leave_or_die_and_join_between_refits(tmp_path, how):
         assert v["members"] == ["trainer[0]", "rollout[0]", "rollout[2]"]
     assert r2.value["versions"][-1] == 3 and r2.value["epoch"] >= 1
     assert r2.value["members"] == trainer.value["members"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("victim", ["engine", "trainer"])
+def test_a_process_killed_mid_refit(victim):
+    """One trial of ``kill_peers.py --victim engine|trainer``: a killed engine process is
+    lost and the survivors finish the call exact, refit without it, and the restarted
+    process joins; a killed trainer (sole holder of its rows) fails every survivor with
+    one typed error within the timeout + 5 s, and the restarted trainer refits exact."""
+    import argparse
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
+    import kill_engines
+
+    args = argparse.Namespace(seed=3, timeout=10.0, transport="auto", victim=victim)
+    summary = kill_engines.summarize([kill_engines.run_trial(0, args)], args.timeout)
+    assert summary["hangs"] == 0, summary
+    if victim == "engine":
+        assert summary["survivors_completed"] == summary["next_refit_ok"] == 1, summary
+        assert summary["rejoin_ok"] == 1 and summary["max_seconds"] <= 15, summary
+    else:
+        assert summary["one_typed_error"] == summary["restarted_trainer_ok"] == 1, summary
