@@ -239,8 +239,9 @@ class ElasticWorld:
         for r in joins:         # a process that asked twice (restarted): its last request
             if r["kind"] == "join" and r.label not in names and not gone(r["info"], ()):
                 latest[r.label] = r
-        leaving = [r for r in self.pending() if r["kind"] == "leave"
-                   and any(gone(self._infos[p], [r]) for p in lost)]
+        out = {(label(self._infos[p]), self._infos[p]["pid"]) for p in lost}
+        leaving = [r for r in self.pending()
+                   if r["kind"] == "leave" and (r.label, r["info"].get("pid")) in out]
         epoch = m.epoch + 1
         consumed = m.consumed | {r["id"] for r in joins} | {r["id"] for r in leaving}
         labels = [label(self._infos[p]) for p in survivors] + list(latest)
