@@ -43,18 +43,21 @@ def _value(version: int) -> Any:
 
 
 def _layouts(world: Any) -> tuple[Any, Any]:
-    """Trainer: rows over its ranks. Engines: each live rollout process its TP half of
-    the columns (explicit form: an engine that lost a process keeps the other half)."""
+    """trainer[k] holds rows half k; each rollout process its engine's TP half of the
+    columns (explicit forms: a member keeps its part whoever else is lost, as real
+    shards do; losing trainer[k] leaves rows half k with no source)."""
     import xreshard as xr
-    t = world.group_ranks("trainer")
-    src = xr.Layout.from_placements(SHAPE, "float32", xr.Mesh((len(t),), t), ["S0"])
-    half = SHAPE[1] // TP
-    regions = {}
-    for info in world.processes:
-        if info["group"] == "rollout":
-            tp = info["index"] % TP
-            regions[info["ranks"][0]] = [xr.Region((0, tp * half), (SHAPE[0], (tp + 1) * half))]
-    return src, xr.Layout.explicit_form(SHAPE, "float32", regions)
+    rows, half = SHAPE[0] // 2, SHAPE[1] // TP
+    src, dst = {}, {}
+    for info in world.processes:      # a process keeps its part whoever else is lost
+        k, rank = info["index"], info["ranks"][0]
+        if info["group"] == "trainer":
+            src[rank] = [xr.Region((k * rows, 0), ((k + 1) * rows, SHAPE[1]))]
+        else:
+            tp = k % TP
+            dst[rank] = [xr.Region((0, tp * half), (SHAPE[0], (tp + 1) * half))]
+    return (xr.Layout.explicit_form(SHAPE, "float32", src),
+            xr.Layout.explicit_form(SHAPE, "float32", dst))
 
 
 class _Side:
@@ -73,13 +76,12 @@ class _Side:
         (region,) = lay.regions(rank)
         if self.trainer:
             full = _value(self.version)
-            arrays = {(rank, n): np.ascontiguousarray(full[region.slices()]) for n in NAMES}
+            arrays = {(rank, n): [np.ascontiguousarray(full[region.slices()])] for n in NAMES}
         else:
             if self.key != (rank, region):
                 self.key = (rank, region)
                 self.arrays = {n: np.zeros(region.shape, np.float32) for n in NAMES}
-            arrays = {(rank, n): [a] for n, a in self.arrays.items()} if not lay.is_product \
-                else {(rank, n): a for n, a in self.arrays.items()}
+            arrays = {(rank, n): [a] for n, a in self.arrays.items()}
         return xr.Bound({n: lay for n in NAMES}, arrays)
 
     def exact(self, version: int) -> bool:
