@@ -18,13 +18,24 @@ message, seconds from the later of (call start, kill) to the raise, whether the 
 stayed, whether ``stale`` is set when bytes had moved (receivers know: each call sends
 new values), and what one more call raises (the world should say ``WorldBroken`` at once).
 
+With ``--atomic`` (``RefitConfig(atomic=True)``), only the sender is killed, and the
+receivers bind torch tensors (``xreshard.adapters.torch.Sharded``, written in place): half
+the trials kill it in the middle of moving (after a random number of its sends in its
+second or third call), half at a random moment; every survivor's torch destination must
+then equal its previous version bit for bit, with ``stale`` unset.
+
 Prints a table and a JSON summary; exits 1 if any survivor hung, crashed or took more
 than T + 5 s; 2 if none did but the contract was missed elsewhere (the version moved,
 bytes moved without ``stale``, survivors of one trial raised different errors, or the next
 call did not raise ``WorldBroken`` within 1 s).
 
     python scripts/kill_peers.py [--trials 20] [--timeout 5] [--parallel 2]
-                                 [--transport gloo|auto] [--json out.json]
+                                 [--transport gloo|auto] [--atomic] [--json out.json]
+    python scripts/kill_peers.py --victim engine [--trials 20] [--timeout 5] [--json]
+
+``--victim engine`` runs scripts/kill_engines.py's trials (an elastic world that loses an
+engine process mid-refit, see there) and prints one JSON object of its figures (``--json``
+without a file: only that object, on stdout; with one: the rows too, into the file).
 """
 
 from __future__ import annotations
@@ -70,6 +81,48 @@ def _timer(delay: float, kill_file: str, why: str) -> None:
     t.start()
 
 
+def _die_in_move(rng: random.Random, kill_file: str) -> None:
+    """SIGKILL this process after a random number of its sends in its second or third
+    call: some bytes of that call moved, the rest never will."""
+    from xreshard.runtime import execute
+
+    count = execute.Executor._count_send
+    runs = execute.Executor.run
+    when = {"call": rng.choice([2, 3]), "send": rng.randint(1, 12), "calls": 0, "sends": 0}
+
+    def run(self, *args, **kwargs):
+        when["calls"] += 1
+        when["sends"] = 0
+        return runs(self, *args, **kwargs)
+
+    def count_send(self, b, stats):
+        count(self, b, stats)
+        if when["calls"] == when["call"]:
+            when["sends"] += 1
+            if when["sends"] == when["send"]:
+                _die(kill_file, f"after {when['send']} sends of call {when['call']}")
+
+    execute.Executor.run = run
+    execute.Executor._count_send = count_send
+
+
+def _receiver(world: Any, dst_lay: Any, atomic: bool) -> tuple[dict, dict, Any]:
+    """The receiving side: numpy arrays through ``Bound``, or (atomic) torch tensors
+    through the torch adapter. Returns (side, arrays as numpy views, the torch tensors)."""
+    import numpy as np
+    import xreshard as xr
+    if not atomic:
+        arrays = {(r, n): np.zeros(dst_lay.local_shape(r), np.float32)
+                  for r in world.rank_ids for n in NAMES}
+        return {"receive": xr.Bound({n: dst_lay for n in NAMES}, arrays)}, arrays, None
+    import torch
+    from xreshard.adapters.torch import Sharded
+    (rank,) = world.rank_ids
+    tensors = {n: torch.zeros(dst_lay.local_shape(rank), dtype=torch.float32) for n in NAMES}
+    state = {n: Sharded(t, dst_lay.mesh, ["S1"], SHAPE) for n, t in tensors.items()}
+    return {"receive": state}, {(rank, n): t.numpy() for n, t in tensors.items()}, tensors
+
+
 def trial(ctx: Any, spec: dict) -> dict:
     """One process of a trial (launched); the victim never returns."""
     import numpy as np
@@ -105,6 +158,8 @@ def trial(ctx: Any, spec: dict) -> dict:
                 return original(self, *args, **kwargs)
 
             World.transport = transport
+    if victim and spec["mode"] == "move":
+        _die_in_move(rng, spec["kill_file"])
     world = ctx.join(groups=["trainer", "rollout"], timeout=60)
     trainer = ctx.role.group == "trainer"
     t_ranks = world.group_ranks("trainer")
@@ -117,12 +172,10 @@ def trial(ctx: Any, spec: dict) -> dict:
         bound = xr.Bound({n: src_lay for n in NAMES}, arrays)
         side = {"send": bound}
     else:
-        arrays = {(r, n): np.zeros(dst_lay.local_shape(r), np.float32)
-                  for r in world.rank_ids for n in NAMES}
-        bound = xr.Bound({n: dst_lay for n in NAMES}, arrays)
-        side = {"receive": bound}
+        side, arrays, _tensors = _receiver(world, dst_lay, spec.get("atomic", False))
     config = xr.RefitConfig(timeout=spec["timeout"], transport=spec["transport"],
-                            bucket_bytes=1 << 20, staging_bytes=4 << 20)
+                            bucket_bytes=1 << 20, staging_bytes=4 << 20,
+                            atomic=spec.get("atomic", False))
     refit = xr.Refit(world, config=config, **side)
     world.barrier(timeout=60)
     if victim and spec["mode"] == "random":
@@ -145,6 +198,9 @@ def trial(ctx: Any, spec: dict) -> dict:
             moved = None
             if not trainer:
                 moved = any(bool((a == value).any()) for a in arrays.values())
+                # bit for bit: the previous call's value (call 1's previous is zeros)
+                previous = np.float32(value - 1).tobytes() * (arrays[next(iter(arrays))].size)
+                out["previous_exact"] = all(a.tobytes() == previous for a in arrays.values())
             out.update(outcome="raised", error=type(e).__name__, message=str(e)[:400],
                        call_start=t0, raised_at=t1, call_seconds=t1 - t0,
                        version_before=before, version_after=refit.version,
@@ -180,7 +236,8 @@ def run_trial(i: int, victim_side: str, mode: str, args: argparse.Namespace) -> 
     with tempfile.TemporaryDirectory(prefix="kill-peers-") as tmp:
         kill_file = os.path.join(tmp, "killed.json")
         spec = {"victim": victim, "mode": mode, "seed": args.seed * 1000 + i,
-                "timeout": args.timeout, "transport": args.transport, "kill_file": kill_file}
+                "timeout": args.timeout, "transport": args.transport, "kill_file": kill_file,
+                "atomic": args.atomic}
         roles = [Role("plain", "trainer", 0, num_devices=2), Role("plain", "rollout", 0),
                  Role("plain", "rollout", 1)]
         # startup (imports, join) + the loop until the kill (< 30 s) + timeout + slack,
@@ -220,7 +277,8 @@ def run_trial(i: int, victim_side: str, mode: str, args: argparse.Namespace) -> 
     return row
 
 
-def check(rows: list[dict], timeout: float) -> tuple[list[str], list[str], dict]:
+def check(rows: list[dict], timeout: float, atomic: bool = False
+          ) -> tuple[list[str], list[str], dict]:
     """Hard failures (a hang, a raise later than timeout + slack, a crash), other
     deviations from the contract (version, stale, different errors, no WorldBroken after
     a failure), and a summary."""
@@ -256,7 +314,13 @@ def check(rows: list[dict], timeout: float) -> tuple[list[str], list[str], dict]
             if s["version_after"] != s["version_before"]:
                 contract.append(f"{who}: version moved {s['version_before']} -> "
                                 f"{s['version_after']}")
-            if s.get("bytes_moved") and not s["stale"]:
+            if atomic and "previous_exact" in s:
+                if not s["previous_exact"]:
+                    contract.append(f"{who}: atomic, but its destination is not its previous "
+                                    f"version bit for bit")
+                if s["stale"]:
+                    contract.append(f"{who}: atomic, but stale is set")
+            elif s.get("bytes_moved") and not s["stale"]:
                 contract.append(f"{who}: bytes had moved but stale is False")
             if s.get("next_error") != "WorldBroken" or s.get("next_seconds", 0) > 1.0:
                 contract.append(f"{who}: the call after the failure raised "
@@ -264,10 +328,14 @@ def check(rows: list[dict], timeout: float) -> tuple[list[str], list[str], dict]
                                 f"not WorldBroken at once")
         if len(errors) > 1:
             contract.append(f"{tag}: survivors raised different errors: {sorted(errors)}")
+    exact = [s["previous_exact"] for r in rows for s in r["survivors"] if "previous_exact" in s]
     summary = {"trials": len(rows), "timeout": timeout, "slack": SLACK,
                "errors": dict(classes), "next_call_errors": dict(next_classes),
                "worst_seconds": worst, "hard_failures": len(bad),
                "contract_deviations": len(contract)}
+    if atomic:
+        summary.update(atomic=True, receivers_previous_exact=sum(exact),
+                       receivers_checked=len(exact))
     return bad, contract, summary
 
 
@@ -291,6 +359,27 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def _engines(args: argparse.Namespace) -> int:
+    import kill_engines
+    if args.transport == "gloo" and "--transport" not in sys.argv:
+        args.transport = "auto"         # shm between the processes of this host, as deployed
+    with ThreadPoolExecutor(args.parallel) as pool:
+        rows = list(pool.map(lambda i: kill_engines.run_trial(i, args), range(args.trials)))
+    summary = kill_engines.summarize(rows, args.timeout)
+    if args.json and args.json != "-":
+        with open(args.json, "w") as f:
+            json.dump({"rows": rows, "summary": summary}, f, indent=1)
+    print(json.dumps(summary))
+    if args.victim == "trainer":
+        return 0 if summary["one_typed_error"] == summary["restarted_trainer_ok"] \
+            == args.trials and summary["hangs"] == 0 else 2
+    ok = (summary["hangs"] == 0 and summary["survivors_completed"] >= args.trials - 1
+          and summary["max_seconds"] <= args.timeout + SLACK
+          and summary["next_refit_ok"] == args.trials
+          and summary["rejoin_ok"] >= args.trials - 1)
+    return 0 if ok else 2
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--trials", type=int, default=20, help="per victim side")
@@ -298,16 +387,27 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--transport", default="gloo")
     ap.add_argument("--parallel", type=int, default=2, help="trials at once")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--json", help="write the rows and the summary here")
+    ap.add_argument("--atomic", action="store_true",
+                    help="RefitConfig(atomic=True), torch receivers, kill the sender only")
+    ap.add_argument("--victim", choices=("any", "engine", "trainer"), default="any",
+                    help="engine: kill an engine's receiver in an elastic world "
+                         "(scripts/kill_engines.py)")
+    ap.add_argument("--json", nargs="?", const="-",
+                    help="write the rows and the summary here (no file: print the summary "
+                         "alone, as one JSON object)")
     args = ap.parse_args(argv)
+    if args.victim in ("engine", "trainer"):
+        return _engines(args)
     plan = []
-    for side in ("sender", "receiver"):
+    for side in (("sender",) if args.atomic else ("sender", "receiver")):
         for k in range(args.trials):
-            plan.append((len(plan), side, "transport" if k % 4 == 0 else "random"))
+            mode = ("move" if k % 2 == 0 else "random") if args.atomic else \
+                ("transport" if k % 4 == 0 else "random")
+            plan.append((len(plan), side, mode))
     t0 = time.time()
     with ThreadPoolExecutor(args.parallel) as pool:
         rows = list(pool.map(lambda p: run_trial(*p, args), plan))
-    bad, contract, summary = check(rows, args.timeout)
+    bad, contract, summary = check(rows, args.timeout, args.atomic)
     summary["wall_seconds"] = round(time.time() - t0, 1)
     summary["transport"] = args.transport
     print(table(rows))
@@ -326,7 +426,7 @@ def main(argv: list[str] | None = None) -> int:
         if s.get("outcome") == "raised")
     summary["messages"] = dict(messages.most_common(8))
     print(json.dumps(summary, indent=2))
-    if args.json:
+    if args.json and args.json != "-":
         with open(args.json, "w") as f:
             json.dump({"rows": rows, "summary": summary, "hard_failures": bad,
                        "contract_deviations": contract}, f, indent=1)

@@ -10,7 +10,7 @@ from .errors import (AuthenticationError, BindingError, CollectiveMismatch, Comm
                      VerificationError, WorldBroken, WorldMismatch, XreshardError)
 from .ir.layout import Layout, Mesh, Region, Split
 from .planner.plan import Plan, PlanCache, PlanStats, Transfer, plan
-from .runtime.binding import Bound
+from .runtime.binding import Bound, Rebuilt
 from .runtime.commcount import CommCounts, count_comm
 from .runtime.refit import Refit, RefitConfig, RefitReport, Tuning
 from .ir.topology import Topology
@@ -21,7 +21,8 @@ __all__ = [
     "TransportError", "TransportTimeout", "VerificationError", "WorldBroken", "WorldMismatch",
     "Bound", "CommCounts", "Layout", "LayoutError", "Mesh", "Plan", "PlanCache", "PlanError",
     "PlanStats",
-    "Refit", "RefitConfig", "RefitError", "RefitReport", "Region", "Split", "StoreServer",
+    "Rebuilt", "Refit", "RefitConfig", "RefitError", "RefitReport", "Region", "Split",
+    "StoreServer",
     "Topology", "Transfer", "Tuning", "World", "XreshardError", "count_comm", "plan", "serve",
 ]
 __version__ = "0.1.0"

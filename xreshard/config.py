@@ -63,6 +63,24 @@ class RefitConfig:
     optimizers, ``.data`` and numpy-view writes; costs two reads of the sent bytes on the
     sender (see :mod:`xreshard.runtime.writes`). JAX arrays are immutable: not checked."""
 
+    atomic: bool = False
+    """Transactional destinations: in-place destinations (torch tensors and DTensors, a
+    :class:`~xreshard.runtime.binding.Bound`) receive into staging that is copied into
+    them only after every process agreed the call succeeded, so a call that fails leaves
+    every destination at its previous version, bit for bit (and ``stale`` unset). Costs
+    one extra buffer of this process's destination bytes (kept across calls) and two
+    local copies of them per call (:mod:`xreshard.runtime.atomic`). JAX destinations are
+    new arrays, atomic either way. False: a failed call may leave a mix (``stale``)."""
+
+    on_member_loss: str = "continue"
+    """What a call of an elastic world (``World.join(elastic=True)``) does when members
+    die or stop answering while it moves: "continue" (the default a fleet wants: when no
+    lost member held a source region, the survivors move to a new epoch and finish the
+    call there, every surviving destination exact; ``RefitReport.lost`` names the lost)
+    or "fail" (the call fails on every survivor with one typed error). A lost source
+    fails the call either way; the world moves on without the lost instead of being
+    broken. A fixed world (the default) fails and is broken, as it always was."""
+
     def __post_init__(self) -> None:
         for name in ("bucket_bytes", "staging_bytes"):
             value = getattr(self, name)
@@ -88,6 +106,11 @@ class RefitConfig:
                 not isinstance(self.verify, (bool, str))):
             raise RefitError(f"RefitConfig.verify must be False, True or 'sample', got "
                              f"{self.verify!r}")
+        if self.on_member_loss not in ("continue", "fail"):
+            raise RefitError(f"RefitConfig.on_member_loss must be 'continue' or 'fail', got "
+                             f"{self.on_member_loss!r}")
+        if not isinstance(self.atomic, bool):
+            raise RefitError(f"RefitConfig.atomic must be a bool, got {self.atomic!r}")
         if self.relay not in ("off", "on", "auto"):
             raise RefitError(f"RefitConfig.relay must be 'off', 'on' or 'auto', got "
                              f"{self.relay!r}")
@@ -196,6 +219,11 @@ class RefitReport:
     values of blocks split across senders (``bf16_sent``, ``bf16_received``: in the wire
     dtype, quantized by their receiver); and over the whole world ``fp8_world``,
     ``bf16_world`` and ``unquantized_world`` (all of it in the wire dtype)."""
+    lost: tuple[str, ...] = ()
+    """Members of an elastic world lost during this call (``"rollout[1]"``): the survivors
+    finished it without them (``RefitConfig.on_member_loss``)."""
+    epoch: int = 0
+    """The membership epoch the call completed in (``World.epoch``)."""
 
     @property
     def setup_seconds(self) -> float:

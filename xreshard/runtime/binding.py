@@ -28,7 +28,8 @@ from ..dtypes import dtype_name, numpy_dtype
 from ..errors import BindingError, XreshardError
 from ..ir.layout import Layout
 
-__all__ = ["Bindings", "Bound", "binding_problems", "side_problems", "canonical_name"]
+__all__ = ["Bindings", "Bound", "Rebuilt", "binding_problems", "side_problems",
+           "canonical_name"]
 
 #: (rank, tensor name) -> binding
 Bindings = Mapping[tuple[int, str], Any]
@@ -71,6 +72,21 @@ class Bound:
     def describe_quantized(self) -> dict[str, dict]:
         """JSON description of :attr:`quantized`, for the metadata exchange."""
         return {name: q.to_dict() for name, q in sorted(self.quantized.items())}
+
+
+class Rebuilt:
+    """A side built anew at every call from the world: ``build(world)`` returns a
+    :class:`Bound` (or any object an adapter binds, or None).
+
+    For hand-built layouts in an elastic world (``World.join(elastic=True)``), whose ranks
+    are renumbered when members change, even in the middle of a call that finishes without
+    a lost member: ``Refit(world, receive=Rebuilt(lambda w: Bound(layouts_from(w), ...)))``.
+    """
+
+    def __init__(self, build: Callable[[Any], Any]):
+        if not callable(build):
+            raise XreshardError(f"Rebuilt takes a callable world -> side, got {build!r}")
+        self.build = build
 
 
 def canonical_name(default: str, names: Mapping[str, str] | Callable[[str], str] | None) -> str:

@@ -103,9 +103,11 @@ class _Outcome:
 
     def _unobserved(self) -> None:
         """A failure nobody will ``wait()`` for: say so, and mark the destination stale."""
-        self._refit.stale = True
+        kept = self._refit.config.atomic      # atomic: destinations kept their version
+        self._refit.stale = self._refit.stale or not kept
         logger.warning("a started refit failed and its handle was dropped without wait() "
-                       "(destination stale at v%d): %s: %s", self._refit.version,
+                       "(destination %s at v%d): %s: %s", "kept" if kept else "stale",
+                       self._refit.version,
                        type(self.error).__name__, self.error)
 
 

@@ -32,19 +32,21 @@ worlds' tokens are theirs, and an old signed nonce replays as well as an old rec
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import secrets
 import time
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 from ..errors import (AuthenticationError, CommunicationError,
                       RefitError, TransportError, WorldMismatch)
 from ..transport.base import TransportTimeout
 from .store import Seal, store_nonce
 
-__all__ = ["KEY_ROOT", "Joined", "join_records", "label", "refusal", "retire"]
+__all__ = ["KEY_ROOT", "Joined", "join_records", "label", "member_nonce", "numbered",
+           "refusal", "retire"]
 
 logger = logging.getLogger("xreshard.runtime.world")
 
@@ -344,3 +346,35 @@ def _short(where: str, seen: _Seen, num_processes: int, signed: bool,
                             f"in time ({arrived}); {num_processes - len(seen.valid)} never "
                             f"did{stale}")
 
+
+
+def _group_key(groups: Sequence[str] | None) -> Any:
+    if groups is None:
+        return lambda info: (info["group"], info["index"])
+    order = {g: i for i, g in enumerate(groups)}
+    return lambda info: (order[info["group"]], info["index"])
+
+
+def numbered(records: list[dict[str, Any]], groups: Sequence[str] | None, world_id: str,
+              me: tuple[str, int]) -> tuple[list[dict[str, Any]], int]:
+    """The members' infos in process order, with their ranks, and this process's position
+    (see ``World``: groups in ``groups`` order, else sorted; then index)."""
+    infos = sorted((rec["info"] for rec in records), key=_group_key(groups))
+    for a, b in zip(infos, infos[1:]):
+        if (a["group"], a["index"]) == (b["group"], b["index"]):
+            raise RefitError(f"two processes joined world {world_id!r} as {label(a)} "
+                             f"(pids {a['pid']} on {a['host']} and {b['pid']} on "
+                             f"{b['host']}); give each process of a group its own index")
+    first = 0
+    for info in infos:
+        info["ranks"] = list(range(first, first + info["num_ranks"]))
+        first += info["num_ranks"]
+    position = next(p for p, info in enumerate(infos) if (info["group"], info["index"]) == me)
+    return infos, position
+
+
+def member_nonce(joined: Joined) -> str:
+    """What a world's metadata is bound to: its instance and its member set."""
+    return hashlib.sha256(json.dumps([joined.instance,
+                                      sorted(rec["nonce"] for rec in joined.members)])
+                          .encode()).hexdigest()[:32]

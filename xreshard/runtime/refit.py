@@ -80,6 +80,8 @@ from .metadata import fit, merged_layouts, merged_quantized, stage_bindings
 from .quantized import quantized_problems, quantized_report
 from ..planner.plan import Plan, PlanCache
 from ..planner.prepare import CallOptions, PreparedCall, prepare
+from . import fleet
+from .atomic import Staging, left
 from .handle import Background, RefitHandle
 from .sides import Sides, on_device
 
@@ -102,6 +104,7 @@ class _WorldState:
     def __init__(self) -> None:
         self.identity: list[dict] | None = None
         self.agreed = 0
+        self.epoch = 0
 
 
 #: world -> its _WorldState in this process
@@ -186,7 +189,7 @@ class Refit:
         self.layout_memo = LayoutMemo()
         self._name = name
         self._id: str | None = None                  # agreed at the first checked call
-        self._sides = Sides(send, receive, names, transpose, rules)
+        self._sides = Sides(send, receive, names, transpose, rules, world=world)
         self._busy = threading.Lock()
         self._last_layouts: tuple | None = None     # this process's layouts, last call
         self._generation = 0                        # bumped when they change
@@ -197,6 +200,8 @@ class Refit:
         self._cache = PlanCache()
         self._identity: list[dict] | None = None
         self._maps: dict[str, Any] | None = None    # from _identity, once
+        self._staging: Staging | None = None        # RefitConfig.atomic's shadows
+        self._epoch = 0                             # the world's epoch at the last call
 
     @property
     def plan(self) -> Plan | None:
@@ -285,7 +290,8 @@ class Refit:
         once the world is released."""
         try:
             with self.world.exclusive("refit"), gc_paused(self.tuning.pause_gc):
-                report, finish = self._call(send, receive, snapshot)
+                report, finish = fleet.restarting(self.world,
+                                                  lambda: self._call(send, receive, snapshot))
             if finish is not None:
                 self.received = finish()
             self.stale = False
@@ -301,22 +307,42 @@ class Refit:
               ) -> tuple[RefitReport, Callable[[], Any] | None]:
         """The call's steps; returns its report and the receiving side's ``finish``."""
         t0 = time.perf_counter()
-        target = self.version + 1
+        if self._epoch != self.world.epoch:      # other members: other ranks, a new plan
+            self._epoch, self._maps, self._prepared, self._generations = \
+                self.world.epoch, None, None, None
         src, dst, errors, snapshot = self._bind_sides(send, receive, snapshot)
-        replanned = self._prepare(src, dst, errors, target)
+        replanned = self._prepare(src, dst, errors, self.version + 1)
+        target = self.version + 1       # a process new to the world adopted the version
         plan_seconds = time.perf_counter() - t0
         error: list[str] | None = None
         moved = _Moved()
-        self.stale = True
+        self.stale = not self.config.atomic
         try:
-            moved = self._move(src, dst, target, snapshot)
+            moved = self._move(src, self._staged(dst), target, snapshot)
         except Exception as e:      # noqa: BLE001 - reported to the others before raising
             error = _entry(e, "move")
             logger.debug("refit v%d failed here while moving", target, exc_info=True)
-        verified = self._commit(error, moved.digests, target)
+        try:
+            verified = self._commit(error, moved.digests, target)
+        except BaseException:
+            if self._staging is not None:
+                self._staging.abandon()
+            raise
+        if self._staging is not None:       # every process agreed the call succeeded
+            self._staging.commit()
         report = self._report(moved, target, time.perf_counter() - t0, plan_seconds,
                               replanned, verified)
         return report, (dst.finish if dst is not None else None)
+
+    def _staged(self, dst: Bound | None) -> Bound | None:
+        """``RefitConfig.atomic``: the destination to move into, its bindings replaced by
+        staging (committed by ``_call`` once every process agreed); else ``dst``. JAX
+        destinations are new arrays (atomic already) and are not shadowed."""
+        if not self.config.atomic or dst is None or self._sides.receive.adapter == "jax":
+            return dst
+        if self._staging is None:
+            self._staging = Staging()
+        return self._staging.stage(dst)
 
     def _report(self, moved: _Moved, target: int, seconds: float, plan_seconds: float,
                 replanned: bool, verified: int) -> RefitReport:
@@ -417,6 +443,8 @@ class Refit:
         if self._maps is not None:
             return self._maps
         shared = _world_state(self.world)
+        if shared.epoch != self.world.epoch:       # ranks renumbered: gather them again
+            shared.identity, shared.epoch = None, self.world.epoch
         if shared.identity is None:
             ranks = list(self.world.rank_ids)
             me: dict[str, Any] = {"ranks": ranks, "ids": {}}
@@ -450,10 +478,12 @@ class Refit:
                timeout: float | None = None) -> list[dict[str, Any]]:
         """All-gather ``body`` (with its ``errors`` and this Refit's identity); raise the
         same error everywhere if any process reported one, or (after ``refit/check``)
-        named another Refit."""
-        body = dict(body, refit=self._id)
+        named another Refit (an elastic world's members may change: ``fleet.after_check``)."""
+        body, partial = dict(body, refit=self._id), self.world.elastic
         gathered = self.world.allgather_json(body, timeout=timeout or self.config.timeout,
-                                             kind=kind)
+                                             kind=kind, partial=partial)
+        if partial:
+            fleet.after_check(self, gathered)
         failed = []
         for p, g in enumerate(gathered):
             entries = g.get("errors") if isinstance(g, dict) else None
@@ -536,7 +566,7 @@ class Refit:
         gathered = self._agree("refit/check", {
             "version": self.version, "generation": self._generation, "tuning": tuning,
             "devices": on_device(src, dst), "propose": self._proposal(),
-            "errors": errors}, refused)
+            "requests": fleet.check_body(self.world), "errors": errors}, refused)
         self._same_refit(gathered, refused)
         describe = self.world.describe_process
         if any(g.get("tuning") != tuning for g in gathered):
@@ -545,7 +575,7 @@ class Refit:
             raise _Failed(RefitError(f"{refused}: processes run different tunings ({where}); "
                                      f"pass the same Tuning (or set XRESHARD_EXECUTOR the "
                                      f"same) in every process"))
-        versions = {g.get("version") for g in gathered}
+        versions = fleet.adopt_version(self, {g.get("version") for g in gathered})
         if len(versions) > 1:
             where = ", ".join(f"{describe(p)} at v{g.get('version')}"
                               for p, g in enumerate(gathered))
@@ -571,6 +601,11 @@ class Refit:
         """Agree on this Refit's identity (the first checked call), or check that every
         process is in the same Refit."""
         ids = [g.get("refit") for g in gathered]
+        if fleet.one_refit(self.world, gathered):       # one agreed, the rest new to it
+            if self._id is None:
+                self._id = next(i for i in ids if i is not None)
+                _world_state(self.world).agreed += 1
+            return
         if all(i is None for i in ids):
             proposals = {g.get("propose") for g in gathered}
             if len(proposals) == 1:
@@ -619,11 +654,13 @@ class Refit:
                              + "; ".join(self.world.describe_process(p) for p in missing[:10]))
             where = "\n  ".join(x for x in lines if x)
             if missing or any(not isinstance(error_from(*e), XreshardError) for _, e in failed):
-                # a peer failed or went silent: the transports are in an unknown state
-                self.world.mark_broken(f"refit v{target} failed while moving: {where}")
+                # a peer failed or went silent: the transports are in an unknown state (an
+                # elastic world moves to a new epoch instead, or finishes the call there)
+                if not (self.world.elastic and fleet.after_loss(self, missing)):
+                    self.world.mark_broken(f"refit v{target} failed while moving: {where}")
             cls = failed[0][1][0] if failed else "TransportTimeout"
-            raise _Failed(error_from(cls, f"refit v{target} failed while moving, destination "
-                                          f"left stale at v{self.version}:\n  {where}"))
+            raise _Failed(error_from(cls, f"refit v{target} failed while moving, "
+                                          f"{left(self.config.atomic, self.version)}:\n  {where}"))
         if len({o.get("refit") for o in outcomes}) > 1:
             self.world.mark_broken(f"refit v{target}: processes ended different Refits")
             raise _Failed(self._crossed(outcomes, f"refit v{target} moved bytes, but"))
@@ -634,7 +671,7 @@ class Refit:
         if messages:        # the same list on every process: it compared the same digests
             raise _Failed(VerificationError(
                 f"refit v{target}: {len(messages)} transfer(s) arrived with other bytes than "
-                f"were sent (checksums differ), destination left stale at v{self.version}:\n  "
+                f"were sent (checksums differ), {left(self.config.atomic, self.version)}:\n  "
                 + "\n  ".join(messages[:20])
                 + (f"\n  ... and {len(messages) - 20} more" if len(messages) > 20 else "")))
         return compared

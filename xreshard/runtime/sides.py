@@ -13,7 +13,7 @@ from typing import Any, Iterable, Mapping
 import numpy as np
 
 from . import registry
-from .binding import Bound
+from .binding import Bound, Rebuilt
 from ..errors import RefitError
 
 __all__ = ["Side", "Sides", "on_device"]
@@ -40,12 +40,13 @@ class Sides:
     """
 
     def __init__(self, send: Any, receive: Any, names: Any, transpose: Iterable[str],
-                 rules: Any):
+                 rules: Any, world: Any = None):
         self.send, self.receive = Side("send"), Side("receive")
         self.send.obj, self.receive.obj = send, receive
         self._names = names
         self._transpose = frozenset(transpose)
         self._rules = rules
+        self._world = world     # what a Rebuilt side is built from
 
     def __iter__(self) -> Any:
         return iter((self.send, self.receive))
@@ -69,6 +70,8 @@ class Sides:
     def bind(self, side: Side, maps: Mapping[str, Any], memo: Any) -> Bound | None:
         """Bind ``side``'s object with the adapter that accepts it."""
         obj = side.obj
+        if isinstance(obj, Rebuilt):
+            obj = obj.build(self._world)
         if obj is None:
             return None
         if isinstance(obj, Bound):
@@ -95,7 +98,7 @@ class Sides:
         ``send=`` again), received JAX templates as ``ShapeDtypeStruct``s."""
         for state in self:
             obj, module = state.obj, state.module
-            if obj is None or isinstance(obj, Bound):
+            if obj is None or isinstance(obj, (Bound, Rebuilt)):
                 continue
             if module is None:      # binding failed before finding it
                 try:

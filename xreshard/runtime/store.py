@@ -275,10 +275,11 @@ class Seal:
             join records, that and the member set for everything written after the join.
     """
 
-    def __init__(self, token: bytes | None, world_id: str, nonce: str = ""):
+    def __init__(self, token: bytes | None, world_id: str, nonce: str = "", epoch: int = 0):
         self.token = token
         self.world_id = world_id
         self.nonce = nonce
+        self.epoch = epoch      # an elastic world's membership epoch (0: not written)
 
     @property
     def signed(self) -> bool:
@@ -293,18 +294,26 @@ class Seal:
 
     def with_nonce(self, nonce: str) -> Seal:
         """This seal for another instance of the world."""
-        return Seal(self.token, self.world_id, nonce)
+        return Seal(self.token, self.world_id, nonce, self.epoch)
+
+    def at_epoch(self, epoch: int, nonce: str) -> Seal:
+        """This seal for membership epoch ``epoch`` of an elastic world (its own nonce)."""
+        return Seal(self.token, self.world_id, nonce, epoch)
 
     def _mac(self, kind: str, op: int, process: int, body: str) -> str:
         if self.token is None:
             return ""
-        msg = json.dumps([self.world_id, self.nonce, kind, op, process, body])
+        msg = json.dumps([self.world_id, self.nonce, kind, op, process, body]
+                         + ([self.epoch] if self.epoch else []))
         return hmac.new(self.token, msg.encode(), hashlib.sha256).hexdigest()
 
     def seal(self, kind: str, op: int, process: int, body: str) -> str:
         """The payload that process ``process`` writes for step ``op`` (``body``: JSON text)."""
-        return json.dumps({"kind": kind, "op": op, "process": process, "body": body,
-                           "mac": self._mac(kind, op, process, body)})
+        env = {"kind": kind, "op": op, "process": process, "body": body,
+               "mac": self._mac(kind, op, process, body)}
+        if self.epoch:
+            env["epoch"] = self.epoch
+        return json.dumps(env)
 
     def open(self, raw: bytes | str, *, key: str, kind: str, op: int, process: int,
              what: str = "") -> Any:
@@ -330,6 +339,11 @@ class Seal:
             raise cls(f"{where} does not hold an xreshard payload ({type(e).__name__}: {e}); "
                       f"something other than a member wrote it") from None
         env_kind, env_op, env_process, body, mac = fields
+        if env.get("epoch", 0) != self.epoch:
+            raise CollectiveMismatch(f"{where} was written in membership epoch "
+                                     f"{env.get('epoch', 0)!r}, this process is in epoch "
+                                     f"{self.epoch}: a member that missed an epoch change "
+                                     f"(or a replay); it must join the running world again")
         if not self.signed and mac:
             raise AuthenticationError(f"{where} is signed with a token this process does not "
                                       f"have; pass the world's token (token= or "

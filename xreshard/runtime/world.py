@@ -21,7 +21,6 @@ timeout raises ``TransportTimeout`` naming the processes that never arrived.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import logging
 import os
@@ -33,7 +32,10 @@ from typing import Any, Iterator, Sequence
 
 from ..errors import (CollectiveMismatch, CommunicationError, RefitError, WorldBroken,
                       WorldMismatch)
-from .joining import KEY_ROOT, Joined, join_records, label, refusal, retire
+from . import epochs
+from .epochs import ElasticWorld
+from .joining import (KEY_ROOT, Joined, join_records, label, member_nonce, numbered,
+                      refusal, retire)
 from .store import (Seal, StoreServer, connect, parse_address, serve, token_from,
                     wait_keys)
 from ..ir.topology import Topology
@@ -61,32 +63,26 @@ def _default_index(devices: Any) -> int:
                      "or an initialized torch.distributed (its rank)")
 
 
-def _group_key(groups: Sequence[str] | None) -> Any:
-    if groups is None:
-        return lambda info: (info["group"], info["index"])
-    order = {g: i for i, g in enumerate(groups)}
-    return lambda info: (order[info["group"]], info["index"])
+def _checked(group: str, devices: Sequence[Any] | int, num_processes: int,
+             groups: Sequence[str] | None) -> tuple[list[str] | None, list[Any]]:
+    """``World.join``'s arguments checked: (groups as a list, the local devices)."""
+    if not isinstance(group, str) or not group:
+        raise RefitError(f"group must be a non-empty string, got {group!r}")
+    if num_processes < 1:
+        raise RefitError(f"num_processes must be >= 1, got {num_processes}")
+    if groups is not None:
+        groups = list(groups)
+        if group not in groups:
+            raise RefitError(f"group {group!r} is not in groups={groups}; "
+                             f"add it or pass groups=None for sorted group names")
+    if isinstance(devices, int):
+        if devices < 0:
+            raise RefitError(f"devices must be a device list or a count >= 0, got {devices}")
+        return groups, ["cpu"] * devices
+    return groups, list(devices)
 
 
-def _numbered(records: list[dict[str, Any]], groups: Sequence[str] | None, world_id: str,
-              me: tuple[str, int]) -> tuple[list[dict[str, Any]], int]:
-    """The members' infos in process order, with their ranks, and this process's position
-    (see ``World``)."""
-    infos = sorted((rec["info"] for rec in records), key=_group_key(groups))
-    for a, b in zip(infos, infos[1:]):
-        if (a["group"], a["index"]) == (b["group"], b["index"]):
-            raise RefitError(f"two processes joined world {world_id!r} as {label(a)} "
-                             f"(pids {a['pid']} on {a['host']} and {b['pid']} on "
-                             f"{b['host']}); give each process of a group its own index")
-    first = 0
-    for info in infos:
-        info["ranks"] = list(range(first, first + info["num_ranks"]))
-        first += info["num_ranks"]
-    position = next(p for p, info in enumerate(infos) if (info["group"], info["index"]) == me)
-    return infos, position
-
-
-class World(WorldTransports):
+class World(WorldTransports, ElasticWorld):
     """The processes of one refit and the world ranks each one hosts.
 
     Build it with ``World.join`` in every process. Rank numbering (the same in every
@@ -115,7 +111,8 @@ class World(WorldTransports):
     def __init__(self, *, store: Any, server: StoreServer | None, address: str,
                  world_id: str, timeout: float, infos: list[dict[str, Any]],
                  process_index: int, devices: Sequence[Any], seal: Seal | None = None,
-                 joined: Joined | None = None, instance_seal: Seal | None = None):
+                 joined: Joined | None = None, instance_seal: Seal | None = None,
+                 elastic: Any = None):
         self._store = store
         self._seal = seal or Seal(None, world_id)
         # the join's instance, retired on close, and its refusal marker, read by every
@@ -141,6 +138,13 @@ class World(WorldTransports):
         self._closed = False
         self._closing = False
         self._depth = 0         # nesting of ``exclusive`` in the thread that holds it
+        self._elastic = elastic     # an epochs.Membership, or None (a fixed world)
+        self._set_members(infos, process_index)
+
+    def _set_members(self, infos: list[dict[str, Any]], process_index: int) -> None:
+        """The rank tables of a member set (at the join, and at each new epoch)."""
+        self._infos = infos
+        self._process_index = process_index
         rank_process: list[int] = []
         kinds: list[str] = []
         for pos, info in enumerate(infos):
@@ -160,7 +164,8 @@ class World(WorldTransports):
              num_processes: int, index: int | None = None,
              groups: Sequence[str] | None = None, host: str | None = None,
              timeout: float = 300.0, world_id: str = "default",
-             is_server: bool = False, token: str | bytes | None = None) -> World:
+             is_server: bool = False, token: str | bytes | None = None,
+             elastic: bool = False) -> World:
         """Join a world; returns once all ``num_processes`` processes have joined.
 
         Args:
@@ -184,6 +189,13 @@ class World(WorldTransports):
                 else none): join records and every metadata payload are signed with it, so
                 a process without it can neither join nor inject metadata
                 (``xreshard.runtime.store`` says what it does and does not protect).
+            elastic: a world whose members may change (:mod:`xreshard.runtime.epochs`):
+                when its world is already running, this process asks to join it and is
+                admitted at the members' next refit call (``num_processes`` is then
+                unused); a member that dies, stops answering or calls ``leave()`` is
+                excluded at the next collective the members agree on, and the world moves
+                to a new ``epoch`` instead of being broken. Every process of a world
+                passes the same value.
 
         Returns:
             The joined world.
@@ -199,21 +211,7 @@ class World(WorldTransports):
                 too few with this process's token (at once when ``num_processes`` of them
                 exist), or the world's instance record was forged or replayed.
         """
-        if not isinstance(group, str) or not group:
-            raise RefitError(f"group must be a non-empty string, got {group!r}")
-        if num_processes < 1:
-            raise RefitError(f"num_processes must be >= 1, got {num_processes}")
-        if groups is not None:
-            groups = list(groups)
-            if group not in groups:
-                raise RefitError(f"group {group!r} is not in groups={groups}; "
-                                 f"add it or pass groups=None for sorted group names")
-        if isinstance(devices, int):
-            if devices < 0:
-                raise RefitError(f"devices must be a device list or a count >= 0, got {devices}")
-            local_devices: list[Any] = ["cpu"] * devices
-        else:
-            local_devices = list(devices)
+        groups, local_devices = _checked(group, devices, num_processes, groups)
         if index is None:
             index = _default_index(local_devices)
         kinds = [device_kind(d) for d in local_devices]
@@ -233,23 +231,29 @@ class World(WorldTransports):
               "devices": [str(d) for d in local_devices]}
         expect = {"num_processes": num_processes, "groups": groups}
         seal = Seal(token_bytes, world_id)
+        if elastic:
+            me["start"] = epochs.own_start()
+            running = epochs.read_epoch(store, seal)
+            if running is not None:
+                return cls._join_running(store, server, address, seal, me, groups,
+                                         local_devices, deadline, timeout, running)
         try:
             joined = join_records(store, seal, me, expect, num_processes, deadline, address)
             records = joined.members
-            infos, position = _numbered(records, groups, world_id, (group, index))
+            infos, position = numbered(records, groups, world_id, (group, index))
         except BaseException:
             if server is not None:
                 server.close()
             raise
-        # metadata is bound to this instance and this member set
-        nonce = hashlib.sha256(json.dumps([joined.instance,
-                                           sorted(rec["nonce"] for rec in records)])
-                               .encode()).hexdigest()[:32]
+        nonce = member_nonce(joined)
         world = cls(store=store, server=server, address=address, world_id=world_id,
                     timeout=timeout, infos=infos, process_index=position,
                     devices=local_devices, seal=seal.with_nonce(nonce), joined=joined,
-                    instance_seal=seal.with_nonce(joined.instance))
+                    instance_seal=seal.with_nonce(joined.instance),
+                    elastic=epochs.Membership(seal, groups, 0) if elastic else None)
         world._refuse_if_refused()
+        if elastic and world.process_index == 0:
+            epochs.publish_epoch(store, seal, world._epoch_record(0, [], []))
         logger.debug("joined %r", world)
         return world
 
@@ -482,7 +486,7 @@ class World(WorldTransports):
                     self._store.set(f"{prefix}/{me}", self._seal.seal(kind, op, me, body))
                 arrived = [True] * len(keys)
                 try:
-                    wait_keys(self._store, keys, time.monotonic() + timeout)
+                    self._wait_keys(keys, readers, time.monotonic() + timeout, partial)
                 except TransportTimeout as e:
                     try:
                         arrived = [bool(self._store.check([k])) for k in keys]
@@ -516,6 +520,23 @@ class World(WorldTransports):
                     for k, p, v in zip(keys, readers, raws)]
             except CommunicationError as e:
                 raise self._fail(e, begun) from None
+
+    def _wait_keys(self, keys: list[str], readers: Sequence[int], deadline: float,
+                   partial: bool) -> None:
+        """Wait for the payloads at ``keys``; a partial collective of an elastic world
+        also stops once every reader still missing is known not to come (it left, or its
+        process is gone: ``epochs.gone``)."""
+        if not partial or self._elastic is None:
+            return wait_keys(self._store, keys, deadline)
+        while True:
+            try:
+                return wait_keys(self._store, keys, min(deadline, time.monotonic() + 0.2))
+            except TransportTimeout:
+                if time.monotonic() >= deadline:
+                    raise
+            missing = [p for k, p in zip(keys, readers) if not self._store.check([k])]
+            if missing and self._all_gone(missing):
+                raise TransportTimeout(f"gone: {missing}")
 
     def _settled(self, prefix: str, op: int, kind: str, readers: Sequence[int],
                  arrived: list[bool]) -> list[bool]:
@@ -620,6 +641,14 @@ class World(WorldTransports):
         if self._closed:
             return
         self._closed = True
+        self._close_transports()
+        if self._joined is not None and self._store is not None and self._elastic is None:
+            retire(self._store, self._joined)       # an elastic world outlives its members
+        self._store = None
+        if self._server is not None:
+            self._server.close()
+
+    def _close_transports(self) -> None:
         for kind, t in self._transports.items():
             if kind == "auto":
                 continue        # a view of the others
@@ -630,11 +659,8 @@ class World(WorldTransports):
                                kind, exc_info=True)
         self._transports.clear()
         self._counted.clear()
-        if self._joined is not None and self._store is not None:
-            retire(self._store, self._joined)
-        self._store = None
-        if self._server is not None:
-            self._server.close()
+        for name in ("_caps", "_routes"):       # what routes gathered: per member set
+            self.__dict__.pop(name, None)
 
     def __enter__(self) -> World:
         return self

@@ -498,7 +498,8 @@ class XreshardWeightTransferEngine(WeightTransferEngine[XreshardInitInfo, Xresha
 
     def shutdown(self) -> None:
         if self.world is not None:
-            self.world.close()
+            # an elastic world's members go on without this worker (World.leave)
+            self.world.leave() if getattr(self.world, "elastic", False) else self.world.close()
         # committed adapters stay served (they live with vLLM's LoRA manager); a new world
         # gets a new LoRA receiver
         if self.target == "draft":

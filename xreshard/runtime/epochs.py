@@ -1,0 +1,307 @@
+"""Membership epochs of an elastic world (``World.join(..., elastic=True)``).
+
+Decision record. A fleet's engines come and go between and during refits; a fixed world
+marks itself broken at the first dead member and everyone must rendezvous again. An
+elastic world instead numbers its member sets: epoch 0 is the world as it formed, and each
+change (members that left or died, processes that asked to join) makes the next epoch.
+
+- **One epoch = one join instance.** Epoch ``e > 0`` is formed exactly like a world: its
+  members append signed join records under world id ``<world_id>~e<e>`` and wait for all
+  of them (:func:`xreshard.runtime.joining.join_records`), so everything the join already
+  guarantees (instance nonces, tokens, refusals) holds for every epoch, and the metadata of
+  an epoch is sealed with its own nonce and epoch number: a payload from another epoch is
+  refused as ``CollectiveMismatch`` (``Seal.open``). Ranks are renumbered per epoch by
+  the usual rule (group order, then index), so a rejoining ``rollout[1]`` gets back the
+  ranks it had; a :class:`~xreshard.runtime.binding.Bound` built by hand must be rebuilt
+  from ``world.group_ranks`` when ``world.epoch`` moved (the adapters do it themselves).
+- **Requests, not side doors.** A process that wants in (a new engine, a restarted one)
+  or out (``world.leave()``) appends a signed request to ``<world_id>/requests``; members
+  only act on requests at a collective they agree on (a refit's ``refit/check``, or the
+  outcome of a call that lost a member), so every member moves to the same next epoch
+  with the same members. The leader of the change (the lowest surviving position) then
+  publishes the epoch record, signed, which the joining processes wait for.
+- **Dead or gone, decided together.** Partial collectives stop waiting for a member that
+  left (its request is in the log) or whose process is gone (same host: its pid and
+  start time no longer run); which members arrived is then settled once for everyone
+  (``World._settled``). A member on another host that stops answering is found at the
+  collective's timeout instead.
+- Rejected: renumbering ranks only for the new processes (stable ranks) - every
+  transport keyed on dense ranks (gloo groups, NCCL communicators) would need a renumbering
+  layer, and a restarted engine would come back under other ranks than its layouts name;
+  a coordinator process (the store is already the one thing every member reaches).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import secrets
+import socket
+import time
+from typing import Any, Iterable
+
+from ..errors import RefitError
+from ..transport import peers
+from ..transport.base import TransportTimeout
+from .joining import KEY_ROOT, label
+from .store import Seal
+
+__all__ = ["ElasticWorld", "Membership", "Request", "epoch_world_id", "gone", "own_start",
+           "publish_epoch", "read_epoch", "read_requests", "request", "wait_admitted"]
+
+logger = logging.getLogger("xreshard.runtime.world")
+
+
+def epoch_world_id(world_id: str, epoch: int) -> str:
+    """The join instance id of ``epoch`` (epoch 0 is the world's own id)."""
+    return world_id if epoch == 0 else f"{world_id}~e{epoch}"
+
+
+def _requests_key(world_id: str) -> str:
+    return f"{KEY_ROOT}/{world_id}/requests"
+
+
+def _epoch_key(world_id: str) -> str:
+    return f"{KEY_ROOT}/{world_id}/epoch"
+
+
+class Request(dict):
+    """A request read from the log: ``kind`` ("join" / "leave"), ``id``, ``info`` (the
+    process's join info: group, index, host, pid, start, ...)."""
+
+    @property
+    def label(self) -> str:
+        return label(self["info"])
+
+
+def request(store: Any, seal: Seal, kind: str, info: dict[str, Any]) -> str:
+    """Append a signed ``kind`` request for the process ``info``; returns its id."""
+    rid = secrets.token_hex(8)
+    body = json.dumps({"kind": kind, "id": rid, "info": info})
+    store.append(_requests_key(seal.world_id), seal.seal(f"member/{kind}", 0, -1, body) + "\n")
+    return rid
+
+
+def read_requests(store: Any, seal: Seal, consumed: Iterable[str] = ()) -> list[Request]:
+    """The requests in the log not yet ``consumed``, in append order; lines that do not
+    open with this world's token are skipped (an outsider cannot ask in or throw out)."""
+    key = _requests_key(seal.world_id)
+    if not store.check([key]):
+        return []
+    done = set(consumed)
+    out = []
+    for line in store.get(key).decode().splitlines():
+        try:
+            env = json.loads(line)
+            kind = env.get("kind", "")
+            value = seal.open(line, key=key, kind=kind, op=0, process=-1)
+            if kind not in ("member/join", "member/leave") or value.get("id") in done:
+                continue
+            out.append(Request(value))
+        except Exception:       # noqa: BLE001 - garbage or another token's: not a request
+            logger.debug("skipped a request line at %s", key, exc_info=True)
+    return out
+
+
+def gone(info: dict[str, Any], leaving: Iterable[Request]) -> bool:
+    """Whether the member ``info`` is known not to come: it asked to leave, or it ran on
+    this host and its process (pid and start time) no longer runs."""
+    for r in leaving:
+        if r["kind"] == "leave" and r["info"].get("pid") == info.get("pid") \
+                and label(r["info"]) == label(info):
+            return True
+    start = info.get("start")
+    if info.get("host") != socket.gethostname() or not isinstance(start, str):
+        return False
+    return not peers.alive(int(info["pid"]), start)
+
+
+def publish_epoch(store: Any, seal: Seal, record: dict[str, Any]) -> None:
+    """The leader of a change publishes the next epoch (``epoch``, ``members``: labels,
+    ``admitted``: request ids of the joining processes, ``consumed``: every request id
+    acted on so far)."""
+    store.set(_epoch_key(seal.world_id), seal.seal("member/epoch", 0, -1, json.dumps(record)))
+
+
+def read_epoch(store: Any, seal: Seal) -> dict[str, Any] | None:
+    """The current epoch record of a running elastic world, or None (none formed yet)."""
+    key = _epoch_key(seal.world_id)
+    if not store.check([key]):
+        return None
+    return seal.open(store.get(key), key=key, kind="member/epoch", op=0, process=-1)
+
+
+def wait_admitted(store: Any, seal: Seal, rid: str, deadline: float,
+                  where: str) -> dict[str, Any]:
+    """Wait until an epoch record admits request ``rid``; returns that record.
+
+    Raises:
+        TransportTimeout: no member acted on the request by ``deadline`` (the members run
+            no refit, or none of them has this token).
+    """
+    pause = 0.01
+    while True:
+        record = read_epoch(store, seal)
+        if record is not None and rid in record.get("admitted", ()):
+            return record
+        if time.monotonic() >= deadline:
+            raise TransportTimeout(f"{where}: asked to join the running world, but no "
+                                   f"epoch admitted it in time (members act on join "
+                                   f"requests at their next refit call)")
+        time.sleep(pause)
+        pause = min(pause * 2, 0.1)
+
+
+def own_start() -> str | None:
+    """This process's start time, published so that members on its host can tell its
+    death from slowness (``gone``)."""
+    return peers.own_start_time()
+
+
+class Membership:
+    """What an elastic world keeps of its membership: the base seal (requests and epoch
+    records are sealed with the token and the world id alone, so a process that is not a
+    member yet can write and read them), the group order, the epoch, and the ids of the
+    requests acted on."""
+
+    def __init__(self, seal: Seal, groups: Any, epoch: int, consumed: Iterable[str] = ()):
+        self.base = Seal(seal.token, seal.world_id)
+        self.groups = groups
+        self.epoch = epoch
+        self.consumed = set(consumed)
+
+
+class ElasticWorld:
+    """The membership half of ``World`` (a mixin, like ``WorldTransports``)."""
+
+    @property
+    def epoch(self) -> int:
+        """The membership epoch: 0 as the world formed, +1 at each change of members."""
+        return 0 if self._elastic is None else self._elastic.epoch
+
+    @property
+    def elastic(self) -> bool:
+        """Whether this world's members may change (``World.join(elastic=True)``)."""
+        return self._elastic is not None
+
+    @property
+    def members(self) -> tuple[str, ...]:
+        """The members' labels (``"rollout[1]"``) in process order, this epoch."""
+        return tuple(label(info) for info in self._infos)
+
+    def leave(self) -> None:
+        """Leave an elastic world cleanly: ask out (signed), then close. The members
+        exclude this process at their next collective without waiting for it.
+
+        Raises:
+            RefitError: the world is not elastic (close it; its members cannot go on).
+        """
+        if self._elastic is None:
+            raise RefitError(f"world {self._world_id!r} is not elastic: leave() is for "
+                             f"World.join(..., elastic=True); close() a fixed world")
+        if self._store is not None and not self._closed:
+            info = {k: v for k, v in self._infos[self._process_index].items() if k != "ranks"}
+            request(self._store, self._elastic.base, "leave", info)
+        self.close()
+
+    def pending(self) -> list[Request]:
+        """Join and leave requests no epoch has acted on yet (one store read)."""
+        if self._elastic is None or self._store is None:
+            return []
+        return read_requests(self._store, self._elastic.base, self._elastic.consumed)
+
+    def _all_gone(self, positions: Iterable[int]) -> bool:
+        leaving = [r for r in self.pending() if r["kind"] == "leave"]
+        return all(gone(self._infos[p], leaving) for p in positions)
+
+    def _epoch_record(self, epoch: int, admitted: list[str], consumed: Iterable[str]
+                      ) -> dict[str, Any]:
+        return {"epoch": epoch, "members": list(self.members), "admitted": admitted,
+                "consumed": sorted(consumed)}
+
+    def advance(self, lost: Iterable[int], joins: Iterable[Request], deadline: float) -> None:
+        """Move every survivor to the next epoch: without the members at positions
+        ``lost``, with the processes of ``joins``. Collective among the survivors (every
+        one passes the same ``lost`` and ``joins``, e.g. from one settled all-gather);
+        the joining processes wait in ``World.join`` for it.
+
+        Raises:
+            TransportTimeout: a survivor or a joining process did not form the epoch by
+                ``deadline`` (the world is then broken).
+        """
+        from .joining import join_records, member_nonce, numbered, retire
+        m = self._elastic
+        assert m is not None
+        lost = set(lost)
+        survivors = [p for p in range(len(self._infos)) if p not in lost]
+        names = {label(self._infos[p]) for p in survivors}
+        latest: dict[str, Request] = {}
+        for r in joins:         # a process that asked twice (restarted): its last request
+            if r["kind"] == "join" and r.label not in names and not gone(r["info"], ()):
+                latest[r.label] = r
+        out = {(label(self._infos[p]), self._infos[p]["pid"]) for p in lost}
+        leaving = [r for r in self.pending()
+                   if r["kind"] == "leave" and (r.label, r["info"].get("pid")) in out]
+        epoch = m.epoch + 1
+        consumed = m.consumed | {r["id"] for r in joins} | {r["id"] for r in leaving}
+        labels = [label(self._infos[p]) for p in survivors] + list(latest)
+        me = {k: v for k, v in self._infos[self._process_index].items() if k != "ranks"}
+        if survivors[0] == self._process_index:
+            publish_epoch(self._store, m.base, {
+                "epoch": epoch, "members": labels, "consumed": sorted(consumed),
+                "admitted": [r["id"] for r in latest.values()]})
+        logger.info("world %r: epoch %d -> %d: members %s (lost %s, joining %s)",
+                    self._world_id, m.epoch, epoch, labels,
+                    [label(self._infos[p]) for p in sorted(lost)], list(latest))
+        self._close_transports()
+        try:
+            joined = join_records(self._store, Seal(m.base.token, epoch_world_id(
+                self._world_id, epoch)), me, {"num_processes": len(labels),
+                                              "groups": m.groups},
+                len(labels), deadline, self._address)
+        except Exception as e:      # noqa: BLE001 - the world cannot go on
+            self.mark_broken(f"forming epoch {epoch} failed: {type(e).__name__}: {e}")
+            raise
+        if self._joined is not None:
+            retire(self._store, self._joined)
+        m.epoch, m.consumed = epoch, consumed
+        infos, position = numbered(joined.members, m.groups, self._world_id,
+                                   (me["group"], me["index"]))
+        self._enter_epoch(joined, member_nonce(joined), infos, position)
+
+    def _enter_epoch(self, joined: Any, nonce: str, infos: list[dict[str, Any]],
+                     position: int) -> None:
+        m = self._elastic
+        wid = epoch_world_id(self._world_id, m.epoch)
+        self._seal = m.base.at_epoch(m.epoch, nonce)
+        self._joined = joined
+        self._instance_seal = Seal(m.base.token, wid).with_nonce(joined.instance)
+        self._refusal_until = time.monotonic() + self._timeout
+        self._root = f"{KEY_ROOT}/{wid}"
+        self._num_ops = 0
+        self._broken = None
+        self._set_members(infos, position)
+
+    @classmethod
+    def _join_running(cls, store: Any, server: Any, address: str, seal: Seal,
+                      me: dict[str, Any], groups: Any, devices: Any, deadline: float,
+                      timeout: float, running: dict[str, Any]) -> Any:
+        """``World.join`` of an elastic world that already runs: ask to join, wait for
+        the epoch that admits this process, form it with the members."""
+        from .joining import join_records, member_nonce, numbered
+        where = f"{label(me)} joining world {seal.world_id!r} at {address}"
+        rid = request(store, seal, "join", me)
+        record = wait_admitted(store, seal, rid, deadline, where)
+        epoch, n = int(record["epoch"]), len(record["members"])
+        joined = join_records(store, Seal(seal.token, epoch_world_id(seal.world_id, epoch)),
+                              me, {"num_processes": n, "groups": groups}, n, deadline,
+                              address)
+        infos, position = numbered(joined.members, groups, seal.world_id,
+                                   (me["group"], me["index"]))
+        world = cls(store=store, server=server, address=address, world_id=seal.world_id,
+                    timeout=timeout, infos=infos, process_index=position, devices=devices,
+                    seal=seal, joined=joined,
+                    elastic=Membership(seal, groups, epoch, record.get("consumed", ())))
+        world._enter_epoch(joined, member_nonce(joined), infos, position)
+        logger.debug("joined %r at epoch %d", world, epoch)
+        return world
