@@ -643,7 +643,7 @@ def _aligned(n: int) -> int:
 
 def run(prepared: PreparedCall, bindings: StageBindings, transport: Transport, *,
         timeout: float, arena: dict | None = None, programs: dict | None = None,
-        tuning: Tuning = Tuning()) -> tuple[ExecStats, dict]:
+        tuning: Tuning = Tuning(), delta: Any = None) -> tuple[ExecStats, dict]:
     """Run a prepared call: every stage, in one executor, over ``transport``.
 
     Args:
@@ -657,6 +657,8 @@ def run(prepared: PreparedCall, bindings: StageBindings, transport: Transport, *
             prepared call), or None.
         tuning: the executor kind and the GC pause (``Tuning``); the schedule's round size
             was decided when the call was prepared (``CallOptions.halved``).
+        delta: a ``delta_wire.DeltaCall`` (``RefitConfig(delta=True)``): run the delta
+            executor, which sends each bucket encoded against its baseline; None: plain.
 
     Returns:
         ``(stats, arena)``: what this process moved, and the staging to keep.
@@ -666,10 +668,16 @@ def run(prepared: PreparedCall, bindings: StageBindings, transport: Transport, *
     """
     tables = [Tables(st.src_layouts, st.dst_layouts, st.wire_dtypes, bindings.src[k],
                      bindings.dst[k]) for k, st in enumerate(prepared.stages)]
-    executor = Executor(prepared.schedule, *tables[0], transport, timeout,
-                        pipeline=tuning.executor == "pipelined",
-                        staging_bytes=prepared.options.staging_bytes,
-                        forwarded=prepared.forwarded, arena=arena,
-                        later_stages=tables[1:], programs=programs, pause_gc=tuning.pause_gc)
+    kind: Any = Executor
+    extra: dict[str, Any] = {}
+    if delta is not None:
+        from .delta_wire import DeltaExecutor
+        kind, extra = DeltaExecutor, {"delta": delta}
+    executor = kind(prepared.schedule, *tables[0], transport, timeout,
+                    pipeline=tuning.executor == "pipelined",
+                    staging_bytes=prepared.options.staging_bytes,
+                    forwarded=prepared.forwarded, arena=arena,
+                    later_stages=tables[1:], programs=programs, pause_gc=tuning.pause_gc,
+                    **extra)
     stats = executor.run()
     return stats, executor.arena

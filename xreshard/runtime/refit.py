@@ -79,6 +79,7 @@ from ..ir.layout import LayoutMemo
 from .metadata import fit, merged_layouts, stage_bindings
 from ..planner.plan import Plan, PlanCache
 from ..planner.prepare import CallOptions, PreparedCall, prepare
+from .delta_wire import DeltaState, delta_problems
 from .handle import Background, RefitHandle
 from .sides import Sides, on_device
 
@@ -196,6 +197,10 @@ class Refit:
         self._cache = PlanCache()
         self._identity: list[dict] | None = None
         self._maps: dict[str, Any] | None = None    # from _identity, once
+        #: RefitConfig(delta=True): baselines and fences, kept across calls (may be handed
+        #: to the Refit of a new world: see xreshard.runtime.delta_wire)
+        self.delta_state = DeltaState()
+        self._claims: list[Any] = []                # every process's, this call
 
     @property
     def plan(self) -> Plan | None:
@@ -312,7 +317,14 @@ class Refit:
         except Exception as e:      # noqa: BLE001 - reported to the others before raising
             error = _entry(e, "move")
             logger.debug("refit v%d failed here while moving", target, exc_info=True)
-        verified = self._commit(error, moved.digests, target)
+        try:
+            verified = self._commit(error, moved.digests, target)
+        except BaseException:
+            if self.config.delta:       # every destination may hold a mix: dense next
+                self.delta_state.abort()
+            raise
+        if moved.delta is not None:
+            self.delta_state.commit(moved.delta, dst, self._sides.receive.obj)
         report = self._report(moved, target, time.perf_counter() - t0, plan_seconds,
                               replanned, verified)
         return report, (dst.finish if dst is not None else None)
@@ -330,7 +342,8 @@ class Refit:
             num_zero_copy=stats.num_zero_copy, staging_bytes=stats.staging_bytes,
             replanned=replanned, bytes_by_transport=moved.by_kind or None,
             verified=verified, bytes_forwarded=stats.bytes_forwarded,
-            move_seconds=stats.seconds)
+            move_seconds=stats.seconds,
+            delta=moved.delta.summary() if moved.delta is not None else None)
 
     # ------------------------------------------------------------ moving
 
@@ -349,9 +362,11 @@ class Refit:
         # sources do not change during a refit: their checksums overlap the move
         sent_half = Background(lambda: self._digest(0, bindings.src[0], {}, target, "send")) \
             if self.config.verify else None
+        moved.delta = self.delta_state.begin(self._claims, prepared) \
+            if self.config.delta else None
         moved.stats, self._arena = execute.run(
             prepared, bindings, transport, timeout=timeout, arena=self._arena,
-            programs=self._programs, tuning=self.tuning)
+            programs=self._programs, tuning=self.tuning, delta=moved.delta)
         after = getattr(transport, "bytes_by_transport", None) or {}
         moved.by_kind = {k: v - before.get(k, 0) for k, v in after.items()
                          if v - before.get(k, 0)}
@@ -528,11 +543,16 @@ class Refit:
             self._last_layouts = mine
             self._generation += 1
         tuning = [self.tuning.executor, self.tuning.relay_overlap]
+        claims = None
+        if self.config.delta:       # fences: see xreshard.runtime.delta_wire
+            claims, found = self.delta_state.claims(dst, self._sides.receive.obj)
+            errors = errors + found + delta_problems(self.config, on_device(src, dst))
         gathered = self._agree("refit/check", {
             "version": self.version, "generation": self._generation, "tuning": tuning,
             "devices": on_device(src, dst), "propose": self._proposal(),
-            "errors": errors}, refused)
+            "delta": claims, "errors": errors}, refused)
         self._same_refit(gathered, refused)
+        self._claims = [g.get("delta") for g in gathered]
         describe = self.world.describe_process
         if any(g.get("tuning") != tuning for g in gathered):
             where = ", ".join(f"{describe(p)}: executor {g.get('tuning')[0]!r}, relay_overlap "
@@ -643,6 +663,7 @@ class _Moved:
         self.stats: Any = None
         self.digests: Any = None
         self.by_kind: dict[str, int] = {}
+        self.delta: Any = None          # the call's DeltaCall (RefitConfig(delta=True))
 
 
 def _lines(failed: list[tuple[int, list[str]]], world: Any, limit: int = 20) -> str:
