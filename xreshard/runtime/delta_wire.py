@@ -285,17 +285,20 @@ class DeltaExecutor(Executor):
         incoming = [self._incoming(b, heads_in.get(b), offsets, stats) for b in recvs]
         with self.transport.group(self.timeout):
             for b, (buf, _) in zip(recvs, incoming):
-                self.transport.recv(buf, b.src, b.dst, b.tag)
+                if buf is not None:
+                    self.transport.recv(buf, b.src, b.dst, b.tag)
             for b, buf in out.items():
-                self.transport.send(buf, b.src, b.dst, b.tag)
+                if buf is not None:
+                    self.transport.send(buf, b.src, b.dst, b.tag)
         for b, (buf, how) in zip(recvs, incoming):
             self._land(b, buf, how, offsets)
         stats.per_round_seconds.append(time.perf_counter() - tr)
 
     def _outgoing(self, b: Bucket, offsets: dict, heads: dict[Bucket, np.ndarray],
                   stats: ExecStats) -> Any:
-        """Bucket ``b``'s payload (packed, or the bound view); encoded against its baseline
-        when its pair goes as a delta (its header into ``heads``), and the baseline updated."""
+        """Bucket ``b``'s payload (packed, or the bound view; None: nothing changed); encoded
+        against its baseline when its pair goes as a delta (its header into ``heads``), and
+        the baseline updated."""
         call = self.delta
         new = self._zero_copy_send(b)
         if new is None:
@@ -320,27 +323,33 @@ class DeltaExecutor(Executor):
                 call.bytes_wire += HEADER_BYTES
                 stats.bytes_sent += HEADER_BYTES
                 if msg.header.kind != DENSE:
-                    payload = msg.to_bytes()
                     call.num_delta += 1
-                    apply_numpy(payload, base.view(bits))
+                    payload = None          # nothing changed: the header says it all
+                    if msg.header.count:
+                        payload = msg.to_bytes()
+                        apply_numpy(payload, base.view(bits))
                 else:
                     np.copyto(base, new)
             else:
                 np.copyto(base, new)        # a dense pair seeds the baseline
             call.encode_seconds += time.perf_counter() - t0
-        call.bytes_wire += payload.nbytes
-        stats.bytes_sent += payload.nbytes
+        if payload is not None:
+            call.bytes_wire += payload.nbytes
+            stats.bytes_sent += payload.nbytes
         return payload
 
     def _incoming(self, b: Bucket, head: np.ndarray | None, offsets: dict,
                   stats: ExecStats) -> tuple[Any, str]:
         """Where bucket ``b``'s payload lands and how it is then applied: ``"in place"``
-        (the destination view itself), ``"unpack"`` (staging), ``"apply"`` (a delta)."""
+        (the destination view itself), ``"unpack"`` (staging), ``"apply"`` (a delta), or
+        ``(None, "unchanged")``: nothing changed, nothing follows the header."""
         if head is not None:
             stats.bytes_received += HEADER_BYTES
             unit = self._unit(b)
             assert unit is not None
             header = read_header(head, unit, b.nbytes // unit)
+            if header.kind != DENSE and not header.count:
+                return None, "unchanged"
             if header.kind != DENSE:
                 stats.bytes_received += header.nbytes
                 return np.empty(header.nbytes, np.uint8), "apply"
@@ -352,6 +361,7 @@ class DeltaExecutor(Executor):
         return self._take(offsets, b.dst, b.nbytes), "unpack"
 
     def _land(self, b: Bucket, buf: Any, how: str, offsets: dict) -> None:
+        """Bucket ``b``'s payload arrived: unpack it, or apply the delta to its base."""
         if how == "unpack":
             self._unpack(b, buf)
         if how != "apply":
