@@ -15,14 +15,47 @@ from xreshard.tools.launch import Role, launch
 
 from . import delta_cases as cases
 
-pytestmark = pytest.mark.slow
-
 ROLES = [Role("jax", "trainer", 0, num_devices=4), Role("torch", "rollout", 0),
          Role("torch", "rollout", 1)]
 
 
 def _pairs(row: dict) -> int:
     return row["delta"]["pairs"]
+
+
+def test_decision_needs_both_claims_of_one_call_and_the_current_digest():
+    """Every process derives the same pairs from the same claims: a pair goes as a delta
+    only when its sender and its receiver claim the same call and the current digest."""
+    from types import SimpleNamespace
+    from xreshard.ir.layout import Region
+    from xreshard.planner.schedule import Bucket, Item, Schedule
+    from xreshard.runtime.delta_wire import DeltaState
+
+    lay = SimpleNamespace(dtype="bfloat16")
+    item = Item("w", Region((0,), (8,)), 16)
+    buckets = tuple(Bucket(0, r, 0, 0, (item,), 16) for r in (1, 2, 3))
+    stage = SimpleNamespace(wire_dtypes={"w": "bfloat16"}, dst_layouts={"w": lay})
+    prepared = SimpleNamespace(stages=(stage,), schedule=Schedule((buckets,), (), 16))
+    state = DeltaState()
+    digests = state.pair_digests(prepared)
+    d = digests[(0, 1)]
+    claims = [{"nonce": "a", "send": [[0, 1, "c1", d], [0, 2, "c1", d], [0, 3, "c1", d]]},
+              {"nonce": "b", "recv": [[1, "c1", [[0, d]]], [2, "c0", [[0, d]]],
+                                      [3, "c1", [[0, "other"]]]]}]
+    call = state.begin(claims, prepared)
+    assert call.pairs == {(0, 1)}                   # 2: another call; 3: another schedule
+    assert call.call_id == state.begin(claims, prepared).call_id
+
+
+def test_amostly_changed_bucket_skips_the_diff():
+    import numpy as np
+    from xreshard.runtime.delta_wire import mostly_changed
+
+    old = np.zeros(1 << 20, np.uint16)
+    assert mostly_changed(old, old + 1)
+    new = old.copy()
+    new[::100] = 1
+    assert not mostly_changed(old, new)
 
 
 def test_config_refuses_relay_and_non_bool():
@@ -32,6 +65,7 @@ def test_config_refuses_relay_and_non_bool():
         xr.RefitConfig(delta=1)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("cast", [False, True])
 def test_deltas_call_after_call_bit_exact(cast):
     """The first call seeds the baselines (dense); each later one sends only the changes.
@@ -56,6 +90,7 @@ def test_deltas_call_after_call_bit_exact(cast):
     assert sum(r.value["rows"][1]["received"] for r in results[1:]) == rows[1]["sent"]
 
 
+@pytest.mark.slow
 def test_fences_wrong_base_outside_write_failed_call():
     results = launch([cases.trainer, cases.rollout, cases.rollout], ROLES,
                      args=("fences",), timeout=250)
@@ -76,6 +111,7 @@ def test_fences_wrong_base_outside_write_failed_call():
         assert r.value["checked"] > 0
 
 
+@pytest.mark.slow
 def test_restarted_receivers_get_dense_survivors_deltas():
     roles = ROLES + [Role("torch", "spare", 0), Role("torch", "spare", 1)]
     results = launch([cases.restart_trainer] + [cases.restart_rollout] * 4, roles,

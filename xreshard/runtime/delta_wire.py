@@ -241,6 +241,24 @@ class DeltaCall:
 
 # ---------------------------------------------------------------------------- the executor
 
+#: a bucket is sent dense without a diff when a sample of it changed at least this much
+DENSE_SAMPLE_FRACTION = 0.9
+_SAMPLE_BLOCKS, _SAMPLE_ELEMENTS = 16, 2048
+
+
+def mostly_changed(old: np.ndarray, new: np.ndarray) -> bool:
+    """Whether most of a bucket changed, from 16 blocks spread over it: the diff is then
+    skipped and the bucket sent dense (a cost policy: dense is always a valid message; a
+    step that changed most weights costs a dense refit plus the baseline's copy)."""
+    n = old.size
+    if n <= _SAMPLE_BLOCKS * _SAMPLE_ELEMENTS or old.dtype.kind != "u":
+        return False
+    stride = n // _SAMPLE_BLOCKS
+    changed = sum(int(np.count_nonzero(old[a:a + _SAMPLE_ELEMENTS] != new[a:a + _SAMPLE_ELEMENTS]))
+                  for a in range(0, stride * _SAMPLE_BLOCKS, stride))
+    return changed >= DENSE_SAMPLE_FRACTION * _SAMPLE_BLOCKS * _SAMPLE_ELEMENTS
+
+
 
 class DeltaExecutor(Executor):
     """The executor of a delta call: rounds one after another, each a group of headers then
@@ -272,6 +290,7 @@ class DeltaExecutor(Executor):
         call.sent_pairs.update((b.src, b.dst) for b in sends)
         heads: dict[Bucket, np.ndarray] = {}
         out: dict[Bucket, Any] = {}
+        self._copies: list[tuple[np.ndarray, Any]] = []     # baseline <- new, when sent
         for b in sends:
             out[b] = self._outgoing(b, offsets, heads, stats)
         heads_in = {b: np.empty(HEADER_BYTES, np.uint8) for b in recvs
@@ -290,6 +309,9 @@ class DeltaExecutor(Executor):
             for b, buf in out.items():
                 if buf is not None:
                     self.transport.send(buf, b.src, b.dst, b.tag)
+            # gloo and shm move posted sends at once: the baselines' copies overlap them
+            for base, new in self._copies:
+                np.copyto(base, new)
         for b, (buf, how) in zip(recvs, incoming):
             self._land(b, buf, how, offsets)
         stats.per_round_seconds.append(time.perf_counter() - tr)
@@ -309,33 +331,41 @@ class DeltaExecutor(Executor):
         stats.num_messages += 1
         call.bytes_dense += b.nbytes
         unit = self._unit(b)
+        payload = new if unit is None else self._against_baseline(b, new, unit, heads)
+        wire = (HEADER_BYTES if b in heads else 0) + (0 if payload is None else payload.nbytes)
+        call.bytes_wire += wire
+        stats.bytes_sent += wire
+        return payload
+
+    def _against_baseline(self, b: Bucket, new: Any, unit: int,
+                          heads: dict[Bucket, np.ndarray]) -> Any:
+        """Encode ``new`` against bucket ``b``'s baseline when its pair goes as a delta (the
+        header into ``heads``); returns the payload (None: nothing changed) and updates the
+        baseline (applying the message now, or copying ``new`` while the payloads move)."""
+        call = self.delta
+        t0 = time.perf_counter()
+        pair = call.state.sent.setdefault((b.src, b.dst), _Baseline())
+        base = pair.buffers.get(b.tag)
+        if base is None or base.nbytes != b.nbytes:
+            base = pair.buffers[b.tag] = np.empty(b.nbytes, np.uint8)
+        bits = bits_dtype(unit)
+        old, cur = base.view(bits), new.view(bits)
         payload = new
-        if unit is not None:
-            t0 = time.perf_counter()
-            pair = call.state.sent.setdefault((b.src, b.dst), _Baseline())
-            base = pair.buffers.get(b.tag)
-            if base is None or base.nbytes != b.nbytes:
-                base = pair.buffers[b.tag] = np.empty(b.nbytes, np.uint8)
-            if (b.src, b.dst) in call.pairs:
-                bits = bits_dtype(unit)
-                msg = encode_numpy(base.view(bits), new.view(bits))
-                heads[b] = np.frombuffer(msg.header.pack(), np.uint8).copy()
-                call.bytes_wire += HEADER_BYTES
-                stats.bytes_sent += HEADER_BYTES
-                if msg.header.kind != DENSE:
-                    call.num_delta += 1
-                    payload = None          # nothing changed: the header says it all
-                    if msg.header.count:
-                        payload = msg.to_bytes()
-                        apply_numpy(payload, base.view(bits))
-                else:
-                    np.copyto(base, new)
-            else:
-                np.copyto(base, new)        # a dense pair seeds the baseline
-            call.encode_seconds += time.perf_counter() - t0
-        if payload is not None:
-            call.bytes_wire += payload.nbytes
-            stats.bytes_sent += payload.nbytes
+        if (b.src, b.dst) in call.pairs:
+            n = b.nbytes // unit
+            header, msg = Header(DENSE, unit, n, n, 0), None
+            if not mostly_changed(old, cur):
+                msg = encode_numpy(old, cur)
+                header = msg.header
+            heads[b] = np.frombuffer(header.pack(), np.uint8).copy()
+            if msg is not None and header.kind != DENSE:
+                call.num_delta += 1
+                payload = msg.to_bytes() if header.count else None
+                if payload is not None:
+                    apply_numpy(payload, old)
+        if payload is new:              # dense (or a dense pair, which seeds it)
+            self._copies.append((base, new))
+        call.encode_seconds += time.perf_counter() - t0
         return payload
 
     def _incoming(self, b: Bucket, head: np.ndarray | None, offsets: dict,
