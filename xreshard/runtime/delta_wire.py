@@ -322,12 +322,7 @@ class DeltaExecutor(Executor):
         against its baseline when its pair goes as a delta (its header into ``heads``), and
         the baseline updated."""
         call = self.delta
-        new = self._zero_copy_send(b)
-        if new is None:
-            new = self._take(offsets, b.src, b.nbytes)
-            self._pack(b, new)
-        else:
-            stats.num_zero_copy += 1
+        new = self._message(b, offsets, stats)
         stats.num_messages += 1
         call.bytes_dense += b.nbytes
         unit = self._unit(b)

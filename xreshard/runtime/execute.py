@@ -269,6 +269,17 @@ class Executor:
     def _zero_copy_recv(self, b: Bucket) -> Any:
         return self._zero_copy(b, 1)
 
+    def _message(self, b: Bucket, offsets: dict[int | None, int], stats: ExecStats) -> Any:
+        """Send bucket ``b``'s message: the bound view itself, or packed into staging taken
+        at ``offsets``."""
+        buf = self._zero_copy_send(b)
+        if buf is None:
+            buf = self._take(offsets, b.src, b.nbytes)
+            self._pack(b, buf)
+        else:
+            stats.num_zero_copy += 1
+        return buf
+
     # ------------------------------------------------------------ pack / unpack
 
     def _packed(self, b: Bucket) -> list[tuple[Any, int]]:
@@ -542,12 +553,7 @@ class Executor:
             for b in buckets:
                 if b.src in self._local_src:
                     with self._on(b.src):
-                        buf = self._zero_copy_send(b)
-                        if buf is None:
-                            buf = self._take(offsets, b.src, b.nbytes)
-                            self._pack(b, buf)
-                        else:
-                            stats.num_zero_copy += 1
+                        buf = self._message(b, offsets, stats)
                         self.transport.send(buf, b.src, b.dst, b.tag)
                     self._count_send(b, stats)
         for b, buf in unpack:
@@ -601,13 +607,7 @@ class Executor:
                             if j < k:
                                 finish(j)
                         landed = True
-                    buf = self._zero_copy_send(b)
-                    if buf is None:
-                        buf = self._take(offsets, b.src, b.nbytes)
-                        self._pack(b, buf)
-                    else:
-                        stats.num_zero_copy += 1
-                    wire.send(buf, b)
+                    wire.send(self._message(b, offsets, stats), b)
                     self._count_send(b, stats)
                 wire.close(k)
                 if k == 0:      # same-rank copies overlap the first round's wire
