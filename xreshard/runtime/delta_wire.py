@@ -39,6 +39,9 @@ memory (a JAX receiver gets new arrays every call) silently drops the claim; the
 memory written outside xreshard is refused on every process at ``refit/check``, before any
 byte moves (and the claim is dropped: the next call is dense).
 
+A bucket whose sample mostly changed (:func:`mostly_changed`) is sent dense without a diff,
+and the baselines of dense buckets are copied while the payloads move.
+
 Buckets whose receiver casts (its dtype is not the wire dtype) always go dense: the
 receiver could not read its base back bit for bit. Delta runs round after round on host
 bindings (a relay and device bindings are refused before any byte moves).
