@@ -126,12 +126,14 @@ def _row(report: Any) -> dict:
     if isinstance(report, str):
         return {"error": report}
     return {"version": report.version, "sent": report.bytes_sent,
-            "received": report.bytes_received, "delta": dict(report.delta or {})}
+            "received": report.bytes_received, "delta": dict(report.delta or {}),
+            "verified": report.verified}
 
 
 # ---------------------------------------------------------------------------- scenarios
 # Each step of a scenario is one call of every process; the trainer sends value(step).
-# "steady":  four calls; the first seeds, the next three are deltas.
+# "steady":  four calls; the first seeds, the next three are deltas (verify=True: the full
+#            regions are checksummed on both ends after applying).
 # "fences":  call 3: rollout[1] claims a base it does not hold (its pairs go dense);
 #            call 4: rollout[0] writes its destination outside xreshard (refused on every
 #            process before moving); call 5: rollout[0] dense, rollout[1] delta;
@@ -146,7 +148,7 @@ def trainer(ctx: Any, scenario: str, cast: bool = False) -> dict:
     world = ctx.join(groups=["trainer", "rollout"])
     refit = xr.Refit(world, send=_jax_params(src, 0),
                      transpose={n for n, t in TENSORS.items() if "T" in t[3]},
-                     config=_config(xr, cast))
+                     config=_config(xr, cast, verify=scenario == "steady"))
     rows, step = [], 0
     for call in range(1, _calls(scenario) + 1):
         row = _row(_attempt(lambda: refit(send=_jax_params(src, call))))
@@ -171,7 +173,8 @@ def rollout(ctx: Any, scenario: str, cast: bool = False) -> dict:
     _torch_group(ctx, n, me, "rollout")
     world = ctx.join(groups=["trainer", "rollout"])
     state = _dtensors(dst, me, n)
-    refit = xr.Refit(world, receive=state, config=_config(xr, cast))
+    refit = xr.Refit(world, receive=state,
+                     config=_config(xr, cast, verify=scenario == "steady"))
     rows, checked, held = [], 0, 0
     for call in range(1, _calls(scenario) + 1):
         _before(scenario, call, me, refit, state)

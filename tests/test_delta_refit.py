@@ -83,6 +83,7 @@ def test_deltas_call_after_call_bit_exact(cast):
         if cast:
             assert d["bytes_wire"] == 32 * d["num_delta"]       # headers only
     assert results[0].value["baseline_bytes"] == first["bytes_dense"]
+    assert all(r["verified"] > 0 for r in rows)        # verify=True compared full regions
     for r in results[1:]:
         assert all("wrong" not in row and "error" not in row for row in r.value["rows"])
         assert r.value["checked"] > 0
