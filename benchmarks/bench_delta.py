@@ -18,9 +18,21 @@ weights cast to bf16, as RL trainers send them; and bf16 parameters updated in p
     python benchmarks/bench_delta.py --kernels [--mib 64] [--reps 5] [--changed 1.0,0.01,0.001]
         [--json]
 
-The refit-level comparison (dense vs ``RefitConfig(delta=True)`` over gloo, with
-``--link-gbps``) needs phase 2 (the executor's delta buckets); without ``--kernels`` this
-script says so and exits.
+Without ``--kernels`` (phase 2): the refit itself. Two processes over gloo: a JAX trainer
+(one CPU device) sends ``--model-mib`` MiB of bf16 tensors (``--tensor-mib`` each) to a
+torch process (plain CPU tensors), through two Refits of one world side by side: a dense
+one and one with ``RefitConfig(delta=True)``. Per changed fraction, each repetition makes
+a new version of every tensor (that fraction of the elements one ulp off the last
+version, at random places), refits it dense, then with delta (against the last version),
+and the receiver checks every byte after each delta call. Per fraction: ``bytes_ratio``
+(delta wire bytes / dense), ``time_ratio`` (delta call / dense call, the trainer's
+``report.seconds``, median of ``--reps``), ``dense_seconds``, ``delta_seconds`` and
+``diff_seconds`` (the trainer's finding and encoding of the changes in the same delta
+calls, ``report.delta["encode_seconds"]``), and the issue's bars. ``--link-gbps G``
+throttles this script's own transport to G Gb/s per process (a cross-datacenter link).
+
+    python benchmarks/bench_delta.py [--changed 1.0,0.01,0.001] [--model-mib 256]
+        [--tensor-mib 16] [--reps 3] [--link-gbps 1] [--json]
 """
 
 from __future__ import annotations
@@ -196,13 +208,15 @@ def main(argv: list[str] | None = None) -> int:
                     help="repetitions of the JAX/torch device kernels (slow on a CPU)")
     ap.add_argument("--changed", default="1.0,0.01,0.001", help="changed fractions")
     ap.add_argument("--json", action="store_true", help="print one JSON object at the end")
+    ap.add_argument("--model-mib", type=float, default=256.0, help="refit: model size (MiB)")
+    ap.add_argument("--tensor-mib", type=float, default=16.0, help="refit: tensor size (MiB)")
+    ap.add_argument("--link-gbps", type=float, default=None,
+                    help="refit: throttle the transport to this many Gb/s per process")
     args = ap.parse_args(argv)
-    if not args.kernels:
-        print("the refit-level comparison (dense vs RefitConfig(delta=True), --link-gbps) "
-              "needs phase 2 of issue 22 (the executor's delta buckets); run --kernels",
-              file=sys.stderr)
-        return 2
     fractions = [float(x) for x in args.changed.split(",")]
+    if not args.kernels:
+        from bench_delta_refit import refit_main
+        return refit_main(args, fractions, demo_changed_fraction)
     print(f"delta kernels: a {args.mib:g} MiB bf16 bucket, median of {args.reps}, "
           f"{platform.machine()} {platform.processor() or ''} ({__import__('os').cpu_count()} "
           "CPUs), JAX and torch on CPU", flush=True)

@@ -55,6 +55,14 @@ class RefitConfig:
     region is needed by two or more destination ranks of a domain that holds none of its
     sources, else "off")."""
 
+    delta: bool = False
+    """Send, per bucket, only the elements whose bits changed since the last confirmed call
+    (``xreshard.runtime.delta_wire``): each sending rank keeps the last bytes it sent in
+    host memory (as many bytes as it sends per call; ``RefitReport.delta``) and encodes each
+    bucket as the smallest of dense, bitmask + values and runs + values; receivers overwrite
+    in place. A receiver that is new, restarted, failed or missed a call gets a dense refit
+    of its regions in the same call. Host bindings only; not with ``relay`` yet."""
+
     check_writes: bool = False
     """Fail the refit (the same ``RefitError`` on every rank; the version stays) when a sent
     torch tensor was written while the refit read it, e.g. an optimizer step before
@@ -114,6 +122,13 @@ class RefitConfig:
         if self.relay not in ("off", "on", "auto"):
             raise RefitError(f"RefitConfig.relay must be 'off', 'on' or 'auto', got "
                              f"{self.relay!r}")
+        if not isinstance(self.delta, bool):
+            raise RefitError(f"RefitConfig.delta must be a bool, got {self.delta!r}")
+        if self.delta and self.relay != "off":
+            raise RefitError(f"RefitConfig(delta=True) with relay={self.relay!r}: a relayed "
+                             "delta refit is not built yet (a relay would re-encode stage 1's "
+                             "messages against baselines of its own); pass relay='off' with "
+                             "delta=True")
 
     def to_dict(self) -> dict[str, Any]:
         d = {k: getattr(self, k) for k in self.__dataclass_fields__}
@@ -224,6 +239,12 @@ class RefitReport:
     finished it without them (``RefitConfig.on_member_loss``)."""
     epoch: int = 0
     """The membership epoch the call completed in (``World.epoch``)."""
+    delta: Mapping[str, Any] | None = None
+    """``RefitConfig(delta=True)``: this process's ``pairs`` (sending pairs that went as
+    deltas), ``bytes_dense`` (what its buckets take dense), ``bytes_wire`` (what its
+    senders put on the wire, headers included; also ``bytes_sent``), ``num_delta``
+    (buckets sent encoded), ``encode_seconds`` (finding and encoding the changes) and
+    ``baseline_bytes`` (host memory its baselines hold). None without delta."""
 
     @property
     def setup_seconds(self) -> float:

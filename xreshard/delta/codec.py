@@ -43,7 +43,7 @@ from ..errors import CommunicationError
 __all__ = ["DeltaFormatError", "Encoded", "Header", "HEADER_BYTES", "DENSE", "BITMASK", "RUNS",
            "KINDS", "choose", "payload_sizes", "parse", "words_dtype", "index_width", "assemble",
            "section_bytes", "Parsed", "dense_wins_without_runs", "dense_threshold", "words",
-           "align8"]
+           "align8", "read_header"]
 
 MAGIC = b"XRDL"
 VERSION = 1
@@ -241,16 +241,13 @@ def _as_u8(message: Any) -> np.ndarray:
                     f"{type(message).__name__}")
 
 
-def parse(message: Any, itemsize: int, n: int) -> Parsed:
-    """Validate ``message`` against a region of ``n`` elements of ``itemsize`` bytes.
-
-    Every field is checked before anything is returned: magic, version, kind, itemsize,
-    index width, element count, the exact length, and the sections themselves (runs
-    ascending, disjoint, inside the region, summing to ``count``; no mask bit past ``n``,
-    popcount equal to ``count``).
+def read_header(message: Any, itemsize: int, n: int) -> Header:
+    """The header of a message for a region of ``n`` elements of ``itemsize`` bytes, from its
+    first 32 bytes alone (a receiver learns the exact length of what follows; the whole
+    message is validated by :func:`parse` before anything is written).
 
     Raises:
-        DeltaFormatError: anything malformed, truncated or meant for another region.
+        DeltaFormatError: a header that is malformed or meant for another region.
     """
     buf = _as_u8(message)
     if buf.size < HEADER_BYTES:
@@ -269,6 +266,24 @@ def parse(message: Any, itemsize: int, n: int) -> Parsed:
     if (kind == DENSE and (count != n or nruns)) or (kind == BITMASK and nruns) or count > n \
             or nruns > count:
         raise _bad(f"{KINDS[kind]} with count {count} and {nruns} runs for {n} elements")
+    return header
+
+
+def parse(message: Any, itemsize: int, n: int) -> Parsed:
+    """Validate ``message`` against a region of ``n`` elements of ``itemsize`` bytes.
+
+    Every field is checked before anything is returned: magic, version, kind, itemsize,
+    index width, element count, the exact length, and the sections themselves (runs
+    ascending, disjoint, inside the region, summing to ``count``; no mask bit past ``n``,
+    popcount equal to ``count``).
+
+    Raises:
+        DeltaFormatError: anything malformed, truncated or meant for another region.
+    """
+    buf = _as_u8(message)
+    header = read_header(buf, itemsize, n)
+    kind, isz, count, nruns, width = (header.kind, header.itemsize, header.count,
+                                      header.nruns, header.width)
     if buf.size != header.nbytes:
         raise _bad(f"{buf.size} bytes, the header describes {header.nbytes} (truncated or "
                    "padded)")

@@ -274,6 +274,17 @@ class Executor:
     def _zero_copy_recv(self, b: Bucket) -> Any:
         return self._zero_copy(b, 1)
 
+    def _message(self, b: Bucket, offsets: dict[int | None, int], stats: ExecStats) -> Any:
+        """Send bucket ``b``'s message: the bound view itself, or packed into staging taken
+        at ``offsets``."""
+        buf = self._zero_copy_send(b)
+        if buf is None:
+            buf = self._take(offsets, b.src, b.nbytes)
+            self._pack(b, buf)
+        else:
+            stats.num_zero_copy += 1
+        return buf
+
     # ------------------------------------------------------------ pack / unpack
 
     def _packed(self, b: Bucket) -> list[tuple[Any, int]]:
@@ -565,12 +576,7 @@ class Executor:
             for b in buckets:
                 if b.src in self._local_src:
                     with self._on(b.src):
-                        buf = self._zero_copy_send(b)
-                        if buf is None:
-                            buf = self._take(offsets, b.src, b.nbytes)
-                            self._pack(b, buf)
-                        else:
-                            stats.num_zero_copy += 1
+                        buf = self._message(b, offsets, stats)
                         self.transport.send(buf, b.src, b.dst, b.tag)
                     self._count_send(b, stats)
         for b, buf in unpack:
@@ -624,13 +630,7 @@ class Executor:
                             if j < k:
                                 finish(j)
                         landed = True
-                    buf = self._zero_copy_send(b)
-                    if buf is None:
-                        buf = self._take(offsets, b.src, b.nbytes)
-                        self._pack(b, buf)
-                    else:
-                        stats.num_zero_copy += 1
-                    wire.send(buf, b)
+                    wire.send(self._message(b, offsets, stats), b)
                     self._count_send(b, stats)
                 wire.close(k)
                 if k == 0:      # same-rank copies overlap the first round's wire
@@ -666,7 +666,7 @@ def _aligned(n: int) -> int:
 
 def run(prepared: PreparedCall, bindings: StageBindings, transport: Transport, *,
         timeout: float, arena: dict | None = None, programs: dict | None = None,
-        tuning: Tuning = Tuning()) -> tuple[ExecStats, dict]:
+        tuning: Tuning = Tuning(), delta: Any = None) -> tuple[ExecStats, dict]:
     """Run a prepared call: every stage, in one executor, over ``transport``.
 
     Args:
@@ -680,6 +680,8 @@ def run(prepared: PreparedCall, bindings: StageBindings, transport: Transport, *
             prepared call), or None.
         tuning: the executor kind and the GC pause (``Tuning``); the schedule's round size
             was decided when the call was prepared (``CallOptions.halved``).
+        delta: a ``delta_wire.DeltaCall`` (``RefitConfig(delta=True)``): run the delta
+            executor, which sends each bucket encoded against its baseline; None: plain.
 
     Returns:
         ``(stats, arena)``: what this process moved, and the staging to keep.
@@ -690,11 +692,16 @@ def run(prepared: PreparedCall, bindings: StageBindings, transport: Transport, *
     dsts = quantized.with_scratch(prepared.quant, bindings.dst, programs)
     tables = [Tables(st.src_layouts, st.dst_layouts, st.wire_dtypes, bindings.src[k],
                      dsts[k]) for k, st in enumerate(prepared.stages)]
-    executor = Executor(prepared.schedule, *tables[0], transport, timeout,
-                        pipeline=tuning.executor == "pipelined",
-                        staging_bytes=prepared.options.staging_bytes,
-                        forwarded=prepared.forwarded, arena=arena,
-                        later_stages=tables[1:], programs=programs, pause_gc=tuning.pause_gc,
-                        quant=prepared.quant)
+    kind: Any = Executor
+    extra: dict[str, Any] = {}
+    if delta is not None:
+        from .delta_wire import DeltaExecutor
+        kind, extra = DeltaExecutor, {"delta": delta}
+    executor = kind(prepared.schedule, *tables[0], transport, timeout,
+                    pipeline=tuning.executor == "pipelined",
+                    staging_bytes=prepared.options.staging_bytes,
+                    forwarded=prepared.forwarded, arena=arena,
+                    later_stages=tables[1:], programs=programs, pause_gc=tuning.pause_gc,
+                    quant=prepared.quant, **extra)
     stats = executor.run()
     return stats, executor.arena

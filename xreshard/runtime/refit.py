@@ -65,14 +65,13 @@ from __future__ import annotations
 import logging
 import threading
 import time
-import weakref
 from typing import Any, Callable, Iterable, Mapping
 
 from . import registry, writes
 from .binding import Bound, side_problems
 from ..config import RefitConfig, RefitReport, Tuning
 from ..errors import (CollectiveMismatch, CommunicationError, RefitError, VerificationError,
-                      XreshardError, error_from, error_message, error_name, short_name)
+                      XreshardError, error_from, short_name)
 from . import execute
 from .execute import gc_paused
 from ..ir.layout import LayoutMemo
@@ -82,7 +81,9 @@ from ..planner.plan import Plan, PlanCache
 from ..planner.prepare import CallOptions, PreparedCall, prepare
 from . import fleet
 from .atomic import Staging, left
+from .delta_wire import DeltaState, delta_problems
 from .handle import Background, RefitHandle
+from .outcome import Failed, Moved, entry, failure_lines, world_state
 from .sides import Sides, on_device
 
 __all__ = ["Bound", "Refit", "RefitConfig", "RefitHandle", "RefitReport", "Tuning"]
@@ -91,45 +92,6 @@ logger = logging.getLogger(__name__)
 
 #: seconds a process that already failed waits for the others' outcomes
 _GRACE = 3.0
-
-
-
-class _WorldState:
-    """What the Refits of one world share in this process: every process's framework ids
-    (gathered at the world's first refit call, ``refit/identity``) and how many Refits
-    agreed on their identity (every process agrees on them at the same collective, so the
-    counts stay equal). Per world, not per Refit: a Refit created on one side only (after a
-    refused call, or crossed) must not make one process gather while another checks."""
-
-    def __init__(self) -> None:
-        self.identity: list[dict] | None = None
-        self.agreed = 0
-        self.epoch = 0
-
-
-#: world -> its _WorldState in this process
-_WORLDS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
-def _world_state(world: Any) -> _WorldState:
-    state = _WORLDS.get(world)
-    if state is None:
-        state = _WORLDS[world] = _WorldState()
-    return state
-
-
-class _Failed(Exception):
-    """A failure every process agreed on: raise ``error`` (the same everywhere)."""
-
-    def __init__(self, error: Exception):
-        super().__init__(str(error))
-        self.error = error
-
-
-def _entry(exc: BaseException, phase: str) -> list[str]:
-    """How a local exception crosses processes: [class name, message] (see
-    ``xreshard.errors``: a foreign exception is classified by ``phase``)."""
-    return [error_name(exc, phase), error_message(exc)]
 
 
 class Refit:
@@ -202,6 +164,10 @@ class Refit:
         self._maps: dict[str, Any] | None = None    # from _identity, once
         self._staging: Staging | None = None        # RefitConfig.atomic's shadows
         self._epoch = 0                             # the world's epoch at the last call
+        #: RefitConfig(delta=True): baselines and fences, kept across calls (may be handed
+        #: to the Refit of a new world: see xreshard.runtime.delta_wire)
+        self.delta_state = DeltaState()
+        self._claims: list[Any] = []                # every process's, this call
 
     @property
     def plan(self) -> Plan | None:
@@ -298,7 +264,7 @@ class Refit:
             self.version = report.version
             logger.info("%s", report)
             return report
-        except _Failed as f:
+        except Failed as f:
             raise f.error from None
         finally:
             self._busy.release()
@@ -315,21 +281,25 @@ class Refit:
         target = self.version + 1       # a process new to the world adopted the version
         plan_seconds = time.perf_counter() - t0
         error: list[str] | None = None
-        moved = _Moved()
+        moved = Moved()
         self.stale = not self.config.atomic
         try:
             moved = self._move(src, self._staged(dst), target, snapshot)
         except Exception as e:      # noqa: BLE001 - reported to the others before raising
-            error = _entry(e, "move")
+            error = entry(e, "move")
             logger.debug("refit v%d failed here while moving", target, exc_info=True)
         try:
             verified = self._commit(error, moved.digests, target)
         except BaseException:
             if self._staging is not None:
                 self._staging.abandon()
+            if self.config.delta:       # every destination may hold a mix: dense next
+                self.delta_state.abort()
             raise
         if self._staging is not None:       # every process agreed the call succeeded
             self._staging.commit()
+        if moved.delta is not None:         # fingerprints of the destinations as committed
+            self.delta_state.commit(moved.delta, dst, self._sides.receive.obj)
         report = self._report(moved, target, time.perf_counter() - t0, plan_seconds,
                               replanned, verified)
         return report, (dst.finish if dst is not None else None)
@@ -344,7 +314,7 @@ class Refit:
             self._staging = Staging()
         return self._staging.stage(dst)
 
-    def _report(self, moved: _Moved, target: int, seconds: float, plan_seconds: float,
+    def _report(self, moved: Moved, target: int, seconds: float, plan_seconds: float,
                 replanned: bool, verified: int) -> RefitReport:
         prepared, stats = self._prepared, moved.stats
         assert prepared is not None and stats is not None
@@ -357,12 +327,13 @@ class Refit:
             num_zero_copy=stats.num_zero_copy, staging_bytes=stats.staging_bytes,
             replanned=replanned, bytes_by_transport=moved.by_kind or None,
             verified=verified, bytes_forwarded=stats.bytes_forwarded,
-            move_seconds=stats.seconds, quantized=quantized_report(prepared, stats))
+            move_seconds=stats.seconds, quantized=quantized_report(prepared, stats),
+            delta=moved.delta.summary() if moved.delta is not None else None)
 
     # ------------------------------------------------------------ moving
 
     def _move(self, src: Bound | None, dst: Bound | None, target: int,
-              snapshot: writes.Snapshot | None) -> _Moved:
+              snapshot: writes.Snapshot | None) -> Moved:
         """Run the prepared call and, with ``verify``, checksum both ends of every stage.
         Raises whatever failed here (the caller reports it to the others)."""
         prepared, timeout = self._prepared, self.config.timeout
@@ -371,14 +342,16 @@ class Refit:
             transport = self.world.transport(self.config.transport)
         bindings = stage_bindings(prepared, fit(src, prepared.direct.src_layouts),
                                   fit(dst, prepared.direct.dst_layouts))
-        moved = _Moved()
+        moved = Moved()
         before = dict(getattr(transport, "bytes_by_transport", None) or {})
         # sources do not change during a refit: their checksums overlap the move
         sent_half = Background(lambda: self._digest(0, bindings.src[0], {}, target, "send")) \
             if self.config.verify else None
+        moved.delta = self.delta_state.begin(self._claims, prepared) \
+            if self.config.delta else None
         moved.stats, self._arena = execute.run(
             prepared, bindings, transport, timeout=timeout, arena=self._arena,
-            programs=self._programs, tuning=self.tuning)
+            programs=self._programs, tuning=self.tuning, delta=moved.delta)
         after = getattr(transport, "bytes_by_transport", None) or {}
         moved.by_kind = {k: v - before.get(k, 0) for k, v in after.items()
                          if v - before.get(k, 0)}
@@ -412,7 +385,7 @@ class Refit:
         if snapshot is None and self.config.check_writes:
             snapshot = writes.take(sides.send.obj)
         if snapshot is not None and snapshot.error is not None:
-            errors.append(_entry(snapshot.error, "check"))
+            errors.append(entry(snapshot.error, "check"))
         src = dst = None
         memo = self.layout_memo if self.tuning.layout_memo else None
         try:
@@ -424,7 +397,7 @@ class Refit:
         except Exception as e:      # noqa: BLE001 - every local failure reaches every rank
             if isinstance(e, CommunicationError) and self.world.broken:
                 raise       # a collective failed: nobody is in step to hear about it
-            errors.append(_entry(e, "check"))
+            errors.append(entry(e, "check"))
         finally:
             sides.forget()
         return src, dst, errors, snapshot
@@ -442,7 +415,7 @@ class Refit:
         """
         if self._maps is not None:
             return self._maps
-        shared = _world_state(self.world)
+        shared = world_state(self.world)
         if shared.epoch != self.world.epoch:       # ranks renumbered: gather them again
             shared.identity, shared.epoch = None, self.world.epoch
         if shared.identity is None:
@@ -452,7 +425,7 @@ class Refit:
                 me["ids"] = registry.identity([self.world.local_device(r) for r in ranks],
                                               ranks)
             except Exception as e:      # noqa: BLE001 - reported at refit/check instead
-                me["error"] = _entry(e, "check")
+                me["error"] = entry(e, "check")
             shared.identity = self.world.allgather_json(me, timeout=self.config.timeout,
                                                         kind="refit/identity")
         self._identity = shared.identity
@@ -488,13 +461,14 @@ class Refit:
         for p, g in enumerate(gathered):
             entries = g.get("errors") if isinstance(g, dict) else None
             if not isinstance(entries, list):
-                raise _Failed(error_from("CollectiveMismatch", f"{kind}: "
+                raise Failed(error_from("CollectiveMismatch", f"{kind}: "
                               f"{self.world.describe_process(p)} sent a malformed payload"))
             failed += [(p, e) for e in entries]
         if failed:
-            raise _Failed(error_from(failed[0][1][0], f"{what}:\n  " + _lines(failed, self.world)))
+            raise Failed(error_from(failed[0][1][0],
+                                    f"{what}:\n  " + failure_lines(failed, self.world)))
         if kind != "refit/check" and len({g.get("refit") for g in gathered}) > 1:
-            raise _Failed(self._crossed(gathered, what))
+            raise Failed(self._crossed(gathered, what))
         return gathered
 
     # ------------------------------------------------------------ metadata steps
@@ -524,7 +498,7 @@ class Refit:
             errors += quantized_problems(prepared, self.config)
             errors += self._transport_problems(prepared)
         except Exception as e:      # noqa: BLE001 - every local failure reaches every rank
-            errors.append(_entry(e, "check"))
+            errors.append(entry(e, "check"))
         self._agree("refit/schedule", {"errors": errors}, refused)
         assert prepared is not None
         self._prepared, self._programs = prepared, {}
@@ -563,23 +537,30 @@ class Refit:
             self._last_layouts = mine
             self._generation += 1
         tuning = [self.tuning.executor, self.tuning.relay_overlap]
+        claims = None
+        if self.config.delta:       # fences: see xreshard.runtime.delta_wire
+            claims, found = self.delta_state.claims(dst, self._sides.receive.obj)
+            errors = errors + found + delta_problems(
+                self.config, on_device(src, dst), bool(dst is not None and dst.quantized))
         gathered = self._agree("refit/check", {
             "version": self.version, "generation": self._generation, "tuning": tuning,
             "devices": on_device(src, dst), "propose": self._proposal(),
-            "requests": fleet.check_body(self.world), "errors": errors}, refused)
+            "requests": fleet.check_body(self.world), "delta": claims,
+            "errors": errors}, refused)
         self._same_refit(gathered, refused)
+        self._claims = [g.get("delta") for g in gathered]
         describe = self.world.describe_process
         if any(g.get("tuning") != tuning for g in gathered):
             where = ", ".join(f"{describe(p)}: executor {g.get('tuning')[0]!r}, relay_overlap "
                               f"{g.get('tuning')[1]}" for p, g in enumerate(gathered))
-            raise _Failed(RefitError(f"{refused}: processes run different tunings ({where}); "
+            raise Failed(RefitError(f"{refused}: processes run different tunings ({where}); "
                                      f"pass the same Tuning (or set XRESHARD_EXECUTOR the "
                                      f"same) in every process"))
         versions = fleet.adopt_version(self, {g.get("version") for g in gathered})
         if len(versions) > 1:
             where = ", ".join(f"{describe(p)} at v{g.get('version')}"
                               for p, g in enumerate(gathered))
-            raise _Failed(RefitError(f"{refused}: processes are at different refit versions "
+            raise Failed(RefitError(f"{refused}: processes are at different refit versions "
                                      f"({where}); every process must call the same Refit "
                                      f"the same number of times"))
         config = self.config
@@ -595,7 +576,7 @@ class Refit:
     def _proposal(self) -> str:
         """The identity this Refit proposes until its processes agreed on one."""
         return self._name if self._name is not None else \
-            f"#{_world_state(self.world).agreed + 1}"
+            f"#{world_state(self.world).agreed + 1}"
 
     def _same_refit(self, gathered: list[dict[str, Any]], refused: str) -> None:
         """Agree on this Refit's identity (the first checked call), or check that every
@@ -604,17 +585,17 @@ class Refit:
         if fleet.one_refit(self.world, gathered):       # one agreed, the rest new to it
             if self._id is None:
                 self._id = next(i for i in ids if i is not None)
-                _world_state(self.world).agreed += 1
+                world_state(self.world).agreed += 1
             return
         if all(i is None for i in ids):
             proposals = {g.get("propose") for g in gathered}
             if len(proposals) == 1:
                 self._id = proposals.pop()
-                _world_state(self.world).agreed += 1
+                world_state(self.world).agreed += 1
                 return
         elif len(set(ids)) == 1:
             return
-        raise _Failed(self._crossed(gathered, refused))
+        raise Failed(self._crossed(gathered, refused))
 
     def _crossed(self, gathered: list[dict[str, Any]], what: str) -> CollectiveMismatch:
         def label(g: dict[str, Any]) -> str:
@@ -647,7 +628,7 @@ class Refit:
         failed = [(p, o["errors"][0]) for p, o in enumerate(outcomes)
                   if o is not None and o.get("errors")]
         if failed or missing:
-            lines = [_lines([(q, [e[0], f"{short_name(e[0])}: {e[1]}"]) for q, e in failed],
+            lines = [failure_lines([(q, [e[0], f"{short_name(e[0])}: {e[1]}"]) for q, e in failed],
                             self.world, 10)]
             if missing:
                 lines.append("never reported its outcome (dead, or stuck past the timeout): "
@@ -659,17 +640,17 @@ class Refit:
                 if not (self.world.elastic and fleet.after_loss(self, missing)):
                     self.world.mark_broken(f"refit v{target} failed while moving: {where}")
             cls = failed[0][1][0] if failed else "TransportTimeout"
-            raise _Failed(error_from(cls, f"refit v{target} failed while moving, "
+            raise Failed(error_from(cls, f"refit v{target} failed while moving, "
                                           f"{left(self.config.atomic, self.version)}:\n  {where}"))
         if len({o.get("refit") for o in outcomes}) > 1:
             self.world.mark_broken(f"refit v{target}: processes ended different Refits")
-            raise _Failed(self._crossed(outcomes, f"refit v{target} moved bytes, but"))
+            raise Failed(self._crossed(outcomes, f"refit v{target} moved bytes, but"))
         if not self.config.verify:
             return 0
         from . import verify
         messages, compared = verify.compare([o.get("digests") for o in outcomes], self.world)
         if messages:        # the same list on every process: it compared the same digests
-            raise _Failed(VerificationError(
+            raise Failed(VerificationError(
                 f"refit v{target}: {len(messages)} transfer(s) arrived with other bytes than "
                 f"were sent (checksums differ), {left(self.config.atomic, self.version)}:\n  "
                 + "\n  ".join(messages[:20])
@@ -677,28 +658,3 @@ class Refit:
         return compared
 
 
-class _Moved:
-    """What one call's move left: executor stats (every stage's), checksums, bytes per
-    transport kind."""
-
-    def __init__(self) -> None:
-        self.stats: Any = None
-        self.digests: Any = None
-        self.by_kind: dict[str, int] = {}
-
-
-def _lines(failed: list[tuple[int, list[str]]], world: Any, limit: int = 20) -> str:
-    """One line per distinct error, naming the processes that reported it ("every
-    process" for an error every process found in the same gathered metadata)."""
-    by_error: dict[tuple[str, str], list[int]] = {}
-    for p, (cls, msg) in failed:
-        by_error.setdefault((cls, msg), []).append(p)
-    lines = []
-    for (cls, msg), procs in list(by_error.items())[:limit]:
-        who = ("every process" if len(procs) == world.num_processes and len(procs) > 1
-               else ", ".join(world.describe_process(p) for p in procs[:4])
-               + (f" and {len(procs) - 4} more" if len(procs) > 4 else ""))
-        lines.append(f"{who}: {msg}")
-    if len(by_error) > limit:
-        lines.append(f"... and {len(by_error) - limit} more")
-    return "\n  ".join(lines)

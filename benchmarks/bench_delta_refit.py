@@ -1,0 +1,182 @@
+"""The refit-level half of bench_delta.py (issue 22 phase 2): dense vs
+``RefitConfig(delta=True)`` side by side, between two processes over gloo. Run it through
+``python benchmarks/bench_delta.py`` (see its docstring)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+MiB = 2 ** 20
+
+
+class Throttled:
+    """A transport that moves at most ``gbps`` Gb/s through this process: each group
+    lasts at least its bytes (sent and received) over the rate."""
+
+    def __init__(self, inner: Any, gbps: float):
+        self.inner, self.rate = inner, gbps * 1e9 / 8
+        self.name = f"throttled({inner.name})"
+        self._bytes = 0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    @contextlib.contextmanager
+    def group(self, timeout: float) -> Iterator[None]:
+        t0, self._bytes = time.perf_counter(), 0
+        with self.inner.group(timeout):
+            yield
+        rest = t0 + self._bytes / self.rate - time.perf_counter()
+        if rest > 0:
+            time.sleep(rest)
+
+    def send(self, buf: Any, src: int, dst: int, tag: int) -> None:
+        self._bytes += buf.nbytes
+        self.inner.send(buf, src, dst, tag)
+
+    def recv(self, buf: Any, src: int, dst: int, tag: int) -> None:
+        self._bytes += buf.nbytes
+        self.inner.recv(buf, src, dst, tag)
+
+
+def versions(cfg: dict, fraction: float) -> Iterator[dict[str, np.ndarray]]:
+    """Version 0, 1, ... of every tensor (bf16 bits as uint16): each one ``fraction`` of
+    the elements one ulp off the last, at random places (the same in both processes)."""
+    n = int(cfg["tensor_mib"] * MiB) // 2
+    count = max(1, int(cfg["model_mib"] // cfg["tensor_mib"]))
+    rng = np.random.default_rng(0)
+    cur = {f"w{i}": (rng.standard_normal(n, dtype=np.float32) * 0.02).view(np.uint32)
+           .__rshift__(16).astype(np.uint16) for i in range(count)}
+    k = int(round(n * fraction))
+    while True:
+        yield cur
+        nxt = {}
+        for name, arr in cur.items():
+            arr = arr.copy()
+            pos = rng.choice(n, k, replace=False) if k < n else slice(None)
+            arr[pos] ^= np.uint16(1)
+            nxt[name] = arr
+        cur = nxt
+
+
+def child(ctx: Any, cfg: dict) -> dict:
+    import xreshard as xr
+
+    trainer = ctx.role.group == "trainer"
+    world = ctx.join(groups=["trainer", "rollout"])
+    if cfg["link_gbps"]:
+        plain = world.transport
+        world.transport = lambda kind="auto": Throttled(plain(kind), cfg["link_gbps"])
+    base = dict(transport="gloo", timeout=600)
+    rows = []
+    for fraction in cfg["fractions"]:
+        made = versions(cfg, fraction)
+        receive = None
+        dense = delta = None
+        times: dict[str, list] = {"dense": [], "delta": [], "diff": [], "dense_bytes": [],
+                                  "delta_bytes": []}
+        for rep in range(cfg["reps"] + 1):          # rep 0 seeds the baselines
+            v = next(made)
+            if trainer:
+                import jax
+                import jax.numpy as jnp
+                send = {k: jax.device_put(jnp.asarray(a).view(jnp.bfloat16)) for k, a in v.items()}
+                jax.block_until_ready(send)
+            elif receive is None:
+                import torch
+                receive = {k: torch.zeros(a.shape, dtype=torch.bfloat16) for k, a in v.items()}
+            if dense is None:
+                dense = xr.Refit(world, send=send if trainer else None, receive=receive,
+                                 config=xr.RefitConfig(**base), name=f"dense{fraction}")
+                delta = xr.Refit(world, send=send if trainer else None, receive=receive,
+                                 config=xr.RefitConfig(delta=True, **base),
+                                 name=f"delta{fraction}")
+            rd = dense(send=send) if trainer else dense()
+            rx = delta(send=send) if trainer else delta()
+            if not trainer:
+                for k, a in v.items():
+                    if receive[k].view(torch.int16).numpy().view(np.uint16).tobytes() != \
+                            a.tobytes():
+                        raise AssertionError(f"changed {fraction}: {k} not bit-exact")
+            if rep:
+                times["dense"].append(rd.seconds)
+                times["delta"].append(rx.seconds)
+                times["diff"].append((rx.delta or {}).get("encode_seconds", 0.0))
+                times["dense_bytes"].append(rd.bytes_sent)
+                times["delta_bytes"].append(rx.bytes_sent)
+            send = None
+        rows.append({k: statistics.median(v) for k, v in times.items()} | {"changed": fraction})
+    world.close()
+    return {"rows": rows}
+
+
+def bars(row: dict, link: bool) -> list[tuple[str, bool]]:
+    """The issue's bars for one row (name, met)."""
+    f = row["changed"]
+    out = []
+    if link:
+        if f == 0.01:
+            out.append(("time_ratio <= 0.2 at 1 Gb/s", row["time_ratio"] <= 0.2))
+        return out
+    if f == 0.01:
+        out.append(("bytes_ratio <= 0.08", row["bytes_ratio"] <= 0.08))
+        bound = 1.15 * max(row["bytes_ratio"] * row["dense_seconds"], row["diff_seconds"])
+        out.append((f"delta_seconds <= 1.15 x max(bytes_ratio x dense, diff) = {bound:.3f}",
+                    row["delta_seconds"] <= bound))
+    if f == 0.001:
+        out.append(("bytes_ratio <= 0.01", row["bytes_ratio"] <= 0.01))
+    if f == 1.0:
+        out.append(("time_ratio <= 1.10", row["time_ratio"] <= 1.10))
+    return out
+
+
+def refit_main(args: Any, fractions: list[float],
+               demo: Callable[[], dict]) -> int:
+    from xreshard.tools.launch import Role, launch
+
+    cfg = {"fractions": fractions, "model_mib": args.model_mib, "tensor_mib": args.tensor_mib,
+           "reps": args.reps if args.reps != 5 else 3, "link_gbps": args.link_gbps}
+    link = f", transport throttled to {args.link_gbps:g} Gb/s per process" \
+        if args.link_gbps else ""
+    print(f"delta refit: {args.model_mib:g} MiB of bf16 in {args.tensor_mib:g} MiB tensors, "
+          f"JAX (1 CPU device) -> torch, gloo between 2 processes{link}; dense and "
+          f"delta=True side by side, median of {cfg['reps']}", flush=True)
+    roles = [Role("jax", "trainer", 0, num_devices=1), Role("torch", "rollout", 0)]
+    results = launch("bench_delta_refit:child", roles, args=(cfg,), timeout=3600)
+    rows, met = [], True
+    for r in results[0].value["rows"]:
+        row = {"changed": r["changed"], "bytes_ratio": r["delta_bytes"] / r["dense_bytes"],
+               "time_ratio": r["delta"] / r["dense"], "dense_seconds": r["dense"],
+               "delta_seconds": r["delta"], "diff_seconds": r["diff"],
+               "link_gbps": args.link_gbps}
+        row["bars"] = {name: ok for name, ok in bars(row, bool(args.link_gbps))}
+        met = met and all(row["bars"].values())
+        rows.append(row)
+        print(f"  changed {row['changed']:<6g} bytes_ratio {row['bytes_ratio']:.4f} "
+              f"time_ratio {row['time_ratio']:.3f} | dense {row['dense_seconds']:.3f} s, "
+              f"delta {row['delta_seconds']:.3f} s, diff {row['diff_seconds']:.3f} s | "
+              + ("; ".join(f"{k}: {'met' if v else 'NOT met'}" for k, v in row["bars"].items())
+                 or "no bar"), flush=True)
+    print("demo model (xreshard.tools.demo), one optax Adam step at lr 1e-6:", flush=True)
+    changed = demo()
+    for label, d in changed.items():
+        print(f"  {label}: {d['changed'] * 100:.3f}% of {d['elements']:,} BF16 weights "
+              "changed bits", flush=True)
+    print(f"Machine: {platform.machine()}, {os.cpu_count()} CPUs", flush=True)
+    if args.json:
+        print(json.dumps({"refit": rows, "demo_adam_lr1e-6": changed}))
+    return 0 if met else 1
