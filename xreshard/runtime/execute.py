@@ -52,10 +52,7 @@ of vLLM's fused qkv); ``layout.locate(rank, region)`` says where a region sits i
 
 from __future__ import annotations
 
-import contextlib
-import gc
 import logging
-import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
@@ -82,50 +79,13 @@ from .metadata import StageBindings
 from . import quantized
 from .programs import Programs, Tables, packed
 from .wire import Wire
+from .gcpause import gc_paused
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["Bindings", "ExecStats", "Executor", "Tables", "binding_devices", "cast_problems",
            "copy_into", "cuda_preflight", "cupy_knows", "cupy_missing", "device_of",
            "device_problems", "gc_paused", "numpy_dtype", "run", "view_of", "widened"]
-
-
-_GC_LOCK = threading.Lock()
-_GC_STATE = [0, False]      # nesting depth, whether the collector was on at the first entry
-
-
-@contextlib.contextmanager
-def gc_paused(enabled: bool = True) -> Any:
-    """Pause Python's cyclic garbage collector for a block (nested and threads: the last to
-    leave restores it).
-
-    A refit call allocates ~100 short-lived objects per tensor (views, slices, tuples);
-    with thousands of tensors that triggers collections that traverse the whole heap of the
-    process (a JAX or torch process holds millions of objects): measured, about half of a
-    3,000-tensor call. Nothing the block allocates is cyclic garbage, and what it leaves is
-    collected at the collector's next turn after the block. The collector is per process:
-    while a refit started with ``Refit.start`` runs, the caller's own cyclic garbage waits
-    for the refit's end too (reference counting still frees everything else).
-
-    Args:
-        enabled: False runs the block with the collector as it is (``Tuning.pause_gc``).
-    """
-    if not enabled:
-        yield
-        return
-    with _GC_LOCK:
-        if _GC_STATE[0] == 0:
-            _GC_STATE[1] = gc.isenabled()
-            gc.disable()
-        _GC_STATE[0] += 1
-    try:
-        yield
-    finally:
-        with _GC_LOCK:
-            _GC_STATE[0] -= 1
-            if _GC_STATE[0] == 0 and _GC_STATE[1]:
-                gc.enable()
-
 
 
 @dataclass
