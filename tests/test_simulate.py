@@ -329,7 +329,7 @@ def test_cut_messages_is_the_scheduler_packing():
         ts = [Transfer(f"t{i:03d}", Region((0,), (nb // 2,)), 0, 1, nb)
               for i, nb in enumerate(sizes)]
         names = {t.name: i for i, t in enumerate(ts)}
-        buckets = _pair_buckets(0, 1, ts, names, size, {n: 2 for n in names})
+        buckets = _pair_buckets(0, 1, ts, names, size, {n: 2 for n in names}, {})
         out, rnd, used = [], 0, 0
         for items in buckets:
             nb = sum(it.nbytes for it in items)
