@@ -204,6 +204,7 @@ def test_device_bindings_that_alias_are_refused_before_any_byte_moves(monkeypatc
 
 def test_an_aliased_device_refit_fails_on_every_rank_before_moving(monkeypatch):
     """Through a Refit (one process, two ranks): refused at refit/check, nothing moves."""
+    pytest.importorskip("torch")            # the rendezvous store is torch's TCPStore
     from xreshard.runtime import execute
     monkeypatch.setattr(execute, "device_problems", lambda sides, wire: [])
     ran = []
