@@ -85,7 +85,7 @@ def child(ctx: Any, cfg: dict) -> dict:
     rows = []
     for fraction in cfg["fractions"]:
         made = versions(cfg, fraction)
-        receive = None
+        receive = receive_dense = None
         dense = delta = None
         times: dict[str, list] = {"dense": [], "delta": [], "diff": [], "dense_bytes": [],
                                   "delta_bytes": []}
@@ -99,8 +99,12 @@ def child(ctx: Any, cfg: dict) -> dict:
             elif receive is None:
                 import torch
                 receive = {k: torch.zeros(a.shape, dtype=torch.bfloat16) for k, a in v.items()}
+                # The dense Refit gets its own destinations: a delta's base is what the
+                # last delta call wrote, and any other write (a dense refit's included)
+                # is an outside write its fence refuses.
+                receive_dense = {k: torch.zeros_like(t) for k, t in receive.items()}
             if dense is None:
-                dense = xr.Refit(world, send=send if trainer else None, receive=receive,
+                dense = xr.Refit(world, send=send if trainer else None, receive=receive_dense,
                                  config=xr.RefitConfig(**base), name=f"dense{fraction}")
                 delta = xr.Refit(world, send=send if trainer else None, receive=receive,
                                  config=xr.RefitConfig(delta=True, **base),
