@@ -256,3 +256,7 @@ def test_half_joined_and_mismatch_verdicts():
     assert engine_problem(same + [{"engine": None}]) is None
     odd = engine_problem(same + [{"engine": {"engine": 2, "model": "x"}}])
     assert odd[1] == [2] and "than engine 0" in odd[0]
+    # a new engine 0 with another model than the engines already there: engine 0 is odd
+    new = [{"engine": {"engine": 0, "model": "x"}, "fresh": True},
+           {"engine": {"engine": 2, "model": "m"}, "fresh": False}]
+    assert engine_problem(new)[1] == [0]

@@ -124,19 +124,24 @@ def joining_problem(members: Sequence[Mapping[str, Any]], joining: Sequence[Mapp
 
 
 def engine_problem(everyone: Sequence[Mapping[str, Any]]) -> tuple[str, list[int]] | None:
-    """(message, engine ids) when the engines' model digests differ: the reference is the
-    digest most engines hold (ties: the lowest engine id's), so the odd ones are named."""
+    """(message, engine ids) when the engines' model digests differ. The reference is the
+    digest most engines already in the world hold (``fresh``: new to it; at the world's
+    formation every engine is), ties to the lowest engine id's, so the odd ones are named."""
     digests: dict[int, str] = {}
+    fresh: set[int] = set()
     for p in everyone:
         d = p.get("engine")
         if d and d.get("model"):
             digests.setdefault(int(d["engine"]), d["model"])
+            if p.get("fresh"):
+                fresh.add(int(d["engine"]))
     if len(set(digests.values())) <= 1:
         return None
+    voters = [e for e in digests if e not in fresh] or list(digests)
     count: dict[str, int] = {}
-    for d in digests.values():
-        count[d] = count.get(d, 0) + 1
-    ref = max(sorted(digests), key=lambda e: (count[digests[e]], -e))
+    for e in voters:
+        count[digests[e]] = count.get(digests[e], 0) + 1
+    ref = max(sorted(voters), key=lambda e: (count[digests[e]], -e))
     odd = sorted(e for e, d in digests.items() if d != digests[ref])
     return (f"engine(s) {odd} record another model or parallel layout than engine {ref} "
             f"(the others refit together: same model, dtype, parallel config and loaders); "

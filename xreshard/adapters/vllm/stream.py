@@ -71,7 +71,9 @@ class Stream:
         self._arena: Any = None
         self._refit_kwargs = {"names": names, "transpose": tuple(transpose)}
         self.jax_ranks: dict[int, int] = {}
+        self._fresh = True      # until the constructor's epoch setup: new to the world
         self.enter_epoch()
+        self._fresh = False
 
     def enter_epoch(self) -> None:
         """Collective: every process's world ranks and JAX device ids (so the trainer binds
@@ -90,7 +92,7 @@ class Stream:
         me = {"group": world.processes[world.process_index]["group"],
               "ranks": list(world.rank_ids), "jax_ids": jax_ids}
         if world.elastic:
-            me.update(engine=self.engine_info, version=self.version)
+            me.update(engine=self.engine_info, version=self.version, fresh=self._fresh)
         everyone = world.allgather_json(me, timeout=self.config.timeout)
         self.jax_ranks = {int(i): int(r) for p in everyone if p["group"] == me["group"]
                           for i, r in zip(p["jax_ids"], p["ranks"])}
