@@ -99,6 +99,7 @@ from xreshard.adapters.lora import LoRAAdapter, LoRAError, write_peft_dir
 from .destination import (INPLACE_ALLOWED, INPLACE_MOE_BACKENDS, Destination, EngineRecording,
                           inplace_refusal, layouts_from_pieces, replicate_layout)
 from .draft import DraftError
+from .members import EngineMismatch, FleetError, HalfJoined
 from .lora import LORA_SCHEME, LoRAReceiver, install_hook, lora_request, read_regions
 from .plugin import BACKEND, WorkerExtension, register_backend, worker_record
 from .quantized import (KernelStandIn, checkpoint_specs_fp8, engine_formats, kernel_stand_ins,
@@ -118,6 +119,7 @@ __all__ = [
     "LORA_SCHEME", "LoRAReceiver", "install_hook", "read_regions",
     "KernelStandIn", "kernel_stand_ins", "engine_formats",
     "quantized_of", "checkpoint_specs_fp8", "record_quantized", "DraftError",
+    "FleetError", "EngineMismatch", "HalfJoined",
 ]
 
 #: names of the backend modules, loaded on first use (they import vLLM's base classes)

@@ -8,6 +8,7 @@ are :data:`GROUPS`: trainer processes first, then the vLLM workers.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
@@ -16,6 +17,8 @@ from xreshard.runtime.binding import Bound
 from xreshard.config import RefitConfig, RefitReport
 from xreshard.runtime.refit import Refit
 from xreshard.runtime.world import World
+
+from . import members
 
 logger = logging.getLogger(__name__)
 
@@ -52,22 +55,56 @@ class Stream:
     """
 
     def __init__(self, world: World, side: str, *, config: RefitConfig, names: Any = None,
-                 transpose: Iterable[str] = ()) -> None:
+                 transpose: Iterable[str] = (), engine_info: dict[str, Any] | None = None,
+                 on_epoch: Callable[[], None] | None = None) -> None:
         self.world, self.side, self.config = world, side, config
         self.groups: list[list[str]] = []
         self.groups_id: str | None = None
         self.version = 0
+        self.lost: list[str] = []
+        #: what this process says of the engines in an elastic world (see .members): a
+        #: worker its engine, workers and model digest; the trainer's rank 0 the engines
+        #: it drives
+        self.engine_info = engine_info
+        self.on_epoch = on_epoch
         self._refits: dict[int, Refit] = {}
         self._arena: Any = None
         self._refit_kwargs = {"names": names, "transpose": tuple(transpose)}
+        self.jax_ranks: dict[int, int] = {}
+        self._fresh = True      # until the constructor's epoch setup: new to the world
+        self.enter_epoch()
+        self._fresh = False
+
+    def enter_epoch(self) -> None:
+        """Collective: every process's world ranks and JAX device ids (so the trainer binds
+        JAX arrays without a collective of its own later). In an elastic world also at
+        each new epoch (a joining engine's workers run it from their constructor, the
+        members from :func:`~.members.sync`): a process new to the world takes the
+        members' version, and engines recording another model are refused.
+
+        Raises:
+            EngineMismatch: an engine's model digest differs (on every process alike).
+        """
+        world = self.world
         devs = [world.local_device(r) for r in world.rank_ids]
         jax_ids = [int(d.id) for d in devs] if devs and all(
             type(d).__module__.startswith("jax") for d in devs) else []
         me = {"group": world.processes[world.process_index]["group"],
               "ranks": list(world.rank_ids), "jax_ids": jax_ids}
-        everyone = world.allgather_json(me, timeout=config.timeout)
+        if world.elastic:
+            me.update(engine=self.engine_info, version=self.version, fresh=self._fresh)
+        everyone = world.allgather_json(me, timeout=self.config.timeout)
         self.jax_ranks = {int(i): int(r) for p in everyone if p["group"] == me["group"]
                           for i, r in zip(p["jax_ids"], p["ranks"])}
+        if not world.elastic:
+            return
+        if self.version == 0:       # new to the world: receive the next version with them
+            self.version = max(int(p.get("version") or 0) for p in everyone)
+        problem = members.engine_problem(everyone)
+        if problem is not None:
+            raise members.EngineMismatch(problem[0])
+        if self.on_epoch is not None:
+            self.on_epoch()
 
     def set_groups(self, groups: Sequence[Sequence[str]]) -> None:
         groups = [list(g) for g in groups]
@@ -83,6 +120,8 @@ class Stream:
         ``errors``, or a state dict when there are none); ``done(g, names)``: after group g
         committed (a worker loads it)."""
         world, timeout = self.world, self.config.timeout
+        if world.elastic:       # members lost or joining: act on them before any group
+            self.lost = members.sync(self)
         names_id = _json_digest(sorted([n, [int(x) for x in s]] for n, s in shapes.items()))
         info = world.allgather_json({"side": self.side, "groups": self.groups_id,
                                      "names": names_id}, timeout=timeout)
@@ -118,7 +157,10 @@ class Stream:
             obj = part(g, names, list(errs))
             refit = self._refits.get(g)
             if refit is None:
-                refit = self._refits[g] = Refit(world, config=self.config, **self._refit_kwargs)
+                # named in an elastic world: a joining engine's Refits take the members'
+                name = f"xreshard-vllm/{self.groups_id}/{g}" if world.elastic else None
+                refit = self._refits[g] = Refit(world, config=self.config, name=name,
+                                                **self._refit_kwargs)
             # one staging arena for every group, handed from refit to refit: each group's
             # refit would otherwise keep its own, and their sum is the whole shard again
             refit.staging, self._arena = self._arena, None
@@ -153,7 +195,11 @@ class Stream:
             raise RefitError("; ".join(failed) + " - the engine holds a mix of two rounds; "
                              "refit again before generating")
         self.version += 1
-        return _combine(reports, self.version)
+        report = _combine(reports, self.version)
+        if world.elastic:
+            lost = tuple(dict.fromkeys([*self.lost, *(m for r in reports for m in r.lost)]))
+            report = dataclasses.replace(report, lost=lost, epoch=world.epoch)
+        return report
 
 
 def _json_digest(obj: Any) -> str:

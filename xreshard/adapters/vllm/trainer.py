@@ -36,6 +36,7 @@ from xreshard.runtime.world import World, serve
 from ..jax import bind_named
 from ..naming import NameMap
 from .draft import DraftError, client_problem, draft_verdict, share_groups
+from .members import FleetError
 from .plugin import BACKEND
 from .source import is_weight_source, source_tensors
 from .stream import DEFAULT_WORLD_ID, GROUPS, Stream
@@ -76,6 +77,8 @@ def _concurrently(calls: Sequence[Callable[[], Any]], work: Callable[[], Any], t
         t.start()
     try:
         result = work()
+    except FleetError:
+        raise       # the same typed error as on every other process (the engines' included)
     except XreshardError as e:
         if failures:    # its engine refused, so a peer never joined: say why, not only who
             i, f = min(failures, key=operator.itemgetter(0))
@@ -124,6 +127,11 @@ class XreshardTrainerInitInfo(TrainerInitInfo):
             ``rule_params``, for the engine's speculative draft
             (:meth:`XreshardTrainerWeightTransferEngine.send_draft_weights`); None: the
             draft's checkpoint headers, the policy's rules and sizes.
+        elastic: engines may join and leave between updates
+            (:meth:`XreshardTrainerWeightTransferEngine.add_engine`, ``remove_engine``;
+            a crashed engine is dropped at the next update): the world is elastic
+            (``World.join(elastic=True)``, :mod:`xreshard.adapters.vllm.members`); give it
+            a ``world_id`` of its own on a shared store. No draft or LoRA rounds there yet.
     """
 
     backend: ClassVar[str] = BACKEND
@@ -151,6 +159,7 @@ class XreshardTrainerInitInfo(TrainerInitInfo):
     draft_specs: dict[str, Any] | None = None
     draft_rules: Sequence[Any] | None = None
     draft_rule_params: Mapping[str, int] | None = None
+    elastic: bool = False
 
     def refit_config(self) -> RefitConfig:
         return RefitConfig(bucket_bytes=self.bucket_bytes, staging_bytes=self.staging_bytes,
@@ -180,6 +189,11 @@ class XreshardTrainerWeightTransferEngine(TrainerWeightTransferEngine[XreshardTr
         self._lora: Any = None      # LoRASender, built on the first send_loras
         self.draft_sender: WeightSender | None = None   # see send_draft_weights
         self._draft_refusal: str | None = "trainer_init did not complete"
+        self.elastic = False
+        self.engine_ids: list[int] = []     # rank 0: the engine id of each client
+        self._adding: list[tuple[int, Any]] = []    # (id, client) joining at the next round
+        self._worker_info: dict[str, Any] = {}
+        self._engine_world_size = 1
 
     @classmethod
     def trainer_init(cls, init_info: XreshardTrainerInitInfo, *, client: Any,
@@ -221,13 +235,18 @@ class XreshardTrainerWeightTransferEngine(TrainerWeightTransferEngine[XreshardTr
                        "num_engines": info.num_engines,
                        "engine_world_size": info.engine_world_size,
                        "stream_bytes": info.stream_bytes,
-                       "measure_memory": info.measure_memory, "draft_specs": info.draft_specs}
+                       "measure_memory": info.measure_memory, "draft_specs": info.draft_specs,
+                       "elastic": info.elastic}
+        engine.elastic, engine._worker_info = info.elastic, worker_info
+        engine._engine_world_size = info.engine_world_size
+        engine.engine_ids = list(range(len(engine.clients)))
         devices = _default_devices() if info.devices is None else info.devices
 
         def join() -> tuple[World, WeightSender]:
             world = World.join(address, "trainer", devices,
                                num_processes=worker_info["num_processes"], index=info.rank,
-                               groups=GROUPS, timeout=info.timeout, world_id=info.world_id)
+                               groups=GROUPS, timeout=info.timeout, world_id=info.world_id,
+                               elastic=info.elastic)
             engine.world = world
             # collective with the workers' init (their side of the stream)
             sender = WeightSender(world, rules=info.rules, rule_params=info.rule_params,
@@ -248,6 +267,10 @@ class XreshardTrainerWeightTransferEngine(TrainerWeightTransferEngine[XreshardTr
     def _join_draft(self, info: XreshardTrainerInitInfo, config: RefitConfig) -> None:
         """Collective with the workers' init (``_place_draft``): every process's word on the
         draft; where a draft round can run, the draft's own sender (and stream)."""
+        if info.elastic:    # the workers skip it too (XreshardWeightTransferEngine._join_fleet)
+            self._draft_refusal = "the speculative draft is not refit in an elastic world " \
+                "(not built yet)"
+            return
         mine = {"client": client_problem(self.clients)} if info.is_sender else {}
         everyone = self.world.allgather_json(mine, kind="xreshard-vllm/draft",
                                              timeout=info.timeout)
@@ -317,6 +340,7 @@ class XreshardTrainerWeightTransferEngine(TrainerWeightTransferEngine[XreshardTr
         """Rank 0: start the session (the draft's or the policy's), update every engine
         while this process sends, finish; the policy's rounds set the weight version."""
         version = sender.version + 1
+        adding, failed, joined = self._before_round(sender) if self.elastic else ([], {}, [])
         for c in self.clients:
             if draft:
                 c.start_draft_weight_update()
@@ -324,10 +348,18 @@ class XreshardTrainerWeightTransferEngine(TrainerWeightTransferEngine[XreshardTr
                 c.start_weight_update()
         info = {"version": version, "draft": True} if draft else {"version": version}
         calls = [functools.partial(c.update_weights, info) for c in self.clients]
+        calls += [functools.partial(self._join_engine, e, c, info, failed, joined)
+                  for e, c in adding]
+
+        def work() -> RefitReport:
+            if adding:      # into the round's membership sync only once they asked in
+                self._await_joins([e for e, _ in adding], failed)
+            return sender.send_weights(weights)
+
         try:
-            report = _concurrently(calls, lambda: sender.send_weights(weights),
-                                   self.timeout, "update_weights")
+            report = _concurrently(calls, work, self.timeout, "update_weights")
         except BaseException:
+            self._admit(adding, joined)
             # close the update session on the workers that did not raise (see
             # XreshardWeightTransferEngine.receive_weights), without a new version
             for c in self.clients:
@@ -336,9 +368,113 @@ class XreshardTrainerWeightTransferEngine(TrainerWeightTransferEngine[XreshardTr
                 except Exception:  # noqa: BLE001 - the rank that raised has no session
                     pass
             raise
+        self._admit(adding, joined)
         for c in self.clients:
             c.finish_weight_update(None if draft else str(version))
         return report
+
+    # ------------------------------------------------------------ engines that come and go
+
+    def add_engine(self, client: Any, engine: int | None = None) -> int:
+        """Rank 0, between updates (elastic only): refit one more engine from the next
+        update on. Its ``init_weight_transfer_engine`` runs at the start of that update,
+        its workers join the running world there and receive the current weights with the
+        others (from the trainer). Returns its engine id.
+
+        Args:
+            client: the new engine's control plane (as for ``trainer_init``).
+            engine: its id (default: the lowest not in use); a restarted engine may take its
+                old id back.
+
+        Raises:
+            RefitError: the world is not elastic, or ``engine`` is in use.
+        """
+        self._need_elastic("add_engine")
+        used = set(self.engine_ids) | {e for e, _ in self._adding}
+        if engine is None:
+            engine = min(set(range(len(used) + 1)) - used)
+        if engine in used or engine < 0:
+            raise RefitError(f"engine id {engine} is in use (live: {self.engine_ids}, "
+                             f"added: {[e for e, _ in self._adding]}); pick another id")
+        self._adding.append((engine, client))
+        return engine
+
+    def remove_engine(self, engine: int) -> None:
+        """Rank 0, between updates (elastic only): shut the engine's backend down (vLLM's
+        ``shutdown_weight_transfer_engine``: its workers leave the world, the engine keeps
+        serving its weights) and stop driving it; the next update goes on without it."""
+        self._need_elastic("remove_engine")
+        if engine not in self.engine_ids:
+            raise RefitError(f"no live engine {engine} (live: {self.engine_ids})")
+        i = self.engine_ids.index(engine)
+        client = self.clients.pop(i)
+        self.engine_ids.pop(i)
+        client.shutdown_weight_transfer_engine()
+
+    def _need_elastic(self, what: str) -> None:
+        if not self.elastic:
+            raise RefitError(f"{what}: this trainer's world has a fixed set of engines; "
+                             "pass XreshardTrainerInitInfo(elastic=True) to let engines come "
+                             "and go between updates")
+        if not self.is_sender:
+            raise RefitError(f"{what}: only the trainer's rank 0 drives the engines")
+
+    def _before_round(self, sender: WeightSender) -> tuple[list, dict, list]:
+        """Rank 0 of an elastic world: drop the engines whose processes are gone (crashed),
+        take the engines added since the last round, and say which engines it drives (the
+        round's membership sync refuses any other, see :mod:`.members`)."""
+        from xreshard.runtime.epochs import gone
+
+        if not self.is_sender:
+            return [], {}, []
+        world, per = self.world, self._engine_world_size
+        leaving = [r for r in world.pending() if r["kind"] == "leave"]
+        for e in list(self.engine_ids):
+            procs = [p for p in world.processes
+                     if p["group"] == "rollout" and int(p["index"]) // per == e]
+            if procs and all(gone(p, leaving) for p in procs):
+                i = self.engine_ids.index(e)
+                del self.clients[i], self.engine_ids[i]
+        adding, self._adding = self._adding, []
+        failed: dict[str, str] = {}
+        sender.stream.engine_info = {"expect": self.engine_ids + [e for e, _ in adding],
+                                     "workers": per, "failed": failed}
+        return adding, failed, []
+
+    def _join_engine(self, engine: int, client: Any, info: dict[str, Any],
+                     failed: dict[str, str], joined: list[int]) -> None:
+        """A new engine's part of the round: join (admitted by the round's sync), then
+        update like the others."""
+        try:
+            client.init_weight_transfer_engine({**self._worker_info, "engine": engine})
+        except BaseException as e:
+            failed[str(engine)] = f"{type(e).__name__}: {e}"
+            raise
+        joined.append(engine)
+        client.start_weight_update()
+        client.update_weights(info)
+
+    def _await_joins(self, engines: list[int], failed: dict[str, str]) -> None:
+        """Until every worker of ``engines`` asked to join (or its init failed), at most
+        half the timeout: the other members wait for this process in the sync meanwhile."""
+        per = self._engine_world_size
+        deadline = time.monotonic() + self.timeout / 2
+        while time.monotonic() < deadline:
+            asked: dict[int, int] = {}
+            for r in self.world.pending():
+                if r["kind"] == "join" and r["info"].get("group") == "rollout":
+                    e = int(r["info"]["index"]) // per
+                    asked[e] = asked.get(e, 0) + 1
+            if all(str(e) in failed or asked.get(e, 0) >= per for e in engines):
+                return
+            time.sleep(0.05)
+
+    def _admit(self, adding: list[tuple[int, Any]], joined: list[int]) -> None:
+        """The added engines whose init succeeded are driven from now on."""
+        for e, c in adding:
+            if e in joined:
+                self.engine_ids.append(e)
+                self.clients.append(c)
 
     def send_loras(self, adapters: Sequence[Any]) -> RefitReport:
         """One LoRA round: this process's part of ``adapters``
@@ -358,6 +494,9 @@ class XreshardTrainerWeightTransferEngine(TrainerWeightTransferEngine[XreshardTr
 
         from .lora_send import LoRASender
 
+        if self.elastic:
+            raise RefitError("LoRA rounds in an elastic world are not built yet; refit LoRA "
+                             "adapters over a fixed world (elastic=False)")
         if self.sender is None:
             raise RefitError("trainer_init did not complete; nothing to send through")
         if self._lora is None:

@@ -107,6 +107,7 @@ from xreshard.runtime.world import World
 from .destination import Destination, EngineRecording
 from .draft import (TARGET_STATE, DraftError, draft_problem, draft_verdict, record_draft,
                     share_groups, shared_with_policy)
+from . import members
 from .lora import LoRAReceiver
 from .stream import DEFAULT_WORLD_ID, GROUPS, Stream
 
@@ -142,6 +143,10 @@ class XreshardInitInfo(WeightTransferInitInfo):
         draft_specs: as ``specs``, for the speculative draft (default its model
             directory's safetensors headers, else its HF config); see
             :mod:`xreshard.adapters.vllm.draft`.
+        elastic: join an elastic world (engines join and leave between updates; see
+            :mod:`xreshard.adapters.vllm.members`): ``engine`` is then this engine's id
+            (any id >= 0 not live in the world), ``num_engines`` is not checked, and a
+            world already running admits this engine at the trainer's next round.
     """
 
     address: str
@@ -157,6 +162,7 @@ class XreshardInitInfo(WeightTransferInitInfo):
     stream_bytes: int | None = None
     measure_memory: bool = False
     draft_specs: dict[str, Any] | None = None
+    elastic: bool = False
 
     def __post_init__(self) -> None:
         if self.mode not in _MODES:
@@ -164,7 +170,7 @@ class XreshardInitInfo(WeightTransferInitInfo):
         if self.num_processes < 2:
             raise ValueError(f"num_processes={self.num_processes}: a refit world needs the "
                              "trainer processes and the vLLM workers")
-        if not 0 <= self.engine < self.num_engines:
+        if self.engine < 0 or (not self.elastic and self.engine >= self.num_engines):
             raise ValueError(f"engine={self.engine} is not in [0, num_engines="
                              f"{self.num_engines})")
 
@@ -212,6 +218,7 @@ class XreshardWeightTransferEngine(WeightTransferEngine[XreshardInitInfo, Xresha
         self._draft_cache: tuple[Any, Any] = (None, None)
         self._draft_mode: str | None = None
         self._mode = "auto"
+        self._engine = 0        # this engine's id (an elastic world's engines come and go)
 
     def init_transfer_engine(self, init_info: XreshardInitInfo) -> None:
         """Record (once per ``specs``), then join the trainer's world as ``rollout[worker]``
@@ -250,7 +257,10 @@ class XreshardWeightTransferEngine(WeightTransferEngine[XreshardInitInfo, Xresha
                                 num_processes=init_info.num_processes,
                                 index=init_info.engine * workers + recording.worker,
                                 groups=GROUPS, timeout=init_info.timeout,
-                                world_id=init_info.world_id)
+                                world_id=init_info.world_id, elastic=init_info.elastic)
+        if init_info.elastic:
+            self._join_fleet(init_info, recording, mode)
+            return
         ranks = self.world.group_ranks("rollout")
         if len(ranks) != init_info.num_engines * workers:
             self.shutdown()
@@ -271,6 +281,43 @@ class XreshardWeightTransferEngine(WeightTransferEngine[XreshardInitInfo, Xresha
                     "shard bytes in %d group(s) of at most %d bytes)", dest.rec.worker,
                     dest.rec.pp_rank, dest.rec.tp_rank, self.world, dest.rank, mode,
                     dest.shard_bytes(), len(self.stream.groups), self.budget)
+
+    def _join_fleet(self, init_info: XreshardInitInfo, recording: EngineRecording,
+                    mode: str) -> None:
+        """The rest of ``init_transfer_engine`` in an elastic world: the stream (whose
+        epoch setup places the destination on the world's live engines, and refuses an
+        engine recording another model: then this engine leaves), no draft rounds."""
+        config = dict(init_info.config)
+        config.setdefault("timeout", init_info.timeout)
+        self.budget = init_info.stream_bytes or config.get("staging_bytes") or \
+            RefitConfig.staging_bytes
+        self._measure = init_info.measure_memory
+        self._engine = init_info.engine
+        info = {"engine": init_info.engine, "worker": recording.worker,
+                "workers": recording.rec.num_workers, "model": members.model_digest(recording)}
+        try:
+            self.stream = Stream(self.world, "receive", config=RefitConfig(**config),
+                                 engine_info=info, on_epoch=self._place)
+        except BaseException:
+            self.shutdown()     # World.leave: the members go on without this engine
+            raise
+        self.stream.set_groups(recording.offered_groups(self.budget))
+        self._other, self.target, self._draft_mode = None, "policy", None
+        self._draft_refusal = ("the speculative draft is not refit in an elastic world "
+                               "(not built yet)")
+        logger.info("xreshard: engine %d worker %d joined %r at epoch %d as world rank %d "
+                    "(%s, version %d)", init_info.engine, recording.worker, self.world,
+                    self.world.epoch, self._dest.rank, mode, self.stream.version)
+
+    def _place(self) -> None:
+        """Place this worker's destination on the live engines of the world's epoch
+        (ranks are renumbered per epoch; this engine's position among the live ones)."""
+        recording = self._recording
+        workers = recording.rec.num_workers
+        live = sorted({int(p["index"]) // workers for p in self.world.processes
+                       if p["group"] == "rollout"})
+        self._dest = Destination.place(recording, self.world.group_ranks("rollout"),
+                                       live.index(self._engine))
 
     def _choose_mode(self, recording: EngineRecording, mode: str) -> str:
         """``"inplace"`` or ``"reload"`` for the requested ``mode``. A refused
@@ -418,7 +465,7 @@ class XreshardWeightTransferEngine(WeightTransferEngine[XreshardInitInfo, Xresha
 
         def done(g: int, names: list[str]) -> None:
             buffers, _ = held.pop(g)
-            dest.load(self.model, self.model_config, buffers, self._inplace,
+            self._dest.load(self.model, self.model_config, buffers, self._inplace,
                       dest.with_scales(names))
             if not self._inplace:
                 del buffers

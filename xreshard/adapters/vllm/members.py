@@ -1,0 +1,195 @@
+"""Engines that come and go between updates: the ``"xreshard"`` backend over an elastic
+world (``XreshardTrainerInitInfo(elastic=True)``; :mod:`xreshard.runtime.epochs`).
+
+Decision record.
+
+* **Membership changes at a round's start, nowhere else.** Every process of a round (the
+  trainer processes and every live engine's workers) first runs :func:`sync`: a partial
+  all-gather of the join requests each one sees. A member that left (the backend's
+  ``shutdown``: ``World.leave``) or whose process is gone is not waited for; a change moves
+  every survivor to the next epoch (``World.advance``), and the joining engines' workers,
+  admitted there, run the epoch's setup with them (:meth:`Stream.enter_epoch
+  <xreshard.adapters.vllm.stream.Stream.enter_epoch>`: ranks, versions, and each engine's
+  model digest). Only then does the round's first refit start, so a round never mixes two
+  member sets. Rejected: letting each group's Refit admit joiners at its own
+  ``refit/check`` - a joiner admitted at group 3 would miss groups 0..2 of its first round.
+* **Who is an engine.** An engine's workers are ``rollout[e * W + w]`` (W workers per engine,
+  engine id e): the trainer's rank 0 names the engines it has clients for (``expect``), so
+  every process can tell, from the same gathered payloads, an engine that is whole from one
+  that is half-joined (some workers asked in, others did not; or it asked in but the trainer
+  has no client for it; or the trainer added it but it never asked in). A half-joined
+  engine is not admitted and the round is refused (:class:`HalfJoined`) on every process
+  before any byte moves.
+* **Identical engines only.** Engines refit together are replicas (one layout with an
+  ``engine`` mesh axis, :meth:`Destination.place
+  <xreshard.adapters.vllm.destination.Destination.place>`). A joining engine whose recording
+  (model, dtypes, parallel config, loaders) differs from the others' is refused by name
+  (:class:`EngineMismatch`) on every process, in the epoch's setup, before any byte moves;
+  its workers then leave, and the next round goes on without it.
+* **Catch-up.** A new engine receives the current weights from the trainer at the round that
+  admits it (it adopts the members' version first). Seam for a catch-up from a replica
+  engine (:mod:`xreshard.runtime.epochs`): :meth:`Stream.enter_epoch` is where the joining
+  workers are known to every process; a catch-up would run there, before the round's
+  first refit, from the replicas' destinations (their ``Destination.layouts`` with the new
+  engine's ranks added), and the trainer's round would then skip the joined engines.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from typing import Any, Mapping, Sequence
+
+from xreshard.errors import RefitError, WorldBroken
+
+__all__ = ["FleetError", "EngineMismatch", "HalfJoined", "model_digest", "sync",
+           "engine_problem", "joining_problem"]
+
+KIND = "xreshard-vllm/members"
+#: how many membership changes one round's start acts on before giving up
+MAX_CHANGES = 4
+
+
+class FleetError(RefitError):
+    """The engines of an elastic ``"xreshard"`` world cannot be refit together as they are."""
+
+
+class EngineMismatch(FleetError):
+    """A joining engine's model or parallel layout differs from the other engines'."""
+
+
+class HalfJoined(FleetError):
+    """An update while an engine is half-joined (not every worker in the world, or not known
+    to the trainer)."""
+
+
+def model_digest(recording: Any) -> str:
+    """What must be equal for two engines to be refit together: every worker's recording
+    (loaders, parameter shapes and dtypes, parallel ranks) and the HF tensors offered."""
+    body = {"recordings": [r.to_dict() for r in recording.recordings],
+            "shapes": {n: list(s) for n, s in sorted(recording.shapes.items())},
+            "dtypes": dict(sorted(recording.dtypes.items()))}
+    return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
+
+
+def _engines(processes: Sequence[Mapping[str, Any]], workers: int) -> dict[int, set[int]]:
+    """engine id -> the worker indices among ``processes`` (join infos)."""
+    out: dict[int, set[int]] = {}
+    for p in processes:
+        if p.get("group") == "rollout":
+            out.setdefault(int(p["index"]) // workers, set()).add(int(p["index"]) % workers)
+    return out
+
+
+def joining_problem(members: Sequence[Mapping[str, Any]], joining: Sequence[Mapping[str, Any]],
+                    workers: int | None, expect: Sequence[int] | None,
+                    failed: Mapping[str, str] | None = None) -> str | None:
+    """Why the engines about to form the next epoch cannot be refit (None: they can).
+
+    Args:
+        members: the join infos of the surviving members.
+        joining: the join infos of the processes asking in.
+        workers: workers per engine (None: no process knows; nothing to check).
+        expect: the engine ids the trainer drives (None: no trainer said).
+        failed: engine id (str) -> why the trainer's ``init_weight_transfer_engine`` of an
+            engine it added failed.
+    """
+    if not workers:
+        return None
+    have, asking = _engines(members, workers), _engines(joining, workers)
+    everyone = set(range(workers))
+    problems = []
+    for e, ws in sorted(asking.items()):
+        if ws | have.get(e, set()) != everyone:
+            problems.append(f"engine {e}: worker(s) {sorted(everyone - ws - have.get(e, set()))}"
+                            f" of {workers} have not asked to join")
+        if expect is not None and e not in expect:
+            problems.append(f"engine {e} asked to join the world but the trainer has no "
+                            "client for it (add it on the trainer with add_engine(client), or "
+                            "stop it)")
+    for e in sorted(set(have) - set(expect if expect is not None else have)):
+        problems.append(f"engine {e} is a member but the trainer does not drive it (it has "
+                        "no client for it)")
+    for e in expect or ():
+        if e not in have and e not in asking:
+            why = (failed or {}).get(str(e))
+            problems.append(f"engine {e} was added on the trainer but has not joined the world"
+                            + (f" (its init_weight_transfer_engine failed: {why})" if why
+                               else ""))
+    if not problems:
+        return None
+    return ("half-joined engine(s): " + "; ".join(problems) + " - the update is refused on "
+            "every process before any byte moves, and the world keeps its members")
+
+
+def engine_problem(everyone: Sequence[Mapping[str, Any]]) -> tuple[str, list[int]] | None:
+    """(message, engine ids) when the engines' model digests differ. The reference is the
+    digest most engines already in the world hold (``fresh``: new to it; at the world's
+    formation every engine is), ties to the lowest engine id's, so the odd ones are named."""
+    digests: dict[int, str] = {}
+    fresh: set[int] = set()
+    for p in everyone:
+        d = p.get("engine")
+        if d and d.get("model"):
+            digests.setdefault(int(d["engine"]), d["model"])
+            if p.get("fresh"):
+                fresh.add(int(d["engine"]))
+    if len(set(digests.values())) <= 1:
+        return None
+    voters = [e for e in digests if e not in fresh] or list(digests)
+    count: dict[str, int] = {}
+    for e in voters:
+        count[digests[e]] = count.get(digests[e], 0) + 1
+    ref = max(sorted(voters), key=lambda e: (count[digests[e]], -e))
+    odd = sorted(e for e, d in digests.items() if d != digests[ref])
+    return (f"engine(s) {odd} record another model or parallel layout than engine {ref} "
+            f"(the others refit together: same model, dtype, parallel config and loaders); "
+            "refused on every process before any byte moves - start them with engine "
+            f"{ref}'s model and config, or refit them in another world", odd)
+
+
+def sync(stream: Any) -> list[str]:
+    """At the start of a round in an elastic world: act on the members lost and the engines
+    asking to join, the same way on every process. Returns the labels of the members lost.
+
+    Raises:
+        HalfJoined: an engine is half-joined (see :func:`joining_problem`); nobody is
+            admitted (the lost are still excluded).
+        EngineMismatch: a joining engine's model differs (from the epoch's setup).
+        WorldBroken: this process came after the others settled without it.
+    """
+    world, timeout = stream.world, stream.config.timeout
+    lost: list[str] = []
+    for _ in range(MAX_CHANGES):
+        mine = {"requests": [r["id"] for r in world.pending() if r["kind"] == "join"],
+                "engine": stream.engine_info}
+        gathered = world.allgather_json(mine, kind=KIND, partial=True, timeout=timeout)
+        missing = [p for p, g in enumerate(gathered) if g is None]
+        seen = {i for g in gathered if isinstance(g, dict) for i in g.get("requests") or ()}
+        if world.process_index in missing:
+            world.mark_broken("this process reached a round after the other members had "
+                              "settled without it")
+            raise WorldBroken(f"world {world.world_id!r} moved on without "
+                              f"{world.describe_process(world.process_index)} (slower than "
+                              "the timeout); join it again")
+        joins = [r for r in world.pending() if r["id"] in seen and r["kind"] == "join"]
+        infos = [g.get("engine") or {} for g in gathered if isinstance(g, dict)]
+        trainer = next((i for i in infos if "expect" in i), {})
+        workers = trainer.get("workers") or next(
+            (i["workers"] for i in infos if i.get("workers")), None)
+        survivors = [world.processes[p] for p in range(world.num_processes) if p not in missing]
+        problem = joining_problem(survivors, [r["info"] for r in joins], workers,
+                                  trainer.get("expect"), trainer.get("failed"))
+        if not missing and not seen and not problem:
+            return lost
+        lost += [world.members[p] for p in missing]
+        if problem:
+            joins = []
+        if missing or joins:
+            world.advance(missing, joins, time.monotonic() + timeout)
+            stream.enter_epoch()
+        if problem:
+            raise HalfJoined(problem)
+    raise RefitError(f"the members of world {world.world_id!r} changed {MAX_CHANGES} times "
+                     f"at the start of one round (lost {lost}); try the update again")
