@@ -1,0 +1,259 @@
+"""Catch-up from a replica: a process that joins a running elastic world (a new engine, or
+one restarted after a crash) fills its destinations with the members' current version
+from destination ranks that already hold the same regions, without the trainer and
+without pausing the members' refits; it then takes part in the next refit like the rest.
+
+```python
+world = xr.World.join(address, "rollout", 1, elastic=True, index=2, groups=GROUPS,
+                      wait=False)                    # not admitted yet: no refit waits for it
+refit = xr.Refit(world, receive=xr.Rebuilt(build))  # as the members' receivers are built
+report = refit.catch_up()       # report.version: the version it now holds, bit for bit
+...                             # serve requests with it
+refit()                         # admitted at the members' next refit; takes part in it
+```
+
+Decision record.
+
+- **Servers.** Every member whose Refit receives in place (a :class:`Bound`, torch
+  tensors; not JAX destinations, which are new arrays per call) serves catch-ups from a
+  daemon thread, started after its first successful call in an elastic world. After each
+  call it announces itself (signed, ``<world_id>/replica/<label>``: its Refit's name and
+  version). It never touches the members' world: a catch-up is a world of its own
+  (``<world_id>/catchup/<id>``, fixed, the world's token and store) formed by the joining
+  process and the announced replicas among the current members (the epoch record), and
+  runs one ordinary refit there, so planning, balancing among replicas, transports and
+  signing are the refit's. The trainer is in no such world: it cannot send a byte of it.
+- **One version, never a mix.** A server copies its destinations into a snapshot under a
+  lock that its Refit holds for a whole call (``Refit._writing``), so the snapshot is the
+  version of the last completed call, whole; it serves from the snapshot while its own
+  refits go on (they wait at most for that local copy). The servers then agree: if their
+  snapshots are of different versions (a call completed between two snapshots), the
+  catch-up is refused on every process and the joiner tries again (``attempts``), so it
+  ends with exactly one version, bit-exact, named in its report and in ``refit.version``.
+- **"Current version"** is therefore the version of the members' last completed call when
+  the servers took their snapshots. A refit that completes during the catch-up makes the
+  joiner one version behind: it is admitted at the members' next refit, adopts their
+  version there (``fleet.adopt_version``) and receives that call's whole version like
+  every receiver, so after it every process holds the same version. The joiner asks to
+  join only after its catch-up, so no member's refit waits for it.
+- **Fences.** A caught-up receiver starts with no delta baseline (``Refit.delta_state`` is
+  fresh): with ``RefitConfig(delta=True)`` its first call in the world is dense for its
+  regions, as for any new receiver; ``stale`` is False.
+- Costs: each serving process copies its destination bytes once per catch-up (memory: one
+  transient copy; on GPU, device memory), and the catch-up world is formed per joining
+  process (a join and a transport setup: ~the first call of a small world).
+- Rejected: catching up inside the members' next refit (a relay stage through the
+  replicas): the joiner would wait for the trainer's next step, and every member's call
+  would carry the forward stage; serving from the live destinations under a lock held for
+  the whole catch-up (a member's refit that comes meanwhile would wait for it).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import secrets
+import threading
+import time
+import weakref
+from typing import Any
+
+from ..errors import RefitError
+from ..ir.layout import Layout
+from .atomic import Staging
+from .binding import Bound, Rebuilt
+from .joining import KEY_ROOT, label
+
+__all__ = ["catch_up", "restricted", "serve", "snapshot"]
+
+logger = logging.getLogger(__name__)
+
+#: a catch-up that found servers at different versions is tried again this many times
+ATTEMPTS = 3
+#: seconds between two reads of the catch-up requests by a server
+POLL = 0.05
+
+
+#: where the catch-up requests are appended, and each replica's announcement
+REQUESTS, REPLICA = "catchups", "replica/{}"
+
+
+def restricted(bound: Bound | None, ranks: Any, rank_of: dict[int, int] | None = None
+               ) -> Bound | None:
+    """``bound`` over ``ranks`` only (renumbered by ``rank_of``): every layout becomes the
+    explicit form of those ranks' regions, unioned over processes (``local_only``), so a
+    catch-up world plans from what each process says it holds or needs, not from global
+    layouts whose other ranks are not in it."""
+    if bound is None:
+        return None
+    rank_of = rank_of or {r: r for r in ranks}
+    layouts = {n: Layout.explicit_form(lay.shape, lay.dtype,
+                                       {rank_of[r]: lay.regions(r) for r in ranks})
+               for n, lay in bound.layouts.items()}
+    bindings = {(rank_of[r], n): b for (r, n), b in bound.bindings.items() if r in rank_of}
+    return Bound(layouts, bindings, finish=bound.finish, errors=list(bound.errors),
+                 local_only=set(layouts))
+
+
+def snapshot(refit: Any) -> tuple[Bound, int]:
+    """A copy of the last call's destination bytes and its version, taken between calls
+    (``Refit.writing`` is held for a whole call): one version, whole."""
+    with refit.writing:
+        if refit.served is None:
+            raise RefitError("this process holds no version to serve")
+        return Staging().stage(refit.served), refit.version
+
+
+def _catch_up_world(world: Any, sub_id: str, num: int, timeout: float) -> Any:
+    from .world import World
+    me = world.processes[world.process_index]
+    return World.join(world.address, me["group"], list(world.local_devices),
+                      num_processes=num, index=me["index"], groups=world.membership.groups,
+                      world_id=sub_id, timeout=timeout, token=world.membership.base.token)
+
+
+def _agreed_version(sub: Any, version: int | None, timeout: float) -> int:
+    """The servers' one version (the joiner passes None); RefitError when they differ."""
+    got = sub.allgather_json({"version": version}, timeout=timeout, kind="catchup/version")
+    versions = {g["version"] for g in got if g["version"] is not None}
+    if len(versions) != 1:
+        raise RefitError(f"catch-up: the replicas hold different versions {sorted(versions)} "
+                         f"(a refit completed between their snapshots); try again")
+    return versions.pop()
+
+
+def _inner(sub: Any, config: Any, version: int, **side: Any) -> Any:
+    from .refit import Refit
+    inner = Refit(sub, config=dataclasses.replace(config, atomic=False, delta=False),
+                  name="catch-up", **side)
+    inner.version = version - 1         # the call makes it ``version``
+    return inner
+
+
+# ------------------------------------------------------------------ the joining process
+
+
+def replicas(world: Any, refit_id: str, exclude: str) -> list[str]:
+    """The current members (labels) that announced a replica of Refit ``refit_id``."""
+    out = []
+    for who in world.current_members():
+        if who == exclude:
+            continue
+        for body in world.published(REPLICA.format(who), "member/replica"):
+            if isinstance(body, dict) and body.get("refit") == refit_id:
+                out.append(who)
+    return out
+
+
+def catch_up(refit: Any, receive: Any, attempts: int = ATTEMPTS) -> Any:
+    """Fill ``refit``'s receive side (``receive``) with the members' current version from
+    their replicas (see the module docstring); returns the catch-up's report."""
+    world = refit.world
+    if not world.elastic or world.admitted:
+        raise RefitError("catch_up() is for a process that joined a running elastic world "
+                         "with World.join(..., elastic=True, wait=False) and has not been "
+                         "admitted yet (its first refit call admits it); members hold the "
+                         "version already")
+    me = label(world.processes[world.process_index])
+    servers = replicas(world, refit.refit_id, me)
+    if not servers:
+        raise RefitError(f"catch-up in world {world.world_id!r}: no member serves Refit "
+                         f"{refit.refit_id!r} (none received in place in this elastic world "
+                         f"yet); call refit() instead: the next refit sends this process "
+                         f"the version from the sources")
+    if isinstance(receive, Rebuilt):
+        build = receive.build
+        receive = Rebuilt(lambda w: restricted(build(w), w.rank_ids))
+    timeout = refit.config.timeout
+    last: Exception | None = None
+    for _ in range(attempts):
+        rid = secrets.token_hex(8)
+        sub_id = f"{world.world_id}/catchup/{rid}"
+        world.publish(REQUESTS, "member/catchup", {
+            "id": rid, "world": sub_id, "joiner": me, "servers": servers,
+            "refit": refit.refit_id, "until": time.time() + timeout}, append=True)
+        sub = _catch_up_world(world, sub_id, len(servers) + 1, timeout)
+        try:
+            version = _agreed_version(sub, None, timeout)
+            report = _inner(sub, refit.config, version, receive=receive)()
+            return dataclasses.replace(report, epoch=world.epoch)
+        except RefitError as e:
+            last = e
+            if "different versions" not in str(e):
+                raise
+        finally:
+            sub.close()
+    raise RefitError(f"catch-up: {attempts} attempts found the replicas at different "
+                     f"versions (refits complete faster than a catch-up): {last}")
+
+
+# ------------------------------------------------------------------ the serving members
+
+
+class _Server:
+    """One serving process's thread: reads the catch-up requests that name it, in log
+    order, and serves each in a thread of its own (two joiners at once do not wait for
+    each other, whatever order the servers read them in)."""
+
+    def __init__(self, refit: Any):
+        world = refit.world
+        self.refit = weakref.ref(refit)
+        self.world = weakref.ref(world)
+        self.seen: set[Any] = set()
+        self.thread = threading.Thread(target=self._loop, daemon=True,
+                                       name="xreshard-catch-up")
+        self.thread.start()
+
+    def _loop(self) -> None:
+        while True:
+            world, refit = self.world(), self.refit()
+            if world is None or refit is None or world.closed:
+                return
+            try:
+                me = label(world.processes[world.process_index])
+                for req in world.published(REQUESTS, "member/catchup", log=True):
+                    if not isinstance(req, dict) or req.get("id") in self.seen:
+                        continue
+                    self.seen.add(req.get("id"))
+                    if me in req.get("servers", ()) and req.get("refit") == refit.refit_id \
+                            and float(req.get("until", 0)) > time.time():
+                        threading.Thread(target=self._serve, args=(req,), daemon=True,
+                                         name="xreshard-catch-up-serve").start()
+            except Exception:   # noqa: BLE001 - a server never takes its process down
+                logger.debug("catch-up server: reading requests failed", exc_info=True)
+            del world, refit
+            time.sleep(POLL)
+
+    def _serve(self, req: dict[str, Any]) -> None:
+        refit, world = self.refit(), self.world()
+        if refit is None or world is None:
+            return
+        timeout = refit.config.timeout
+        try:
+            sub = _catch_up_world(world, req["world"], len(req["servers"]) + 1, timeout)
+        except Exception:   # noqa: BLE001 - the joiner raises its own error
+            logger.warning("catch-up %s for %s: joining its world failed", req["id"],
+                           req["joiner"], exc_info=True)
+            return
+        try:
+            bound, version = snapshot(refit)
+            send = restricted(bound, world.rank_ids, dict(zip(world.rank_ids, sub.rank_ids)))
+            _agreed_version(sub, version, timeout)
+            report = _inner(sub, refit.config, version, send=send)()
+            logger.info("served catch-up %s to %s: v%d, %d bytes sent", req["id"],
+                        req["joiner"], version, report.bytes_sent)
+        except Exception:   # noqa: BLE001 - the joiner raises the same error
+            logger.info("catch-up %s for %s failed here", req["id"], req["joiner"],
+                        exc_info=True)
+        finally:
+            sub.close()
+
+
+def serve(refit: Any, server: Any) -> Any:
+    """After a successful call of an elastic world's Refit that received in place:
+    announce its version (signed) and make sure its server runs; returns the server."""
+    world = refit.world
+    me = label(world.processes[world.process_index])
+    world.publish(REPLICA.format(me), "member/replica",
+                  {"refit": refit.refit_id, "version": refit.version})
+    return server if server is not None and server.thread.is_alive() else _Server(refit)
