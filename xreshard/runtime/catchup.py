@@ -23,13 +23,15 @@ Decision record.
   process and the announced replicas among the current members (the epoch record), and
   runs one ordinary refit there, so planning, balancing among replicas, transports and
   signing are the refit's. The trainer is in no such world: it cannot send a byte of it.
-- **One version, never a mix.** A server copies its destinations into a snapshot under a
-  lock that its Refit holds for a whole call (``Refit._writing``), so the snapshot is the
-  version of the last completed call, whole; it serves from the snapshot while its own
-  refits go on (they wait at most for that local copy). The servers then agree: if their
-  snapshots are of different versions (a call completed between two snapshots), the
-  catch-up is refused on every process and the joiner tries again (``attempts``), so it
-  ends with exactly one version, bit-exact, named in its report and in ``refit.version``.
+- **One version, never a mix.** While a server serves, its Refit copies its destinations
+  into a snapshot at the end of each call, under a lock it holds for the whole call
+  (``Refit.writing``), and the server takes one at once between calls: each snapshot is
+  one completed version, whole, and the server keeps its last ``KEPT`` (two). The members'
+  calls are collective, so the servers' latest versions differ by at most one: they agree
+  on the newest version all of them hold a snapshot of, and serve it while their own
+  refits go on (which pay one local copy of their destination bytes per call meanwhile).
+  The joiner ends with exactly one version, bit-exact, named in its report and in
+  ``refit.version``.
 - **"Current version"** is therefore the version of the members' last completed call when
   the servers took their snapshots. A refit that completes during the catch-up makes the
   joiner one version behind: it is admitted at the members' next refit, adopts their
@@ -39,9 +41,10 @@ Decision record.
 - **Fences.** A caught-up receiver starts with no delta baseline (``Refit.delta_state`` is
   fresh): with ``RefitConfig(delta=True)`` its first call in the world is dense for its
   regions, as for any new receiver; ``stale`` is False.
-- Costs: each serving process copies its destination bytes once per catch-up (memory: one
-  transient copy; on GPU, device memory), and the catch-up world is formed per joining
-  process (a join and a transport setup: ~the first call of a small world).
+- Costs: while it serves, each serving process keeps up to two snapshots of its
+  destination bytes (memory: 2x them; on GPU, device memory) and copies them once per
+  own call; the catch-up world is formed per joining process (a join and a transport
+  setup: about the first call of a small world).
 - Rejected: catching up inside the members' next refit (a relay stage through the
   replicas): the joiner would wait for the trainer's next step, and every member's call
   would carry the forward stage; serving from the live destinations under a lock held for
@@ -61,15 +64,15 @@ from typing import Any
 from ..errors import RefitError
 from ..ir.layout import Layout
 from .atomic import Staging
-from .binding import Bound, Rebuilt
+from .binding import Bound
 from .joining import KEY_ROOT, label
 
-__all__ = ["catch_up", "restricted", "serve", "snapshot"]
+__all__ = ["catch_up", "restricted", "serve"]
 
 logger = logging.getLogger(__name__)
 
-#: a catch-up that found servers at different versions is tried again this many times
-ATTEMPTS = 3
+#: versions of snapshots a server keeps while it serves
+KEPT = 2
 #: seconds between two reads of the catch-up requests by a server
 POLL = 0.05
 
@@ -95,15 +98,6 @@ def restricted(bound: Bound | None, ranks: Any, rank_of: dict[int, int] | None =
                  local_only=set(layouts))
 
 
-def snapshot(refit: Any) -> tuple[Bound, int]:
-    """A copy of the last call's destination bytes and its version, taken between calls
-    (``Refit.writing`` is held for a whole call): one version, whole."""
-    with refit.writing:
-        if refit.served is None:
-            raise RefitError("this process holds no version to serve")
-        return Staging().stage(refit.served), refit.version
-
-
 def _catch_up_world(world: Any, sub_id: str, num: int, timeout: float) -> Any:
     from .world import World
     me = world.processes[world.process_index]
@@ -112,14 +106,29 @@ def _catch_up_world(world: Any, sub_id: str, num: int, timeout: float) -> Any:
                       world_id=sub_id, timeout=timeout, token=world.membership.base.token)
 
 
-def _agreed_version(sub: Any, version: int | None, timeout: float) -> int:
-    """The servers' one version (the joiner passes None); RefitError when they differ."""
-    got = sub.allgather_json({"version": version}, timeout=timeout, kind="catchup/version")
-    versions = {g["version"] for g in got if g["version"] is not None}
-    if len(versions) != 1:
-        raise RefitError(f"catch-up: the replicas hold different versions {sorted(versions)} "
-                         f"(a refit completed between their snapshots); try again")
-    return versions.pop()
+def _agreed_version(sub: Any, server: Any, timeout: float) -> tuple[int, Bound | None]:
+    """One version every server holds a snapshot of: the newest common to all (each keeps
+    its last two while it serves, and the members' calls are collective, so their latest
+    versions differ by at most one). The joiner passes ``server=None``. Returns the version
+    and this server's snapshot of it.
+
+    Raises:
+        RefitError: none in common within ``timeout`` (a replica stopped refitting
+            behind the others).
+    """
+    deadline = time.monotonic() + timeout
+    while True:
+        held = server.held() if server is not None else None
+        got = sub.allgather_json({"versions": held}, timeout=timeout, kind="catchup/version")
+        sets = [set(g["versions"]) for g in got if g["versions"] is not None]
+        common = set.intersection(*sets) if sets else set()
+        if common:
+            version = max(common)
+            return version, server.snapshot(version) if server is not None else None
+        if time.monotonic() >= deadline:
+            raise RefitError(f"catch-up: the replicas hold no version in common "
+                             f"({[sorted(x) for x in sets]}) after {timeout:.0f} s")
+        time.sleep(POLL)
 
 
 def _inner(sub: Any, config: Any, version: int, **side: Any) -> Any:
@@ -127,6 +136,7 @@ def _inner(sub: Any, config: Any, version: int, **side: Any) -> Any:
     inner = Refit(sub, config=dataclasses.replace(config, atomic=False, delta=False),
                   name="catch-up", **side)
     inner.version = version - 1         # the call makes it ``version``
+    inner.own_only = True
     return inner
 
 
@@ -145,9 +155,10 @@ def replicas(world: Any, refit_id: str, exclude: str) -> list[str]:
     return out
 
 
-def catch_up(refit: Any, receive: Any, attempts: int = ATTEMPTS) -> Any:
-    """Fill ``refit``'s receive side (``receive``) with the members' current version from
-    their replicas (see the module docstring); returns the catch-up's report."""
+def catch_up(refit: Any, receive: Any, naming: dict[str, Any]) -> Any:
+    """Fill ``refit``'s receive side (``receive``, bound with ``naming``: names, transpose,
+    rules) with the members' current version from their replicas (see the module
+    docstring); returns the catch-up's report."""
     world = refit.world
     if not world.elastic or world.admitted:
         raise RefitError("catch_up() is for a process that joined a running elastic world "
@@ -161,30 +172,16 @@ def catch_up(refit: Any, receive: Any, attempts: int = ATTEMPTS) -> Any:
                          f"{refit.refit_id!r} (none received in place in this elastic world "
                          f"yet); call refit() instead: the next refit sends this process "
                          f"the version from the sources")
-    if isinstance(receive, Rebuilt):
-        build = receive.build
-        receive = Rebuilt(lambda w: restricted(build(w), w.rank_ids))
     timeout = refit.config.timeout
-    last: Exception | None = None
-    for _ in range(attempts):
-        rid = secrets.token_hex(8)
-        sub_id = f"{world.world_id}/catchup/{rid}"
-        world.publish(REQUESTS, "member/catchup", {
-            "id": rid, "world": sub_id, "joiner": me, "servers": servers,
-            "refit": refit.refit_id, "until": time.time() + timeout}, append=True)
-        sub = _catch_up_world(world, sub_id, len(servers) + 1, timeout)
-        try:
-            version = _agreed_version(sub, None, timeout)
-            report = _inner(sub, refit.config, version, receive=receive)()
-            return dataclasses.replace(report, epoch=world.epoch)
-        except RefitError as e:
-            last = e
-            if "different versions" not in str(e):
-                raise
-        finally:
-            sub.close()
-    raise RefitError(f"catch-up: {attempts} attempts found the replicas at different "
-                     f"versions (refits complete faster than a catch-up): {last}")
+    rid = secrets.token_hex(8)
+    sub_id = f"{world.world_id}/catchup/{rid}"
+    world.publish(REQUESTS, "member/catchup", {
+        "id": rid, "world": sub_id, "joiner": me, "servers": servers,
+        "refit": refit.refit_id, "until": time.time() + timeout}, append=True)
+    with _catch_up_world(world, sub_id, len(servers) + 1, timeout) as sub:
+        version, _ = _agreed_version(sub, None, timeout)
+        report = _inner(sub, refit.config, version, receive=receive, **naming)()
+    return dataclasses.replace(report, epoch=world.epoch)
 
 
 # ------------------------------------------------------------------ the serving members
@@ -193,16 +190,46 @@ def catch_up(refit: Any, receive: Any, attempts: int = ATTEMPTS) -> Any:
 class _Server:
     """One serving process's thread: reads the catch-up requests that name it, in log
     order, and serves each in a thread of its own (two joiners at once do not wait for
-    each other, whatever order the servers read them in)."""
+    each other, whatever order the servers read them in). While it serves, the Refit
+    keeps a snapshot of each of its last ``KEPT`` versions (``keep``, at the end of each
+    call, under ``Refit.writing``)."""
 
     def __init__(self, refit: Any):
         world = refit.world
         self.refit = weakref.ref(refit)
         self.world = weakref.ref(world)
         self.seen: set[Any] = set()
+        self.lock = threading.Lock()
+        self.users = 0
+        self.snaps: dict[int, Bound] = {}
         self.thread = threading.Thread(target=self._loop, daemon=True,
                                        name="xreshard-catch-up")
         self.thread.start()
+
+    def keep(self, refit: Any) -> None:
+        """End of a call (``Refit.writing`` held): snapshot its version while serving."""
+        with self.lock:
+            if self.users and refit.served is not None:
+                self.snaps[refit.version] = Staging().stage(refit.served)
+                for v in [v for v in self.snaps if v <= refit.version - KEPT]:
+                    del self.snaps[v]
+
+    def held(self) -> list[int]:
+        with self.lock:
+            return sorted(self.snaps)
+
+    def snapshot(self, version: int) -> Bound:
+        with self.lock:
+            return self.snaps[version]
+
+    def _arm(self, refit: Any, on: bool) -> None:
+        with self.lock:
+            self.users += 1 if on else -1
+            if not self.users:
+                self.snaps = {}
+        if on:          # the version it holds now (between its calls), whole
+            with refit.writing:
+                self.keep(refit)
 
     def _loop(self) -> None:
         while True:
@@ -217,6 +244,7 @@ class _Server:
                     self.seen.add(req.get("id"))
                     if me in req.get("servers", ()) and req.get("refit") == refit.refit_id \
                             and float(req.get("until", 0)) > time.time():
+                        self._arm(refit, True)
                         threading.Thread(target=self._serve, args=(req,), daemon=True,
                                          name="xreshard-catch-up-serve").start()
             except Exception:   # noqa: BLE001 - a server never takes its process down
@@ -230,23 +258,19 @@ class _Server:
             return
         timeout = refit.config.timeout
         try:
-            sub = _catch_up_world(world, req["world"], len(req["servers"]) + 1, timeout)
-        except Exception:   # noqa: BLE001 - the joiner raises its own error
-            logger.warning("catch-up %s for %s: joining its world failed", req["id"],
-                           req["joiner"], exc_info=True)
-            return
-        try:
-            bound, version = snapshot(refit)
-            send = restricted(bound, world.rank_ids, dict(zip(world.rank_ids, sub.rank_ids)))
-            _agreed_version(sub, version, timeout)
-            report = _inner(sub, refit.config, version, send=send)()
+            with _catch_up_world(world, req["world"], len(req["servers"]) + 1,
+                                 timeout) as sub:
+                version, bound = _agreed_version(sub, self, timeout)
+                send = restricted(bound, world.rank_ids,
+                                  dict(zip(world.rank_ids, sub.rank_ids)))
+                report = _inner(sub, refit.config, version, send=send)()
             logger.info("served catch-up %s to %s: v%d, %d bytes sent", req["id"],
                         req["joiner"], version, report.bytes_sent)
-        except Exception:   # noqa: BLE001 - the joiner raises the same error
+        except Exception:   # noqa: BLE001 - the joiner raises its own error
             logger.info("catch-up %s for %s failed here", req["id"], req["joiner"],
                         exc_info=True)
         finally:
-            sub.close()
+            self._arm(refit, False)
 
 
 def serve(refit: Any, server: Any) -> Any:

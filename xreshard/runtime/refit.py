@@ -152,6 +152,7 @@ class Refit:
         self._name = name
         self._id: str | None = None                  # agreed at the first checked call
         self._sides = Sides(send, receive, names, transpose, rules, world=world)
+        self._naming = {"names": names, "transpose": tuple(transpose), "rules": rules}
         self._busy = threading.Lock()
         self._last_layouts: tuple | None = None     # this process's layouts, last call
         self._generation = 0                        # bumped when they change
@@ -172,6 +173,7 @@ class Refit:
         self.writing = threading.Lock()
         self.served: Bound | None = None    # the in-place destination of the last call
         self._server: Any = None            # its catch-up server (an elastic world)
+        self.own_only = False               # bind only this process's ranks (catch-up)
 
     @property
     def plan(self) -> Plan | None:
@@ -207,19 +209,13 @@ class Refit:
         (the trainer sends nothing, no member's refit waits), in a process that joined a
         running elastic world with ``World.join(..., elastic=True, wait=False)``; then
         ``version`` is the version it holds, and the next call admits it and takes part
-        like the rest. See :mod:`xreshard.runtime.catchup`.
-
-        Raises:
-            RefitError: not such a process, no member serves this Refit, or the replicas
-                kept completing refits during every attempt.
-            CommunicationError: a replica died or did not answer within the timeout (the
-                receive side may hold a mix: ``stale``; the next call sends it whole).
-        """
+        like the rest. See :mod:`xreshard.runtime.catchup` (what it raises: a failure
+        leaves ``stale`` set, and the next call sends the receive side whole)."""
         if not self._busy.acquire(blocking=False):
             raise RefitError("this Refit is already running a call")
         try:
             self.stale = True
-            report = catchup.catch_up(self, self._sides.receive.obj)
+            report = catchup.catch_up(self, self._sides.receive.obj, self._naming)
             self.version, self.stale = report.version, False
             return report
         finally:
@@ -296,6 +292,8 @@ class Refit:
                     self.received = finish()
                 self.stale = False
                 self.version = report.version
+                if self._server is not None:        # serving a catch-up: snapshot it
+                    self._server.keep(self)
             if self.served is not None and self.world.elastic:
                 self._server = catchup.serve(self, self._server)
             logger.info("%s", report)
@@ -429,6 +427,8 @@ class Refit:
             maps = self._rank_maps()
             src = sides.bind(sides.send, maps, memo)
             dst = sides.bind(sides.receive, maps, memo)
+            if self.own_only:       # a catch-up world: what this process needs, no more
+                dst = catchup.restricted(dst, self.world.rank_ids)
             errors += side_problems({"send": src, "receive": dst}, self.world.rank_ids,
                                     self.world.is_local, self.config.wire_dtype)
         except Exception as e:      # noqa: BLE001 - every local failure reaches every rank
