@@ -9,7 +9,9 @@ tensor-parallel half of the columns (so each engine is a whole replica).
    the figure is the median over calls of B's call time (the slower of its two processes).
 2. B's processes leave the world (``world.leave()``); the trainer refits A alone,
    ``--calls`` calls: ``other_refit_seconds_baseline`` (A's median call time).
-3. The trainer and A go on refitting in a loop. Meanwhile B's processes join again with
+3. The trainer and A go on refitting in a loop, ``--step`` seconds apart (an optimizer
+   step; a catch-up that starts during one of A's calls waits for its end: the snapshot
+   is of a completed version). Meanwhile B's processes join again with
    ``World.join(elastic=True, wait=False)`` and run ``refit.catch_up()`` ``--calls``
    times (the i-th of both processes at once): ``catchup_seconds`` is the median over
    them of the slower process's ``catch_up()`` wall time (its whole cost: forming the
@@ -24,7 +26,7 @@ tensor-parallel half of the columns (so each engine is a whole replica).
 
 Prints one JSON object; ``ratio`` is catchup_seconds / trainer_refit_seconds.
 
-    python benchmarks/bench_elastic.py [--mib 64] [--calls 5] [--json]
+    python benchmarks/bench_elastic.py [--mib 64] [--calls 5] [--step 0.5] [--json]
 """
 
 from __future__ import annotations
@@ -138,6 +140,7 @@ def member(ctx: Any, spec: dict) -> dict:
         out["during"] = []
         while len(world.members) < 6:       # B's processes ask in after their catch-ups
             out["during"].append(_call(refit, side))
+            time.sleep(spec["step"])        # the trainer's optimizer step
     while len(world.members) < 6:           # B: admitted at the members' next call
         _call(refit, side)
     _call(refit, side)                      # all six
@@ -180,6 +183,9 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--mib", type=int, default=64, help="bytes of one engine's replica, MiB")
     ap.add_argument("--calls", type=int, default=5)
+    ap.add_argument("--step", type=float, default=0.5,
+                    help="seconds between the trainer's refits of engine A during the "
+                         "catch-ups (an optimizer step; 0: back to back)")
     ap.add_argument("--json", action="store_true", help="print only the JSON object")
     args = ap.parse_args(argv)
     rows = max(args.mib * (1 << 20) // (len(NAMES) * 1024 * 4), 2)
@@ -188,11 +194,11 @@ def main(argv: list[str] | None = None) -> int:
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     import bench_elastic            # children import it by name (this file is __main__ here)
     with tempfile.TemporaryDirectory(prefix="bench-elastic-") as tmp:
-        spec = {"rows": rows - rows % 2, "calls": args.calls,
+        spec = {"rows": rows - rows % 2, "calls": args.calls, "step": args.step,
                 "baseline_done": os.path.join(tmp, "baseline")}
         results = launch(bench_elastic.member, roles, args=(spec,), timeout=900)
     out = summarize([r.value for r in results], args.calls)
-    out["mib"] = args.mib
+    out["mib"], out["step"] = args.mib, args.step
     print(json.dumps(out) if args.json else json.dumps(out, indent=1))
     return 0 if out["final_exact"] and out["catchups_exact"] == out["catchups"] else 1
 

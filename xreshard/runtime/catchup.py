@@ -65,6 +65,7 @@ from ..errors import RefitError
 from ..ir.layout import Layout
 from .atomic import Staging
 from .binding import Bound
+from .copies import view_of
 from .joining import KEY_ROOT, label
 
 __all__ = ["catch_up", "restricted", "serve"]
@@ -74,7 +75,7 @@ logger = logging.getLogger(__name__)
 #: versions of snapshots a server keeps while it serves
 KEPT = 2
 #: seconds between two reads of the catch-up requests by a server
-POLL = 0.05
+POLL = 0.02
 
 
 #: where the catch-up requests are appended, and each replica's announcement
@@ -93,7 +94,12 @@ def restricted(bound: Bound | None, ranks: Any, rank_of: dict[int, int] | None =
     layouts = {n: Layout.explicit_form(lay.shape, lay.dtype,
                                        {rank_of[r]: lay.regions(r) for r in ranks})
                for n, lay in bound.layouts.items()}
-    bindings = {(rank_of[r], n): b for (r, n), b in bound.bindings.items() if r in rank_of}
+    bindings = {}
+    for (r, n), b in bound.bindings.items():
+        lay = bound.layouts[n]
+        if r in rank_of:        # explicit form: one array per region
+            bindings[(rank_of[r], n)] = b if not lay.is_product else \
+                [view_of(b, lay, r, region) for region in lay.regions(r)]
     return Bound(layouts, bindings, finish=bound.finish, errors=list(bound.errors),
                  local_only=set(layouts))
 
@@ -227,9 +233,12 @@ class _Server:
             self.users += 1 if on else -1
             if not self.users:
                 self.snaps = {}
-        if on:          # the version it holds now (between its calls), whole
-            with refit.writing:
+        # the version it holds now, when no call runs (else that call's end keeps its own)
+        if on and refit.writing.acquire(blocking=False):
+            try:
                 self.keep(refit)
+            finally:
+                refit.writing.release()
 
     def _loop(self) -> None:
         while True:
