@@ -66,7 +66,10 @@ from ..ir.layout import Layout
 from .atomic import Staging
 from .binding import Bound
 from .copies import view_of
+from .epochs import read_entry
 from .joining import KEY_ROOT, label
+from .store import connect, wait_keys
+from ..transport.base import TransportTimeout
 
 __all__ = ["catch_up", "restricted", "serve"]
 
@@ -74,11 +77,13 @@ logger = logging.getLogger(__name__)
 
 #: versions of snapshots a server keeps while it serves
 KEPT = 2
-#: seconds between two reads of the catch-up requests by a server
+#: seconds a server waits for the next request before it looks whether its world closed
+WAKE = 1.0
+#: seconds between two rounds of the servers' version agreement
 POLL = 0.02
 
 
-#: where the catch-up requests are appended, and each replica's announcement
+#: where the catch-up requests are numbered, and each replica's announcement
 REQUESTS, REPLICA = "catchups", "replica/{}"
 
 
@@ -155,9 +160,9 @@ def replicas(world: Any, refit_id: str, exclude: str) -> list[str]:
     for who in world.current_members():
         if who == exclude:
             continue
-        for body in world.published(REPLICA.format(who), "member/replica"):
-            if isinstance(body, dict) and body.get("refit") == refit_id:
-                out.append(who)
+        body = world.published(REPLICA.format(who), "member/replica")
+        if isinstance(body, dict) and body.get("refit") == refit_id:
+            out.append(who)
     return out
 
 
@@ -183,7 +188,7 @@ def catch_up(refit: Any, receive: Any, naming: dict[str, Any]) -> Any:
     sub_id = f"{world.world_id}/catchup/{rid}"
     world.publish(REQUESTS, "member/catchup", {
         "id": rid, "world": sub_id, "joiner": me, "servers": servers,
-        "refit": refit.refit_id, "until": time.time() + timeout}, append=True)
+        "refit": refit.refit_id, "until": time.time() + timeout}, numbered=True)
     with _catch_up_world(world, sub_id, len(servers) + 1, timeout) as sub:
         version, _ = _agreed_version(sub, None, timeout)
         report = _inner(sub, refit.config, version, receive=receive, **naming)()
@@ -204,10 +209,13 @@ class _Server:
         world = refit.world
         self.refit = weakref.ref(refit)
         self.world = weakref.ref(world)
-        self.seen: set[Any] = set()
         self.lock = threading.Lock()
         self.users = 0
         self.snaps: dict[int, Bound] = {}
+        # requests numbered from now on (a joiner reads the announcement made after this)
+        self.seal, self.root = world.membership.base, f"{KEY_ROOT}/{world.world_id}/{REQUESTS}"
+        self.store = connect(world.address, world.timeout)
+        self.following = int(self.store.add(f"{self.root}/count", 0)) + 1
         self.thread = threading.Thread(target=self._loop, daemon=True,
                                        name="xreshard-catch-up")
         self.thread.start()
@@ -241,25 +249,33 @@ class _Server:
                 refit.writing.release()
 
     def _loop(self) -> None:
+        """Wait for the next request key (a blocking store wait on a connection of its
+        own: no polling), serve the requests that name this process."""
+        store, seal, root, following = self.store, self.seal, self.root, self.following
         while True:
             world, refit = self.world(), self.refit()
             if world is None or refit is None or world.closed:
                 return
+            key = f"{root}/{following}"
             try:
-                me = label(world.processes[world.process_index])
-                for req in world.published(REQUESTS, "member/catchup", log=True):
-                    if not isinstance(req, dict) or req.get("id") in self.seen:
-                        continue
-                    self.seen.add(req.get("id"))
-                    if me in req.get("servers", ()) and req.get("refit") == refit.refit_id \
-                            and float(req.get("until", 0)) > time.time():
-                        self._arm(refit, True)
-                        threading.Thread(target=self._serve, args=(req,), daemon=True,
-                                         name="xreshard-catch-up-serve").start()
+                wait_keys(store, [key], time.monotonic() + WAKE)
+            except TransportTimeout:        # a number taken but never written: skip it
+                if store.check([f"{root}/{following + 1}"]):
+                    following += 1
+                continue
             except Exception:   # noqa: BLE001 - a server never takes its process down
-                logger.debug("catch-up server: reading requests failed", exc_info=True)
+                logger.debug("catch-up server: the store failed", exc_info=True)
+                return
+            following += 1
+            req = read_entry(store, seal, key, "member/catchup")
+            me = label(world.processes[world.process_index])
+            if isinstance(req, dict) and me in req.get("servers", ()) \
+                    and req.get("refit") == refit.refit_id \
+                    and float(req.get("until", 0)) > time.time():
+                self._arm(refit, True)
+                threading.Thread(target=self._serve, args=(req,), daemon=True,
+                                 name="xreshard-catch-up-serve").start()
             del world, refit
-            time.sleep(POLL)
 
     def _serve(self, req: dict[str, Any]) -> None:
         refit, world = self.refit(), self.world()
@@ -286,7 +302,9 @@ def serve(refit: Any, server: Any) -> Any:
     """After a successful call of an elastic world's Refit that received in place:
     announce its version (signed) and make sure its server runs; returns the server."""
     world = refit.world
+    if server is None or not server.thread.is_alive():
+        server = _Server(refit)
     me = label(world.processes[world.process_index])
     world.publish(REPLICA.format(me), "member/replica",
                   {"refit": refit.refit_id, "version": refit.version})
-    return server if server is not None and server.thread.is_alive() else _Server(refit)
+    return server

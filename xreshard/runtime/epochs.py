@@ -47,7 +47,8 @@ from .joining import KEY_ROOT, label
 from .store import Seal
 
 __all__ = ["ElasticWorld", "Membership", "Request", "epoch_world_id", "gone", "own_start",
-           "publish_epoch", "read_epoch", "read_requests", "request", "wait_admitted"]
+           "publish_epoch", "read_entry", "read_epoch", "read_requests", "request",
+           "wait_admitted"]
 
 logger = logging.getLogger("xreshard.runtime.world")
 
@@ -152,6 +153,18 @@ def wait_admitted(store: Any, seal: Seal, rid: str, deadline: float,
         pause = min(pause * 2, 0.1)
 
 
+def read_entry(store: Any, seal: Seal, key: str, kind: str) -> Any:
+    """The signed value at ``key`` (see ``World.publish``), or None (none there, or not
+    signed with the world's token: an outsider's is skipped)."""
+    try:
+        if not store.check([key]):
+            return None
+        return seal.open(store.get(key), key=key, kind=kind, op=0, process=-1)
+    except Exception:       # noqa: BLE001 - not signed with this world's token
+        logger.debug("skipped the entry at %s", key, exc_info=True)
+        return None
+
+
 def own_start() -> str | None:
     """This process's start time, published so that members on its host can tell its
     death from slowness (``gone``)."""
@@ -244,35 +257,25 @@ class ElasticWorld:
         self._enter_epoch(joined, member_nonce(joined), infos, position)
         logger.debug("admitted %r at epoch %d", self, epoch)
 
-    def publish(self, key: str, kind: str, body: Any, append: bool = False) -> None:
+    def publish(self, key: str, kind: str, body: Any, numbered: bool = False) -> None:
         """Write ``body`` signed with the world's token (not bound to an epoch: a process
-        not admitted yet reads and writes these) at ``xreshard/<world_id>/<key>``, or
-        append it as one line of a log there."""
+        not admitted yet reads and writes these) at ``xreshard/<world_id>/<key>``; or, with
+        ``numbered``, as the next entry of a sequence there (``<key>/<n>``, n = 1, 2, ...;
+        readers wait for the next key instead of polling: ``read_entry``)."""
         m = self._elastic
         assert m is not None and self._store is not None
-        raw = m.base.seal(kind, 0, -1, json.dumps(body))
         full = f"{KEY_ROOT}/{self._world_id}/{key}"
-        if append:
-            self._store.append(full, raw + "\n")
-        else:
-            self._store.set(full, raw)
+        if numbered:
+            full = f"{full}/{int(self._store.add(f'{full}/count', 1))}"
+        self._store.set(full, m.base.seal(kind, 0, -1, json.dumps(body)))
 
-    def published(self, key: str, kind: str, log: bool = False) -> list[Any]:
-        """What ``publish`` wrote at ``key`` (a log: every line, in append order), signed
-        entries only (an outsider's are skipped)."""
-        m = self._elastic
-        store = self._store
-        full = f"{KEY_ROOT}/{self._world_id}/{key}"
-        if m is None or store is None or not store.check([full]):
-            return []
-        out = []
-        raw = store.get(full).decode()
-        for line in raw.splitlines() if log else [raw]:
-            try:
-                out.append(m.base.open(line, key=full, kind=kind, op=0, process=-1))
-            except Exception:       # noqa: BLE001 - not signed with this world's token
-                logger.debug("skipped an entry of %s", full, exc_info=True)
-        return out
+    def published(self, key: str, kind: str) -> Any:
+        """What ``publish`` wrote at ``key``, or None (nothing there, or not signed with
+        this world's token)."""
+        m, store = self._elastic, self._store
+        if m is None or store is None:
+            return None
+        return read_entry(store, m.base, f"{KEY_ROOT}/{self._world_id}/{key}", kind)
 
     def current_members(self) -> list[str]:
         """The labels of the running world's members, from its epoch record (readable by
