@@ -42,3 +42,29 @@ def test_a_joining_engine_catches_up_from_the_other_engine(tmp_path, racing):
     assert trainer["members"] == a["members"] == b["members"] == \
         ["trainer[0]", "rollout[0]", "rollout[1]"]
     assert a["exact"] and b["exact"]
+
+
+def test_catch_up_messages_are_signed():
+    """Announcements and requests are signed with the world's token: one written with
+    another token (or none) reads as nothing, and a forged request never names a server."""
+    pytest.importorskip("torch")
+    from xreshard.runtime.epochs import read_entry
+    from xreshard.runtime.store import Seal, connect
+
+    token = "a-token-of-this-world"
+    with xr.serve() as server, xr.World.join(server.address, "rollout", 1, num_processes=1,
+                                             index=0, timeout=20, elastic=True,
+                                             world_id="signed", token=token) as world:
+        world.publish("replica/rollout[0]", "member/replica", {"refit": "#1", "version": 3})
+        assert world.published("replica/rollout[0]", "member/replica") == \
+            {"refit": "#1", "version": 3}
+        store = connect(server.address, 20)
+        key = "xreshard/signed/replica/rollout[0]"
+        for other in (b"another-token-here", None):
+            store.set(key, Seal(other, "signed").seal("member/replica", 0, -1, '{"x": 1}'))
+            assert world.published("replica/rollout[0]", "member/replica") is None
+            assert read_entry(store, Seal(token.encode(), "signed"), key,
+                              "member/replica") is None
+        world.publish("catchups", "member/catchup", {"id": "1"}, numbered=True)
+        assert read_entry(store, Seal(token.encode(), "signed"), "xreshard/signed/catchups/1",
+                          "member/catchup") == {"id": "1"}

@@ -196,11 +196,9 @@ class World(WorldTransports, ElasticWorld):
                 excluded at the next collective the members agree on, and the world moves
                 to a new ``epoch`` instead of being broken. Every process of a world
                 passes the same value.
-            wait: elastic only, when the world already runs: False returns at once, not
-                admitted yet (``admitted``), so that ``Refit.catch_up()`` can fill this
-                process's destinations from the members' replicas first; its first refit
-                call (or ``admit()``) asks to join and waits to be admitted
-                (:mod:`xreshard.runtime.catchup`).
+            wait: (elastic, a running world) False returns before the members admitted
+                this process, for ``Refit.catch_up()``; its first refit call (or
+                ``admit()``) asks to join (:mod:`xreshard.runtime.catchup`).
 
         Returns:
             The joined world.
