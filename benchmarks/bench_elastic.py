@@ -13,7 +13,8 @@ tensor-parallel half of the columns (so each engine is a whole replica).
    step; a catch-up that starts during one of A's calls waits for its end: the snapshot
    is of a completed version). Meanwhile B's processes join again with
    ``World.join(elastic=True, wait=False)`` and run ``refit.catch_up()`` ``--calls``
-   times (the i-th of both processes at once): ``catchup_seconds`` is the median over
+   times, each after a random 0-``--step`` s (an engine comes up at any moment of the
+   trainer's cycle; the i-th of both processes about at once): ``catchup_seconds`` is the median over
    them of the slower process's ``catch_up()`` wall time (its whole cost: forming the
    catch-up world with A's processes, their snapshots, the move), with
    ``catchup_move_seconds`` the move alone. The catch-ups come from A's replicas: B's
@@ -22,7 +23,9 @@ tensor-parallel half of the columns (so each engine is a whole replica).
    ``other_refit_seconds_during_catchup`` (median) and ``other_refits_during_catchup``
    (count): A is not paused if they keep completing at about the baseline time.
 4. B's processes call ``refit()``: the members' next call admits them, and one more call
-   with all six is checked bit-exact on B.
+   with all six is checked bit-exact on B. ``trainer_first_refit_seconds``: B's first
+   call in the world (the slower process; what an engine that does not catch up waits
+   for, once the trainer's next refit comes: a new epoch, plans and transports made again).
 
 Prints one JSON object; ``ratio`` is catchup_seconds / trainer_refit_seconds.
 
@@ -34,6 +37,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import statistics
 import sys
 import tempfile
@@ -122,7 +126,9 @@ def member(ctx: Any, spec: dict) -> dict:
         world = ctx.join(elastic=True, groups=GROUPS, timeout=120, wait=False)
         refit = xr.Refit(world, config=config, receive=xr.Rebuilt(side.build))
         catchups = []
-        for _ in range(spec["calls"]):
+        rng = random.Random(index)
+        for _ in range(spec["calls"]):     # an engine starts at any moment of a step
+            time.sleep(rng.uniform(0, spec["step"]))
             t0 = time.time()
             report = refit.catch_up()
             catchups.append({"start": t0, "end": time.time(), "move": report.seconds,
@@ -142,7 +148,9 @@ def member(ctx: Any, spec: dict) -> dict:
             out["during"].append(_call(refit, side))
             time.sleep(spec["step"])        # the trainer's optimizer step
     while len(world.members) < 6:           # B: admitted at the members' next call
-        _call(refit, side)
+        side.version = refit.version + 1
+        first = refit()
+        out.setdefault("first_refit", first.seconds)    # B's first call from the trainer
     _call(refit, side)                      # all six
     out["final_exact"] = side.exact(refit.version) if not trainer else True
     out["final_version"] = refit.version
@@ -167,6 +175,7 @@ def summarize(values: list[dict], calls: int) -> dict:
         "mib": None, "calls": calls,
         "trainer_refit_seconds": round(trainer, 4), "catchup_seconds": round(catchup, 4),
         "ratio": round(catchup / trainer, 3), "catchup_move_seconds": round(move, 4),
+        "trainer_first_refit_seconds": round(max(v["first_refit"] for v in b), 4),
         "catchups_exact": sum(c["exact"] and c["bytes"] == c["expected"] for c in caught),
         "catchups": len(caught),
         "other_refit_seconds_baseline": round(baseline, 4),

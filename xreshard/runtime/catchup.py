@@ -223,7 +223,7 @@ class _Server:
     def keep(self, refit: Any) -> None:
         """End of a call (``Refit.writing`` held): snapshot its version while serving."""
         with self.lock:
-            if self.users and refit.served is not None:
+            if self.users and refit.served is not None and refit.version not in self.snaps:
                 self.snaps[refit.version] = Staging().stage(refit.served)
                 for v in [v for v in self.snaps if v <= refit.version - KEPT]:
                     del self.snaps[v]
