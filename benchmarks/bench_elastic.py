@@ -14,9 +14,9 @@ tensor-parallel half of the columns (so each engine is a whole replica).
    is of a completed version). Meanwhile B's processes join again with
    ``World.join(elastic=True, wait=False)`` and run ``refit.catch_up()`` ``--calls``
    times, each after a random 0-``--step`` s (an engine comes up at any moment of the
-   trainer's cycle; the i-th of both processes about at once): ``catchup_seconds`` is the median over
-   them of the slower process's ``catch_up()`` wall time (its whole cost: forming the
-   catch-up world with A's processes, their snapshots, the move), with
+   trainer's cycle; the i-th of both processes about at once): ``catchup_seconds`` is
+   the median over them of the slower process's ``catch_up()`` wall time (its whole
+   cost: forming the catch-up world with A's processes, their snapshots, the move), with
    ``catchup_move_seconds`` the move alone. The catch-ups come from A's replicas: B's
    bytes received are checked to equal its regions, and each catch-up bit-exact at the
    version it reports. A's calls that overlap a catch-up give

@@ -17,8 +17,10 @@ Decision record.
 - **Servers.** Every member whose Refit receives in place (a :class:`Bound`, torch
   tensors; not JAX destinations, which are new arrays per call) serves catch-ups from a
   daemon thread, started after its first successful call in an elastic world. After each
-  call it announces itself (signed, ``<world_id>/replica/<label>``: its Refit's name and
-  version). It never touches the members' world: a catch-up is a world of its own
+  call it announces itself (signed, ``<world_id>/replica/<refit>/<label>``: its Refit's
+  identity and version; several Refits of one process, e.g. a policy and a reference
+  model or the vLLM backend's layer groups, each serve their own). It never touches the
+  members' world: a catch-up is a world of its own
   (``<world_id>/catchup/<id>``, fixed, the world's token and store) formed by the joining
   process and the announced replicas among the current members (the epoch record), and
   runs one ordinary refit there, so planning, balancing among replicas, transports and
@@ -84,7 +86,7 @@ POLL = 0.02
 
 
 #: where the catch-up requests are numbered, and each replica's announcement
-REQUESTS, REPLICA = "catchups", "replica/{}"
+REQUESTS, REPLICA = "catchups", "replica/{}/{}"       # Refit identity, member label
 
 
 def restricted(bound: Bound | None, ranks: Any, rank_of: dict[int, int] | None = None
@@ -160,7 +162,7 @@ def replicas(world: Any, refit_id: str, exclude: str) -> list[str]:
     for who in world.current_members():
         if who == exclude:
             continue
-        body = world.published(REPLICA.format(who), "member/replica")
+        body = world.published(REPLICA.format(refit_id, who), "member/replica")
         if isinstance(body, dict) and body.get("refit") == refit_id:
             out.append(who)
     return out
@@ -305,6 +307,6 @@ def serve(refit: Any, server: Any) -> Any:
     if server is None or not server.thread.is_alive():
         server = _Server(refit)
     me = label(world.processes[world.process_index])
-    world.publish(REPLICA.format(me), "member/replica",
+    world.publish(REPLICA.format(refit.refit_id, me), "member/replica",
                   {"refit": refit.refit_id, "version": refit.version})
     return server

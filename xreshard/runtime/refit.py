@@ -209,15 +209,17 @@ class Refit:
         (the trainer sends nothing, no member's refit waits), in a process that joined a
         running elastic world with ``World.join(..., elastic=True, wait=False)``; then
         ``version`` is the version it holds, and the next call admits it and takes part
-        like the rest. See :mod:`xreshard.runtime.catchup` (what it raises: a failure
-        leaves ``stale`` set, and the next call sends the receive side whole)."""
+        like the rest (:mod:`xreshard.runtime.catchup`; a failure while moving sets ``stale``)."""
         if not self._busy.acquire(blocking=False):
             raise RefitError("this Refit is already running a call")
+        previous, self.stale = self.stale, True
         try:
-            self.stale = True
             report = catchup.catch_up(self, self._sides.receive.obj, self._naming)
             self.version, self.stale = report.version, False
             return report
+        except XreshardError:       # refused before any byte moved
+            self.stale = previous
+            raise
         finally:
             self._busy.release()
 
@@ -334,7 +336,7 @@ class Refit:
             self._staging.commit()
         if moved.delta is not None:         # fingerprints of the destinations as committed
             self.delta_state.commit(moved.delta, dst, self._sides.receive.obj)
-        self.served = dst if self._sides.receive.adapter != "jax" else None
+        self.served = dst if self.world.elastic and self._sides.receive.adapter != "jax" else None
         report = self._report(moved, target, time.perf_counter() - t0, plan_seconds,
                               replanned, verified)
         return report, (dst.finish if dst is not None else None)
