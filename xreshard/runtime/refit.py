@@ -287,9 +287,10 @@ class Refit:
         once the world is released."""
         try:
             self.world.admit()      # joined with wait=False: the members' next call admits it
-            with self.writing, self.world.exclusive("refit"), gc_paused(self.tuning.pause_gc):
-                report, finish = fleet.restarting(self.world,
-                                                  lambda: self._call(send, receive, snapshot))
+            with self.writing:      # the version moves after the world is released
+                with self.world.exclusive("refit"), gc_paused(self.tuning.pause_gc):
+                    report, finish = fleet.restarting(
+                        self.world, lambda: self._call(send, receive, snapshot))
                 if finish is not None:
                     self.received = finish()
                 self.stale = False
