@@ -17,8 +17,10 @@ and run one more (the rejoin), which it takes part in.
 Per trial: ``survivors_completed`` (every survivor returned from the call that lost the
 victim, its destination exact, version advanced), ``max_seconds`` (that call's start to
 return or raise, over the survivors), ``next_refit_ok``, ``rejoin_ok`` (the restarted
-process joined and holds the current version exact after the rejoin refit; it received it
-from the trainer: catch-up from the other engine is not built yet), ``hang``.
+process joined with ``wait=False``, caught up the survivors' version from the other
+engine's replica, exact, every byte of its regions received in the catch-up world, which
+the trainer is not part of; then the rejoin refit admitted it and it holds that version
+exact), ``hang``.
 """
 
 from __future__ import annotations
@@ -78,9 +80,9 @@ class _Side:
             full = _value(self.version)
             arrays = {(rank, n): [np.ascontiguousarray(full[region.slices()])] for n in NAMES}
         else:
-            if self.key != (rank, region):
-                self.key = (rank, region)
+            if self.key is None or self.key[1] != region:     # a rank renumbered keeps them
                 self.arrays = {n: np.zeros(region.shape, np.float32) for n in NAMES}
+            self.key = (rank, region)
             arrays = {(rank, n): [a] for n, a in self.arrays.items()}
         return xr.Bound({n: lay for n in NAMES}, arrays)
 
@@ -130,15 +132,27 @@ def engine_trial(ctx: Any, spec: dict) -> dict:
         seen = time.time()
         with open(spec["next_file"]) as f:
             version = int(f.read())         # the version the survivors call next
-        world = ctx.join(elastic=True, groups=groups, timeout=60)
-        joined = time.time()
         trainer = ctx.role.group == "trainer"
+        # an engine catches up from the other engine before it asks in; a trainer cannot
+        world = ctx.join(elastic=True, groups=groups, timeout=60, wait=trainer)
+        joined = time.time()
         side = _Side(trainer)
         refit = xr.Refit(world, config=config,
                          **{("send" if trainer else "receive"): xr.Rebuilt(side.build)})
+        caught = None
+        if not trainer:
+            try:
+                report = refit.catch_up()
+                caught = {"ok": True, "version": report.version,
+                          "exact": side.exact(report.version),
+                          "bytes_received": report.bytes_received,
+                          "expected_bytes": 4 * side.key[1].size * len(NAMES),
+                          "seconds": report.seconds}
+            except Exception as e:      # noqa: BLE001 - recorded
+                caught = {"ok": False, "error": f"{type(e).__name__}: {str(e)[:300]}"}
         out = _call(refit, side, version)
         out.update(role="spare", joined=True, epoch_after=world.epoch, flag_seen=seen,
-                   joined_at=joined)
+                   joined_at=joined, catch_up=caught)
         world.close()
         return out
     world = ctx.join(elastic=True, num_processes=len(ctx.roles) - 1, groups=groups,
@@ -223,6 +237,14 @@ def run_trial(i: int, args: Any) -> dict:
                          (r.traceback or r.output or "")[-500:]} for r in results]}
 
 
+def _caught_up(caught: dict | None, version: int) -> bool:
+    """The restarted engine process caught up from the other engine: the members' version
+    (``version``), bit-exact, every byte of its regions received in the catch-up world
+    (which holds the replicas and the joiner: the trainer sends none of it)."""
+    return bool(caught and caught["ok"] and caught["exact"] and caught["version"] == version
+                and caught["bytes_received"] == caught["expected_bytes"])
+
+
 def summarize(rows: list[dict], timeout: float) -> dict:
     """The issue's figures over the trials."""
     completed = hangs = next_ok = rejoin_ok = 0
@@ -246,7 +268,8 @@ def summarize(rows: list[dict], timeout: float) -> dict:
         rejoins = [v.get("rejoin") for v in values]
         sv = spare["value"] or {}
         if all(r and r["ok"] and r.get("exact", True) for r in rejoins) and sv.get("ok") \
-                and sv.get("exact") and sv.get("version") == rejoins[0]["version"]:
+                and sv.get("exact") and sv.get("version") == rejoins[0]["version"] \
+                and _caught_up(sv.get("catch_up"), rejoins[0]["version"] - 1):
             rejoin_ok += 1
     if rows and rows[0]["victim"].startswith("trainer"):
         return _summarize_source(rows, timeout)

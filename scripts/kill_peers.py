@@ -34,8 +34,10 @@ call did not raise ``WorldBroken`` within 1 s).
     python scripts/kill_peers.py --victim engine [--trials 20] [--timeout 5] [--json]
 
 ``--victim engine`` runs scripts/kill_engines.py's trials (an elastic world that loses an
-engine process mid-refit, see there) and prints one JSON object of its figures (``--json``
-without a file: only that object, on stdout; with one: the rows too, into the file).
+engine process mid-refit; the restarted process catches up from the other engine with
+``Refit.catch_up()`` before its first refit, see there) and prints one JSON object of its
+figures (``--json`` without a file: only that object, on stdout; with one: the rows too,
+into the file).
 """
 
 from __future__ import annotations

@@ -47,7 +47,8 @@ from .joining import KEY_ROOT, label
 from .store import Seal
 
 __all__ = ["ElasticWorld", "Membership", "Request", "epoch_world_id", "gone", "own_start",
-           "publish_epoch", "read_epoch", "read_requests", "request", "wait_admitted"]
+           "publish_epoch", "read_entry", "read_epoch", "read_requests", "request",
+           "wait_admitted"]
 
 logger = logging.getLogger("xreshard.runtime.world")
 
@@ -152,6 +153,18 @@ def wait_admitted(store: Any, seal: Seal, rid: str, deadline: float,
         pause = min(pause * 2, 0.1)
 
 
+def read_entry(store: Any, seal: Seal, key: str, kind: str) -> Any:
+    """The signed value at ``key`` (see ``World.publish``), or None (none there, or not
+    signed with the world's token: an outsider's is skipped)."""
+    try:
+        if not store.check([key]):
+            return None
+        return seal.open(store.get(key), key=key, kind=kind, op=0, process=-1)
+    except Exception:       # noqa: BLE001 - not signed with this world's token
+        logger.debug("skipped the entry at %s", key, exc_info=True)
+        return None
+
+
 def own_start() -> str | None:
     """This process's start time, published so that members on its host can tell its
     death from slowness (``gone``)."""
@@ -169,6 +182,8 @@ class Membership:
         self.groups = groups
         self.epoch = epoch
         self.consumed = set(consumed)
+        #: a process that joined with ``wait=False``: its join info until it is admitted
+        self.pending: dict[str, Any] | None = None
 
 
 class ElasticWorld:
@@ -188,6 +203,88 @@ class ElasticWorld:
     def members(self) -> tuple[str, ...]:
         """The members' labels (``"rollout[1]"``) in process order, this epoch."""
         return tuple(label(info) for info in self._infos)
+
+    @property
+    def admitted(self) -> bool:
+        """False while a process that joined a running world with ``wait=False`` has not
+        been admitted (its first refit call, or ``admit()``, admits it)."""
+        return self._elastic is None or self._elastic.pending is None
+
+    @property
+    def local_devices(self) -> tuple[Any, ...]:
+        """This process's devices, as given to ``World.join``."""
+        return self._devices
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    @property
+    def membership(self) -> Membership | None:
+        """The membership record of an elastic world (None: a fixed world)."""
+        return self._elastic
+
+    def admit(self) -> None:
+        """Ask to join the running world and wait until the members admit this process at
+        their next refit call (``World.join(..., elastic=True, wait=False)``); then this
+        world is the members' next epoch. Does nothing when admitted already.
+
+        Raises:
+            TransportTimeout: no member refit admitted it within the world's timeout; the
+                world is then broken (the members may still admit the request later and
+                would wait for this process: join again with a new process).
+        """
+        m = self._elastic
+        if m is None or m.pending is None:
+            return
+        from .joining import join_records, member_nonce, numbered
+        me = m.pending
+        where = f"{label(me)} joining world {self._world_id!r} at {self._address}"
+        deadline = time.monotonic() + self._timeout
+        try:
+            rid = request(self._store, m.base, "join", me)
+            record = wait_admitted(self._store, m.base, rid, deadline, where)
+            epoch, n = int(record["epoch"]), len(record["members"])
+            joined = join_records(self._store, Seal(m.base.token, epoch_world_id(
+                self._world_id, epoch)), me, {"num_processes": n, "groups": m.groups}, n,
+                deadline, self._address)
+            infos, position = numbered(joined.members, m.groups, self._world_id,
+                                       (me["group"], me["index"]))
+        except Exception as e:      # noqa: BLE001 - no way back into this world
+            self.mark_broken(f"admission failed: {type(e).__name__}: {e}")
+            raise
+        m.pending, m.epoch, m.consumed = None, epoch, set(record.get("consumed", ()))
+        self._enter_epoch(joined, member_nonce(joined), infos, position)
+        logger.debug("admitted %r at epoch %d", self, epoch)
+
+    def publish(self, key: str, kind: str, body: Any, numbered: bool = False) -> None:
+        """Write ``body`` signed with the world's token (not bound to an epoch: a process
+        not admitted yet reads and writes these) at ``xreshard/<world_id>/<key>``; or, with
+        ``numbered``, as the next entry of a sequence there (``<key>/<n>``, n = 1, 2, ...;
+        readers wait for the next key instead of polling: ``read_entry``)."""
+        m = self._elastic
+        assert m is not None and self._store is not None
+        full = f"{KEY_ROOT}/{self._world_id}/{key}"
+        if numbered:
+            full = f"{full}/{int(self._store.add(f'{full}/count', 1))}"
+        self._store.set(full, m.base.seal(kind, 0, -1, json.dumps(body)))
+
+    def published(self, key: str, kind: str) -> Any:
+        """What ``publish`` wrote at ``key``, or None (nothing there, or not signed with
+        this world's token)."""
+        m, store = self._elastic, self._store
+        if m is None or store is None:
+            return None
+        return read_entry(store, m.base, f"{KEY_ROOT}/{self._world_id}/{key}", kind)
+
+    def current_members(self) -> list[str]:
+        """The labels of the running world's members, from its epoch record (readable by
+        a process not admitted yet)."""
+        m = self._elastic
+        if m is None or self._store is None:
+            return list(self.members)
+        record = read_epoch(self._store, m.base)
+        return list(record["members"]) if record else list(self.members)
 
     def leave(self) -> None:
         """Leave an elastic world cleanly: ask out (signed), then close. The members
@@ -285,10 +382,23 @@ class ElasticWorld:
     @classmethod
     def _join_running(cls, store: Any, server: Any, address: str, seal: Seal,
                       me: dict[str, Any], groups: Any, devices: Any, deadline: float,
-                      timeout: float, running: dict[str, Any]) -> Any:
+                      timeout: float, running: dict[str, Any], wait: bool = True) -> Any:
         """``World.join`` of an elastic world that already runs: ask to join, wait for
-        the epoch that admits this process, form it with the members."""
+        the epoch that admits this process, form it with the members. With ``wait=False``:
+        a world not admitted yet (this process alone, its ranks from 0), which asks to
+        join at ``admit()`` (its first refit call); meanwhile ``Refit.catch_up`` may fill
+        its destinations from the members' replicas."""
         from .joining import join_records, member_nonce, numbered
+        if not wait:
+            membership = Membership(seal, groups, int(running["epoch"]),
+                                    running.get("consumed", ()))
+            membership.pending = me
+            world = cls(store=store, server=server, address=address,
+                        world_id=seal.world_id, timeout=timeout,
+                        infos=[dict(me, ranks=list(range(me["num_ranks"])))],
+                        process_index=0, devices=devices, seal=seal, elastic=membership)
+            logger.debug("joined %r, not admitted yet", world)
+            return world
         where = f"{label(me)} joining world {seal.world_id!r} at {address}"
         rid = request(store, seal, "join", me)
         record = wait_admitted(store, seal, rid, deadline, where)

@@ -128,13 +128,19 @@ def restarting(world: Any, call: Any) -> tuple[Any, Any]:
     return report, finish
 
 
-def adopt_version(refit: Any, versions: set[Any]) -> set[Any]:
-    """In an elastic world, a Refit new to it (version 0) takes the members' version: it
-    receives the next one with them. Returns the versions left to compare."""
-    if refit.world.elastic and len(versions - {0}) == 1:
-        refit.version = max(v for v in versions if isinstance(v, int))
-        return {refit.version}
-    return versions
+def adopt_version(refit: Any, gathered: list[dict[str, Any]]) -> set[Any]:
+    """The versions ``refit/check`` compares. In an elastic world, the processes new to
+    this Refit (no agreed identity yet: a new member at version 0, or one that caught up
+    from a replica and may be behind since) take the version of those that have one: they
+    receive the next one with them (every receiver gets its regions whole). Returns the
+    versions left to compare."""
+    versions = {g.get("version") for g in gathered}
+    known = {g.get("version") for g in gathered if g.get("refit") is not None}
+    if not refit.world.elastic or not known:
+        return versions
+    if len(known) == 1 and gathered[refit.world.process_index].get("refit") is None:
+        refit.version = next(iter(known))
+    return known
 
 
 def one_refit(world: Any, gathered: list[dict[str, Any]]) -> bool:

@@ -79,7 +79,7 @@ from .metadata import fit, merged_layouts, merged_quantized, stage_bindings
 from .quantized import quantized_problems, quantized_report
 from ..planner.plan import Plan, PlanCache
 from ..planner.prepare import CallOptions, PreparedCall, prepare
-from . import fleet
+from . import catchup, fleet
 from .atomic import Staging, left
 from .delta_wire import DeltaState, delta_problems
 from .handle import Background, RefitHandle
@@ -152,6 +152,7 @@ class Refit:
         self._name = name
         self._id: str | None = None                  # agreed at the first checked call
         self._sides = Sides(send, receive, names, transpose, rules, world=world)
+        self._naming = {"names": names, "transpose": tuple(transpose), "rules": rules}
         self._busy = threading.Lock()
         self._last_layouts: tuple | None = None     # this process's layouts, last call
         self._generation = 0                        # bumped when they change
@@ -168,6 +169,11 @@ class Refit:
         #: to the Refit of a new world: see xreshard.runtime.delta_wire)
         self.delta_state = DeltaState()
         self._claims: list[Any] = []                # every process's, this call
+        #: held for a whole call: a catch-up server snapshots between calls (catchup.py)
+        self.writing = threading.Lock()
+        self.served: Bound | None = None    # the in-place destination of the last call
+        self._server: Any = None            # its catch-up server (an elastic world)
+        self.own_only = False               # bind only this process's ranks (catch-up)
 
     @property
     def plan(self) -> Plan | None:
@@ -191,6 +197,31 @@ class Refit:
     @staging.setter
     def staging(self, value: Any) -> None:
         self._arena = value
+
+    @property
+    def refit_id(self) -> str:
+        """This Refit's identity in its world (agreed at its first call; until then the
+        one it proposes: its name, or its position)."""
+        return self._id if self._id is not None else self._proposal()
+
+    def catch_up(self) -> RefitReport:
+        """Fill the receive side with the members' current version from their replicas
+        (the trainer sends nothing, no member's refit waits), in a process that joined a
+        running elastic world with ``World.join(..., elastic=True, wait=False)``; then
+        ``version`` is the version it holds, and the next call admits it and takes part
+        like the rest (:mod:`xreshard.runtime.catchup`; a failure while moving sets ``stale``)."""
+        if not self._busy.acquire(blocking=False):
+            raise RefitError("this Refit is already running a call")
+        previous, self.stale = self.stale, True
+        try:
+            report = catchup.catch_up(self, self._sides.receive.obj, self._naming)
+            self.version, self.stale = report.version, False
+            return report
+        except XreshardError:       # refused before any byte moved
+            self.stale = previous
+            raise
+        finally:
+            self._busy.release()
 
     # ------------------------------------------------------------ the collective
 
@@ -255,13 +286,19 @@ class Refit:
         cyclic, and a collection mid-call traverses the whole heap). The version moves
         once the world is released."""
         try:
-            with self.world.exclusive("refit"), gc_paused(self.tuning.pause_gc):
-                report, finish = fleet.restarting(self.world,
-                                                  lambda: self._call(send, receive, snapshot))
-            if finish is not None:
-                self.received = finish()
-            self.stale = False
-            self.version = report.version
+            self.world.admit()      # joined with wait=False: the members' next call admits it
+            with self.writing:      # the version moves after the world is released
+                with self.world.exclusive("refit"), gc_paused(self.tuning.pause_gc):
+                    report, finish = fleet.restarting(
+                        self.world, lambda: self._call(send, receive, snapshot))
+                if finish is not None:
+                    self.received = finish()
+                self.stale = False
+                self.version = report.version
+                if self._server is not None:        # serving a catch-up: snapshot it
+                    self._server.keep(self)
+            if self.served is not None and self.world.elastic:
+                self._server = catchup.serve(self, self._server)
             logger.info("%s", report)
             return report
         except Failed as f:
@@ -300,6 +337,7 @@ class Refit:
             self._staging.commit()
         if moved.delta is not None:         # fingerprints of the destinations as committed
             self.delta_state.commit(moved.delta, dst, self._sides.receive.obj)
+        self.served = dst if self.world.elastic and self._sides.receive.adapter != "jax" else None
         report = self._report(moved, target, time.perf_counter() - t0, plan_seconds,
                               replanned, verified)
         return report, (dst.finish if dst is not None else None)
@@ -392,6 +430,8 @@ class Refit:
             maps = self._rank_maps()
             src = sides.bind(sides.send, maps, memo)
             dst = sides.bind(sides.receive, maps, memo)
+            if self.own_only:       # a catch-up world: what this process needs, no more
+                dst = catchup.restricted(dst, self.world.rank_ids)
             errors += side_problems({"send": src, "receive": dst}, self.world.rank_ids,
                                     self.world.is_local, self.config.wire_dtype)
         except Exception as e:      # noqa: BLE001 - every local failure reaches every rank
@@ -556,7 +596,7 @@ class Refit:
             raise Failed(RefitError(f"{refused}: processes run different tunings ({where}); "
                                      f"pass the same Tuning (or set XRESHARD_EXECUTOR the "
                                      f"same) in every process"))
-        versions = fleet.adopt_version(self, {g.get("version") for g in gathered})
+        versions = fleet.adopt_version(self, gathered)
         if len(versions) > 1:
             where = ", ".join(f"{describe(p)} at v{g.get('version')}"
                               for p, g in enumerate(gathered))

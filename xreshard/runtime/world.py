@@ -165,7 +165,7 @@ class World(WorldTransports, ElasticWorld):
              groups: Sequence[str] | None = None, host: str | None = None,
              timeout: float = 300.0, world_id: str = "default",
              is_server: bool = False, token: str | bytes | None = None,
-             elastic: bool = False) -> World:
+             elastic: bool = False, wait: bool = True) -> World:
         """Join a world; returns once all ``num_processes`` processes have joined.
 
         Args:
@@ -196,6 +196,9 @@ class World(WorldTransports, ElasticWorld):
                 excluded at the next collective the members agree on, and the world moves
                 to a new ``epoch`` instead of being broken. Every process of a world
                 passes the same value.
+            wait: (elastic, a running world) False returns before the members admitted
+                this process, for ``Refit.catch_up()``; its first refit call (or
+                ``admit()``) asks to join (:mod:`xreshard.runtime.catchup`).
 
         Returns:
             The joined world.
@@ -236,7 +239,7 @@ class World(WorldTransports, ElasticWorld):
             running = epochs.read_epoch(store, seal)
             if running is not None:
                 return cls._join_running(store, server, address, seal, me, groups,
-                                         local_devices, deadline, timeout, running)
+                                         local_devices, deadline, timeout, running, wait)
         try:
             joined = join_records(store, seal, me, expect, num_processes, deadline, address)
             records = joined.members
@@ -610,6 +613,9 @@ class World(WorldTransports, ElasticWorld):
     def _ensure_open(self) -> None:
         if self._closed:
             raise RefitError(f"world {self._world_id!r} is closed")
+        if not self.admitted:
+            raise RefitError(f"world {self._world_id!r}: this process is not admitted yet "
+                             f"(World.join(..., wait=False)); call admit() or a refit first")
         if self._broken is not None:
             raise WorldBroken(f"world {self._world_id!r} is broken and runs no further "
                               f"collectives: {self._broken}; join a new world (another "
