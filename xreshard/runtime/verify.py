@@ -399,7 +399,7 @@ class Digests:
 def digest_bindings(plan: Any, local_ranks: Iterable[int],
                     src_bindings: Mapping[tuple[int, str], Any],
                     dst_bindings: Mapping[tuple[int, str], Any], *, mode: bool | str = True,
-                    version: int = 0, sides: str = "both") -> Digests:
+                    version: int = 0, sides: str = "both", quant: Any = None) -> Digests:
     """Digest every transfer (and local copy) of ``plan`` that ``local_ranks`` take part in.
 
     Call after the executor ran, with the bindings of the stage of ``plan`` it used
@@ -418,6 +418,10 @@ def digest_bindings(plan: Any, local_ranks: Iterable[int],
             "send" half may run in a thread while the executor moves bytes (numpy releases
             the GIL in the reductions) and be merged with the "recv" half afterwards
             (:meth:`Digests.merge`).
+        quant: ``PreparedCall.quant`` when ``plan`` is the stage that quantizes on the way:
+            its tensors' transfers are hashed as codes, scales and split-block pieces
+            (:func:`xreshard.runtime.quantized.sent_bytes` / ``received_bytes``;
+            ``dst_bindings`` then holds the receivers' scratch buffers too).
 
     Returns:
         This process's :class:`Digests`.
@@ -448,6 +452,10 @@ def digest_bindings(plan: Any, local_ranks: Iterable[int],
         for t in (*plan.transfers_for(rank), *plan.local_copies_for(rank)):
             key = key_of(t.name, t.region, t.src, t.dst)
             if mode == "sample" and not _sampled(key, t.nbytes, version):
+                continue
+            if quant is not None and t.name in quant.tensors:
+                out.nbytes += _digest_quantized(out, quant, t, key, rank, src_bindings,
+                                                dst_bindings, plan.src[t.name])
                 continue
             src_layout: Layout = plan.src[t.name]
             dst_layout: Layout = plan.dst[t.name]
@@ -483,12 +491,61 @@ def digest_bindings(plan: Any, local_ranks: Iterable[int],
                 else:
                     jobs.append((out.recv, key, len(arrays)))
                     arrays.append(view)
+    if quant is not None and dst_bindings:
+        out.nbytes += _digest_finished(out, quant, local, dst_bindings, mode, version)
     if arrays:
         hexes = _device_digests(arrays)
         for table, key, i in jobs:
             table[key] = hexes[i]
     out.seconds = time.perf_counter() - t0
     return out
+
+
+def _digest_quantized(out: Digests, quant: Any, t: Any, key: str, rank: int,
+                      src_bindings: Mapping, dst_bindings: Mapping, src_layout: Layout) -> int:
+    """Hash transfer ``t`` of a tensor quantized on the way on ``rank``'s side(s) (host
+    bindings: the executor refuses device ones); returns the bytes hashed."""
+    from . import quantized
+
+    streams = []
+    if t.src == rank and (t.src, t.name) in src_bindings and key not in out.send:
+        view = view_of(src_bindings[(t.src, t.name)], src_layout, t.src, t.region)
+        streams.append((out.send, quantized.sent_bytes(quant, t.name, t.region, view,
+                                                       src_layout.dtype)))
+    if t.dst == rank and (t.dst, t.name) in dst_bindings and key not in out.recv:
+        streams.append((out.recv, quantized.received_bytes(quant, t.dst, t.name, t.region,
+                                                           dst_bindings)))
+    n = 0
+    for table, pieces in streams:
+        h = _Hasher()
+        for piece in pieces:
+            h.update(piece)
+            n += piece.size
+        table[key] = h.hexdigest()
+    return n
+
+
+def _digest_finished(out: Digests, quant: Any, local: Sequence[int], dst_bindings: Mapping,
+                     mode: bool | str, version: int) -> int:
+    """Hash the split blocks each local receiver quantized itself, both ways in this
+    process (:func:`xreshard.runtime.quantized.finished_bytes`), filed as a transfer from
+    the receiver to itself; returns the bytes hashed."""
+    from . import quantized
+
+    n = 0
+    for rank in local:
+        for name, region, expected, held in quantized.finished_bytes(quant, rank,
+                                                                     dst_bindings):
+            key = key_of(name, region, rank, rank)
+            for table, pieces in ((out.send, expected), (out.recv, held)):
+                if mode == "sample" and not _sampled(key, region.size, version):
+                    break
+                h = _Hasher()
+                for piece in pieces:
+                    h.update(piece)
+                    n += piece.size
+                table[key] = h.hexdigest()
+    return n
 
 
 # ---------------------------------------------------------------------------- compare
