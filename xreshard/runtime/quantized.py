@@ -12,7 +12,10 @@ inside its pipeline:
 * **unpack** an FP8 item: codes into the codes' binding, scales into the scales';
 * rest items land in scratch buffers (ordinary unpacks: the scratch is a binding of its
   own, :meth:`Scratch.key`), which :func:`finish` quantizes once every round has landed;
-* same-rank copies (:func:`copy_local`) do both at once.
+* same-rank copies (:func:`copy_local`) do both at once;
+* ``RefitConfig(verify=...)`` hashes, per transfer, what the sender quantizes and what the
+  receiver holds (:func:`sent_bytes`, :func:`received_bytes`), and per group of split
+  blocks what their receiver quantized (:func:`finished_bytes`).
 
 Host bindings only: quantizing on a GPU inside the executor needs a CUDA quantizer
 (TODO(issue 20): a CuPy or torch kernel on xreshard's stream); device bindings are refused
@@ -29,11 +32,12 @@ import numpy as np
 from ..dtypes import bits_dtype, numpy_dtype
 from ..ir.formats import MXFP8
 from ..planner.quantize import core_of, rest_boxes
-from .copies import copy_into
+from .copies import copy_into, view_of
 
 __all__ = ["pack", "unpack", "copy_local", "finish", "scratch_bindings", "quantize_values",
            "count", "copies", "refuse_devices", "with_scratch", "sent_bytes",
-           "received_bytes", "finished_bytes", "FINISHED", "quantized_report"]
+           "received_bytes", "finished_bytes", "transfer_streams", "digest_transfer",
+           "digest_finished", "FINISHED", "quantized_report"]
 
 
 #: regions at least this big are quantized by JAX's jitted quantizer in a process that has
@@ -160,9 +164,13 @@ def refuse_devices(quant: Any) -> None:
     """Raise ``RefitError`` when a call that quantizes on the way has device bindings."""
     if quant is not None:
         from ..errors import RefitError
-        raise RefitError(f"quantizing on the way ({sorted(quant.tensors)[:3]}) runs on host "
-                         "bindings only for now; send these tensors from host memory, or "
-                         "quantize them in the trainer")
+        raise RefitError(f"tensors quantized on the way ({', '.join(sorted(quant.tensors)[:3])}"
+                         f"{', ...' if len(quant.tensors) > 3 else ''}) have GPU bindings in "
+                         "this refit, but the executor quantizes host memory only (no CUDA "
+                         "quantizer on its stream yet); nothing was moved. Send these "
+                         "tensors from host memory, or quantize them in the trainer "
+                         "(xreshard.quant.quantize on the device) and offer the codes and "
+                         "scales, which move as they are")
 
 
 def with_scratch(quant: Any, dsts: Any, cache: dict | None) -> list:
@@ -262,6 +270,55 @@ def received_bytes(quant: Any, rank: int, name: str, region: Any, dst_bindings: 
     for box in rest_boxes(region, core):
         s = quant.scratch_for(rank, name, box)
         yield _bytes(dst_bindings[s.key][_relative(box, s.region)])
+
+
+def transfer_streams(quant: Any, t: Any, rank: int, src_bindings: Mapping,
+                     dst_bindings: Mapping, src_layout: Any
+                     ) -> Iterator[tuple[str, Iterator[np.ndarray]]]:
+    """``("send" | "recv", byte pieces)`` for the sides of transfer ``t`` (of a tensor
+    quantized on the way) that ``rank`` holds bindings of: :func:`sent_bytes` from its
+    source view, :func:`received_bytes` from its destination (host bindings: the executor
+    refuses device ones)."""
+    if t.src == rank and (t.src, t.name) in src_bindings:
+        view = view_of(src_bindings[(t.src, t.name)], src_layout, t.src, t.region)
+        yield "send", sent_bytes(quant, t.name, t.region, view, src_layout.dtype)
+    if t.dst == rank and (t.dst, t.name) in dst_bindings:
+        yield "recv", received_bytes(quant, t.dst, t.name, t.region, dst_bindings)
+
+
+def digest_transfer(out: Any, quant: Any, t: Any, key: str, rank: int, src_bindings: Mapping,
+                    dst_bindings: Mapping, src_layout: Any, stream_hex: Any) -> int:
+    """File the digests of transfer ``t`` (of a tensor quantized on the way) under ``key``
+    in ``out.send`` / ``out.recv`` (a ``verify.Digests``) for the sides ``rank`` holds,
+    unless filed already: :func:`sent_bytes` and :func:`received_bytes` (``dst_bindings``
+    holds the receivers' scratch buffers too); ``stream_hex(pieces) -> (digest, bytes)``.
+    Returns the bytes hashed."""
+    n = 0
+    for side, pieces in transfer_streams(
+            quant, t, rank, src_bindings if key not in out.send else {},
+            dst_bindings if key not in out.recv else {}, src_layout):
+        (out.send if side == "send" else out.recv)[key], k = stream_hex(pieces)
+        n += k
+    return n
+
+
+def digest_finished(out: Any, quant: Any, local: Any, dst_bindings: Mapping, stream_hex: Any,
+                    wanted: Any) -> int:
+    """File the digests of the split blocks each of the ``local`` receivers quantized
+    itself (:func:`finished_bytes`), both ways, as a transfer from the receiver to itself
+    (``wanted(key, elements)``: whether this call hashes it). Returns the bytes hashed."""
+    from .verify import key_of
+
+    n = 0
+    for rank in local:
+        for name, region, expected, held in finished_bytes(quant, rank, dst_bindings):
+            key = key_of(name, region, rank, rank)
+            if not wanted(key, region.size):
+                continue
+            out.send[key], k1 = stream_hex(expected)
+            out.recv[key], k2 = stream_hex(held)
+            n += k1 + k2
+    return n
 
 
 #: what verify files the split blocks a receiver quantized under: the tensor's name plus this

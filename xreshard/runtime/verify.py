@@ -68,6 +68,7 @@ import numpy as np
 
 from ..dtypes import as_dtype, bits, numpy_dtype
 from ..errors import RefitError
+from . import quantized
 from .execute import copy_into, view_of
 from ..ir.layout import Layout, Region
 
@@ -335,6 +336,10 @@ def _sampled(key: str, nbytes: int, version: int) -> bool:
     return zlib.crc32(key.encode()) % SAMPLE_PERIOD == version % SAMPLE_PERIOD
 
 
+def _wanted(mode: bool | str, key: str, nbytes: int, version: int) -> bool:
+    return mode != "sample" or _sampled(key, nbytes, version)
+
+
 def _pair_digest(entries: Iterable[tuple[str, str]]) -> str:
     h = hashlib.blake2b(digest_size=16)
     for key, d in sorted(entries):
@@ -403,8 +408,7 @@ def digest_bindings(plan: Any, local_ranks: Iterable[int],
     """Digest every transfer (and local copy) of ``plan`` that ``local_ranks`` take part in.
 
     Call after the executor ran, with the bindings of the stage of ``plan`` it used
-    (``metadata.stage_bindings``: ``(rank, name) -> array``, a list of arrays for explicit
-    layouts).
+    (``metadata.stage_bindings``: ``(rank, name) -> array``, or a list for explicit layouts).
 
     Args:
         plan: the refit's :class:`xreshard.planner.plan.Plan` (the same in every process).
@@ -418,10 +422,8 @@ def digest_bindings(plan: Any, local_ranks: Iterable[int],
             "send" half may run in a thread while the executor moves bytes (numpy releases
             the GIL in the reductions) and be merged with the "recv" half afterwards
             (:meth:`Digests.merge`).
-        quant: ``PreparedCall.quant`` when ``plan`` is the stage that quantizes on the way:
-            its tensors' transfers are hashed as codes, scales and split-block pieces
-            (:func:`xreshard.runtime.quantized.sent_bytes` / ``received_bytes``;
-            ``dst_bindings`` then holds the receivers' scratch buffers too).
+        quant: ``PreparedCall.quant`` of the stage that quantizes on the way (see
+            :func:`xreshard.runtime.quantized.digest_transfer`).
 
     Returns:
         This process's :class:`Digests`.
@@ -433,13 +435,11 @@ def digest_bindings(plan: Any, local_ranks: Iterable[int],
         raise RefitError(f"verify must be False, True or 'sample', got {mode!r}")
     if sides not in ("send", "recv", "both"):
         raise RefitError(f"sides must be 'send', 'recv' or 'both', got {sides!r}")
-    if sides == "recv":
-        src_bindings = {}
-    elif sides == "send":
-        dst_bindings = {}
+    src_bindings, dst_bindings = ({} if sides == "recv" else src_bindings,
+                                  {} if sides == "send" else dst_bindings)
     t0 = time.perf_counter()
-    out = Digests({}, {}, mode="off" if mode is False else ("sample" if mode == "sample"
-                                                              else "full"), version=version)
+    out = Digests({}, {}, mode={False: "off", "sample": "sample"}.get(mode, "full"),
+                  version=version)
     if mode is False:
         return out
     local = list(local_ranks)
@@ -454,8 +454,9 @@ def digest_bindings(plan: Any, local_ranks: Iterable[int],
             if mode == "sample" and not _sampled(key, t.nbytes, version):
                 continue
             if quant is not None and t.name in quant.tensors:
-                out.nbytes += _digest_quantized(out, quant, t, key, rank, src_bindings,
-                                                dst_bindings, plan.src[t.name])
+                out.nbytes += quantized.digest_transfer(
+                    out, quant, t, key, rank, src_bindings, dst_bindings, plan.src[t.name],
+                    _stream_hex)
                 continue
             src_layout: Layout = plan.src[t.name]
             dst_layout: Layout = plan.dst[t.name]
@@ -491,8 +492,9 @@ def digest_bindings(plan: Any, local_ranks: Iterable[int],
                 else:
                     jobs.append((out.recv, key, len(arrays)))
                     arrays.append(view)
-    if quant is not None and dst_bindings:
-        out.nbytes += _digest_finished(out, quant, local, dst_bindings, mode, version)
+    if quant is not None and dst_bindings:      # the split blocks receivers quantized
+        out.nbytes += quantized.digest_finished(out, quant, local, dst_bindings, _stream_hex,
+                                                lambda k, n: _wanted(mode, k, n, version))
     if arrays:
         hexes = _device_digests(arrays)
         for table, key, i in jobs:
@@ -501,51 +503,13 @@ def digest_bindings(plan: Any, local_ranks: Iterable[int],
     return out
 
 
-def _digest_quantized(out: Digests, quant: Any, t: Any, key: str, rank: int,
-                      src_bindings: Mapping, dst_bindings: Mapping, src_layout: Layout) -> int:
-    """Hash transfer ``t`` of a tensor quantized on the way on ``rank``'s side(s) (host
-    bindings: the executor refuses device ones); returns the bytes hashed."""
-    from . import quantized
-
-    streams = []
-    if t.src == rank and (t.src, t.name) in src_bindings and key not in out.send:
-        view = view_of(src_bindings[(t.src, t.name)], src_layout, t.src, t.region)
-        streams.append((out.send, quantized.sent_bytes(quant, t.name, t.region, view,
-                                                       src_layout.dtype)))
-    if t.dst == rank and (t.dst, t.name) in dst_bindings and key not in out.recv:
-        streams.append((out.recv, quantized.received_bytes(quant, t.dst, t.name, t.region,
-                                                           dst_bindings)))
-    n = 0
-    for table, pieces in streams:
-        h = _Hasher()
-        for piece in pieces:
-            h.update(piece)
-            n += piece.size
-        table[key] = h.hexdigest()
-    return n
-
-
-def _digest_finished(out: Digests, quant: Any, local: Sequence[int], dst_bindings: Mapping,
-                     mode: bool | str, version: int) -> int:
-    """Hash the split blocks each local receiver quantized itself, both ways in this
-    process (:func:`xreshard.runtime.quantized.finished_bytes`), filed as a transfer from
-    the receiver to itself; returns the bytes hashed."""
-    from . import quantized
-
-    n = 0
-    for rank in local:
-        for name, region, expected, held in quantized.finished_bytes(quant, rank,
-                                                                     dst_bindings):
-            key = key_of(name, region, rank, rank)
-            for table, pieces in ((out.send, expected), (out.recv, held)):
-                if mode == "sample" and not _sampled(key, region.size, version):
-                    break
-                h = _Hasher()
-                for piece in pieces:
-                    h.update(piece)
-                    n += piece.size
-                table[key] = h.hexdigest()
-    return n
+def _stream_hex(pieces: Iterable[np.ndarray]) -> tuple[str, int]:
+    """The xr64x2 digest of C-contiguous uint8 ``pieces`` in order, and their bytes."""
+    h, n = _Hasher(), 0
+    for piece in pieces:
+        h.update(piece)
+        n += piece.size
+    return h.hexdigest(), n
 
 
 # ---------------------------------------------------------------------------- compare
