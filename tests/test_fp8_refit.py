@@ -275,25 +275,3 @@ def test_codes_and_scales_offered_by_the_sender_move_as_they_are():
         prepare(dict(src_q, w=src["w"]), pre, None, CallOptions(), ranks=range(5),
                 quantized=quantized)
 
-
-def test_fp8_items_travel_in_small_messages_and_short_rounds():
-    """Quantizing is the slow stage on a CPU: FP8 items are at most QUANT_ITEM_BYTES, a
-    pair's first round holds one of them (the wire starts after one is quantized) and
-    later rounds at most QUANT_ROUND_BYTES of them, whatever bucket_bytes allows; the
-    tensor's blocks are covered once."""
-    from xreshard.planner.schedule import QUANT_ITEM_BYTES, QUANT_ROUND_BYTES
-
-    shape = (4096, 4096)                       # 16 MiB of codes, one sender, one receiver
-    qt = QuantizedTensor("big", "big_scale", BlockFP8(), shape)
-    src = {"big": _sharded(shape, "bfloat16", (0,), (1,), (0,))}
-    dst = {"big": _sharded(shape, "float8_e4m3fn", (1,), (1,), (0,)),
-           "big_scale": _sharded(qt.scale_shape, "float32", (1,), (1,), (0,))}
-    options = CallOptions(bucket_bytes=1 << 30, staging_bytes=1 << 31)
-    prepared = prepare(src, dst, None, options, ranks=(0, 1), quantized={"big": qt})
-    rounds = prepared.schedule.rounds
-    items = [it for r in rounds for b in r for it in b.items]
-    assert all(it.quantized and it.nbytes <= QUANT_ITEM_BYTES for it in items)
-    assert sum(it.region.size for it in items) == 4096 * 4096
-    assert [len(b.items) for b in rounds[0]] == [1] and len(rounds[0]) == 1
-    assert all(sum(b.nbytes for b in r) <= QUANT_ROUND_BYTES for r in rounds[1:])
-    assert len(rounds) >= 1 + 8 * 2**20 // QUANT_ROUND_BYTES    # not one 1 GiB bucket

@@ -34,18 +34,6 @@ MIN_BUCKET_BYTES = 1 << 10
 #: items at least this big are messages of their own (maybe zero-copy); smaller ones share
 OWN_MESSAGE_BYTES = 1 << 16
 
-#: the most wire bytes of one FP8 item (whole blocks the sender quantizes at pack time), and
-#: the most a pair's round holds of them (its first round: one item). Quantizing is the slow
-#: stage of such a call on a CPU (~1 GB/s of bf16 against several for the wire): the
-#: pipelined executor hides it behind the wire only when the wire has something to move
-#: early and often, so these messages are small and their rounds short: the wire starts
-#: after the first item is quantized, a transport that publishes a round at its end (shm
-#: reading in place) moves round k while round k + 1 quantizes, and the receivers unpack
-#: round k while round k + 1 lands. A bigger round adds its wire and unpack time to the
-#: call's end instead (0.5 GiB JAX -> torch, one round: fp8 took quantize + bf16 refit).
-QUANT_ITEM_BYTES = 1 << 21
-QUANT_ROUND_BYTES = 1 << 23
-
 
 @dataclass(frozen=True, slots=True)
 class Item:
@@ -143,7 +131,7 @@ def _pair_buckets(src: int, dst: int, transfers: Sequence[Transfer], order: Mapp
         isz = itemsizes[t.name]
         if t.name in quantized:
             items += [Item(t.name, part, n, q) for part, n, q in split_quantized(
-                quantized[t.name], t.region, isz, min(size, QUANT_ITEM_BYTES), split_region)]
+                quantized[t.name], t.region, isz, size, split_region)]
             continue
         for part in split_region(t.region, isz, size):
             items.append(Item(t.name, part, part.size * isz))
@@ -214,9 +202,9 @@ def schedule(plan: Plan, local_ranks: Sequence[int], peer_counts: Mapping[int, i
                                  staging_bytes=staging_bytes)
         rnd, used = 0, 0
         for tag, items in enumerate(_pair_buckets(src, dst, transfers, order, size, itemsizes,
-                                                  quantized)):
+                                                         quantized)):
             nbytes = sum(it.nbytes for it in items)
-            if used and used + nbytes > _round_limit(items, rnd, size):
+            if used and used + nbytes > size:
                 rnd, used = rnd + 1, 0
             used += nbytes
             while len(rounds) <= rnd:
@@ -227,15 +215,6 @@ def schedule(plan: Plan, local_ranks: Sequence[int], peer_counts: Mapping[int, i
                     in_flight[(rnd, r)] = in_flight.get((rnd, r), 0) + nbytes
     copies = tuple(_copies(plan, local_ranks, stage, quantized, itemsizes))
     return Schedule(tuple(tuple(r) for r in rounds), copies, max(in_flight.values(), default=0))
-
-
-def _round_limit(items: Sequence[Item], rnd: int, size: int) -> int:
-    """The most bytes a pair's round ``rnd`` takes before ``items`` (one message) opens the
-    next: ``size``, or for a message of FP8 items :data:`QUANT_ROUND_BYTES` (one item in
-    round 0, so the wire starts as soon as it is quantized)."""
-    if not any(it.quantized for it in items):
-        return size
-    return min(size, QUANT_ITEM_BYTES if rnd == 0 else QUANT_ROUND_BYTES)
 
 
 def _copies(plan: Plan, local_ranks: Sequence[int], stage: int, quantized: Mapping[str, Any],
