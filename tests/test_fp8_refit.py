@@ -61,7 +61,8 @@ def _case():
     return src, dst, quantized
 
 
-def _run(src, dst, quantized, *, pipeline, bucket_bytes=4096, wire_dtype=None, values=None):
+def _run(src, dst, quantized, *, pipeline, bucket_bytes=4096, wire_dtype=None, values=None,
+         programs=None):
     from xreshard.config import Tuning
     from xreshard.runtime.execute import run
     from xreshard.runtime.metadata import stage_bindings
@@ -76,7 +77,7 @@ def _run(src, dst, quantized, *, pipeline, bucket_bytes=4096, wire_dtype=None, v
                           wire_dtype=wire_dtype)
     prepared = prepare(src, dst, None, options, ranks=range(5), quantized=quantized)
     stats, _ = run(prepared, stage_bindings(prepared, src_b, dst_b), LocalTransport(),
-                   timeout=30, programs={},
+                   timeout=30, programs={} if programs is None else programs,
                    tuning=Tuning(executor="pipelined" if pipeline else "rounds"))
     return prepared, stats, values, dst_b
 
@@ -194,19 +195,68 @@ def test_bad_offers_are_refused_before_planning():
 
 
 def test_what_does_not_quantize_yet_is_refused_by_name():
-    """relay='on' and verify=True with tensors quantized on the way: a clear error, the
-    same in every process (prepare and the refit's check both run everywhere)."""
-    from xreshard.runtime.quantized import quantized_problems
-
+    """relay='on' with tensors quantized on the way: a clear error, the same in every
+    process (prepare runs everywhere)."""
     src, dst, quantized = _case()
     with pytest.raises(FormatError, match="relay='on' with quantized destinations"):
         prepare(src, dst, None, CallOptions(relay="on"), ranks=range(5), quantized=quantized)
     prepared = prepare(src, dst, None, CallOptions(relay="auto"), ranks=range(5),
                        quantized=quantized)
     assert [s.index for s in prepared.stages] == [0]
-    problems = quantized_problems(prepared, xr.RefitConfig(verify=True))
-    assert problems[0][0] == "RefitError" and "verify cannot check" in problems[0][1]
-    assert quantized_problems(prepared, xr.RefitConfig()) == []
+
+
+def _digests(prepared, programs, src, values, dst_b):
+    """verify's summaries of the trainer (ranks 0-3) and the receiver (rank 4) processes
+    after ``_run`` (rank 0 receives too: its same-rank copies are hashed on both sides)."""
+    import json
+
+    from xreshard.runtime import verify
+    from xreshard.runtime.quantized import scratch_bindings
+
+    src_b = {(r, n): local_arrays_from_global(lay, r, values[n]) for n, lay in src.items()
+             for r in lay.ranks}
+    dst_all = {**dst_b, **scratch_bindings(prepared.quant, programs)}
+    out = []
+    for ranks in ((0, 1, 2, 3), (4,)):
+        mine = verify.digest_bindings(
+            prepared.plan, ranks, {k: v for k, v in src_b.items() if k[0] in ranks},
+            {k: v for k, v in dst_all.items() if k[0] in ranks}, quant=prepared.quant)
+        out.append(json.loads(json.dumps(mine.summary)))
+    return out
+
+
+@pytest.mark.parametrize("where", ["code", "scale", "split piece", "fp8 item scale"])
+def test_verify_hashes_codes_scales_and_split_pieces_and_catches_a_flip(where):
+    """verify=True with quantized destinations: the sender hashes the codes and scales it
+    quantizes (and the bf16 pieces of split blocks), the receiver what landed; equal after
+    a clean move, and one flipped byte of a code, a scale or a split block's piece (in the
+    receiver's scratch) is a mismatch naming the tensor and the receiver."""
+    from xreshard.runtime import verify
+    from xreshard.runtime.quantized import FINISHED, scratch_bindings
+
+    src, dst, quantized = _case()
+    programs: dict = {}
+    prepared, _, values, dst_b = _run(src, dst, quantized, pipeline=True, programs=programs)
+    assert verify.mismatches(_digests(prepared, programs, src, values, dst_b)) == []
+    if where == "code":
+        name = "w"
+        dst_b[(4, name)].view(np.uint8)[3, 5] ^= 1
+    elif where == "scale":              # every experts block is split: rank 4 quantized it
+        name = "experts" + FINISHED
+        dst_b[(4, "experts_scale")].view(np.uint8).reshape(-1)[1] ^= 0x40
+    elif where == "fp8 item scale":     # o: rows on the grid, every block sent quantized
+        name = "w"
+        dst_b[(4, "w_scale")].view(np.uint8).reshape(-1)[0] ^= 0x40
+    else:
+        name = "w"
+        scratch = scratch_bindings(prepared.quant, programs)
+        key = next(k for k in sorted(scratch) if k[0] == 4 and k[1].startswith("w\0"))
+        scratch[key].view(np.uint8).reshape(-1)[-1] ^= 1
+    bad = verify.mismatches(_digests(prepared, programs, src, values, dst_b))
+    # a piece flipped after the finish also no longer quantizes to what rank 4 holds
+    extra = {name + FINISHED} if where == "split piece" else set()
+    assert bad and {name} <= {m.name for m in bad} <= {name} | extra, bad
+    assert {m.dst for m in bad} == {4}, bad
 
 
 def test_codes_and_scales_offered_by_the_sender_move_as_they_are():
@@ -224,3 +274,4 @@ def test_codes_and_scales_offered_by_the_sender_move_as_they_are():
     with pytest.raises(FormatError, match="offers its scales 'w_scale' but bfloat16 values"):
         prepare(dict(src_q, w=src["w"]), pre, None, CallOptions(), ranks=range(5),
                 quantized=quantized)
+

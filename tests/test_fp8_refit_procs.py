@@ -34,6 +34,29 @@ def _values(version: int) -> dict[str, np.ndarray]:
     return out
 
 
+def _config(bad: str | None):
+    import xreshard as xr
+    return xr.RefitConfig(timeout=60, bucket_bytes=1 << 15, verify=bad == "corrupt")
+
+
+def _corrupt_first_run(name: str) -> None:
+    """Flip one code byte of ``name`` after this process's first executor run (a wire or
+    unpack fault the checksums must catch), then behave."""
+    from xreshard.runtime import execute
+
+    run, calls = execute.Executor.run, []
+
+    def corrupting_run(self):
+        stats = run(self)
+        calls.append(1)
+        if len(calls) == 1:
+            key = next(k for k in sorted(self.dst_bindings) if k[1] == name)
+            self.dst_bindings[key].view(np.uint8).reshape(-1)[7] ^= 1
+        return stats
+
+    execute.Executor.run = corrupting_run
+
+
 def trainer(ctx, bad: str | None) -> dict:
     import jax
     import jax.numpy as jnp
@@ -52,8 +75,7 @@ def trainer(ctx, bad: str | None) -> dict:
             out[name] = jax.device_put(x, NamedSharding(mesh, P(*TENSORS[name][2])))
         return out
 
-    refit = xr.Refit(world, send=params(1), config=xr.RefitConfig(timeout=60,
-                                                                  bucket_bytes=1 << 15))
+    refit = xr.Refit(world, send=params(1), config=_config(bad))
     out: dict = {"reports": []}
     for v in (1, 2):
         try:
@@ -61,8 +83,10 @@ def trainer(ctx, bad: str | None) -> dict:
                 r = refit(send=params(v))
         except Exception as e:      # noqa: BLE001 - the test compares what was raised
             out["error"] = [type(e).__name__, str(e)]
-            break
-        out["reports"].append(dict(r.quantized, sent=r.bytes_sent))
+            if bad != "corrupt":
+                break
+            continue
+        out["reports"].append(dict(r.quantized, sent=r.bytes_sent, verified=r.verified))
         out.setdefault("counts", []).append(counts.as_json())
     world.close()
     return out
@@ -104,8 +128,9 @@ def rollout(ctx, bad: str | None) -> dict:
                                              run_check=False))
             locals_.setdefault(name, []).append(local)
         state[name] = Quantized(*pieces, fmt)
-    refit = xr.Refit(world, receive=state, config=xr.RefitConfig(timeout=60,
-                                                                 bucket_bytes=1 << 15))
+    if bad == "corrupt" and me == 1:
+        _corrupt_first_run("o")
+    refit = xr.Refit(world, receive=state, config=_config(bad))
     out: dict = {"got": []}
     for v in (1, 2):
         try:
@@ -115,7 +140,9 @@ def rollout(ctx, bad: str | None) -> dict:
             out["error"] = [type(e).__name__, str(e)]
             out["untouched"] = all((t.view(torch.uint8) == 0x55).all().item()
                                    for ts in locals_.values() for t in ts)
-            break
+            if bad != "corrupt":
+                break
+            continue
         out["got"].append({n: [t.view(torch.uint8).numpy().tobytes().hex() for t in ts]
                            for n, ts in locals_.items()})
         out.setdefault("reports", []).append(dict(r.quantized))
@@ -202,3 +229,26 @@ def test_bad_offers_fail_the_same_everywhere_before_any_byte_moves(bad, error, w
     assert all(e == errors[0] for e in errors), errors
     assert errors[0][0] == error and words in errors[0][1], errors[0]
     assert all(r.value["untouched"] for r in results[1:])
+
+
+def test_verify_checks_quantized_bytes_and_a_flipped_code_fails_everywhere():
+    """verify=True with FP8 destinations: rollout[1] flips one received code byte in the
+    first refit; every process raises the same VerificationError naming the tensor and
+    the receiver; the next refit verifies and holds vLLM's bytes."""
+    roles = [Role("jax", "trainer", 0, num_devices=4)] + [
+        Role("torch", "rollout", i) for i in range(ROLLOUT)]
+    results = launch([trainer, rollout, rollout], roles, args=("corrupt",), timeout=300)
+    errors = [r.value["error"] for r in results]
+    assert all(e == errors[0] for e in errors), errors
+    assert errors[0][0] == "VerificationError" and "tensor 'o'" in errors[0][1], errors[0]
+    assert "rollout[1]" in errors[0][1], errors[0]
+    report = results[0].value["reports"]
+    assert len(report) == 1 and report[0]["verified"], report
+    want = _vllm_bytes(2)
+    for res in results[1:]:
+        index = roles.index(res.role) - 1
+        codes, scales = want["o"]
+        rows = slice(index * 512, (index + 1) * 512)
+        got = res.value["got"][-1]["o"]
+        assert got[0] == codes[rows].tobytes().hex() and \
+            got[1] == scales[index * 4:(index + 1) * 4].tobytes().hex()

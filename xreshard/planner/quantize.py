@@ -47,7 +47,8 @@ from ..ir.formats import QUANTIZABLE, FormatError, QuantizedTensor
 from ..ir.geometry import Region
 from ..ir.layout import Layout
 
-__all__ = ["Quantization", "Scratch", "quantization", "split_quantized", "rest_boxes"]
+__all__ = ["Quantization", "Scratch", "quantization", "split_quantized", "rest_boxes",
+           "core_of"]
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,10 @@ inside its pipeline:
 * **unpack** an FP8 item: codes into the codes' binding, scales into the scales';
 * rest items land in scratch buffers (ordinary unpacks: the scratch is a binding of its
   own, :meth:`Scratch.key`), which :func:`finish` quantizes once every round has landed;
-* same-rank copies (:func:`copy_local`) do both at once.
+* same-rank copies (:func:`copy_local`) do both at once;
+* ``RefitConfig(verify=...)`` hashes, per transfer, what the sender quantizes and what the
+  receiver holds (:func:`sent_bytes`, :func:`received_bytes`), and per group of split
+  blocks what their receiver quantized (:func:`finished_bytes`).
 
 Host bindings only: quantizing on a GPU inside the executor needs a CUDA quantizer
 (TODO(issue 20): a CuPy or torch kernel on xreshard's stream); device bindings are refused
@@ -22,17 +25,19 @@ before anything moves.
 from __future__ import annotations
 
 import sys
-from typing import Any, Mapping
+from typing import Any, Iterator, Mapping
 
 import numpy as np
 
-from ..dtypes import numpy_dtype
+from ..dtypes import bits_dtype, numpy_dtype
 from ..ir.formats import MXFP8
-from .copies import copy_into
+from ..planner.quantize import core_of, rest_boxes
+from .copies import copy_into, view_of
 
 __all__ = ["pack", "unpack", "copy_local", "finish", "scratch_bindings", "quantize_values",
-           "count", "copies", "refuse_devices", "with_scratch", "quantized_problems",
-           "quantized_report"]
+           "count", "copies", "refuse_devices", "with_scratch", "sent_bytes",
+           "received_bytes", "finished_bytes", "transfer_streams", "digest_transfer",
+           "digest_finished", "FINISHED", "quantized_report"]
 
 
 #: regions at least this big are quantized by JAX's jitted quantizer in a process that has
@@ -78,8 +83,15 @@ def _values(src: Any, src_dtype: str, values: str) -> np.ndarray:
 
 
 def _put(dst: Any, data: np.ndarray) -> None:
-    """Copy the bits of ``data`` into the binding view ``dst`` (same element size)."""
-    dst[...] = data.view(dst.dtype).reshape(dst.shape)
+    """Copy the bits of ``data`` into the binding view ``dst`` (same element size), as
+    unsigned ints: numpy copies an ml_dtypes float8 array through the dtype's own copy
+    function, ~3x slower than bytes."""
+    bits = bits_dtype(dst.dtype.itemsize)
+    try:
+        dst = dst.view(bits)
+    except (TypeError, ValueError):      # a view numpy cannot reinterpret: as typed
+        bits = dst.dtype
+    dst[...] = data.view(bits).reshape(dst.shape)
 
 
 def pack(e: Any, buf: np.ndarray, bindings: Mapping, item: Any) -> None:
@@ -99,20 +111,29 @@ def unpack(e: Any, buf: np.ndarray, bindings: Mapping, item: Any) -> None:
          buf[e.lo:e.lo + q.scale_bytes])
 
 
+def _dst_views(quant: Any, rank: int, name: str, region: Any, dst_bindings: Mapping
+               ) -> tuple[Any, Any]:
+    """The views of ``rank``'s codes and scales bindings that hold the whole blocks
+    ``region`` of ``name``."""
+    qt = quant.tensors[name]
+    lay = quant.codes[name]
+    i, slices = lay.locate(rank, region)
+    b = dst_bindings[(rank, name)]
+    codes = (b if lay.is_product else b[i])[slices]
+    slay = quant.scales[name]
+    i, slices = slay.locate(rank, qt.format.scale_region(region, qt.shape, name))
+    b = dst_bindings[(rank, qt.scale)]
+    return codes, (b if slay.is_product else b[i])[slices]
+
+
 def _write(quant: Any, rank: int, name: str, region: Any, values: np.ndarray,
            dst_bindings: Mapping) -> None:
     """Quantize ``values`` (the region ``region`` of ``name``, whole blocks) into the
     codes' and the scales' bindings of ``rank``."""
-    qt = quant.tensors[name]
-    codes, scales = quantize_values(values, qt.format, name)
-    lay = quant.codes[name]
-    i, slices = lay.locate(rank, region)
-    b = dst_bindings[(rank, name)]
-    _put((b if lay.is_product else b[i])[slices], codes)
-    slay = quant.scales[name]
-    i, slices = slay.locate(rank, qt.format.scale_region(region, qt.shape, name))
-    b = dst_bindings[(rank, qt.scale)]
-    _put((b if slay.is_product else b[i])[slices], scales)
+    codes, scales = quantize_values(values, quant.tensors[name].format, name)
+    codes_view, scales_view = _dst_views(quant, rank, name, region, dst_bindings)
+    _put(codes_view, codes)
+    _put(scales_view, scales)
 
 
 def copies(quant: Any, c: Any) -> bool:
@@ -143,9 +164,13 @@ def refuse_devices(quant: Any) -> None:
     """Raise ``RefitError`` when a call that quantizes on the way has device bindings."""
     if quant is not None:
         from ..errors import RefitError
-        raise RefitError(f"quantizing on the way ({sorted(quant.tensors)[:3]}) runs on host "
-                         "bindings only for now; send these tensors from host memory, or "
-                         "quantize them in the trainer")
+        raise RefitError(f"tensors quantized on the way ({', '.join(sorted(quant.tensors)[:3])}"
+                         f"{', ...' if len(quant.tensors) > 3 else ''}) have GPU bindings in "
+                         "this refit, but the executor quantizes host memory only (no CUDA "
+                         "quantizer on its stream yet); nothing was moved. Send these "
+                         "tensors from host memory, or quantize them in the trainer "
+                         "(xreshard.quant.quantize on the device) and offer the codes and "
+                         "scales, which move as they are")
 
 
 def with_scratch(quant: Any, dsts: Any, cache: dict | None) -> list:
@@ -202,16 +227,136 @@ def count(quant: Any, b: Any, stats: Any, way: str) -> None:
         stats.quantized[key] = stats.quantized.get(key, 0) + n
 
 
-def quantized_problems(prepared: Any, config: Any) -> list[list[str]]:
-    """What a refit's config cannot do with a call that quantizes on the way, as error
-    entries (``[class name, message]``) for the refit's exchange: the same in every
-    process, before any byte moves."""
-    if prepared.quant is None or not config.verify:
-        return []
-    return [["RefitError", f"RefitConfig.verify cannot check tensors quantized on the way "
-             f"({sorted(prepared.quant.tensors)[:3]}...): the receiver's codes are not the "
-             "sender's bytes; TODO(issue 20): digest the codes the sender quantized - "
-             "set verify=False for this refit"]]
+# ---------------------------------------------------------------------------- verify=
+
+def _relative(region: Any, outer: Any) -> tuple[slice, ...]:
+    return tuple(slice(a - o, z - o) for a, z, o in zip(region.starts, region.stops,
+                                                       outer.starts))
+
+
+def _bytes(a: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(a).reshape(-1).view(np.uint8)
+
+
+def sent_bytes(quant: Any, name: str, region: Any, src: Any, src_dtype: str
+               ) -> Iterator[np.ndarray]:
+    """What a receiver of transfer ``region`` of ``name`` must hold, as the sender computes
+    it from its source view ``src`` (holding ``src_dtype``), in the order
+    :func:`received_bytes` reads it: the scales then the codes of the region's whole blocks
+    (quantized here again, by the function the executor runs: the same bytes), then each
+    rest box's values in the wire dtype (the pieces of split blocks the receiver finishes).
+    ``RefitConfig(verify=...)`` hashes this stream on the sender."""
+    qt = quant.tensors[name]
+    values = _values(src, src_dtype, quant.wire[name])
+    core = core_of(qt, region)
+    if core is not None:
+        yield from _quantized_bytes(values[_relative(core, region)], qt.format, name)
+    for box in rest_boxes(region, core):
+        yield _bytes(values[_relative(box, region)])
+
+
+def received_bytes(quant: Any, rank: int, name: str, region: Any, dst_bindings: Mapping
+                   ) -> Iterator[np.ndarray]:
+    """What receiver ``rank`` holds of transfer ``region`` of ``name`` after the move, in
+    :func:`sent_bytes`' order: the scales and codes of the region's whole blocks from the
+    destination bindings, the rest boxes from the scratch they landed in
+    (``dst_bindings`` holds :func:`scratch_bindings`). The split blocks the receiver then
+    quantized from that scratch are its own computation, by the function checked equal
+    to vLLM's; what the check proves is that their pieces arrived intact."""
+    qt = quant.tensors[name]
+    core = core_of(qt, region)
+    if core is not None:
+        yield from _held_bytes(quant, rank, name, core, dst_bindings)
+    for box in rest_boxes(region, core):
+        s = quant.scratch_for(rank, name, box)
+        yield _bytes(dst_bindings[s.key][_relative(box, s.region)])
+
+
+def transfer_streams(quant: Any, t: Any, rank: int, src_bindings: Mapping,
+                     dst_bindings: Mapping, src_layout: Any
+                     ) -> Iterator[tuple[str, Iterator[np.ndarray]]]:
+    """``("send" | "recv", byte pieces)`` for the sides of transfer ``t`` (of a tensor
+    quantized on the way) that ``rank`` holds bindings of: :func:`sent_bytes` from its
+    source view, :func:`received_bytes` from its destination (host bindings: the executor
+    refuses device ones)."""
+    if t.src == rank and (t.src, t.name) in src_bindings:
+        view = view_of(src_bindings[(t.src, t.name)], src_layout, t.src, t.region)
+        yield "send", sent_bytes(quant, t.name, t.region, view, src_layout.dtype)
+    if t.dst == rank and (t.dst, t.name) in dst_bindings:
+        yield "recv", received_bytes(quant, t.dst, t.name, t.region, dst_bindings)
+
+
+def digest_transfer(out: Any, quant: Any, t: Any, key: str, rank: int, src_bindings: Mapping,
+                    dst_bindings: Mapping, src_layout: Any, stream_hex: Any) -> int:
+    """File the digests of transfer ``t`` (of a tensor quantized on the way) under ``key``
+    in ``out.send`` / ``out.recv`` (a ``verify.Digests``) for the sides ``rank`` holds,
+    unless filed already: :func:`sent_bytes` and :func:`received_bytes` (``dst_bindings``
+    holds the receivers' scratch buffers too); ``stream_hex(pieces) -> (digest, bytes)``.
+    Returns the bytes hashed."""
+    n = 0
+    for side, pieces in transfer_streams(
+            quant, t, rank, src_bindings if key not in out.send else {},
+            dst_bindings if key not in out.recv else {}, src_layout):
+        (out.send if side == "send" else out.recv)[key], k = stream_hex(pieces)
+        n += k
+    return n
+
+
+def digest_finished(out: Any, quant: Any, local: Any, dst_bindings: Mapping, stream_hex: Any,
+                    wanted: Any) -> int:
+    """File the digests of the split blocks each of the ``local`` receivers quantized
+    itself (:func:`finished_bytes`), both ways, as a transfer from the receiver to itself
+    (``wanted(key, elements)``: whether this call hashes it). Returns the bytes hashed."""
+    from .verify import key_of
+
+    n = 0
+    for rank in local:
+        for name, region, expected, held in finished_bytes(quant, rank, dst_bindings):
+            key = key_of(name, region, rank, rank)
+            if not wanted(key, region.size):
+                continue
+            out.send[key], k1 = stream_hex(expected)
+            out.recv[key], k2 = stream_hex(held)
+            n += k1 + k2
+    return n
+
+
+#: what verify files the split blocks a receiver quantized under: the tensor's name plus this
+FINISHED = " (split blocks quantized by the receiver)"
+
+
+def finished_bytes(quant: Any, rank: int, dst_bindings: Mapping
+                   ) -> Iterator[tuple[str, Any, Iterator[np.ndarray], Iterator[np.ndarray]]]:
+    """For each group of split blocks receiver ``rank`` quantized from its scratch
+    (:func:`finish`): ``(name, region, expected, held)``, ``expected`` the scales and codes
+    quantizing the scratch gives, ``held`` those in the destination bindings, in the same
+    order. No sender holds a split block whole, so this half of ``verify`` is the
+    receiver's own: its pieces are checked against their senders by :func:`received_bytes`,
+    and this says the destination holds their quantization."""
+    for (r, name), ss in sorted(quant.scratch.items()):
+        if r != rank or (rank, name) not in dst_bindings:
+            continue
+        qt = quant.tensors[name]
+        for s in ss:
+            for blocks in s.blocks:
+                region = qt.format.data_region(blocks, qt.shape)
+                yield (name + FINISHED, region,
+                       _quantized_bytes(dst_bindings[s.key][_relative(region, s.region)],
+                                        qt.format, name),
+                       _held_bytes(quant, rank, name, region, dst_bindings))
+
+
+def _quantized_bytes(values: Any, fmt: Any, name: str) -> Iterator[np.ndarray]:
+    codes, scales = quantize_values(np.ascontiguousarray(values), fmt, name)
+    yield _bytes(scales)
+    yield _bytes(codes)
+
+
+def _held_bytes(quant: Any, rank: int, name: str, region: Any, dst_bindings: Mapping
+                ) -> Iterator[np.ndarray]:
+    codes, scales = _dst_views(quant, rank, name, region, dst_bindings)
+    yield _bytes(scales)
+    yield _bytes(codes)
 
 
 def quantized_report(prepared: Any, stats: Any) -> dict[str, int] | None:

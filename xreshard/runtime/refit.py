@@ -76,7 +76,7 @@ from . import execute
 from .execute import gc_paused
 from ..ir.layout import LayoutMemo
 from .metadata import fit, merged_layouts, merged_quantized, stage_bindings
-from .quantized import quantized_problems, quantized_report
+from .quantized import quantized_report, scratch_bindings
 from ..planner.plan import Plan, PlanCache
 from ..planner.prepare import CallOptions, PreparedCall, prepare
 from . import catchup, fleet
@@ -407,9 +407,12 @@ class Refit:
                 sides: str) -> Any:
         from . import verify
         assert self._prepared is not None
+        quant = self._prepared.quant if stage == 0 else None
+        if quant is not None and dst_bindings:     # split blocks' pieces landed there
+            dst_bindings = {**dst_bindings, **scratch_bindings(quant, self._programs)}
         return verify.digest_bindings(self._prepared.stages[stage].plan, self.world.rank_ids,
                                       src_bindings, dst_bindings, mode=self.config.verify,
-                                      version=target, sides=sides)
+                                      version=target, sides=sides, quant=quant)
 
     # ------------------------------------------------------------ binding
 
@@ -535,7 +538,6 @@ class Refit:
             prepared = prepare(src_layouts, dst_layouts, self.world.topology, options,
                                ranks=self.world.rank_ids, cache=self._cache,
                                quantized=merged_quantized(metas, self.world))
-            errors += quantized_problems(prepared, self.config)
             errors += self._transport_problems(prepared)
         except Exception as e:      # noqa: BLE001 - every local failure reaches every rank
             errors.append(entry(e, "check"))

@@ -68,6 +68,7 @@ import numpy as np
 
 from ..dtypes import as_dtype, bits, numpy_dtype
 from ..errors import RefitError
+from . import quantized
 from .execute import copy_into, view_of
 from ..ir.layout import Layout, Region
 
@@ -335,6 +336,10 @@ def _sampled(key: str, nbytes: int, version: int) -> bool:
     return zlib.crc32(key.encode()) % SAMPLE_PERIOD == version % SAMPLE_PERIOD
 
 
+def _wanted(mode: bool | str, key: str, nbytes: int, version: int) -> bool:
+    return mode != "sample" or _sampled(key, nbytes, version)
+
+
 def _pair_digest(entries: Iterable[tuple[str, str]]) -> str:
     h = hashlib.blake2b(digest_size=16)
     for key, d in sorted(entries):
@@ -399,12 +404,11 @@ class Digests:
 def digest_bindings(plan: Any, local_ranks: Iterable[int],
                     src_bindings: Mapping[tuple[int, str], Any],
                     dst_bindings: Mapping[tuple[int, str], Any], *, mode: bool | str = True,
-                    version: int = 0, sides: str = "both") -> Digests:
+                    version: int = 0, sides: str = "both", quant: Any = None) -> Digests:
     """Digest every transfer (and local copy) of ``plan`` that ``local_ranks`` take part in.
 
     Call after the executor ran, with the bindings of the stage of ``plan`` it used
-    (``metadata.stage_bindings``: ``(rank, name) -> array``, a list of arrays for explicit
-    layouts).
+    (``metadata.stage_bindings``: ``(rank, name) -> array``, or a list for explicit layouts).
 
     Args:
         plan: the refit's :class:`xreshard.planner.plan.Plan` (the same in every process).
@@ -418,6 +422,8 @@ def digest_bindings(plan: Any, local_ranks: Iterable[int],
             "send" half may run in a thread while the executor moves bytes (numpy releases
             the GIL in the reductions) and be merged with the "recv" half afterwards
             (:meth:`Digests.merge`).
+        quant: ``PreparedCall.quant`` of the stage that quantizes on the way (see
+            :func:`xreshard.runtime.quantized.digest_transfer`).
 
     Returns:
         This process's :class:`Digests`.
@@ -429,13 +435,11 @@ def digest_bindings(plan: Any, local_ranks: Iterable[int],
         raise RefitError(f"verify must be False, True or 'sample', got {mode!r}")
     if sides not in ("send", "recv", "both"):
         raise RefitError(f"sides must be 'send', 'recv' or 'both', got {sides!r}")
-    if sides == "recv":
-        src_bindings = {}
-    elif sides == "send":
-        dst_bindings = {}
+    src_bindings, dst_bindings = ({} if sides == "recv" else src_bindings,
+                                  {} if sides == "send" else dst_bindings)
     t0 = time.perf_counter()
-    out = Digests({}, {}, mode="off" if mode is False else ("sample" if mode == "sample"
-                                                              else "full"), version=version)
+    out = Digests({}, {}, mode={False: "off", "sample": "sample"}.get(mode, "full"),
+                  version=version)
     if mode is False:
         return out
     local = list(local_ranks)
@@ -448,6 +452,11 @@ def digest_bindings(plan: Any, local_ranks: Iterable[int],
         for t in (*plan.transfers_for(rank), *plan.local_copies_for(rank)):
             key = key_of(t.name, t.region, t.src, t.dst)
             if mode == "sample" and not _sampled(key, t.nbytes, version):
+                continue
+            if quant is not None and t.name in quant.tensors:
+                out.nbytes += quantized.digest_transfer(
+                    out, quant, t, key, rank, src_bindings, dst_bindings, plan.src[t.name],
+                    _stream_hex)
                 continue
             src_layout: Layout = plan.src[t.name]
             dst_layout: Layout = plan.dst[t.name]
@@ -483,12 +492,24 @@ def digest_bindings(plan: Any, local_ranks: Iterable[int],
                 else:
                     jobs.append((out.recv, key, len(arrays)))
                     arrays.append(view)
+    if quant is not None and dst_bindings:      # the split blocks receivers quantized
+        out.nbytes += quantized.digest_finished(out, quant, local, dst_bindings, _stream_hex,
+                                                lambda k, n: _wanted(mode, k, n, version))
     if arrays:
         hexes = _device_digests(arrays)
         for table, key, i in jobs:
             table[key] = hexes[i]
     out.seconds = time.perf_counter() - t0
     return out
+
+
+def _stream_hex(pieces: Iterable[np.ndarray]) -> tuple[str, int]:
+    """The xr64x2 digest of C-contiguous uint8 ``pieces`` in order, and their bytes."""
+    h, n = _Hasher(), 0
+    for piece in pieces:
+        h.update(piece)
+        n += piece.size
+    return h.hexdigest(), n
 
 
 # ---------------------------------------------------------------------------- compare
