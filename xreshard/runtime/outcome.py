@@ -8,9 +8,11 @@ from __future__ import annotations
 import weakref
 from typing import Any
 
-from ..errors import error_message, error_name
+from . import registry
+from ..errors import CollectiveMismatch, error_from, error_message, error_name
 
-__all__ = ["Failed", "Moved", "WORLDS", "WorldState", "entry", "failure_lines", "world_state"]
+__all__ = ["Failed", "Moved", "WORLDS", "WorldState", "crossed", "entry", "failure_lines",
+           "rank_maps", "world_state"]
 
 
 class WorldState:
@@ -77,3 +79,53 @@ def failure_lines(failed: list[tuple[int, list[str]]], world: Any, limit: int = 
     if len(by_error) > limit:
         lines.append(f"... and {len(by_error) - limit} more")
     return "\n  ".join(lines)
+
+
+def rank_maps(world: Any, timeout: float) -> tuple[list[dict], dict[str, Any]]:
+    """Every process's framework ids (``refit/identity``, gathered once per world and epoch
+    in this process, shared by its Refits) and this process's map of them: framework ids ->
+    world ranks per adapter, plus ``"local"`` (this process's ranks)."""
+    shared = world_state(world)
+    if shared.epoch != world.epoch:       # ranks renumbered: gather them again
+        shared.identity, shared.epoch = None, world.epoch
+    if shared.identity is None:
+        ranks = list(world.rank_ids)
+        me: dict[str, Any] = {"ranks": ranks, "ids": {}}
+        try:
+            me["ids"] = registry.identity([world.local_device(r) for r in ranks], ranks)
+        except Exception as e:      # noqa: BLE001 - reported at refit/check instead
+            me["error"] = entry(e, "check")
+        shared.identity = world.allgather_json(me, timeout=timeout, kind="refit/identity")
+    identity = shared.identity
+    processes, index = world.processes, world.process_index
+    maps: dict[str, Any] = {}
+    # several single-process JAX jobs in one group (engine replicas) reuse device ids:
+    # this process's own ids (last) are what its objects name
+    infos = [info for p, info in enumerate(identity)
+             if processes[p]["group"] == processes[index]["group"] and p != index]
+    for info in infos + [identity[index]]:
+        for name, pairs in (info.get("ids") or {}).items():
+            known = maps.setdefault(name, {})
+            for framework_id, rank in pairs:
+                known[framework_id] = int(rank)
+    mine = identity[index].get("error")
+    if mine:
+        raise error_from(*mine)
+    maps["local"] = list(world.rank_ids)
+    return identity, maps
+
+
+def crossed(world: Any, gathered: list[dict[str, Any]], what: str) -> CollectiveMismatch:
+    """The error of processes that called different Refits of one world."""
+    def label(g: dict[str, Any]) -> str:
+        agreed, proposed = g.get("refit"), g.get("propose")
+        return (f"Refit {agreed}" if agreed is not None
+                else f"a Refit on its first call ({proposed})")
+    where = "; ".join(f"{world.describe_process(p)} in {label(g)}"
+                      for p, g in enumerate(gathered))
+    return CollectiveMismatch(
+        f"{what}: the processes are in different Refits of world "
+        f"{world.world_id!r} ({where}); every process must call the Refits of a "
+        f"world in the same order (two Refits of one world, e.g. a policy and a "
+        f"reference model: call them in the same order everywhere, and name them: "
+        f"Refit(world, name=...))")

@@ -67,10 +67,10 @@ import threading
 import time
 from typing import Any, Callable, Iterable, Mapping
 
-from . import registry, writes
+from . import writes
 from .binding import Bound, side_problems
 from ..config import RefitConfig, RefitReport, Tuning
-from ..errors import (CollectiveMismatch, CommunicationError, RefitError, VerificationError,
+from ..errors import (CommunicationError, RefitError, VerificationError,
                       XreshardError, error_from, short_name)
 from . import execute
 from .execute import gc_paused
@@ -83,7 +83,7 @@ from . import catchup, fleet
 from .atomic import Staging, left
 from .delta_wire import DeltaState, delta_problems
 from .handle import Background, RefitHandle
-from .outcome import Failed, Moved, entry, failure_lines, world_state
+from .outcome import Failed, Moved, crossed, entry, failure_lines, rank_maps, world_state
 from .sides import Sides, on_device
 
 __all__ = ["Bound", "Refit", "RefitConfig", "RefitHandle", "RefitReport", "Tuning"]
@@ -456,39 +456,9 @@ class Refit:
         therefore expected to be one torch job / one JAX job. A process may mix JAX and
         other devices: each JAX device publishes its id for its own rank.
         """
-        if self._maps is not None:
-            return self._maps
-        shared = world_state(self.world)
-        if shared.epoch != self.world.epoch:       # ranks renumbered: gather them again
-            shared.identity, shared.epoch = None, self.world.epoch
-        if shared.identity is None:
-            ranks = list(self.world.rank_ids)
-            me: dict[str, Any] = {"ranks": ranks, "ids": {}}
-            try:
-                me["ids"] = registry.identity([self.world.local_device(r) for r in ranks],
-                                              ranks)
-            except Exception as e:      # noqa: BLE001 - reported at refit/check instead
-                me["error"] = entry(e, "check")
-            shared.identity = self.world.allgather_json(me, timeout=self.config.timeout,
-                                                        kind="refit/identity")
-        self._identity = shared.identity
-        processes, index = self.world.processes, self.world.process_index
-        maps: dict[str, Any] = {}
-        # several single-process JAX jobs in one group (engine replicas) reuse device ids:
-        # this process's own ids (last) are what its objects name
-        infos = [info for p, info in enumerate(self._identity)
-                 if processes[p]["group"] == processes[index]["group"] and p != index]
-        for info in infos + [self._identity[index]]:
-            for name, pairs in (info.get("ids") or {}).items():
-                known = maps.setdefault(name, {})
-                for framework_id, rank in pairs:
-                    known[framework_id] = int(rank)
-        mine = self._identity[index].get("error")
-        if mine:
-            raise error_from(*mine)
-        maps["local"] = list(self.world.rank_ids)
-        self._maps = maps       # the world's processes and their ids do not change
-        return maps
+        if self._maps is None:
+            self._identity, self._maps = rank_maps(self.world, self.config.timeout)
+        return self._maps
 
     def _agree(self, kind: str, body: dict[str, Any], what: str,
                timeout: float | None = None) -> list[dict[str, Any]]:
@@ -511,7 +481,7 @@ class Refit:
             raise Failed(error_from(failed[0][1][0],
                                     f"{what}:\n  " + failure_lines(failed, self.world)))
         if kind != "refit/check" and len({g.get("refit") for g in gathered}) > 1:
-            raise Failed(self._crossed(gathered, what))
+            raise Failed(crossed(self.world, gathered, what))
         return gathered
 
     # ------------------------------------------------------------ metadata steps
@@ -637,21 +607,7 @@ class Refit:
                 return
         elif len(set(ids)) == 1:
             return
-        raise Failed(self._crossed(gathered, refused))
-
-    def _crossed(self, gathered: list[dict[str, Any]], what: str) -> CollectiveMismatch:
-        def label(g: dict[str, Any]) -> str:
-            agreed, proposed = g.get("refit"), g.get("propose")
-            return (f"Refit {agreed}" if agreed is not None
-                    else f"a Refit on its first call ({proposed})")
-        where = "; ".join(f"{self.world.describe_process(p)} in {label(g)}"
-                          for p, g in enumerate(gathered))
-        return CollectiveMismatch(
-            f"{what}: the processes are in different Refits of world "
-            f"{self.world.world_id!r} ({where}); every process must call the Refits of a "
-            f"world in the same order (two Refits of one world, e.g. a policy and a "
-            f"reference model: call them in the same order everywhere, and name them: "
-            f"Refit(world, name=...))")
+        raise Failed(crossed(self.world, gathered, refused))
 
     # ------------------------------------------------------------ outcome
 
@@ -686,7 +642,7 @@ class Refit:
                                           f"{left(self.config.atomic, self.version)}:\n  {where}"))
         if len({o.get("refit") for o in outcomes}) > 1:
             self.world.mark_broken(f"refit v{target}: processes ended different Refits")
-            raise Failed(self._crossed(outcomes, f"refit v{target} moved bytes, but"))
+            raise Failed(crossed(self.world, outcomes, f"refit v{target} moved bytes, but"))
         if not self.config.verify:
             return 0
         from . import verify
