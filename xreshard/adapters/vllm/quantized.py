@@ -19,6 +19,15 @@ online ``mxfp8``          bf16; ``mxfp8_e4m3_quantize`` of    the same, scales `
                           each TP-local parameter             (uint8, ``[..., K / 32]``)
 ========================  ==================================  ==================================
 
+A refit sends every kind what it stores: codes and scales, quantized on the way. For the
+online kinds the quantized unit is the TP-local parameter, not an HF tensor:
+:class:`OnlineQuantization` turns each HF tensor whose pieces are whole blocks of the
+parameter's grid into a :class:`QuantizedTensor` of its own (scales ``X.weight_scale_inv``
+/ ``X.weight_scale`` placed in the parameter's scale rows) and sends the others bf16 into
+a scratch copy, from which the worker quantizes the blocks they touch; codes and scales
+are written into the live parameters in place (:func:`online_refusals` says where a
+kernel forbids it).
+
 The recorder (:mod:`.record`) learns where every HF tensor lands, scales included
 (``weight_scale_inv`` is an HF tensor of a checkpoint like any other); :func:`quantized_of`
 adds what is stored quantized (:class:`~xreshard.ir.formats.QuantizedTensor`), which
