@@ -414,3 +414,38 @@ def test_online_blocks_straddling_two_hf_tensors_are_finished_by_the_worker():
     for param in (f"{attn}.qkv_proj.weight", f"{attn}.qkv_proj.weight_scale_inv",
                   "model.layers.1.mlp.down_proj.weight", "model.embed_tokens.weight"):
         assert (as_bytes(got[param].detach()) == as_bytes(want[param])).all(), param
+
+
+@pytest.mark.parametrize("quantization,scale", [("fp8_per_block", "weight_scale_inv"),
+                                                ("mxfp8", "weight_scale")])
+def test_online_recording_quantizes_each_hf_tensor_on_its_parameters_grid(quantization, scale):
+    """TP=2 Llama, online: every HF weight's pieces are whole blocks of its rank's fused
+    parameter, so each is a quantized tensor with scales of its own, placed in the
+    parameter's scale rows (k_proj's after q's); with 64-row heads k|v share a block of
+    rank 1's qkv parameter, so k_proj and v_proj go bf16 to its scratch copy instead."""
+    vllm_config = vllm_config_of(llama, None, quantization, dict(tp=2))
+    specs = specs_of(llama())
+    recs = [xv.record_from_config(vllm_config, r, 2, specs) for r in range(2)]
+    engine = xv.EngineRecording(recs, 1, specs)
+    attn = "model.layers.0.self_attn"
+    k = engine.quantized[f"{attn}.k_proj.weight"]
+    assert k.scale == f"{attn}.k_proj.{scale}" and k.shape == (256, 256)
+    rows = 1 if quantization == "mxfp8" else 128       # scale rows per weight row block
+    (piece,) = engine.rec.pieces[k.scale]
+    assert piece.param == f"{attn}.qkv_proj.{scale}"
+    assert piece.region.starts[0] == 128 // rows and piece.param_region.starts[0] == 256 // rows
+    assert engine.rec.param_dtypes[f"{attn}.qkv_proj.weight"] == "float8_e4m3fn"
+    assert engine.dtypes[k.scale] == k.format.scale_dtype
+    assert k.scale not in sum(engine.offered_groups(1 << 40), [])   # never offered
+    assert not engine.without_online().quantized                    # bf16, vLLM quantizes
+
+    small = lambda q=None: llama(q, head_dim=64)       # noqa: E731
+    vllm_config = vllm_config_of(small, None, quantization, dict(tp=2))
+    specs = specs_of(small())
+    recs = [xv.record_from_config(vllm_config, r, 2, specs) for r in range(2)]
+    engine = xv.EngineRecording(recs, 0, specs)
+    assert f"{attn}.q_proj.weight" in engine.quantized
+    if quantization == "fp8_per_block":                # mxfp8 groups never straddle rows
+        assert f"{attn}.k_proj.weight" not in engine.quantized
+        assert {p.param for p in engine.rec.pieces[f"{attn}.k_proj.weight"]} == {
+            f"{attn}.qkv_proj.weight{xv.SCRATCH}"}
