@@ -153,14 +153,22 @@ class EngineRecording:
             then TP rank: ``Recording.worker``).
         worker: this worker's index in ``recordings``.
         specs: HF name -> (shape, dtype) fed to the recorder.
+        quantize_online: an online-FP8 engine (``fp8_per_block``, ``mxfp8``) receives codes
+            and scales quantized on the way, written into its live parameters
+            (:class:`~.quantized.OnlineQuantization`); False: bf16, and vLLM's reload
+            quantizes them itself.
 
     Attributes:
-        rec: this worker's recording.
+        rec: this worker's recording (as rewritten by ``online``); ``recorded``: the
+            workers' recordings as recorded.
+        online: the engine's :class:`~.quantized.OnlineQuantization`, or None.
         names: the HF tensors some worker loads; ``unused``: those none does.
         shapes, dtypes: HF name -> global shape, and the dtype its parameter loads.
         quantized: HF name -> :class:`~xreshard.ir.formats.QuantizedTensor` for the HF
             weights a block-FP8 checkpoint engine stores quantized (each with its scale
-            tensor, itself an HF tensor of ``names``); checked against the layouts here.
+            tensor, itself an HF tensor of ``names``), and for an online engine the HF
+            weights sent quantized on its parameters' grids (their scale tensors added to
+            ``names``); checked against the layouts here.
         quantized_params: this worker's parameters vLLM's online ``fp8_per_block`` or
             ``mxfp8`` quantizes after loading (their grid is the local parameter's).
 
@@ -453,6 +461,12 @@ class Destination:
             if (inplace or self.recording.is_online(name)) and not name.endswith(SCRATCH):
                 t = live.get(name)
                 shape, dtype = tuple(self.rec.param_shapes[name]), self.rec.param_dtypes[name]
+                if t is not None and t.is_meta:
+                    raise RecordError(
+                        f"parameter {name!r} is still on the meta device: vLLM never "
+                        "materialized and quantized its layer (seen with vLLM 0.32's online "
+                        "methods when a fused layer's bias loads before its weights); load "
+                        "the engine's weights so that vLLM quantizes every layer first")
                 if t is None or tuple(t.shape) != shape or dtype_str(t.dtype) != dtype:
                     raise RecordError(
                         f"parameter {name!r} is live as "
