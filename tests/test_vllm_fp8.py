@@ -363,3 +363,89 @@ def test_reload_from_fp8_shards_writes_what_a_fresh_load_writes(name):
     assert any(rec.param_dtypes[p] == "float8_e4m3fn" for p in touched)
     for param in touched:
         assert (as_bytes(got[param].detach()) == as_bytes(want[param])).all(), param
+
+
+@pytest.mark.slow
+def test_online_blocks_straddling_two_hf_tensors_are_finished_by_the_worker():
+    """Online fp8_per_block, TP=2, heads of 64: rank 1's fused qkv parameter holds q rows
+    0:128 and k|v rows 128:192|192:256, so its second block row straddles k_proj and
+    v_proj. q_proj travels quantized (its pieces are whole blocks on its own grid); k_proj
+    and v_proj travel bf16 into the scratch copy and the worker quantizes that block. After
+    ``Destination.load`` the rank's bytes equal what vLLM's online method computes from
+    loading the same bf16 weights itself."""
+    from vllm.config import set_current_vllm_config
+    from vllm.model_executor.model_loader.utils import process_weights_after_loading
+
+    make = lambda q=None: llama(q, head_dim=64)       # noqa: E731
+    par = dict(tp=2)
+    vllm_config = vllm_config_of(make, None, "fp8_per_block", par)
+    specs = specs_of(make())
+    recs = [xv.record_from_config(vllm_config, r, 2, specs) for r in range(2)]
+    engine = xv.EngineRecording(recs, 1, specs)
+    attn = "model.layers.0.self_attn"
+    assert f"{attn}.q_proj.weight" in engine.quantized
+    assert f"{attn}.k_proj.weight" not in engine.quantized
+    assert any(p.param == f"{attn}.qkv_proj.weight{xv.SCRATCH}"
+               for p in engine.rec.pieces[f"{attn}.v_proj.weight"])
+    dest = xv.Destination.place(engine, [0, 1], 0)
+    a, b = bf16_weights(specs, 1), bf16_weights(specs, 2)
+    with xv.fake_tp(1, 2), set_current_vllm_config(vllm_config):
+        model = xv.build_model(vllm_config, device="cpu")
+        with xv.kernel_stand_ins(), torch.no_grad():
+            model.load_weights(iter(a.items()))
+            process_weights_after_loading(model, vllm_config.model_config, torch.device("cpu"))
+    buffers = dest.buffers(model, False, "cpu", engine.names)
+    bound = dest.bind(buffers, [], engine.names)
+    full = dict(b)                          # what the senders put on the wire, per tensor
+    for q in engine.quantized.values():
+        full[q.name], full[q.scale] = ours(b[q.name], q.format)
+    for (_, name), views in bound.bindings.items():
+        regions = dest.layouts[name].regions(dest.rank)
+        for view, region in zip(views if isinstance(views, list) else [views], regions):
+            src = full[name][region.slices()].contiguous()
+            bits = {1: torch.uint8, 2: torch.int16, 4: torch.int32}[src.element_size()]
+            view.view(f"u{src.element_size()}")[...] = \
+                src.view(bits).numpy().view(f"u{src.element_size()}").reshape(view.shape)
+    with xv.fake_tp(1, 2), set_current_vllm_config(vllm_config), xv.kernel_stand_ins(), \
+            torch.no_grad():
+        dest.load(model, vllm_config.model_config, buffers, False, engine.names)
+    want = vllm_loads(vllm_config, 1, 0, par, b)
+    got = dict(model.named_parameters())
+    for param in (f"{attn}.qkv_proj.weight", f"{attn}.qkv_proj.weight_scale_inv",
+                  "model.layers.1.mlp.down_proj.weight", "model.embed_tokens.weight"):
+        assert (as_bytes(got[param].detach()) == as_bytes(want[param])).all(), param
+
+
+@pytest.mark.parametrize("quantization,scale", [("fp8_per_block", "weight_scale_inv"),
+                                                ("mxfp8", "weight_scale")])
+def test_online_recording_quantizes_each_hf_tensor_on_its_parameters_grid(quantization, scale):
+    """TP=2 Llama, online: every HF weight's pieces are whole blocks of its rank's fused
+    parameter, so each is a quantized tensor with scales of its own, placed in the
+    parameter's scale rows (k_proj's after q's); with 64-row heads k|v share a block of
+    rank 1's qkv parameter, so k_proj and v_proj go bf16 to its scratch copy instead."""
+    vllm_config = vllm_config_of(llama, None, quantization, dict(tp=2))
+    specs = specs_of(llama())
+    recs = [xv.record_from_config(vllm_config, r, 2, specs) for r in range(2)]
+    engine = xv.EngineRecording(recs, 1, specs)
+    attn = "model.layers.0.self_attn"
+    k = engine.quantized[f"{attn}.k_proj.weight"]
+    assert k.scale == f"{attn}.k_proj.{scale}" and k.shape == (256, 256)
+    rows = 1 if quantization == "mxfp8" else 128       # scale rows per weight row block
+    (piece,) = engine.rec.pieces[k.scale]
+    assert piece.param == f"{attn}.qkv_proj.{scale}"
+    assert piece.region.starts[0] == 128 // rows and piece.param_region.starts[0] == 256 // rows
+    assert engine.rec.param_dtypes[f"{attn}.qkv_proj.weight"] == "float8_e4m3fn"
+    assert engine.dtypes[k.scale] == k.format.scale_dtype
+    assert k.scale not in sum(engine.offered_groups(1 << 40), [])   # never offered
+    assert not engine.without_online().quantized                    # bf16, vLLM quantizes
+
+    small = lambda q=None: llama(q, head_dim=64)       # noqa: E731
+    vllm_config = vllm_config_of(small, None, quantization, dict(tp=2))
+    specs = specs_of(small())
+    recs = [xv.record_from_config(vllm_config, r, 2, specs) for r in range(2)]
+    engine = xv.EngineRecording(recs, 0, specs)
+    assert f"{attn}.q_proj.weight" in engine.quantized
+    if quantization == "fp8_per_block":                # mxfp8 groups never straddle rows
+        assert f"{attn}.k_proj.weight" not in engine.quantized
+        assert {p.param for p in engine.rec.pieces[f"{attn}.k_proj.weight"]} == {
+            f"{attn}.qkv_proj.weight{xv.SCRATCH}"}

@@ -102,8 +102,8 @@ from .draft import DraftError
 from .members import EngineMismatch, FleetError, HalfJoined
 from .lora import LORA_SCHEME, LoRAReceiver, install_hook, lora_request, read_regions
 from .plugin import BACKEND, WorkerExtension, register_backend, worker_record
-from .quantized import (KernelStandIn, checkpoint_specs_fp8, engine_formats, kernel_stand_ins,
-                        quantized_of)
+from .quantized import (SCRATCH, KernelStandIn, OnlineQuantization, checkpoint_specs_fp8,
+                        engine_formats, kernel_stand_ins, online_refusals, quantized_of)
 from .record import (Piece, RecordError, Recording, parts_from_full, record_model,
                      shard_weight, view_box)
 from .reload import gemm_weight, reload_from_shards, reprocess_tied, weights_digest
@@ -118,8 +118,8 @@ __all__ = [
     "INPLACE_MOE_BACKENDS", "LoRAAdapter", "LoRAError", "write_peft_dir", "lora_request",
     "LORA_SCHEME", "LoRAReceiver", "install_hook", "read_regions",
     "KernelStandIn", "kernel_stand_ins", "engine_formats",
-    "quantized_of", "checkpoint_specs_fp8", "record_quantized", "DraftError",
-    "FleetError", "EngineMismatch", "HalfJoined",
+    "quantized_of", "checkpoint_specs_fp8", "record_quantized", "OnlineQuantization",
+    "online_refusals", "SCRATCH", "DraftError", "FleetError", "EngineMismatch", "HalfJoined",
 ]
 
 #: names of the backend modules, loaded on first use (they import vLLM's base classes)

@@ -22,6 +22,7 @@ from xreshard.ir.layout import Layout, Mesh, Region, Split
 from xreshard.runtime.binding import Bound
 
 from .build import record_workers
+from .quantized import SCRATCH, online_quantization
 from .record import Piece, RecordError, Recording, dtype_str, import_torch, shard_weight
 from .reload import reload_from_shards
 
@@ -152,14 +153,22 @@ class EngineRecording:
             then TP rank: ``Recording.worker``).
         worker: this worker's index in ``recordings``.
         specs: HF name -> (shape, dtype) fed to the recorder.
+        quantize_online: an online-FP8 engine (``fp8_per_block``, ``mxfp8``) receives codes
+            and scales quantized on the way, written into its live parameters
+            (:class:`~.quantized.OnlineQuantization`); False: bf16, and vLLM's reload
+            quantizes them itself.
 
     Attributes:
-        rec: this worker's recording.
+        rec: this worker's recording (as rewritten by ``online``); ``recorded``: the
+            workers' recordings as recorded.
+        online: the engine's :class:`~.quantized.OnlineQuantization`, or None.
         names: the HF tensors some worker loads; ``unused``: those none does.
         shapes, dtypes: HF name -> global shape, and the dtype its parameter loads.
         quantized: HF name -> :class:`~xreshard.ir.formats.QuantizedTensor` for the HF
             weights a block-FP8 checkpoint engine stores quantized (each with its scale
-            tensor, itself an HF tensor of ``names``); checked against the layouts here.
+            tensor, itself an HF tensor of ``names``), and for an online engine the HF
+            weights sent quantized on its parameters' grids (their scale tensors added to
+            ``names``); checked against the layouts here.
         quantized_params: this worker's parameters vLLM's online ``fp8_per_block`` or
             ``mxfp8`` quantizes after loading (their grid is the local parameter's).
 
@@ -170,14 +179,20 @@ class EngineRecording:
     """
 
     def __init__(self, recordings: Sequence[Recording], worker: int,
-                 specs: Mapping[str, tuple[Sequence[int], Any]]) -> None:
-        self.recordings = list(recordings)
-        if not 0 <= worker < len(self.recordings):
-            raise RecordError(f"worker {worker} is not among the {len(self.recordings)} "
+                 specs: Mapping[str, tuple[Sequence[int], Any]], *,
+                 quantize_online: bool = True) -> None:
+        self.recorded, self.specs = list(recordings), dict(specs)
+        if not 0 <= worker < len(self.recorded):
+            raise RecordError(f"worker {worker} is not among the {len(self.recorded)} "
                               "recordings")
         self.worker = worker
-        self.rec = self.recordings[worker]
         self.shapes = {n: tuple(int(s) for s in shape) for n, (shape, _) in specs.items()}
+        self.online = online_quantization(self.recorded, self.shapes) if quantize_online \
+            else None
+        self.recordings = self.recorded if self.online is None else self.online.recordings
+        if self.online is not None:
+            self.shapes.update(self.online.shapes)
+        self.rec = self.recordings[worker]
         self.dtypes: dict[str, str] = {}
         for rec in self.recordings:
             for name, pieces in rec.pieces.items():
@@ -186,8 +201,29 @@ class EngineRecording:
         self.names = [n for n in self.shapes if n in self.dtypes]
         self.unused = [n for n in self.shapes if n not in self.dtypes]
         self.quantized = {q.name: q for rec in self.recordings for q in rec.quantized}
+        if self.online is not None:
+            self.quantized.update(self.online.tensors)
         self.quantized_params = list(self.rec.quantized_params)
         self._check_quantized()
+
+    def without_online(self) -> EngineRecording:
+        """This recording with the online-quantized parameters filled in bf16 (vLLM's
+        layerwise reload quantizes them itself): for engines whose FP8 kernels
+        post-process the quantized weights (:func:`~.quantized.online_refusals`)."""
+        return EngineRecording(self.recorded, self.worker, self.specs, quantize_online=False)
+
+    def online_modules(self) -> set[str]:
+        """This worker's modules whose online-quantized weights the refit writes in place
+        (codes and scales, and anything else of theirs the trainer sends, e.g. a bias)."""
+        if self.online is None:
+            return set()
+        return {q.name.rpartition(".")[0] for q in self.online.params[self.worker].values()}
+
+    def is_online(self, param: str) -> bool:
+        """Whether ``param`` (or a scratch copy, :data:`~.quantized.SCRATCH`) belongs to one
+        of :meth:`online_modules`."""
+        return self.online is not None and \
+            param.removesuffix(SCRATCH).rpartition(".")[0] in self.online_modules()
 
     def _check_quantized(self) -> None:
         """Every worker holds whole blocks of each quantized tensor and their own scales."""
@@ -254,7 +290,10 @@ class EngineRecording:
         """
         live = dict(model.named_parameters())
         out = []
+        online = self.online_modules()
         for name in self.touched():
+            if self.is_online(name):
+                continue            # written in place by design (Destination.buffers)
             t = live.get(name)
             if t is None:
                 out.append(f"parameter {name!r} is not a live parameter (vLLM replaced it "
@@ -265,7 +304,7 @@ class EngineRecording:
                            f"loaded as {tuple(self.rec.param_shapes[name])} "
                            f"{self.rec.param_dtypes[name]} (processing changed it)")
         for mod_name, module in model.named_modules():
-            why = inplace_refusal(module, device_type)
+            why = None if mod_name in online else inplace_refusal(module, device_type)
             if why:
                 out.append(f"module {mod_name!r} ({type(module).__name__}): {why}")
         return out
@@ -406,14 +445,52 @@ class Destination:
 
     def buffers(self, model: Any, inplace: bool, device: Any,
                 names: Iterable[str] | None = None) -> dict[str, Any]:
-        """Parameter name -> the tensor the pieces of ``names`` (default all) are written into."""
-        if inplace:
-            live = dict(model.named_parameters())
-            return {name: live[name].data for name in self.recording.touched(names)}
+        """Parameter name -> the tensor the pieces of ``names`` (default all) are written
+        into: views of the live parameters in place, else fresh buffers; the parameters of
+        online-quantized modules always in place (codes and scales as vLLM's online method
+        keeps them), their scratch copies always fresh.
+
+        Raises:
+            RecordError: a live online-quantized parameter is not what the recording says
+                (vLLM's post-processing changed its shape or dtype), naming it.
+        """
         torch = import_torch()
-        return {name: torch.zeros(self.rec.param_shapes[name],
-                                  dtype=getattr(torch, self.rec.param_dtypes[name]),
-                                  device=device) for name in self.recording.touched(names)}
+        live = dict(model.named_parameters())
+        out = {}
+        for name in self.recording.touched(names):
+            if (inplace or self.recording.is_online(name)) and not name.endswith(SCRATCH):
+                t = live.get(name)
+                shape, dtype = tuple(self.rec.param_shapes[name]), self.rec.param_dtypes[name]
+                if t is not None and t.is_meta:
+                    raise RecordError(
+                        f"parameter {name!r} is still on the meta device: vLLM never "
+                        "materialized and quantized its layer (seen with vLLM 0.32's online "
+                        "methods when a fused layer's bias loads before its weights); load "
+                        "the engine's weights so that vLLM quantizes every layer first")
+                if t is None or tuple(t.shape) != shape or dtype_str(t.dtype) != dtype:
+                    raise RecordError(
+                        f"parameter {name!r} is live as "
+                        f"{None if t is None else (tuple(t.shape), dtype_str(t.dtype))} but "
+                        f"the recording writes {shape} {dtype} there in place")
+                out[name] = t.data
+                continue
+            out[name] = torch.zeros(self.rec.param_shapes[name],
+                                    dtype=getattr(torch, self.rec.param_dtypes[name]),
+                                    device=device)
+        return out
+
+    def _copy_twice_held(self, buffers: Mapping[str, Any], names: Iterable[str],
+                         which: Any) -> None:
+        """In place: copy the received region into every other parameter slice of this
+        rank that holds it too (parameters ``which(param)`` says)."""
+        for name in names:
+            first: dict[Any, Piece] = {}
+            for p in self.rec.pieces.get(name, ()):
+                if not which(p.param):
+                    continue
+                if p.region in first:
+                    self._view(buffers, p).copy_(self._view(buffers, first[p.region]))
+                first.setdefault(p.region, p)
 
     @staticmethod
     def _view(buffers: Mapping[str, Any], piece: Piece) -> Any:
@@ -454,13 +531,14 @@ class Destination:
         """Hand the received shards of ``names`` (default all) to vLLM (in place: copy the
         regions a rank holds twice)."""
         names = self.names if names is None else list(names)
+        if self.recording.online is not None:
+            # online-quantized modules: written in place, their split blocks quantized here
+            self._copy_twice_held(buffers, names, self.recording.is_online)
+            self.recording.online.finish(self.recording.worker, buffers, names)
+            names = [n for n in names if not all(
+                self.recording.is_online(p.param) for p in self.rec.pieces.get(n, ()))]
         if inplace:
-            for name in names:
-                first: dict[Any, Piece] = {}
-                for p in self.rec.pieces.get(name, ()):
-                    if p.region in first:           # a region held twice: copy the received one
-                        self._view(buffers, p).copy_(self._view(buffers, first[p.region]))
-                    first.setdefault(p.region, p)
+            self._copy_twice_held(buffers, names, lambda param: True)
             return
         from vllm.distributed.weight_transfer.base import layerwise_groups
 

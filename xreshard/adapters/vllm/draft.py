@@ -103,12 +103,15 @@ def draft_build(vllm_config: Any) -> tuple[Any, Any]:
 
 def record_draft(vllm_config: Any, specs: Mapping[str, Any] | None) -> Any:
     """The draft's :class:`~.destination.EngineRecording` (collective over the engine's
-    workers, as the policy's). ``specs`` default to the draft's checkpoint headers."""
+    workers, as the policy's). ``specs`` default to the draft's checkpoint headers. An
+    online-FP8 draft takes bf16 and quantizes itself: whether its kernels keep vLLM's
+    quantizer's bytes (``online_refusals``) is checked for the policy's model only."""
     from .build import record_workers
     from .destination import EngineRecording
 
     cfg, model_config = draft_build(vllm_config)
-    return EngineRecording(*record_workers(cfg, specs, model_config=model_config))
+    return EngineRecording(*record_workers(cfg, specs, model_config=model_config),
+                           quantize_online=False)
 
 
 def draft_verdict(everyone: list[Mapping[str, Any]], num_engines: int) -> str | None:

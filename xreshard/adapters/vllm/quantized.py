@@ -19,6 +19,15 @@ online ``mxfp8``          bf16; ``mxfp8_e4m3_quantize`` of    the same, scales `
                           each TP-local parameter             (uint8, ``[..., K / 32]``)
 ========================  ==================================  ==================================
 
+A refit sends every kind what it stores: codes and scales, quantized on the way. For the
+online kinds the quantized unit is the TP-local parameter, not an HF tensor:
+:class:`OnlineQuantization` turns each HF tensor whose pieces are whole blocks of the
+parameter's grid into a :class:`QuantizedTensor` of its own (scales ``X.weight_scale_inv``
+/ ``X.weight_scale`` placed in the parameter's scale rows) and sends the others bf16 into
+a scratch copy, from which the worker quantizes the blocks they touch; codes and scales
+are written into the live parameters in place (:func:`online_refusals` says where a
+kernel forbids it).
+
 The recorder (:mod:`.record`) learns where every HF tensor lands, scales included
 (``weight_scale_inv`` is an HF tensor of a checkpoint like any other); :func:`quantized_of`
 adds what is stored quantized (:class:`~xreshard.ir.formats.QuantizedTensor`), which
@@ -62,13 +71,14 @@ from typing import Any, Iterator, Mapping, Sequence
 
 from xreshard.ir.formats import BlockFP8, FormatError, MXFP8, QuantizedTensor
 
-from .record import Recording, import_vllm
+from .record import Piece, Recording, import_vllm
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["KernelStandIn", "kernel_stand_ins", "engine_formats", "quantized_of",
            "checkpoint_specs_fp8", "refusal_as_format_error", "scale_fmt_ue8m0",
-           "CHECKPOINT", "ONLINE"]
+           "CHECKPOINT", "ONLINE", "OnlineQuantization", "online_quantization",
+           "online_refusals", "SCRATCH"]
 
 CHECKPOINT, ONLINE = "checkpoint", "online"
 
@@ -318,4 +328,200 @@ def checkpoint_specs_fp8(specs: Mapping[str, tuple[Sequence[int], Any]],
             continue
         out[name] = (t.shape, t.format.dtype)
         out[t.scale] = (t.scale_shape, t.format.scale_dtype)
+    return out
+
+
+# ---------------------------------------------------------------------------- online engines
+
+#: suffix of the parameter name under which a worker gathers the bf16 values of an online
+#: parameter's blocks that no sender could quantize (not a parameter of the model)
+SCRATCH = "\0bf16"
+
+
+class OnlineQuantization:
+    """How a refit fills the parameters vLLM's online ``fp8_per_block`` / ``mxfp8`` quantize.
+
+    vLLM quantizes each TP-local *parameter* (``qkv_proj.weight``: this rank's q, k and v
+    rows together; ``w13_weight`` per local expert) with the grid anchored at the
+    parameter's origin. Per HF tensor feeding such parameters, deterministically from
+    every worker's recording:
+
+    * **sent quantized** when on every worker each of its pieces covers whole blocks of
+      the parameter and starts on the HF tensor's own grid (the parameter's blocks are
+      then the HF tensor's blocks: ``is_aligned`` in both coordinates). It becomes a
+      :class:`QuantizedTensor` of the HF tensor with a scale tensor of its own (``X.weight
+      _scale_inv`` / ``X.weight_scale``, a name no checkpoint of this engine has) whose
+      pieces go to the parameter's scale rows, so the planner quantizes whole blocks at the
+      sender and the rest at the receiver (:mod:`xreshard.planner.quantize`), and codes and
+      scales land in the live ``weight`` and scale parameters;
+    * **sent bf16** otherwise (a block of the parameter straddles two HF tensors, e.g. k|v
+      rows of 64-row heads, or a shard edge is off the HF tensor's grid): its pieces land
+      in a bf16 scratch copy of the parameter (``param + SCRATCH``) and the worker quantizes
+      the blocks they touch with the same function after they landed (:meth:`finish`).
+
+    Attributes:
+        recordings: every worker's recording rewritten for this (scale pieces added,
+            scratch pieces renamed, codes and scale parameters in their stored dtypes).
+        tensors: HF name -> :class:`QuantizedTensor` of the tensors sent quantized.
+        shapes: the scale tensors' global shapes (added to the engine's tensors).
+        params: per worker, online parameter -> its :class:`QuantizedTensor` (local shape).
+    """
+
+    def __init__(self, recordings: Sequence[Recording], shapes: Mapping[str, Sequence[int]]
+                 ) -> None:
+        import dataclasses
+
+        self.params = [{q.name: q for q in rec.quantized_params} for rec in recordings]
+        feeds: dict[str, list[tuple[int, Piece]]] = {}
+        for w, rec in enumerate(recordings):
+            for name, pieces in rec.pieces.items():
+                for p in pieces:
+                    feeds.setdefault(name, []).append((w, p))
+        self.tensors: dict[str, QuantizedTensor] = {}
+        self.shapes: dict[str, tuple[int, ...]] = {}
+        for name, fed in feeds.items():
+            online = [self.params[w].get(p.param) for w, p in fed]
+            if not any(online):
+                continue
+            if not all(online):
+                raise FormatError(f"HF tensor {name!r} loads into parameters vLLM quantizes "
+                                  "online and into others; xreshard cannot send it both ways")
+            fmts = {q.format for q in online}
+            qt = _quantized_hf(name, tuple(shapes[name]), fmts.pop(), fed, online) \
+                if len(fmts) == 1 else None
+            if qt is not None:
+                self.tensors[name], self.shapes[qt.scale] = qt, qt.scale_shape
+        self.recordings = []
+        for w, rec in enumerate(recordings):
+            pieces = {n: list(ps) for n, ps in rec.pieces.items()}
+            shapes_, dtypes = dict(rec.param_shapes), dict(rec.param_dtypes)
+            for name, ps in rec.pieces.items():
+                qt = self.tensors.get(name)
+                for i, p in enumerate(ps):
+                    q = self.params[w].get(p.param)
+                    if q is None:
+                        continue
+                    if qt is None:          # bf16 into the scratch copy of the parameter
+                        pieces[name][i] = Piece(name, p.region, p.param + SCRATCH, p.param_region)
+                        shapes_[p.param + SCRATCH] = q.shape
+                        dtypes[p.param + SCRATCH] = rec.param_dtypes[p.param]
+                        continue
+                    fmt = q.format
+                    pieces.setdefault(qt.scale, []).append(Piece(
+                        qt.scale, fmt.blocks(p.region, qt.shape), q.scale,
+                        fmt.blocks(p.param_region, q.shape)))
+            for q in self.params[w].values():
+                shapes_[q.scale], dtypes[q.name] = q.scale_shape, q.format.dtype
+                dtypes[q.scale] = q.format.scale_dtype
+            for scale in self.shapes:
+                pieces.setdefault(scale, [])
+            self.recordings.append(dataclasses.replace(rec, pieces=pieces, param_shapes=shapes_,
+                                                       param_dtypes=dtypes))
+
+    def finish(self, worker: int, buffers: Mapping[str, Any], names: Sequence[str]) -> None:
+        """Quantize into the live codes and scales (``buffers``) every block of this
+        worker's online parameters that the bf16 pieces of ``names`` touch, from their
+        scratch copies (:func:`xreshard.quant.torch_ops.quantize`: vLLM's formulas, byte for
+        byte, on the parameter's device)."""
+        from xreshard.quant import torch_ops
+
+        rec = self.recordings[worker]
+        blocks: dict[str, set[tuple[int, ...]]] = {}
+        for name in names:
+            for p in rec.pieces.get(name, ()):
+                if p.param.endswith(SCRATCH):
+                    param = p.param[:-len(SCRATCH)]
+                    q = self.params[worker][param]
+                    b = q.format.blocks(p.param_region, q.shape)
+                    blocks.setdefault(param, set()).update(
+                        tuple(s) for s in _indices(b))
+        for param, todo in blocks.items():
+            q = self.params[worker][param]
+            fmt, scratch = q.format, buffers[param + SCRATCH]
+            for band in _bands(todo):
+                region = fmt.data_region(band, q.shape)
+                codes, scales = torch_ops.quantize(scratch[region.slices()], fmt, name=param)
+                buffers[param][region.slices()] = codes
+                buffers[q.scale][band.slices()] = scales
+
+
+def _quantized_hf(name: str, shape: tuple[int, ...], fmt: Any, fed: Sequence[tuple[int, Piece]],
+                  online: Sequence[QuantizedTensor]) -> QuantizedTensor | None:
+    """``name`` as a :class:`QuantizedTensor` when every piece of it covers whole blocks of
+    its parameter on the HF tensor's own grid (see :class:`OnlineQuantization`), else None."""
+    try:
+        fmt.check_shape(shape, name)
+    except FormatError:
+        return None
+    for (w, p), q in zip(fed, online):
+        lead = len(q.shape) - len(shape)
+        if lead < 0 or p.param_region.shape != (1,) * lead + p.region.shape or not (
+                fmt.is_aligned(p.region, shape) and fmt.is_aligned(p.param_region, q.shape)):
+            return None
+    scale = name + ("_scale" if isinstance(fmt, MXFP8) else "_scale_inv")
+    return QuantizedTensor(name, scale, fmt, shape)
+
+
+def _indices(blocks: Any) -> Iterator[tuple[int, ...]]:
+    import itertools
+    return itertools.product(*(range(a, b) for a, b in zip(blocks.starts, blocks.stops)))
+
+
+def _bands(blocks: set[tuple[int, ...]]) -> list[Any]:
+    """The block indices as boxes: runs of consecutive last-dim blocks per leading index."""
+    from xreshard.ir.geometry import Region
+
+    out, run = [], None
+    for b in sorted(blocks):
+        if run is not None and b[:-1] == run[0][:-1] and b[-1] == run[1] + 1:
+            run = (run[0], b[-1])
+            continue
+        if run is not None:
+            out.append(run)
+        run = (b, b[-1])
+    if run is not None:
+        out.append(run)
+    return [Region(tuple(s), tuple(x + 1 for x in s[:-1]) + (e + 1,)) for s, e in out]
+
+
+def online_quantization(recordings: Sequence[Recording], shapes: Mapping[str, Sequence[int]]
+                        ) -> OnlineQuantization | None:
+    """The :class:`OnlineQuantization` of an engine whose workers quantize online, or None."""
+    if not any(rec.quantized_params for rec in recordings):
+        return None
+    return OnlineQuantization(recordings, shapes)
+
+
+#: FP8 MoE backends whose ``convert_to_fp8_moe_kernel_format`` keeps the quantized tensors
+#: as vLLM's online quantizer wrote them (vLLM 0.32: its final ``else`` branch, "no
+#: load-time layout change"); NONE is the stand-in's (no kernel on this platform)
+IDENTITY_MOE_BACKENDS = frozenset({"NONE", "TRITON", "BATCHED_TRITON", "VLLM_CUTLASS",
+                                   "BATCHED_VLLM_CUTLASS", "HPC", "EMULATION", "TRITON_MXFP8"})
+
+
+def online_refusals(model: Any) -> list[str]:
+    """Why the online-quantized layers of ``model`` cannot take codes and scales written
+    in place (empty: they can): a layer whose kernel post-processes the quantized tensors
+    (DeepGEMM E8M0 requantization, scale swizzles, Marlin/FlashInfer/AITER MoE layouts, CPU
+    prepacking) keeps a format xreshard does not produce. Linear layers: only
+    :class:`KernelStandIn` (no kernel: the tensors stay as vLLM's quantizer wrote them);
+    MoE layers: :data:`IDENTITY_MOE_BACKENDS`. TODO(issue 20): list the GPU linear kernels
+    whose post-processing is the identity (CUTLASS block FP8 without E8M0) once checked on
+    a GPU; until then such engines receive bf16 and quantize themselves.
+    """
+    out = []
+    for mod_name, (kind, _, _) in engine_formats(model).items():
+        if kind != ONLINE:
+            continue
+        method = model.get_submodule(mod_name).quant_method
+        backend = getattr(getattr(method, "fp8_backend", None), "value", None)
+        if backend is not None:
+            if backend not in IDENTITY_MOE_BACKENDS:
+                out.append(f"layer {mod_name!r}: MoE backend {backend} converts the "
+                           "quantized weights to its own layout")
+            continue
+        kernel = getattr(method, "fp8_linear", None) or getattr(method, "kernel", None)
+        if not (isinstance(kernel, KernelStandIn) or kernel is KernelStandIn):
+            out.append(f"layer {mod_name!r}: kernel {type(kernel).__name__} post-processes "
+                       "the quantized weights (not known to keep vLLM's quantizer's bytes)")
     return out

@@ -13,13 +13,13 @@ them where they wrote the checkpoint, and ``finalize_layerwise_reload`` runs the
 ``Fp8LinearMethod`` / ``Fp8MoEMethod.process_weights_after_loading`` - DeepGEMM's E8M0
 requantization and scale layout, CPU (AMX) VNNI prepacking, MoE kernel formats stay
 vLLM's (``tests/test_vllm_fp8.py`` reloads FP8 shards this way and gets a fresh load's
-bytes). An *online* engine (``fp8_per_block``, ``mxfp8``) reloads bf16 weights and vLLM
-quantizes them again (``Fp8PerBlockOnlineLinearMethod.process_weights_after_loading``:
-``per_block_cast_to_fp8`` of the TP-local parameter, then the kernel's own
-``fp8_linear.process_weights_after_loading``; ``_already_called_process_weights_after_
-loading`` guards against a second run). Writing FP8 bytes into an online engine instead
-means writing its processed ``weight`` / ``weight_scale_inv`` and running only the
-kernel's hook: TODO(issue 20 phase 2).
+bytes). An *online* engine (``fp8_per_block``, ``mxfp8``) quantizes the TP-local parameter in
+``process_weights_after_loading`` (``per_block_cast_to_fp8`` / ``mxfp8_e4m3_quantize``,
+then the kernel's own hook). A refit does not reload its quantized modules: it writes
+codes and scales into the live ``weight`` and scale parameters in place
+(:class:`~.quantized.OnlineQuantization`, where the kernel's hook leaves vLLM's
+quantizer's bytes as they are: :func:`~.quantized.online_refusals`); only where a kernel
+post-processes them does the engine reload bf16 through this path and quantize itself.
 """
 
 from __future__ import annotations

@@ -109,6 +109,7 @@ from .draft import (TARGET_STATE, DraftError, draft_problem, draft_verdict, reco
                     share_groups, shared_with_policy)
 from . import members
 from .lora import LoRAReceiver
+from .quantized import online_refusals
 from .stream import DEFAULT_WORLD_ID, GROUPS, Stream
 
 logger = logging.getLogger(__name__)
@@ -243,6 +244,11 @@ class XreshardWeightTransferEngine(WeightTransferEngine[XreshardInitInfo, Xresha
                 logger.info("xreshard: no rank loads %s; the trainer must not send them",
                             self._recording.unused)
         recording = self._recording
+        if recording.online is not None and online_refusals(self.model):
+            # FP8 kernels that post-process the quantized weights: vLLM quantizes bf16 itself
+            logger.info("xreshard: online FP8 layers receive bf16: %s",
+                        online_refusals(self.model)[0])
+            recording = recording.without_online()
         draft, problem = self._record_draft(init_info)
         self._mode = init_info.mode
         mode = self._choose_mode(recording, init_info.mode)
