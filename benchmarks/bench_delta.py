@@ -16,7 +16,10 @@ rate 1e-6 and prints the fraction of its BF16 weights whose bits changed (fp32 m
 weights cast to bf16, as RL trainers send them; and bf16 parameters updated in place).
 
     python benchmarks/bench_delta.py --kernels [--mib 64] [--reps 5] [--changed 1.0,0.01,0.001]
-        [--json]
+        [--backends numpy] [--baseline-rev 292bb00] [--json]
+
+``--baseline-rev REV`` also times the numpy kernels as they were at git revision ``REV``
+on the same buffers in the same run (before/after a kernel change, side by side).
 
 Without ``--kernels`` (phase 2): the refit itself. Two processes over gloo: a JAX trainer
 (one CPU device) sends ``--model-mib`` MiB of bf16 tensors (``--tensor-mib`` each) to a
@@ -79,6 +82,26 @@ def versions(mib: float, fraction: float, seed: int = 0) -> tuple[np.ndarray, np
     return old, new
 
 
+def kernel_at(rev: str) -> Any:
+    """``xreshard/delta/host.py`` as it was at git revision ``rev`` (the numpy kernels
+    before a change, timed beside the current ones in the same run), as a module of the
+    ``xreshard.delta`` package (its codec is the current one)."""
+    import importlib.util
+    import subprocess
+    import tempfile
+
+    text = subprocess.run(["git", "-C", str(ROOT), "show", f"{rev}:xreshard/delta/host.py"],
+                          check=True, capture_output=True, text=True).stdout
+    path = Path(tempfile.mkdtemp()) / "host_at_rev.py"
+    path.write_text(text)
+    spec = importlib.util.spec_from_file_location("xreshard.delta._host_at_rev", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    module.__package__ = "xreshard.delta"
+    spec.loader.exec_module(module)
+    return module
+
+
 def backends() -> dict[str, tuple[Callable[[np.ndarray], Any], str]]:
     """Row name -> (how the backend holds a host array, on its CPU device; kernels).
 
@@ -116,16 +139,31 @@ def host_bytes(x: Any) -> bytes:
     return host_view(x).tobytes()
 
 
-def kernel_rows(mib: float, fractions: list[float], reps: int, device_reps: int) -> list[dict]:
+def kernel_rows(mib: float, fractions: list[float], reps: int, device_reps: int,
+                only: list[str] | None = None, rev: str | None = None) -> list[dict]:
     from xreshard import delta
 
     rows = []
+    before = kernel_at(rev) if rev else None
     for fraction in fractions:
         old, new = versions(mib, fraction)
         copy_into = np.empty_like(new)
         copy_s = median_seconds(lambda: np.copyto(copy_into, new), reps)
         want = delta.encode(old, new).to_bytes()
+        if before is not None:          # the kernel at ``rev``, same buffers, same run
+            enc_s = median_seconds(lambda: before.encode_numpy(old, new), reps)
+            same = before.encode_numpy(old, new).to_bytes().tobytes() == want.tobytes()
+            rows.append({"backend": f"numpy@{rev}", "changed": fraction, "mib": mib,
+                         "encode_seconds": enc_s, "encode_gbps": new.nbytes / enc_s / 1e9,
+                         "encode_vs_copy": enc_s / copy_s, "copy_gbps": new.nbytes / copy_s / 1e9,
+                         "same_bytes_as_numpy": same})
+            print(f"  {rows[-1]['backend']:12s} changed {fraction:<6g} diff+encode "
+                  f"{enc_s * 1e3:8.2f} ms = {rows[-1]['encode_gbps']:6.2f} GB/s "
+                  f"({rows[-1]['encode_vs_copy']:5.2f}x a copy) | same bytes: {same}",
+                  flush=True)
         for name, (hold, kernels) in backends().items():
+            if only and name not in only:
+                continue
             o, w = hold(old), hold(new)
             n_reps = device_reps if kernels == "device" else reps
 
@@ -208,6 +246,10 @@ def main(argv: list[str] | None = None) -> int:
                     help="repetitions of the JAX/torch device kernels (slow on a CPU)")
     ap.add_argument("--changed", default="1.0,0.01,0.001", help="changed fractions")
     ap.add_argument("--json", action="store_true", help="print one JSON object at the end")
+    ap.add_argument("--backends", default=None,
+                    help="kernels: only these rows (numpy,jax/auto,jax/device,torch/auto,...)")
+    ap.add_argument("--baseline-rev", default=None,
+                    help="kernels: also time the numpy kernels of this git revision, same run")
     ap.add_argument("--model-mib", type=float, default=256.0, help="refit: model size (MiB)")
     ap.add_argument("--tensor-mib", type=float, default=16.0, help="refit: tensor size (MiB)")
     ap.add_argument("--link-gbps", type=float, default=None,
@@ -220,7 +262,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"delta kernels: a {args.mib:g} MiB bf16 bucket, median of {args.reps}, "
           f"{platform.machine()} {platform.processor() or ''} ({__import__('os').cpu_count()} "
           "CPUs), JAX and torch on CPU", flush=True)
-    rows = kernel_rows(args.mib, fractions, args.reps, args.device_reps)
+    rows = kernel_rows(args.mib, fractions, args.reps, args.device_reps,
+                       args.backends.split(",") if args.backends else None, args.baseline_rev)
     print("demo model (xreshard.tools.demo), one optax Adam step at lr 1e-6:", flush=True)
     demo = demo_changed_fraction()
     for label, d in demo.items():
@@ -228,7 +271,7 @@ def main(argv: list[str] | None = None) -> int:
               "changed bits", flush=True)
     if args.json:
         print(json.dumps({"kernels": rows, "demo_adam_lr1e-6": demo}))
-    bad = [r for r in rows if not (r["same_bytes_as_numpy"] and r["applied_bit_exact"])]
+    bad = [r for r in rows if not (r["same_bytes_as_numpy"] and r.get("applied_bit_exact", True))]
     return 1 if bad else 0
 
 

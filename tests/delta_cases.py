@@ -210,7 +210,7 @@ def _before(scenario: str, call: int, me: int, refit: Any, state: dict) -> None:
 
 def _after(scenario: str, call: int, me: int) -> None:
     if scenario == "fences" and call == 6 and me == 1:
-        from xreshard.runtime.delta_wire import DeltaExecutor
+        from xreshard.runtime.delta_exec import DeltaExecutor
         DeltaExecutor._land = _LAND[0]
 
 
@@ -221,13 +221,13 @@ def _fail_last_apply() -> None:
     """This process's delta executor raises at its last landing bucket of the call (after
     every group of the call: the others finish, then learn it at the outcome)."""
     from xreshard.errors import RefitError
-    from xreshard.runtime.delta_wire import DeltaExecutor
+    from xreshard.runtime.delta_exec import DeltaExecutor
 
     land = DeltaExecutor._land
     _LAND[:] = [land]
 
-    def failing(self, b, buf, how, offsets):
-        land(self, b, buf, how, offsets)
+    def failing(self, b, buf, how):
+        land(self, b, buf, how)
         last = self.schedule.rounds[-1]
         if b is [x for x in last if x.dst in self._local_dst][-1]:
             raise RefitError(f"injected failure after bucket {b.tag} (pid {os.getpid()})")
@@ -323,13 +323,13 @@ def _redistributed(local: dict | None, me: int) -> dict:
 
 
 def _die_at_first_apply() -> None:
-    from xreshard.runtime.delta_wire import DeltaExecutor
+    from xreshard.runtime.delta_exec import DeltaExecutor
 
     land = DeltaExecutor._land
 
-    def dying(self, b, buf, how, offsets):
+    def dying(self, b, buf, how):
         if how == "apply":
             os._exit(3)
-        return land(self, b, buf, how, offsets)
+        return land(self, b, buf, how)
 
     DeltaExecutor._land = dying

@@ -105,6 +105,50 @@ def test_numpy_round_trip_is_bit_exact_idempotent_and_smallest(dtype, n, pattern
         assert msg.header.count == count
 
 
+@SETTINGS
+@given(dtype=st.sampled_from(DTYPES), n=st.integers(0, 300), pattern=st.sampled_from(PATTERNS),
+       seed=st.integers(0, 2**31), chunk=st.sampled_from([8, 16, 40, host.CHUNK]),
+       cuts=st.lists(st.integers(0, 300), max_size=5))
+def test_parts_encode_and_apply_as_the_whole_region(dtype, n, pattern, seed, chunk, cuts):
+    """A bucket's items read in place (``encode_parts``) give the message of the packed
+    bucket, byte for byte, with chunks that straddle parts of any length (so packed mask
+    bytes across part boundaries); ``apply_parts`` into the items' own memory writes what
+    applying to the packed region writes."""
+    old, new, _ = _pair(dtype, n, pattern, seed)
+    bounds = [0] + sorted(min(c, n) for c in cuts) + [n]
+    o_bits = old.view(f"u{old.dtype.itemsize}") if old.dtype.itemsize <= 8 else old
+    w_bits = new.view(o_bits.dtype)
+    parts = [w_bits[a:b] for a, b in zip(bounds[:-1], bounds[1:])]
+    saved, host.CHUNK = host.CHUNK, chunk
+    try:
+        whole = host.encode_numpy(o_bits, w_bits)
+        got = host.encode_parts(o_bits, parts)
+    finally:
+        host.CHUNK = saved
+    if got is None:
+        assert whole.kind == "dense"
+    else:
+        assert got.to_bytes().tobytes() == whole.to_bytes().tobytes()
+    target = o_bits.copy()
+    host.apply_parts(whole.to_bytes(), [target[a:b] for a, b in zip(bounds[:-1], bounds[1:])],
+                     old.dtype.itemsize, n)
+    assert target.tobytes() == w_bits.tobytes()
+
+
+def test_apply_parts_validates_everything_before_writing():
+    old = np.zeros(64, np.uint16)
+    new = old.copy()
+    new[[3, 40]] = 1
+    msg = host.encode_numpy(old, new).to_bytes()
+    parts = [old[:10].copy(), old[10:].copy()]
+    with pytest.raises(delta.DeltaFormatError):
+        host.apply_parts(msg[:-2], parts, 2, 64)           # truncated: nothing written
+    assert not any(p.any() for p in parts)
+    with pytest.raises(ValueError, match="the parts hold 63 elements"):
+        host.apply_parts(msg, [parts[0], parts[1][:-1]], 2, 64)
+    assert not any(p.any() for p in parts)
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16", "float64"])
 def test_minus_zero_and_nan_payloads_are_changes(dtype):
     dt = numpy_dtype(dtype)

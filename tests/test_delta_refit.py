@@ -49,13 +49,15 @@ def test_decision_needs_both_claims_of_one_call_and_the_current_digest():
 
 def test_amostly_changed_bucket_skips_the_diff():
     import numpy as np
-    from xreshard.runtime.delta_wire import mostly_changed
+    from xreshard.runtime.delta_exec import mostly_changed
 
     old = np.zeros(1 << 20, np.uint16)
-    assert mostly_changed(old, old + 1)
+    assert mostly_changed(old, [old + 1])
+    assert mostly_changed(old, [old[:1000] + 1, old[1000:] + 1])    # in parts, as items
     new = old.copy()
     new[::100] = 1
-    assert not mostly_changed(old, new)
+    assert not mostly_changed(old, [new])
+    assert not mostly_changed(old, [new[:(1 << 19) + 7], new[(1 << 19) + 7:]])
 
 
 def test_config_refuses_relay_and_non_bool():

@@ -243,7 +243,8 @@ class RefitReport:
     """``RefitConfig(delta=True)``: this process's ``pairs`` (sending pairs that went as
     deltas), ``bytes_dense`` (what its buckets take dense), ``bytes_wire`` (what its
     senders put on the wire, headers included; also ``bytes_sent``), ``num_delta``
-    (buckets sent encoded), ``encode_seconds`` (finding and encoding the changes) and
+    (buckets sent encoded), ``encode_seconds`` (finding and encoding the changes: wall
+    time of the encoder, which may start before the move), ``encode_threads`` and
     ``baseline_bytes`` (host memory its baselines hold). None without delta."""
 
     @property

@@ -1,24 +1,21 @@
-"""Delta refit inside the executor (``RefitConfig(delta=True)``, issue 22 phase 2).
+"""Delta refit inside the executor (``RefitConfig(delta=True)``, issue 22 phase 2): the
+state a process keeps between calls and the version fences.
 
 A bucket is the unit of a delta: its sender keeps the bytes that bucket last put on the
 wire (its *baseline*, host memory, after ``wire_dtype`` casts), compares the new bucket
 with it bit by bit and sends whichever of dense, bitmask + values or runs + values is
 smallest (:mod:`xreshard.delta`). Its receiver's base is its destination memory itself:
-what the last confirmed call wrote there.
+what the last confirmed call wrote there. How a call moves (headers one group ahead of
+their payloads, the diff on worker threads ahead of the wire): :mod:`.delta_exec`.
 
 ```
- sender rank s                                   receiver rank r
- pack bucket (or read it in place)
- encode against baseline[s, r, tag] ─ header ─>  32 bytes: kind and exact length
- baseline <- new (in place)          ─ payload > dense: into the destination (or staging)
-                                                 delta: validate, apply to the destination
-                                                 (in place when it is one contiguous run;
-                                                 else read it into staging, apply, unpack)
+ sender rank s                                      receiver rank r
+ encoder threads: diff bucket vs baseline[s, r, tag]
+ group k:   header (32 bytes: kind, exact length) ─>  sizes its receive
+ group k+1: payload ─────────────────────────────>  dense: into the destination (or staging)
+            baseline <- new (a delta applied,        delta: validate, apply to the
+            dense bytes copied while they move)      destination items in place
 ```
-
-Message sizes depend on the data while transports need matching sizes, so each round
-runs two groups: the headers of its delta buckets (32 bytes each), then the payloads of
-exact size. Buckets of pairs that go dense skip the header and move as in a plain refit.
 
 **Fences.** ``refit/check`` carries this process's claims (:meth:`DeltaState.claims`): per
 sending pair ``(s, r)`` the call its baseline is of and the digest of the pair's buckets;
@@ -34,35 +31,38 @@ that failed anywhere invalidates every claim of every process (:meth:`DeltaState
 every receiver may hold a mix, so the next call is dense.
 
 A receiver's destination memory is fingerprinted when a call commits: where it lives
-(buffer addresses) and what it holds (torch write-version counters, else a checksum). New
-memory (a JAX receiver gets new arrays every call) silently drops the claim; the same
-memory written outside xreshard is refused on every process at ``refit/check``, before any
-byte moves (and the claim is dropped: the next call is dense).
+(buffer addresses) and what it holds (a checksum of its bytes). New memory (a JAX receiver
+gets new arrays every call) silently drops the claim; the same memory written outside
+xreshard is refused on every process at ``refit/check``, before any byte moves (and the
+claim is dropped: the next call is dense).
 
-A bucket whose sample mostly changed (:func:`mostly_changed`) is sent dense without a diff,
-and the baselines of dense buckets are copied while the payloads move.
+**Encoding ahead.** A sender starts encoding the buckets of the pairs its baselines hold a
+claim for as soon as the call's sources are bound (:meth:`DeltaState.encode_ahead`), with
+the schedule of the last call, so the diff overlaps ``refit/check`` (the gather and the
+receivers' fingerprints). The encoder only reads sources and baselines; the call uses its
+work only when the schedule stayed and the pair goes as a delta, and it is stopped before
+the call returns, whatever happened.
 
 Buckets whose receiver casts (its dtype is not the wire dtype) always go dense: the
-receiver could not read its base back bit for bit. Delta runs round after round on host
-bindings (a relay and device bindings are refused before any byte moves).
+receiver could not read its base back bit for bit. Delta runs on host bindings (a relay
+and device bindings are refused before any byte moves).
 """
 
 from __future__ import annotations
 
 import hashlib
+import os
 import secrets
-import time
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 import numpy as np
 
-from ..delta.codec import DENSE, HEADER_BYTES, Header, read_header
-from ..delta.host import apply_numpy, encode_numpy
-from ..dtypes import bits_dtype, itemsize
+from ..planner.prepare import SOURCES
 from ..planner.schedule import Bucket
-from .copies import copy_into
-from .execute import ExecStats, Executor
+from .execute import Executor
+from .metadata import fit
+from .programs import Tables
 
 __all__ = ["DeltaCall", "DeltaExecutor", "DeltaState", "delta_problems"]
 
@@ -113,6 +113,7 @@ class DeltaState:
         self.memory: tuple[str, str] | None = None
         self._nonce = ""
         self._digests: tuple[Any, dict[tuple[int, int], str]] | None = None
+        self._ahead: tuple[Any, Any] | None = None      # (prepared, Encoder)
 
     @property
     def baseline_bytes(self) -> int:
@@ -153,6 +154,43 @@ class DeltaState:
                 "recv": [[r, call, sorted(d.items())] for r, (call, d) in
                          sorted(self.base.items())]}, errors
 
+    # ------------------------------------------------------------ encoding ahead
+
+    def encode_ahead(self, prepared: Any, src: Any, threads: int | None = None) -> None:
+        """Start encoding this process's buckets against its baselines now, with the last
+        call's schedule ``prepared`` (None: none yet) and this call's bound sources ``src``,
+        so the diff overlaps ``refit/check``: only pairs whose baseline holds a claim for
+        that schedule, which may go as deltas. :meth:`begin` hands the work to the call
+        when the schedule stayed; :meth:`stop_ahead` ends it (call it whatever happens)."""
+        self.stop_ahead()
+        if prepared is None or src is None or prepared.stages[0].src_from != SOURCES:
+            return
+        from .delta_exec import ENCODE_THREADS, Encoder, delta_unit
+        st = prepared.stages[0]
+        reader = Executor(prepared.schedule, st.src_layouts, st.dst_layouts, st.wire_dtypes,
+                          fit(src, prepared.direct.src_layouts), {}, None, 0.0)
+        local = {r for r, _ in reader.src_bindings}
+        digests = self.pair_digests(prepared)
+        jobs = []
+        for rnd in prepared.schedule.rounds:
+            for b in rnd:
+                pair = self.sent.get((b.src, b.dst))
+                if b.src not in local or pair is None or pair.call is None \
+                        or pair.digest != digests.get((b.src, b.dst)):
+                    continue
+                base = pair.buffers.get(b.tag)
+                if base is not None and base.nbytes == b.nbytes and delta_unit(reader, b):
+                    jobs.append((b, base))
+        if jobs:
+            self._ahead = (prepared, Encoder(reader, jobs, threads or ENCODE_THREADS))
+
+    def stop_ahead(self) -> None:
+        """Stop an encoder started ahead that no call took: no thread reads the sources or
+        the baselines once this returns."""
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None:
+            ahead[1].stop()
+
     # ------------------------------------------------------------ the call
 
     def begin(self, gathered: Sequence[Any], prepared: Any) -> DeltaCall:
@@ -173,7 +211,11 @@ class DeltaState:
         pairs = frozenset(p for p, d in digests.items()
                           if send.get(p) is not None and send.get(p) == recv.get(p)
                           and send[p][1] == d)
-        return DeltaCall(self, call_id, pairs, digests)
+        call = DeltaCall(self, call_id, pairs, digests)
+        if self._ahead is not None and self._ahead[0] is prepared:
+            call.encoder, self._ahead = self._ahead[1], None    # the executor takes it
+        self.stop_ahead()
+        return call
 
     def pair_digests(self, prepared: Any) -> dict[tuple[int, int], str]:
         """A digest of every local pair's buckets (what both ends of a pair compute alike)."""
@@ -207,6 +249,11 @@ class DeltaState:
         self.reset()
 
 
+#: fingerprints of at least this many bytes are checksummed on several threads
+_PARALLEL_BYTES = 1 << 24
+_FINGERPRINT_THREADS = max(1, min(4, os.cpu_count() or 1))
+
+
 def fingerprint(dst: Any, receive_obj: Any) -> tuple[str, str]:
     """``(where, what)`` of this process's destination memory: the buffers' addresses and
     shapes, and a checksum of their bytes (``receive_obj`` is not read: kept for callers)."""
@@ -221,8 +268,14 @@ def fingerprint(dst: Any, receive_obj: Any) -> tuple[str, str]:
             arrays.append(arr)
     from . import verify
     # by content, never torch write counters: fused optimizers, ``.data`` and numpy views
-    # write without moving them (see xreshard.runtime.writes)
-    what = "/".join(verify.checksum(a) for a in arrays)
+    # write without moving them (see xreshard.runtime.writes); numpy sums release the GIL,
+    # so tensors are checksummed on several threads
+    if len(arrays) > 1 and sum(a.nbytes for a in arrays) >= _PARALLEL_BYTES:
+        from concurrent.futures import ThreadPoolExecutor
+        with ThreadPoolExecutor(min(len(arrays), _FINGERPRINT_THREADS)) as pool:
+            what = "/".join(pool.map(verify.checksum, arrays))
+    else:
+        what = "/".join(verify.checksum(a) for a in arrays)
     return where.hexdigest(), hashlib.sha256(what.encode()).hexdigest()
 
 
@@ -244,183 +297,28 @@ class DeltaCall:
     num_delta: int = 0
     """Buckets sent encoded (not dense)."""
     encode_seconds: float = 0.0
+    """Wall time of the diff: from the encoder's start (maybe ahead of the call's move) to
+    its last bucket's end, on ``encode_threads`` worker threads."""
+    encode_threads: int = 0
+    encoder: Any = None
+    """The ``delta_exec.Encoder`` at work on this call (started ahead, or by the executor)."""
+
+    def baseline(self, b: Bucket, create: bool = False) -> np.ndarray | None:
+        """Bucket ``b``'s baseline (``b.nbytes`` bytes), or None when there is none of its
+        size; ``create``: a new one then (its contents are set as the bucket is sent)."""
+        pair = self.state.sent.get((b.src, b.dst))
+        if pair is None:
+            if not create:
+                return None
+            pair = self.state.sent[(b.src, b.dst)] = _Baseline()
+        base = pair.buffers.get(b.tag)
+        if (base is None or base.nbytes != b.nbytes) and create:
+            base = pair.buffers[b.tag] = np.empty(b.nbytes, np.uint8)
+        return base if base is not None and base.nbytes == b.nbytes else None
 
     def summary(self) -> dict[str, Any]:
         return {"pairs": len([p for p in self.pairs if p in self.sent_pairs]),
                 "bytes_dense": self.bytes_dense, "bytes_wire": self.bytes_wire,
                 "num_delta": self.num_delta, "encode_seconds": self.encode_seconds,
+                "encode_threads": self.encode_threads,
                 "baseline_bytes": self.state.baseline_bytes}
-
-
-# ---------------------------------------------------------------------------- the executor
-
-#: a bucket is sent dense without a diff when a sample of it changed at least this much
-DENSE_SAMPLE_FRACTION = 0.9
-_SAMPLE_BLOCKS, _SAMPLE_ELEMENTS = 16, 2048
-
-
-def mostly_changed(old: np.ndarray, new: np.ndarray) -> bool:
-    """Whether most of a bucket changed, from 16 blocks spread over it: the diff is then
-    skipped and the bucket sent dense (a cost policy: dense is always a valid message; a
-    step that changed most weights costs a dense refit plus the baseline's copy)."""
-    n = old.size
-    if n <= _SAMPLE_BLOCKS * _SAMPLE_ELEMENTS or old.dtype.kind != "u":
-        return False
-    stride = n // _SAMPLE_BLOCKS
-    changed = sum(int(np.count_nonzero(old[a:a + _SAMPLE_ELEMENTS] != new[a:a + _SAMPLE_ELEMENTS]))
-                  for a in range(0, stride * _SAMPLE_BLOCKS, stride))
-    return changed >= DENSE_SAMPLE_FRACTION * _SAMPLE_BLOCKS * _SAMPLE_ELEMENTS
-
-
-
-class DeltaExecutor(Executor):
-    """The executor of a delta call: rounds one after another, each a group of headers then
-    a group of payloads (see the module docstring). Pack, unpack and same-rank copies are
-    the plain executor's."""
-
-    def __init__(self, *args: Any, delta: DeltaCall, **kwargs: Any):
-        kwargs["pipeline"] = False
-        super().__init__(*args, **kwargs)
-        self.delta = delta
-
-    def _unit(self, b: Bucket) -> int | None:
-        """The element size a bucket is compared in (its narrowest wire dtype), or None when
-        it cannot go as a delta (its receiver casts: it cannot read its base back)."""
-        t = self.tables[b.stage]
-        wire = self.programs.wire(b.stage)
-        if b.stage != 0 or any(t.dst_layouts[it.name].dtype != wire[it.name]
-                               for it in b.items):
-            return None
-        return min(itemsize(wire[it.name]) for it in b.items)
-
-    def _round(self, buckets: Sequence[Bucket], stats: ExecStats) -> None:
-        tr = time.perf_counter()
-        call = self.delta
-        offsets: dict[int | None, int] = {}
-        sends = [b for b in buckets if b.src in self._local_src]
-        recvs = [b for b in buckets if b.dst in self._local_dst]
-        call.local_dst.update(b.dst for b in recvs)
-        call.sent_pairs.update((b.src, b.dst) for b in sends)
-        heads: dict[Bucket, np.ndarray] = {}
-        out: dict[Bucket, Any] = {}
-        self._copies: list[tuple[np.ndarray, Any]] = []     # baseline <- new, when sent
-        for b in sends:
-            out[b] = self._outgoing(b, offsets, heads, stats)
-        heads_in: dict[Bucket, np.ndarray] = {b: np.empty(HEADER_BYTES, np.uint8) for b in recvs
-                    if (b.src, b.dst) in call.pairs and self._unit(b)}
-        if heads or heads_in:
-            with self.transport.group(self.timeout):
-                for b, h in heads_in.items():
-                    self.transport.recv(h, b.src, b.dst, b.tag)
-                for b, h in heads.items():
-                    self.transport.send(h, b.src, b.dst, b.tag)
-        incoming = [self._incoming(b, heads_in.get(b), offsets, stats) for b in recvs]
-        with self.transport.group(self.timeout):
-            for b, (buf, _) in zip(recvs, incoming):
-                if buf is not None:
-                    self.transport.recv(buf, b.src, b.dst, b.tag)
-            for b, buf in out.items():
-                if buf is not None:
-                    self.transport.send(buf, b.src, b.dst, b.tag)
-            # gloo and shm move posted sends at once: the baselines' copies overlap them
-            for base, new in self._copies:
-                np.copyto(base, new)
-        for b, (buf, how) in zip(recvs, incoming):
-            self._land(b, buf, how, offsets)
-        stats.per_round_seconds.append(time.perf_counter() - tr)
-
-    def _outgoing(self, b: Bucket, offsets: dict, heads: dict[Bucket, np.ndarray],
-                  stats: ExecStats) -> Any:
-        """Bucket ``b``'s payload (packed, or the bound view; None: nothing changed); encoded
-        against its baseline when its pair goes as a delta (its header into ``heads``), and
-        the baseline updated."""
-        call = self.delta
-        new = self._message(b, offsets, stats)
-        stats.num_messages += 1
-        call.bytes_dense += b.nbytes
-        unit = self._unit(b)
-        payload = new if unit is None else self._against_baseline(b, new, unit, heads)
-        wire = (HEADER_BYTES if b in heads else 0) + (0 if payload is None else payload.nbytes)
-        call.bytes_wire += wire
-        stats.bytes_sent += wire
-        return payload
-
-    def _against_baseline(self, b: Bucket, new: Any, unit: int,
-                          heads: dict[Bucket, np.ndarray]) -> Any:
-        """Encode ``new`` against bucket ``b``'s baseline when its pair goes as a delta (the
-        header into ``heads``); returns the payload (None: nothing changed) and updates the
-        baseline (applying the message now, or copying ``new`` while the payloads move)."""
-        call = self.delta
-        t0 = time.perf_counter()
-        pair = call.state.sent.setdefault((b.src, b.dst), _Baseline())
-        base = pair.buffers.get(b.tag)
-        if base is None or base.nbytes != b.nbytes:
-            base = pair.buffers[b.tag] = np.empty(b.nbytes, np.uint8)
-        bits = bits_dtype(unit)
-        old, cur = base.view(bits), new.view(bits)
-        payload = new
-        if (b.src, b.dst) in call.pairs:
-            n = b.nbytes // unit
-            header, msg = Header(DENSE, unit, n, n, 0), None
-            if not mostly_changed(old, cur):
-                msg = encode_numpy(old, cur)
-                header = msg.header
-            heads[b] = np.frombuffer(header.pack(), np.uint8).copy()
-            if msg is not None and header.kind != DENSE:
-                call.num_delta += 1
-                payload = msg.to_bytes() if header.count else None
-                if payload is not None:
-                    apply_numpy(payload, old)
-        if payload is new:              # dense (or a dense pair, which seeds it)
-            self._copies.append((base, new))
-        call.encode_seconds += time.perf_counter() - t0
-        return payload
-
-    def _incoming(self, b: Bucket, head: np.ndarray | None, offsets: dict,
-                  stats: ExecStats) -> tuple[Any, str]:
-        """Where bucket ``b``'s payload lands and how it is then applied: ``"in place"``
-        (the destination view itself), ``"unpack"`` (staging), ``"apply"`` (a delta), or
-        ``(None, "unchanged")``: nothing changed, nothing follows the header."""
-        if head is not None:
-            stats.bytes_received += HEADER_BYTES
-            unit = self._unit(b)
-            assert unit is not None
-            header = read_header(head, unit, b.nbytes // unit)
-            if header.kind != DENSE and not header.count:
-                return None, "unchanged"
-            if header.kind != DENSE:
-                stats.bytes_received += header.nbytes
-                return np.empty(header.nbytes, np.uint8), "apply"
-        stats.bytes_received += b.nbytes
-        buf = self._zero_copy_recv(b)
-        if buf is not None:
-            stats.num_zero_copy += 1
-            return buf, "in place"
-        return self._take(offsets, b.dst, b.nbytes), "unpack"
-
-    def _land(self, b: Bucket, buf: Any, how: str, offsets: dict) -> None:
-        """Bucket ``b``'s payload arrived: unpack it, or apply the delta to its base."""
-        if how == "unpack":
-            self._unpack(b, buf)
-        if how != "apply":
-            return
-        bits = bits_dtype(self._unit(b))
-        view = self._zero_copy_recv(b)
-        if view is not None:                    # the destination is the base: in place
-            apply_numpy(buf, view.view(bits))
-            return
-        staging = self._take(offsets, b.dst, b.nbytes)
-        self._read_back(b, staging)
-        apply_numpy(buf, staging.view(bits))
-        self._unpack(b, staging)
-
-    def _read_back(self, b: Bucket, buf: np.ndarray) -> None:
-        """Bucket ``b``'s destination regions into ``buf``, as the last call wrote them
-        (bits: the receiver's dtype is the wire's)."""
-        bindings = self.tables[b.stage].dst_bindings
-        for e in self.programs.program(b, 1):
-            out = buf[e.lo:e.hi].view(e.bits).reshape(e.shape)
-            arr = bindings[e.key]
-            copy_into(np, out, e.wire, (arr if e.index is None else arr[e.index])[e.slices],
-                      e.dtype)
-

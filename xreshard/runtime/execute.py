@@ -469,6 +469,7 @@ class Executor:
                 stats.staging_bytes = sum(need.values())
                 for buckets in self.schedule.rounds:
                     self._round(buckets, stats)
+                self._rounds_done(stats)
                 self._local_copies(stats, forwarded=True)
             quantized.finish(self.quant, self.tables[0].dst_bindings)
             ok = True
@@ -543,6 +544,10 @@ class Executor:
             with self._on(b.dst):
                 self._unpack(b, buf)
         stats.per_round_seconds.append(time.perf_counter() - tr)
+
+    def _rounds_done(self, stats: ExecStats) -> None:
+        """After the last round, round after round (a subclass's hook: the delta executor
+        sends the last round's payloads there)."""
 
     # ------------------------------------------------------------ pipelined run
 
@@ -655,7 +660,7 @@ def run(prepared: PreparedCall, bindings: StageBindings, transport: Transport, *
     kind: Any = Executor
     extra: dict[str, Any] = {}
     if delta is not None:
-        from .delta_wire import DeltaExecutor
+        from .delta_exec import DeltaExecutor
         kind, extra = DeltaExecutor, {"delta": delta}
     executor = kind(prepared.schedule, *tables[0], transport, timeout,
                     pipeline=tuning.executor == "pipelined",

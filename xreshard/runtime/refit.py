@@ -304,6 +304,7 @@ class Refit:
         except Failed as f:
             raise f.error from None
         finally:
+            self.delta_state.stop_ahead()       # no thread reads the sources past the call
             self._busy.release()
 
     def _call(self, send: Any, receive: Any, snapshot: writes.Snapshot | None = None
@@ -314,6 +315,8 @@ class Refit:
             self._epoch, self._maps, self._prepared, self._generations = \
                 self.world.epoch, None, None, None
         src, dst, errors, snapshot = self._bind_sides(send, receive, snapshot)
+        if self.config.delta:       # the diff overlaps refit/check (see delta_wire)
+            self.delta_state.encode_ahead(self._prepared, src)
         replanned = self._prepare(src, dst, errors, self.version + 1)
         target = self.version + 1       # a process new to the world adopted the version
         plan_seconds = time.perf_counter() - t0
