@@ -14,6 +14,7 @@ import os
 from typing import Any, Sequence
 
 from .commcount import CountedTransport
+from .world_links import WorldLinks
 from ..errors import RefitError
 from .store import connect, parse_address
 from ..transport.base import Transport
@@ -51,7 +52,7 @@ def cuda_ordinal(device: Any) -> int:
 
 
 
-class WorldTransports:
+class WorldTransports(WorldLinks):
     """The transport half of ``World`` (a mixin: it uses the world's processes, ranks,
     store and collectives)."""
 
@@ -338,6 +339,8 @@ class WorldTransports:
     def _make_gloo(self) -> Transport:
         from ..transport.gloo import GlooTransport, create_gloo_group
 
+        if self._elastic is not None:       # links, kept across epochs (world_links.py)
+            return self._make_links()
         prefix = self._next_prefix()
         # gloo's own rendezvous cannot say who is missing; a barrier first can.
         self.barrier()
