@@ -34,8 +34,9 @@ class WorldLinks:
 
     @property
     def comm_steps(self) -> dict[str, str]:
-        """This process's communicators at the last epoch change that made them: link key
-        -> action ("keep", "create", "recreate", "drop"; see ``comm_epochs``)."""
+        """What happened to this process's communicators since the last epoch change
+        (or the join): gloo link key, or "nccl", -> the action taken ("keep", "shrink",
+        "create", "recreate", "drop"; see ``comm_epochs``)."""
         return dict(self.__dict__.get("_comm_steps", {}))
 
     @property
@@ -55,6 +56,13 @@ class WorldLinks:
             self._parked_links().update({link.key: link for link in linked.links.values()})
         elif linked is not None:
             self._transports["gloo"] = linked       # a fixed world's group: closed below
+        nccl = self._transports.pop("nccl", None)
+        members = self.__dict__.pop("_nccl_members", None)
+        if nccl is not None and members is not None:    # a RenumberedTransport (elastic)
+            self.__dict__["_parked_nccl"] = (nccl.inner, members)
+        elif nccl is not None:
+            self._transports["nccl"] = nccl
+        self.__dict__["_comm_steps"] = {}       # the next epoch's steps from here
         self._close_transports()
 
     def _close_links(self) -> None:
@@ -65,6 +73,9 @@ class WorldLinks:
             except Exception:       # noqa: BLE001 - the others still close
                 logger.warning("closing link %s failed", link.key, exc_info=True)
         self._parked_links().clear()
+        parked = self.__dict__.pop("_parked_nccl", None)
+        if parked is not None and parked[0] is not None:
+            parked[0].close()
 
     def _make_links(self) -> LinkedTransport:
         """The gloo links of this epoch (collective: one all-gather, then the new links)."""
@@ -115,7 +126,7 @@ class WorldLinks:
             parked.pop(key).close()
             counts["drop"] += 1
             done[key] = "drop"
-        self.__dict__["_comm_steps"] = done
+        self.__dict__.setdefault("_comm_steps", {}).update(done)
         logger.info("world %r epoch %d: gloo links %s", self._world_id, self.epoch,
                     dict(Counter(done.values())))
         return LinkedTransport(links, self._rank_process)
@@ -142,3 +153,78 @@ class WorldLinks:
         inner = GlooTransport(pg, rank_process=[0] * sizes[0] + [1] * sizes[1],
                               process_index=pos, process_labels=labels)
         return Link(key, (members[0], members[1]), inner, sizes)
+
+    # ------------------------------------------------------------------ nccl
+
+    def _rank_members(self, ranks: Any) -> tuple[str, ...]:
+        """Communicator members of world ranks: ``"rollout[1]#4242/0"`` (the process
+        instance, then the rank's position among its ranks)."""
+        out = []
+        for r in ranks:
+            info = self._infos[self._rank_process[r]]
+            out.append(f"{member_id(info)}/{r - info['ranks'][0]}")
+        return tuple(out)
+
+    def _nccl_epoch(self, prefix: str, ranks: tuple[int, ...], devices: dict[int, int]
+                    ) -> Any:
+        """An elastic world's NCCL communicator over world ranks ``ranks`` (collective):
+        the last epoch's kept or shrunk where ``comm_epochs`` says so and the loaded NCCL
+        can, else made anew. ``devices``: this process's world rank -> CUDA ordinal.
+        Returns a ``RenumberedTransport`` (world ranks -> communicator ranks)."""
+        from ..transport.nccl import NcclTransport
+        from ..transport.routed import RenumberedTransport
+        from .comm_epochs import decide
+
+        parked = self.__dict__.pop("_parked_nccl", None)
+        before, old = (None, None) if parked is None else parked
+        usable = before is None or before.usable
+        agreed = self.allgather_json({"usable": usable}, timeout=self._wait_seconds(),
+                                     kind="nccl/epoch")
+        if not all(a["usable"] for a in agreed):
+            old = None      # a failed group may have left work behind: make it anew
+        new = self._rank_members(ranks)
+        step = decide("nccl", old, new, self._rank_members(range(self.num_ranks)),
+                      _nccl_abilities())
+        mine = set(self._rank_members(self._rank_ids))
+        members = step.members if step.action in ("keep", "shrink") else new
+        index = {r: members.index(m) for r, m in zip(ranks, new)}
+        local = {index[r]: devices[r] for r in self._rank_ids if r in index}
+        action, inner = step.action, None
+        if action == "keep":
+            inner = before
+        elif action == "shrink" and local:
+            assert before is not None       # its ranks stay: it had them
+            inner = before.shrunk(step.excluded, step.abort, f"{prefix}/nccl",
+                                  self._wait_seconds())
+        else:
+            if before is not None:
+                before.close()
+            if action in ("grow", "split", "shrink+grow"):
+                logger.info("world %r: NCCL could %s the communicator; it is made anew "
+                            "(only shrink is executed yet)", self._world_id, action)
+            if action == "shrink" or (action != "create" and not local):
+                action = "drop"             # this process has no rank in it any more
+            elif action != "create":
+                action = "recreate"
+            if local and action != "drop":
+                inner = NcclTransport(self._store, len(members), local, key=f"{prefix}/nccl",
+                                      timeout=self._wait_seconds())
+        if mine & set(step.old or ()) or mine & set(members):
+            counts = self.__dict__.setdefault("_comm_counts", Counter())
+            counts[action] += 1
+            self.__dict__.setdefault("_comm_steps", {})["nccl"] = action
+        self.__dict__["_nccl_members"] = members
+        return RenumberedTransport(inner, index, "nccl")
+
+
+def _nccl_abilities() -> Any:
+    """What the NCCL loaded in this process can do (keep or recreate only without one)."""
+    from .comm_epochs import GLOO
+    from ..transport.nccl_epochs import loaded_library
+    from ..transport.nccl_setup import import_cupy
+    try:
+        import_cupy()
+    except ImportError:
+        return GLOO
+    library = loaded_library()
+    return GLOO if library is None else library.abilities()

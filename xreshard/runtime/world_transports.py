@@ -294,6 +294,8 @@ class WorldTransports(WorldLinks):
         select_backend(self._rank_kind, "nccl")       # refuses CPU ranks, naming them
         prefix = self._next_prefix()
         devices = {r: cuda_ordinal(self._devices[i]) for i, r in enumerate(self._rank_ids)}
+        if self._elastic is not None:       # kept or shrunk across epochs (world_links.py)
+            return self._nccl_epoch(prefix, tuple(range(self.num_ranks)), devices)
         return NcclTransport(self._store, self.num_ranks, devices, key=f"{prefix}/nccl",
                              timeout=self._wait_seconds())
 
@@ -310,6 +312,9 @@ class WorldTransports(WorldLinks):
             if dev is not None and dev in by_device:
                 self._refuse_shared_gpu(by_device[dev], r, dev)
             by_device[dev] = r
+        if self._elastic is not None:
+            return self._nccl_epoch(prefix, tuple(members), {
+                r: cuda_ordinal(self._devices[i]) for i, r in enumerate(self._rank_ids)})
         index = {r: i for i, r in enumerate(members)}
         mine = {index[r]: cuda_ordinal(self._devices[i])
                 for i, r in enumerate(self._rank_ids) if r in index}
