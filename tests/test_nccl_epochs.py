@@ -115,13 +115,16 @@ class FakeComm:
 
     def __init__(self, handle):
         self.comm = handle
-        self.destroyed = False
+        self.destroyed = self.aborted = False
 
     def check_async_error(self):
         pass
 
     def destroy(self):
         self.destroyed = True
+
+    def abort(self):
+        self.aborted = True
 
 
 class _OnCuda(fake_cupy.ndarray):
@@ -157,7 +160,8 @@ def test_a_transport_shrunk_moves_bytes_over_the_new_communicator(monkeypatch):
     assert calls == ["groupStart", "groupEnd"]
     assert [c for c in lib.calls if c[0] == "shrink"] == [
         ("shrink", 0x10, [2], None, 1), ("shrink", 0x11, [2], None, 1)]
-    assert all(c.destroyed for c in old.values()) and not t.usable      # the parent closed
+    # a member died: the parent is aborted, not destroyed (that could wait for the dead)
+    assert all(c.aborted and not c.destroyed for c in old.values()) and not t.usable
     assert shrunk.world_size == 2 and shrunk.usable
     buf = fake_cupy.on_device(np.arange(8, dtype=np.uint8), 0).view(_OnCuda)
     with shrunk.group(timeout=10):
@@ -184,3 +188,45 @@ def test_shrink_refused_where_the_loaded_nccl_cannot(monkeypatch):
 def test_ctypes_arrays_hold_what_nccl_reads():
     ranks = (ctypes.c_int * 2)(3, 1)
     assert list(ranks) == [3, 1]
+
+
+def _why_no_gpu() -> str | None:
+    try:
+        import cupy
+        from cupy.cuda import nccl
+        if not nccl.available or cupy.cuda.runtime.getDeviceCount() < 1:
+            return "CuPy sees no CUDA device or cannot load NCCL"
+    except Exception as e:      # noqa: BLE001 - ImportError, CUDARuntimeError
+        return f"no CUDA device here ({type(e).__name__}: {e})"
+    if int(nccl.get_version()) < 23000:
+        return "three ranks on one GPU need NCCL >= 2.30"
+    return None
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(_why_no_gpu() is not None, reason=str(_why_no_gpu()))
+def test_gpu_shrink_with_abort_then_bytes_cross_the_shrunk_communicator(monkeypatch):
+    """One process, three ranks of one communicator on GPU 0 (NCCL >= 2.30 with
+    NCCL_MULTI_RANK_GPU_ENABLE=1); rank 2 is shrunk away with NCCL_SHRINK_ABORT; ranks 0
+    and 1 then exchange bytes over the shrunk communicator, bit-exact. Never ran on a GPU
+    when written (no GPU in the session): scripts/gpu_check.sh's pytest_gpu part runs it."""
+    dist = pytest.importorskip("torch.distributed")
+    import datetime
+
+    import cupy
+    monkeypatch.setenv("NCCL_MULTI_RANK_GPU_ENABLE", "1")
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                          timeout=datetime.timedelta(seconds=60))
+    t = nccl_module.NcclTransport(store, 3, {0: 0, 1: 0, 2: 0}, key="shrink/0", timeout=60)
+    assert nccl_epochs.loaded_library().abilities().shrink
+    step = decide("nccl", ("a", "b", "c"), ("a", "b"), ("a", "b"),
+                  nccl_epochs.loaded_library().abilities())
+    shrunk = t.shrunk(step.excluded, step.abort, "shrink/1", timeout=60)
+    assert shrunk.world_size == 2 and not t.usable
+    sent = cupy.arange(1 << 20, dtype=cupy.uint8) * 7
+    got = cupy.zeros(1 << 20, dtype=cupy.uint8)
+    with shrunk.group(timeout=60):
+        shrunk.send(sent, 0, 1, tag=0)
+        shrunk.recv(got, 0, 1, tag=0)
+    assert bytes(got.get()) == bytes(sent.get())
+    shrunk.close()

@@ -453,6 +453,10 @@ class NcclTransport:
         shrunk = NcclTransport(self._store, len(keep),
                                {index[r]: self._devices[r] for r in local}, key=key,
                                timeout=timeout, comms={index[r]: made[r] for r in local})
+        if abort:       # a member died: destroying the parent could wait for it
+            self._broken = "shrunk away; the parent was aborted"
+            with contextlib.suppress(Exception):
+                self._worker.submit(self._abort_comms).result(timeout=_ABORT_GRACE_S)
         self.close()
         return shrunk
 
