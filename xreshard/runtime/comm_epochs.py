@@ -11,7 +11,7 @@ communicator can do depends on its library: gloo groups can only be kept or recr
 NCCL shrinks from 2.27 (``ncclCommShrink``, with ``NCCL_SHRINK_ABORT`` when an excluded
 member died), grows from 2.29 (``ncclCommGrow``) and splits from 2.18
 (``ncclCommSplit``), each only where the loaded library has the symbol
-(``Abilities``; ``xreshard.transport.nccl_setup.nccl_abilities`` reads them).
+(``Abilities``; ``xreshard.transport.nccl_epochs.nccl_abilities`` reads them).
 
 A member is a process *instance*: its label (``"rollout[1]"``) and its pid. A process
 restarted under its old label is a new member (its communicators were lost with the old

@@ -83,8 +83,7 @@ class WorldLinks:
         parked = self._parked_links()
         ids = [member_id(info) for info in self._infos]
         me = self._process_index
-        mine = {"held": sorted(k for k, link in parked.items() if link.usable),
-                "sizes": [info["num_ranks"] for info in self._infos]}
+        mine = {"held": sorted(k for k, link in parked.items() if link.usable)}
         # also the barrier gloo's own rendezvous lacks: it names who is missing
         gathered = self.allgather_json(mine, timeout=self._wait_seconds(), kind="gloo/links")
         held = [set(g["held"]) for g in gathered]
