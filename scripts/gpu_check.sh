@@ -30,7 +30,9 @@
 #   c_bandwidth        pack/unpack and NCCL send/recv to self against a D2D copy (events)
 #   e_cuda_ipc         JAX -> torch process through cuda_ipc, 4 GiB, against a device copy
 #   pytest_gpu         `pytest -m gpu` of the transport tests and of check_writes (a fused
-#                      AdamW step on CUDA after Refit.start, the checksum on the device);
+#                      AdamW step on CUDA after Refit.start, the checksum on the device),
+#                      and ncclCommShrink with the abort flag (3 ranks on the GPU, one shrunk
+#                      away, bytes over the shrunk communicator; issue 21, never run yet);
 #                      fails if every test skipped
 set -uo pipefail
 
@@ -262,7 +264,7 @@ part e_cuda_ipc 40 "JAX -> torch process through cuda_ipc, the whole refit >= 0.
 # ---------------------------------------------------------------- pytest -m gpu
 part pytest_gpu 80 "no failure or error, and at least one GPU test ran (all skipped fails)" \
     bash -c '"$0" -m pytest -m gpu tests/test_gpu.py tests/test_gpu_refit.py \
-        tests/test_writes.py -q -rs \
+        tests/test_writes.py tests/test_nccl_epochs.py -q -rs \
         -p no:cacheprovider -k "not executor_cases" --junitxml "$1/pytest_gpu.xml"; \
         "$0" - "$1" <<"PYEOF"
 import json, sys

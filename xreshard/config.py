@@ -239,6 +239,13 @@ class RefitReport:
     finished it without them (``RefitConfig.on_member_loss``)."""
     epoch: int = 0
     """The membership epoch the call completed in (``World.epoch``)."""
+    tensors_planned: int = 0
+    """Tensors this call planned (built their template); 0 when it reused the prepared
+    call whole (``replanned`` False)."""
+    tensors_reused: int = 0
+    """Tensors this call planned again but whose template it reused: after an epoch
+    change, those whose source and destination layouts are the same after the ranks'
+    renumbering (:mod:`xreshard.planner.renumber`)."""
     delta: Mapping[str, Any] | None = None
     """``RefitConfig(delta=True)``: this process's ``pairs`` (sending pairs that went as
     deltas), ``bytes_dense`` (what its buckets take dense), ``bytes_wire`` (what its

@@ -50,13 +50,42 @@ class Template:
 
 
 class PlanCache:
-    """Templates keyed on (source layout, destination layout); reuse across plan() calls."""
+    """Templates keyed on (source layout, destination layout); reuse across plan() calls.
+
+    Attributes:
+        tensors_reused / tensors_planned: tensors whose template came from the cache /
+            was built, over every ``build_templates`` with this cache (cumulative; a
+            refit's report shows its call's share: after an epoch change, the tensors the
+            change did not touch are reused).
+        carried: templates the last ``renumber`` carried into the new numbering.
+    """
 
     def __init__(self) -> None:
         self.templates: dict[tuple[Layout, Layout], Template] = {}
+        self.tensors_reused = 0
+        self.tensors_planned = 0
+        self.carried = 0
 
     def __len__(self) -> int:
         return len(self.templates)
+
+    def renumber(self, ranks: Mapping[int, int]) -> None:
+        """Carry the cache across a renumbering of ranks (old rank -> new rank of every
+        rank that stays; ``xreshard.runtime.comm_epochs.renumbering``): templates whose
+        layouts name only staying ranks are kept under the renamed layouts, the others
+        dropped. A map that does not keep the ranks' order empties the cache."""
+        from .renumber import increasing, renumbered_layout, renumbered_template
+        if all(a == b for a, b in ranks.items()):
+            # nobody moved: a template is valid whoever its ranks are; keep them all
+            self.carried = len(self.templates)
+            return
+        carried: dict[tuple[Layout, Layout], Template] = {}
+        if increasing(ranks):
+            for (src, dst), tpl in self.templates.items():
+                new_src, new_dst = renumbered_layout(src, ranks), renumbered_layout(dst, ranks)
+                if new_src is not None and new_dst is not None:
+                    carried[(new_src, new_dst)] = renumbered_template(tpl, ranks)
+        self.templates, self.carried = carried, len(carried)
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,6 +110,7 @@ def build_templates(names: Sequence[str], src_layouts: Mapping[str, Layout],
     index: dict[tuple[Layout, Layout], int] = {}
     templates: list[Template] = []
     per_tensor: list[tuple[int, int]] = []
+    built: set[tuple[Layout, Layout]] = set()
     for name in names:
         key = (src_layouts[name], dst_layouts[name])
         i = index.get(key)
@@ -89,11 +119,15 @@ def build_templates(names: Sequence[str], src_layouts: Mapping[str, Layout],
             if tpl is None:
                 before = len(problems)
                 tpl = build_template(key[0], key[1], name, problems)
+                built.add(key)
                 if len(problems) == before:
                     cache.templates[key] = tpl
             i = index[key] = len(templates)
             templates.append(tpl)
         per_tensor.append((i, itemsize(wire_dtypes[name])))
+    planned = sum((src_layouts[n], dst_layouts[n]) in built for n in names)
+    cache.tensors_planned += planned
+    cache.tensors_reused += len(names) - planned
     if problems:
         more = (f"\n  ... and {len(problems) - MAX_LISTED} more"
                 if len(problems) > MAX_LISTED else "")

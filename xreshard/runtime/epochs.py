@@ -350,7 +350,7 @@ class ElasticWorld:
         logger.info("world %r: epoch %d -> %d: members %s (lost %s, joining %s)",
                     self._world_id, m.epoch, epoch, labels,
                     [label(self._infos[p]) for p in sorted(lost)], list(latest))
-        self._close_transports()
+        self._park_transports()     # gloo links the change does not touch are kept
         try:
             joined = join_records(self._store, Seal(m.base.token, epoch_world_id(
                 self._world_id, epoch)), me, {"num_processes": len(labels),

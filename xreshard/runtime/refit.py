@@ -81,6 +81,7 @@ from ..planner.plan import Plan, PlanCache
 from ..planner.prepare import CallOptions, PreparedCall, prepare
 from . import catchup, fleet
 from .atomic import Staging, left
+from .comm_epochs import renumbering
 from .delta_wire import DeltaState, delta_problems
 from .handle import Background, RefitHandle
 from .outcome import Failed, Moved, crossed, entry, failure_lines, rank_maps, world_state
@@ -165,6 +166,8 @@ class Refit:
         self._maps: dict[str, Any] | None = None    # from _identity, once
         self._staging: Staging | None = None        # RefitConfig.atomic's shadows
         self._epoch = 0                             # the world's epoch at the last call
+        self._members: list[dict] | None = None     # the world's processes at the last call
+        self._tensors = (0, 0)                      # (planned, reused) by the last prepare
         #: RefitConfig(delta=True): baselines and fences, kept across calls (may be handed
         #: to the Refit of a new world: see xreshard.runtime.delta_wire)
         self.delta_state = DeltaState()
@@ -314,6 +317,10 @@ class Refit:
         if self._epoch != self.world.epoch:      # other members: other ranks, a new plan
             self._epoch, self._maps, self._prepared, self._generations = \
                 self.world.epoch, None, None, None
+            if self._members is not None:       # templates of untouched tensors carry over
+                self._cache.renumber(renumbering(self._members, self.world.processes))
+        if self.world.elastic:
+            self._members = self.world.processes
         src, dst, errors, snapshot = self._bind_sides(send, receive, snapshot)
         if self.config.delta:       # the diff overlaps refit/check (see delta_wire)
             self.delta_state.encode_ahead(self._prepared, src)
@@ -367,6 +374,8 @@ class Refit:
             num_rounds=stats.num_rounds, num_messages=stats.num_messages,
             num_zero_copy=stats.num_zero_copy, staging_bytes=stats.staging_bytes,
             replanned=replanned, bytes_by_transport=moved.by_kind or None,
+            tensors_planned=self._tensors[0] if replanned else 0,
+            tensors_reused=self._tensors[1] if replanned else 0,
             verified=verified, bytes_forwarded=stats.bytes_forwarded,
             move_seconds=stats.seconds, quantized=quantized_report(prepared, stats),
             delta=moved.delta.summary() if moved.delta is not None else None)
@@ -506,6 +515,7 @@ class Refit:
                 "config": self.config.to_dict(), "errors": []}
         metas = self._agree("refit/layouts", meta, refused)
         prepared = None
+        counts = (self._cache.tensors_planned, self._cache.tensors_reused)
         try:
             src_layouts, dst_layouts = merged_layouts(metas, src, dst, self.world)
             prepared = prepare(src_layouts, dst_layouts, self.world.topology, options,
@@ -516,6 +526,8 @@ class Refit:
             errors.append(entry(e, "check"))
         self._agree("refit/schedule", {"errors": errors}, refused)
         assert prepared is not None
+        self._tensors = (self._cache.tensors_planned - counts[0],
+                         self._cache.tensors_reused - counts[1])
         self._prepared, self._programs = prepared, {}
         self._generations = key
         logger.debug("refit prepared: %s", prepared.direct.stats.to_dict())

@@ -648,6 +648,7 @@ class World(WorldTransports, ElasticWorld):
             return
         self._closed = True
         self._close_transports()
+        self._close_links()         # links parked at an epoch change, not taken up
         if self._joined is not None and self._store is not None and self._elastic is None:
             retire(self._store, self._joined)       # an elastic world outlives its members
         self._store = None

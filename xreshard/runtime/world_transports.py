@@ -14,6 +14,7 @@ import os
 from typing import Any, Sequence
 
 from .commcount import CountedTransport
+from .world_links import WorldLinks
 from ..errors import RefitError
 from .store import connect, parse_address
 from ..transport.base import Transport
@@ -51,7 +52,7 @@ def cuda_ordinal(device: Any) -> int:
 
 
 
-class WorldTransports:
+class WorldTransports(WorldLinks):
     """The transport half of ``World`` (a mixin: it uses the world's processes, ranks,
     store and collectives)."""
 
@@ -293,6 +294,8 @@ class WorldTransports:
         select_backend(self._rank_kind, "nccl")       # refuses CPU ranks, naming them
         prefix = self._next_prefix()
         devices = {r: cuda_ordinal(self._devices[i]) for i, r in enumerate(self._rank_ids)}
+        if self._elastic is not None:       # kept or shrunk across epochs (world_links.py)
+            return self._nccl_epoch(prefix, tuple(range(self.num_ranks)), devices)
         return NcclTransport(self._store, self.num_ranks, devices, key=f"{prefix}/nccl",
                              timeout=self._wait_seconds())
 
@@ -309,6 +312,9 @@ class WorldTransports:
             if dev is not None and dev in by_device:
                 self._refuse_shared_gpu(by_device[dev], r, dev)
             by_device[dev] = r
+        if self._elastic is not None:
+            return self._nccl_epoch(prefix, tuple(members), {
+                r: cuda_ordinal(self._devices[i]) for i, r in enumerate(self._rank_ids)})
         index = {r: i for i, r in enumerate(members)}
         mine = {index[r]: cuda_ordinal(self._devices[i])
                 for i, r in enumerate(self._rank_ids) if r in index}
@@ -338,6 +344,8 @@ class WorldTransports:
     def _make_gloo(self) -> Transport:
         from ..transport.gloo import GlooTransport, create_gloo_group
 
+        if self._elastic is not None:       # links, kept across epochs (world_links.py)
+            return self._make_links()
         prefix = self._next_prefix()
         # gloo's own rendezvous cannot say who is missing; a barrier first can.
         self.barrier()

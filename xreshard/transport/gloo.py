@@ -136,6 +136,11 @@ class GlooTransport:
         self._broken: str | None = None
         self._abandoned: list[Any] = []   # works of a failed group: keep their buffers alive
 
+    @property
+    def usable(self) -> bool:
+        """False once a group failed or the transport was closed (it is then rebuilt)."""
+        return self._broken is None
+
     def _check(self, local_rank: int, peer_rank: int, tag: int, what: str) -> int:
         n = len(self._rank_process)
         if not (0 <= local_rank < n and 0 <= peer_rank < n):

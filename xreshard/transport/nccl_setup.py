@@ -32,8 +32,9 @@ from ..errors import RefitError
 from .base import TransportError, TransportTimeout
 
 __all__ = ["MULTI_RANK_MIN_VERSION", "NCCL_UNIQUE_ID_BYTES", "NoCudaDeviceError", "cuda_major",
-           "format_version", "import_cupy", "install_hint", "multi_rank_gpu", "nccl_wheel_clash",
-           "ranks_str", "rendezvous", "torch_nccl", "visible_devices"]
+           "format_version", "import_cupy", "install_hint", "loaded_nccl_paths",
+           "multi_rank_gpu", "nccl_wheel_clash", "ranks_str", "rendezvous", "torch_nccl",
+           "visible_devices"]
 
 logger = logging.getLogger(__name__)
 
@@ -95,7 +96,7 @@ def torch_nccl() -> tuple[int, str] | None:
     return major * 10000 + minor * 100 + patch, str(cuda)
 
 
-def _loaded_nccl_paths() -> list[str]:
+def loaded_nccl_paths() -> list[str]:
     """Paths of every ``libnccl.so`` mapped into this process (Linux)."""
     try:
         maps = Path("/proc/self/maps").read_text()
@@ -202,7 +203,7 @@ def import_cupy() -> tuple[Any, Any]:
         if clash:
             raise ImportError(f"the nccl transport cannot use this install's NCCL: {clash}")
         import ctypes
-        for path in _loaded_nccl_paths():      # torch's: CuPy then finds it loaded
+        for path in loaded_nccl_paths():      # torch's: CuPy then finds it loaded
             try:
                 ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
             except OSError:
