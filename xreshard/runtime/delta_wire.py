@@ -62,9 +62,8 @@ from ..planner.prepare import SOURCES
 from ..planner.schedule import Bucket
 from .execute import Executor
 from .metadata import fit
-from .programs import Tables
 
-__all__ = ["DeltaCall", "DeltaExecutor", "DeltaState", "delta_problems"]
+__all__ = ["DeltaCall", "DeltaState", "delta_problems"]
 
 
 def delta_problems(config: Any, on_device: bool, quantized: bool = False) -> list[list[str]]:
@@ -168,7 +167,8 @@ class DeltaState:
         from .delta_exec import ENCODE_THREADS, Encoder, delta_unit
         st = prepared.stages[0]
         reader = Executor(prepared.schedule, st.src_layouts, st.dst_layouts, st.wire_dtypes,
-                          fit(src, prepared.direct.src_layouts), {}, None, 0.0)
+                          fit(src, prepared.direct.src_layouts), {},
+                          None, 0.0)  # type: ignore[arg-type]  # reads sources only: no wire
         local = {r for r, _ in reader.src_bindings}
         digests = self.pair_digests(prepared)
         jobs = []
