@@ -322,3 +322,11 @@ class DeltaCall:
                 "num_delta": self.num_delta, "encode_seconds": self.encode_seconds,
                 "encode_threads": self.encode_threads,
                 "baseline_bytes": self.state.baseline_bytes}
+
+
+def __getattr__(name: str) -> Any:
+    # the executor moved to delta_exec (it imports this module); the old path still works
+    if name == "DeltaExecutor":
+        from .delta_exec import DeltaExecutor
+        return DeltaExecutor
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
