@@ -3,6 +3,7 @@
     python examples/jax_to_vllm.py            # vLLM TP=2 on CPU: ~5 min on 2 cores; --tp 1 is faster
     python examples/jax_to_vllm.py --tp 1 --stream-kib 512   # refit in groups of layers
     python examples/jax_to_vllm.py --fp8      # a block-FP8 engine (see jax_to_vllm_fp8.py)
+    python examples/jax_to_vllm.py --fp8 --fp8-quantization fp8_per_block   # or mxfp8: online
 
 1. A tiny Qwen2 (tied embeddings, GQA, q/k/v bias, padded vocab) in plain JAX, sharded
    over a 2x2 mesh (fsdp x tp) of CPU devices, in the canonical JAX Llama/Qwen2 tree that
@@ -228,6 +229,10 @@ def main():
     ap.add_argument("--fp8", action="store_true",
                     help="refit a block-FP8 engine instead (examples/jax_to_vllm_fp8.py): "
                          "quantized on the way, checked byte for byte against vLLM's own load")
+    ap.add_argument("--fp8-quantization", default="checkpoint",
+                    choices=["checkpoint", "fp8_per_block", "mxfp8"],
+                    help="with --fp8: a block-FP8 checkpoint engine (default) or an engine "
+                         "vLLM quantizes online from bf16")
     ap.add_argument("--reference-of", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.reference_of:
@@ -235,7 +240,7 @@ def main():
     if args.fp8:
         sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
         import jax_to_vllm_fp8
-        sys.exit(jax_to_vllm_fp8.main(args.steps, args.workdir))
+        sys.exit(jax_to_vllm_fp8.main(args.steps, args.workdir, args.fp8_quantization))
 
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     os.environ.setdefault("JAX_NUM_CPU_DEVICES", "4")

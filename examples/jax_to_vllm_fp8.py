@@ -1,5 +1,11 @@
 """``python examples/jax_to_vllm.py --fp8``: train in JAX, refit a block-FP8 vLLM engine.
 
+``--fp8-quantization fp8_per_block`` (or ``mxfp8``): the engine loads bf16 and vLLM
+quantizes each TP-local parameter online; the refit sends it codes and scales all the
+same (quantized on the grid of each rank's parameter, written where vLLM's online method
+keeps them, qkv biases in place), compared with vLLM's own online quantization of the
+trained bf16 weights.
+
 The same tiny Qwen2 as ``jax_to_vllm.py`` with dims on the 128 grid (hidden 256, 2 heads
 of 128, intermediate 512), served by vLLM from a DeepSeek-style block-FP8 checkpoint
 (``quantization_config = {quant_method: fp8, weight_block_size: [128, 128]}``), TP=2:
@@ -44,13 +50,14 @@ CKPT = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
 TP = 2
 
 
-def _config():
+def _config(quantization: str = "checkpoint"):
     import jax_to_vllm as base
     from transformers import Qwen2Config
     base.CONFIG.update(FP8_DIMS)           # train() and forward() read the module's CONFIG
     cfg = Qwen2Config(**base.CONFIG)
     cfg.architectures = ["Qwen2ForCausalLM"]
-    cfg.quantization_config = dict(CKPT)
+    if quantization == "checkpoint":
+        cfg.quantization_config = dict(CKPT)
     return base, cfg
 
 
@@ -59,7 +66,7 @@ def _bf16(a):
     return np.asarray(a, np.float32).astype(ml_dtypes.bfloat16)
 
 
-def trainer(ctx, work: str, steps: int) -> dict:
+def trainer(ctx, work: str, steps: int, quantization: str = "checkpoint") -> dict:
     """Train, export the HF tensors in bf16, save them (for the ranks' reference), refit."""
     import jax
     from jax.sharding import NamedSharding, PartitionSpec as P
@@ -100,20 +107,23 @@ def trainer(ctx, work: str, steps: int) -> dict:
             "sent": report.bytes_sent}
 
 
-def rollout(ctx, work: str, steps: int) -> dict:
+def rollout(ctx, work: str, steps: int, quantization: str = "checkpoint") -> dict:
     """One vLLM rank: load the initial FP8 checkpoint, take the refit, compare with vLLM's
     own load of the trained weights."""
     import torch
     from safetensors.torch import load_file
     from vllm.config import set_current_vllm_config
+    from vllm.model_executor.model_loader.reload import finalize_layerwise_processing
     from vllm.model_executor.model_loader.utils import process_weights_after_loading
     from vllm.utils.deep_gemm import per_block_cast_to_fp8
     import xreshard as xr
     from xreshard.adapters import vllm as xv
 
-    _, cfg = _config()
+    _, cfg = _config(quantization)
+    online = quantization != "checkpoint"
     tp_rank = ctx.role.index
-    vllm_config = xv.make_vllm_config(cfg, dtype="bfloat16", tp_size=TP)
+    vllm_config = xv.make_vllm_config(cfg, dtype="bfloat16", tp_size=TP,
+                                      quantization=quantization if online else None)
     specs = xv.hf_tensor_specs(cfg, "bfloat16")
     recs = [xv.record_from_config(vllm_config, r, TP, specs) for r in range(TP)]
     recording = xv.EngineRecording(recs, tp_rank, {**specs, **{
@@ -123,6 +133,8 @@ def rollout(ctx, work: str, steps: int) -> dict:
 
     def checkpoint(path):       # vLLM's own quantization of the bf16 weights
         ckpt = load_file(path)
+        if online:              # vLLM quantizes the bf16 weights itself while loading
+            return ckpt
         for q in recording.quantized.values():
             ckpt[q.name], ckpt[q.scale] = per_block_cast_to_fp8(
                 ckpt[q.name], list(q.format.block), use_ue8m0=q.format.ue8m0)
@@ -133,6 +145,11 @@ def rollout(ctx, work: str, steps: int) -> dict:
             model = xv.build_model(vllm_config, device="cpu")
             with xv.kernel_stand_ins(), torch.no_grad():
                 model.load_weights(iter(weights.items()))
+                if online:      # what vLLM's loader does next (BaseModelLoader.load_model):
+                    # layers whose loads did not add up (qkv_proj: its bias is
+                    # registered after the online method wrapped the loaders) are
+                    # quantized here, not left on meta
+                    finalize_layerwise_processing(model, vllm_config.model_config)
                 process_weights_after_loading(model, vllm_config.model_config,
                                               torch.device("cpu"))
         return model
@@ -148,12 +165,13 @@ def rollout(ctx, work: str, steps: int) -> dict:
         dest.load(model, vllm_config.model_config, buffers, False, names)
     want = dict(built(checkpoint(os.path.join(work, "trained.safetensors"))).named_parameters())
     got = dict(model.named_parameters())
-    differ = [p for p in recording.touched()
+    touched = [p for p in recording.touched() if not p.endswith(xv.SCRATCH)]
+    differ = [p for p in touched
               if not torch.equal(got[p].detach().contiguous().view(torch.uint8),
                                  want[p].detach().contiguous().view(torch.uint8))]
-    fp8 = [p for p in recording.touched() if got[p].dtype == torch.float8_e4m3fn]
+    fp8 = [p for p in touched if got[p].dtype == torch.float8_e4m3fn]
     world.close()
-    return {"differ": differ, "fp8": fp8, "checked": len(recording.touched()),
+    return {"differ": differ, "fp8": fp8, "checked": len(touched),
             "received": report.bytes_received, "quantized": dict(report.quantized or {})}
 
 
@@ -167,18 +185,22 @@ def fp8_kernels() -> str | None:
     return "this CPU has no AMX, which vLLM's CPU FP8 kernels need"
 
 
-def main(steps: int = 60, workdir: str | None = None) -> int:
+def main(steps: int = 60, workdir: str | None = None, quantization: str = "checkpoint"
+         ) -> int:
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     from xreshard.tools.launch import Role, launch
 
     work = workdir or tempfile.mkdtemp(prefix="xreshard-jax-to-vllm-fp8-")
     roles = [Role("jax", "trainer", 0, num_devices=4)] + [
         Role("plain", "rollout", i) for i in range(TP)]
-    print(f"block-FP8 Qwen2 (hidden 256, 128x128 blocks), JAX trainer (4 CPU devices) -> "
+    kind = "a block-FP8 checkpoint" if quantization == "checkpoint" else \
+        f"bf16 quantized online ({quantization})"
+    print(f"Qwen2 (hidden 256) served from {kind}, JAX trainer (4 CPU devices) -> "
           f"vLLM TP={TP}; work dir {work}", flush=True)
     try:
         results = launch(["jax_to_vllm_fp8:trainer", "jax_to_vllm_fp8:rollout",
-                          "jax_to_vllm_fp8:rollout"], roles, args=(work, steps), timeout=1800)
+                          "jax_to_vllm_fp8:rollout"], roles, args=(work, steps, quantization),
+                         timeout=1800)
     finally:
         if workdir is None:
             shutil.rmtree(work, ignore_errors=True)
@@ -192,8 +214,8 @@ def main(steps: int = 60, workdir: str | None = None) -> int:
     for i, res in enumerate(results[1:]):
         v = res.value
         print(f"  vLLM TP rank {i}: received {v['received']} bytes; {v['checked']} parameters "
-              f"checked ({len(v['fp8'])} FP8), byte for byte vs vLLM's own load of its own "
-              f"quantization: {'equal' if not v['differ'] else 'DIFFERENT ' + str(v['differ'])}")
+              f"checked ({len(v['fp8'])} FP8), byte for byte vs vLLM's own load and "
+              f"quantization of the same weights: {'equal' if not v['differ'] else 'DIFFERENT ' + str(v['differ'])}")
         ok &= not v["differ"] and bool(v["fp8"])
     why = fp8_kernels()
     if why:
