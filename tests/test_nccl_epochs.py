@@ -15,7 +15,7 @@ import pytest
 
 from xreshard.runtime.comm_epochs import decide
 from xreshard.transport import nccl as nccl_module
-from xreshard.transport import nccl_epochs
+from xreshard.transport import nccl_epochs, nccl_setup
 from xreshard.transport.base import TransportError
 from xreshard.transport.nccl_epochs import Library, RawComm, nccl_abilities
 
@@ -69,6 +69,17 @@ class FakeLib:
         self.calls.append(("shrink", comm.value, list(ranks[:count.value]), config,
                            flags.value))
         new._obj.value = 0x7000 + comm.value
+        return 0
+
+    def ncclCommGetUniqueId(self, comm, out):
+        self.calls.append(("uid", comm.value))
+        out._obj.raw = bytes(range(128))
+        return 0
+
+    def ncclCommGrow(self, comm, size, uid, rank, new, config):
+        ident = None if uid is None else bytes(uid._obj.raw)
+        self.calls.append(("grow", comm.value, size.value, ident, rank.value, config))
+        new._obj.value = 0x9000 + (comm.value or 0x100 + rank.value)
         return 0
 
     def ncclSend(self, ptr, count, dtype, peer, comm, stream):
@@ -185,6 +196,100 @@ def test_shrink_refused_where_the_loaded_nccl_cannot(monkeypatch):
     t.close()
 
 
+def test_grow_marshals_the_id_and_the_two_sides():
+    lib = FakeLib()
+    library = Library(lib)
+    uid = library.unique_id(0x10)
+    assert uid == bytes(range(128)) and lib.calls == [("uid", 0x10)]
+    root = library.grow(0x10, 3, uid, -1)               # the member that made the id
+    other = library.grow(0x11, 3, None, -1)             # another existing member
+    new = library.grow(None, 3, uid, 2)                 # a new member: rank 2
+    assert lib.calls[1:] == [("grow", 0x10, 3, uid, -1, None), ("grow", 0x11, 3, None, -1, None),
+                             ("grow", None, 3, uid, 2, None)]
+    assert (root.comm, other.comm, new.comm) == (0x9010, 0x9011, 0x9102)
+    with pytest.raises(TransportError, match="128 bytes"):
+        library.grow(None, 3, b"short", 2)
+
+
+class _Store:
+    """A dict as the rendezvous store (``set``/``get``/``check``)."""
+
+    def __init__(self):
+        self.data = {}
+
+    def set(self, key, value):
+        self.data[key] = value
+
+    def get(self, key):
+        return self.data[key]
+
+    def check(self, keys):
+        return all(k in self.data for k in keys)
+
+
+def test_a_transport_grown_and_a_new_member_joining_it(monkeypatch):
+    """Ranks 0 and 1 (this process's old communicator) grow to 3; rank 2 (a new member)
+    joins through the id rank 0 made, in a thread as another process would: the old ranks
+    keep their numbers, the new rank's grow gets the id and its rank, and both sides end
+    with a transport of 3 ranks over the grown communicators."""
+    import threading
+    cupy = fake_cupy.module()
+    monkeypatch.setitem(sys.modules, "cupy", cupy)
+    calls, binding = _fake_binding()
+    monkeypatch.setattr(nccl_module, "import_cupy", lambda: (cupy, binding))
+    monkeypatch.setattr(nccl_setup, "import_cupy", lambda: (cupy, binding))
+    lib = FakeLib()
+    monkeypatch.setattr(nccl_epochs, "loaded_library", lambda: Library(lib))
+    store = _Store()
+    old = {0: FakeComm(0x10), 1: FakeComm(0x11)}
+    t = nccl_module.NcclTransport(store, 2, {0: 0, 1: 1}, key="k/0", comms=old)
+    joined = {}
+    th = threading.Thread(target=lambda: joined.setdefault("t", nccl_module.NcclTransport
+                          .joined_by_grow(store, 3, {2: 1}, "k/1", timeout=10)))
+    th.start()
+    grown = t.grown(3, "k/1", timeout=10)
+    th.join(10)
+    uid = bytes(range(128))
+    grows = sorted((c for c in lib.calls if c[0] == "grow"), key=lambda c: c[1] or 0)
+    assert grows == [("grow", None, 3, uid, 2, None), ("grow", 0x10, 3, uid, -1, None),
+                     ("grow", 0x11, 3, None, -1, None)]
+    assert [c for c in lib.calls if c[0] == "uid"] == [("uid", 0x10)]   # rank 0 made it
+    assert grown.world_size == 3 and joined["t"].world_size == 3 and not t.usable
+    buf = fake_cupy.on_device(np.arange(8, dtype=np.uint8), 0).view(_OnCuda)
+    with grown.group(timeout=10):
+        grown.send(buf, 0, 2, tag=0)
+    assert ("send", 8, 2, 0x9010) in lib.calls
+    grown.close()
+    joined["t"].close()
+
+
+def test_an_epoch_that_adds_and_removes_members_shrinks_then_grows(monkeypatch):
+    """``world_links._resize``: an old member shrinks the dead away, then grows; a new
+    member only joins the grow; with the same key both sides meet."""
+    from xreshard.runtime import world_links
+    seen = []
+
+    class Old:
+        def shrunk(self, excluded, abort, key, wait):
+            seen.append(("shrunk", tuple(excluded), abort, key))
+            return self
+
+        def grown(self, size, key, wait):
+            seen.append(("grown", size, key))
+            return "grown"
+    monkeypatch.setattr(nccl_module.NcclTransport, "joined_by_grow",
+                        classmethod(lambda cls, store, size, local, key, wait:
+                                    ("joined", size, dict(local), key)))
+    step = decide("nccl", ("a", "b", "c"), ("a", "b", "d"), ("a", "b", "d"),
+                  nccl_abilities(23203, lambda name: True))
+    assert (step.action, step.members, step.excluded, step.added) == (
+        "shrink+grow", ("a", "b", "d"), (2,), ("d",))
+    assert world_links._resize(step, Old(), {0: 0}, None, "w/e2/nccl", 5) == "grown"
+    assert seen == [("shrunk", (2,), True, "w/e2/nccl/shrunk"), ("grown", 3, "w/e2/nccl")]
+    assert world_links._resize(step, None, {2: 0}, None, "w/e2/nccl", 5) == (
+        "joined", 3, {2: 0}, "w/e2/nccl")
+
+
 def test_ctypes_arrays_hold_what_nccl_reads():
     ranks = (ctypes.c_int * 2)(3, 1)
     assert list(ranks) == [3, 1]
@@ -230,3 +335,53 @@ def test_gpu_shrink_with_abort_then_bytes_cross_the_shrunk_communicator(monkeypa
         shrunk.recv(got, 0, 1, tag=0)
     assert bytes(got.get()) == bytes(sent.get())
     shrunk.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(_why_no_gpu() is not None, reason=str(_why_no_gpu()))
+def test_gpu_grow_then_bytes_reach_the_new_rank(monkeypatch):
+    """One process, GPU 0: a communicator of ranks 0 and 1 grows to 3 (``ncclCommGrow``);
+    rank 2 joins it from another thread, as a new member's process would; rank 0 then
+    sends to rank 2 over the grown communicator, bit-exact. Never ran on a GPU when
+    written (no GPU in the session): scripts/gpu_check.sh's pytest_gpu part runs it."""
+    dist = pytest.importorskip("torch.distributed")
+    import datetime
+    import threading
+
+    import cupy
+    monkeypatch.setenv("NCCL_MULTI_RANK_GPU_ENABLE", "1")
+    if not nccl_epochs.loaded_library().abilities().grow:
+        pytest.skip("the loaded NCCL has no ncclCommGrow (needs 2.29+)")
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                          timeout=datetime.timedelta(seconds=60))
+    t = nccl_module.NcclTransport(store, 2, {0: 0, 1: 0}, key="grow/0", timeout=60)
+    joined, failed = {}, []
+
+    def join():
+        try:
+            joined["t"] = nccl_module.NcclTransport.joined_by_grow(store, 3, {2: 0}, "grow/1",
+                                                                   timeout=60)
+        except Exception as e:      # noqa: BLE001 - reported by the assertion below
+            failed.append(e)
+    th = threading.Thread(target=join)
+    th.start()
+    grown = t.grown(3, "grow/1", timeout=60)
+    th.join(60)
+    assert not failed and "t" in joined, failed
+    new = joined["t"]
+    assert grown.world_size == new.world_size == 3 and not t.usable
+    sent = cupy.arange(1 << 20, dtype=cupy.uint8) * 5
+    got = cupy.zeros(1 << 20, dtype=cupy.uint8)
+    done = threading.Thread(target=lambda: _recv_into(new, got))
+    done.start()
+    with grown.group(timeout=60):
+        grown.send(sent, 0, 2, tag=0)
+    done.join(60)
+    assert bytes(got.get()) == bytes(sent.get())
+    grown.close()
+    new.close()
+
+
+def _recv_into(transport, buf):
+    with transport.group(timeout=60):
+        transport.recv(buf, 0, 2, tag=0)

@@ -177,31 +177,35 @@ class WorldLinks:
         parked = self.__dict__.pop("_parked_nccl", None)
         before, old = (None, None) if parked is None else parked
         usable = before is None or before.usable
-        agreed = self.allgather_json({"usable": usable}, timeout=self._wait_seconds(),
+        agreed = self.allgather_json({"usable": usable, "old": None if old is None else
+                                      list(old)}, timeout=self._wait_seconds(),
                                      kind="nccl/epoch")
+        # a new member has no last epoch of its own: the members that do say what it was
+        olds = {tuple(a["old"]) for a in agreed if a["old"] is not None}
+        old = olds.pop() if len(olds) == 1 else None
         if not all(a["usable"] for a in agreed):
             old = None      # a failed group may have left work behind: make it anew
         new = self._rank_members(ranks)
         step = decide("nccl", old, new, self._rank_members(range(self.num_ranks)),
                       _nccl_abilities())
         mine = set(self._rank_members(self._rank_ids))
-        members = step.members if step.action in ("keep", "shrink") else new
+        resized = ("shrink", "grow", "shrink+grow")
+        members = step.members if step.action in ("keep",) + resized else new
         index = {r: members.index(m) for r, m in zip(ranks, new)}
         local = {index[r]: devices[r] for r in self._rank_ids if r in index}
         action, inner = step.action, None
         if action == "keep":
             inner = before
-        elif action == "shrink" and local:
-            assert before is not None       # its ranks stay: it had them
-            inner = before.shrunk(step.excluded, step.abort, f"{prefix}/nccl",
-                                  self._wait_seconds())
+        elif action in resized and local:
+            inner = _resize(step, before, local, self._store, f"{prefix}/nccl",
+                            self._wait_seconds())
         else:
             if before is not None:
                 before.close()
-            if action in ("grow", "split", "shrink+grow"):
-                logger.info("world %r: NCCL could %s the communicator; it is made anew "
-                            "(only shrink is executed yet)", self._world_id, action)
-            if action == "shrink" or (action != "create" and not local):
+            if action == "split":
+                logger.info("world %r: NCCL could split the communicator; it is made anew "
+                            "(split is not executed)", self._world_id)
+            if action in resized or (action != "create" and not local):
                 action = "drop"             # this process has no rank in it any more
             elif action != "create":
                 action = "recreate"
@@ -214,6 +218,23 @@ class WorldLinks:
             self.__dict__.setdefault("_comm_steps", {})["nccl"] = action
         self.__dict__["_nccl_members"] = members
         return RenumberedTransport(inner, index, "nccl")
+
+
+def _resize(step: Any, before: Any, local: dict[int, int], store: Any, key: str,
+            wait: float) -> Any:
+    """Shrink and/or grow the last epoch's communicator as ``step`` says (collective). A
+    new member (no ``before``) joins the grow; the others shrink the excluded ranks away
+    first, then grow (the new members take the ranks after theirs)."""
+    from ..transport.nccl import NcclTransport
+    if before is None:
+        assert step.added, step     # only a grow takes members without a communicator
+        return NcclTransport.joined_by_grow(store, len(step.members), local, key, wait)
+    if step.excluded:
+        before = before.shrunk(step.excluded, step.abort,
+                               f"{key}/shrunk" if step.added else key, wait)
+    if step.added:
+        before = before.grown(len(step.members), key, wait)
+    return before
 
 
 def _nccl_abilities() -> Any:

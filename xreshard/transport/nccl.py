@@ -74,6 +74,7 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 
 from ..errors import RefitError
 from .base import CudaError, TransportError, TransportTimeout, event_done
+from .nccl_epochs import Resizable
 from .nccl_setup import (NoCudaDeviceError, cuda_major, format_version, import_cupy,
                          install_hint, multi_rank_gpu, ranks_str, rendezvous, visible_devices)
 
@@ -293,7 +294,7 @@ class _Op:
     source: Any
 
 
-class NcclTransport:
+class NcclTransport(Resizable):
     """Moves byte buffers between CUDA ranks over one NCCL communicator.
 
     The communicator spans world ranks ``0..world_size-1`` (NCCL rank = world rank). It is
@@ -360,7 +361,7 @@ class NcclTransport:
                 self._events[dev] = cupy.cuda.Event(disable_timing=True)
         self._worker = _Worker(f"xreshard-nccl[{key}]")
         _ACTIVE_KEYS.add(key)
-        if comms is not None:       # made from another communicator (``shrunk``)
+        if comms is not None:       # made from another communicator (shrunk, grown)
             self._comms = {r: comms[r] for r in self._local}
             return
         try:
@@ -421,44 +422,6 @@ class NcclTransport:
                 for comm in made:
                     with contextlib.suppress(Exception):
                         comm.abort()
-
-    def shrunk(self, excluded: Sequence[int], abort: bool, key: str,
-               timeout: float) -> NcclTransport:
-        """This communicator without ranks ``excluded`` (``ncclCommShrink`` of every local
-        rank, in one NCCL group; ``abort``: an excluded rank died, its pending work is
-        aborted first), as a new transport over ranks 0..n-1 (the others in their order);
-        this one is closed. Collective over the remaining ranks; excluded ranks must not
-        call it (``xreshard.transport.nccl_epochs``)."""
-        from .nccl_epochs import loaded_library
-        self._check_usable()
-        library = loaded_library()
-        if library is None or not library.abilities().shrink:
-            raise TransportError("ncclCommShrink is not in the loaded NCCL (needs 2.27+)")
-        local = [r for r in self._local if r not in set(excluded)]
-
-        def run() -> dict[int, Any]:
-            self._nccl.groupStart()
-            try:
-                return {r: library.shrink(self._comms[r].comm, excluded, abort) for r in local}
-            finally:
-                self._nccl.groupEnd()
-        try:
-            made = self._worker.submit(run).result(timeout=timeout)
-        except concurrent.futures.TimeoutError:
-            self._broken = "its ncclCommShrink timed out"
-            raise TransportTimeout(f"ncclCommShrink ({self.key!r} -> {key!r}) on {self._where} "
-                                   f"did not complete within {timeout} s; abandoned") from None
-        keep = [r for r in range(self.world_size) if r not in set(excluded)]
-        index = {r: i for i, r in enumerate(keep)}
-        shrunk = NcclTransport(self._store, len(keep),
-                               {index[r]: self._devices[r] for r in local}, key=key,
-                               timeout=timeout, comms={index[r]: made[r] for r in local})
-        if abort:       # a member died: destroying the parent could wait for it
-            self._broken = "shrunk away; the parent was aborted"
-            with contextlib.suppress(Exception):
-                self._worker.submit(self._abort_comms).result(timeout=_ABORT_GRACE_S)
-        self.close()
-        return shrunk
 
     # ------------------------------------------------------------------ protocol
 

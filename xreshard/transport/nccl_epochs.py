@@ -17,8 +17,11 @@ Rules from NCCL's source (NVIDIA/nccl ``src/init.cc``, ``ncclCommInitChildComm``
 ``ncclCommShrink``): the excluded ranks must not call ``ncclCommShrink``; the others call
 it together (inside one group when a thread drives several of its ranks); the new ranks
 close the gaps in the old order; with ``config=NULL`` the child inherits the parent's
-configuration. Growing is decided (``comm_epochs``) but not executed here yet: the world
-creates a grown member set anew.
+configuration. A grow (``ncclCommGrow``, NVIDIA/nccl ``src/nccl.h.in``): one existing rank
+makes a single-use id from its communicator (``ncclCommGetUniqueId``) and shares it; the
+existing ranks call ``ncclCommGrow(comm, size, id or NULL, -1)``, the new ones
+``ncclCommGrow(NULL, size, id, rank)``; existing ranks keep their numbers, the new ones
+follow.
 
 Nothing here needs a GPU but the calls themselves; the tests drive ``Library`` with a
 fake of the C functions.
@@ -26,14 +29,19 @@ fake of the C functions.
 
 from __future__ import annotations
 
+import concurrent.futures
+import contextlib
 import ctypes
 import logging
-from typing import Any, Callable, Sequence
+import threading
+from typing import Any, Callable, Mapping, Sequence
 
-from .base import TransportError
+from ..errors import RefitError
+from .base import TransportError, TransportTimeout
+from .nccl_setup import NCCL_UNIQUE_ID_BYTES as UNIQUE_ID_BYTES
 
-__all__ = ["GROW_MIN_VERSION", "Library", "RawComm", "SHRINK_ABORT", "SHRINK_MIN_VERSION",
-           "SPLIT_MIN_VERSION", "loaded_library", "nccl_abilities"]
+__all__ = ["GROW_MIN_VERSION", "Library", "RawComm", "Resizable", "SHRINK_ABORT",
+           "SHRINK_MIN_VERSION", "SPLIT_MIN_VERSION", "loaded_library", "nccl_abilities"]
 
 logger = logging.getLogger(__name__)
 
@@ -108,6 +116,31 @@ class Library:
         return RawComm(self, new.value)
 
 
+    def unique_id(self, comm: int) -> bytes:
+        """``ncclCommGetUniqueId``: the single-use id a grow of communicator ``comm``
+        rendezvous on (one unconsumed id per communicator at a time)."""
+        out = (ctypes.c_char * UNIQUE_ID_BYTES)()
+        self._check(self._lib.ncclCommGetUniqueId(ctypes.c_void_p(comm), ctypes.byref(out)),
+                    "ncclCommGetUniqueId")
+        return bytes(out.raw)
+
+    def grow(self, comm: int | None, size: int, uid: bytes | None, rank: int) -> RawComm:
+        """``ncclCommGrow`` to ``size`` ranks. An existing member passes its ``comm`` and
+        ``rank=-1`` (the one that made ``uid`` passes it, the others None); a new member
+        passes ``comm=None``, ``uid`` and its new rank. Existing ranks keep their numbers."""
+        if uid is not None and len(uid) != UNIQUE_ID_BYTES:
+            raise TransportError(f"an NCCL unique id has {UNIQUE_ID_BYTES} bytes, got {len(uid)}")
+        ident = None if uid is None else ctypes.byref(
+            (ctypes.c_char * UNIQUE_ID_BYTES).from_buffer_copy(uid))
+        new = ctypes.c_void_p(0)
+        self._check(self._lib.ncclCommGrow(
+            ctypes.c_void_p(comm or 0), ctypes.c_int(size), ident, ctypes.c_int(rank),
+            ctypes.byref(new), None), "ncclCommGrow")
+        if not new.value:
+            raise TransportError("ncclCommGrow returned no communicator")
+        return RawComm(self, new.value)
+
+
 class RawComm:
     """A communicator NCCL made without CuPy (a shrink's result): the methods the nccl
     transport calls on CuPy's ``NcclCommunicator``, through the same library."""
@@ -151,3 +184,147 @@ class RawComm:
         if self._handle:
             handle, self._handle = self._handle, 0
             self._library._lib.ncclCommDestroy(ctypes.c_void_p(handle))
+
+
+_GRACE_S = 10.0     # how long aborting a shrunk parent may take before it is abandoned
+
+
+def _usable_library(what: str) -> Library:
+    library = loaded_library()
+    ability = "shrink" if what == "ncclCommShrink" else "grow"
+    if library is None or not getattr(library.abilities(), ability):
+        need = "2.27" if ability == "shrink" else "2.29"
+        raise TransportError(f"{what} is not in the loaded NCCL (needs {need}+)")
+    return library
+
+
+def _bounded(fn: Callable[[], Any], timeout: float, what: str) -> Any:
+    """``fn()`` on a daemon thread, at most ``timeout`` s (a call stuck inside NCCL must
+    not hold the caller or process exit)."""
+    fut: concurrent.futures.Future = concurrent.futures.Future()
+
+    def run() -> None:
+        try:
+            fut.set_result(fn())
+        except BaseException as e:      # delivered to the waiting caller
+            fut.set_exception(e)
+    threading.Thread(target=run, name=f"xreshard-{what}", daemon=True).start()
+    try:
+        return fut.result(timeout=timeout)
+    except concurrent.futures.TimeoutError:
+        raise TransportTimeout(f"{what} did not complete within {timeout} s; "
+                               "abandoned") from None
+
+
+class Resizable:
+    """``NcclTransport``'s communicator across a change of members: shrunk, grown, or
+    joined by growing (a new member's side). Each returns a new transport and closes the
+    old one; every call is collective over the ranks the library names."""
+
+    _store: Any
+    _local: tuple[int, ...]
+    _devices: dict[int, int]
+    _comms: dict[int, Any]
+    _nccl: Any
+    _worker: Any
+    _broken: str | None
+    _where: str
+    key: str
+    world_size: int
+
+    def _check_usable(self) -> None: ...
+    def _abort_comms(self) -> None: ...
+    def close(self) -> None: ...
+
+    def shrunk(self, excluded: Sequence[int], abort: bool, key: str, timeout: float) -> Any:
+        """This communicator without ranks ``excluded`` (``ncclCommShrink`` of every local
+        rank, in one NCCL group; ``abort``: an excluded rank died, its pending work is
+        aborted first), as a new transport over ranks 0..n-1 (the others in their order);
+        this one is closed. Collective over the remaining ranks; excluded ranks must not
+        call it."""
+        self._check_usable()
+        library = _usable_library("ncclCommShrink")
+        local = [r for r in self._local if r not in set(excluded)]
+        try:
+            made = self._in_group(lambda r: library.shrink(self._comms[r].comm, excluded,
+                                                           abort), local, timeout)
+        except concurrent.futures.TimeoutError:
+            self._broken = "its ncclCommShrink timed out"
+            raise TransportTimeout(f"ncclCommShrink ({self.key!r} -> {key!r}) on "
+                                   f"{self._where} did not complete within {timeout} s; "
+                                   "abandoned") from None
+        keep = [r for r in range(self.world_size) if r not in set(excluded)]
+        index = {r: i for i, r in enumerate(keep)}
+        shrunk = type(self)(self._store, len(keep),  # type: ignore[call-arg]
+                            {index[r]: self._devices[r] for r in local}, key=key,
+                            timeout=timeout, comms={index[r]: made[r] for r in local})
+        if abort:       # a member died: destroying the parent could wait for it
+            self._broken = "shrunk away; the parent was aborted"
+            with contextlib.suppress(Exception):
+                self._worker.submit(self._abort_comms).result(timeout=_GRACE_S)
+        self.close()
+        return shrunk
+
+    def grown(self, size: int, key: str, timeout: float) -> Any:
+        """This communicator grown to ``size`` ranks (``ncclCommGrow``): its ranks keep
+        their numbers; the new members take ranks ``world_size..size-1`` and call
+        :meth:`joined_by_grow` with the same ``key`` at the same time. The process of rank
+        0 makes the single-use id and shares it through the store (``key``); this one is
+        closed."""
+        from .nccl_setup import rendezvous
+        self._check_usable()
+        if size <= self.world_size:
+            raise RefitError(f"a grow needs more than the {self.world_size} ranks the "
+                             f"communicator has, got {size}")
+        library = _usable_library("ncclCommGrow")
+        uid = rendezvous(self._store, key, size, self._local, timeout,
+                         make_id=lambda: library.unique_id(self._comms[0].comm))
+        try:
+            made = self._in_group(lambda r: library.grow(
+                self._comms[r].comm, size, uid if r == 0 else None, -1), self._local, timeout)
+        except concurrent.futures.TimeoutError:
+            self._broken = "its ncclCommGrow timed out"
+            raise TransportTimeout(f"ncclCommGrow ({self.key!r} -> {key!r}) on {self._where} "
+                                   f"did not complete within {timeout} s; abandoned") from None
+        grown = type(self)(self._store, size, dict(self._devices),  # type: ignore[call-arg]
+                           key=key, timeout=timeout, comms=made)
+        self.close()
+        return grown
+
+    @classmethod
+    def joined_by_grow(cls, store: Any, size: int, devices: Mapping[int, int], key: str,
+                       timeout: float) -> Any:
+        """A new member's side of :meth:`grown`: its ranks (``devices``: new rank -> CUDA
+        ordinal, all past the old communicator's) join the grown communicator."""
+        from .nccl_setup import import_cupy, rendezvous
+        library = _usable_library("ncclCommGrow")
+        cupy, nccl = import_cupy()
+        local = sorted(devices)
+        uid = rendezvous(store, key, size, local, timeout)
+
+        def run() -> dict[int, Any]:
+            made: dict[int, Any] = {}
+            nccl.groupStart()
+            try:
+                for r in local:
+                    with cupy.cuda.Device(devices[r]):
+                        made[r] = library.grow(None, size, uid, r)
+            finally:
+                nccl.groupEnd()
+            return made
+        made = _bounded(run, timeout, f"ncclCommGrow ({key!r}, new ranks {local})")
+        # its own name in this process (a process may hold both sides: the GPU test)
+        return cls(store, size, devices, key=f"{key}/joined",  # type: ignore[call-arg]
+                   timeout=timeout, comms=made)
+
+    def _in_group(self, call: Callable[[int], Any], ranks: Sequence[int], timeout: float
+                  ) -> dict[int, Any]:
+        """``call(rank)`` for each local rank in one NCCL group, on the transport's worker
+        (NCCL's group state is per thread); at most ``timeout`` s."""
+        def run() -> dict[int, Any]:
+            self._nccl.groupStart()
+            try:
+                return {r: call(r) for r in ranks}
+            finally:
+                self._nccl.groupEnd()
+        return self._worker.submit(run).result(timeout=timeout)
