@@ -15,6 +15,7 @@ from __future__ import annotations
 import datetime
 import json
 import os
+import re
 import time
 from typing import Any
 
@@ -32,6 +33,12 @@ CONFIG = dict(vocab_size=1000, hidden_size=128, intermediate_size=256, num_hidde
 STREAM_CONFIG = dict(CONFIG, hidden_size=384, intermediate_size=768, num_hidden_layers=10,
                      num_attention_heads=6, num_key_value_heads=2)
 STREAM_BUDGET = 16 << 20
+#: a Qwen2 whose linears are whole 128 x 128 blocks in every shard (trainer mesh 2 x 2, engine
+#: TP 1 or 2), served from a DeepSeek-style block-FP8 checkpoint (:func:`fp8_checkpoint`)
+FP8_CONFIG = dict(CONFIG, hidden_size=256, intermediate_size=512, num_attention_heads=2,
+                  num_key_value_heads=2)
+FP8_QUANT = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+             "weight_block_size": [128, 128]}
 PROMPTS = [[1, 2, 3, 4, 5, 6, 7, 8], [100, 200, 300, 400], [7] * 12, [999, 0, 512, 513, 17]]
 MAX_TOKENS = 10
 ENGINE_START_TIMEOUT = 240.0
@@ -144,6 +151,46 @@ def write_model_dir(path: str, seed: int = 0, c: dict = CONFIG) -> None:
     save_checkpoint(init_params(seed, tree_shapes(c)), path)
 
 
+def fp8_kernels_missing() -> str | None:
+    """Why vLLM cannot run block-FP8 layers on this machine (None: it can). vLLM's CPU
+    backend needs AMX (``CPUFp8BlockScaledMMKernel`` checks
+    ``torch.cpu._is_amx_tile_supported()``); a GPU has them."""
+    import torch
+    if torch.cuda.is_available():
+        return None
+    if getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)():
+        return None
+    return "vLLM's CPU FP8 kernels need AMX (Sapphire Rapids or newer); this CPU has none"
+
+
+def fp8_checkpoint(src: str, dst: str, config: dict | None = None) -> None:
+    """vLLM's own block-FP8 checkpoint of the bf16 values of ``src``'s fp32 checkpoint:
+    every decoder linear quantized by vLLM's ``per_block_cast_to_fp8`` (128 x 128,
+    ``use_ue8m0=False``), its scales as ``weight_scale_inv``; with ``config``, a
+    config.json declaring the quantization too (a model directory)."""
+    import torch
+    from safetensors.torch import load_file, save_file
+    from transformers import Qwen2Config
+    from vllm.utils.deep_gemm import per_block_cast_to_fp8
+
+    out = {}
+    for name, t in load_file(os.path.join(src, "model.safetensors")).items():
+        t = t.to(torch.bfloat16)
+        if re.search(r"layers\.\d+\..*_proj\.weight$", name):
+            out[name], out[name + "_scale_inv"] = per_block_cast_to_fp8(
+                t, [128, 128], use_ue8m0=False)
+        else:
+            out[name] = t
+    os.makedirs(dst, exist_ok=True)
+    save_file({n: t.contiguous() for n, t in out.items()},
+              os.path.join(dst, "model.safetensors"))
+    if config is not None:
+        cfg = Qwen2Config(**config)
+        cfg.architectures = ["Qwen2ForCausalLM"]
+        cfg.quantization_config = dict(FP8_QUANT)
+        cfg.to_json_file(os.path.join(dst, "config.json"))
+
+
 # ---------------------------------------------------------------------------- control plane
 
 def _store(address: str, timeout: float) -> Any:
@@ -233,13 +280,20 @@ def sample(llm: Any) -> dict:
     return {"tokens": tokens, "logprobs": logprobs}
 
 
+def config_of(kind: str) -> dict:
+    """The model config a case ``kind`` trains and serves."""
+    return {"jax-stream": STREAM_CONFIG, "jax-fp8": FP8_CONFIG}.get(kind, CONFIG)
+
+
 def engine(ctx: Any, tp: int, dtype: str, tmp: str, kind: str = "jax") -> dict:
     """Build the engine, then answer the trainer's requests until it says stop."""
     from vllm import LLM
 
     control = _store(ctx.address, ENGINE_START_TIMEOUT)
     model_dir = os.path.join(tmp, f"engine{ctx.role.index}")
-    write_model_dir(model_dir, c=STREAM_CONFIG if kind == "jax-stream" else CONFIG)
+    write_model_dir(model_dir, c=config_of(kind))
+    if kind == "jax-fp8":       # served from vLLM's own block-FP8 quantization of those weights
+        fp8_checkpoint(model_dir, model_dir, FP8_CONFIG)
     t0 = time.monotonic()
     llm = LLM(model=model_dir, skip_tokenizer_init=True, tensor_parallel_size=tp, dtype=dtype,
               enforce_eager=True, max_model_len=64, max_num_seqs=4, seed=0, max_logprobs=-1,
@@ -251,6 +305,9 @@ def engine(ctx: Any, tp: int, dtype: str, tmp: str, kind: str = "jax") -> dict:
 
     def check(weights_path: str) -> dict:
         got = sample(llm)
+        if kind == "jax-fp8":   # the reference: vLLM loading its own quantization of them
+            fp8_checkpoint(weights_path, weights_path + "-fp8")
+            weights_path += "-fp8"
         reports = llm.collective_rpc("xreshard_transfer_report")
         llm.collective_rpc("reload_weights", kwargs={"weights_path": weights_path})
         llm.collective_rpc("xreshard_reprocess_tied")   # vLLM's reload leaves a stale tied head on CPU
@@ -284,7 +341,7 @@ def trainer(ctx: Any, tp: int, dtype: str, tmp: str, kind: str = "jax") -> dict:
     from xreshard.adapters.vllm import (XreshardTrainerInitInfo,
                                         XreshardTrainerWeightTransferEngine)
 
-    shapes = tree_shapes(STREAM_CONFIG if kind == "jax-stream" else CONFIG)
+    shapes = tree_shapes(config_of(kind))
     weights = {name: init_params(seed, shapes) for name, seed in (("A", 1), ("B", 2))}
     full_bytes = {name: save_checkpoint(w, os.path.join(tmp, name)) for name, w in weights.items()}
     if kind.startswith("jax"):
