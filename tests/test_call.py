@@ -71,7 +71,7 @@ def phases(ctx: Context) -> dict:
     registry.register_adapter("exploding", "tests.test_call")
     out: dict = {}
     config = xr.RefitConfig(timeout=20)
-    with ctx.join(1, groups=("trainer", "rollout"), timeout=30) as world:
+    with ctx.join(1, groups=("trainer", "rollout"), timeout=120) as world:
         rank = world.rank_ids[0]
         trainer = ctx.role.group == "trainer"
         odd = ctx.role.group == "rollout" and ctx.role.index == 1
@@ -113,7 +113,7 @@ def crossing(ctx: Context) -> dict:
     model): in step, then called in a different order on the two sides."""
     out: dict = {}
     config = xr.RefitConfig(timeout=20)
-    with ctx.join(1, groups=("trainer", "rollout"), timeout=30) as world:
+    with ctx.join(1, groups=("trainer", "rollout"), timeout=120) as world:
         rank = world.rank_ids[0]
         trainer = ctx.role.group == "trainer"
         policy, reference = np.zeros(SHAPE, np.float32), np.zeros(SHAPE, np.float32)
