@@ -265,12 +265,20 @@ class _Session:
         self.post("serve")
         version, _ = _agreed_version(self.sub, None, self.timeout)
         if self.inner is None:
+            if isinstance(receive, Bound):  # numbered by the elastic world's ranks
+                ranks = self.world.rank_ids
+                receive = restricted(receive, ranks, dict(zip(ranks, self.sub.rank_ids)))
             self.inner = _inner(self.sub, config, self.transport, receive=receive, **naming)
         self.inner.version = version - 1        # the call makes it ``version``
         try:
-            return self.inner()
+            report = self.inner()
         finally:
             self.until = time.monotonic() + self.timeout
+        if not report.bytes_received + report.bytes_local:
+            raise RefitError(f"catch-up {self.rid}: no byte reached this process (its receive "
+                             f"side names no region of its ranks {list(self.world.rank_ids)} "
+                             f"in world {self.world.world_id!r}); nothing was caught up")
+        return report
 
     def end(self) -> None:
         """Tell the servers (when formed) and close; a session still forming closes when
@@ -449,18 +457,26 @@ class _Server:
             key = f"{root}/{following}"
             try:
                 wait_keys(store, [key], time.monotonic() + WAKE)
+                timed_out = False
             except TransportTimeout:
+                timed_out = True
+            except Exception:   # noqa: BLE001 - a server never takes its process down
+                logger.debug("catch-up server: the store failed", exc_info=True)
+                return
+            if timed_out:
                 # a later request is written: this number was taken, and its write is late
                 # (a loaded machine) or never comes (its writer died in between): skip it
                 # only after SKIP seconds, so a late write is still read
-                if store.check([f"{root}/{following + 1}"]):
+                try:
+                    next_written = store.check([f"{root}/{following + 1}"])
+                except Exception:   # noqa: BLE001 - the store is gone (its host ended)
+                    logger.debug("catch-up server: the store failed", exc_info=True)
+                    return
+                if next_written:
                     behind = behind or time.monotonic()
                     if time.monotonic() - behind > SKIP:
                         following, behind = following + 1, None
                 continue
-            except Exception:   # noqa: BLE001 - a server never takes its process down
-                logger.debug("catch-up server: the store failed", exc_info=True)
-                return
             following, behind = following + 1, None
             req = read_entry(store, seal, key, "member/catchup")
             me = label(world.processes[world.process_index])
