@@ -50,14 +50,7 @@ def catchup_engine(ctx: Any, tmp: str) -> dict:
     counting: dict[str, Any] = {}
 
     def check(weights_path: str) -> dict:
-        got = cases.sample(llm)
-        (report,) = llm.collective_rpc("xreshard_transfer_report")
-        llm.collective_rpc("reload_weights", kwargs={"weights_path": weights_path})
-        llm.collective_rpc("xreshard_reprocess_tied")
-        ref = cases.sample(llm)
-        return {"tokens": got["tokens"], "ref_tokens": ref["tokens"], "report": report,
-                "logprobs_bit_equal": all(a.shape == b.shape and a.tobytes() == b.tobytes()
-                                          for a, b in zip(got["logprobs"], ref["logprobs"]))}
+        return cases.check_against_reload(llm, weights_path)
 
     def count_on() -> None:
         counting["cm"] = xr.count_comm()

@@ -301,7 +301,7 @@ class _Session:
 
 
 #: the joining side's session of each Refit (weakly: a dropped Refit drops its session)
-_SESSIONS: "weakref.WeakKeyDictionary[Any, _Session]" = weakref.WeakKeyDictionary()
+_SESSIONS: weakref.WeakKeyDictionary[Any, _Session] = weakref.WeakKeyDictionary()
 
 
 def _start(refit: Any) -> _Session | None:

@@ -36,8 +36,9 @@ Decision record.
   them; the trainer's next round admits the engine (its sync) and sends it that round
   like the others. What a live worker serves between rounds is :func:`served`: the live
   parameters in mode ``"inplace"`` (no memory), else a kept copy of the group's last
-  received bytes (memory: the worker's shard once more; vLLM's loaded parameters may be
-  repacked, e.g. by CPU kernels, and cannot be read back).
+  received bytes (memory: the worker's shard once more, on the receive buffers' device;
+  vLLM's loaded parameters may be repacked, e.g. by CPU kernels, and cannot be read
+  back). TODO(memory): keep that copy in host memory for GPU engines in reload mode.
 """
 
 from __future__ import annotations
