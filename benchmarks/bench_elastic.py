@@ -16,8 +16,11 @@ tensor-parallel half of the columns (so each engine is a whole replica).
    times, each after a random 0-``--step`` s (an engine comes up at any moment of the
    trainer's cycle; the i-th of both processes about at once): ``catchup_seconds`` is
    the median over them of the slower process's ``catch_up()`` wall time (its whole
-   cost: forming the catch-up world with A's processes, their snapshots, the move), with
-   ``catchup_move_seconds`` the move alone. The catch-ups come from A's replicas: B's
+   cost: the catch-up world with A's processes where not formed yet, their snapshots,
+   the move), with ``catchup_move_seconds`` the move alone, and
+   ``catchup_first_seconds`` the first one (the slower process's): B's Refit, made
+   before the random wait, forms its catch-up world meanwhile (``catchup.ahead``), and
+   the later catch-ups reuse it. The catch-ups come from A's replicas: B's
    bytes received are checked to equal its regions, and each catch-up bit-exact at the
    version it reports. A's calls that overlap a catch-up give
    ``other_refit_seconds_during_catchup`` (median) and ``other_refits_during_catchup``
@@ -27,7 +30,8 @@ tensor-parallel half of the columns (so each engine is a whole replica).
    call in the world (the slower process; what an engine that does not catch up waits
    for, once the trainer's next refit comes: a new epoch, plans and transports made again).
 
-Prints one JSON object; ``ratio`` is catchup_seconds / trainer_refit_seconds.
+Prints one JSON object; ``ratio`` is catchup_seconds / trainer_refit_seconds,
+``first_ratio`` catchup_first_seconds / trainer_refit_seconds.
 
     python benchmarks/bench_elastic.py [--mib 64] [--calls 5] [--step 0.5] [--json]
 """
@@ -166,6 +170,7 @@ def summarize(values: list[dict], calls: int) -> dict:
     pairs = list(zip(*(v["catchup"] for v in b)))
     catchup = statistics.median(max(c["end"] - c["start"] for c in p) for p in pairs)
     move = statistics.median(max(c["move"] for c in p) for p in pairs)
+    first = max(c["end"] - c["start"] for c in pairs[0])
     windows = [(min(c["start"] for c in p), max(c["end"] for c in p)) for p in pairs]
     during = [e - s for v in a for s, e in v["during"]
               if any(s < we and e > ws for ws, we in windows)]
@@ -175,6 +180,7 @@ def summarize(values: list[dict], calls: int) -> dict:
         "mib": None, "calls": calls,
         "trainer_refit_seconds": round(trainer, 4), "catchup_seconds": round(catchup, 4),
         "ratio": round(catchup / trainer, 3), "catchup_move_seconds": round(move, 4),
+        "catchup_first_seconds": round(first, 4), "first_ratio": round(first / trainer, 3),
         "trainer_first_refit_seconds": round(max(v["first_refit"] for v in b), 4),
         "catchups_exact": sum(c["exact"] and c["bytes"] == c["expected"] for c in caught),
         "catchups": len(caught),

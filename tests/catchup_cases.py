@@ -76,6 +76,10 @@ def member(ctx: Any, flag: str, racing: bool) -> dict:
                          "exact": side.exact(report.version),
                          "bytes_received": report.bytes_received,
                          "expected": 4 * SHAPE[0] * SHAPE[1] * len(NAMES)}
+        # again: the catch-up world formed ahead is kept (transports, plan) until admitted
+        again = refit.catch_up()
+        out["again"] = {"version": again.version, "exact": side.exact(again.version),
+                        "replanned": again.replanned, "bytes_received": again.bytes_received}
     else:
         world = ctx.join(elastic=True, groups=GROUPS, timeout=120, token=TOKEN,
                          num_processes=2)

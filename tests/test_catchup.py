@@ -37,6 +37,10 @@ def test_a_joining_engine_catches_up_from_the_other_engine(tmp_path, racing):
     assert caught["version"] == caught["refit_version"] >= 2
     if not racing:      # the members were idle: their current version
         assert caught["version"] == 2
+    # a second catch-up before admission reuses the catch-up world and its plan
+    again = b["again"]
+    assert again["exact"] and again["bytes_received"] == caught["expected"], again
+    assert not again["replanned"] and again["version"] >= caught["version"]
     # then admitted at the members' next refit: every process at one version, exact
     assert trainer["version"] == a["version"] == b["version"] > caught["version"]
     assert trainer["members"] == a["members"] == b["members"] == \

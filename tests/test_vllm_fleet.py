@@ -79,15 +79,7 @@ def fleet_engine(ctx: Any, tmp: str) -> dict:
         return call
 
     def check(weights_path: str) -> dict:
-        got = cases.sample(llm)
-        (report,) = llm.collective_rpc("xreshard_transfer_report")
-        llm.collective_rpc("reload_weights", kwargs={"weights_path": weights_path})
-        llm.collective_rpc("xreshard_reprocess_tied")
-        ref = cases.sample(llm)
-        return {"tokens": got["tokens"], "ref_tokens": ref["tokens"], "report": report,
-                "logprobs_bit_equal": all(a.shape == b.shape and a.tobytes() == b.tobytes()
-                                          for a, b in zip(got["logprobs"], ref["logprobs"])),
-                "weight_version": llm.get_weight_version()}
+        return cases.check_against_reload(llm, weights_path)
 
     def die() -> None:
         os.kill(os.getpid(), signal.SIGKILL)

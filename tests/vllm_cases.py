@@ -285,6 +285,21 @@ def config_of(kind: str) -> dict:
     return {"jax-stream": STREAM_CONFIG, "jax-fp8": FP8_CONFIG}.get(kind, CONFIG)
 
 
+def check_against_reload(llm: Any, weights_path: str) -> dict:
+    """What the engine answers now, then vLLM's own load of ``weights_path`` (which it
+    keeps): tokens of both, bit-equality of the full-vocab prompt logprobs, the worker's
+    transfer report and the engine's weight version."""
+    got = sample(llm)
+    (report,) = llm.collective_rpc("xreshard_transfer_report")
+    llm.collective_rpc("reload_weights", kwargs={"weights_path": weights_path})
+    llm.collective_rpc("xreshard_reprocess_tied")
+    ref = sample(llm)
+    return {"tokens": got["tokens"], "ref_tokens": ref["tokens"], "report": report,
+            "logprobs_bit_equal": all(a.shape == b.shape and a.tobytes() == b.tobytes()
+                                      for a, b in zip(got["logprobs"], ref["logprobs"])),
+            "weight_version": llm.get_weight_version()}
+
+
 def engine(ctx: Any, tp: int, dtype: str, tmp: str, kind: str = "jax") -> dict:
     """Build the engine, then answer the trainer's requests until it says stop."""
     from vllm import LLM

@@ -177,6 +177,8 @@ class Refit:
         self.served: Bound | None = None    # the in-place destination of the last call
         self._server: Any = None            # its catch-up server (an elastic world)
         self.own_only = False               # bind only this process's ranks (catch-up)
+        if receive is not None:     # a process joining with wait=False: forms its catch-up
+            catchup.ahead(self)     # world while it builds the rest
 
     @property
     def plan(self) -> Plan | None:
@@ -289,6 +291,7 @@ class Refit:
         cyclic, and a collection mid-call traverses the whole heap). The version moves
         once the world is released."""
         try:
+            catchup.finish(self)    # the catch-ups are over (if any): end their world
             self.world.admit()      # joined with wait=False: the members' next call admits it
             with self.writing:      # the version moves after the world is released
                 with self.world.exclusive("refit"), gc_paused(self.tuning.pause_gc):

@@ -26,25 +26,35 @@ Decision record.
   (model, dtypes, parallel config, loaders) differs from the others' is refused by name
   (:class:`EngineMismatch`) on every process, in the epoch's setup, before any byte moves;
   its workers then leave, and the next round goes on without it.
-* **Catch-up.** A new engine receives the current weights from the trainer at the round that
-  admits it (it adopts the members' version first). Seam for a catch-up from a replica
-  engine (:mod:`xreshard.runtime.epochs`): :meth:`Stream.enter_epoch` is where the joining
-  workers are known to every process; a catch-up would run there, before the round's
-  first refit, from the replicas' destinations (their ``Destination.layouts`` with the new
-  engine's ranks added), and the trainer's round would then skip the joined engines.
+* **Catch-up.** By default a new engine receives the current weights from the trainer at
+  the round that admits it (it adopts the members' version first). With
+  ``add_engine(client, catch_up=True)`` (``XreshardInitInfo.catch_up``) its workers
+  join with ``wait=False`` at once, between rounds, and :func:`catch_up` fills every
+  layer group from the live engines' workers that hold the same regions
+  (:meth:`Stream.catch_up <xreshard.adapters.vllm.stream.Stream.catch_up>` over
+  :mod:`xreshard.runtime.catchup`: the trainer is in no catch-up world), then vLLM loads
+  them; the trainer's next round admits the engine (its sync) and sends it that round
+  like the others. What a live worker serves between rounds is :func:`served`: the live
+  parameters in mode ``"inplace"`` (no memory), else a kept copy of the group's last
+  received bytes (memory: the worker's shard once more, on the receive buffers' device;
+  vLLM's loaded parameters may be repacked, e.g. by CPU kernels, and cannot be read
+  back). TODO(memory): keep that copy in host memory for GPU engines in reload mode.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import time
 from typing import Any, Mapping, Sequence
 
 from xreshard.errors import RefitError, WorldBroken
 
 __all__ = ["FleetError", "EngineMismatch", "HalfJoined", "model_digest", "sync",
-           "engine_problem", "joining_problem"]
+           "engine_problem", "joining_problem", "served", "catch_up"]
+
+logger = logging.getLogger(__name__)
 
 KIND = "xreshard-vllm/members"
 #: how many membership changes one round's start acts on before giving up
@@ -147,6 +157,46 @@ def engine_problem(everyone: Sequence[Mapping[str, Any]]) -> tuple[str, list[int
             f"(the others refit together: same model, dtype, parallel config and loaders); "
             "refused on every process before any byte moves - start them with engine "
             f"{ref}'s model and config, or refit them in another world", odd)
+
+
+def served(worker: Any, g: int, received: Any) -> Any:
+    """What worker ``worker`` serves of group ``g`` between rounds, from its just
+    received receive side: in mode ``"inplace"`` the same views of the live parameters,
+    else a copy of the received bytes, kept per group (reused across rounds)."""
+    from xreshard.runtime.atomic import Staging
+    from xreshard.runtime.binding import Bound
+    if worker._inplace:
+        return Bound(received.layouts, dict(received.bindings),
+                     local_only=received.local_only)
+    kept = worker.__dict__.setdefault("_served_copies", {})
+    return kept.setdefault(g, Staging()).stage(received)
+
+
+def catch_up(worker: Any) -> Any:
+    """A new engine's worker, joined with ``wait=False``: fill every group from the live
+    engines (:meth:`Stream.catch_up`), loading each into vLLM as a round does. Returns
+    the combined report (its ``bytes_received``: every byte of the worker's shard, all
+    from the catch-up worlds)."""
+    dest, held = worker._dest, {}
+
+    def part(g: int, names: list[str], errs: list[str]) -> Any:
+        held[g] = worker._bind_group(names, errs)
+        bound = held[g][1]
+        bound.errors = errs + bound.errors
+        return bound
+
+    def done(g: int, names: list[str]) -> None:
+        dest.load(worker.model, worker.model_config, held[g][0], worker._inplace,
+                  dest.with_scales(names))
+
+    try:
+        report = worker.stream.catch_up(part, done)
+    finally:
+        held.clear()
+    logger.info("xreshard: engine %d worker %d caught up to version %d from the live "
+                "engines (%d bytes)", worker._engine, dest.rec.worker, report.version,
+                report.bytes_received)
+    return report
 
 
 def sync(stream: Any) -> list[str]:

@@ -18,6 +18,8 @@ from xreshard.config import RefitConfig, RefitReport
 from xreshard.runtime.refit import Refit
 from xreshard.runtime.world import World
 
+from xreshard.runtime import catchup
+
 from . import members
 
 logger = logging.getLogger(__name__)
@@ -27,6 +29,8 @@ __all__ = ["GROUPS", "DEFAULT_WORLD_ID", "Stream"]
 #: the world's group order: trainer ranks first, then the vLLM workers in TP order
 GROUPS = ("trainer", "rollout")
 DEFAULT_WORLD_ID = "xreshard-vllm"
+#: how many times a catch-up brings its groups to one version before it gives up
+CATCH_UP_PASSES = 4
 
 
 class Stream:
@@ -56,7 +60,9 @@ class Stream:
 
     def __init__(self, world: World, side: str, *, config: RefitConfig, names: Any = None,
                  transpose: Iterable[str] = (), engine_info: dict[str, Any] | None = None,
-                 on_epoch: Callable[[], None] | None = None) -> None:
+                 on_epoch: Callable[[], None] | None = None,
+                 serve: Callable[[int, list[str], Bound], Bound | None] | None = None
+                 ) -> None:
         self.world, self.side, self.config = world, side, config
         self.groups: list[list[str]] = []
         self.groups_id: str | None = None
@@ -67,13 +73,17 @@ class Stream:
         #: it drives
         self.engine_info = engine_info
         self.on_epoch = on_epoch
+        #: a receiver in an elastic world: ``serve(g, names, received)`` after group g's
+        #: refit, what its catch-up server serves between rounds (see :meth:`catch_up`)
+        self.serve = serve
         self._refits: dict[int, Refit] = {}
         self._arena: Any = None
         self._refit_kwargs = {"names": names, "transpose": tuple(transpose)}
         self.jax_ranks: dict[int, int] = {}
-        self._fresh = True      # until the constructor's epoch setup: new to the world
-        self.enter_epoch()
-        self._fresh = False
+        self._fresh = True      # until its first epoch setup: new to the world
+        if world.admitted:      # else (joined with wait=False) at its first round
+            self.enter_epoch()
+            self._fresh = False
 
     def enter_epoch(self) -> None:
         """Collective: every process's world ranks and JAX device ids (so the trainer binds
@@ -98,7 +108,8 @@ class Stream:
                           for i, r in zip(p["jax_ids"], p["ranks"])}
         if not world.elastic:
             return
-        if self.version == 0:       # new to the world: receive the next version with them
+        if self.version == 0 or self._fresh:    # new to the world (or caught up, maybe
+            # behind since): receive the next version with them
             self.version = max(int(p.get("version") or 0) for p in everyone)
         problem = members.engine_problem(everyone)
         if problem is not None:
@@ -120,6 +131,8 @@ class Stream:
         ``errors``, or a state dict when there are none); ``done(g, names)``: after group g
         committed (a worker loads it)."""
         world, timeout = self.world, self.config.timeout
+        if not world.admitted:  # caught up (wait=False): the members' sync admits it
+            self._admit()
         if world.elastic:       # members lost or joining: act on them before any group
             self.lost = members.sync(self)
         names_id = _json_digest(sorted([n, [int(x) for x in s]] for n, s in shapes.items()))
@@ -166,6 +179,10 @@ class Stream:
             refit.staging, self._arena = self._arena, None
             try:
                 reports.append(refit(**{self.side: obj}))
+                if self.serve is not None and isinstance(obj, Bound):
+                    served = self.serve(g, names, obj)      # before its bindings go
+                    with refit.writing:         # between calls, as its server reads it
+                        refit.served = served
             except XreshardError as e:
                 if g == 0:
                     raise
@@ -200,6 +217,75 @@ class Stream:
             lost = tuple(dict.fromkeys([*self.lost, *(m for r in reports for m in r.lost)]))
             report = dataclasses.replace(report, lost=lost, epoch=world.epoch)
         return report
+
+
+    def catch_up(self, part: Callable[[int, list[str], list[str]], Any],
+                 done: Callable[[int, list[str]], None]) -> RefitReport:
+        """A receiver of an engine that joined a running elastic world with ``wait=False``:
+        fill every group from the live engines' workers that hold the same regions
+        (:meth:`Refit.catch_up <xreshard.runtime.refit.Refit.catch_up>`; the trainer sends
+        nothing), ``done(g, names)`` after each (the worker loads it). Its next round
+        admits it (:meth:`run`).
+
+        Groups are caught up one after another, each from the replicas' newest version
+        common to them; a round of the members that completes meanwhile would leave the
+        groups at two versions, so the groups behind are caught up again (the replicas
+        keep their last two versions) until all hold one, at most ``CATCH_UP_PASSES``
+        times. Returns the combined report (``version``: the one version every group
+        holds).
+
+        Raises:
+            RefitError: this process is admitted already, the groups could not be brought
+                to one version, or a group's receive side failed to bind.
+            CommunicationError: a catch-up failed (within the configured timeout).
+        """
+        world = self.world
+        if not world.elastic or world.admitted:
+            raise RefitError("Stream.catch_up() is for an engine that joined a running "
+                             "elastic world with wait=False, before its first round")
+        if not self.groups:
+            raise RefitError("Stream.catch_up(): no groups (set_groups first)")
+        objs: dict[int, Any] = {}
+        reports: dict[int, RefitReport] = {}
+        try:
+            for _ in range(CATCH_UP_PASSES):
+                target = max((r.version for r in reports.values()), default=0)
+                for g, names in enumerate(self.groups):
+                    if g in reports and reports[g].version == target:
+                        continue
+                    if g not in objs:
+                        objs[g] = part(g, names, [])
+                        if objs[g].errors:
+                            raise RefitError(f"catch-up of group {g}: "
+                                             + "; ".join(objs[g].errors))
+                    refit = self._refits.get(g)
+                    if refit is None:
+                        refit = self._refits[g] = Refit(
+                            world, config=self.config, receive=objs[g],
+                            name=f"xreshard-vllm/{self.groups_id}/{g}", **self._refit_kwargs)
+                    reports[g] = refit.catch_up()
+                    done(g, names)
+                versions = {r.version for r in reports.values()}
+                if len(versions) == 1:
+                    break
+            else:
+                raise RefitError(f"catch-up: the groups hold versions {sorted(versions)} after "
+                                 f"{CATCH_UP_PASSES} passes (the members' rounds outpace it); "
+                                 "the engine's first round sends it whole")
+        finally:
+            for obj in objs.values():
+                obj.bindings.clear()
+        self.version = versions.pop()
+        return _combine([reports[g] for g in sorted(reports)], self.version)
+
+    def _admit(self) -> None:
+        """Ask into the running world (its catch-up worlds closed first) and run the epoch
+        setup with the members' sync that admits this process."""
+        for refit in self._refits.values():
+            catchup.finish(refit)
+        self.world.admit()
+        self.enter_epoch()
+        self._fresh = False
 
 
 def _json_digest(obj: Any) -> str:

@@ -192,6 +192,7 @@ class XreshardTrainerWeightTransferEngine(TrainerWeightTransferEngine[XreshardTr
         self.elastic = False
         self.engine_ids: list[int] = []     # rank 0: the engine id of each client
         self._adding: list[tuple[int, Any]] = []    # (id, client) joining at the next round
+        self._caught: set[int] = set()      # of those, initialized and caught up already
         self._worker_info: dict[str, Any] = {}
         self._engine_world_size = 1
 
@@ -375,7 +376,8 @@ class XreshardTrainerWeightTransferEngine(TrainerWeightTransferEngine[XreshardTr
 
     # ------------------------------------------------------------ engines that come and go
 
-    def add_engine(self, client: Any, engine: int | None = None) -> int:
+    def add_engine(self, client: Any, engine: int | None = None, *,
+                   catch_up: bool = False) -> int:
         """Rank 0, between updates (elastic only): refit one more engine from the next
         update on. Its ``init_weight_transfer_engine`` runs at the start of that update,
         its workers join the running world there and receive the current weights with the
@@ -385,9 +387,13 @@ class XreshardTrainerWeightTransferEngine(TrainerWeightTransferEngine[XreshardTr
             client: the new engine's control plane (as for ``trainer_init``).
             engine: its id (default: the lowest not in use); a restarted engine may take its
                 old id back.
+            catch_up: initialize it now instead, filled with the live engines' current
+                weights from their workers (the trainer sends nothing; see
+                :mod:`.members`), so it serves before the next update, which admits it.
 
         Raises:
-            RefitError: the world is not elastic, or ``engine`` is in use.
+            RefitError: the world is not elastic, or ``engine`` is in use; with
+                ``catch_up``, the engine's init or catch-up failed (it is not added).
         """
         self._need_elastic("add_engine")
         used = set(self.engine_ids) | {e for e, _ in self._adding}
@@ -396,6 +402,10 @@ class XreshardTrainerWeightTransferEngine(TrainerWeightTransferEngine[XreshardTr
         if engine in used or engine < 0:
             raise RefitError(f"engine id {engine} is in use (live: {self.engine_ids}, "
                              f"added: {[e for e, _ in self._adding]}); pick another id")
+        if catch_up:
+            client.init_weight_transfer_engine({**self._worker_info, "engine": engine,
+                                                "catch_up": True})
+            self._caught.add(engine)
         self._adding.append((engine, client))
         return engine
 
@@ -446,7 +456,9 @@ class XreshardTrainerWeightTransferEngine(TrainerWeightTransferEngine[XreshardTr
         """A new engine's part of the round: join (admitted by the round's sync), then
         update like the others."""
         try:
-            client.init_weight_transfer_engine({**self._worker_info, "engine": engine})
+            if engine not in self._caught:      # else initialized (caught up) already
+                client.init_weight_transfer_engine({**self._worker_info, "engine": engine})
+            self._caught.discard(engine)
         except BaseException as e:
             failed[str(engine)] = f"{type(e).__name__}: {e}"
             raise

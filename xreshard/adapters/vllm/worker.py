@@ -148,6 +148,10 @@ class XreshardInitInfo(WeightTransferInitInfo):
             :mod:`xreshard.adapters.vllm.members`): ``engine`` is then this engine's id
             (any id >= 0 not live in the world), ``num_engines`` is not checked, and a
             world already running admits this engine at the trainer's next round.
+        catch_up: (elastic, a running world) fill this engine from the live engines'
+            workers that hold the same regions, at once, without the trainer
+            (:meth:`Stream.catch_up <xreshard.adapters.vllm.stream.Stream.catch_up>`); the
+            trainer's next round admits it (``add_engine(..., catch_up=True)``).
     """
 
     address: str
@@ -164,6 +168,7 @@ class XreshardInitInfo(WeightTransferInitInfo):
     measure_memory: bool = False
     draft_specs: dict[str, Any] | None = None
     elastic: bool = False
+    catch_up: bool = False
 
     def __post_init__(self) -> None:
         if self.mode not in _MODES:
@@ -263,7 +268,8 @@ class XreshardWeightTransferEngine(WeightTransferEngine[XreshardInitInfo, Xresha
                                 num_processes=init_info.num_processes,
                                 index=init_info.engine * workers + recording.worker,
                                 groups=GROUPS, timeout=init_info.timeout,
-                                world_id=init_info.world_id, elastic=init_info.elastic)
+                                world_id=init_info.world_id, elastic=init_info.elastic,
+                                wait=not init_info.catch_up)
         if init_info.elastic:
             self._join_fleet(init_info, recording, mode)
             return
@@ -303,11 +309,14 @@ class XreshardWeightTransferEngine(WeightTransferEngine[XreshardInitInfo, Xresha
                 "workers": recording.rec.num_workers, "model": members.model_digest(recording)}
         try:
             self.stream = Stream(self.world, "receive", config=RefitConfig(**config),
-                                 engine_info=info, on_epoch=self._place)
+                                 engine_info=info, on_epoch=self._place, serve=self._served)
+            self.stream.set_groups(recording.offered_groups(self.budget))
+            if init_info.catch_up:
+                self._place()
+                self.last_report = members.catch_up(self)
         except BaseException:
             self.shutdown()     # World.leave: the members go on without this engine
             raise
-        self.stream.set_groups(recording.offered_groups(self.budget))
         self._other, self.target, self._draft_mode = None, "policy", None
         self._draft_refusal = ("the speculative draft is not refit in an elastic world "
                                "(not built yet)")
@@ -324,6 +333,10 @@ class XreshardWeightTransferEngine(WeightTransferEngine[XreshardInitInfo, Xresha
                        if p["group"] == "rollout"})
         self._dest = Destination.place(recording, self.world.group_ranks("rollout"),
                                        live.index(self._engine))
+
+    def _served(self, g: int, names: list[str], received: Bound) -> Bound:
+        """What this worker serves engines catching up between rounds (members.served)."""
+        return members.served(self, g, received)
 
     def _choose_mode(self, recording: EngineRecording, mode: str) -> str:
         """``"inplace"`` or ``"reload"`` for the requested ``mode``. A refused
@@ -452,7 +465,8 @@ class XreshardWeightTransferEngine(WeightTransferEngine[XreshardInitInfo, Xresha
                              "init_weight_transfer_engine first")
         dest, stream = self._dest, self.stream
         errors = list(self._init_errors) + self._target_errors(update_info)
-        if update_info.version is not None and update_info.version != stream.version + 1:
+        if update_info.version is not None and update_info.version != stream.version + 1 \
+                and self.world.admitted:    # caught up: it takes the members' version
             errors.append(f"the trainer sends version {update_info.version} but this worker "
                           f"holds version {stream.version}; a round was missed")
         held: dict[int, Any] = {}
