@@ -83,7 +83,7 @@ def catchup_trainer(ctx: Any, tmp: str) -> dict:
         cases.save_checkpoint(w, os.path.join(tmp, n))
     clients = [cases.StoreClient(ctx.address, engine=e) for e in range(2)]
     info = XreshardTrainerInitInfo(rank=0, engine_world_size=1, num_engines=1, devices=1,
-                                   timeout=cases.REFIT_TIMEOUT, elastic=True,
+                                   timeout=cases.REFIT_TIMEOUT, elastic=True, catch_up=True,
                                    world_id=f"catchup-{uuid.uuid4().hex[:8]}")
     engine = XreshardTrainerWeightTransferEngine.trainer_init(info, client=clients[:1])
 

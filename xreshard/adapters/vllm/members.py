@@ -28,8 +28,9 @@ Decision record.
   its workers then leave, and the next round goes on without it.
 * **Catch-up.** By default a new engine receives the current weights from the trainer at
   the round that admits it (it adopts the members' version first). With
-  ``add_engine(client, catch_up=True)`` (``XreshardInitInfo.catch_up``) its workers
-  join with ``wait=False`` at once, between rounds, and :func:`catch_up` fills every
+  ``XreshardTrainerInitInfo(elastic=True, catch_up=True)`` (the live workers serve
+  catch-ups) and ``add_engine(client, catch_up=True)`` (``XreshardInitInfo.catch_up``)
+  its workers join with ``wait=False`` at once, between rounds, and :func:`catch_up` fills every
   layer group from the live engines' workers that hold the same regions
   (:meth:`Stream.catch_up <xreshard.adapters.vllm.stream.Stream.catch_up>` over
   :mod:`xreshard.runtime.catchup`: the trainer is in no catch-up world), then vLLM loads

@@ -132,6 +132,11 @@ class XreshardTrainerInitInfo(TrainerInitInfo):
             a crashed engine is dropped at the next update): the world is elastic
             (``World.join(elastic=True)``, :mod:`xreshard.adapters.vllm.members`); give it
             a ``world_id`` of its own on a shared store. No draft or LoRA rounds there yet.
+        catch_up: (elastic) engines added with ``add_engine(client, catch_up=True)`` are
+            filled from the live engines' workers instead of the trainer, so every live
+            worker serves its shard between updates: the live parameters in mode
+            ``"inplace"`` (no memory), else a kept copy of what it last received (memory:
+            the worker's shard once more, on its receive buffers' device). Off by default.
     """
 
     backend: ClassVar[str] = BACKEND
@@ -160,6 +165,7 @@ class XreshardTrainerInitInfo(TrainerInitInfo):
     draft_rules: Sequence[Any] | None = None
     draft_rule_params: Mapping[str, int] | None = None
     elastic: bool = False
+    catch_up: bool = False
 
     def refit_config(self) -> RefitConfig:
         return RefitConfig(bucket_bytes=self.bucket_bytes, staging_bytes=self.staging_bytes,
@@ -237,7 +243,7 @@ class XreshardTrainerWeightTransferEngine(TrainerWeightTransferEngine[XreshardTr
                        "engine_world_size": info.engine_world_size,
                        "stream_bytes": info.stream_bytes,
                        "measure_memory": info.measure_memory, "draft_specs": info.draft_specs,
-                       "elastic": info.elastic}
+                       "elastic": info.elastic, "serve_catch_up": info.catch_up}
         engine.elastic, engine._worker_info = info.elastic, worker_info
         engine._engine_world_size = info.engine_world_size
         engine.engine_ids = list(range(len(engine.clients)))
@@ -396,6 +402,10 @@ class XreshardTrainerWeightTransferEngine(TrainerWeightTransferEngine[XreshardTr
                 ``catch_up``, the engine's init or catch-up failed (it is not added).
         """
         self._need_elastic("add_engine")
+        if catch_up and not self._worker_info.get("serve_catch_up"):
+            raise RefitError("add_engine(catch_up=True): the live engines do not serve "
+                             "catch-ups; pass XreshardTrainerInitInfo(elastic=True, "
+                             "catch_up=True) (memory: see its docs)")
         used = set(self.engine_ids) | {e for e, _ in self._adding}
         if engine is None:
             engine = min(set(range(len(used) + 1)) - used)

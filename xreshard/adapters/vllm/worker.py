@@ -152,6 +152,9 @@ class XreshardInitInfo(WeightTransferInitInfo):
             workers that hold the same regions, at once, without the trainer
             (:meth:`Stream.catch_up <xreshard.adapters.vllm.stream.Stream.catch_up>`); the
             trainer's next round admits it (``add_engine(..., catch_up=True)``).
+        serve_catch_up: (elastic) serve engines catching up between rounds
+            (``XreshardTrainerInitInfo.catch_up``; in mode ``"reload"`` a kept copy of
+            the worker's shard).
     """
 
     address: str
@@ -169,6 +172,7 @@ class XreshardInitInfo(WeightTransferInitInfo):
     draft_specs: dict[str, Any] | None = None
     elastic: bool = False
     catch_up: bool = False
+    serve_catch_up: bool = False
 
     def __post_init__(self) -> None:
         if self.mode not in _MODES:
@@ -309,7 +313,8 @@ class XreshardWeightTransferEngine(WeightTransferEngine[XreshardInitInfo, Xresha
                 "workers": recording.rec.num_workers, "model": members.model_digest(recording)}
         try:
             self.stream = Stream(self.world, "receive", config=RefitConfig(**config),
-                                 engine_info=info, on_epoch=self._place, serve=self._served)
+                                 engine_info=info, on_epoch=self._place,
+                                 serve=self._served if init_info.serve_catch_up else None)
             self.stream.set_groups(recording.offered_groups(self.budget))
             if init_info.catch_up:
                 self._place()
