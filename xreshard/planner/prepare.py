@@ -102,6 +102,9 @@ class CallOptions:
     halved: bool = False
     """Rounds of half of ``staging_bytes``: every process runs the pipelined host executor,
     which keeps two rounds in flight."""
+    delta: bool = False
+    """``RefitConfig.delta``: a relay's forwards run two rounds after their bytes arrive,
+    not one (a forwarder encodes them from landed bytes, see :mod:`xreshard.planner.relay`)."""
 
 
 @dataclass(frozen=True)
@@ -218,7 +221,8 @@ def prepare(src_layouts: Mapping[str, Layout], dst_layouts: Mapping[str, Layout]
     plan2 = plan(layouts.stage2_src, layouts.stage2_dst, topology, cache=cache)
     stages += (Stage(1, plan2, DESTINATION_VIEWS, DESTINATION_VIEWS),)
     logger.debug("refit relays %d bytes inside domains", layouts.bytes_relayed)
-    sched = overlapped_schedule(plan1, plan2, ranks, overlap=options.relay_overlap, **sizes)
+    sched = overlapped_schedule(plan1, plan2, ranks, overlap=options.relay_overlap,
+                                lag=2 if options.delta else 1, **sizes)
     forwarded = frozenset((name, 1) for name in layouts.stage2_src)
     return PreparedCall(options, ranks, direct, stages, layouts, sched, forwarded)
 

@@ -67,6 +67,28 @@ i.e. up to 8 replicas per domain on that preset). What overlap does not remove: 
 first round forwards nothing, and on CPU, where "fast" and "slow" are the same loopback
 and the same cores, both stages compete for them (see benchmarks/bench_relay.py).
 
+Delta through a relay (``RefitConfig(delta=True, relay=...)``, issue 22 item 2): a
+forwarder is the *sender* of its stage-2 pairs, like a trainer rank is of its stage-1
+pairs. It keeps the bytes it last forwarded per pair and bucket (its baseline, host
+memory), diffs what landed in its destination memory against it and sends the smallest of
+dense, bitmask + values and runs + values (:mod:`xreshard.runtime.delta_exec`); the
+per-pair version fence of :mod:`xreshard.runtime.delta_wire` decides each stage-2 pair
+``(forwarder, receiver)`` exactly as it decides a stage-1 pair. Rejected: forwarding the
+stage-1 delta message verbatim. A stage-2 bucket is cut by its own pair's budget from
+pieces that arrived in several stage-1 buckets (other senders, other tags, other pack
+order), so a message would have to be cut and re-headed, i.e. re-encoded anyway; and a
+forwarder that received dense (it is new or had a wrong base) would have no delta to pass
+on to receivers whose base is right. With a baseline per forwarded pair, each pair's
+decision stands alone: a forwarder with a wrong base receives dense yet forwards deltas;
+a receiver with a wrong base gets dense from its stage-1 sender and from its forwarder;
+the baseline's call moves only at the outcome exchange; any failure makes every pair
+dense next. The cost: a forwarder holds as many baseline bytes as it forwards per call
+(``RefitReport.delta["baseline_bytes"]``) and diffs them once per call. Timing: the delta
+executor sends a bucket's header (which needs its encoding) one group before its
+payload, and lands round ``k``'s payloads at the end of group ``k + 1``, so a forward is
+encoded from landed bytes only when it runs two rounds after its last arrival
+(``lag=2`` in :func:`overlapped_schedule`; one round later than a plain relay).
+
 Pure: layouts and a topology in, layouts and schedules out; every process derives the
 same stages. :func:`xreshard.planner.prepare.prepare` plans both stages and their
 overlapped schedule into one prepared call; the runtime runs it.
@@ -259,7 +281,7 @@ def _explicit(like: Layout, regions: dict[int, list[Region]],
 
 
 def overlapped_schedule(plan1: Any, plan2: Any, ranks: Iterable[int], *, bucket_bytes: int,
-                        staging_bytes: int, overlap: bool = True) -> Schedule:
+                        staging_bytes: int, overlap: bool = True, lag: int = 1) -> Schedule:
     """Both stages of a relayed refit as one schedule for ``ranks`` (this process's).
 
     Stage 1's buckets (``stage=0``) keep their rounds; each stage-2 bucket (``stage=1``)
@@ -274,7 +296,10 @@ def overlapped_schedule(plan1: Any, plan2: Any, ranks: Iterable[int], *, bucket_
             rank's pairs of both stages share ``staging_bytes`` in a round.
         overlap: False puts every forward after its sender's last stage-1 round (the
             stages back to back, for comparison).
+        lag: rounds between the last stage-1 round that brings a forward's bytes and the
+            forward: 1, or 2 for a delta call (see "Delta through a relay" above).
     """
+    assert lag >= 1, lag
     ranks = sorted(set(ranks))
     mine = set(ranks)
     # every stage-2 sender of a local rank: its stage-1 arrivals time the forwards
@@ -303,9 +328,9 @@ def overlapped_schedule(plan1: Any, plan2: Any, ranks: Iterable[int], *, bucket_
                                  staging_bytes=staging_bytes)
         arrived = arrivals.get(src, {})
         if overlap:
-            ready = {b.tag: _ready(b, arrived) for b in buckets}
+            ready = {b.tag: _ready(b, arrived, lag) for b in buckets}
         else:
-            last = 1 + max((k for got in arrived.values() for _, k in got), default=0)
+            last = lag + max((k for got in arrived.values() for _, k in got), default=0)
             ready = {b.tag: last for b in buckets}
         at = used = 0
         for i, b in enumerate(sorted(buckets, key=lambda b: (ready[b.tag], b.tag))):
@@ -353,15 +378,15 @@ def _arrivals(rounds: Iterable[Iterable[Bucket]], ranks: set[int]
     return out
 
 
-def _ready(b: Bucket, arrived: Mapping[str, list[tuple[Region, int]]]) -> int:
-    """The first round in which stage-2 bucket ``b`` may run: after every stage-1 round
-    that lands a part of one of its items at its sender (round 1 at the earliest: the
-    sender's same-rank copies are done by then on both executors)."""
+def _ready(b: Bucket, arrived: Mapping[str, list[tuple[Region, int]]], lag: int = 1) -> int:
+    """The first round in which stage-2 bucket ``b`` may run: ``lag`` rounds after every
+    stage-1 round that lands a part of one of its items at its sender (round 1 at the
+    earliest: the sender's same-rank copies are done by then on both executors)."""
     ready = 1
     for it in b.items:
         for region, k in arrived.get(it.name, ()):
-            if k + 1 > ready and _overlaps(region, it.region):
-                ready = k + 1
+            if k + lag > ready and _overlaps(region, it.region):
+                ready = k + lag
     return ready
 
 
