@@ -206,3 +206,127 @@ def _fail_before_last_landing() -> Any:
     def undo() -> None:
         DeltaExecutor._land = land
     return undo
+
+
+# ---------------------------------------------------------------------------- FP8
+# The same hosts and (dp, tp) mesh; the rollouts store every tensor quantized (codes and
+# scales DTensors sharded like vLLM's TP shards, on the rows of each matrix). "o", "e" and
+# "m" reach every host once as FP8 and are forwarded as the forwarders' codes and scales;
+# "w" (trainer columns cut at 150) has blocks a forwarder would receive split across
+# senders, so it is not relayed. Two calls (v1, v2), verify=True.
+
+#: name -> (shape, format, the trainer's PartitionSpec over mesh ("a", "b"))
+FP8_TENSORS = {
+    "o": ((1024, 512), "block", (("a", "b"), None)),
+    "e": ((4, 256, 256), "block", (None, "a", "b")),
+    "m": ((256, 256), "mx", (("a", "b"), None)),
+    "w": ((512, 300), "block", ("a", "b")),
+}
+FP8_RELAYED = ("o", "e", "m")
+
+
+def fp8_values(version: int) -> dict[str, np.ndarray]:
+    import ml_dtypes
+    out = {}
+    for i, (name, (shape, _, _)) in enumerate(sorted(FP8_TENSORS.items())):
+        rng = np.random.default_rng(100 * version + i)
+        x = rng.standard_normal(shape).astype(np.float32) * 0.02
+        x *= np.exp2(rng.integers(-6, 7, shape[:-1] + (1,))).astype(np.float32)
+        out[name] = x.astype(ml_dtypes.bfloat16)
+    return out
+
+
+def _fp8_config(xr: Any) -> Any:
+    return xr.RefitConfig(relay="on", verify=True, timeout=60, bucket_bytes=1 << 15)
+
+
+def fp8_trainer(ctx: Any) -> dict:
+    import jax
+    from jax.sharding import NamedSharding, PartitionSpec as P
+    import xreshard as xr
+
+    mesh = jax.make_mesh((2, 2), ("a", "b"), devices=jax.local_devices())
+
+    def params(v: int) -> dict:
+        return {n: jax.device_put(a, NamedSharding(mesh, P(*FP8_TENSORS[n][2])))
+                for n, a in fp8_values(v).items()}
+
+    out: dict = {"reports": []}
+    with ctx.join(timeout=120, groups=["trainer", "rollout"], host="t") as world:
+        refit = xr.Refit(world, send=params(1), config=_fp8_config(xr))
+        for v in (1, 2):
+            with xr.count_comm() as counts:
+                r = refit(send=params(v))
+            out["reports"].append(dict(r.quantized, sent=r.bytes_sent, verified=r.verified,
+                                       forwarded=r.bytes_forwarded, posted=counts.total_sent))
+    return out
+
+
+def fp8_rollout(ctx: Any) -> dict:
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+    import xreshard as xr
+    from xreshard.adapters.torch import Quantized
+    from xreshard.ir.formats import BlockFP8, MXFP8
+    from xreshard.runtime.world import parse_address
+
+    me = ctx.role.index
+    host, port = parse_address(ctx.address)
+    store = dist.TCPStore(host, port, is_master=False)
+    dist.init_process_group("gloo", store=dist.PrefixStore("rollout/", store), rank=me,
+                            world_size=4)
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    state, locals_ = {}, {}
+    for name, (shape, kind, _) in FP8_TENSORS.items():
+        fmt = BlockFP8() if kind == "block" else MXFP8()
+        dim = len(shape) - 2                       # rows of each matrix, TP-style
+        pieces = []
+        for full, dtype in ((shape, torch.float8_e4m3fn),
+                            (fmt.scale_shape(shape), getattr(torch, fmt.scale_dtype))):
+            local_shape = list(full)
+            local_shape[dim] //= 2
+            nbytes = int(np.prod(local_shape)) * torch.empty(0, dtype=dtype).element_size()
+            local = torch.full((nbytes,), 0x55, dtype=torch.uint8).view(dtype).view(local_shape)
+            pieces.append(DTensor.from_local(local, mesh, [Replicate(), Shard(dim)],
+                                             shape=torch.Size(full),
+                                             stride=torch.empty(full).stride(),
+                                             run_check=False))
+            locals_.setdefault(name, []).append(local)
+        state[name] = Quantized(*pieces, fmt)
+    out: dict = {"got": [], "reports": []}
+    with ctx.join(timeout=120, groups=["trainer", "rollout"], host=HOSTS[me % 2]) as world:
+        refit = xr.Refit(world, receive=state, config=_fp8_config(xr))
+        for _ in (1, 2):
+            with xr.count_comm() as counts:
+                r = refit()
+            out["got"].append({n: [t.view(torch.uint8).numpy().tobytes().hex() for t in ts]
+                               for n, ts in locals_.items()})
+            out["reports"].append(dict(r.quantized, sent=r.bytes_sent, verified=r.verified,
+                                       forwarded=r.bytes_forwarded,
+                                       posted=counts.total_sent))
+    dist.destroy_process_group()
+    return out
+
+
+def vllm_fp8_bytes(version: int) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """vLLM's own quantizers on each whole bf16 tensor: (codes bytes, scales bytes)."""
+    import torch
+    from vllm.model_executor.layers.quantization.utils.mxfp8_utils import (
+        _mxfp8_e4m3_quantize_torch)
+    from vllm.utils.deep_gemm import per_block_cast_to_fp8
+
+    out = {}
+    for name, a in fp8_values(version).items():
+        x = torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)
+        if FP8_TENSORS[name][1] == "mx":
+            q, s = _mxfp8_e4m3_quantize_torch(x)
+        elif x.ndim == 3:                         # per expert, as vLLM's MoE methods
+            q, s = (torch.stack(t) for t in zip(*(per_block_cast_to_fp8(
+                x[e], [128, 128], use_ue8m0=False) for e in range(x.shape[0]))))
+        else:
+            q, s = per_block_cast_to_fp8(x, [128, 128], use_ue8m0=False)
+        out[name] = (q.view(torch.uint8).numpy(), s.contiguous().view(torch.uint8).numpy()
+                     .reshape(s.shape + (-1,)))
+    return out

@@ -181,3 +181,153 @@ def test_relayed_delta_jax_to_dtensor_replicas_fences_and_failure():
     for r, full in zip(results[1:], dense):
         assert r.value["baseline_bytes"] == full
     assert results[0].value["baseline_bytes"] == trainer[0]["sent"]
+
+
+# ---------------------------------------------------------------------------- FP8, one process
+
+#: two trainer ranks on host "t" (0, 5); receivers 1, 2 on "a" hold TP shard 0 of two
+#: replicas, 3, 4 on "b" TP shard 1. name -> (shape, format, trainer's split)
+FP8_HOSTS = {0: "t", 5: "t", 1: "a", 2: "a", 3: "b", 4: "b"}
+FP8_TENSORS = {
+    "o": ((512, 256), "block", "rows"),       # trainer rows on the grid: relayed as FP8
+    "e": ((4, 256, 256), "block", "rows"),    # experts: relayed as FP8
+    "m": ((256, 256), "mx", "rows"),          # MXFP8: relayed
+    "w": ((512, 300), "block", "cols"),       # trainer columns cut at 150: split blocks
+}
+
+
+def _fp8_case():
+    from xreshard.ir.formats import BlockFP8, MXFP8, QuantizedTensor
+
+    topo = Topology.of({r: (r, h) for r, h in FP8_HOSTS.items()})
+    src, dst, quantized = {}, {}, {}
+    for name, (shape, kind, split) in FP8_TENSORS.items():
+        fmt = BlockFP8() if kind == "block" else MXFP8()
+        d = len(shape) - 2 if split == "rows" else len(shape) - 1
+        half = shape[d] // 2
+        src[name] = xr.Layout.explicit_form(shape, "bfloat16", {
+            r: [[(0, n) if i != d else (k * half, (k + 1) * half)
+                 for i, n in enumerate(shape)]] for k, r in enumerate((0, 5))})
+        qt = QuantizedTensor(name, name + ".scale", fmt, shape)
+        quantized[name] = qt
+        tp = len(shape) - 2                 # the receivers' TP dim: rows of each matrix
+        for key, full, dtype in ((name, shape, fmt.dtype),
+                                 (qt.scale, qt.scale_shape, fmt.scale_dtype)):
+            rows = full[tp] // 2
+            dst[key] = xr.Layout.explicit_form(full, dtype, {
+                r: [[(0, n) if i != tp else (t * rows, (t + 1) * rows)
+                     for i, n in enumerate(full)]]
+                for t, ranks in enumerate(((1, 2), (3, 4))) for r in ranks})
+    return topo, src, dst, quantized
+
+
+def _fp8_values(step: int) -> dict[str, np.ndarray]:
+    import ml_dtypes
+    out = {}
+    for i, (name, (shape, _, _)) in enumerate(sorted(FP8_TENSORS.items())):
+        rng = np.random.default_rng(10 * step + i)
+        x = rng.standard_normal(shape).astype(np.float32) * 0.02
+        x *= np.exp2(rng.integers(-6, 7, shape[:-1] + (1,))).astype(np.float32)
+        out[name] = x.astype(ml_dtypes.bfloat16)
+    return out
+
+
+@pytest.mark.parametrize("pipeline", [False, True])
+def test_relayed_fp8_in_one_process_forwards_codes_and_scales_bit_exact(pipeline):
+    """Whole blocks relay as the forwarder's codes and scales (half the bytes in both
+    stages); ``w``, whose blocks the forwarder would receive split across the two trainer
+    ranks, is not relayed (its receivers get it directly, quantizing split blocks
+    themselves). Every receiver's codes and scales equal the reference quantizer's on the
+    whole bf16 tensor, sliced to its TP shard."""
+    from xreshard.config import Tuning
+    from xreshard.dtypes import numpy_dtype
+    from xreshard.quant.host import quantize_block_fp8, quantize_mxfp8
+    from xreshard.ir.formats import MXFP8
+    from xreshard.runtime.execute import run
+    from xreshard.runtime.metadata import stage_bindings
+    from xreshard.transport.base import RecordingTransport
+    from xreshard.transport.local import LocalTransport
+    from xreshard.tools.testing import local_arrays_from_global
+
+    topo, src, dst, quantized = _fp8_case()
+    options = CallOptions(bucket_bytes=1 << 14, staging_bytes=1 << 17, relay="on",
+                          halved=pipeline)
+    prepared = prepare(src, dst, topo, options, ranks=sorted(FP8_HOSTS), quantized=quantized)
+    assert prepared.forwarded == {(n, 1) for n in ("o", "e", "m")} | {
+        (n + ".scale", 1) for n in ("o", "e", "m")}
+    real = {}          # one region per rank, filled with a pattern no quantizer writes
+    for n, lay in dst.items():
+        dtype = numpy_dtype(lay.dtype)
+        for r in lay.ranks:
+            shape = lay.regions(r)[0].shape
+            real[(r, n)] = [np.full(int(np.prod(shape)) * dtype.itemsize, 0x55, np.uint8)
+                            .view(dtype).reshape(shape)]
+    transport = RecordingTransport(LocalTransport())
+    programs: dict = {}
+    for step in (1, 2):
+        values = _fp8_values(step)
+        src_b = {(r, n): [local_arrays_from_global(lay, r, values[n])[0]]
+                 for n, lay in src.items() for r in lay.ranks}
+        stats, _ = run(prepared, stage_bindings(prepared, src_b, real), transport,
+                       timeout=30, programs=programs,
+                       tuning=Tuning(executor="pipelined" if pipeline else "rounds"))
+        assert stats.pipelined == pipeline
+        for name, qt in quantized.items():
+            quantize = quantize_mxfp8 if isinstance(qt.format, MXFP8) else quantize_block_fp8
+            codes, scales = quantize(values[name], qt.format, name=name)
+            for r in (1, 2, 3, 4):
+                for key, want in ((name, codes), (qt.scale, scales)):
+                    got = real[(r, key)][0]
+                    region = dst[key].regions(r)[0]
+                    part = want[tuple(slice(a, b) for a, b in zip(region.starts, region.stops))]
+                    assert got.tobytes() == np.ascontiguousarray(part).tobytes(), (step, r, key)
+    wire = {n: qt.format.wire_bytes(qt.shape) for n, qt in quantized.items()}
+    relayed = wire["o"] + wire["e"] + wire["m"]
+    assert stats.bytes_forwarded == relayed         # each host forwards half its need twice
+    assert prepared.quant.totals["fp8_forwarded_world"] == relayed
+    # the trainer sends each relayed tensor once (half to each host) as codes + scales
+    items = [it for rnd in prepared.schedule.rounds for b in rnd if b.stage == 0
+             for it in b.items if it.name != "w"]
+    assert all(it.quantized for it in items)
+    assert sum(it.nbytes for it in items) == relayed
+    assert stats.quantized["fp8_sent"] > relayed and stats.quantized["bf16_sent"] > 0  # w
+
+
+@pytest.mark.slow
+def test_relayed_fp8_jax_to_dtensor_replicas_equals_vllms_quantizer():
+    """Two DTensor replicas (TP=2) storing every tensor quantized; ``relay="on"``,
+    verify=True: every replica's codes and scales equal vLLM's quantizer's on the whole
+    bf16 tensor, sliced to its TP shard; the relayed tensors cross to each host once, as
+    FP8, and are forwarded as the forwarders' codes and scales."""
+    pytest.importorskip("vllm")
+    results = launch([cases.fp8_trainer] + [cases.fp8_rollout] * 4, ROLES, timeout=400,
+                     env={"XRESHARD_SHM": "0"})
+    trainer = results[0].value["reports"]
+    wire = {}
+    for name, (shape, kind, _) in cases.FP8_TENSORS.items():
+        from xreshard.ir.formats import BlockFP8, MXFP8
+        wire[name] = (BlockFP8() if kind == "block" else MXFP8()).wire_bytes(shape)
+    relayed = sum(wire[n] for n in cases.FP8_RELAYED)
+    for v in (1, 2):
+        want = cases.vllm_fp8_bytes(v)
+        for res in results[1:]:
+            tp = res.role.index % 2
+            got = res.value["got"][v - 1]
+            for name, (shape, _, _) in cases.FP8_TENSORS.items():
+                codes, scales = want[name]
+                dim = len(shape) - 2
+                sl = (slice(None),) * dim
+                rows = slice(tp * shape[dim] // 2, (tp + 1) * shape[dim] // 2)
+                srows = slice(tp * scales.shape[dim] // 2, (tp + 1) * scales.shape[dim] // 2)
+                assert got[name][0] == codes[sl + (rows,)].tobytes().hex(), (v, name, res.role)
+                assert got[name][1] == scales[sl + (srows,)].tobytes().hex(), (v, name, res.role)
+        rollouts = [res.value["reports"][v - 1] for res in results[1:]]
+        t = trainer[v - 1]
+        assert t["verified"] > 0 and all(r["verified"] > 0 for r in rollouts)
+        assert t["fp8_forwarded_world"] == relayed
+        assert sum(r["forwarded"] for r in rollouts) == relayed
+        assert all(r["posted"] == r["forwarded"] > 0 and r["sent"] == 0 for r in rollouts)
+        assert t["posted"] == t["sent"] == t["fp8_sent"] + t["bf16_sent"]
+        # the relayed tensors once (not once per replica), w to each of the four ranks
+        assert t["fp8_sent"] > relayed and t["bf16_sent"] > 0
+        assert sum(r["fp8_received"] + r["bf16_received"] for r in rollouts) == t["sent"]

@@ -230,7 +230,9 @@ class RefitReport:
     scales, quantized by their sender, part of ``bytes_sent``/``bytes_received``) and as
     values of blocks split across senders (``bf16_sent``, ``bf16_received``: in the wire
     dtype, quantized by their receiver); and over the whole world ``fp8_world``,
-    ``bf16_world`` and ``unquantized_world`` (all of it in the wire dtype)."""
+    ``bf16_world`` and ``unquantized_world`` (all of it in the wire dtype); a relayed call
+    adds ``fp8_forwarded_world``: the codes and scales replicas forwarded to each other
+    (part of ``bytes_forwarded``)."""
     lost: tuple[str, ...] = ()
     """Members of an elastic world lost during this call (``"rollout[1]"``): the survivors
     finished it without them (``RefitConfig.on_member_loss``)."""
