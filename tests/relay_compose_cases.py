@@ -225,10 +225,12 @@ FP8_TENSORS = {
 FP8_RELAYED = ("o", "e", "m")
 
 
-def fp8_values(version: int) -> dict[str, np.ndarray]:
+def fp8_values(version: int, tensors: dict | None = None) -> dict[str, np.ndarray]:
+    """bf16 values of ``tensors`` (default :data:`FP8_TENSORS`) at ``version``: normal
+    values at scales two to the -6..6 per row (blocks of very different amax)."""
     import ml_dtypes
     out = {}
-    for i, (name, (shape, _, _)) in enumerate(sorted(FP8_TENSORS.items())):
+    for i, (name, (shape, _, _)) in enumerate(sorted((tensors or FP8_TENSORS).items())):
         rng = np.random.default_rng(100 * version + i)
         x = rng.standard_normal(shape).astype(np.float32) * 0.02
         x *= np.exp2(rng.integers(-6, 7, shape[:-1] + (1,))).astype(np.float32)
@@ -310,23 +312,27 @@ def fp8_rollout(ctx: Any) -> dict:
     return out
 
 
-def vllm_fp8_bytes(version: int) -> dict[str, tuple[np.ndarray, np.ndarray]]:
-    """vLLM's own quantizers on each whole bf16 tensor: (codes bytes, scales bytes)."""
+def vllm_quantize(a: np.ndarray, kind: str) -> tuple[np.ndarray, np.ndarray]:
+    """vLLM's own quantizer on a whole bf16 tensor (``kind``: "block" or "mx"): its
+    (codes bytes, scales bytes); 3-D block tensors per expert, as vLLM's MoE methods."""
     import torch
     from vllm.model_executor.layers.quantization.utils.mxfp8_utils import (
         _mxfp8_e4m3_quantize_torch)
     from vllm.utils.deep_gemm import per_block_cast_to_fp8
 
-    out = {}
-    for name, a in fp8_values(version).items():
-        x = torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)
-        if FP8_TENSORS[name][1] == "mx":
-            q, s = _mxfp8_e4m3_quantize_torch(x)
-        elif x.ndim == 3:                         # per expert, as vLLM's MoE methods
-            q, s = (torch.stack(t) for t in zip(*(per_block_cast_to_fp8(
-                x[e], [128, 128], use_ue8m0=False) for e in range(x.shape[0]))))
-        else:
-            q, s = per_block_cast_to_fp8(x, [128, 128], use_ue8m0=False)
-        out[name] = (q.view(torch.uint8).numpy(), s.contiguous().view(torch.uint8).numpy()
-                     .reshape(s.shape + (-1,)))
-    return out
+    x = torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)
+    if kind == "mx":
+        q, s = _mxfp8_e4m3_quantize_torch(x)
+    elif x.ndim == 3:
+        q, s = (torch.stack(t) for t in zip(*(per_block_cast_to_fp8(
+            x[e], [128, 128], use_ue8m0=False) for e in range(x.shape[0]))))
+    else:
+        q, s = per_block_cast_to_fp8(x, [128, 128], use_ue8m0=False)
+    return (q.view(torch.uint8).numpy(),
+            s.contiguous().view(torch.uint8).numpy().reshape(s.shape + (-1,)))
+
+
+def vllm_fp8_bytes(version: int) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """:func:`vllm_quantize` of each whole bf16 tensor of ``version``."""
+    return {name: vllm_quantize(a, FP8_TENSORS[name][1])
+            for name, a in fp8_values(version).items()}

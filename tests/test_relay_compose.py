@@ -11,6 +11,8 @@ import xreshard as xr
 from xreshard.ir.topology import Topology
 from xreshard.planner.prepare import CallOptions, prepare
 
+from . import relay_compose_cases as cases
+
 HOSTS5 = {0: "t", 1: "a", 2: "a", 3: "b", 4: "b"}
 
 
@@ -131,8 +133,6 @@ def test_relayed_delta_in_one_process_bit_exact_forwards_as_deltas():
 
 from xreshard.tools.launch import Role, launch      # noqa: E402
 
-from . import relay_compose_cases as cases      # noqa: E402
-
 ROLES = [Role("jax", "trainer", 0, num_devices=4)] + [Role("torch", "rollout", i)
                                                        for i in range(4)]
 
@@ -222,14 +222,7 @@ def _fp8_case():
 
 
 def _fp8_values(step: int) -> dict[str, np.ndarray]:
-    import ml_dtypes
-    out = {}
-    for i, (name, (shape, _, _)) in enumerate(sorted(FP8_TENSORS.items())):
-        rng = np.random.default_rng(10 * step + i)
-        x = rng.standard_normal(shape).astype(np.float32) * 0.02
-        x *= np.exp2(rng.integers(-6, 7, shape[:-1] + (1,))).astype(np.float32)
-        out[name] = x.astype(ml_dtypes.bfloat16)
-    return out
+    return cases.fp8_values(step, FP8_TENSORS)
 
 
 @pytest.mark.parametrize("pipeline", [False, True])
