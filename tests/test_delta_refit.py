@@ -60,9 +60,9 @@ def test_amostly_changed_bucket_skips_the_diff():
     assert not mostly_changed(old, [new[:(1 << 19) + 7], new[(1 << 19) + 7:]])
 
 
-def test_config_refuses_relay_and_non_bool():
-    with pytest.raises(RefitError, match="relayed delta refit is not built yet"):
-        xr.RefitConfig(delta=True, relay="auto")
+def test_config_takes_relay_refuses_non_bool():
+    # a relayed delta refit: tests/test_relay_compose.py
+    assert xr.RefitConfig(delta=True, relay="auto").relay == "auto"
     with pytest.raises(RefitError, match="delta must be a bool"):
         xr.RefitConfig(delta=1)
 

@@ -194,15 +194,16 @@ def test_bad_offers_are_refused_before_planning():
                 quantized=quantized)
 
 
-def test_what_does_not_quantize_yet_is_refused_by_name():
-    """relay='on' with tensors quantized on the way: a clear error, the same in every
-    process (prepare runs everywhere)."""
+def test_relay_with_nothing_to_forward_is_the_direct_call():
+    """relay='on' / 'auto' with tensors quantized on the way where no domain forwards
+    (no topology): the direct quantized call (relaying them: tests/test_relay_compose.py)."""
     src, dst, quantized = _case()
-    with pytest.raises(FormatError, match="relay='on' with quantized destinations"):
-        prepare(src, dst, None, CallOptions(relay="on"), ranks=range(5), quantized=quantized)
-    prepared = prepare(src, dst, None, CallOptions(relay="auto"), ranks=range(5),
-                       quantized=quantized)
-    assert [s.index for s in prepared.stages] == [0]
+    direct = prepare(src, dst, None, CallOptions(), ranks=range(5), quantized=quantized)
+    for relay in ("on", "auto"):
+        prepared = prepare(src, dst, None, CallOptions(relay=relay), ranks=range(5),
+                           quantized=quantized)
+        assert [s.index for s in prepared.stages] == [0] and prepared.relay is None
+        assert prepared.schedule == direct.schedule
 
 
 def _digests(prepared, programs, src, values, dst_b):

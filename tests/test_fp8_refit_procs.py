@@ -154,25 +154,11 @@ def rollout(ctx, bad: str | None) -> dict:
 
 def _vllm_bytes(version: int) -> dict[str, tuple[np.ndarray, np.ndarray]]:
     """vLLM's own quantizers on each whole bf16 tensor: (codes bytes, scales bytes)."""
-    torch = pytest.importorskip("torch")
+    pytest.importorskip("torch")
     pytest.importorskip("vllm")
-    from vllm.model_executor.layers.quantization.utils.mxfp8_utils import (
-        _mxfp8_e4m3_quantize_torch)
-    from vllm.utils.deep_gemm import per_block_cast_to_fp8
+    from .relay_compose_cases import vllm_quantize
 
-    out = {}
-    for name, a in _values(version).items():
-        x = torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)
-        if TENSORS[name][1] == "mx":
-            q, s = _mxfp8_e4m3_quantize_torch(x)
-        elif x.ndim == 3:                         # per expert, as vLLM's MoE methods
-            q, s = (torch.stack(t) for t in zip(*(per_block_cast_to_fp8(
-                x[e], [128, 128], use_ue8m0=False) for e in range(x.shape[0]))))
-        else:
-            q, s = per_block_cast_to_fp8(x, [128, 128], use_ue8m0=False)
-        out[name] = (q.view(torch.uint8).numpy(), s.contiguous().view(torch.uint8).numpy()
-                     .reshape(s.shape + (-1,)))
-    return out
+    return {name: vllm_quantize(a, TENSORS[name][1]) for name, a in _values(version).items()}
 
 
 def test_jax_trainer_to_torch_fp8_receivers_equals_vllms_quantizer():

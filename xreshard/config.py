@@ -61,7 +61,9 @@ class RefitConfig:
     host memory (as many bytes as it sends per call; ``RefitReport.delta``) and encodes each
     bucket as the smallest of dense, bitmask + values and runs + values; receivers overwrite
     in place. A receiver that is new, restarted, failed or missed a call gets a dense refit
-    of its regions in the same call. Host bindings only; not with ``relay`` yet."""
+    of its regions in the same call. Host bindings only. With ``relay``, a forwarding rank
+    keeps a baseline of what it forwards too and sends its forwards as deltas under the
+    same per-pair fences (see :mod:`xreshard.planner.relay`)."""
 
     check_writes: bool = False
     """Fail the refit (the same ``RefitError`` on every rank; the version stays) when a sent
@@ -124,11 +126,6 @@ class RefitConfig:
                              f"{self.relay!r}")
         if not isinstance(self.delta, bool):
             raise RefitError(f"RefitConfig.delta must be a bool, got {self.delta!r}")
-        if self.delta and self.relay != "off":
-            raise RefitError(f"RefitConfig(delta=True) with relay={self.relay!r}: a relayed "
-                             "delta refit is not built yet (a relay would re-encode stage 1's "
-                             "messages against baselines of its own); pass relay='off' with "
-                             "delta=True")
 
     def to_dict(self) -> dict[str, Any]:
         d = {k: getattr(self, k) for k in self.__dataclass_fields__}
@@ -233,7 +230,9 @@ class RefitReport:
     scales, quantized by their sender, part of ``bytes_sent``/``bytes_received``) and as
     values of blocks split across senders (``bf16_sent``, ``bf16_received``: in the wire
     dtype, quantized by their receiver); and over the whole world ``fp8_world``,
-    ``bf16_world`` and ``unquantized_world`` (all of it in the wire dtype)."""
+    ``bf16_world`` and ``unquantized_world`` (all of it in the wire dtype); a relayed call
+    adds ``fp8_forwarded_world``: the codes and scales replicas forwarded to each other
+    (part of ``bytes_forwarded``)."""
     lost: tuple[str, ...] = ()
     """Members of an elastic world lost during this call (``"rollout[1]"``): the survivors
     finished it without them (``RefitConfig.on_member_loss``)."""

@@ -33,6 +33,9 @@ What it holds:
   renamed. Which schedule: full rounds (``rounds`` executor, or a process with device
   bindings), rounds of half of ``staging_bytes`` (``halved``: the pipelined host
   executor keeps two rounds in flight), or the overlapped relay schedule (either size).
+* ``quant``: the tensors quantized on the way in stage 0 and their receivers' scratch; a
+  relayed call forwards their finished codes and scales in stage 1 as plain tensors
+  (:mod:`xreshard.planner.relay`, "FP8 through a relay").
 * ``forwarded``: the ``(name, stage)`` whose sends read what this call received (a relay's
   stage 1): the executor sends them only once the rounds that wrote them landed.
 * wire dtypes per stage (``wire_dtype(name, stage)``): what a tensor is on the wire.
@@ -66,7 +69,8 @@ from typing import Any, Iterable, Mapping
 from ..ir.layout import Layout
 from .plan import Plan, PlanCache, plan
 from .quantize import Quantization, quantization, value_layouts, with_scratch
-from .relay import RelayLayouts, overlapped_schedule, relay_layouts
+from .relay import (RelayLayouts, fp8_forwards, overlapped_schedule, relay_layouts,
+                    split_at_forwarders)
 from .schedule import Schedule, paired_counts, schedule
 
 __all__ = ["BINDING_SOURCES", "CallOptions", "DESTINATIONS", "DESTINATION_VIEWS",
@@ -102,6 +106,9 @@ class CallOptions:
     halved: bool = False
     """Rounds of half of ``staging_bytes``: every process runs the pipelined host executor,
     which keeps two rounds in flight."""
+    delta: bool = False
+    """``RefitConfig.delta``: a relay's forwards run two rounds after their bytes arrive,
+    not one (a forwarder encodes them from landed bytes, see :mod:`xreshard.planner.relay`)."""
 
 
 @dataclass(frozen=True)
@@ -218,7 +225,8 @@ def prepare(src_layouts: Mapping[str, Layout], dst_layouts: Mapping[str, Layout]
     plan2 = plan(layouts.stage2_src, layouts.stage2_dst, topology, cache=cache)
     stages += (Stage(1, plan2, DESTINATION_VIEWS, DESTINATION_VIEWS),)
     logger.debug("refit relays %d bytes inside domains", layouts.bytes_relayed)
-    sched = overlapped_schedule(plan1, plan2, ranks, overlap=options.relay_overlap, **sizes)
+    sched = overlapped_schedule(plan1, plan2, ranks, overlap=options.relay_overlap,
+                                lag=2 if options.delta else 1, **sizes)
     forwarded = frozenset((name, 1) for name in layouts.stage2_src)
     return PreparedCall(options, ranks, direct, stages, layouts, sched, forwarded)
 
@@ -226,19 +234,58 @@ def prepare(src_layouts: Mapping[str, Layout], dst_layouts: Mapping[str, Layout]
 def _prepare_quantized(src_layouts: Mapping[str, Layout], dst_layouts: Mapping[str, Layout],
                        topology: Any, options: CallOptions, ranks: tuple[int, ...],
                        cache: PlanCache | None, quant: Quantization) -> PreparedCall:
-    """A direct call whose quantized destinations are planned as their values (see
+    """A call whose quantized destinations are planned as their values (see
     :mod:`xreshard.planner.quantize`): the scheduler cuts their transfers into quantized
-    whole blocks and the rest."""
-    from ..ir.formats import FormatError
-    if options.relay == "on":
-        raise FormatError(f"relay='on' with quantized destinations ({sorted(quant.tensors)[:3]}"
-                          "...) is not supported yet: the relay's forwards would have to "
-                          "carry codes and scales; use relay='off' or 'auto'")
+    whole blocks and the rest. Relayed (``options.relay``) when some domain forwards."""
     direct = plan(src_layouts, value_layouts(dst_layouts, quant), topology,
                   wire_dtype=options.wire_dtype, cache=cache)
     staging = max(1, options.staging_bytes // 2) if options.halved else options.staging_bytes
+    if options.relay != "off":
+        relayed = _relay_quantized(direct, topology, options, ranks, cache, quant, staging)
+        if relayed is not None:
+            return relayed
     sched = schedule(direct, ranks, paired_counts(direct, ranks),
                      bucket_bytes=options.bucket_bytes, staging_bytes=staging,
                      quantized=quant.tensors)
     return PreparedCall(options, ranks, direct, (Stage(0, direct, SOURCES, DESTINATIONS),),
                         None, sched, frozenset(), with_scratch(quant, direct, ranks))
+
+
+def _relay_quantized(direct: Plan, topology: Any, options: CallOptions,
+                     ranks: tuple[int, ...], cache: PlanCache | None, quant: Quantization,
+                     staging: int) -> PreparedCall | None:
+    """The relayed call of a refit with quantized destinations, or None when nothing would
+    be forwarded (the direct call then). Stage 1 quantizes on the way as a direct call
+    does, into pieces cut along whole blocks; stage 2 forwards the forwarders' finished
+    codes and scales as they are, as tensors of their own (``quant.codes`` and
+    ``quant.scales`` dtypes), so a replica's bytes are its forwarder's, which are the
+    quantizer's. A tensor whose forwarded blocks a forwarder would receive split across
+    senders (it quantizes those only after every round) is not relayed: see
+    :mod:`xreshard.planner.relay`, "FP8 through a relay"."""
+    blocks = {n: qt.format.block_shape(len(qt.shape)) for n, qt in quant.tensors.items()}
+    kw: dict[str, Any] = dict(wire_dtype=options.wire_dtype, cache=cache)
+    layouts = relay_layouts(direct.src_layouts, direct.dst_layouts, topology, blocks=blocks)
+    plan1 = plan(direct.src_layouts, layouts.stage1_dst, topology, **kw)
+    split = split_at_forwarders(quant.tensors, plan1, layouts)
+    if split:
+        logger.debug("not relayed (blocks split at a forwarder): %s", sorted(split))
+        layouts = relay_layouts(direct.src_layouts, direct.dst_layouts, topology,
+                                blocks=blocks, direct=split)
+        plan1 = plan(direct.src_layouts, layouts.stage1_dst, topology, **kw)
+    if not layouts.forwards:
+        return None
+    src2, dst2 = fp8_forwards(layouts, quant.tensors)
+    plan2 = plan(src2, dst2, topology, cache=cache)
+    sched = overlapped_schedule(plan1, plan2, ranks, overlap=options.relay_overlap,
+                                lag=2 if options.delta else 1, quantized=quant.tensors,
+                                bucket_bytes=options.bucket_bytes, staging_bytes=staging)
+    q = with_scratch(quant, plan1, ranks)
+    scales = {qt.scale for qt in quant.tensors.values()}
+    forwarded_fp8 = sum(t.nbytes for t in plan2.iter_transfers()
+                        if t.name in quant.tensors or t.name in scales)
+    q = Quantization(q.tensors, q.codes, q.scales, q.wire, q.scratch,
+                     {**q.totals, "fp8_forwarded_world": forwarded_fp8})
+    stages = (Stage(0, plan1, SOURCES, DESTINATION_VIEWS),
+              Stage(1, plan2, DESTINATION_VIEWS, DESTINATION_VIEWS))
+    return PreparedCall(options, ranks, direct, stages, layouts, sched,
+                        frozenset((name, 1) for name in src2), q)

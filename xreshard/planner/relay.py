@@ -67,6 +67,47 @@ i.e. up to 8 replicas per domain on that preset). What overlap does not remove: 
 first round forwards nothing, and on CPU, where "fast" and "slow" are the same loopback
 and the same cores, both stages compete for them (see benchmarks/bench_relay.py).
 
+Delta through a relay (``RefitConfig(delta=True, relay=...)``, issue 22 item 2): a
+forwarder is the *sender* of its stage-2 pairs, like a trainer rank is of its stage-1
+pairs. It keeps the bytes it last forwarded per pair and bucket (its baseline, host
+memory), diffs what landed in its destination memory against it and sends the smallest of
+dense, bitmask + values and runs + values (:mod:`xreshard.runtime.delta_exec`); the
+per-pair version fence of :mod:`xreshard.runtime.delta_wire` decides each stage-2 pair
+``(forwarder, receiver)`` exactly as it decides a stage-1 pair. Rejected: forwarding the
+stage-1 delta message verbatim. A stage-2 bucket is cut by its own pair's budget from
+pieces that arrived in several stage-1 buckets (other senders, other tags, other pack
+order), so a message would have to be cut and re-headed, i.e. re-encoded anyway; and a
+forwarder that received dense (it is new or had a wrong base) would have no delta to pass
+on to receivers whose base is right. With a baseline per forwarded pair, each pair's
+decision stands alone: a forwarder with a wrong base receives dense yet forwards deltas;
+a receiver with a wrong base gets dense from its stage-1 sender and from its forwarder;
+the baseline's call moves only at the outcome exchange; any failure makes every pair
+dense next. The cost: a forwarder holds as many baseline bytes as it forwards per call
+(``RefitReport.delta["baseline_bytes"]``) and diffs them once per call. Timing: the delta
+executor sends a bucket's header (which needs its encoding) one group before its
+payload, and lands round ``k``'s payloads at the end of group ``k + 1``, so a forward is
+encoded from landed bytes only when it runs two rounds after its last arrival
+(``lag=2`` in :func:`overlapped_schedule`; one round later than a plain relay).
+
+FP8 through a relay (destinations quantized on the way, :mod:`xreshard.planner.quantize`,
+issue 20 item 3): stage 1 is the direct call's quantization restricted to ``stage1_dst``,
+whose pieces of a quantized tensor are cut along whole blocks (``_cut`` with the block
+shape; the destinations' shards are block-aligned already, ``QuantizedTensor.
+check_layouts``): a sender that holds a piece's blocks whole quantizes them and sends
+codes + scales, as it would to any receiver. Stage 2 forwards what the forwarder then
+holds, its finished codes and the scales of their blocks, as two plain tensors
+(:func:`fp8_forwards`): no quantizer runs in stage 2, so a replica's bytes are its
+forwarder's, which are the quantizer's (vLLM's), bit for bit, and the forwards are half
+of bf16 too. A forward waits for the FP8 items that write its codes and scales (an FP8
+item's arrival counts for its blocks' scales). Rejected: forwarding the bf16 values of
+blocks the forwarder receives split across senders (it holds them in scratch and
+quantizes them only after every round): a receiver of such a piece would need a scratch
+and a finishing pass of its own for stage 2, and forwarding the finished codes instead
+would need the finish moved ahead of later rounds. Such a tensor (:func:`split_at_forwarders`;
+it happens only where the trainer's shards cut the destination's blocks) is not relayed:
+its domains receive it directly, split blocks quantized by each receiver, exactly as
+without relay.
+
 Pure: layouts and a topology in, layouts and schedules out; every process derives the
 same stages. :func:`xreshard.planner.prepare.prepare` plans both stages and their
 overlapped schedule into one prepared call; the runtime runs it.
@@ -78,7 +119,7 @@ import itertools
 from bisect import bisect_left
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, Iterable, Mapping
+from typing import Any, Collection, Iterable, Mapping
 
 from ..dtypes import itemsize
 from ..ir.geometry import Region
@@ -134,22 +175,28 @@ def _cells(regions: list[tuple[int, Region]], ndim: int) -> dict[tuple[int, ...]
     return cells
 
 
-def _cut(box: Region, k: int) -> list[Region]:
-    """``box`` in ``k`` row blocks along its first dim longer than 1 (fewer if short)."""
-    dim = next((d for d, n in enumerate(box.shape) if n > 1), None)
+def _cut(box: Region, k: int, block: tuple[int, ...] | None = None) -> list[Region]:
+    """``box`` in ``k`` row blocks along its first dim longer than 1 (fewer if short);
+    with ``block`` (a quantized tensor's block shape), along whole blocks: the first dim
+    more than one block long, cut on multiples of the block (``box`` starts on one)."""
+    unit = block or (1,) * box.ndim
+    counts = [-(-n // u) for n, u in zip(box.shape, unit)]
+    dim = next((d for d, n in enumerate(counts) if n > 1), None)
     if dim is None or k <= 1:
         return [box]
-    n, a = box.shape[dim], box.starts[dim]
+    n, a, u, end = counts[dim], box.starts[dim], unit[dim], box.stops[dim]
     out = []
     for i in range(min(k, n)):
         off, length = chunk(n, min(k, n), i)
         if length:
-            out.append(Region(box.starts[:dim] + (a + off,) + box.starts[dim + 1:],
-                              box.stops[:dim] + (a + off + length,) + box.stops[dim + 1:]))
+            lo, hi = a + off * u, min(a + (off + length) * u, end)
+            out.append(Region(box.starts[:dim] + (lo,) + box.starts[dim + 1:],
+                              box.stops[:dim] + (hi,) + box.stops[dim + 1:]))
     return out
 
 
-def _pieces(dst: Layout, src_domains: frozenset[Any] | None, domain: Any) -> list[Any]:
+def _pieces(dst: Layout, src_domains: frozenset[Any] | None, domain: Any,
+            block: tuple[int, ...] | None = None) -> list[Any]:
     """Per domain of ``dst``'s ranks: (domain, ranks, cells) with cells the sorted
     [(box, ranks needing it, its parts)], or None where the domain receives directly."""
     by_domain: dict[Any, list[int]] = {}
@@ -162,14 +209,15 @@ def _pieces(dst: Layout, src_domains: frozenset[Any] | None, domain: Any) -> lis
         if src_domains is not None and dom not in src_domains and len(ranks) > 1:
             grid = _cells([(r, reg) for r in ranks for reg in dst.regions(r)], dst.ndim)
             if any(len(needers) > 1 for _, needers in grid.values()):
-                cells = [(box, needers, _cut(box, len(needers)))
+                cells = [(box, needers, _cut(box, len(needers), block))
                          for box, needers in (grid[idx] for idx in sorted(grid))]
         out.append((dom, ranks, cells))
     return out
 
 
 def relay_layouts(src_layouts: Mapping[str, Layout], dst_layouts: Mapping[str, Layout],
-                  topology: Any) -> RelayLayouts:
+                  topology: Any, *, blocks: Mapping[str, tuple[int, ...]] | None = None,
+                  direct: Collection[str] = ()) -> RelayLayouts:
     """The stage layouts of a relayed refit (see the module docstring).
 
     Args:
@@ -177,6 +225,9 @@ def relay_layouts(src_layouts: Mapping[str, Layout], dst_layouts: Mapping[str, L
             are left to the planner to refuse).
         topology: a ``Topology`` or ``World`` (its ``host_of`` names the domains), or None
             (every rank its own domain: nothing relays).
+        blocks: name -> block shape of the tensors quantized on the way: their pieces are
+            cut along whole blocks (see "FP8 through a relay").
+        direct: tensors not to relay (every domain receives them directly).
 
     Returns:
         A :class:`RelayLayouts`; every destination element is written exactly once over
@@ -205,15 +256,16 @@ def relay_layouts(src_layouts: Mapping[str, Layout], dst_layouts: Mapping[str, L
         src = src_layouts.get(name)
         isz = itemsize(dst.dtype)
         src_domains = None
-        if src is not None:
+        if src is not None and name not in direct:
             src_domains = src_memo.get(src)
             if src_domains is None:
                 src_domains = src_memo[src] = frozenset(
                     domain(r) for r in src.ranks if src.num_elements(r))
-        key = (dst, src_domains)
+        block = (blocks or {}).get(name)
+        key = (dst, src_domains, block)
         pieces = pieces_memo.get(key)
         if pieces is None:
-            pieces = pieces_memo[key] = _pieces(dst, src_domains, domain)
+            pieces = pieces_memo[key] = _pieces(dst, src_domains, domain, block)
         one: dict[int, list[Region]] = {}
         fwd_src: dict[int, list[Region]] = {}
         fwd_dst: dict[int, list[Region]] = {}
@@ -259,7 +311,8 @@ def _explicit(like: Layout, regions: dict[int, list[Region]],
 
 
 def overlapped_schedule(plan1: Any, plan2: Any, ranks: Iterable[int], *, bucket_bytes: int,
-                        staging_bytes: int, overlap: bool = True) -> Schedule:
+                        staging_bytes: int, overlap: bool = True, lag: int = 1,
+                        quantized: Mapping[str, Any] | None = None) -> Schedule:
     """Both stages of a relayed refit as one schedule for ``ranks`` (this process's).
 
     Stage 1's buckets (``stage=0``) keep their rounds; each stage-2 bucket (``stage=1``)
@@ -274,19 +327,26 @@ def overlapped_schedule(plan1: Any, plan2: Any, ranks: Iterable[int], *, bucket_
             rank's pairs of both stages share ``staging_bytes`` in a round.
         overlap: False puts every forward after its sender's last stage-1 round (the
             stages back to back, for comparison).
+        lag: rounds between the last stage-1 round that brings a forward's bytes and the
+            forward: 1, or 2 for a delta call (see "Delta through a relay" above).
+        quantized: name -> ``QuantizedTensor`` of the tensors quantized on the way in stage
+            1 (cut into FP8 items and the rest, as :func:`schedule` cuts them); a forward
+            of their scales waits for the FP8 items that bring them.
     """
+    assert lag >= 1, lag
     ranks = sorted(set(ranks))
     mine = set(ranks)
     # every stage-2 sender of a local rank: its stage-1 arrivals time the forwards
     senders = sorted({t.src for r in ranks for t in plan2.transfers_for(r)} - mine)
     counts = _both_counts(plan1, plan2, ranks, senders)
+    quantized = quantized or {}
     sched1 = schedule(plan1, ranks, counts, bucket_bytes=bucket_bytes,
-                      staging_bytes=staging_bytes)
-    arrivals = _arrivals(sched1.rounds, mine)
+                      staging_bytes=staging_bytes, quantized=quantized)
+    arrivals = _arrivals(sched1.rounds, mine, quantized)
     if senders:
         remote = schedule(plan1, senders, counts, bucket_bytes=bucket_bytes,
-                          staging_bytes=staging_bytes)
-        arrivals.update(_arrivals(remote.rounds, set(senders)))
+                          staging_bytes=staging_bytes, quantized=quantized)
+        arrivals.update(_arrivals(remote.rounds, set(senders), quantized))
     sched2 = schedule(plan2, ranks, counts, bucket_bytes=bucket_bytes,
                       staging_bytes=staging_bytes, stage=1)
     first_tag: dict[tuple[int, int], int] = {}
@@ -303,9 +363,9 @@ def overlapped_schedule(plan1: Any, plan2: Any, ranks: Iterable[int], *, bucket_
                                  staging_bytes=staging_bytes)
         arrived = arrivals.get(src, {})
         if overlap:
-            ready = {b.tag: _ready(b, arrived) for b in buckets}
+            ready = {b.tag: _ready(b, arrived, lag) for b in buckets}
         else:
-            last = 1 + max((k for got in arrived.values() for _, k in got), default=0)
+            last = lag + max((k for got in arrived.values() for _, k in got), default=0)
             ready = {b.tag: last for b in buckets}
         at = used = 0
         for i, b in enumerate(sorted(buckets, key=lambda b: (ready[b.tag], b.tag))):
@@ -341,30 +401,85 @@ def _both_counts(plan1: Any, plan2: Any, ranks: list[int], senders: list[int]
     return {r: one[r] + two[r] for r in needed}
 
 
-def _arrivals(rounds: Iterable[Iterable[Bucket]], ranks: set[int]
+def _arrivals(rounds: Iterable[Iterable[Bucket]], ranks: set[int],
+              quantized: Mapping[str, Any] | None = None
               ) -> dict[int, dict[str, list[tuple[Region, int]]]]:
-    """rank -> tensor -> [(region, round it lands in)] of the stage-1 receives of ``ranks``."""
+    """rank -> tensor -> [(region, round it lands in)] of the stage-1 receives of ``ranks``
+    (an FP8 item of a tensor quantized on the way brings its blocks' scales too)."""
     out: dict[int, dict[str, list[tuple[Region, int]]]] = {}
     for k, rnd in enumerate(rounds):
         for b in rnd:
             if b.dst in ranks:
+                got = out.setdefault(b.dst, {})
                 for it in b.items:
-                    out.setdefault(b.dst, {}).setdefault(it.name, []).append((it.region, k))
+                    got.setdefault(it.name, []).append((it.region, k))
+                    if it.quantized:
+                        qt = quantized[it.name]    # type: ignore[index]
+                        got.setdefault(qt.scale, []).append(
+                            (qt.format.blocks(it.region, qt.shape), k))
     return out
 
 
-def _ready(b: Bucket, arrived: Mapping[str, list[tuple[Region, int]]]) -> int:
-    """The first round in which stage-2 bucket ``b`` may run: after every stage-1 round
-    that lands a part of one of its items at its sender (round 1 at the earliest: the
-    sender's same-rank copies are done by then on both executors)."""
+def _ready(b: Bucket, arrived: Mapping[str, list[tuple[Region, int]]], lag: int = 1) -> int:
+    """The first round in which stage-2 bucket ``b`` may run: ``lag`` rounds after every
+    stage-1 round that lands a part of one of its items at its sender (round 1 at the
+    earliest: the sender's same-rank copies are done by then on both executors)."""
     ready = 1
     for it in b.items:
         for region, k in arrived.get(it.name, ()):
-            if k + 1 > ready and _overlaps(region, it.region):
-                ready = k + 1
+            if k + lag > ready and _overlaps(region, it.region):
+                ready = k + lag
     return ready
 
 
 def _overlaps(a: Region, b: Region) -> bool:
     return all(x0 < y1 and y0 < x1 for x0, x1, y0, y1 in zip(a.starts, a.stops, b.starts,
                                                              b.stops))
+
+
+# ---------------------------------------------------------------------------- FP8
+
+
+def split_at_forwarders(quantized: Mapping[str, Any], plan1: Any, layouts: RelayLayouts
+                        ) -> set[str]:
+    """The tensors quantized on the way of which some forwarder would forward a block it
+    receives split across stage-1 transfers (so it holds the block's values in scratch,
+    not its codes, until the call's end): they are not relayed (see "FP8 through a
+    relay")."""
+    from .quantize import core_of, rest_boxes
+    out = set()
+    for name, fwd in layouts.stage2_src.items():
+        qt = quantized.get(name)
+        if qt is None:
+            continue
+        for f in fwd.ranks:
+            sent = fwd.regions(f)
+            got = [t.region for t in plan1.transfers_for(f) if t.dst == f and t.name == name]
+            got += [t.region for t in plan1.local_copies_for(f) if t.name == name]
+            if any(_overlaps(box, s) for g in got for box in rest_boxes(g, core_of(qt, g))
+                   for s in sent):
+                out.add(name)
+                break
+    return out
+
+
+def fp8_forwards(layouts: RelayLayouts, quantized: Mapping[str, Any]
+                 ) -> tuple[dict[str, Layout], dict[str, Layout]]:
+    """Stage 2's source and destination layouts with every tensor quantized on the way
+    forwarded as what its forwarder holds: its codes (the format's dtype) and, as a tensor
+    of its own, the scales of their blocks (the pieces are whole blocks)."""
+    made: dict[tuple[Any, ...], Layout] = {}
+    out: tuple[dict[str, Layout], dict[str, Layout]] = (dict(layouts.stage2_src),
+                                                        dict(layouts.stage2_dst))
+    for side in out:
+        for name in sorted(set(side) & set(quantized)):
+            qt, lay = quantized[name], side[name]
+            fmt = qt.format
+            regions = {r: list(lay.regions(r)) for r in lay.ranks}
+            side[name] = _explicit(Layout.explicit_form(qt.shape, fmt.dtype, {}), regions,
+                                   made)
+            side[qt.scale] = _explicit(
+                Layout.explicit_form(qt.scale_shape, fmt.scale_dtype, {}),
+                {r: [fmt.scale_region(g, qt.shape, name) for g in regs]
+                 for r, regs in regions.items()}, made)
+    return out

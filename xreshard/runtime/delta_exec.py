@@ -34,6 +34,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
@@ -82,11 +83,12 @@ def mostly_changed(old: np.ndarray, parts: Sequence[np.ndarray]) -> bool:
 
 def delta_unit(reader: Executor, b: Bucket) -> int | None:
     """The element size bucket ``b`` is compared in (its narrowest wire dtype), or None
-    when it cannot go as a delta (a later stage, or its receiver casts: it could not read
-    its base back bit for bit)."""
-    if b.stage != 0:
+    when it cannot go as a delta (its receiver casts: it could not read its base back bit
+    for bit). A relay's forwards (stage 1) go as deltas too (see
+    :mod:`xreshard.planner.relay`)."""
+    if b.stage >= len(reader.tables):
         return None
-    t, wire = reader.tables[0], reader.programs.wire(0)
+    t, wire = reader.tables[b.stage], reader.programs.wire(b.stage)
     if any(t.dst_layouts[it.name].dtype != wire[it.name] for it in b.items):
         return None
     return min(itemsize(wire[it.name]) for it in b.items)
@@ -132,6 +134,12 @@ class Encoder:
     @property
     def buckets(self) -> frozenset[Bucket]:
         return frozenset(self._futures)
+
+    def add(self, jobs: Sequence[tuple[Bucket, np.ndarray]]) -> None:
+        """Encode more buckets, after those given so far (a relay's forwards, once their
+        bytes landed)."""
+        for b, base in jobs:
+            self._futures[b] = self._pool.submit(self._encode, b, base)
 
     def drop(self, keep: Callable[[Bucket], bool]) -> None:
         """Cancel the buckets ``keep`` rejects (their pairs go dense after all)."""
@@ -221,7 +229,7 @@ class DeltaExecutor(Executor):
         local = {r for t in self.tables for r, _ in t.src_bindings}
         wanted = [b for rnd in self.schedule.rounds for b in rnd
                   if b.src in local and (b.src, b.dst) in call.pairs
-                  and delta_unit(self, b) is not None]
+                  and delta_unit(self, b) is not None and not self._is_forward(b)]
         encoder = call.encoder
         if encoder is None or not set(wanted) <= encoder.buckets:
             if encoder is not None:
@@ -232,18 +240,71 @@ class DeltaExecutor(Executor):
             want = set(wanted)
             encoder.drop(want.__contains__)
         self._encoder = encoder
+        self._forward_encoder: Encoder | None = None
         self._sent: list[tuple[Bucket, Encoded | None]] = []    # headers sent, payloads next
         self._heads_in: dict[Bucket, np.ndarray] = {}
         self._landing: list[Bucket] = []        # received headers, payloads next
         try:
+            self._relayed(local)
             return super().run()
         finally:
             encoder.stop()
-            if encoder.buckets:
-                call.encode_seconds, call.encode_threads = encoder.seconds, encoder.threads
+            forwards = self._forward_encoder
+            if forwards is not None:
+                forwards.stop()
+            used = [e for e in (encoder, forwards) if e is not None and e.buckets]
+            if used:
+                call.encode_seconds = max(e.finished for e in used) - min(e.started
+                                                                          for e in used)
+                call.encode_threads = max(e.threads for e in used)
+
+    # ------------------------------------------------------------ a relay's forwards
+
+    def _relayed(self, local: set[int]) -> None:
+        """This process's forwards that go as deltas, to encode once their bytes landed
+        (:meth:`_encode_forwards`), on an encoder of their own that reads this executor's
+        stage-1 bindings (views of the destination memory)."""
+        call = self.delta
+        self._forwards = deque(sorted(
+            (b for rnd in self.schedule.rounds for b in rnd
+             if b.src in local and self._is_forward(b) and (b.src, b.dst) in call.pairs
+             and delta_unit(self, b) is not None), key=lambda b: b.round))
+        self._rounds_run = 0
+        self._encode_forwards(1)
+
+    def _encode_forwards(self, upto: int) -> None:
+        """Start encoding the forwards of rounds up to ``upto``: every round two before
+        theirs has landed (the schedule runs a delta call's forward two rounds after its
+        bytes arrive; round ``k`` lands at the end of group ``k + 1``)."""
+        jobs = []
+        while self._forwards and self._forwards[0].round <= upto:
+            b = self._forwards.popleft()
+            base = self.delta.baseline(b)
+            if base is not None:
+                jobs.append((b, base))
+        if not jobs:
+            return
+        if self._forward_encoder is None:
+            self._forward_encoder = Encoder(self, jobs)
+        else:
+            self._forward_encoder.add(jobs)
+
+    def _encoded(self, b: Bucket) -> Encoded | None:
+        """Bucket ``b``'s encoding (waits for it), None when it was not encoded."""
+        encoder = self._forward_encoder if self._is_forward(b) else self._encoder
+        return None if encoder is None else encoder.result(b, self.timeout)
+
+    def _count_wire(self, b: Bucket, nbytes: int, stats: ExecStats) -> None:
+        """``nbytes`` of bucket ``b`` posted: forwarded (a relay's) or sent."""
+        if self._is_forward(b):
+            stats.bytes_forwarded += nbytes
+        else:
+            stats.bytes_sent += nbytes
 
     def _round(self, buckets: Sequence[Bucket], stats: ExecStats) -> None:
         self._group(buckets, stats)
+        self._rounds_run += 1
+        self._encode_forwards(self._rounds_run)
 
     def _rounds_done(self, stats: ExecStats) -> None:
         self._group((), stats)          # the last round's payloads
@@ -291,7 +352,7 @@ class DeltaExecutor(Executor):
         call.bytes_dense += b.nbytes
         enc = None
         if (b.src, b.dst) in call.pairs and delta_unit(self, b) is not None:
-            enc = self._encoder.result(b, self.timeout)
+            enc = self._encoded(b)
             if enc is None:         # no baseline of this bucket's size: dense
                 unit = delta_unit(self, b)
                 n = b.nbytes // unit
@@ -299,7 +360,7 @@ class DeltaExecutor(Executor):
             head = np.frombuffer(enc.header.pack(), np.uint8)
             self.transport.send(head, b.src, b.dst, b.tag)
             call.bytes_wire += HEADER_BYTES
-            stats.bytes_sent += HEADER_BYTES
+            self._count_wire(b, HEADER_BYTES, stats)
         self._sent.append((b, enc))
 
     def _send_payload(self, b: Bucket, enc: Encoded | None, offsets: dict,
@@ -314,13 +375,13 @@ class DeltaExecutor(Executor):
             if enc.header.count:
                 self.transport.send(enc.message, b.src, b.dst, b.tag)
                 call.bytes_wire += enc.message.nbytes
-                stats.bytes_sent += enc.message.nbytes
+                self._count_wire(b, enc.message.nbytes, stats)
                 apply_numpy(enc.message, call.baseline(b).view(bits_dtype(enc.header.itemsize)))
             return None, None
         new = self._message(b, offsets, stats)
         self.transport.send(new, b.src, b.dst, b.tag)
         call.bytes_wire += b.nbytes
-        stats.bytes_sent += b.nbytes
+        self._count_wire(b, b.nbytes, stats)
         if delta_unit(self, b) is None:
             return None, None
         return call.baseline(b, create=True), new

@@ -44,8 +44,10 @@ work only when the schedule stayed and the pair goes as a delta, and it is stopp
 the call returns, whatever happened.
 
 Buckets whose receiver casts (its dtype is not the wire dtype) always go dense: the
-receiver could not read its base back bit for bit. Delta runs on host bindings (a relay
-and device bindings are refused before any byte moves).
+receiver could not read its base back bit for bit. Delta runs on host bindings (device
+bindings are refused before any byte moves). Through a relay, a forwarding rank is the
+sender of its forwarded pairs: it keeps their baselines and claims them like any sender
+(why, and how forwards are timed: :mod:`xreshard.planner.relay`).
 """
 
 from __future__ import annotations
@@ -221,10 +223,10 @@ class DeltaState:
         """A digest of every local pair's buckets (what both ends of a pair compute alike)."""
         if self._digests is not None and self._digests[0] is prepared:
             return self._digests[1]
-        stage = prepared.stages[0]
         hashes: dict[tuple[int, int], Any] = {}
         for rnd in prepared.schedule.rounds:
             for b in rnd:
+                stage = prepared.stages[b.stage]        # a relay's forwards: stage 1
                 h = hashes.setdefault((b.src, b.dst), hashlib.sha256())
                 h.update(repr((b.round, b.tag, b.stage, b.nbytes, [
                     (it.name, it.region.starts, it.region.stops, it.nbytes,

@@ -234,11 +234,21 @@ def stage_bindings(prepared: PreparedCall, src: Bindings, dst: Bindings) -> Stag
     to ``prepared.direct``'s layouts), as each stage says (``Stage.src_from`` /
     ``dst_from``): the sides themselves, or views of the destination memory."""
     given = {SOURCES: src, DESTINATIONS: dst}
+    real, whole = prepared.direct.dst_layouts, {}
+    quant = prepared.quant
+    if quant is not None and len(prepared.stages) > 1:
+        # a relayed call forwards codes and scales (views of their own layouts); stage 0
+        # quantizes into them whole: its FP8 steps locate regions in those layouts
+        scales = {qt.scale: quant.scales[n] for n, qt in quant.tensors.items()}
+        real = {**real, **quant.codes, **scales}
+        whole = {k: b for k, b in dst.items() if k[1] in quant.tensors or k[1] in scales}
     srcs: list[Bindings] = []
     dsts: list[Bindings] = []
     for st in prepared.stages:
         for origin, layouts, out in ((st.src_from, st.src_layouts, srcs),
                                      (st.dst_from, st.dst_layouts, dsts)):
             out.append(given[origin] if origin in given else stage_views(
-                prepared.direct.dst_layouts, dst, layouts, prepared.ranks))
+                real, dst, layouts, prepared.ranks))
+    if whole and prepared.stages[0].dst_from not in given:
+        dsts[0] = {**dsts[0], **whole}
     return StageBindings(tuple(srcs), tuple(dsts))

@@ -597,7 +597,7 @@ class Refit:
         options = CallOptions(
             bucket_bytes=config.bucket_bytes, staging_bytes=config.staging_bytes,
             wire_dtype=config.wire_dtype, relay=config.relay,
-            relay_overlap=self.tuning.relay_overlap,
+            relay_overlap=self.tuning.relay_overlap, delta=config.delta,
             # the pipelined host executor holds two rounds; device bindings run full ones
             halved=self.tuning.executor == "pipelined" and not any(g.get("devices")
                                                                   for g in gathered))
