@@ -40,6 +40,7 @@ from ..dtypes import bits_dtype
 from ..planner.schedule import Bucket
 from .copies import array_module, copy_into
 from .delta_exec import DeltaExecutor, Encoded, Encoder, delta_unit
+from .devices import device_ctx
 from .device_ops import DeviceOps, is_host, ops_for, test_switch
 
 __all__ = ["DeviceDeltaExecutor", "DeviceEncoder", "executor_for", "device_path",
@@ -123,6 +124,22 @@ class DeviceDeltaExecutor(DeltaExecutor):
     def run(self) -> Any:
         self._device = self._devices()      # the encoder starts before the rounds
         return super().run()
+
+    def _group(self, buckets: Sequence[Bucket], stats: Any) -> None:
+        """One group (see :meth:`DeltaExecutor._group`) with xreshard's own stream of the
+        process's device current: packs, unpacks, applies and the transport's posts are
+        ordered on it, and the run's end waits for it (:func:`.devices.wait_devices`).
+        Ranks on several devices: each call's copies wait on the host instead."""
+        devices = sorted({d for d in self._device.values() if d is not None})
+        if len(devices) <= 1:
+            with device_ctx(devices[0] if devices else None):
+                return super()._group(buckets, stats)
+        super()._group(buckets, stats)
+        import cupy
+        for dev in devices:
+            with cupy.cuda.Device(dev):
+                cupy.cuda.get_current_stream().synchronize()
+        return None
 
     # ------------------------------------------------------------ sender
 

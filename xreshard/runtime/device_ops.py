@@ -26,6 +26,7 @@ waits cost microseconds per bucket.
 
 from __future__ import annotations
 
+import collections
 import os
 import sys
 from typing import Any
@@ -36,11 +37,14 @@ from ..delta.codec import DENSE, Header, align8, section_bytes
 from ..dtypes import bits_dtype
 from ..errors import RefitError
 
-__all__ = ["DeviceOps", "ops_for", "test_switch", "ENV", "KINDS", "is_host"]
+__all__ = ["DeviceOps", "ops_for", "test_switch", "ENV", "KINDS", "is_host", "COUNTS"]
 
 #: internal, tests only: take the device path for host bindings with these ops
 ENV = "XRESHARD_TEST_DEVICE_OPS"
 KINDS = ("jax", "torch")
+#: what this process ran on device memory, by "<work>/<framework>" (encode, apply,
+#: quantize): how tests see which path a call took
+COUNTS: collections.Counter = collections.Counter()
 
 
 def test_switch() -> str | None:
@@ -188,6 +192,7 @@ class DeviceOps:
         :meth:`xreshard.delta.codec.Encoded.to_bytes`), or None when dense wins (send the
         bucket itself)."""
         self.ready(new)
+        COUNTS[f"encode/{self.kind}"] += 1
         if self.kind == "torch":
             from ..delta.torch_kernels import encode_torch
             enc = encode_torch(self.wrap(old, unit), self.wrap(new, unit))
@@ -246,6 +251,7 @@ class DeviceOps:
         malformed) to the contiguous executor array ``target`` (elements of ``unit``
         bytes), in place, on its device."""
         self.ready(target)
+        COUNTS[f"apply/{self.kind}"] += 1
         if self.kind == "torch":
             from ..delta.torch_kernels import apply_torch
             apply_torch(message, self.wrap(target, unit))
@@ -265,6 +271,7 @@ class DeviceOps:
         (uint8 codes, the scales' own width) in the codes' and the scales' shapes: the
         bytes of :func:`xreshard.quant.host.quantize_block_fp8` / ``quantize_mxfp8``."""
         self.ready(values)
+        COUNTS[f"quantize/{self.kind}"] += 1
         x = self.wrap_typed(values, dtype)
         if self.kind == "torch":
             from ..quant import torch_ops
