@@ -98,6 +98,15 @@ def test_switch_and_refusals(monkeypatch):
     found = delta_problems(config, True, tuning=Tuning(), sides=(True, False))
     assert len(found) == 1 and "neither is installed" in found[0][1]
     assert "diff or quantize what it sends" in found[0][1]
+    # FP8 on the way: the same refusal, naming the tensors
+    from types import SimpleNamespace
+    from xreshard.runtime import quantized
+    quant = SimpleNamespace(tensors={"layers.0.w": None})
+    with pytest.raises(RefitError, match=r"quantized on the way \(layers.0.w\).*neither is "
+                       r"installed.*nothing was moved"):
+        quantized.refuse_devices(quant, sends=False, receives=True)
+    monkeypatch.undo()
+    quantized.refuse_devices(quant)         # torch and JAX are here: nothing to refuse
 
 
 ROLES = [Role("jax", "trainer", 0, num_devices=4), Role("torch", "rollout", 0),

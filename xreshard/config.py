@@ -58,10 +58,12 @@ class RefitConfig:
     delta: bool = False
     """Send, per bucket, only the elements whose bits changed since the last confirmed call
     (``xreshard.runtime.delta_wire``): each sending rank keeps the last bytes it sent in
-    host memory (as many bytes as it sends per call; ``RefitReport.delta``) and encodes each
-    bucket as the smallest of dense, bitmask + values and runs + values; receivers overwrite
-    in place. A receiver that is new, restarted, failed or missed a call gets a dense refit
-    of its regions in the same call. Host bindings only; not with ``relay`` yet."""
+    host memory (as many bytes as it sends per call; ``RefitReport.delta``; device memory
+    with ``Tuning(delta_baseline="device")``) and encodes each bucket as the smallest of
+    dense, bitmask + values and runs + values; receivers overwrite in place. A receiver
+    that is new, restarted, failed or missed a call gets a dense refit of its regions in
+    the same call. Device bindings diff and apply on their device with JAX or torch ops
+    (``xreshard.runtime.delta_device``); not with ``relay`` yet."""
 
     check_writes: bool = False
     """Fail the refit (the same ``RefitError`` on every rank; the version stays) when a sent

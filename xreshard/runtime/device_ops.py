@@ -210,6 +210,12 @@ class DeviceOps:
         :func:`xreshard.delta.codec.assemble`)."""
         head = np.frombuffer(header.pack(), np.uint8)
         sizes = section_bytes(header)
+        if not header.count:        # nothing changed: the header alone, where ``like`` is
+            if is_host(like):
+                return head.copy()
+            import cupy
+            with cupy.cuda.Device(like.device.id):
+                return cupy.asarray(head)
         if self.kind == "torch":
             import torch
             parts = [None]
