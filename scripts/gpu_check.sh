@@ -263,7 +263,7 @@ part g_relay 35 "relay over cuda_ipc between two declared hosts: one copy sent, 
     "$PY" -m tests.test_gpu_check relay --timeout 30 --json "$WORK/g_relay.json"
 
 # ---------------------------------------------------------------- device paths (issues 20, 22)
-part h_delta_device 45 "JAX GPU -> torch CUDA over NCCL, delta=True, baselines on the GPU: bit-exact after every call, calls 2-4 deltas under 5% of the dense bytes" \
+part h_delta_device 45 "JAX GPU -> torch CUDA over NCCL, delta=True, baselines on the GPU: bit-exact after every call, calls 2-4 deltas of <= 0.08x the dense bytes" \
     "$PY" -m tests.test_gpu_device_path delta --baseline device --timeout 35 \
     --json "$WORK/h_delta_device.json" --logs "$WORK/h_logs"
 

@@ -6,7 +6,7 @@ GPU, and every byte is checked.
   the bf16 elements change. The trainer diffs with jitted JAX on the GPU (baselines on the
   host, or with ``--baseline device`` on the GPU), only the encoded messages cross NCCL,
   the receiver applies them in place with torch ops. Bit-exact after every call; calls 2-4
-  must go as deltas carrying under 5% of the dense bytes.
+  must go as deltas carrying <= 0.08x the dense bytes (issue 22's bar at 1%).
 * ``fp8-bench``: issue 20's speed bar on one GPU: ~1 GiB of bf16 refitted into bf16 and
   into block-FP8 destinations side by side (``fp8_over_bf16`` <= 0.6), beside the
   trainer's quantizer alone.
@@ -125,7 +125,7 @@ def delta_child(role: str, address: str, device: str, timeout: float, baseline: 
             out["calls"].append({"seconds": round(time.perf_counter() - t0, 3),
                                  "move_seconds": round(report.move_seconds, 3),
                                  "verified": report.verified, **(report.delta or {})})
-        out["ok"] = all(c["pairs"] == 1 and c["bytes_wire"] < 0.05 * c["bytes_dense"]
+        out["ok"] = all(c["pairs"] == 1 and c["bytes_wire"] <= 0.08 * c["bytes_dense"]
                         for c in out["calls"][1:]) and out["calls"][0]["pairs"] == 0
     else:
         import torch
@@ -339,7 +339,7 @@ def pair(scenario: str, device: str = "cuda", *, timeout: float = 40.0,
                             f"{trainer.get('counts')} / {receiver.get('counts')}"
                             + (f"; errors {errors}" if errors else ""))
         report["bar"] = ("JAX GPU -> torch CUDA over NCCL, delta=True: bit-exact after every "
-                         "call; calls 2-4 deltas under 5% of the dense bytes")
+                         "call; calls 2-4 deltas of <= 0.08x the dense bytes (1% changed)")
     elif scenario == "fp8-bench":
         keys = ("fp8_seconds", "bf16_seconds", "quantize_seconds", "fp8_over_bf16",
                 "wire_bytes_fp8", "wire_bytes_bf16", "quantize_gbps")
