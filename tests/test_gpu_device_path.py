@@ -303,20 +303,12 @@ def pair(scenario: str, device: str = "cuda", *, timeout: float = 40.0,
     """Run ``scenario`` ("delta" or "fp8") between a JAX and a torch process; returns the
     report (``ok``, ``figure``, ``bar``, each process's results)."""
     import xreshard as xr
-    from .test_gpu_refit import _collect, _nccl_version
+    from .test_gpu_refit import _collect, _nccl_version, children_env
 
     logs = Path(logs) if logs is not None else Path(tempfile.mkdtemp(prefix="gpu-devpath-"))
     logs.mkdir(parents=True, exist_ok=True)
-    env_common = {**os.environ, "PYTHONPATH": os.pathsep.join(
-        [str(REPO)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]),
-        "PYTHONUNBUFFERED": "1", "XLA_PYTHON_CLIENT_PREALLOCATE": "false",
-        "NCCL_DEBUG": os.environ.get("NCCL_DEBUG", "WARN")}
-    if device == "cpu":
-        env_common["JAX_PLATFORMS"] = "cpu"
-    elif _nccl_version() >= 23000:
-        env_common["NCCL_MULTI_RANK_GPU_ENABLE"] = "1"
-    else:
-        env_common.update({"NCCL_SOCKET_IFNAME": "lo", "NCCL_IB_DISABLE": "1"})
+    attempt = "multirank" if device == "cpu" or _nccl_version() >= 23000 else "hostid"
+    env_common = children_env(device, attempt)
     t0 = time.perf_counter()
     procs, paths = {}, {}
     with xr.serve(timeout=timeout + 60) as server:
@@ -324,7 +316,7 @@ def pair(scenario: str, device: str = "cuda", *, timeout: float = 40.0,
             env = dict(env_common)
             if device == "cpu":     # the device path on host memory, each side's framework
                 env["XRESHARD_TEST_DEVICE_OPS"] = role
-            elif _nccl_version() < 23000:
+            elif attempt == "hostid":
                 env["NCCL_HOSTID"] = f"xreshard-devpath-{role}"
             paths[role] = (logs / f"{scenario}_{role}.stdout.log", logs / f"{scenario}_{role}.log")
             with paths[role][0].open("w") as out, paths[role][1].open("w") as err:
