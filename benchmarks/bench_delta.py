@@ -36,6 +36,11 @@ throttles this script's own transport to G Gb/s per process (a cross-datacenter 
 
     python benchmarks/bench_delta.py [--changed 1.0,0.01,0.001] [--model-mib 256]
         [--tensor-mib 16] [--reps 3] [--link-gbps 1] [--json]
+
+``--device cuda [--baseline device]``: the same on one GPU, both processes on GPU 0 over
+NCCL (the device path: the trainer diffs with jitted JAX on the GPU, only the messages
+cross, the receiver applies them with torch ops; issue 22's GPU target is ``time_ratio``
+<= 0.15 at 0.01).
 """
 
 from __future__ import annotations
@@ -254,6 +259,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tensor-mib", type=float, default=16.0, help="refit: tensor size (MiB)")
     ap.add_argument("--link-gbps", type=float, default=None,
                     help="refit: throttle the transport to this many Gb/s per process")
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                    help="refit: cuda runs both processes on GPU 0 over NCCL (the device "
+                         "path: the diff with jitted JAX on the GPU, applied with torch ops)")
+    ap.add_argument("--baseline", default="host", choices=["host", "device"],
+                    help="refit: where the trainer keeps its baselines (Tuning.delta_baseline)")
     args = ap.parse_args(argv)
     fractions = [float(x) for x in args.changed.split(",")]
     if not args.kernels:

@@ -81,7 +81,9 @@ def child(ctx: Any, cfg: dict) -> dict:
     if cfg["link_gbps"]:
         plain = world.transport
         world.transport = lambda kind="auto": Throttled(plain(kind), cfg["link_gbps"])
-    base = dict(transport="gloo", timeout=600)
+    cuda = cfg.get("device") == "cuda"
+    base = dict(transport="nccl" if cuda else "gloo", timeout=600)
+    tuning = xr.Tuning(delta_baseline=cfg.get("baseline", "host"))
     rows = []
     for fraction in cfg["fractions"]:
         made = versions(cfg, fraction)
@@ -94,11 +96,14 @@ def child(ctx: Any, cfg: dict) -> dict:
             if trainer:
                 import jax
                 import jax.numpy as jnp
-                send = {k: jax.device_put(jnp.asarray(a).view(jnp.bfloat16)) for k, a in v.items()}
+                send = {k: jax.device_put(jnp.asarray(a).view(jnp.bfloat16), jax.devices()[0])
+                        for k, a in v.items()}
                 jax.block_until_ready(send)
             elif receive is None:
                 import torch
-                receive = {k: torch.zeros(a.shape, dtype=torch.bfloat16) for k, a in v.items()}
+                receive = {k: torch.zeros(a.shape, dtype=torch.bfloat16,
+                                          device="cuda" if cuda else "cpu")
+                           for k, a in v.items()}
                 # The dense Refit gets its own destinations: a delta's base is what the
                 # last delta call wrote, and any other write (a dense refit's included)
                 # is an outside write its fence refuses.
@@ -108,12 +113,12 @@ def child(ctx: Any, cfg: dict) -> dict:
                                  config=xr.RefitConfig(**base), name=f"dense{fraction}")
                 delta = xr.Refit(world, send=send if trainer else None, receive=receive,
                                  config=xr.RefitConfig(delta=True, **base),
-                                 name=f"delta{fraction}")
+                                 tuning=tuning, name=f"delta{fraction}")
             rd = dense(send=send) if trainer else dense()
             rx = delta(send=send) if trainer else delta()
             if not trainer:
                 for k, a in v.items():
-                    if receive[k].view(torch.int16).numpy().view(np.uint16).tobytes() != \
+                    if receive[k].view(torch.int16).cpu().numpy().view(np.uint16).tobytes() != \
                             a.tobytes():
                         raise AssertionError(f"changed {fraction}: {k} not bit-exact")
             if rep:
@@ -128,10 +133,17 @@ def child(ctx: Any, cfg: dict) -> dict:
     return {"rows": rows}
 
 
-def bars(row: dict, link: bool) -> list[tuple[str, bool]]:
-    """The issue's bars for one row (name, met)."""
+def bars(row: dict, link: bool, gpu: bool = False) -> list[tuple[str, bool]]:
+    """The issue's bars for one row (name, met); ``gpu``: the GPU target instead."""
     f = row["changed"]
     out = []
+    if gpu:
+        if f == 0.01:
+            out.append(("bytes_ratio <= 0.08", row["bytes_ratio"] <= 0.08))
+            out.append(("time_ratio <= 0.15 on a GPU", row["time_ratio"] <= 0.15))
+        if f == 1.0:
+            out.append(("time_ratio <= 1.10", row["time_ratio"] <= 1.10))
+        return out
     if link:
         if f == 0.01:
             out.append(("time_ratio <= 0.2 at 1 Gb/s", row["time_ratio"] <= 0.2))
@@ -153,21 +165,31 @@ def refit_main(args: Any, fractions: list[float],
     from xreshard.tools.launch import Role, launch
 
     cfg = {"fractions": fractions, "model_mib": args.model_mib, "tensor_mib": args.tensor_mib,
-           "reps": args.reps if args.reps != 5 else 3, "link_gbps": args.link_gbps}
+           "reps": args.reps if args.reps != 5 else 3, "link_gbps": args.link_gbps,
+           "device": args.device, "baseline": args.baseline}
     link = f", transport throttled to {args.link_gbps:g} Gb/s per process" \
         if args.link_gbps else ""
+    where = ("JAX (GPU 0) -> torch (cuda:0), NCCL between 2 processes on one GPU, baselines "
+             f"on the {'GPU' if args.baseline == 'device' else 'host'}"
+             if args.device == "cuda" else "JAX (1 CPU device) -> torch, gloo between 2 "
+             "processes")
     print(f"delta refit: {args.model_mib:g} MiB of bf16 in {args.tensor_mib:g} MiB tensors, "
-          f"JAX (1 CPU device) -> torch, gloo between 2 processes{link}; dense and "
-          f"delta=True side by side, median of {cfg['reps']}", flush=True)
+          f"{where}{link}; dense and delta=True side by side, median of {cfg['reps']}",
+          flush=True)
     roles = [Role("jax", "trainer", 0, num_devices=1), Role("torch", "rollout", 0)]
-    results = launch("bench_delta_refit:child", roles, args=(cfg,), timeout=3600)
+    env = None
+    if args.device == "cuda":       # two ranks of one GPU: NCCL >= 2.30 (see gpu_check.sh)
+        roles = [Role("jax", "trainer", 0, gpus=(0,)), Role("torch", "rollout", 0, gpus=(0,))]
+        env = {"NCCL_MULTI_RANK_GPU_ENABLE": "1", "XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
+    results = launch("bench_delta_refit:child", roles, args=(cfg,), timeout=3600, env=env)
     rows, met = [], True
     for r in results[0].value["rows"]:
         row = {"changed": r["changed"], "bytes_ratio": r["delta_bytes"] / r["dense_bytes"],
                "time_ratio": r["delta"] / r["dense"], "dense_seconds": r["dense"],
                "delta_seconds": r["delta"], "diff_seconds": r["diff"],
                "link_gbps": args.link_gbps}
-        row["bars"] = {name: ok for name, ok in bars(row, bool(args.link_gbps))}
+        row["bars"] = {name: ok for name, ok in bars(row, bool(args.link_gbps),
+                                                      args.device == "cuda")}
         met = met and all(row["bars"].values())
         rows.append(row)
         print(f"  changed {row['changed']:<6g} bytes_ratio {row['bytes_ratio']:.4f} "

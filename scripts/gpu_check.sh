@@ -27,6 +27,11 @@
 #                      staging on both ends, verify=True; Refit.start on a side stream and
 #                      its control
 #   g_relay            relay="on" between processes declaring two hosts, over cuda_ipc
+#   h_delta_device     delta=True from JAX GPU arrays to torch CUDA tensors over NCCL: the diff
+#                      with jitted JAX on the GPU (baselines on the GPU), applied with torch
+#                      ops, bit-exact call after call (issue 22; tests/test_gpu_device_path.py)
+#   i_fp8_device       FP8 quantized on the way on the GPU: JAX quantizes whole blocks there,
+#                      codes + scales cross NCCL, bytes equal vLLM's quantizer (issue 20)
 #   c_bandwidth        pack/unpack and NCCL send/recv to self against a D2D copy (events)
 #   e_cuda_ipc         JAX -> torch process through cuda_ipc, 4 GiB, against a device copy
 #   pytest_gpu         `pytest -m gpu` of the transport tests and of check_writes (a fused
@@ -34,6 +39,11 @@
 #                      and ncclCommShrink with the abort flag (3 ranks on the GPU, one shrunk
 #                      away, bytes over the shrunk communicator; issue 21, never run yet);
 #                      fails if every test skipped
+#   j_delta_bench      bench_delta.py --device cuda: dense vs delta refit side by side on one
+#                      GPU; bar time_ratio <= 0.15 at 1% changed (issue 22's GPU target)
+#   k_fp8_bench        FP8 refit vs bf16 refit side by side on one GPU; bar <= 0.6x (issue 20)
+#                      (the benchmarks run last, on what the budget left: rerun them alone
+#                      with GPU_CHECK_PARTS="j_delta_bench k_fp8_bench" when cut short)
 set -uo pipefail
 
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -252,6 +262,15 @@ part f_ipc_torch 40 "torch -> torch over cuda_ipc: staged expandable segments, s
 part g_relay 35 "relay over cuda_ipc between two declared hosts: one copy sent, one forwarded, bit-exact" \
     "$PY" -m tests.test_gpu_check relay --timeout 30 --json "$WORK/g_relay.json"
 
+# ---------------------------------------------------------------- device paths (issues 20, 22)
+part h_delta_device 45 "JAX GPU -> torch CUDA over NCCL, delta=True, baselines on the GPU: bit-exact after every call, calls 2-4 deltas of <= 0.08x the dense bytes" \
+    "$PY" -m tests.test_gpu_device_path delta --baseline device --timeout 35 \
+    --json "$WORK/h_delta_device.json" --logs "$WORK/h_logs"
+
+part i_fp8_device 40 "JAX GPU -> torch CUDA FP8 (block + MXFP8) quantized on the GPU: codes and scales equal vLLM's quantizer's bytes; wire <= 0.52x bf16" \
+    "$PY" -m tests.test_gpu_device_path fp8 --timeout 30 \
+    --json "$WORK/i_fp8_device.json" --logs "$WORK/i_logs"
+
 # ---------------------------------------------------------------- bandwidth
 part c_bandwidth 30 "pack/unpack >= 0.70 and NCCL self >= 0.30 of a D2D copy (CUDA events)" \
     "$PY" benchmarks/bench_gpu.py --size-gib "${BENCH_GIB:-2}" --iters 5 \
@@ -283,3 +302,29 @@ json.dump({**n, "passed": passed, "ok": ok,
                      f"{n['errors']} errors"}, open(f"{work}/pytest_gpu.json", "w"))
 sys.exit(0 if ok else 1)
 PYEOF' "$PY" "$WORK"
+
+# ---------------------------------------------------------------- device-path benchmarks (last:
+# they get what the budget has left; rerun alone with GPU_CHECK_PARTS="j_delta_bench k_fp8_bench")
+part j_delta_bench 60 "bench_delta --device cuda: time_ratio <= 0.15 and bytes_ratio <= 0.08 at 1% changed, time_ratio <= 1.10 at 100%" \
+    bash -c '"$0" benchmarks/bench_delta.py --device cuda --baseline device \
+        --model-mib "${DELTA_BENCH_MIB:-256}" --tensor-mib 64 --changed 1.0,0.01 --reps 2 --json \
+        >"$1/j_delta_bench.out"; rc=$?; cat "$1/j_delta_bench.out"; \
+        "$0" - "$1" "$rc" <<"PYEOF"
+import json, sys
+work, rc = sys.argv[1], int(sys.argv[2])
+lines = [ln for ln in open(f"{work}/j_delta_bench.out").read().splitlines() if ln.startswith("{")]
+try:
+    rows = json.loads(lines[-1])["refit"]
+    figure = "; ".join(f"changed {r['changed']}: time_ratio {r['time_ratio']:.3f}, bytes_ratio "
+                       f"{r['bytes_ratio']:.4f}, dense {r['dense_seconds']:.3f} s, delta "
+                       f"{r['delta_seconds']:.3f} s, diff {r['diff_seconds']:.3f} s" for r in rows)
+    out = {"ok": rc == 0, "figure": figure, "rows": rows}
+except Exception as e:
+    out = {"ok": False, "error": f"no JSON from bench_delta ({type(e).__name__}: {e}), rc {rc}"}
+json.dump(out, open(f"{work}/j_delta_bench.json", "w"))
+sys.exit(0 if out["ok"] else 1)
+PYEOF' "$PY" "$WORK"
+
+part k_fp8_bench 50 "FP8 refit <= 0.6x the bf16 refit (JAX GPU -> torch CUDA over NCCL, ~1 GiB bf16, medians of 5)" \
+    "$PY" -m tests.test_gpu_device_path fp8-bench --timeout 45 \
+    --json "$WORK/k_fp8_bench.json" --logs "$WORK/k_logs"

@@ -560,6 +560,23 @@ def _nccl_version() -> int:
         return 0
 
 
+def children_env(device: str, attempt: str) -> dict[str, str]:
+    """The environment of two child processes sharing one GPU (``attempt``: "multirank",
+    NCCL >= 2.30, or "hostid"; the caller sets ``NCCL_HOSTID`` per child for the latter),
+    or the CPU (``device="cpu"``)."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        [str(REPO)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]),
+        "PYTHONUNBUFFERED": "1", "XLA_PYTHON_CLIENT_PREALLOCATE": "false",
+        "NCCL_DEBUG": os.environ.get("NCCL_DEBUG", "WARN")}
+    if device == "cpu":
+        env["JAX_PLATFORMS"] = "cpu"
+    if attempt == "multirank":
+        env["NCCL_MULTI_RANK_GPU_ENABLE"] = "1"
+    else:
+        env.update({"NCCL_SOCKET_IFNAME": "lo", "NCCL_IB_DISABLE": "1"})
+    return env
+
+
 def two_processes(device: str = "cuda", *, timeout: float = 30.0, logs: Path | None = None,
                   on_update: Callable[[dict], None] = lambda report: None) -> dict:
     """(b): a JAX process and a torch process refit many tensors over NCCL on one GPU.
@@ -580,16 +597,7 @@ def two_processes(device: str = "cuda", *, timeout: float = 30.0, logs: Path | N
     report: dict[str, Any] = {"device": device, "attempts": {}, "logs": str(logs),
                               "nccl_version": version}
     t0 = time.perf_counter()
-    env_common = {**os.environ, "PYTHONPATH": os.pathsep.join(
-        [str(REPO)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]),
-        "PYTHONUNBUFFERED": "1", "XLA_PYTHON_CLIENT_PREALLOCATE": "false",
-        "NCCL_DEBUG": os.environ.get("NCCL_DEBUG", "WARN")}
-    if device == "cpu":
-        env_common["JAX_PLATFORMS"] = "cpu"
-    if attempt == "multirank":
-        env_common["NCCL_MULTI_RANK_GPU_ENABLE"] = "1"
-    else:
-        env_common.update({"NCCL_SOCKET_IFNAME": "lo", "NCCL_IB_DISABLE": "1"})
+    env_common = children_env(device, attempt)
     procs, paths = {}, {}
     with xr.serve(timeout=timeout + 30) as server:
         for role in ("jax", "torch"):

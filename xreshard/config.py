@@ -58,10 +58,12 @@ class RefitConfig:
     delta: bool = False
     """Send, per bucket, only the elements whose bits changed since the last confirmed call
     (``xreshard.runtime.delta_wire``): each sending rank keeps the last bytes it sent in
-    host memory (as many bytes as it sends per call; ``RefitReport.delta``) and encodes each
-    bucket as the smallest of dense, bitmask + values and runs + values; receivers overwrite
-    in place. A receiver that is new, restarted, failed or missed a call gets a dense refit
-    of its regions in the same call. Host bindings only. With ``relay``, a forwarding rank
+    host memory (as many bytes as it sends per call; ``RefitReport.delta``; device memory
+    with ``Tuning(delta_baseline="device")``) and encodes each bucket as the smallest of
+    dense, bitmask + values and runs + values; receivers overwrite in place. A receiver
+    that is new, restarted, failed or missed a call gets a dense refit of its regions in
+    the same call. Device bindings diff and apply on their device with JAX or torch ops
+    (``xreshard.runtime.delta_device``). With ``relay`` (host bindings), a forwarding rank
     keeps a baseline of what it forwards too and sends its forwards as deltas under the
     same per-pair fences (see :mod:`xreshard.planner.relay`)."""
 
@@ -162,7 +164,23 @@ class Tuning:
     """Remember the layouts the adapters built across calls (``Refit.layout_memo``);
     False builds every layout anew on every call (to measure what the memo saves)."""
 
+    delta_baseline: str = "host"
+    """``RefitConfig(delta=True)`` with device bindings: where a sender keeps the bytes it
+    last sent. "host" (as many bytes of host memory as it sends; each diff uploads them)
+    or "device" (as many bytes of the device's memory, no transfer; reported as
+    ``RefitReport.delta["baseline_device_bytes"]``). Host bindings keep them on the host."""
+    device_kernels: str = "auto"
+    """Which framework's ops run a refit's work on device memory (the delta diff and apply,
+    FP8 quantizing): "jax", "torch" or "auto" (a sender: JAX in a process that loaded JAX,
+    else torch; a receiver: torch where installed, else JAX)."""
+
     def __post_init__(self) -> None:
+        if self.delta_baseline not in ("host", "device"):
+            raise RefitError(f"Tuning.delta_baseline must be 'host' or 'device', got "
+                             f"{self.delta_baseline!r}")
+        if self.device_kernels not in ("auto", "jax", "torch"):
+            raise RefitError(f"Tuning.device_kernels must be 'auto', 'jax' or 'torch', got "
+                             f"{self.device_kernels!r}")
         if self.executor not in EXECUTORS:
             raise RefitError(f"Tuning.executor must be one of {EXECUTORS}, got "
                              f"{self.executor!r}")
@@ -173,16 +191,20 @@ class Tuning:
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> Tuning:
         """The default tuning, from ``XRESHARD_EXECUTOR`` (``pipelined``, the default, or
-        ``rounds``; the table of variables is in docs/extending.md).
+        ``rounds``), ``XRESHARD_DELTA_BASELINE`` (``host`` or ``device``) and
+        ``XRESHARD_DEVICE_KERNELS`` (``auto``, ``jax`` or ``torch``); the table of
+        variables is in docs/extending.md.
 
         Raises:
-            RefitError: an unknown ``XRESHARD_EXECUTOR``.
+            RefitError: an unknown value of one of them.
         """
         env = os.environ if environ is None else environ
         kind = env.get("XRESHARD_EXECUTOR", "pipelined").strip().lower()
         if kind not in EXECUTORS:
             raise RefitError(f"XRESHARD_EXECUTOR={kind!r}: expected 'pipelined' or 'rounds'")
-        return cls(executor=kind)
+        baseline = env.get("XRESHARD_DELTA_BASELINE", "host").strip().lower()
+        kernels = env.get("XRESHARD_DEVICE_KERNELS", "auto").strip().lower()
+        return cls(executor=kind, delta_baseline=baseline, device_kernels=kernels)
 
 
 @dataclass(frozen=True)
@@ -251,7 +273,8 @@ class RefitReport:
     senders put on the wire, headers included; also ``bytes_sent``), ``num_delta``
     (buckets sent encoded), ``encode_seconds`` (finding and encoding the changes: wall
     time of the encoder, which may start before the move), ``encode_threads`` and
-    ``baseline_bytes`` (host memory its baselines hold). None without delta."""
+    ``baseline_bytes`` (memory its baselines hold), ``baseline_device_bytes`` (of it, device
+    memory: ``Tuning(delta_baseline="device")``). None without delta."""
 
     @property
     def setup_seconds(self) -> float:

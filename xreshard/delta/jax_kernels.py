@@ -20,7 +20,7 @@ import numpy as np
 from .codec import (BITMASK, DENSE, RUNS, DeltaFormatError, Encoded, Header, choose,
                     dense_wins_without_runs, parse)
 
-__all__ = ["encode_jax", "apply_jax"]
+__all__ = ["encode_jax", "apply_jax", "encode_bytes", "apply_bytes", "byte_words"]
 
 _LIMIT = (1 << 31) - 1      # JAX counts in int32 without x64
 
@@ -109,7 +109,45 @@ def encode_jax(old: Any, new: Any) -> Encoded:
                                "elements (buckets are far smaller)")
     if isz not in (1, 2, 4, 8, 16):
         raise DeltaFormatError(f"elements of {isz} bytes; the delta format takes 1-16")
-    o, w = _words(old), _words(new)
+    return _encode_words(_words(old), _words(new), isz, n)
+
+
+def byte_words(x: Any, itemsize: int, what: str) -> Any:
+    """A flat uint8 array (a bucket's bytes) as words of ``itemsize``-byte elements: ``(n,)``
+    unsigned ints up to 4 bytes, ``(n, itemsize // 4)`` uint32 for 8 and 16 (no x64)."""
+    jax = _jax()
+    jnp = jax.numpy
+    if x.ndim != 1 or x.dtype != jnp.uint8:
+        raise ValueError(f"{what}: expected a flat uint8 array, got {x.shape} {x.dtype}")
+    if itemsize not in (1, 2, 4, 8, 16) or x.shape[0] % itemsize:
+        raise DeltaFormatError(f"{what}: {x.shape[0]} bytes are not whole elements of "
+                               f"{itemsize} bytes (the delta format takes 1-16)")
+    if itemsize == 1:
+        return x
+    if itemsize <= 4:
+        return jax.lax.bitcast_convert_type(x.reshape(-1, itemsize),
+                                            {2: jnp.uint16, 4: jnp.uint32}[itemsize])
+    return jax.lax.bitcast_convert_type(x.reshape(-1, itemsize // 4, 4), jnp.uint32)
+
+
+def encode_bytes(old: Any, new: Any, itemsize: int) -> Encoded:
+    """:func:`encode_jax` of two flat uint8 arrays (one device's buffers: a bucket's bytes,
+    as the executor holds them) whose elements are ``itemsize`` bytes: the same message as
+    the numpy kernels give for those elements (8- and 16-byte elements need no x64)."""
+    _one_device(old, "baseline")
+    _one_device(new, "new")
+    if old.shape != new.shape:
+        raise ValueError(f"baseline of {old.shape[0]} bytes, new of {new.shape[0]}: a delta "
+                         "compares two versions of the same region")
+    n = new.shape[0] // itemsize if itemsize else 0
+    if n > _LIMIT:
+        raise DeltaFormatError(f"{n} elements: the JAX kernels take regions under 2**31 "
+                               "elements (buckets are far smaller)")
+    return _encode_words(byte_words(old, itemsize, "baseline"),
+                         byte_words(new, itemsize, "new"), itemsize, n)
+
+
+def _encode_words(o: Any, w: Any, isz: int, n: int) -> Encoded:
     if n == 0:      # nothing to compare; choose() says dense, as for every backend
         return Encoded(Header(choose(0, 0, 0, isz), isz, 0, 0, 0), (np.zeros(0, np.uint8),))
     diff, count, nruns = _find()(o, w)
@@ -152,3 +190,27 @@ def apply_jax(message: Any, target: Any, *, on_host: bool = False) -> Any:
     back = out.astype(bool) if target.dtype == jnp.bool_ else \
         jax.lax.bitcast_convert_type(out, target.dtype)
     return jax.device_put(back.reshape(target.shape), device)
+
+
+def apply_bytes(message: Any, target: Any, itemsize: int) -> Any:
+    """:func:`apply_jax` to a flat uint8 array (a bucket's bytes on one device) whose
+    elements are ``itemsize`` bytes: a new flat uint8 array on its device (validated on
+    the host first: a malformed message raises with nothing computed)."""
+    jax = _jax()
+    jnp = jax.numpy
+    _one_device(target, "target")
+    device = next(iter(target.sharding.device_set))
+    w = byte_words(target, itemsize, "target")
+    msg = parse(message, itemsize, w.shape[0])
+    if msg.header.kind != DENSE and msg.header.count == 0:
+        return target
+    values = jax.device_put(np.asarray(msg.values).view(np.dtype(w.dtype.name)).reshape(
+        (-1,) + w.shape[1:]), device)
+    if msg.header.kind == DENSE:
+        out = values
+    else:
+        idx = msg.mask().nonzero()[0] if msg.header.kind == BITMASK else msg.indices()
+        out = w.at[jax.device_put(idx.astype(np.int32), device)].set(values)
+    if itemsize == 1:
+        return out
+    return jax.lax.bitcast_convert_type(out, jnp.uint8).reshape(-1)

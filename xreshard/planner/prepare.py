@@ -280,6 +280,7 @@ def _relay_quantized(direct: Plan, topology: Any, options: CallOptions,
                                 lag=2 if options.delta else 1, quantized=quant.tensors,
                                 bucket_bytes=options.bucket_bytes, staging_bytes=staging)
     q = with_scratch(quant, plan1, ranks)
+    assert q is not None        # quant is not None here, nor is its scratch
     scales = {qt.scale for qt in quant.tensors.values()}
     forwarded_fp8 = sum(t.nbytes for t in plan2.iter_transfers()
                         if t.name in quant.tensors or t.name in scales)

@@ -524,7 +524,9 @@ class _Server:
                     n += 1
                     if self._next_op(store, req, n, timeout) != "serve":
                         break
-                    version, (bound, ranks) = _agreed_version(sub, self, timeout)
+                    version, snap = _agreed_version(sub, self, timeout)
+                    assert snap is not None     # a server always has its snapshot
+                    bound, ranks = snap
                     send = restricted(bound, ranks, dict(zip(ranks, sub.rank_ids)))
                     if inner is None:
                         inner = _inner(sub, refit.config, kind, send=send)

@@ -234,7 +234,7 @@ class DeltaExecutor(Executor):
         if encoder is None or not set(wanted) <= encoder.buckets:
             if encoder is not None:
                 encoder.stop()
-            encoder = call.encoder = Encoder(self, [(b, base) for b in wanted
+            encoder = call.encoder = self._encoder([(b, base) for b in wanted
                                                     if (base := call.baseline(b)) is not None])
         else:
             want = set(wanted)
@@ -320,7 +320,7 @@ class DeltaExecutor(Executor):
                     for b in self._landing]
         self._landing = [b for b in buckets if b.dst in self._local_dst]
         call.local_dst.update(b.dst for b in self._landing)
-        heads_in = {b: np.empty(HEADER_BYTES, np.uint8) for b in self._landing
+        heads_in = {b: self._buffer(b.dst, HEADER_BYTES) for b in self._landing
                     if (b.src, b.dst) in call.pairs and delta_unit(self, b) is not None}
         sends = [b for b in buckets if b.src in self._local_src]
         call.sent_pairs.update((b.src, b.dst) for b in sends)
@@ -337,7 +337,7 @@ class DeltaExecutor(Executor):
             copies = [self._send_payload(b, enc, offsets, stats) for b, enc in previous]
             for base, new in copies:
                 if base is not None:
-                    np.copyto(base, new)
+                    self._keep_dense(base, new)
             for b in sends:
                 self._send_header(b, stats)
         for b, buf, how in incoming:
@@ -357,7 +357,7 @@ class DeltaExecutor(Executor):
                 unit = delta_unit(self, b)
                 n = b.nbytes // unit
                 enc = Encoded(None, Header(DENSE, unit, n, n, 0), 0.0)
-            head = np.frombuffer(enc.header.pack(), np.uint8)
+            head = self._outgoing(b.src, np.frombuffer(enc.header.pack(), np.uint8))
             self.transport.send(head, b.src, b.dst, b.tag)
             call.bytes_wire += HEADER_BYTES
             self._count_wire(b, HEADER_BYTES, stats)
@@ -376,7 +376,7 @@ class DeltaExecutor(Executor):
                 self.transport.send(enc.message, b.src, b.dst, b.tag)
                 call.bytes_wire += enc.message.nbytes
                 self._count_wire(b, enc.message.nbytes, stats)
-                apply_numpy(enc.message, call.baseline(b).view(bits_dtype(enc.header.itemsize)))
+                self._advance(enc, call.baseline(b))
             return None, None
         new = self._message(b, offsets, stats)
         self.transport.send(new, b.src, b.dst, b.tag)
@@ -384,7 +384,7 @@ class DeltaExecutor(Executor):
         self._count_wire(b, b.nbytes, stats)
         if delta_unit(self, b) is None:
             return None, None
-        return call.baseline(b, create=True), new
+        return call.baseline(b, create=True, alloc=self._baseline_alloc(b)), new
 
     def _incoming(self, b: Bucket, head: np.ndarray | None, offsets: dict,
                   stats: ExecStats) -> tuple[Any, str]:
@@ -395,12 +395,12 @@ class DeltaExecutor(Executor):
             stats.bytes_received += HEADER_BYTES
             unit = delta_unit(self, b)
             assert unit is not None
-            header = read_header(head, unit, b.nbytes // unit)
+            header = read_header(self._host(head), unit, b.nbytes // unit)
             if header.kind != DENSE and not header.count:
                 return None, "unchanged"
             if header.kind != DENSE:
                 stats.bytes_received += header.nbytes
-                return np.empty(header.nbytes, np.uint8), "apply"
+                return self._buffer(b.dst, header.nbytes), "apply"
         stats.bytes_received += b.nbytes
         buf = self._zero_copy_recv(b)
         if buf is not None:
@@ -413,8 +413,41 @@ class DeltaExecutor(Executor):
         destination items themselves; a strided one read into scratch and written back)."""
         if how == "unpack":
             self._unpack(b, buf)
-        if how != "apply":
-            return
+        if how == "apply":
+            self._apply(b, buf)
+
+    # ------------------------------------------------------------ memory hooks
+    # host memory here; the device path (delta_device.DeviceDeltaExecutor) overrides them
+
+    def _encoder(self, jobs: Sequence[tuple[Bucket, np.ndarray]]) -> Encoder:
+        return Encoder(self, jobs)
+
+    def _buffer(self, rank: int, nbytes: int) -> Any:
+        """An uninitialized message buffer of ``nbytes`` for ``rank``'s memory."""
+        return np.empty(nbytes, np.uint8)
+
+    def _outgoing(self, rank: int, data: np.ndarray) -> Any:
+        """Host bytes ``data`` (a header) where ``rank``'s transport sends from."""
+        return data
+
+    def _host(self, buf: Any) -> np.ndarray:
+        """A received buffer's bytes in host memory."""
+        return buf
+
+    def _baseline_alloc(self, b: Bucket) -> Callable[[int], Any] | None:
+        """How bucket ``b``'s baseline is allocated (None: host memory)."""
+        return None
+
+    def _keep_dense(self, base: Any, new: Any) -> None:
+        """A dense bucket's bytes ``new`` (being sent) into its baseline ``base``."""
+        np.copyto(base, new)
+
+    def _advance(self, enc: Encoded, base: Any) -> None:
+        """A sent delta ``enc`` applied to its baseline ``base``."""
+        apply_numpy(enc.message, base.view(bits_dtype(enc.header.itemsize)))
+
+    def _apply(self, b: Bucket, buf: Any) -> None:
+        """Apply the delta ``buf`` to bucket ``b``'s destination items in place."""
         unit = delta_unit(self, b)
         bits = bits_dtype(unit)
         bindings = self.tables[b.stage].dst_bindings

@@ -44,10 +44,11 @@ work only when the schedule stayed and the pair goes as a delta, and it is stopp
 the call returns, whatever happened.
 
 Buckets whose receiver casts (its dtype is not the wire dtype) always go dense: the
-receiver could not read its base back bit for bit. Delta runs on host bindings (device
-bindings are refused before any byte moves). Through a relay, a forwarding rank is the
-sender of its forwarded pairs: it keeps their baselines and claims them like any sender
-(why, and how forwards are timed: :mod:`xreshard.planner.relay`).
+receiver could not read its base back bit for bit. Device bindings take the device path
+(:mod:`.delta_device`: the diff with JAX or torch ops on the device, baselines on the host
+or the device). Through a relay (host bindings), a forwarding rank is the sender of its
+forwarded pairs: it keeps their baselines and claims them like any sender (why, and how
+forwards are timed: :mod:`xreshard.planner.relay`).
 """
 
 from __future__ import annotations
@@ -68,18 +69,27 @@ from .metadata import fit
 __all__ = ["DeltaCall", "DeltaState", "delta_problems"]
 
 
-def delta_problems(config: Any, on_device: bool, quantized: bool = False) -> list[list[str]]:
+def delta_problems(config: Any, on_device: bool, quantized: bool = False, *,
+                   tuning: Any = None, sides: tuple[bool, bool] = (True, True)
+                   ) -> list[list[str]]:
     """What ``RefitConfig(delta=True)`` cannot run in this process, as error entries for
-    ``refit/check`` (refused on every process before any byte moves): device bindings,
-    destinations quantized on the way (FP8 items are packed per region, not diffed), and
-    ``atomic=True`` (its shadow destinations are not fenced)."""
+    ``refit/check`` (refused on every process before any byte moves): device bindings
+    without a framework to diff or apply on the device (:mod:`.delta_device`;
+    ``sides``: whether this process sends, receives), destinations quantized on the way
+    (FP8 items are packed per region, not diffed), and ``atomic=True`` (its shadow
+    destinations are not fenced)."""
     if not getattr(config, "delta", False):
         return []
     found = []
     if on_device:
-        found.append(["RefitError", "RefitConfig(delta=True) moves host bindings only in this "
-                      "version, and this process binds device memory; run with delta=False "
-                      "(or hold the weights in host memory)"])
+        from ..config import Tuning
+        from .delta_device import device_delta_problems
+        found += device_delta_problems(tuning or Tuning(), *sides)
+        if getattr(config, "relay", "off") != "off":
+            found.append(["RefitError", "RefitConfig(delta=True) with relay="
+                          f"{config.relay!r} forwards deltas from host bindings only in this "
+                          "version, and this process binds device memory; pass relay='off' "
+                          "(or delta=False)"])
     if quantized:
         found.append(["RefitError", "RefitConfig(delta=True) does not diff destinations "
                       "quantized on the way (FP8) in this version; run with delta=False"])
@@ -118,8 +128,16 @@ class DeltaState:
 
     @property
     def baseline_bytes(self) -> int:
-        """Host memory the senders' baselines take (the bytes this process sends per call)."""
+        """Memory the senders' baselines take, host and device (the bytes this process
+        sends per call)."""
         return sum(buf.nbytes for b in self.sent.values() for buf in b.buffers.values())
+
+    @property
+    def baseline_device_bytes(self) -> int:
+        """Of :attr:`baseline_bytes`, what device memory holds
+        (``Tuning(delta_baseline="device")``)."""
+        return sum(buf.nbytes for b in self.sent.values() for buf in b.buffers.values()
+                   if not isinstance(buf, np.ndarray))
 
     def reset(self) -> None:
         """Forget every claim (the memory stays for reuse): the next call is dense."""
@@ -165,6 +183,9 @@ class DeltaState:
         when the schedule stayed; :meth:`stop_ahead` ends it (call it whatever happens)."""
         self.stop_ahead()
         if prepared is None or src is None or prepared.stages[0].src_from != SOURCES:
+            return
+        from .delta_device import device_path
+        if device_path(src.bindings):       # device memory: encoded in the call
             return
         from .delta_exec import ENCODE_THREADS, Encoder, delta_unit
         st = prepared.stages[0]
@@ -265,8 +286,7 @@ def fingerprint(dst: Any, receive_obj: Any) -> tuple[str, str]:
     for key in sorted(dst.bindings, key=repr):
         value = dst.bindings[key]
         for arr in value if isinstance(value, (list, tuple)) else (value,):
-            where.update(repr((key, arr.__array_interface__["data"][0], arr.shape,
-                               arr.strides)).encode())
+            where.update(repr((key, _address(arr), arr.shape, arr.strides)).encode())
             arrays.append(arr)
     from . import verify
     # by content, never torch write counters: fused optimizers, ``.data`` and numpy views
@@ -305,17 +325,21 @@ class DeltaCall:
     encoder: Any = None
     """The ``delta_exec.Encoder`` at work on this call (started ahead, or by the executor)."""
 
-    def baseline(self, b: Bucket, create: bool = False) -> np.ndarray | None:
+    def baseline(self, b: Bucket, create: bool = False, alloc: Any = None) -> Any:
         """Bucket ``b``'s baseline (``b.nbytes`` bytes), or None when there is none of its
-        size; ``create``: a new one then (its contents are set as the bucket is sent)."""
+        size; ``create``: a new one then (its contents are set as the bucket is sent),
+        from ``alloc(nbytes)`` (None: host memory; a baseline held in another kind of
+        memory than ``alloc`` gives is replaced)."""
         pair = self.state.sent.get((b.src, b.dst))
         if pair is None:
             if not create:
                 return None
             pair = self.state.sent[(b.src, b.dst)] = _Baseline()
         base = pair.buffers.get(b.tag)
-        if (base is None or base.nbytes != b.nbytes) and create:
-            base = pair.buffers[b.tag] = np.empty(b.nbytes, np.uint8)
+        alloc = alloc or _host_bytes
+        if create and (base is None or base.nbytes != b.nbytes
+                       or type(base) is not type(alloc(0))):
+            base = pair.buffers[b.tag] = alloc(b.nbytes)
         return base if base is not None and base.nbytes == b.nbytes else None
 
     def summary(self) -> dict[str, Any]:
@@ -323,7 +347,18 @@ class DeltaCall:
                 "bytes_dense": self.bytes_dense, "bytes_wire": self.bytes_wire,
                 "num_delta": self.num_delta, "encode_seconds": self.encode_seconds,
                 "encode_threads": self.encode_threads,
-                "baseline_bytes": self.state.baseline_bytes}
+                "baseline_bytes": self.state.baseline_bytes,
+                "baseline_device_bytes": self.state.baseline_device_bytes}
+
+
+def _address(arr: Any) -> int:
+    """Where ``arr``'s data starts: host (numpy) or device (CUDA Array Interface)."""
+    face = getattr(arr, "__array_interface__", None) or arr.__cuda_array_interface__
+    return int(face["data"][0])
+
+
+def _host_bytes(n: int) -> np.ndarray:
+    return np.empty(n, np.uint8)
 
 
 def __getattr__(name: str) -> Any:

@@ -447,7 +447,12 @@ class Executor:
                 raise RefitError("casts this refit needs cannot run on the GPU: "
                                  + "; ".join(problems[:10]) + " - send the tensor in its "
                                  "own dtype (wire_dtype), or cast it in the framework first")
-            quantized.refuse_devices(self.quant)
+            # FP8 quantizes on the devices (quantize_device); refused only without a
+            # framework to run the quantizers there
+            quantized.refuse_devices(self.quant, any(self._device.get(r) is not None
+                                                     for r in self._local_src),
+                                     any(self._device.get(r) is not None
+                                         for r in self._local_dst))
             for dev in gpus:
                 cuda_preflight(dev)
             _order_after_current(gpus)      # own streams after the bindings' producers
@@ -659,9 +664,10 @@ def run(prepared: PreparedCall, bindings: StageBindings, transport: Transport, *
                      dsts[k]) for k, st in enumerate(prepared.stages)]
     kind: Any = Executor
     extra: dict[str, Any] = {}
-    if delta is not None:
-        from .delta_exec import DeltaExecutor
-        kind, extra = DeltaExecutor, {"delta": delta}
+    if delta is not None:       # host or device memory: see delta_device
+        from .delta_device import executor_for
+        kind, extra = executor_for(bindings, tuning)
+        extra["delta"] = delta
     executor = kind(prepared.schedule, *tables[0], transport, timeout,
                     pipeline=tuning.executor == "pipelined",
                     staging_bytes=prepared.options.staging_bytes,

@@ -17,9 +17,9 @@ inside its pipeline:
   receiver holds (:func:`sent_bytes`, :func:`received_bytes`), and per group of split
   blocks what their receiver quantized (:func:`finished_bytes`).
 
-Host bindings only: quantizing on a GPU inside the executor needs a CUDA quantizer
-(TODO(issue 20): a CuPy or torch kernel on xreshard's stream); device bindings are refused
-before anything moves.
+Device bindings quantize on their device (:mod:`.quantize_device`: JAX's jitted or torch's
+quantizer, the same bytes); the dispatch is in :func:`quantize_values`, :func:`_values` and
+:func:`scratch_bindings`.
 """
 
 from __future__ import annotations
@@ -29,10 +29,10 @@ from typing import Any, Iterator, Mapping
 
 import numpy as np
 
-from ..dtypes import bits_dtype, numpy_dtype
+from ..dtypes import bits_dtype, itemsize, numpy_dtype
 from ..ir.formats import MXFP8
 from ..planner.quantize import core_of, rest_boxes
-from .copies import copy_into, view_of
+from .copies import array_module, copy_into, view_of
 
 __all__ = ["pack", "unpack", "copy_local", "finish", "scratch_bindings", "quantize_values",
            "count", "copies", "refuse_devices", "with_scratch", "sent_bytes",
@@ -45,14 +45,22 @@ __all__ = ["pack", "unpack", "copy_local", "finish", "scratch_bindings", "quanti
 JAX_MIN_ELEMENTS = 1 << 16
 
 
-def quantize_values(values: np.ndarray, fmt: Any, name: str) -> tuple[np.ndarray, np.ndarray]:
-    """``(codes, scales)`` of ``values`` (numpy, a dtype the format quantizes).
+def quantize_values(values: Any, fmt: Any, name: str, dtype: str | None = None,
+                    role: str = "send") -> tuple[Any, Any]:
+    """``(codes, scales)`` of ``values`` (a dtype the format quantizes; ``dtype``: the
+    canonical one, when ``values`` is a raw-bits view).
+
+    Device memory is quantized on its device (:func:`.quantize_device.quantize`; ``role``:
+    "send" or "receive" picks the framework there).
 
     Identical bytes whichever runs (``tests/test_quant.py``): in a process that has JAX
     loaded (a JAX trainer, whose CPU arrays are host memory), large regions go through
     :mod:`xreshard.quant.jax_ops` on its CPU device - jitted per shape, ~5x numpy's
     throughput per CPU-second (``benchmarks/RESULTS.md``); else :mod:`xreshard.quant.host`.
     """
+    from . import quantize_device
+    if quantize_device.takes_device(values):
+        return quantize_device.quantize(values, fmt, name, dtype, role)
     jax = sys.modules.get("jax")
     if jax is not None and values.size >= JAX_MIN_ELEMENTS:
         from ..quant import jax_ops
@@ -77,6 +85,11 @@ def _values(src: Any, src_dtype: str, values: str) -> np.ndarray:
     cast as the wire casts (``copy_into``), contiguous (``src`` itself when it is)."""
     if src_dtype == values and isinstance(src, np.ndarray) and src.flags.c_contiguous:
         return src.view(numpy_dtype(values))
+    if not isinstance(src, np.ndarray):     # device memory: bits of ``values`` there
+        xp = array_module(src)
+        out = xp.empty(src.shape, bits_dtype(itemsize(values)))
+        copy_into(xp, out, values, src, src_dtype)
+        return out
     out = np.empty(src.shape, numpy_dtype(values))
     copy_into(np, out, values, src, src_dtype)
     return out
@@ -98,7 +111,8 @@ def pack(e: Any, buf: np.ndarray, bindings: Mapping, item: Any) -> None:
     """Quantize the region of FP8 step ``e`` from its source binding into ``buf``."""
     q = e.quant
     src = item(bindings[e.key], e.index, e.slices)
-    codes, scales = quantize_values(_values(src, e.dtype, q.values), q.format, e.key[1])
+    codes, scales = quantize_values(_values(src, e.dtype, q.values), q.format, e.key[1],
+                                    q.values)
     buf[e.lo:e.lo + q.scale_bytes] = scales.reshape(-1).view(np.uint8)
     buf[e.lo + q.scale_bytes:e.hi] = codes.reshape(-1).view(np.uint8)
 
@@ -130,7 +144,8 @@ def _write(quant: Any, rank: int, name: str, region: Any, values: np.ndarray,
            dst_bindings: Mapping) -> None:
     """Quantize ``values`` (the region ``region`` of ``name``, whole blocks) into the
     codes' and the scales' bindings of ``rank``."""
-    codes, scales = quantize_values(values, quant.tensors[name].format, name)
+    codes, scales = quantize_values(values, quant.tensors[name].format, name,
+                                    quant.wire[name], "receive")
     codes_view, scales_view = _dst_views(quant, rank, name, region, dst_bindings)
     _put(codes_view, codes)
     _put(scales_view, scales)
@@ -160,36 +175,39 @@ def copy_local(c: Any, quant: Any, tables: Any) -> int:
     return c.nbytes
 
 
-def refuse_devices(quant: Any) -> None:
-    """Raise ``RefitError`` when a call that quantizes on the way has device bindings."""
-    if quant is not None:
+def refuse_devices(quant: Any, sends: bool = True, receives: bool = True) -> None:
+    """Raise ``RefitError`` when a call that quantizes on the way has device bindings this
+    process cannot quantize on their device (neither JAX nor torch installed)."""
+    from .quantize_device import device_problems
+    found = device_problems(quant, sends, receives)
+    if found:
         from ..errors import RefitError
-        raise RefitError(f"tensors quantized on the way ({', '.join(sorted(quant.tensors)[:3])}"
-                         f"{', ...' if len(quant.tensors) > 3 else ''}) have GPU bindings in "
-                         "this refit, but the executor quantizes host memory only (no CUDA "
-                         "quantizer on its stream yet); nothing was moved. Send these "
-                         "tensors from host memory, or quantize them in the trainer "
-                         "(xreshard.quant.quantize on the device) and offer the codes and "
-                         "scales, which move as they are")
+        raise RefitError("; ".join(found) + "; nothing was moved. Send these tensors from "
+                         "host memory, or quantize them in the trainer (xreshard.quant."
+                         "quantize on the device) and offer the codes and scales")
 
 
 def with_scratch(quant: Any, dsts: Any, cache: dict | None) -> list:
     """Each stage's destination bindings, stage 0's with the receivers' scratch buffers."""
     dsts = list(dsts)
     if quant is not None:
-        dsts[0] = {**dsts[0], **scratch_bindings(quant, cache)}
+        dsts[0] = {**dsts[0], **scratch_bindings(quant, cache, dsts[0])}
     return dsts
 
 
-def scratch_bindings(quant: Any, cache: dict | None) -> dict:
+def scratch_bindings(quant: Any, cache: dict | None, dst_bindings: Mapping | None = None
+                     ) -> dict:
     """``Scratch.key`` -> a buffer of the scratch's region in its wire dtype, kept in
-    ``cache`` (the call's program cache) across runs."""
+    ``cache`` (the call's program cache) across runs; in the memory of its receiver's
+    ``dst_bindings`` (a device: :func:`.quantize_device.scratch_like`)."""
     if quant is None:
         return {}
     cache = {} if cache is None else cache
     out = cache.get("quant scratch")
     if out is None:
-        out = {s.key: np.zeros(s.region.shape, numpy_dtype(quant.wire[s.name]))
+        from .quantize_device import scratch_like
+        out = {s.key: scratch_like(dst_bindings or {}, s.rank, s.region.shape,
+                                   quant.wire[s.name])
                for ss in quant.scratch.values() for s in ss}
         cache["quant scratch"] = out
     return out
@@ -209,9 +227,11 @@ def finish(quant: Any, dst_bindings: Mapping) -> int:
                 region = qt.format.data_region(blocks, qt.shape)
                 rel = tuple(slice(a - o, z - o) for a, z, o in zip(
                     region.starts, region.stops, s.region.starts))
-                values = np.ascontiguousarray(buf[rel])
+                values = array_module(buf).ascontiguousarray(buf[rel])
                 _write(quant, s.rank, s.name, region, values, dst_bindings)
                 done += values.nbytes
+    from .quantize_device import settle
+    settle(dst_bindings)
     return done
 
 
@@ -234,8 +254,9 @@ def _relative(region: Any, outer: Any) -> tuple[slice, ...]:
                                                        outer.starts))
 
 
-def _bytes(a: np.ndarray) -> np.ndarray:
-    return np.ascontiguousarray(a).reshape(-1).view(np.uint8)
+def _bytes(a: Any) -> np.ndarray:
+    from .quantize_device import host_bytes
+    return host_bytes(a)
 
 
 def sent_bytes(quant: Any, name: str, region: Any, src: Any, src_dtype: str
@@ -250,7 +271,8 @@ def sent_bytes(quant: Any, name: str, region: Any, src: Any, src_dtype: str
     values = _values(src, src_dtype, quant.wire[name])
     core = core_of(qt, region)
     if core is not None:
-        yield from _quantized_bytes(values[_relative(core, region)], qt.format, name)
+        yield from _quantized_bytes(values[_relative(core, region)], qt.format, name,
+                                    quant.wire[name])
     for box in rest_boxes(region, core):
         yield _bytes(values[_relative(box, region)])
 
@@ -342,12 +364,14 @@ def finished_bytes(quant: Any, rank: int, dst_bindings: Mapping
                 region = qt.format.data_region(blocks, qt.shape)
                 yield (name + FINISHED, region,
                        _quantized_bytes(dst_bindings[s.key][_relative(region, s.region)],
-                                        qt.format, name),
+                                        qt.format, name, quant.wire[name], "receive"),
                        _held_bytes(quant, rank, name, region, dst_bindings))
 
 
-def _quantized_bytes(values: Any, fmt: Any, name: str) -> Iterator[np.ndarray]:
-    codes, scales = quantize_values(np.ascontiguousarray(values), fmt, name)
+def _quantized_bytes(values: Any, fmt: Any, name: str, dtype: str | None = None,
+                     role: str = "send") -> Iterator[np.ndarray]:
+    codes, scales = quantize_values(array_module(values).ascontiguousarray(values), fmt,
+                                    name, dtype, role)
     yield _bytes(scales)
     yield _bytes(codes)
 

@@ -1,0 +1,260 @@
+"""Delta refit with device bindings (``RefitConfig(delta=True)`` on GPU memory).
+
+The host delta executor (:mod:`.delta_exec`) with its memory hooks pointed at the devices:
+
+```
+ sender rank s (device d)                          receiver rank r (device e)
+ encoder thread: new bytes of the bucket           header (32 bytes, device) sizes the
+   (the bound view, or packed on d)                  receive
+   baseline on d (Tuning(delta_baseline=           payload: the encoded message only,
+   "device")) or uploaded from the host              into device memory (NCCL)
+   diff + encode with JAX (jitted) or torch        validated on the host (a copy of the
+   ops on d: only the message is built               message, its size), applied in place
+ baseline <- message applied / bytes copied          with torch ops on e
+```
+
+Which framework runs the ops: :func:`xreshard.runtime.device_ops.ops_for` (a JAX trainer
+diffs with jitted JAX, a torch process with torch ops; ``Tuning(device_kernels=...)``
+overrides). Where a sender keeps its baselines: ``Tuning(delta_baseline="host")`` (the
+default: as many bytes of host memory as it sends, uploaded for each diff: one PCIe crossing
+of the baseline per call) or ``"device"`` (as many bytes of device memory, no transfer;
+``RefitReport.delta["baseline_device_bytes"]``). The fences, the encoding choice and the
+message bytes are the host path's (tests compare them byte for byte).
+
+Tests without a GPU run this same code on host bindings, the arrays numpy instead of CuPy
+and the ops on the framework's CPU device (``XRESHARD_TEST_DEVICE_OPS``, see
+:mod:`.device_ops`).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any, Callable, Mapping, Sequence
+
+import numpy as np
+
+from ..config import Tuning
+from ..delta.host import apply_numpy
+from ..dtypes import bits_dtype
+from ..planner.schedule import Bucket
+from .copies import array_module, copy_into
+from .delta_exec import DeltaExecutor, Encoded, Encoder, delta_unit
+from .devices import device_ctx
+from .device_ops import DeviceOps, is_host, ops_for, test_switch
+
+__all__ = ["DeviceDeltaExecutor", "DeviceEncoder", "executor_for", "device_path",
+           "device_delta_problems"]
+
+
+def device_path(*bindings: Mapping[Any, Any]) -> bool:
+    """Whether a delta call over these bindings takes the device path: some binding is
+    device memory, or the test switch asks for it."""
+    if test_switch() is not None:
+        return True
+    for side in bindings:
+        for b in side.values():
+            for arr in (b if isinstance(b, (list, tuple)) else (b,)):
+                if not is_host(arr):
+                    return True
+    return False
+
+
+def executor_for(bindings: Any, tuning: Tuning) -> tuple[type, dict[str, Any]]:
+    """The delta executor class for a call's ``StageBindings`` and its extra arguments."""
+    sides = [*bindings.src, *bindings.dst]
+    if not device_path(*sides):
+        return DeltaExecutor, {}
+    return DeviceDeltaExecutor, {"tuning": tuning}
+
+
+def device_delta_problems(tuning: Tuning, sends: bool, receives: bool) -> list[list[str]]:
+    """What keeps a process with device bindings from a delta call, as ``refit/check``
+    error entries: no framework to run the device ops of the sides it holds."""
+    found = []
+    for role, holds in (("send", sends), ("receive", receives)):
+        if not holds:
+            continue
+        try:
+            ops_for(role, tuning.device_kernels)
+        except Exception as e:      # noqa: BLE001 - said on every process, before moving
+            found.append(["RefitError", f"RefitConfig(delta=True) with device bindings: {e}"])
+    return found
+
+
+class DeviceEncoder(Encoder):
+    """The encoder of the device path: one worker thread (the framework queues the diffs
+    on its device; a thread keeps the host's waits for the counts off the calling thread,
+    which meanwhile posts the previous round's payloads), buckets in schedule order."""
+
+    def __init__(self, reader: DeviceDeltaExecutor, jobs: Sequence[tuple[Bucket, Any]]):
+        super().__init__(reader, jobs, threads=1)
+
+    def _encode(self, b: Bucket, base: Any) -> Encoded | None:
+        if self._stop.is_set():
+            return None
+        t0 = time.perf_counter()
+        ex: DeviceDeltaExecutor = self.reader      # type: ignore[assignment]
+        unit = delta_unit(ex, b)
+        assert unit is not None, "a bucket that cannot go as a delta was given to encode"
+        with ex._on(b.src):
+            new = ex._new_bytes(b, self._scratch)
+            old = ex._near(b.src, base, self._scratch)
+        header, message = ex.send_ops.encode(old, new, unit)
+        out = Encoded(message, header, time.perf_counter() - t0)
+        with self._lock:
+            self.finished = max(self.finished, time.perf_counter())
+        return out
+
+
+class DeviceDeltaExecutor(DeltaExecutor):
+    """:class:`DeltaExecutor` on device memory (see the module docstring).
+
+    Args:
+        tuning: ``delta_baseline`` (where baselines live) and ``device_kernels`` (which
+            framework's ops run the diff, the apply and the quantizers).
+    """
+
+    def __init__(self, *args: Any, tuning: Tuning = Tuning(), **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.baseline_on = tuning.delta_baseline
+        self.send_ops: DeviceOps = ops_for("send", tuning.device_kernels)
+        self.recv_ops: DeviceOps = ops_for("receive", tuning.device_kernels)
+
+    def run(self) -> Any:
+        self._device = self._devices()      # the encoder starts before the rounds
+        return super().run()
+
+    def _group(self, buckets: Sequence[Bucket], stats: Any) -> None:
+        """One group (see :meth:`DeltaExecutor._group`) with xreshard's own stream of the
+        process's device current: packs, unpacks, applies and the transport's posts are
+        ordered on it, and the run's end waits for it (:func:`.devices.wait_devices`).
+        Ranks on several devices: each call's copies wait on the host instead."""
+        devices = sorted({d for d in self._device.values() if d is not None})
+        if len(devices) <= 1:
+            with device_ctx(devices[0] if devices else None):
+                return super()._group(buckets, stats)
+        super()._group(buckets, stats)
+        import cupy
+        for dev in devices:
+            with cupy.cuda.Device(dev):
+                cupy.cuda.get_current_stream().synchronize()
+        return None
+
+    # ------------------------------------------------------------ sender
+
+    def _encoder(self, jobs: Sequence[tuple[Bucket, Any]]) -> Encoder:
+        return DeviceEncoder(self, jobs)
+
+    def _new_bytes(self, b: Bucket, scratch: threading.local) -> Any:
+        """Bucket ``b``'s new bytes on its sender's device: the bound view itself (one
+        contiguous item) or packed into the encoder's scratch there."""
+        view = self._zero_copy_send(b)
+        if view is not None:
+            return view
+        buf = self._scratch_of(scratch, "new", b.src, b.nbytes)
+        self._pack(b, buf)
+        return buf
+
+    def _near(self, rank: int, base: Any, scratch: threading.local) -> Any:
+        """The baseline ``base`` where ``rank``'s bytes are: itself, or a host baseline
+        uploaded into the encoder's scratch on the device."""
+        if is_host(base) == (self._device.get(rank) is None):
+            return base
+        buf = self._scratch_of(scratch, "old", rank, base.nbytes)
+        buf.set(base)       # host -> device, on the current (own) stream
+        return buf
+
+    def _scratch_of(self, scratch: threading.local, what: str, rank: int, nbytes: int) -> Any:
+        key = (what, self._device.get(rank))
+        held = getattr(scratch, "bufs", None)
+        if held is None:
+            held = scratch.bufs = {}
+        buf = held.get(key)
+        if buf is None or buf.nbytes < nbytes:
+            held[key] = None
+            buf = held[key] = self._buffer(rank, nbytes)
+        return buf[:nbytes]
+
+    def _baseline_alloc(self, b: Bucket) -> Callable[[int], Any] | None:
+        if self.baseline_on == "device":
+            return lambda n: self._buffer(b.src, n)
+        return None
+
+    def _keep_dense(self, base: Any, new: Any) -> None:
+        if is_host(base) and is_host(new):
+            np.copyto(base, new)
+            return
+        from .devices import own_stream
+        dev = new.device.id if not is_host(new) else base.device.id
+        own_stream(dev).synchronize()           # the packs of ``new`` ran there
+        if is_host(base):
+            new.get(out=base)
+        elif is_host(new):
+            base.set(new)
+        else:
+            import cupy
+            with cupy.cuda.Device(dev):
+                cupy.copyto(base, new)
+                cupy.cuda.get_current_stream().synchronize()
+
+    def _advance(self, enc: Encoded, base: Any) -> None:
+        unit = enc.header.itemsize
+        message = self._host(enc.message)
+        if self.baseline_on == "device":
+            self.recv_ops.apply(message, base, unit)
+        else:
+            apply_numpy(message, base.view(bits_dtype(unit)))
+
+    # ------------------------------------------------------------ memory
+
+    def _buffer(self, rank: int, nbytes: int) -> Any:
+        dev = self._device.get(rank)
+        if dev is None:
+            return np.empty(nbytes, np.uint8)
+        import cupy
+        with self._on(rank):
+            return cupy.empty(nbytes, np.uint8)
+
+    def _outgoing(self, rank: int, data: np.ndarray) -> Any:
+        device = self._device.get(rank)
+        if device is None:
+            return data
+        buf = self._buffer(rank, data.nbytes)
+        with self._on(rank):
+            buf.set(data)
+        from .devices import own_stream
+        own_stream(device).synchronize()    # sent from the transport's stream
+        return buf
+
+    def _host(self, buf: Any) -> np.ndarray:
+        return buf if is_host(buf) else buf.get()
+
+    # ------------------------------------------------------------ receiver
+
+    def _apply(self, b: Bucket, buf: Any) -> None:
+        """Apply the delta ``buf`` to bucket ``b``'s destination items in place on their
+        device: one contiguous item directly, several (or a strided one) gathered into
+        scratch there, applied and written back."""
+        unit = delta_unit(self, b)
+        assert unit is not None
+        message = self._host(buf)
+        bindings = self.tables[b.stage].dst_bindings
+        steps = self.programs.program(b, 1)
+        views = [(bindings[e.key] if e.index is None else bindings[e.key][e.index])[e.slices]
+                 for e in steps]
+        if len(views) == 1 and views[0].flags.c_contiguous and getattr(
+                views[0].flags, "writeable", True):
+            self.recv_ops.apply(message, views[0].reshape(-1).view(np.uint8), unit)
+            return
+        target = self._buffer(b.dst, b.nbytes)
+        with self._on(b.dst):
+            xp = array_module(target)
+            for e, view in zip(steps, views):
+                copy_into(xp, target[e.lo:e.hi].view(e.bits).reshape(e.shape), e.wire, view,
+                          e.dtype)
+        self.recv_ops.apply(message, target, unit)
+        with self._on(b.dst):
+            for e, view in zip(steps, views):
+                copy_into(xp, view, e.dtype, target[e.lo:e.hi].view(e.bits).reshape(e.shape),
+                          e.wire)
