@@ -393,8 +393,13 @@ class Refit:
         assert prepared is not None
         with self.world.limited(timeout):     # creating it (first call) is collective
             transport = self.world.transport(self.config.transport)
+        dst_layouts = dict(prepared.direct.dst_layouts)
+        if prepared.quant is not None:      # scales are bound beside their codes
+            dst_layouts.update({qt.scale: prepared.quant.scales[n]
+                                for n, qt in prepared.quant.tensors.items()
+                                if qt.scale not in dst_layouts})
         bindings = stage_bindings(prepared, fit(src, prepared.direct.src_layouts),
-                                  fit(dst, prepared.direct.dst_layouts))
+                                  fit(dst, dst_layouts))
         moved = Moved()
         before = dict(getattr(transport, "bytes_by_transport", None) or {})
         # sources do not change during a refit: their checksums overlap the move
