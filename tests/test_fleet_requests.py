@@ -227,3 +227,71 @@ def test_leave_during_a_call_finishes_the_call_first():
         assert v["calls"] == [{"version": 2, "lost": [], "exact": True},
                               {"version": 3, "lost": ["rollout[0]"], "exact": True}], v
         assert v["members"] == ["trainer[0]", "rollout[1]"], v
+
+
+class LateReceiver(cases.Receiver):
+    """A receiver that reaches the collectives of its second call late (its binding
+    takes a while)."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = 0
+
+    def build(self, world):
+        self.calls += 1
+        if self.calls == 2:
+            time.sleep(1.5)
+        return super().build(world)
+
+
+def rejoining_member(ctx: Context) -> dict:
+    """rollout[1] leaves after call 1 and joins again from the same process (vLLM's
+    ``remove_engine`` then ``add_engine`` of one engine); it is admitted at call 2, and
+    at call 3 it is late to every collective: its own earlier leave request must not make
+    the others take it for gone."""
+    label = f"{ctx.role.group}[{ctx.role.index}]"
+    trainer = ctx.role.group == "trainer"
+    world = ctx.join(num_processes=3, world_id="w", groups=GROUPS, elastic=True, token=TOKEN,
+                     timeout=60)
+    config = xr.RefitConfig(timeout=CONFIG_TIMEOUT)
+    side = cases.Sender() if trainer else cases.Receiver()
+    refit = xr.Refit(world, config=config, **{
+        ("send" if trainer else "receive"): xr.Rebuilt(side.build)})
+    reports = [refit()]
+    if label == "rollout[1]":
+        world.leave()
+        _flag(ctx, "left")
+        world = _join(ctx)
+        reports = []
+        side = LateReceiver()
+        refit = xr.Refit(world, receive=xr.Rebuilt(side.build), config=config)
+        for version in (2, 3):
+            reports.append(refit())
+            assert side.exact(version)
+    else:
+        _flag(ctx, "left", wait=True)
+        deadline = time.monotonic() + 60
+        while not any(r["kind"] == "join" for r in world.pending()):
+            assert time.monotonic() < deadline, "rollout[1] never asked to join again"
+            time.sleep(0.05)
+        for version in (2, 3):
+            side.version = version
+            reports.append(refit())
+            assert trainer or side.exact(version)
+    out = {"lost": [list(r.lost) for r in reports], "epoch": world.epoch,
+           "members": list(world.members)}
+    world.close()
+    return out
+
+
+def test_a_process_that_left_and_joined_again_is_not_taken_for_gone():
+    roles = [Role("plain", "trainer", 0, num_devices=2), Role("plain", "rollout", 0),
+             Role("plain", "rollout", 1)]
+    results = launch(rejoining_member, roles, timeout=240, check=False, fail_fast=False)
+    for res in results:
+        assert res.ok, res.describe()
+    trainer, r0, r1 = (r.value for r in results)
+    for v in (trainer, r0):
+        assert v["lost"] == [[], ["rollout[1]"], []], v
+    for v in (trainer, r0, r1):
+        assert v["epoch"] == 1 and v["members"] == ["trainer[0]", "rollout[0]", "rollout[1]"], v

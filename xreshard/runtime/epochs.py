@@ -386,9 +386,11 @@ class ElasticWorld:
             return False
         survivors = [p for p in range(len(self._infos)) if p not in lost]
         stay = [self._infos[p] for p in survivors] + [r["info"] for r in joins]
-        # leave requests of the lost, and of no member at all (strays, replays): acted on
-        leaving = [r for r in self.pending() if r["kind"] == "leave"
-                   and not any(same_process(r["info"], info) for info in stay)]
+        # every leave request but a survivor's (who asked out since the check) is acted on:
+        # the lost's, strays', replays', and a rejoining process's own earlier one (it
+        # would otherwise count against it as a member: ``gone``)
+        leaving = [r for r in self.pending() if r["kind"] == "leave" and not any(
+            same_process(r["info"], self._infos[p]) for p in survivors)]
         epoch = m.epoch + 1
         consumed = m.consumed | {r["id"] for r in joins} | {r["id"] for r in leaving}
         labels = [label(info) for info in stay]
