@@ -163,6 +163,16 @@ def test_requests_of_non_members_never_move_the_epoch(scenario):
         assert first["seconds"] < 30, first
 
 
+def _three(fn) -> list:
+    """The values of ``fn`` run as trainer[0] (2 ranks), rollout[0] and rollout[1]."""
+    roles = [Role("plain", "trainer", 0, num_devices=2), Role("plain", "rollout", 0),
+             Role("plain", "rollout", 1)]
+    results = launch(fn, roles, timeout=240, check=False, fail_fast=False)
+    for res in results:
+        assert res.ok, res.describe()
+    return [r.value for r in results]
+
+
 class SlowReceiver(cases.Receiver):
     """A receiver whose binding, at version 2, says so and then takes a while: its
     process's main thread calls ``leave()`` meanwhile, with the call in flight."""
@@ -216,12 +226,7 @@ def leaving_member(ctx: Context) -> dict:
 
 
 def test_leave_during_a_call_finishes_the_call_first():
-    roles = [Role("plain", "trainer", 0, num_devices=2), Role("plain", "rollout", 0),
-             Role("plain", "rollout", 1)]
-    results = launch(leaving_member, roles, timeout=240, check=False, fail_fast=False)
-    for res in results:
-        assert res.ok, res.describe()
-    trainer, r0, r1 = (r.value for r in results)
+    trainer, r0, r1 = _three(leaving_member)
     assert r0 == {"call": {"version": 2, "lost": []}, "exact": True, "closed": True}, r0
     for v in (trainer, r1):
         assert v["calls"] == [{"version": 2, "lost": [], "exact": True},
@@ -285,12 +290,7 @@ def rejoining_member(ctx: Context) -> dict:
 
 
 def test_a_process_that_left_and_joined_again_is_not_taken_for_gone():
-    roles = [Role("plain", "trainer", 0, num_devices=2), Role("plain", "rollout", 0),
-             Role("plain", "rollout", 1)]
-    results = launch(rejoining_member, roles, timeout=240, check=False, fail_fast=False)
-    for res in results:
-        assert res.ok, res.describe()
-    trainer, r0, r1 = (r.value for r in results)
+    trainer, r0, r1 = _three(rejoining_member)
     for v in (trainer, r0):
         assert v["lost"] == [[], ["rollout[1]"], []], v
     for v in (trainer, r0, r1):
