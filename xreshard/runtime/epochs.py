@@ -42,7 +42,6 @@ from typing import Any, Iterable
 
 from ..errors import RefitError
 from ..transport import peers
-from ..transport.base import TransportTimeout
 from .joining import KEY_ROOT, label
 from .store import Seal
 
