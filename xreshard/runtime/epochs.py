@@ -42,13 +42,12 @@ from typing import Any, Iterable
 
 from ..errors import RefitError
 from ..transport import peers
-from ..transport.base import TransportTimeout
 from .joining import KEY_ROOT, label
 from .store import Seal
 
 __all__ = ["ElasticWorld", "Membership", "Request", "epoch_world_id", "gone", "own_start",
            "publish_epoch", "read_entry", "read_epoch", "read_requests", "request",
-           "wait_admitted"]
+           "same_process"]
 
 logger = logging.getLogger("xreshard.runtime.world")
 
@@ -98,18 +97,25 @@ def read_requests(store: Any, seal: Seal, consumed: Iterable[str] = ()) -> list[
             value = seal.open(line, key=key, kind=kind, op=0, process=-1)
             if kind not in ("member/join", "member/leave") or value.get("id") in done:
                 continue
+            done.add(value.get("id"))       # a line appended twice (a replay) counts once
             out.append(Request(value))
         except Exception:       # noqa: BLE001 - garbage or another token's: not a request
             logger.debug("skipped a request line at %s", key, exc_info=True)
     return out
 
 
+def same_process(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    """Whether two join infos name one process (label, host, pid and start time): a leave
+    request counts only for the very process that sent it, not for a later process with
+    its label (a restart) or a reused pid."""
+    return label(a) == label(b) and all(a.get(k) == b.get(k) for k in ("host", "pid", "start"))
+
+
 def gone(info: dict[str, Any], leaving: Iterable[Request]) -> bool:
     """Whether the member ``info`` is known not to come: it asked to leave, or it ran on
     this host and its process (pid and start time) no longer runs."""
     for r in leaving:
-        if r["kind"] == "leave" and r["info"].get("pid") == info.get("pid") \
-                and label(r["info"]) == label(info):
+        if r["kind"] == "leave" and same_process(r["info"], info):
             return True
     start = info.get("start")
     if info.get("host") != socket.gethostname() or not isinstance(start, str):
@@ -130,27 +136,6 @@ def read_epoch(store: Any, seal: Seal) -> dict[str, Any] | None:
     if not store.check([key]):
         return None
     return seal.open(store.get(key), key=key, kind="member/epoch", op=0, process=-1)
-
-
-def wait_admitted(store: Any, seal: Seal, rid: str, deadline: float,
-                  where: str) -> dict[str, Any]:
-    """Wait until an epoch record admits request ``rid``; returns that record.
-
-    Raises:
-        TransportTimeout: no member acted on the request by ``deadline`` (the members run
-            no refit, or none of them has this token).
-    """
-    pause = 0.01
-    while True:
-        record = read_epoch(store, seal)
-        if record is not None and rid in record.get("admitted", ()):
-            return record
-        if time.monotonic() >= deadline:
-            raise TransportTimeout(f"{where}: asked to join the running world, but no "
-                                   f"epoch admitted it in time (members act on join "
-                                   f"requests at their next refit call)")
-        time.sleep(pause)
-        pause = min(pause * 2, 0.1)
 
 
 def read_entry(store: Any, seal: Seal, key: str, kind: str) -> Any:
@@ -184,6 +169,8 @@ class Membership:
         self.consumed = set(consumed)
         #: a process that joined with ``wait=False``: its join info until it is admitted
         self.pending: dict[str, Any] | None = None
+        #: the last admission round (its id, the request ids confirmed in it)
+        self.round: tuple[str, set[str]] | None = None
 
 
 class ElasticWorld:
@@ -230,32 +217,28 @@ class ElasticWorld:
         world is the members' next epoch. Does nothing when admitted already.
 
         Raises:
-            TransportTimeout: no member refit admitted it within the world's timeout; the
-                world is then broken (the members may still admit the request later and
-                would wait for this process: join again with a new process).
+            TransportTimeout: no member refit admitted it within the world's timeout (the
+                request is withdrawn: no member waits for it); the world is then broken.
+            RefitError: the members refused it (a member runs with its group and index).
         """
         m = self._elastic
         if m is None or m.pending is None:
             return
-        from .joining import join_records, member_nonce, numbered
+        from .joining import member_nonce, numbered
         me = m.pending
         where = f"{label(me)} joining world {self._world_id!r} at {self._address}"
         deadline = time.monotonic() + self._timeout
         try:
-            rid = request(self._store, m.base, "join", me)
-            record = wait_admitted(self._store, m.base, rid, deadline, where)
-            epoch, n = int(record["epoch"]), len(record["members"])
-            joined = join_records(self._store, Seal(m.base.token, epoch_world_id(
-                self._world_id, epoch)), me, {"num_processes": n, "groups": m.groups}, n,
-                deadline, self._address)
+            joined, record = _ask_and_form(self._store, m.base, me, m.groups, deadline,
+                                           self._timeout, where, self._address)
             infos, position = numbered(joined.members, m.groups, self._world_id,
                                        (me["group"], me["index"]))
         except Exception as e:      # noqa: BLE001 - no way back into this world
             self.mark_broken(f"admission failed: {type(e).__name__}: {e}")
             raise
-        m.pending, m.epoch, m.consumed = None, epoch, set(record.get("consumed", ()))
+        m.pending, m.epoch, m.consumed = None, int(record["epoch"]), set(record.get("consumed", ()))
         self._enter_epoch(joined, member_nonce(joined), infos, position)
-        logger.debug("admitted %r at epoch %d", self, epoch)
+        logger.debug("admitted %r at epoch %d", self, m.epoch)
 
     def publish(self, key: str, kind: str, body: Any, numbered: bool = False) -> None:
         """Write ``body`` signed with the world's token (not bound to an epoch: a process
@@ -288,7 +271,10 @@ class ElasticWorld:
 
     def leave(self) -> None:
         """Leave an elastic world cleanly: ask out (signed), then close. The members
-        exclude this process at their next collective without waiting for it.
+        exclude this process at their next collective without waiting for it. A call
+        running in another thread finishes first (within the timeout, as ``close``), so
+        the members never lose this process in the middle of a call it is still making.
+        A second call does nothing.
 
         Raises:
             RefitError: the world is not elastic (close it; its members cannot go on).
@@ -296,10 +282,16 @@ class ElasticWorld:
         if self._elastic is None:
             raise RefitError(f"world {self._world_id!r} is not elastic: leave() is for "
                              f"World.join(..., elastic=True); close() a fixed world")
-        if self._store is not None and not self._closed:
-            info = {k: v for k, v in self._infos[self._process_index].items() if k != "ranks"}
-            request(self._store, self._elastic.base, "leave", info)
-        self.close()
+        held = self._lock.acquire(timeout=self._timeout + 5.0)
+        try:
+            if self._store is not None and not self._closed and self.admitted:
+                info = {k: v for k, v in self._infos[self._process_index].items()
+                        if k != "ranks"}
+                request(self._store, self._elastic.base, "leave", info)
+            self.close()
+        finally:
+            if held:
+                self._lock.release()
 
     def pending(self) -> list[Request]:
         """Join and leave requests no epoch has acted on yet (one store read)."""
@@ -316,11 +308,69 @@ class ElasticWorld:
         return {"epoch": epoch, "members": list(self.members), "admitted": admitted,
                 "consumed": sorted(consumed)}
 
-    def advance(self, lost: Iterable[int], joins: Iterable[Request], deadline: float) -> None:
+    def confirm_joins(self, joins: Iterable[Request], lost: Iterable[int] = (),
+                      deadline: float | None = None) -> list[Request]:
+        """The join requests among ``joins`` whose processes confirmed that they are still
+        there (:mod:`xreshard.runtime.admission`), in log order. Collective among the
+        survivors: every one passes the same ``joins`` and ``lost`` (e.g. from one settled
+        all-gather) and gets the same answer. A request under a survivor's label, or
+        superseded by a later one for its label, is refused (its process raises
+        ``RefitError``); one whose process gave up, died or waits no more is dropped.
+        Every request passed is acted on once: none of them is offered again.
+
+        Args:
+            joins: the requests the survivors saw (leave requests are ignored).
+            lost: positions of the members leaving in this change (their labels are free).
+            deadline: when the call's wait ends; the grace for confirmations is at most
+                half of what is left (default: the world's timeout).
+        """
+        from . import admission
+        m, store = self._elastic, self._store
+        assert m is not None and store is not None
+        round_id = f"{m.epoch}.{self._num_ops}"
+        joins = list(dict((r["id"], r) for r in joins if r["kind"] == "join").values())
+        if m.round is not None and m.round[0] == round_id:      # decided in this round
+            return [r for r in joins if r["id"] in m.round[1]]
+        lost = set(lost)
+        names = {label(info) for p, info in enumerate(self._infos) if p not in lost}
+        last = {r.label: r["id"] for r in joins}       # a later request supersedes
+        candidates = []
+        for r in joins:
+            why = (f"{r.label} is a member of world {self._world_id!r} already (give each "
+                   f"process of a group its own index, or stop the other one first)"
+                   if r.label in names else
+                   f"another process asked to join as {r.label} after this one"
+                   if last[r.label] != r["id"] else None)
+            if why is not None:
+                admission.offer(store, m.base, r["id"], round_id, m.epoch + 1, refused=why)
+            elif admission.withdrawn(store, m.base, r["id"]):
+                admission.verdict(store, m.base, r["id"], round_id, "withdrawn")
+                candidates.append(r)
+            elif gone(r["info"], ()):
+                admission.verdict(store, m.base, r["id"], round_id, "expired", "gone")
+                candidates.append(r)
+            else:
+                admission.offer(store, m.base, r["id"], round_id, m.epoch + 1)
+                candidates.append(r)
+        left = (self._timeout if deadline is None else deadline - time.monotonic())
+        said = admission.Verdicts(store, m.base, round_id).collect(
+            [r["id"] for r in candidates],
+            time.monotonic() + min(admission.CONFIRM_GRACE, max(left, 0.0) / 2))
+        confirmed = [r for r in candidates if said[r["id"]] == "confirmed"]
+        m.round = (round_id, {r["id"] for r in confirmed})
+        m.consumed |= {r["id"] for r in joins} - m.round[1]
+        if len(confirmed) < len(joins):
+            logger.info("world %r: join request(s) not admitted: %s", self._world_id,
+                        ", ".join(f"{r.label} ({said.get(r['id'], 'refused')})"
+                                  for r in joins if r not in confirmed))
+        return confirmed
+
+    def advance(self, lost: Iterable[int], joins: Iterable[Request], deadline: float) -> bool:
         """Move every survivor to the next epoch: without the members at positions
-        ``lost``, with the processes of ``joins``. Collective among the survivors (every
-        one passes the same ``lost`` and ``joins``, e.g. from one settled all-gather);
-        the joining processes wait in ``World.join`` for it.
+        ``lost``, with the processes of ``joins`` that confirm (``confirm_joins``).
+        Collective among the survivors (every one passes the same ``lost`` and ``joins``,
+        e.g. from one settled all-gather); the joining processes wait in ``World.join``
+        for it. Returns False, moving nothing, when nobody is lost and no join confirmed.
 
         Raises:
             TransportTimeout: a survivor or a joining process did not form the epoch by
@@ -330,26 +380,27 @@ class ElasticWorld:
         m = self._elastic
         assert m is not None
         lost = set(lost)
+        joins = self.confirm_joins(joins, lost, deadline)
+        if not lost and not joins:
+            return False
         survivors = [p for p in range(len(self._infos)) if p not in lost]
-        names = {label(self._infos[p]) for p in survivors}
-        latest: dict[str, Request] = {}
-        for r in joins:         # a process that asked twice (restarted): its last request
-            if r["kind"] == "join" and r.label not in names and not gone(r["info"], ()):
-                latest[r.label] = r
-        out = {(label(self._infos[p]), self._infos[p]["pid"]) for p in lost}
-        leaving = [r for r in self.pending()
-                   if r["kind"] == "leave" and (r.label, r["info"].get("pid")) in out]
+        stay = [self._infos[p] for p in survivors] + [r["info"] for r in joins]
+        # every leave request but a survivor's (who asked out since the check) is acted on:
+        # the lost's, strays', replays', and a rejoining process's own earlier one (it
+        # would otherwise count against it as a member: ``gone``)
+        leaving = [r for r in self.pending() if r["kind"] == "leave" and not any(
+            same_process(r["info"], self._infos[p]) for p in survivors)]
         epoch = m.epoch + 1
         consumed = m.consumed | {r["id"] for r in joins} | {r["id"] for r in leaving}
-        labels = [label(self._infos[p]) for p in survivors] + list(latest)
+        labels = [label(info) for info in stay]
         me = {k: v for k, v in self._infos[self._process_index].items() if k != "ranks"}
         if survivors[0] == self._process_index:
             publish_epoch(self._store, m.base, {
                 "epoch": epoch, "members": labels, "consumed": sorted(consumed),
-                "admitted": [r["id"] for r in latest.values()]})
+                "admitted": [r["id"] for r in joins]})
         logger.info("world %r: epoch %d -> %d: members %s (lost %s, joining %s)",
                     self._world_id, m.epoch, epoch, labels,
-                    [label(self._infos[p]) for p in sorted(lost)], list(latest))
+                    [label(self._infos[p]) for p in sorted(lost)], [r.label for r in joins])
         self._park_transports()     # gloo links the change does not touch are kept
         try:
             joined = join_records(self._store, Seal(m.base.token, epoch_world_id(
@@ -365,6 +416,7 @@ class ElasticWorld:
         infos, position = numbered(joined.members, m.groups, self._world_id,
                                    (me["group"], me["index"]))
         self._enter_epoch(joined, member_nonce(joined), infos, position)
+        return True
 
     def _enter_epoch(self, joined: Any, nonce: str, infos: list[dict[str, Any]],
                      position: int) -> None:
@@ -388,7 +440,7 @@ class ElasticWorld:
         a world not admitted yet (this process alone, its ranks from 0), which asks to
         join at ``admit()`` (its first refit call); meanwhile ``Refit.catch_up`` may fill
         its destinations from the members' replicas."""
-        from .joining import join_records, member_nonce, numbered
+        from .joining import member_nonce, numbered
         if not wait:
             membership = Membership(seal, groups, int(running["epoch"]),
                                     running.get("consumed", ()))
@@ -400,12 +452,9 @@ class ElasticWorld:
             logger.debug("joined %r, not admitted yet", world)
             return world
         where = f"{label(me)} joining world {seal.world_id!r} at {address}"
-        rid = request(store, seal, "join", me)
-        record = wait_admitted(store, seal, rid, deadline, where)
-        epoch, n = int(record["epoch"]), len(record["members"])
-        joined = join_records(store, Seal(seal.token, epoch_world_id(seal.world_id, epoch)),
-                              me, {"num_processes": n, "groups": groups}, n, deadline,
-                              address)
+        joined, record = _ask_and_form(store, seal, me, groups, deadline, timeout, where,
+                                       address)
+        epoch = int(record["epoch"])
         infos, position = numbered(joined.members, groups, seal.world_id,
                                    (me["group"], me["index"]))
         world = cls(store=store, server=server, address=address, world_id=seal.world_id,
@@ -415,3 +464,18 @@ class ElasticWorld:
         world._enter_epoch(joined, member_nonce(joined), infos, position)
         logger.debug("joined %r at epoch %d", world, epoch)
         return world
+
+
+def _ask_and_form(store: Any, seal: Seal, me: dict[str, Any], groups: Any, deadline: float,
+                  timeout: float, where: str, address: str) -> tuple[Any, dict[str, Any]]:
+    """A joining process: ask in (``admission.ask_in``), then form the epoch that admits
+    it with the members. Returns the join and the epoch record."""
+    from .admission import ask_in
+    from .joining import join_records
+    record, deadline = ask_in(store, seal, me, deadline, timeout, where,
+                              lambda: request(store, seal, "join", me),
+                              lambda: read_epoch(store, seal))
+    epoch, n = int(record["epoch"]), len(record["members"])
+    joined = join_records(store, Seal(seal.token, epoch_world_id(seal.world_id, epoch)), me,
+                          {"num_processes": n, "groups": groups}, n, deadline, address)
+    return joined, record

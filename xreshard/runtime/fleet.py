@@ -40,8 +40,10 @@ class Restart(Exception):
 
 
 def check_body(world: Any) -> list[str]:
-    """The ids of the membership requests this process sees, for ``refit/check``."""
-    return [r["id"] for r in world.pending()] if world.elastic else []
+    """The ids of the join requests this process sees, for ``refit/check``. Leave requests
+    are no change by themselves: a member that left is missing from the collective (and
+    not waited for); one from anyone else (a stray, a replay) must not move the epoch."""
+    return [r["id"] for r in world.pending() if r["kind"] == "join"] if world.elastic else []
 
 
 def _deadline(refit: Any) -> float:
@@ -63,17 +65,22 @@ def _excluded(world: Any, missing: list[int]) -> None:
 
 def after_check(refit: Any, gathered: list[Any]) -> None:
     """After the partial ``refit/check`` of an elastic world: raise :class:`Restart` once
-    every survivor moved to the next epoch, when a member is missing or a request was
-    seen; return when nothing changed."""
+    every survivor moved to the next epoch, when a member is missing or a join request
+    seen was confirmed by its process (``World.confirm_joins``); return when nothing
+    changed (requests not confirmed are dropped, the epoch stays)."""
     world = refit.world
     missing = [p for p, g in enumerate(gathered) if g is None]
     seen = {rid for g in gathered if isinstance(g, dict) for rid in g.get("requests") or ()}
     if not missing and not seen:
         return
     _excluded(world, missing)
-    joins = [r for r in world.pending() if r["id"] in seen and r["kind"] == "join"]
+    deadline = _deadline(refit)
+    joins = world.confirm_joins([r for r in world.pending() if r["id"] in seen],
+                                missing, deadline)
+    if not missing and not joins:
+        return
     lost = [world.members[p] for p in missing]
-    world.advance(missing, joins, _deadline(refit))
+    world.advance(missing, joins, deadline)
     raise Restart(lost)
 
 

@@ -224,7 +224,7 @@ def sync(stream: Any) -> list[str]:
             raise WorldBroken(f"world {world.world_id!r} moved on without "
                               f"{world.describe_process(world.process_index)} (slower than "
                               "the timeout); join it again")
-        joins = [r for r in world.pending() if r["id"] in seen and r["kind"] == "join"]
+        joins = confirmed_joins(world, seen, missing, timeout)
         infos = [g.get("engine") or {} for g in gathered if isinstance(g, dict)]
         trainer = next((i for i in infos if "expect" in i), {})
         workers = trainer.get("workers") or next(
@@ -244,3 +244,11 @@ def sync(stream: Any) -> list[str]:
             raise HalfJoined(problem)
     raise RefitError(f"the members of world {world.world_id!r} changed {MAX_CHANGES} times "
                      f"at the start of one round (lost {lost}); try the update again")
+
+
+def confirmed_joins(world: Any, seen: set[str], missing: list[int], timeout: float) -> list:
+    """The join requests of ``seen`` whose processes are still there to confirm them
+    (``World.confirm_joins``): a worker that gave up or died before it was admitted is
+    never waited for, and an engine with such a worker is half-joined, not half-admitted."""
+    return world.confirm_joins([r for r in world.pending() if r["id"] in seen], missing,
+                               time.monotonic() + timeout)
