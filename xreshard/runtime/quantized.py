@@ -25,6 +25,7 @@ before anything moves.
 from __future__ import annotations
 
 import sys
+from contextvars import ContextVar
 from typing import Any, Iterator, Mapping
 
 import numpy as np
@@ -37,7 +38,7 @@ from .copies import copy_into, view_of
 __all__ = ["pack", "unpack", "copy_local", "finish", "scratch_bindings", "quantize_values",
            "count", "copies", "refuse_devices", "with_scratch", "sent_bytes",
            "received_bytes", "finished_bytes", "transfer_streams", "digest_transfer",
-           "digest_finished", "FINISHED", "quantized_report"]
+           "digest_finished", "FINISHED", "quantized_report", "quantize_step", "AHEAD"]
 
 
 #: regions at least this big are quantized by JAX's jitted quantizer in a process that has
@@ -94,11 +95,33 @@ def _put(dst: Any, data: np.ndarray) -> None:
     dst[...] = data.view(bits).reshape(dst.shape)
 
 
-def pack(e: Any, buf: np.ndarray, bindings: Mapping, item: Any) -> None:
-    """Quantize the region of FP8 step ``e`` from its source binding into ``buf``."""
+#: the work quantized ahead that this thread's executor run takes its FP8 items from
+#: (``quantize_ahead.QuantAhead.used`` sets it around the run), or None
+AHEAD: ContextVar[Any] = ContextVar("xreshard_fp8_ahead", default=None)
+
+
+def _region(binding: Any, i: int | None, slices: tuple) -> Any:
+    return (binding if i is None else binding[i])[slices]
+
+
+def quantize_step(e: Any, bindings: Mapping, item: Any = _region
+                  ) -> tuple[np.ndarray, np.ndarray]:
+    """``(codes, scales)`` of FP8 step ``e``'s region of its source binding (cast to the
+    values the trainer exports first; ``item(binding, index, slices)`` cuts the region):
+    what :func:`pack` writes."""
     q = e.quant
     src = item(bindings[e.key], e.index, e.slices)
-    codes, scales = quantize_values(_values(src, e.dtype, q.values), q.format, e.key[1])
+    return quantize_values(_values(src, e.dtype, q.values), q.format, e.key[1])
+
+
+def pack(e: Any, buf: np.ndarray, bindings: Mapping, item: Any) -> None:
+    """Write the scales, then the codes, of FP8 step ``e`` into ``buf``: as quantized
+    ahead (:data:`AHEAD`: see :mod:`xreshard.runtime.quantize_ahead`), or quantized here
+    from its source binding."""
+    q = e.quant
+    ahead = AHEAD.get()
+    got = ahead.take(e) if ahead is not None else None
+    codes, scales = quantize_step(e, bindings, item) if got is None else got
     buf[e.lo:e.lo + q.scale_bytes] = scales.reshape(-1).view(np.uint8)
     buf[e.lo + q.scale_bytes:e.hi] = codes.reshape(-1).view(np.uint8)
 
