@@ -169,3 +169,27 @@ def test_a_failing_worker_leaves_its_items_to_the_call(monkeypatch):
         assert last["taken"] == 0 and last["by_call"] == last["items"]
         _check(dst, bindings, quantized, values)
         assert _no_worker()
+
+
+@pytest.mark.parametrize("how", ["read-only aligned", "writeable aligned", "unaligned"])
+def test_the_jax_quantizer_reads_a_jax_buffers_memory_in_place(how):
+    """``quantize_values`` in a JAX process: a read-only 64-byte aligned view (how the JAX
+    adapter binds a CPU shard) is aliased, not copied; every way gives the host
+    quantizer's bytes (itself checked against vLLM's in tests/test_quant.py)."""
+    pytest.importorskip("jax")
+    from xreshard.ir.formats import BlockFP8
+    from xreshard.quant import host
+    from xreshard.runtime.quantized import quantize_values
+
+    x = _values((512, 384), 7)      # >= JAX_MIN_ELEMENTS: the jitted quantizer
+    raw = np.empty(x.nbytes + 128, np.uint8)
+    off = (-raw.ctypes.data) % 64 + (2 if how == "unaligned" else 0)
+    held = raw[off:off + x.nbytes].view(x.dtype).reshape(x.shape)
+    held[...] = x
+    if how == "read-only aligned":
+        held.flags.writeable = False
+    codes, scales = quantize_values(held, BlockFP8(), "w")
+    want_codes, want_scales = host.quantize_block_fp8(x, BlockFP8())
+    assert codes.view(np.uint8).tobytes() == want_codes.view(np.uint8).tobytes()
+    assert scales.view(np.uint32).tobytes() == want_scales.view(np.uint32).tobytes()
+    assert np.array_equal(held, x)      # read, never written

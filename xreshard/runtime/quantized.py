@@ -24,6 +24,7 @@ before anything moves.
 
 from __future__ import annotations
 
+import ctypes
 import sys
 from contextvars import ContextVar
 from typing import Any, Iterator, Mapping
@@ -62,15 +63,31 @@ def quantize_values(values: np.ndarray, fmt: Any, name: str) -> tuple[np.ndarray
                                              fmt, name=name)
         else:       # bf16 bits, imported without a copy where aligned (a JAX buffer's are)
             bits = np.ascontiguousarray(values).view(np.uint16)
-            try:
-                x = jax.numpy.from_dlpack(bits, copy=False)
-            except (BufferError, ValueError, TypeError, RuntimeError):
-                x = jax.device_put(bits, jax.devices("cpu")[0])
-            codes, scales = jax_ops.quantize_bf16_bits(x, fmt)
+            codes, scales = jax_ops.quantize_bf16_bits(_jax_bits(jax, bits), fmt)
+        # read back (waits for XLA) while ``values`` still holds the memory it read
         return np.asarray(codes), np.asarray(scales)
     from ..quant import host
     fn = host.quantize_mxfp8 if isinstance(fmt, MXFP8) else host.quantize_block_fp8
     return fn(values, fmt, name=name)
+
+
+def _jax_bits(jax: Any, bits: np.ndarray) -> Any:
+    """``bits`` (uint16, C-contiguous) as a CPU ``jax.Array``, aliased without a copy where
+    XLA can (64-byte aligned: a JAX buffer's own memory), else copied. A read-only view (how
+    the JAX adapter binds a CPU shard) cannot go through DLPack as it is, so its memory is
+    aliased through a writeable view of its address: XLA only reads it, and the caller
+    holds ``bits`` until the results are read back. Saves a copy of every quantized byte
+    (the region went through ``device_put`` before)."""
+    if bits.size and bits.ctypes.data % 64 == 0:
+        view = bits
+        if not bits.flags.writeable:
+            raw = (ctypes.c_uint8 * bits.nbytes).from_address(bits.ctypes.data)
+            view = np.frombuffer(raw, np.uint16).reshape(bits.shape)
+        try:
+            return jax.numpy.from_dlpack(view, copy=False)
+        except (BufferError, ValueError, TypeError, RuntimeError):
+            pass
+    return jax.device_put(bits, jax.devices("cpu")[0])
 
 
 def _values(src: Any, src_dtype: str, values: str) -> np.ndarray:
