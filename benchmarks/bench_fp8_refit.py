@@ -16,6 +16,9 @@ of the slowest process:
   CPU devices - nothing else running);
 * CPU seconds of each phase per process (all threads; ``trainer_cpu_seconds``): what a
   shared machine's load does not change;
+* ``quantize_ahead``: what the trainer's last FP8 call quantized ahead, on a worker thread
+  while the call checked and planned (``xreshard.runtime.quantize_ahead``; run with
+  ``XRESHARD_FP8_AHEAD=0`` for the same benchmark without it);
 * ``fp8_over_bf16``; ``wire_bytes_fp8`` and ``wire_bytes_bf16`` (what crossed the
   transports, ``count_comm`` on the trainer); ``quantize_gbps`` (GB of bf16 input per
   second of ``quantize_seconds``).
@@ -46,6 +49,7 @@ for p in (ROOT, ROOT / "benchmarks"):
     if str(p) not in sys.path:
         sys.path.insert(0, str(p))
 
+from xreshard.runtime.quantize_ahead import ENV  # noqa: E402
 from bench_refit import (GiB, MiB, ROLLOUT_TP, TIMEOUT, TRAINER_TP, bits,  # noqa: E402
                          dtensors, jax_params, local_box, pattern, timed, torch_group)
 
@@ -172,8 +176,12 @@ def child(ctx: Any, cfg: dict) -> dict:
         refits = {"bf16": xr.Refit(world, receive=bf16_state, config=config),
                   "fp8": xr.Refit(world, receive=fp8, config=config)}
 
+    phases: dict[str, list] = {"bf16": [], "fp8": []}
+
     def call(k: str) -> Any:
-        return refits[k](send=params) if is_trainer else refits[k]()
+        report = refits[k](send=params) if is_trainer else refits[k]()
+        phases[k].append((report.plan_seconds, report.move_seconds, report.seconds))
+        return report
 
     # time spent in the executor's FP8 pack (trainer) and unpack (receivers) steps
     from xreshard.runtime import quantized as qmod
@@ -207,12 +215,16 @@ def child(ctx: Any, cfg: dict) -> dict:
             qbytes[0] = quantize_alone(params, specs)
 
     spent.update(pack=0.0, unpack=0.0)
+    phases.update(bf16=[], fp8=[])
     cpu: dict[str, list[float]] = {k: [] for k in times}
     for _ in range(cfg["reps"]):
         for k in ("bf16", "fp8"):
             times[k].append(timed_cpu(world, lambda: call(k), cpu[k]))
         times["quantize"].append(timed_cpu(world, alone, cpu["quantize"]))
     mine = {"times": times, "wire": wire, "quantized": quantized, "qbytes": qbytes[0],
+            "ahead": refits["fp8"].quant_ahead.last,
+            "phases": {k: [statistics.median(p[i] for p in v) for i in range(3)]
+                       for k, v in phases.items()},
             "trainer": is_trainer, "cpu": {k: statistics.median(v) for k, v in cpu.items()},
             "step_seconds": {k: v / cfg["reps"] for k, v in spent.items()}}
     everyone = world.allgather_json(mine, timeout=TIMEOUT)
@@ -242,7 +254,10 @@ def figures(res: dict, cfg: dict) -> dict[str, Any]:
             "trainer_cpu_seconds": trainer["cpu"],
             "receiver_cpu_seconds": {k: max(p["cpu"][k] for p in procs if not p["trainer"])
                                      for k in ("bf16", "fp8")},
-            "cpu_bar_met": med["fp8"] <= bar}
+            "quantize_ahead": trainer["ahead"],
+            # RefitReport: (plan_seconds: bind, refit/check, planning; move_seconds: the
+            # executor; seconds: the whole call), medians, trainer's
+            "trainer_call_phases": trainer["phases"], "cpu_bar_met": med["fp8"] <= bar}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -276,6 +291,15 @@ def main(argv: list[str] | None = None) -> None:
           "of bf16 input)")
     print(f"  in the fp8 refit: trainer's FP8 pack steps {fig['trainer_pack_seconds']:.3f} s, "
           f"a receiver's FP8 unpack steps {fig['receiver_unpack_seconds']:.3f} s")
+    qa = fig["quantize_ahead"]
+    print(f"  quantized ahead (last fp8 call): " + (
+        f"{qa['taken']} of {qa['items']} FP8 items taken by the call, {qa['by_call']} "
+        f"quantized by the call itself, worker {qa['worker_seconds']:.3f} s"
+        if qa.get("used") else f"not used ({ENV}=0, or nothing to quantize ahead)"))
+    for k in ("bf16", "fp8"):
+        plan, move, whole = fig["trainer_call_phases"][k]
+        print(f"  trainer's {k} call: {plan:.3f} s bind + check + plan, {move:.3f} s executor, "
+              f"{whole - plan - move:.3f} s after (outcome)")
     tc = fig["trainer_cpu_seconds"]
     print(f"  trainer CPU seconds: bf16 refit {tc['bf16']:.3f}, fp8 refit {tc['fp8']:.3f}, "
           f"quantize alone {tc['quantize']:.3f}")

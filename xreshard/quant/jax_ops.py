@@ -68,7 +68,16 @@ def quantize_block_fp8(x: Any, fmt: BlockFP8 = BlockFP8(), *, name: str = "tenso
 def quantize_bf16_bits(bits: Any, fmt: BlockFP8 = BlockFP8()) -> tuple[Any, Any]:
     """:func:`quantize_block_fp8` of bf16 values given as their uint16 bits (a host buffer
     imported without a copy: DLPack carries no bfloat16)."""
-    return _block_fn(fmt)(bits, _divisor(fmt.scale_shape(bits.shape), fmt.fp8_max))
+    device = next(iter(bits.devices()))
+    return _block_fn(fmt)(bits, _divisor_on(fmt.scale_shape(bits.shape), fmt.fp8_max, device))
+
+
+@functools.lru_cache(maxsize=256)
+def _divisor_on(shape: tuple[int, ...], value: float, device: Any) -> Any:
+    """:func:`_divisor` as a ``jax.Array`` on ``device``, made once: a refit quantizes the
+    same shard shapes every call, and a numpy argument is copied to the device per call."""
+    jax = _import_jax()
+    return jax.device_put(_divisor(shape, value), device)
 
 
 def quantize_mxfp8(x: Any, fmt: MXFP8 = MXFP8(), *, name: str = "tensor") -> tuple[Any, Any]:

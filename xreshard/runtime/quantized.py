@@ -24,7 +24,9 @@ quantizer, the same bytes); the dispatch is in :func:`quantize_values`, :func:`_
 
 from __future__ import annotations
 
+import ctypes
 import sys
+from contextvars import ContextVar
 from typing import Any, Iterator, Mapping
 
 import numpy as np
@@ -37,7 +39,7 @@ from .copies import array_module, copy_into, view_of
 __all__ = ["pack", "unpack", "copy_local", "finish", "scratch_bindings", "quantize_values",
            "count", "copies", "refuse_devices", "with_scratch", "sent_bytes",
            "received_bytes", "finished_bytes", "transfer_streams", "digest_transfer",
-           "digest_finished", "FINISHED", "quantized_report"]
+           "digest_finished", "FINISHED", "quantized_report", "quantize_step", "AHEAD"]
 
 
 #: regions at least this big are quantized by JAX's jitted quantizer in a process that has
@@ -69,15 +71,31 @@ def quantize_values(values: Any, fmt: Any, name: str, dtype: str | None = None,
                                              fmt, name=name)
         else:       # bf16 bits, imported without a copy where aligned (a JAX buffer's are)
             bits = np.ascontiguousarray(values).view(np.uint16)
-            try:
-                x = jax.numpy.from_dlpack(bits, copy=False)
-            except (BufferError, ValueError, TypeError, RuntimeError):
-                x = jax.device_put(bits, jax.devices("cpu")[0])
-            codes, scales = jax_ops.quantize_bf16_bits(x, fmt)
+            codes, scales = jax_ops.quantize_bf16_bits(_jax_bits(jax, bits), fmt)
+        # read back (waits for XLA) while ``values`` still holds the memory it read
         return np.asarray(codes), np.asarray(scales)
     from ..quant import host
     fn = host.quantize_mxfp8 if isinstance(fmt, MXFP8) else host.quantize_block_fp8
     return fn(values, fmt, name=name)
+
+
+def _jax_bits(jax: Any, bits: np.ndarray) -> Any:
+    """``bits`` (uint16, C-contiguous) as a CPU ``jax.Array``, aliased without a copy where
+    XLA can (64-byte aligned: a JAX buffer's own memory), else copied. A read-only view (how
+    the JAX adapter binds a CPU shard) cannot go through DLPack as it is, so its memory is
+    aliased through a writeable view of its address: XLA only reads it, and the caller
+    holds ``bits`` until the results are read back. Saves a copy of every quantized byte
+    (the region went through ``device_put`` before)."""
+    if bits.size and bits.ctypes.data % 64 == 0:
+        view = bits
+        if not bits.flags.writeable:
+            raw = (ctypes.c_uint8 * bits.nbytes).from_address(bits.ctypes.data)
+            view = np.frombuffer(raw, np.uint16).reshape(bits.shape)
+        try:
+            return jax.numpy.from_dlpack(view, copy=False)
+        except (BufferError, ValueError, TypeError, RuntimeError):
+            pass
+    return jax.device_put(bits, jax.devices("cpu")[0])
 
 
 def _values(src: Any, src_dtype: str, values: str) -> np.ndarray:
@@ -107,12 +125,33 @@ def _put(dst: Any, data: np.ndarray) -> None:
     dst[...] = data.view(bits).reshape(dst.shape)
 
 
-def pack(e: Any, buf: np.ndarray, bindings: Mapping, item: Any) -> None:
-    """Quantize the region of FP8 step ``e`` from its source binding into ``buf``."""
+#: the work quantized ahead that this thread's executor run takes its FP8 items from
+#: (``quantize_ahead.QuantAhead.used`` sets it around the run), or None
+AHEAD: ContextVar[Any] = ContextVar("xreshard_fp8_ahead", default=None)
+
+
+def _region(binding: Any, i: int | None, slices: tuple) -> Any:
+    return (binding if i is None else binding[i])[slices]
+
+
+def quantize_step(e: Any, bindings: Mapping, item: Any = _region
+                  ) -> tuple[np.ndarray, np.ndarray]:
+    """``(codes, scales)`` of FP8 step ``e``'s region of its source binding (cast to the
+    values the trainer exports first; ``item(binding, index, slices)`` cuts the region):
+    what :func:`pack` writes."""
     q = e.quant
     src = item(bindings[e.key], e.index, e.slices)
-    codes, scales = quantize_values(_values(src, e.dtype, q.values), q.format, e.key[1],
-                                    q.values)
+    return quantize_values(_values(src, e.dtype, q.values), q.format, e.key[1], q.values)
+
+
+def pack(e: Any, buf: np.ndarray, bindings: Mapping, item: Any) -> None:
+    """Write the scales, then the codes, of FP8 step ``e`` into ``buf``: as quantized
+    ahead (:data:`AHEAD`: see :mod:`xreshard.runtime.quantize_ahead`), or quantized here
+    from its source binding."""
+    q = e.quant
+    ahead = AHEAD.get()
+    got = ahead.take(e) if ahead is not None else None
+    codes, scales = quantize_step(e, bindings, item) if got is None else got
     buf[e.lo:e.lo + q.scale_bytes] = scales.reshape(-1).view(np.uint8)
     buf[e.lo + q.scale_bytes:e.hi] = codes.reshape(-1).view(np.uint8)
 

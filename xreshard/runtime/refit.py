@@ -76,6 +76,7 @@ from . import execute
 from .execute import gc_paused
 from ..ir.layout import LayoutMemo
 from .metadata import fit, merged_layouts, merged_quantized, stage_bindings
+from .quantize_ahead import QuantAhead
 from .quantized import quantized_report, scratch_bindings
 from ..planner.plan import Plan, PlanCache
 from ..planner.prepare import CallOptions, PreparedCall, prepare
@@ -171,6 +172,8 @@ class Refit:
         #: RefitConfig(delta=True): baselines and fences, kept across calls (may be handed
         #: to the Refit of a new world: see xreshard.runtime.delta_wire)
         self.delta_state = DeltaState()
+        #: FP8 items quantized while the call checks and plans (see quantize_ahead)
+        self.quant_ahead = QuantAhead()
         self._claims: list[Any] = []                # every process's, this call
         #: held for a whole call: a catch-up server snapshots between calls (catchup.py)
         self.writing = threading.Lock()
@@ -311,6 +314,7 @@ class Refit:
             raise f.error from None
         finally:
             self.delta_state.stop_ahead()       # no thread reads the sources past the call
+            self.quant_ahead.stop()
             self._busy.release()
 
     def _call(self, send: Any, receive: Any, snapshot: writes.Snapshot | None = None
@@ -327,6 +331,8 @@ class Refit:
         src, dst, errors, snapshot = self._bind_sides(send, receive, snapshot)
         if self.config.delta:       # the diff overlaps refit/check (see delta_wire)
             self.delta_state.encode_ahead(self._prepared, src)
+        if not errors:          # quantizing overlaps refit/check (see quantize_ahead)
+            self.quant_ahead.start(self._prepared, src, self._programs)
         replanned = self._prepare(src, dst, errors, self.version + 1)
         target = self.version + 1       # a process new to the world adopted the version
         plan_seconds = time.perf_counter() - t0
@@ -407,9 +413,10 @@ class Refit:
             if self.config.verify else None
         moved.delta = self.delta_state.begin(self._claims, prepared) \
             if self.config.delta else None
-        moved.stats, self._arena = execute.run(
-            prepared, bindings, transport, timeout=timeout, arena=self._arena,
-            programs=self._programs, tuning=self.tuning, delta=moved.delta)
+        with self.quant_ahead.used(prepared, self._programs, timeout):
+            moved.stats, self._arena = execute.run(
+                prepared, bindings, transport, timeout=timeout, arena=self._arena,
+                programs=self._programs, tuning=self.tuning, delta=moved.delta)
         after = getattr(transport, "bytes_by_transport", None) or {}
         moved.by_kind = {k: v - before.get(k, 0) for k, v in after.items()
                          if v - before.get(k, 0)}
