@@ -61,7 +61,12 @@ class RefitConfig:
     host memory (as many bytes as it sends per call; ``RefitReport.delta``) and encodes each
     bucket as the smallest of dense, bitmask + values and runs + values; receivers overwrite
     in place. A receiver that is new, restarted, failed or missed a call gets a dense refit
-    of its regions in the same call. Host bindings only; not with ``relay`` yet."""
+    of its regions in the same call. Composes with ``wire_dtype`` (the baseline is the cast
+    bytes), ``atomic`` (a failed call keeps every claim: the next call is a delta again;
+    the senders hold a dense bucket's new bytes until the outcome) and FP8 destinations
+    quantized on the way (codes and scales diffed as sent; a changed block requantizes
+    whole; pieces of blocks split across senders travel raw). Host bindings only; not
+    with ``relay`` yet."""
 
     check_writes: bool = False
     """Fail the refit (the same ``RefitError`` on every rank; the version stays) when a sent
@@ -78,7 +83,9 @@ class RefitConfig:
     every destination at its previous version, bit for bit (and ``stale`` unset). Costs
     one extra buffer of this process's destination bytes (kept across calls) and two
     local copies of them per call (:mod:`xreshard.runtime.atomic`). JAX destinations are
-    new arrays, atomic either way. False: a failed call may leave a mix (``stale``)."""
+    new arrays, atomic either way. False: a failed call may leave a mix (``stale``). With
+    ``delta``, deltas apply to the staging (refreshed from the destinations) and a failed
+    call leaves the delta bases valid (:mod:`xreshard.runtime.delta_wire`)."""
 
     on_member_loss: str = "continue"
     """What a call of an elastic world (``World.join(elastic=True)``) does when members

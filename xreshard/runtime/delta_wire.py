@@ -43,6 +43,31 @@ receivers' fingerprints). The encoder only reads sources and baselines; the call
 work only when the schedule stayed and the pair goes as a delta, and it is stopped before
 the call returns, whatever happened.
 
+**With ``atomic=True``** (:mod:`.atomic`) a receiver's destinations are shadowed: the
+shadows are refreshed from the live destinations at the start of the call, so a delta
+applies onto the base its claim names, and the fingerprints are of the real destinations
+(taken at ``refit/check`` and after the staging is committed). The senders' baselines
+become transactional too: a dense bucket's new bytes go to new memory and a delta's
+message is kept, both applied to the baselines only at :meth:`DeltaState.commit`. So a
+call that fails anywhere leaves every staged destination and every baseline as the last
+confirmed call left them, and the claims stay valid: the next call sends deltas again
+(a restarted or new process still gets a dense refit of its pairs; a destination written
+in place, not staged, drops its claim). Memory, on top of ``atomic``'s shadow of the
+destinations: a sender holds, until the outcome, the new bytes of the buckets it sent
+dense (at most as many bytes again as its baselines, the first call excepted: there is no
+old baseline then) and the delta messages it sent.
+
+**FP8 destinations quantized on the way** (:mod:`.quantized`): an FP8 item (whole blocks
+the sender holds, quantized at pack time) is diffed as what goes on the wire, its float32
+scales then its e4m3 codes, in bytes (:func:`.delta_exec.delta_spans`), against what was
+last sent for that bucket: its receiver's destination holds exactly those codes and
+scales, and the delta is applied to them in place. The sender requantizes every block of
+the bucket each call (a changed element changes its block's codes and maybe its scale:
+a changed block requantizes whole) and only changed code and scale bytes move. The bf16
+pieces of blocks split across senders land in the receiver's scratch, which the receiver
+quantizes itself: they travel raw in every call, inside the delta bucket (the scratch
+is no destination, so it holds no fenced base).
+
 Buckets whose receiver casts (its dtype is not the wire dtype) always go dense: the
 receiver could not read its base back bit for bit. Delta runs on host bindings (a relay
 and device bindings are refused before any byte moves).
@@ -58,6 +83,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from ..dtypes import bits_dtype
 from ..planner.prepare import SOURCES
 from ..planner.schedule import Bucket
 from .execute import Executor
@@ -68,23 +94,14 @@ __all__ = ["DeltaCall", "DeltaState", "delta_problems"]
 
 def delta_problems(config: Any, on_device: bool, quantized: bool = False) -> list[list[str]]:
     """What ``RefitConfig(delta=True)`` cannot run in this process, as error entries for
-    ``refit/check`` (refused on every process before any byte moves): device bindings,
-    destinations quantized on the way (FP8 items are packed per region, not diffed), and
-    ``atomic=True`` (its shadow destinations are not fenced)."""
-    if not getattr(config, "delta", False):
+    ``refit/check`` (refused on every process before any byte moves): device bindings.
+    Destinations quantized on the way (``quantized``) and ``atomic=True`` compose (see the
+    module docstring); the argument stays for callers."""
+    if not getattr(config, "delta", False) or not on_device:
         return []
-    found = []
-    if on_device:
-        found.append(["RefitError", "RefitConfig(delta=True) moves host bindings only in this "
-                      "version, and this process binds device memory; run with delta=False "
-                      "(or hold the weights in host memory)"])
-    if quantized:
-        found.append(["RefitError", "RefitConfig(delta=True) does not diff destinations "
-                      "quantized on the way (FP8) in this version; run with delta=False"])
-    if getattr(config, "atomic", False):
-        found.append(["RefitError", "RefitConfig(delta=True) and atomic=True do not combine "
-                      "in this version (deltas apply to live destinations); choose one"])
-    return found
+    return [["RefitError", "RefitConfig(delta=True) moves host bindings only in this "
+             "version, and this process binds device memory; run with delta=False "
+             "(or hold the weights in host memory)"]]
 
 
 @dataclass
@@ -113,6 +130,7 @@ class DeltaState:
         self._nonce = ""
         self._digests: tuple[Any, dict[tuple[int, int], str]] | None = None
         self._ahead: tuple[Any, Any] | None = None      # (prepared, Encoder)
+        self._open: DeltaCall | None = None     # begun, neither committed nor aborted
 
     @property
     def baseline_bytes(self) -> int:
@@ -132,6 +150,9 @@ class DeltaState:
         """This process's part of ``refit/check``, and the errors found: destination memory
         written outside xreshard since the last call."""
         errors: list[list[str]] = []
+        if self._open is not None:      # the last call neither committed nor failed cleanly
+            self._open = None
+            self.reset()
         if self.base and self.memory is not None:
             where, what = fingerprint(dst, receive_obj)
             if where != self.memory[0]:
@@ -164,11 +185,12 @@ class DeltaState:
         self.stop_ahead()
         if prepared is None or src is None or prepared.stages[0].src_from != SOURCES:
             return
-        from .delta_exec import ENCODE_THREADS, Encoder, delta_unit
+        from .delta_exec import ENCODE_THREADS, Encoder, delta_spans
         st = prepared.stages[0]
         reader = Executor(prepared.schedule, st.src_layouts, st.dst_layouts, st.wire_dtypes,
                           fit(src, prepared.direct.src_layouts), {},
-                          None, 0.0)  # type: ignore[arg-type]  # reads sources only: no wire
+                          None, 0.0,  # type: ignore[arg-type]  # reads sources only: no wire
+                          quant=prepared.quant)
         local = {r for r, _ in reader.src_bindings}
         digests = self.pair_digests(prepared)
         jobs = []
@@ -178,8 +200,8 @@ class DeltaState:
                 if b.src not in local or pair is None or pair.call is None \
                         or pair.digest != digests.get((b.src, b.dst)):
                     continue
-                base = pair.buffers.get(b.tag)
-                if base is not None and base.nbytes == b.nbytes and delta_unit(reader, b):
+                base, spans = pair.buffers.get(b.tag), delta_spans(reader, b)
+                if base is not None and spans is not None and base.nbytes == spans.nbytes:
                     jobs.append((b, base))
         if jobs:
             self._ahead = (prepared, Encoder(reader, jobs, threads or ENCODE_THREADS))
@@ -193,9 +215,13 @@ class DeltaState:
 
     # ------------------------------------------------------------ the call
 
-    def begin(self, gathered: Sequence[Any], prepared: Any) -> DeltaCall:
+    def begin(self, gathered: Sequence[Any], prepared: Any, atomic: bool = False,
+              staged: bool = False) -> DeltaCall:
         """The call's decision, the same in every process, from every process's claims
-        (``refit/check``) and this process's schedule."""
+        (``refit/check``) and this process's schedule. ``atomic``: the call runs with
+        ``RefitConfig(atomic=True)`` (the baselines change only at :meth:`commit`);
+        ``staged``: this process's destinations receive into staging (its bases survive a
+        failed call)."""
         bodies = [g for g in gathered if isinstance(g, dict)]
         call_id = hashlib.sha256(
             "/".join(str(g.get("nonce")) for g in bodies).encode()).hexdigest()[:24]
@@ -211,7 +237,8 @@ class DeltaState:
         pairs = frozenset(p for p, d in digests.items()
                           if send.get(p) is not None and send.get(p) == recv.get(p)
                           and send[p][1] == d)
-        call = DeltaCall(self, call_id, pairs, digests)
+        call = DeltaCall(self, call_id, pairs, digests, atomic=atomic, staged=staged)
+        self._open = call
         if self._ahead is not None and self._ahead[0] is prepared:
             call.encoder, self._ahead = self._ahead[1], None    # the executor takes it
         self.stop_ahead()
@@ -227,7 +254,7 @@ class DeltaState:
             for b in rnd:
                 h = hashes.setdefault((b.src, b.dst), hashlib.sha256())
                 h.update(repr((b.round, b.tag, b.stage, b.nbytes, [
-                    (it.name, it.region.starts, it.region.stops, it.nbytes,
+                    (it.name, it.region.starts, it.region.stops, it.nbytes, it.quantized,
                      str(stage.wire_dtypes[it.name]), stage.dst_layouts[it.name].dtype)
                     for it in b.items])).encode())
         digests = {p: h.hexdigest()[:24] for p, h in hashes.items()}
@@ -235,7 +262,10 @@ class DeltaState:
         return digests
 
     def commit(self, call: DeltaCall, dst: Any, receive_obj: Any) -> None:
-        """Every process confirmed ``call``: its baselines and bases are of it now."""
+        """Every process confirmed ``call`` (and its staging, with ``atomic``, is
+        committed): its baselines and bases are of it now."""
+        self._open = None
+        call.settle()
         for pair in call.sent_pairs:
             b = self.sent.setdefault(pair, _Baseline())
             b.call, b.digest = call.call_id, call.digests[pair]
@@ -245,8 +275,18 @@ class DeltaState:
         self.memory = fingerprint(dst, receive_obj) if self.base else None
 
     def abort(self) -> None:
-        """The call failed somewhere: every destination may hold a mix of two versions."""
-        self.reset()
+        """The call failed somewhere. Without ``atomic`` every destination may hold a mix
+        of two versions: every claim goes (the next call is dense). With ``atomic`` no
+        destination byte was written and no baseline changed: the claims stay, but for
+        destinations this process did not stage (they were written in place)."""
+        call, self._open = self._open, None
+        if call is None or not call.atomic:
+            self.reset()
+            return
+        call.pending.clear()
+        if not call.staged:
+            self.base.clear()
+            self.memory = None
 
 
 #: fingerprints of at least this many bytes are checksummed on several threads
@@ -303,18 +343,60 @@ class DeltaCall:
     encoder: Any = None
     """The ``delta_exec.Encoder`` at work on this call (started ahead, or by the executor)."""
 
-    def baseline(self, b: Bucket, create: bool = False) -> np.ndarray | None:
-        """Bucket ``b``'s baseline (``b.nbytes`` bytes), or None when there is none of its
-        size; ``create``: a new one then (its contents are set as the bucket is sent)."""
+    atomic: bool = False
+    """``RefitConfig(atomic=True)``: baselines change at :meth:`settle` (the outcome
+    confirmed the call), not as buckets leave, so a failed call leaves them as they were."""
+    staged: bool = False
+    pending: list[tuple[tuple[int, int], int, str, Any]] = field(default_factory=list)
+    """``atomic``: the baselines' changes until the outcome, ``(pair, tag, how, what)``."""
+
+    def baseline(self, b: Bucket, nbytes: int, create: bool = False) -> np.ndarray | None:
+        """Bucket ``b``'s baseline (``nbytes``: the bucket's diffed bytes), or None when
+        there is none of that size; ``create``: a new one then (its contents are set as the
+        bucket is sent)."""
         pair = self.state.sent.get((b.src, b.dst))
         if pair is None:
             if not create:
                 return None
             pair = self.state.sent[(b.src, b.dst)] = _Baseline()
         base = pair.buffers.get(b.tag)
-        if (base is None or base.nbytes != b.nbytes) and create:
-            base = pair.buffers[b.tag] = np.empty(b.nbytes, np.uint8)
-        return base if base is not None and base.nbytes == b.nbytes else None
+        if (base is None or base.nbytes != nbytes) and create:
+            base = pair.buffers[b.tag] = np.empty(nbytes, np.uint8)
+        return base if base is not None and base.nbytes == nbytes else None
+
+    def target(self, b: Bucket, nbytes: int) -> np.ndarray:
+        """Where a dense bucket's diffed bytes go as they are sent: its baseline, or with
+        ``atomic`` new memory that replaces it at :meth:`settle`."""
+        if not self.atomic:
+            out = self.baseline(b, nbytes, create=True)
+            assert out is not None
+            return out
+        out = np.empty(nbytes, np.uint8)
+        self.pending.append(((b.src, b.dst), b.tag, "replace", out))
+        return out
+
+    def applied(self, b: Bucket, message: np.ndarray, itemsize: int) -> None:
+        """Bucket ``b`` went as delta ``message``: apply it to the baseline (with
+        ``atomic``, at :meth:`settle`)."""
+        if self.atomic:
+            self.pending.append(((b.src, b.dst), b.tag, "apply", (message, itemsize)))
+            return
+        self._apply(self.state.sent[(b.src, b.dst)].buffers[b.tag], message, itemsize)
+
+    def settle(self) -> None:
+        """Apply the pending baseline changes (``atomic``: the call was confirmed)."""
+        pending, self.pending = self.pending, []
+        for pair, tag, how, what in pending:
+            held = self.state.sent.setdefault(pair, _Baseline())
+            if how == "replace":
+                held.buffers[tag] = what
+            else:
+                self._apply(held.buffers[tag], *what)
+
+    @staticmethod
+    def _apply(base: np.ndarray, message: np.ndarray, itemsize: int) -> None:
+        from ..delta.host import apply_numpy
+        apply_numpy(message, base.view(bits_dtype(itemsize)))
 
     def summary(self) -> dict[str, Any]:
         return {"pairs": len([p for p in self.pairs if p in self.sent_pairs]),
