@@ -113,7 +113,7 @@ def kill_trainer(ctx: Any) -> dict:
                        timeout=120)
     calls = KILL_WORLDS[w]
     refit = xr.Refit(world, send=dc._jax_params("bfloat16", calls[0]),
-                     transpose=_transposed(), config=_config(xr, timeout=20))
+                     transpose=_transposed(), config=_config(xr, timeout=40))
     rows = []
     for call in calls:
         if w == 1 and call == KILLED_CALL:
@@ -137,7 +137,7 @@ def kill_rollout(ctx: Any) -> dict:
                            timeout=120)
         state = dc._redistributed(local, me)
         local = {k: v.to_local() for k, v in state.items()}
-        refit = xr.Refit(world, receive=state, config=_config(xr, timeout=20))
+        refit = xr.Refit(world, receive=state, config=_config(xr, timeout=40))
         if handed is not None:
             refit.delta_state = handed
         for call in calls:
