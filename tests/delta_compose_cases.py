@@ -94,8 +94,8 @@ def _die_after_first_payload() -> None:
 
     send = DeltaExecutor._send_payload
 
-    def dying(self, b, enc, offsets, stats):
-        out = send(self, b, enc, offsets, stats)
+    def dying(self, b, enc, *args):
+        out = send(self, b, enc, *args)
         if enc is not None and enc.message is not None:
             os.kill(os.getpid(), signal.SIGKILL)
         return out

@@ -15,6 +15,16 @@ that runs ahead of the groups on its own:
 
 So the wire moves round ``k - 1``'s payloads while round ``k`` (and later ones) are being
 encoded, and a delta call costs about the larger of the diff and the wire, not their sum.
+
+With the pipelined executor (``Tuning.executor``, the default; host bindings) the groups
+run on the wire thread (:class:`~.wire.Wire`), and landing overlaps the wire as in the
+plain executor: group ``k`` opens once group ``k - 1`` exited (its headers size group
+``k``'s payload receives), and round ``k - 2`` lands (unpack, apply) while group ``k``
+moves; a dense payload moves while the next one packs. So a call whose buckets mostly
+changed (sent dense, without a diff) pipelines like a plain one. Its arena holds two
+rounds' payload staging (round ``j``'s at the bottom when ``j`` is even, at the top when
+odd), as the plain executor's; where that does not fit ``staging_bytes``, the groups run
+one after another on the calling thread (``Tuning(executor="rounds")`` too).
 The encoder may even start before ``refit/check`` (:meth:`DeltaState.encode_ahead`: the
 diff overlaps the check's gather and the receivers' fingerprints), since it only reads the
 sources and the baselines: a baseline is written by the calling thread alone, once the
@@ -28,8 +38,9 @@ scales and codes are diffed as bytes). A bucket's :class:`Spans` say what is dif
 what travels raw after the header in every call (the bf16 pieces of FP8 blocks split
 across senders, which land in the receiver's scratch). Its receiver applies a delta to its destination items
 in place (contiguous views of the wire dtype), or reads a strided item into scratch,
-applies and writes it back. One round's staging is live at a time (round ``k - 1``'s,
-during group ``k``; landed before group ``k + 1``), so the arena is the largest round's.
+applies and writes it back. Run round after round, one round's staging is live at a time
+(round ``k - 1``'s, during group ``k``; landed before group ``k + 1``), so the arena is
+the largest round's.
 """
 
 from __future__ import annotations
@@ -54,6 +65,7 @@ from . import quantized
 from .copies import copy_into
 from .execute import ExecStats, Executor
 from .programs import packed
+from .wire import Wire
 
 __all__ = ["DeltaExecutor", "Encoder", "Encoded", "ENCODE_THREADS", "mostly_changed",
            "delta_unit", "delta_spans", "Spans"]
@@ -280,8 +292,9 @@ class Encoder:
 
 
 class DeltaExecutor(Executor):
-    """The executor of a delta call (see the module docstring). Packing, unpacking and
-    same-rank copies are the plain executor's.
+    """The executor of a delta call (see the module docstring): its groups round after
+    round, or pipelined on the wire thread. Packing, unpacking and same-rank copies are
+    the plain executor's.
 
     Args:
         delta: the call's decision and accounting (``delta_wire.DeltaCall``); its
@@ -289,7 +302,6 @@ class DeltaExecutor(Executor):
     """
 
     def __init__(self, *args: Any, delta: Any, **kwargs: Any):
-        kwargs["pipeline"] = False
         super().__init__(*args, **kwargs)
         self.delta = delta
 
@@ -329,42 +341,98 @@ class DeltaExecutor(Executor):
         self._group((), stats)          # the last round's payloads
 
     def _group(self, buckets: Sequence[Bucket], stats: ExecStats) -> None:
-        """One group: the previous round's payloads and ``buckets``' headers; then the
-        previous round lands."""
+        """One group, round after round: the previous round's payloads and ``buckets``'
+        headers; then the previous round lands."""
         tr = time.perf_counter()
-        call = self.delta
         offsets: dict[int | None, int] = {}
+        incoming, recvs, previous, sends = self._open(buckets, offsets, stats)
+        if not (recvs or previous or sends):
+            return
+        with self.transport.group(self.timeout):
+            for buf, b in recvs:
+                self.transport.recv(buf, b.src, b.dst, b.tag)
+            self._posts(self._post, previous, sends, offsets, stats)
+        for b, buf, how in incoming:
+            self._land(b, buf, how)
+        stats.per_round_seconds.append(time.perf_counter() - tr)
+
+    def _pipelined(self, needs: list[dict[int | None, int]], arena: dict[int | None, int],
+                   stats: ExecStats) -> None:
+        """The groups on the wire thread (see the module docstring): group ``k`` is opened
+        once group ``k - 1`` exited (its headers size group ``k``'s payload receives), and
+        round ``k - 2`` lands while group ``k`` moves. Round ``j``'s payloads (the dense
+        ones' staging, send and receive) sit at the bottom of the arena when ``j`` is even,
+        at its top when odd: a round's half is free again once it landed."""
+        rounds = self.schedule.rounds
+        wire = Wire(self.transport, self.timeout)
+        landing: list = []
+        started = 0.0
+        try:
+            for k in range(len(rounds) + 1):
+                if k:
+                    wire.wait(k - 1)
+                j = k - 1
+                offsets = {} if j < 0 else {dev: 0 if j % 2 == 0 else arena[dev] - needs[j].get(
+                    dev, 0) for dev in arena}
+                incoming, recvs, previous, sends = self._open(
+                    rounds[k] if k < len(rounds) else (), offsets, stats)
+                wire.open(k, recvs)
+                self._posts(wire.send, previous, sends, offsets, stats)
+                wire.close(k)
+                if k == 0:      # same-rank copies overlap the first group's wire
+                    self._local_copies(stats, forwarded=False)
+                self._land_all(landing, started, stats)
+                landing, started = incoming, time.perf_counter()
+            wire.wait(len(rounds))
+            self._land_all(landing, started, stats)
+            self._local_copies(stats, forwarded=True)
+        except BaseException as e:
+            wire.abort(e)
+            raise
+        finally:
+            wire.stop()
+
+    def _land_all(self, incoming: list, started: float, stats: ExecStats) -> None:
+        for b, buf, how in incoming:
+            self._land(b, buf, how)
+        if incoming:
+            stats.per_round_seconds.append(time.perf_counter() - started)
+
+    def _open(self, buckets: Sequence[Bucket], offsets: dict, stats: ExecStats
+              ) -> tuple[list, list, list, list]:
+        """What the next group moves: the previous round's landing buckets with where
+        their payloads land (``incoming``), the receives to post (payloads, then
+        ``buckets``' headers), the previous round's sends (their payloads) and
+        ``buckets``' sends (their headers)."""
+        call = self.delta
         previous, self._sent = self._sent, []
         incoming = [(b, *self._incoming(b, self._heads_in.pop(b, None), offsets, stats))
                     for b in self._landing]
         self._landing = [b for b in buckets if b.dst in self._local_dst]
         call.local_dst.update(b.dst for b in self._landing)
-        heads_in = {b: np.empty(HEADER_BYTES, np.uint8) for b in self._landing
-                    if (b.src, b.dst) in call.pairs and delta_unit(self, b) is not None}
+        self._heads_in = {b: np.empty(HEADER_BYTES, np.uint8) for b in self._landing
+                          if (b.src, b.dst) in call.pairs and delta_unit(self, b) is not None}
         sends = [b for b in buckets if b.src in self._local_src]
         call.sent_pairs.update((b.src, b.dst) for b in sends)
-        if not (incoming or heads_in or previous or sends):
-            return
-        with self.transport.group(self.timeout):
-            for b, buf, _ in incoming:
-                if buf is not None:
-                    self.transport.recv(buf, b.src, b.dst, b.tag)
-            for b, h in heads_in.items():
-                self.transport.recv(h, b.src, b.dst, b.tag)
-            # the payloads go first and move while this thread updates their baselines
-            # and waits for the encodes of this round's headers
-            copies = [self._send_payload(b, enc, offsets, stats) for b, enc in previous]
-            for base, pieces in copies:
-                if base is not None:
-                    _gather(base, pieces)
-            for b in sends:
-                self._send_header(b, stats)
-        for b, buf, how in incoming:
-            self._land(b, buf, how)
-        self._heads_in = heads_in
-        stats.per_round_seconds.append(time.perf_counter() - tr)
+        recvs = [(buf, b) for b, buf, _ in incoming if buf is not None]
+        return incoming, recvs + [(h, b) for b, h in self._heads_in.items()], previous, sends
 
-    def _send_header(self, b: Bucket, stats: ExecStats) -> None:
+    def _posts(self, send: Callable[[Any, Bucket], None], previous: list, sends: list,
+               offsets: dict, stats: ExecStats) -> None:
+        """Post the previous round's payloads, then ``sends``' headers: the payloads move
+        while this thread updates their baselines and waits for the headers' encodes."""
+        copies = [self._send_payload(b, enc, offsets, stats, send) for b, enc in previous]
+        for base, pieces in copies:
+            if base is not None:
+                _gather(base, pieces)
+        for b in sends:
+            self._send_header(b, stats, send)
+
+    def _post(self, buf: Any, b: Bucket) -> None:
+        self.transport.send(buf, b.src, b.dst, b.tag)
+
+    def _send_header(self, b: Bucket, stats: ExecStats,
+                     send: Callable[[Any, Bucket], None]) -> None:
         """Bucket ``b``'s header, when its pair goes as a delta (waits for its encode)."""
         call = self.delta
         stats.num_messages += 1
@@ -377,14 +445,13 @@ class DeltaExecutor(Executor):
             if enc is None:         # no baseline of this bucket's size: dense
                 n = spans.nbytes // spans.unit
                 enc = Encoded(None, Header(DENSE, spans.unit, n, n, 0), 0.0)
-            head = np.frombuffer(enc.header.pack(), np.uint8)
-            self.transport.send(head, b.src, b.dst, b.tag)
+            send(np.frombuffer(enc.header.pack(), np.uint8), b)
             call.bytes_wire += HEADER_BYTES
             stats.bytes_sent += HEADER_BYTES
         self._sent.append((b, enc))
 
-    def _send_payload(self, b: Bucket, enc: Encoded | None, offsets: dict,
-                      stats: ExecStats) -> tuple[np.ndarray | None, Any]:
+    def _send_payload(self, b: Bucket, enc: Encoded | None, offsets: dict, stats: ExecStats,
+                      send: Callable[[Any, Bucket], None]) -> tuple[np.ndarray | None, Any]:
         """Post bucket ``b``'s payload (none when nothing changed and nothing travels raw)
         and update its baseline (through the call: in place, or held until the outcome):
         a delta's message now; returns ``(target, new bytes)`` for a dense one to copy
@@ -395,14 +462,14 @@ class DeltaExecutor(Executor):
             call.num_delta += 1
             payload = enc.payload
             if payload is not None:
-                self.transport.send(payload, b.src, b.dst, b.tag)
+                send(payload, b)
                 call.bytes_wire += payload.nbytes
                 stats.bytes_sent += payload.nbytes
             if enc.header.count:
                 call.applied(b, enc.message, enc.header.itemsize)
             return None, None
         new = self._message(b, offsets, stats)
-        self.transport.send(new, b.src, b.dst, b.tag)
+        send(new, b)
         call.bytes_wire += b.nbytes
         stats.bytes_sent += b.nbytes
         spans = delta_spans(self, b)
