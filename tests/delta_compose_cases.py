@@ -237,7 +237,8 @@ def _fp8_state(me: int, n: int) -> tuple[dict, dict]:
         fmt = None if kind is None else BlockFP8() if kind == "block" else MXFP8()
         pieces = []
         wanted = [(shape, torch.bfloat16)] if fmt is None else [
-            (shape, torch.float8_e4m3fn), (fmt.scale_shape(shape), getattr(torch, fmt.scale_dtype))]
+            (shape, torch.float8_e4m3fn),
+            (fmt.scale_shape(shape), getattr(torch, fmt.scale_dtype))]
         for full, dtype in wanted:
             local_shape = list(full)
             local_shape[dim] //= n
@@ -262,11 +263,9 @@ def _fp8_wanted(step: str, me: int, n: int) -> dict[str, list[bytes]]:
     for name, a in fp8_values(step).items():
         shape, kind, _ = FP8_TENSORS[name]
         dim = len(shape) - 2
-        arrays = [a] if kind is None else list(
+        arrays = [a] if kind is None else list(       # codes, scales: the state's order
             host.quantize_block_fp8(a, BlockFP8(), name=name) if kind == "block"
             else host.quantize_mxfp8(a, MXFP8(), name=name))
-        if len(arrays) == 2:
-            arrays = [arrays[0], arrays[1]]       # codes, scales (the state's order)
         got = []
         for arr in arrays:
             rows = arr.shape[dim] // n

@@ -36,9 +36,9 @@ cast (a JAX array's or a torch tensor's memory; nothing is packed); otherwise th
 packs it into scratch of its own (FP8 items quantized as the message carries them: their
 scales and codes are diffed as bytes). A bucket's :class:`Spans` say what is diffed and
 what travels raw after the header in every call (the bf16 pieces of FP8 blocks split
-across senders, which land in the receiver's scratch). Its receiver applies a delta to its destination items
-in place (contiguous views of the wire dtype), or reads a strided item into scratch,
-applies and writes it back. Run round after round, one round's staging is live at a time
+across senders, which land in the receiver's scratch). Its receiver applies a delta to
+its destination items in place (contiguous views of the wire dtype; an FP8 item's scales
+and codes), or reads a strided item into scratch, applies and writes it back. Run round after round, one round's staging is live at a time
 (round ``k - 1``'s, during group ``k``; landed before group ``k + 1``), so the arena is
 the largest round's.
 """
