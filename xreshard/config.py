@@ -62,10 +62,17 @@ class RefitConfig:
     with ``Tuning(delta_baseline="device")``) and encodes each bucket as the smallest of
     dense, bitmask + values and runs + values; receivers overwrite in place. A receiver
     that is new, restarted, failed or missed a call gets a dense refit of its regions in
-    the same call. Device bindings diff and apply on their device with JAX or torch ops
-    (``xreshard.runtime.delta_device``). With ``relay`` (host bindings), a forwarding rank
-    keeps a baseline of what it forwards too and sends its forwards as deltas under the
-    same per-pair fences (see :mod:`xreshard.planner.relay`)."""
+    the same call. Composes with ``wire_dtype`` (the baseline is the cast bytes), and on
+    host bindings with ``atomic`` (a failed call keeps every claim: the next call is a
+    delta again; the senders hold a dense bucket's new bytes until the outcome), FP8
+    destinations quantized on the way (codes and scales diffed as sent; a changed block
+    requantizes whole; pieces of blocks split across senders travel raw) and ``relay`` (a
+    forwarding rank keeps a baseline of what it forwards and sends its forwards as deltas
+    under the same per-pair fences; see :mod:`xreshard.planner.relay`). Device bindings
+    diff and apply on their device with JAX or torch ops
+    (``xreshard.runtime.delta_device``). Refused by name at ``refit/check``, before any
+    byte moves: a relay with ``atomic`` or with FP8 destinations; on device bindings, a
+    relay, ``atomic`` or FP8 destinations."""
 
     check_writes: bool = False
     """Fail the refit (the same ``RefitError`` on every rank; the version stays) when a sent
@@ -82,7 +89,9 @@ class RefitConfig:
     every destination at its previous version, bit for bit (and ``stale`` unset). Costs
     one extra buffer of this process's destination bytes (kept across calls) and two
     local copies of them per call (:mod:`xreshard.runtime.atomic`). JAX destinations are
-    new arrays, atomic either way. False: a failed call may leave a mix (``stale``)."""
+    new arrays, atomic either way. False: a failed call may leave a mix (``stale``). With
+    ``delta``, deltas apply to the staging (refreshed from the destinations) and a failed
+    call leaves the delta bases valid (:mod:`xreshard.runtime.delta_wire`)."""
 
     on_member_loss: str = "continue"
     """What a call of an elastic world (``World.join(elastic=True)``) does when members

@@ -117,6 +117,7 @@ class DeviceDeltaExecutor(DeltaExecutor):
 
     def __init__(self, *args: Any, tuning: Tuning = Tuning(), **kwargs: Any):
         super().__init__(*args, **kwargs)
+        self.pipeline = False       # groups on the calling thread, as on a GPU (_group)
         self.baseline_on = tuning.delta_baseline
         self.send_ops: DeviceOps = ops_for("send", tuning.device_kernels)
         self.recv_ops: DeviceOps = ops_for("receive", tuning.device_kernels)

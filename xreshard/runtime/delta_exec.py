@@ -15,6 +15,18 @@ that runs ahead of the groups on its own:
 
 So the wire moves round ``k - 1``'s payloads while round ``k`` (and later ones) are being
 encoded, and a delta call costs about the larger of the diff and the wire, not their sum.
+
+With the pipelined executor (``Tuning.executor``, the default; host bindings) the groups
+run on the wire thread (:class:`~.wire.Wire`), and landing overlaps the wire as in the
+plain executor: group ``k`` opens once group ``k - 1`` exited (its headers size group
+``k``'s payload receives), and round ``k - 2`` lands (unpack, apply) while group ``k``
+moves; a dense payload moves while the next one packs. So a call whose buckets mostly
+changed (sent dense, without a diff) pipelines like a plain one. Its arena holds two
+rounds' payload staging (round ``j``'s at the bottom when ``j`` is even, at the top when
+odd), as the plain executor's; where that does not fit ``staging_bytes``, the groups run
+one after another on the calling thread (``Tuning(executor="rounds")``, device bindings
+and a call with a relay's forwards too: a forward is encoded from bytes that landed two
+rounds before it, and the pipelined groups land after posting).
 The encoder may even start before ``refit/check`` (:meth:`DeltaState.encode_ahead`: the
 diff overlaps the check's gather and the receivers' fingerprints), since it only reads the
 sources and the baselines: a baseline is written by the calling thread alone, once the
@@ -23,10 +35,14 @@ dense: the new bytes copied while they move).
 
 A bucket is read in place for the diff when its items are contiguous views that need no
 cast (a JAX array's or a torch tensor's memory; nothing is packed); otherwise the encoder
-packs it into scratch of its own. Its receiver applies a delta to its destination items
-in place (contiguous views of the wire dtype), or reads a strided item into scratch,
-applies and writes it back. One round's staging is live at a time (round ``k - 1``'s,
-during group ``k``; landed before group ``k + 1``), so the arena is the largest round's.
+packs it into scratch of its own (FP8 items quantized as the message carries them: their
+scales and codes are diffed as bytes). A bucket's :class:`Spans` say what is diffed and
+what travels raw after the header in every call (the bf16 pieces of FP8 blocks split
+across senders, which land in the receiver's scratch). Its receiver applies a delta to
+its destination items in place (contiguous views of the wire dtype; an FP8 item's scales
+and codes), or reads a strided item into scratch, applies and writes it back. Run round
+after round, one round's staging is live at a time (round ``k - 1``'s, during group
+``k``; landed before group ``k + 1``), so the arena is the largest round's.
 """
 
 from __future__ import annotations
@@ -34,11 +50,12 @@ from __future__ import annotations
 import os
 import threading
 import time
+import weakref
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 import numpy as np
 
@@ -47,11 +64,14 @@ from ..delta.host import apply_numpy, apply_parts, encode_parts
 from ..dtypes import bits_dtype, itemsize
 from ..errors import RefitError
 from ..planner.schedule import Bucket
+from . import quantized
 from .copies import copy_into
 from .execute import ExecStats, Executor
+from .programs import packed
+from .wire import Wire
 
 __all__ = ["DeltaExecutor", "Encoder", "Encoded", "ENCODE_THREADS", "mostly_changed",
-           "delta_unit"]
+           "delta_unit", "delta_spans", "Spans"]
 
 #: worker threads that find and encode the changes (numpy releases the GIL in its kernels)
 ENCODE_THREADS = max(1, min(4, os.cpu_count() or 1))
@@ -81,17 +101,72 @@ def mostly_changed(old: np.ndarray, parts: Sequence[np.ndarray]) -> bool:
     return changed >= DENSE_SAMPLE_FRACTION * _SAMPLE_BLOCKS * _SAMPLE_ELEMENTS
 
 
+class Spans(NamedTuple):
+    """How a bucket's message splits when its pair goes as a delta: the byte ranges that
+    are diffed against the baseline (in message order; their concatenation is what the
+    baseline holds) and those that travel raw in every call (the bf16 pieces of FP8 blocks
+    split across senders: their receiver's base is scratch, not its destination)."""
+
+    unit: int
+    """The element size the diffed bytes are compared in (their narrowest; 1 with FP8
+    items: codes are bytes)."""
+    diffed: tuple[tuple[int, int], ...]
+    raw: tuple[tuple[int, int], ...]
+    rest: tuple[bool, ...]
+    """Per item in message order (``programs.packed``): whether it travels raw."""
+
+    @property
+    def nbytes(self) -> int:
+        """The diffed bytes (a baseline's size)."""
+        return sum(hi - lo for lo, hi in self.diffed)
+
+    @property
+    def raw_bytes(self) -> int:
+        return sum(hi - lo for lo, hi in self.raw)
+
+
+_SPANS: weakref.WeakKeyDictionary[Executor, dict[int, Spans | None]] = \
+    weakref.WeakKeyDictionary()
+
+
+def delta_spans(reader: Executor, b: Bucket) -> Spans | None:
+    """Bucket ``b``'s :class:`Spans`, or None when it cannot go as a delta: its receiver
+    casts (it could not read its base back bit for bit), or nothing of it is diffed (every
+    item a piece of split FP8 blocks). A relay's forwards (stage 1) go as deltas too (see
+    :mod:`xreshard.planner.relay`). An FP8 item (whole blocks quantized
+    by the sender: scales then codes) is diffed as bytes against what was last sent: its
+    receiver holds exactly those codes and scales."""
+    cache = _SPANS.setdefault(reader, {})
+    if id(b) in cache:
+        return cache[id(b)]
+    spans = None
+    if b.stage < len(reader.tables):        # a relay's forwards (stage 1) too
+        t, wire, quant = reader.tables[b.stage], reader.programs.wire(b.stage), reader.quant
+        units, diffed, raw, rest = [], [], [], []
+        for it, off in packed(b, wire):
+            if t.dst_layouts[it.name].dtype != wire[it.name]:
+                break
+            piece = quant is not None and it.name in quant.tensors and not it.quantized
+            rest.append(piece)
+            into = raw if piece else diffed
+            if not piece:
+                units.append(1 if it.quantized else itemsize(wire[it.name]))
+            if into and into[-1][1] == off:
+                into[-1] = (into[-1][0], off + it.nbytes)
+            else:
+                into.append((off, off + it.nbytes))
+        else:
+            if diffed:
+                spans = Spans(min(units), tuple(diffed), tuple(raw), tuple(rest))
+    cache[id(b)] = spans
+    return spans
+
+
 def delta_unit(reader: Executor, b: Bucket) -> int | None:
-    """The element size bucket ``b`` is compared in (its narrowest wire dtype), or None
-    when it cannot go as a delta (its receiver casts: it could not read its base back bit
-    for bit). A relay's forwards (stage 1) go as deltas too (see
-    :mod:`xreshard.planner.relay`)."""
-    if b.stage >= len(reader.tables):
-        return None
-    t, wire = reader.tables[b.stage], reader.programs.wire(b.stage)
-    if any(t.dst_layouts[it.name].dtype != wire[it.name] for it in b.items):
-        return None
-    return min(itemsize(wire[it.name]) for it in b.items)
+    """The element size bucket ``b`` is compared in, or None when it cannot go as a delta
+    (see :func:`delta_spans`)."""
+    spans = delta_spans(reader, b)
+    return None if spans is None else spans.unit
 
 
 @dataclass
@@ -102,6 +177,17 @@ class Encoded:
     """The delta message (header included); None: send the bucket dense."""
     header: Header
     seconds: float
+    raw: np.ndarray | None = None
+    """The bytes of the bucket's raw spans (``Spans.raw``), sent before the message."""
+
+    @property
+    def payload(self) -> np.ndarray | None:
+        """What follows the header on the wire (a delta): the raw spans, then the message
+        when something changed; None: nothing."""
+        changed = self.message if self.header.count else None
+        if self.raw is None or not self.raw.nbytes:
+            return changed
+        return self.raw if changed is None else np.concatenate((self.raw, changed))
 
 
 class Encoder:
@@ -173,29 +259,36 @@ class Encoder:
         if self._stop.is_set():
             return None
         t0 = time.perf_counter()
-        unit = delta_unit(self.reader, b)
-        assert unit is not None, "a bucket that cannot go as a delta was given to encode"
-        bits = bits_dtype(unit)
-        n = b.nbytes // unit
-        parts = self._parts(b, bits)
+        spans = delta_spans(self.reader, b)
+        assert spans is not None, "a bucket that cannot go as a delta was given to encode"
+        bits = bits_dtype(spans.unit)
+        n = spans.nbytes // spans.unit
+        buf = self._read(b, bits, spans)
+        parts = [buf.view(bits)] if isinstance(buf, np.ndarray) else buf
+        if isinstance(buf, np.ndarray) and (spans.raw or len(spans.diffed) > 1):
+            parts = [buf[lo:hi].view(bits) for lo, hi in spans.diffed]
         old = base.view(bits)
         msg = None if mostly_changed(old, parts) else encode_parts(old, parts)
-        header = Header(DENSE, unit, n, n, 0) if msg is None else msg.header
+        header = Header(DENSE, spans.unit, n, n, 0) if msg is None else msg.header
+        raw = None
+        if msg is not None and spans.raw:       # scratch is reused: the raw bytes copied
+            raw = np.concatenate([buf[lo:hi] for lo, hi in spans.raw])
         out = Encoded(None if msg is None else msg.to_bytes(), header,
-                      time.perf_counter() - t0)
+                      time.perf_counter() - t0, raw)
         with self._lock:
             self.finished = max(self.finished, time.perf_counter())
         return out
 
-    def _parts(self, b: Bucket, bits: Any) -> list[np.ndarray]:
-        """Bucket ``b``'s new bytes as contiguous pieces of ``bits`` elements: its items'
-        own memory when every item is a contiguous view that needs no cast, else the
-        bucket packed into this worker's scratch."""
+    def _read(self, b: Bucket, bits: Any, spans: Spans) -> Any:
+        """Bucket ``b``'s new bytes: its items' own memory as contiguous pieces of ``bits``
+        elements (a list) when every item is a contiguous view that needs no cast nor
+        quantizing and is diffed whole, else the bucket packed into this worker's scratch
+        (one uint8 array, FP8 items quantized as the message carries them)."""
         reader = self.reader
         steps = reader.programs.program(b, 0)
         bindings = reader.tables[b.stage].src_bindings
-        if len(steps) <= _MAX_PARTS and all(e.quant is None and e.dtype == e.wire
-                                            for e in steps):
+        if len(steps) <= _MAX_PARTS and not spans.raw and all(
+                e.quant is None and e.dtype == e.wire for e in steps):
             views = [(bindings[e.key] if e.index is None else bindings[e.key][e.index])
                      [e.slices] for e in steps]
             if all(isinstance(v, np.ndarray) and v.flags.c_contiguous for v in views):
@@ -205,12 +298,13 @@ class Encoder:
             scratch = self._scratch.buf = np.empty(b.nbytes, np.uint8)
         buf = scratch[:b.nbytes]
         reader._pack(b, buf)
-        return [buf.view(bits)]
+        return buf
 
 
 class DeltaExecutor(Executor):
-    """The executor of a delta call (see the module docstring). Packing, unpacking and
-    same-rank copies are the plain executor's.
+    """The executor of a delta call (see the module docstring): its groups round after
+    round, or pipelined on the wire thread. Packing, unpacking and same-rank copies are
+    the plain executor's.
 
     Args:
         delta: the call's decision and accounting (``delta_wire.DeltaCall``); its
@@ -218,7 +312,6 @@ class DeltaExecutor(Executor):
     """
 
     def __init__(self, *args: Any, delta: Any, **kwargs: Any):
-        kwargs["pipeline"] = False
         super().__init__(*args, **kwargs)
         self.delta = delta
 
@@ -227,23 +320,26 @@ class DeltaExecutor(Executor):
         before this returns, whatever happened."""
         call = self.delta
         local = {r for t in self.tables for r, _ in t.src_bindings}
-        wanted = [b for rnd in self.schedule.rounds for b in rnd
+        wanted = [(b, spans) for rnd in self.schedule.rounds for b in rnd
                   if b.src in local and (b.src, b.dst) in call.pairs
-                  and delta_unit(self, b) is not None and not self._is_forward(b)]
+                  and (spans := delta_spans(self, b)) is not None and not self._is_forward(b)]
         encoder = call.encoder
-        if encoder is None or not set(wanted) <= encoder.buckets:
+        if encoder is None or not {b for b, _ in wanted} <= encoder.buckets:
             if encoder is not None:
                 encoder.stop()
-            encoder = call.encoder = self._encoder([(b, base) for b in wanted
-                                                    if (base := call.baseline(b)) is not None])
+            encoder = call.encoder = self._encoder([
+                (b, base) for b, spans in wanted
+                if (base := call.baseline(b, spans.nbytes)) is not None])
         else:
-            want = set(wanted)
+            want = {b for b, _ in wanted}
             encoder.drop(want.__contains__)
         self._encoder = encoder
         self._forward_encoder: Encoder | None = None
         self._sent: list[tuple[Bucket, Encoded | None]] = []    # headers sent, payloads next
         self._heads_in: dict[Bucket, np.ndarray] = {}
         self._landing: list[Bucket] = []        # received headers, payloads next
+        if self.forwarded:      # a forward's encode waits for its bytes to land: round by
+            self.pipeline = False       # round (the pipelined groups land after posting)
         try:
             self._relayed(local)
             return super().run()
@@ -268,7 +364,7 @@ class DeltaExecutor(Executor):
         self._forwards = deque(sorted(
             (b for rnd in self.schedule.rounds for b in rnd
              if b.src in local and self._is_forward(b) and (b.src, b.dst) in call.pairs
-             and delta_unit(self, b) is not None), key=lambda b: b.round))
+             and delta_spans(self, b) is not None), key=lambda b: b.round))
         self._rounds_run = 0
         self._encode_forwards(1)
 
@@ -279,7 +375,8 @@ class DeltaExecutor(Executor):
         jobs = []
         while self._forwards and self._forwards[0].round <= upto:
             b = self._forwards.popleft()
-            base = self.delta.baseline(b)
+            spans = delta_spans(self, b)
+            base = None if spans is None else self.delta.baseline(b, spans.nbytes)
             if base is not None:
                 jobs.append((b, base))
         if not jobs:
@@ -310,97 +407,163 @@ class DeltaExecutor(Executor):
         self._group((), stats)          # the last round's payloads
 
     def _group(self, buckets: Sequence[Bucket], stats: ExecStats) -> None:
-        """One group: the previous round's payloads and ``buckets``' headers; then the
-        previous round lands."""
+        """One group, round after round: the previous round's payloads and ``buckets``'
+        headers; then the previous round lands."""
         tr = time.perf_counter()
-        call = self.delta
         offsets: dict[int | None, int] = {}
+        incoming, recvs, previous, sends = self._open(buckets, offsets, stats)
+        if not (recvs or previous or sends):
+            return
+        with self.transport.group(self.timeout):
+            for buf, b in recvs:
+                self.transport.recv(buf, b.src, b.dst, b.tag)
+            self._posts(self._post, previous, sends, offsets, stats)
+        for b, buf, how in incoming:
+            self._land(b, buf, how)
+        stats.per_round_seconds.append(time.perf_counter() - tr)
+
+    def _pipelined(self, needs: list[dict[int | None, int]], arena: dict[int | None, int],
+                   stats: ExecStats) -> None:
+        """The groups on the wire thread (see the module docstring): group ``k`` is opened
+        once group ``k - 1`` exited (its headers size group ``k``'s payload receives), and
+        round ``k - 2`` lands while group ``k`` moves. Round ``j``'s payloads (the dense
+        ones' staging, send and receive) sit at the bottom of the arena when ``j`` is even,
+        at its top when odd: a round's half is free again once it landed."""
+        rounds = self.schedule.rounds
+        wire = Wire(self.transport, self.timeout)
+        landing: list = []
+        started = 0.0
+        try:
+            for k in range(len(rounds) + 1):
+                if k:
+                    wire.wait(k - 1)
+                j = k - 1
+                offsets = {} if j < 0 else {dev: 0 if j % 2 == 0 else arena[dev] - needs[j].get(
+                    dev, 0) for dev in arena}
+                incoming, recvs, previous, sends = self._open(
+                    rounds[k] if k < len(rounds) else (), offsets, stats)
+                wire.open(k, recvs)
+                self._posts(wire.send, previous, sends, offsets, stats)
+                wire.close(k)
+                if k == 0:      # same-rank copies overlap the first group's wire
+                    self._local_copies(stats, forwarded=False)
+                self._land_all(landing, started, stats)
+                landing, started = incoming, time.perf_counter()
+            wire.wait(len(rounds))
+            self._land_all(landing, started, stats)
+            self._local_copies(stats, forwarded=True)
+        except BaseException as e:
+            wire.abort(e)
+            raise
+        finally:
+            wire.stop()
+
+    def _land_all(self, incoming: list, started: float, stats: ExecStats) -> None:
+        for b, buf, how in incoming:
+            self._land(b, buf, how)
+        if incoming:
+            stats.per_round_seconds.append(time.perf_counter() - started)
+
+    def _open(self, buckets: Sequence[Bucket], offsets: dict, stats: ExecStats
+              ) -> tuple[list, list, list, list]:
+        """What the next group moves: the previous round's landing buckets with where
+        their payloads land (``incoming``), the receives to post (payloads, then
+        ``buckets``' headers), the previous round's sends (their payloads) and
+        ``buckets``' sends (their headers)."""
+        call = self.delta
         previous, self._sent = self._sent, []
         incoming = [(b, *self._incoming(b, self._heads_in.pop(b, None), offsets, stats))
                     for b in self._landing]
         self._landing = [b for b in buckets if b.dst in self._local_dst]
         call.local_dst.update(b.dst for b in self._landing)
-        heads_in = {b: self._buffer(b.dst, HEADER_BYTES) for b in self._landing
-                    if (b.src, b.dst) in call.pairs and delta_unit(self, b) is not None}
+        self._heads_in = {b: self._buffer(b.dst, HEADER_BYTES) for b in self._landing
+                          if (b.src, b.dst) in call.pairs and delta_unit(self, b) is not None}
         sends = [b for b in buckets if b.src in self._local_src]
         call.sent_pairs.update((b.src, b.dst) for b in sends)
-        if not (incoming or heads_in or previous or sends):
-            return
-        with self.transport.group(self.timeout):
-            for b, buf, _ in incoming:
-                if buf is not None:
-                    self.transport.recv(buf, b.src, b.dst, b.tag)
-            for b, h in heads_in.items():
-                self.transport.recv(h, b.src, b.dst, b.tag)
-            # the payloads go first and move while this thread updates their baselines
-            # and waits for the encodes of this round's headers
-            copies = [self._send_payload(b, enc, offsets, stats) for b, enc in previous]
-            for base, new in copies:
-                if base is not None:
-                    self._keep_dense(base, new)
-            for b in sends:
-                self._send_header(b, stats)
-        for b, buf, how in incoming:
-            self._land(b, buf, how)
-        self._heads_in = heads_in
-        stats.per_round_seconds.append(time.perf_counter() - tr)
+        recvs = [(buf, b) for b, buf, _ in incoming if buf is not None]
+        return incoming, recvs + [(h, b) for b, h in self._heads_in.items()], previous, sends
 
-    def _send_header(self, b: Bucket, stats: ExecStats) -> None:
+    def _posts(self, send: Callable[[Any, Bucket], None], previous: list, sends: list,
+               offsets: dict, stats: ExecStats) -> None:
+        """Post the previous round's payloads, then ``sends``' headers: the payloads move
+        while this thread updates their baselines and waits for the headers' encodes."""
+        copies = [self._send_payload(b, enc, offsets, stats, send) for b, enc in previous]
+        for base, pieces in copies:
+            if base is not None:
+                if len(pieces) == 1:        # the device path keeps its own memory
+                    self._keep_dense(base, pieces[0])
+                else:
+                    _gather(base, pieces)
+        for b in sends:
+            self._send_header(b, stats, send)
+
+    def _post(self, buf: Any, b: Bucket) -> None:
+        self.transport.send(buf, b.src, b.dst, b.tag)
+
+    def _send_header(self, b: Bucket, stats: ExecStats,
+                     send: Callable[[Any, Bucket], None]) -> None:
         """Bucket ``b``'s header, when its pair goes as a delta (waits for its encode)."""
         call = self.delta
         stats.num_messages += 1
         call.bytes_dense += b.nbytes
+        quantized.count(self.quant, b, stats, "sent")
         enc = None
-        if (b.src, b.dst) in call.pairs and delta_unit(self, b) is not None:
+        spans = delta_spans(self, b)
+        if (b.src, b.dst) in call.pairs and spans is not None:
             enc = self._encoded(b)
             if enc is None:         # no baseline of this bucket's size: dense
-                unit = delta_unit(self, b)
-                n = b.nbytes // unit
-                enc = Encoded(None, Header(DENSE, unit, n, n, 0), 0.0)
-            head = self._outgoing(b.src, np.frombuffer(enc.header.pack(), np.uint8))
-            self.transport.send(head, b.src, b.dst, b.tag)
+                n = spans.nbytes // spans.unit
+                enc = Encoded(None, Header(DENSE, spans.unit, n, n, 0), 0.0)
+            send(self._outgoing(b.src, np.frombuffer(enc.header.pack(), np.uint8)), b)
             call.bytes_wire += HEADER_BYTES
             self._count_wire(b, HEADER_BYTES, stats)
         self._sent.append((b, enc))
 
-    def _send_payload(self, b: Bucket, enc: Encoded | None, offsets: dict,
-                      stats: ExecStats) -> tuple[np.ndarray | None, Any]:
-        """Post bucket ``b``'s payload (none when nothing changed) and update its baseline:
-        a delta is applied now; returns ``(baseline, new bytes)`` to copy for a dense one
-        (``(None, None)`` otherwise: also a bucket whose receiver casts, which never goes
-        as a delta and keeps no baseline)."""
+    def _send_payload(self, b: Bucket, enc: Encoded | None, offsets: dict, stats: ExecStats,
+                      send: Callable[[Any, Bucket], None]) -> tuple[np.ndarray | None, Any]:
+        """Post bucket ``b``'s payload (none when nothing changed and nothing travels raw)
+        and update its baseline (through the call: in place, or held until the outcome):
+        a delta's message now; returns ``(target, new bytes)`` for a dense one to copy
+        into (``(None, None)`` otherwise: also a bucket that cannot go as a delta, which
+        keeps no baseline)."""
         call = self.delta
         if enc is not None and enc.message is not None:      # a delta
             call.num_delta += 1
+            payload = enc.payload
+            if payload is not None:
+                send(payload, b)
+                call.bytes_wire += payload.nbytes
+                self._count_wire(b, payload.nbytes, stats)
             if enc.header.count:
-                self.transport.send(enc.message, b.src, b.dst, b.tag)
-                call.bytes_wire += enc.message.nbytes
-                self._count_wire(b, enc.message.nbytes, stats)
-                self._advance(enc, call.baseline(b))
+                call.applied(b, enc, self._advance)
             return None, None
         new = self._message(b, offsets, stats)
-        self.transport.send(new, b.src, b.dst, b.tag)
+        send(new, b)
         call.bytes_wire += b.nbytes
         self._count_wire(b, b.nbytes, stats)
-        if delta_unit(self, b) is None:
+        spans = delta_spans(self, b)
+        if spans is None:
             return None, None
-        return call.baseline(b, create=True, alloc=self._baseline_alloc(b)), new
+        return (call.target(b, spans.nbytes, self._baseline_alloc(b)),
+                [new[lo:hi] for lo, hi in spans.diffed])
 
     def _incoming(self, b: Bucket, head: np.ndarray | None, offsets: dict,
                   stats: ExecStats) -> tuple[Any, str]:
         """Where bucket ``b``'s payload lands and how it is then applied: ``"in place"``
-        (the destination view itself), ``"unpack"`` (staging), ``"apply"`` (a delta), or
-        ``(None, "unchanged")``: nothing changed, nothing follows the header."""
+        (the destination view itself), ``"unpack"`` (staging), ``"apply"`` (a delta, after
+        the raw spans), or ``(None, "unchanged")``: nothing follows the header."""
+        quantized.count(self.quant, b, stats, "received")
         if head is not None:
             stats.bytes_received += HEADER_BYTES
-            unit = delta_unit(self, b)
-            assert unit is not None
-            header = read_header(self._host(head), unit, b.nbytes // unit)
-            if header.kind != DENSE and not header.count:
-                return None, "unchanged"
+            spans = delta_spans(self, b)
+            assert spans is not None
+            header = read_header(self._host(head), spans.unit, spans.nbytes // spans.unit)
             if header.kind != DENSE:
-                stats.bytes_received += header.nbytes
-                return self._buffer(b.dst, header.nbytes), "apply"
+                size = spans.raw_bytes + (header.nbytes if header.count else 0)
+                if not size:
+                    return None, "unchanged"
+                stats.bytes_received += size
+                return self._buffer(b.dst, size), "apply"
         stats.bytes_received += b.nbytes
         buf = self._zero_copy_recv(b)
         if buf is not None:
@@ -409,8 +572,9 @@ class DeltaExecutor(Executor):
         return self._take(offsets, b.dst, b.nbytes), "unpack"
 
     def _land(self, b: Bucket, buf: Any, how: str) -> None:
-        """Bucket ``b``'s payload arrived: unpack it, or apply the delta to its base (the
-        destination items themselves; a strided one read into scratch and written back)."""
+        """Bucket ``b``'s payload arrived: unpack it, or write its raw spans and apply the
+        delta to its base (the destination items themselves, an FP8 item's scales and
+        codes; a strided one read into scratch and written back)."""
         if how == "unpack":
             self._unpack(b, buf)
         if how == "apply":
@@ -447,22 +611,78 @@ class DeltaExecutor(Executor):
         apply_numpy(enc.message, base.view(bits_dtype(enc.header.itemsize)))
 
     def _apply(self, b: Bucket, buf: Any) -> None:
-        """Apply the delta ``buf`` to bucket ``b``'s destination items in place."""
-        unit = delta_unit(self, b)
-        bits = bits_dtype(unit)
+        """Apply the delta ``buf`` (after the raw spans) to bucket ``b``'s destination
+        items in place (an FP8 item's scales and codes; a strided one read into scratch
+        and written back), the raw spans written into their scratch."""
+        spans = delta_spans(self, b)
+        assert spans is not None
+        bits = bits_dtype(spans.unit)
         bindings = self.tables[b.stage].dst_bindings
-        parts, back = [], []
-        for e in self.programs.program(b, 1):
-            arr = bindings[e.key]
-            view = (arr if e.index is None else arr[e.index])[e.slices]
-            if isinstance(view, np.ndarray) and view.flags.c_contiguous \
-                    and view.flags.writeable:
-                parts.append(view.reshape(-1).view(np.uint8).view(bits))
+        parts, back, at = [], [], 0
+        for e, rest in zip(self.programs.program(b, 1), spans.rest):
+            if rest:        # a piece of split blocks: into its scratch, as it came
+                data = buf[at:at + e.hi - e.lo].view(e.bits).reshape(e.shape)
+                at += e.hi - e.lo
+                copy_into(np, _view(bindings, e.key, e.index, e.slices), e.dtype, data, e.wire)
                 continue
-            scratch = np.empty(e.hi - e.lo, np.uint8)
-            copy_into(np, scratch.view(e.bits).reshape(e.shape), e.wire, view, e.dtype)
-            parts.append(scratch.view(bits))
-            back.append((e, view, scratch))
-        apply_parts(buf, parts, unit, b.nbytes // unit)
-        for e, view, scratch in back:
-            copy_into(np, view, e.dtype, scratch.view(e.bits).reshape(e.shape), e.wire)
+            if e.quant is None:
+                views = [(_view(bindings, e.key, e.index, e.slices), e.bits, e.shape)]
+            else:           # the message holds its scales, then its codes
+                q = e.quant
+                views = [(_view(bindings, q.scale_key, q.scale_index, q.scale_slices), None,
+                          None), (_view(bindings, e.key, e.index, e.slices), None, None)]
+            for view, vbits, shape in views:
+                part = _writable_bytes(view)
+                if part is None:
+                    part = _read_bits(view, vbits, shape, e)
+                    back.append((view, vbits, shape, e, part))
+                parts.append(part.view(bits))
+        if buf.nbytes > at:
+            apply_parts(buf[at:], parts, spans.unit, spans.nbytes // spans.unit)
+        for view, vbits, shape, e, part in back:
+            _write_bits(view, vbits, shape, e, part)
+
+
+def _view(bindings: Any, key: Any, index: int | None, slices: tuple) -> Any:
+    arr = bindings[key]
+    return (arr if index is None else arr[index])[slices]
+
+
+def _writable_bytes(view: Any) -> np.ndarray | None:
+    """``view``'s memory as bytes, when it is a contiguous writeable numpy array."""
+    if isinstance(view, np.ndarray) and view.flags.c_contiguous and view.flags.writeable:
+        return view.reshape(-1).view(np.uint8)
+    return None
+
+
+def _read_bits(view: Any, bits: Any, shape: Any, e: Any) -> np.ndarray:
+    """A contiguous copy of ``view``'s bytes (a plain item: as its wire dtype; an FP8
+    item's scales or codes: as they are)."""
+    if bits is None:
+        return np.ascontiguousarray(view).reshape(-1).view(np.uint8)
+    scratch = np.empty(e.hi - e.lo, np.uint8)
+    copy_into(np, scratch.view(bits).reshape(shape), e.wire, view, e.dtype)
+    return scratch
+
+
+def _write_bits(view: Any, bits: Any, shape: Any, e: Any, part: np.ndarray) -> None:
+    if bits is not None:
+        copy_into(np, view, e.dtype, part.view(bits).reshape(shape), e.wire)
+        return
+    typed = bits_dtype(view.dtype.itemsize)
+    try:
+        view.view(typed)[...] = part.view(typed).reshape(view.shape)
+    except (TypeError, ValueError):      # a view numpy cannot reinterpret: as typed
+        view[...] = part.view(view.dtype).reshape(view.shape)
+
+
+def _gather(out: np.ndarray, pieces: Sequence[np.ndarray]) -> None:
+    """Copy ``pieces`` back to back into ``out`` (a dense bucket's diffed bytes into its
+    baseline)."""
+    if len(pieces) == 1:
+        np.copyto(out, pieces[0])
+        return
+    at = 0
+    for p in pieces:
+        out[at:at + p.nbytes] = p
+        at += p.nbytes

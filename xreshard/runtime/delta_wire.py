@@ -43,12 +43,45 @@ receivers' fingerprints). The encoder only reads sources and baselines; the call
 work only when the schedule stayed and the pair goes as a delta, and it is stopped before
 the call returns, whatever happened.
 
+**With ``atomic=True``** (:mod:`.atomic`) a receiver's destinations are shadowed: the
+shadows are refreshed from the live destinations at the start of the call, so a delta
+applies onto the base its claim names, and the fingerprints are of the real destinations
+(taken at ``refit/check`` and after the staging is committed). The senders' baselines
+become transactional too: a dense bucket's new bytes go to new memory and a delta's
+message is kept, both applied to the baselines only at :meth:`DeltaState.commit`. So a
+call that fails anywhere leaves every staged destination and every baseline as the last
+confirmed call left them, and the claims stay valid: the next call sends deltas again
+(a restarted or new process still gets a dense refit of its pairs; a destination written
+in place, not staged, drops its claim). Memory, on top of ``atomic``'s shadow of the
+destinations: a sender holds, until the outcome, the new bytes of the buckets it sent
+dense (at most as many bytes again as its baselines, the first call excepted: there is no
+old baseline then) and the delta messages it sent.
+
+**FP8 destinations quantized on the way** (:mod:`.quantized`): an FP8 item (whole blocks
+the sender holds, quantized at pack time) is diffed as what goes on the wire, its float32
+scales then its e4m3 codes, in bytes (:func:`.delta_exec.delta_spans`), against what was
+last sent for that bucket: its receiver's destination holds exactly those codes and
+scales, and the delta is applied to them in place. The sender requantizes every block of
+the bucket each call (a changed element changes its block's codes and maybe its scale:
+a changed block requantizes whole) and only changed code and scale bytes move. The bf16
+pieces of blocks split across senders land in the receiver's scratch, which the receiver
+quantizes itself: they travel raw in every call, inside the delta bucket (the scratch
+is no destination, so it holds no fenced base).
+
 Buckets whose receiver casts (its dtype is not the wire dtype) always go dense: the
 receiver could not read its base back bit for bit. Device bindings take the device path
 (:mod:`.delta_device`: the diff with JAX or torch ops on the device, baselines on the host
 or the device). Through a relay (host bindings), a forwarding rank is the sender of its
 forwarded pairs: it keeps their baselines and claims them like any sender (why, and how
 forwards are timed: :mod:`xreshard.planner.relay`).
+
+**What composes, what is refused** (:func:`delta_problems`, at ``refit/check``, on every
+process before any byte moves). Host bindings: delta composes with ``wire_dtype``,
+``atomic=True``, FP8 destinations and ``relay``, but a relay not with ``atomic=True``
+(the forwarders' baselines are not transactional) nor with FP8 destinations (replicas
+forward finished codes and scales, which are not diffed). Device bindings: delta with
+``wire_dtype``, but not with ``relay``, ``atomic=True`` or FP8 destinations (the device
+path diffs plain items and keeps its baselines in place).
 """
 
 from __future__ import annotations
@@ -57,7 +90,7 @@ import hashlib
 import os
 import secrets
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
@@ -73,29 +106,35 @@ def delta_problems(config: Any, on_device: bool, quantized: bool = False, *,
                    tuning: Any = None, sides: tuple[bool, bool] = (True, True)
                    ) -> list[list[str]]:
     """What ``RefitConfig(delta=True)`` cannot run in this process, as error entries for
-    ``refit/check`` (refused on every process before any byte moves): device bindings
-    without a framework to diff or apply on the device (:mod:`.delta_device`;
-    ``sides``: whether this process sends, receives), destinations quantized on the way
-    (FP8 items are packed per region, not diffed), and ``atomic=True`` (its shadow
-    destinations are not fenced)."""
+    ``refit/check`` (refused on every process before any byte moves). Device bindings
+    (``on_device``): no framework to diff or apply on the device (:mod:`.delta_device`;
+    ``sides``: whether this process sends, receives), a relay, ``atomic=True`` and
+    destinations quantized on the way (``quantized``: FP8). Host bindings: a relay with
+    ``atomic=True`` or with FP8 destinations. Everything else composes (see the module
+    docstring)."""
     if not getattr(config, "delta", False):
         return []
+    relay = getattr(config, "relay", "off")
+    atomic = getattr(config, "atomic", False)
     found = []
-    if on_device:
+    from .device_ops import test_switch
+    if on_device or test_switch() is not None:      # the device path (tests: on the host)
         from ..config import Tuning
         from .delta_device import device_delta_problems
         found += device_delta_problems(tuning or Tuning(), *sides)
-        if getattr(config, "relay", "off") != "off":
-            found.append(["RefitError", "RefitConfig(delta=True) with relay="
-                          f"{config.relay!r} forwards deltas from host bindings only in this "
-                          "version, and this process binds device memory; pass relay='off' "
-                          "(or delta=False)"])
-    if quantized:
-        found.append(["RefitError", "RefitConfig(delta=True) does not diff destinations "
-                      "quantized on the way (FP8) in this version; run with delta=False"])
-    if getattr(config, "atomic", False):
-        found.append(["RefitError", "RefitConfig(delta=True) and atomic=True do not combine "
-                      "in this version (deltas apply to live destinations); choose one"])
+        where, fix = "this process binds device memory", "(or hold the weights in host memory)"
+        not_with = [(relay != "off", f"relay={relay!r}", "relay='off'"),
+                    (atomic, "atomic=True", "atomic=False"),
+                    (quantized, "FP8 destinations quantized on the way", "delta=False")]
+    else:
+        where, fix = "through a relay", "(or relay='off')"
+        not_with = [(relay != "off" and atomic, "atomic=True", "atomic=False"),
+                    (relay != "off" and quantized, "FP8 destinations quantized on the way",
+                     "delta=False")]
+    for refused, what, instead in not_with:
+        if refused:
+            found.append(["RefitError", f"RefitConfig(delta=True) with {what} is not built "
+                          f"in this version: {where}; pass {instead} {fix}"])
     return found
 
 
@@ -125,6 +164,7 @@ class DeltaState:
         self._nonce = ""
         self._digests: tuple[Any, dict[tuple[int, int], str]] | None = None
         self._ahead: tuple[Any, Any] | None = None      # (prepared, Encoder)
+        self._open: DeltaCall | None = None     # begun, neither committed nor aborted
 
     @property
     def baseline_bytes(self) -> int:
@@ -152,6 +192,9 @@ class DeltaState:
         """This process's part of ``refit/check``, and the errors found: destination memory
         written outside xreshard since the last call."""
         errors: list[list[str]] = []
+        if self._open is not None:      # the last call neither committed nor failed cleanly
+            self._open = None
+            self.reset()
         if self.base and self.memory is not None:
             where, what = fingerprint(dst, receive_obj)
             if where != self.memory[0]:
@@ -187,11 +230,12 @@ class DeltaState:
         from .delta_device import device_path
         if device_path(src.bindings):       # device memory: encoded in the call
             return
-        from .delta_exec import ENCODE_THREADS, Encoder, delta_unit
+        from .delta_exec import ENCODE_THREADS, Encoder, delta_spans
         st = prepared.stages[0]
         reader = Executor(prepared.schedule, st.src_layouts, st.dst_layouts, st.wire_dtypes,
                           fit(src, prepared.direct.src_layouts), {},
-                          None, 0.0)  # type: ignore[arg-type]  # reads sources only: no wire
+                          None, 0.0,  # type: ignore[arg-type]  # reads sources only: no wire
+                          quant=prepared.quant)
         local = {r for r, _ in reader.src_bindings}
         digests = self.pair_digests(prepared)
         jobs = []
@@ -201,8 +245,8 @@ class DeltaState:
                 if b.src not in local or pair is None or pair.call is None \
                         or pair.digest != digests.get((b.src, b.dst)):
                     continue
-                base = pair.buffers.get(b.tag)
-                if base is not None and base.nbytes == b.nbytes and delta_unit(reader, b):
+                base, spans = pair.buffers.get(b.tag), delta_spans(reader, b)
+                if base is not None and spans is not None and base.nbytes == spans.nbytes:
                     jobs.append((b, base))
         if jobs:
             self._ahead = (prepared, Encoder(reader, jobs, threads or ENCODE_THREADS))
@@ -216,9 +260,13 @@ class DeltaState:
 
     # ------------------------------------------------------------ the call
 
-    def begin(self, gathered: Sequence[Any], prepared: Any) -> DeltaCall:
+    def begin(self, gathered: Sequence[Any], prepared: Any, atomic: bool = False,
+              staged: bool = False) -> DeltaCall:
         """The call's decision, the same in every process, from every process's claims
-        (``refit/check``) and this process's schedule."""
+        (``refit/check``) and this process's schedule. ``atomic``: the call runs with
+        ``RefitConfig(atomic=True)`` (the baselines change only at :meth:`commit`);
+        ``staged``: this process's destinations receive into staging (its bases survive a
+        failed call)."""
         bodies = [g for g in gathered if isinstance(g, dict)]
         call_id = hashlib.sha256(
             "/".join(str(g.get("nonce")) for g in bodies).encode()).hexdigest()[:24]
@@ -234,7 +282,8 @@ class DeltaState:
         pairs = frozenset(p for p, d in digests.items()
                           if send.get(p) is not None and send.get(p) == recv.get(p)
                           and send[p][1] == d)
-        call = DeltaCall(self, call_id, pairs, digests)
+        call = DeltaCall(self, call_id, pairs, digests, atomic=atomic, staged=staged)
+        self._open = call
         if self._ahead is not None and self._ahead[0] is prepared:
             call.encoder, self._ahead = self._ahead[1], None    # the executor takes it
         self.stop_ahead()
@@ -250,7 +299,7 @@ class DeltaState:
                 stage = prepared.stages[b.stage]        # a relay's forwards: stage 1
                 h = hashes.setdefault((b.src, b.dst), hashlib.sha256())
                 h.update(repr((b.round, b.tag, b.stage, b.nbytes, [
-                    (it.name, it.region.starts, it.region.stops, it.nbytes,
+                    (it.name, it.region.starts, it.region.stops, it.nbytes, it.quantized,
                      str(stage.wire_dtypes[it.name]), stage.dst_layouts[it.name].dtype)
                     for it in b.items])).encode())
         digests = {p: h.hexdigest()[:24] for p, h in hashes.items()}
@@ -258,7 +307,10 @@ class DeltaState:
         return digests
 
     def commit(self, call: DeltaCall, dst: Any, receive_obj: Any) -> None:
-        """Every process confirmed ``call``: its baselines and bases are of it now."""
+        """Every process confirmed ``call`` (and its staging, with ``atomic``, is
+        committed): its baselines and bases are of it now."""
+        self._open = None
+        call.settle()
         for pair in call.sent_pairs:
             b = self.sent.setdefault(pair, _Baseline())
             b.call, b.digest = call.call_id, call.digests[pair]
@@ -268,8 +320,18 @@ class DeltaState:
         self.memory = fingerprint(dst, receive_obj) if self.base else None
 
     def abort(self) -> None:
-        """The call failed somewhere: every destination may hold a mix of two versions."""
-        self.reset()
+        """The call failed somewhere. Without ``atomic`` every destination may hold a mix
+        of two versions: every claim goes (the next call is dense). With ``atomic`` no
+        destination byte was written and no baseline changed: the claims stay, but for
+        destinations this process did not stage (they were written in place)."""
+        call, self._open = self._open, None
+        if call is None or not call.atomic:
+            self.reset()
+            return
+        call.pending.clear()
+        if not call.staged:
+            self.base.clear()
+            self.memory = None
 
 
 #: fingerprints of at least this many bytes are checksummed on several threads
@@ -325,11 +387,19 @@ class DeltaCall:
     encoder: Any = None
     """The ``delta_exec.Encoder`` at work on this call (started ahead, or by the executor)."""
 
-    def baseline(self, b: Bucket, create: bool = False, alloc: Any = None) -> Any:
-        """Bucket ``b``'s baseline (``b.nbytes`` bytes), or None when there is none of its
-        size; ``create``: a new one then (its contents are set as the bucket is sent),
-        from ``alloc(nbytes)`` (None: host memory; a baseline held in another kind of
-        memory than ``alloc`` gives is replaced)."""
+    atomic: bool = False
+    """``RefitConfig(atomic=True)``: baselines change at :meth:`settle` (the outcome
+    confirmed the call), not as buckets leave, so a failed call leaves them as they were."""
+    staged: bool = False
+    pending: list[tuple[tuple[int, int], int, str, Any]] = field(default_factory=list)
+    """``atomic``: the baselines' changes until the outcome, ``(pair, tag, how, what)``."""
+
+    def baseline(self, b: Bucket, nbytes: int, create: bool = False,
+                 alloc: Callable[[int], Any] | None = None) -> Any:
+        """Bucket ``b``'s baseline (``nbytes``: the bucket's diffed bytes), or None when
+        there is none of that size; ``create``: a new one then (its contents are set as the
+        bucket is sent), from ``alloc(nbytes)`` (None: host memory; a baseline held in
+        another kind of memory than ``alloc`` gives is replaced)."""
         pair = self.state.sent.get((b.src, b.dst))
         if pair is None:
             if not create:
@@ -337,10 +407,40 @@ class DeltaCall:
             pair = self.state.sent[(b.src, b.dst)] = _Baseline()
         base = pair.buffers.get(b.tag)
         alloc = alloc or _host_bytes
-        if create and (base is None or base.nbytes != b.nbytes
+        if create and (base is None or base.nbytes != nbytes
                        or type(base) is not type(alloc(0))):
-            base = pair.buffers[b.tag] = alloc(b.nbytes)
-        return base if base is not None and base.nbytes == b.nbytes else None
+            base = pair.buffers[b.tag] = alloc(nbytes)
+        return base if base is not None and base.nbytes == nbytes else None
+
+    def target(self, b: Bucket, nbytes: int, alloc: Callable[[int], Any] | None = None) -> Any:
+        """Where a dense bucket's diffed bytes go as they are sent: its baseline, or with
+        ``atomic`` new memory (from ``alloc``, as :meth:`baseline`) that replaces it at
+        :meth:`settle`."""
+        if not self.atomic:
+            return self.baseline(b, nbytes, create=True, alloc=alloc)
+        out = (alloc or _host_bytes)(nbytes)
+        self.pending.append(((b.src, b.dst), b.tag, "replace", out))
+        return out
+
+    def applied(self, b: Bucket, enc: Any, advance: Callable[[Any, Any], None]) -> None:
+        """Bucket ``b`` went as delta ``enc`` (a ``delta_exec.Encoded``):
+        ``advance(enc, baseline)`` applies it to the baseline now (with ``atomic``, at
+        :meth:`settle`)."""
+        if self.atomic:
+            self.pending.append(((b.src, b.dst), b.tag, "apply", (enc, advance)))
+            return
+        advance(enc, self.state.sent[(b.src, b.dst)].buffers[b.tag])
+
+    def settle(self) -> None:
+        """Apply the pending baseline changes (``atomic``: the call was confirmed)."""
+        pending, self.pending = self.pending, []
+        for pair, tag, how, what in pending:
+            held = self.state.sent.setdefault(pair, _Baseline())
+            if how == "replace":
+                held.buffers[tag] = what
+            else:
+                enc, advance = what
+                advance(enc, held.buffers[tag])
 
     def summary(self) -> dict[str, Any]:
         return {"pairs": len([p for p in self.pairs if p in self.sent_pairs]),

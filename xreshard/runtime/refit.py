@@ -411,7 +411,10 @@ class Refit:
         # sources do not change during a refit: their checksums overlap the move
         sent_half = Background(lambda: self._digest(0, bindings.src[0], {}, target, "send")) \
             if self.config.verify else None
-        moved.delta = self.delta_state.begin(self._claims, prepared) \
+        # atomic: baselines move at the outcome; staged bases survive a failed call
+        moved.delta = self.delta_state.begin(
+            self._claims, prepared, atomic=self.config.atomic,
+            staged=dst is not None and self._staging is not None) \
             if self.config.delta else None
         with self.quant_ahead.used(prepared, self._programs, timeout):
             moved.stats, self._arena = execute.run(
