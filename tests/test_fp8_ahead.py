@@ -7,6 +7,7 @@ the destination bytes are vLLM's quantization of the values either way."""
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import threading
 
 import numpy as np
@@ -18,6 +19,10 @@ from xreshard.runtime.quantize_ahead import QuantAhead
 from xreshard.tools.testing import local_arrays_from_global
 
 from .test_fp8_refit import _case, _expected, _garbage, _sharded, _values
+
+#: the refit world's rendezvous store is torch's (the JAX-only CI leg has no torch)
+needs_torch = pytest.mark.skipif(importlib.util.find_spec("torch") is None,
+                                 reason="the world rendezvous needs torch")
 
 
 @contextlib.contextmanager
@@ -62,6 +67,7 @@ def _fresh(src, seed):
     return {n: _values(lay.shape, seed + i) for i, (n, lay) in enumerate(src.items())}
 
 
+@needs_torch
 @pytest.mark.parametrize("staging", [1 << 20, 2048])
 def test_the_call_takes_the_work_ahead_when_the_schedule_stays(staging):
     """Second and third calls: same schedule, new source arrays each time. Every FP8 item
@@ -95,6 +101,7 @@ def test_the_call_takes_the_work_ahead_when_the_schedule_stays(staging):
         assert _held(dst, bindings2) == ahead_bytes
 
 
+@needs_torch
 def test_the_work_is_discarded_when_the_schedule_changes():
     """A source bound with another dtype (float32 values, wire_dtype bf16): the call
     plans again, the worker's items (of the bf16 schedule) are not taken, and the codes
@@ -118,6 +125,7 @@ def test_the_work_is_discarded_when_the_schedule_changes():
         _check(dst, bindings, quantized, values, wire="bfloat16")
 
 
+@needs_torch
 def test_the_worker_is_joined_when_the_call_fails():
     """Refused in refit/check (a source of another shape) and failing while moving (a
     receiver's unpack raises): the call raises, and no worker thread outlives it."""
@@ -146,6 +154,7 @@ def test_the_worker_is_joined_when_the_call_fails():
         assert refit.quant_ahead.last["used"] and _no_worker()
 
 
+@needs_torch
 def test_a_failing_worker_leaves_its_items_to_the_call(monkeypatch):
     """The worker's quantizer raises: the pack steps quantize those items themselves and
     the bytes are right."""
