@@ -83,6 +83,11 @@ def _timer(delay: float, kill_file: str, why: str) -> None:
     t.start()
 
 
+#: calls each process makes at most (the victim dies in its 2nd or 3rd call, or within
+#: 2 s of the first: always well before)
+MAX_CALLS = 2000
+
+
 def _die_in_move(rng: random.Random, kill_file: str) -> None:
     """SIGKILL this process after a random number of its sends in its second or third
     call: some bytes of that call moved, the rest never will."""
@@ -183,9 +188,12 @@ def trial(ctx: Any, spec: dict) -> dict:
     if victim and spec["mode"] == "random":
         _timer(rng.uniform(0, 2.0), spec["kill_file"], "at a random moment")
     out: dict[str, Any] = {"process": me, "calls": 0, "outcome": "no error"}
-    deadline = time.monotonic() + 30
+    # every process makes the same calls until the victim dies: a per-process wall-clock
+    # end let a slow victim stop early (exit 0, never killed) while the others began one
+    # more call and timed out; the wall clock only bounds a harness that never kills
+    deadline = time.monotonic() + 120
     call = 0
-    while time.monotonic() < deadline:
+    while call < MAX_CALLS and time.monotonic() < deadline:
         call += 1
         value = float(call)
         if trainer:
