@@ -6,6 +6,7 @@ two processes over gloo; every receiver bit-compares every byte it holds after e
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from xreshard.tools.launch import Role, launch
@@ -88,3 +89,64 @@ def test_fp8_destinations_take_deltas_of_codes_and_scales():
     for res in results[1:]:
         assert all("wrong" not in x for x in res.value["rows"]), res.value["rows"]
         assert res.value["checked"] > 0
+
+
+def _vllm_sha(step: str) -> dict[str, list[str]]:
+    """sha256 of vLLM's quantizer's codes and scales of each whole tensor of ``step`` (the
+    bf16 bytes for a tensor not quantized)."""
+    import hashlib
+
+    from . import relay_compose_cases as relay_cases
+
+    out = {}
+    for name, a in cases.fp8_values(step, cases.RELAY_TENSORS).items():
+        kind = cases.RELAY_TENSORS[name][1]
+        arrays = [a] if kind is None else list(relay_cases.vllm_quantize(a, kind))
+        out[name] = [hashlib.sha256(np.ascontiguousarray(x).tobytes()).hexdigest()
+                     for x in arrays]
+    return out
+
+
+def test_relayed_fp8_deltas_atomic_failure_and_wrong_base():
+    """Delta through a relay with atomic=True and FP8 destinations, verify=True: two
+    replicas on one host, the trainer sends each relayed tensor to the host once and the
+    replicas forward halves (FP8 codes and scales, bf16) to each other as deltas of what
+    they last forwarded (tests/delta_compose_cases.py, "relay"). After every call both
+    replicas hold vLLM's quantizer's bytes of the whole tensor; a failed call leaves the
+    previous version and keeps every base valid (the next call is deltas); a replica with
+    a wrong base gets dense from the trainer and from its forwarder, its own forwards
+    stay deltas."""
+    pytest.importorskip("vllm")
+
+    results = launch([cases.relay_trainer, cases.relay_rollout, cases.relay_rollout], ROLES,
+                     timeout=400, env={"XRESHARD_SHM": "0"})
+    rows = results[0].value["rows"]
+    fails = [k == cases.RELAY_FAILS - 1 for k in range(len(cases.RELAY_STEPS))]
+    assert ["error" in r for r in rows] == fails, rows
+    assert "injected failure" in rows[cases.RELAY_FAILS - 1]["error"]
+    assert rows[0]["delta"]["pairs"] == 0
+    full = rows[1]["delta"]["pairs"]
+    assert full > 0 and rows[3]["delta"]["pairs"] == full, rows
+    assert 0 < rows[4]["delta"]["pairs"] < full                         # dense to rollout[1]
+    for k in (1, 3):
+        assert rows[k]["sent"] < 0.5 * rows[0]["sent"] and rows[k]["verified"] > 0
+    want = {step: _vllm_sha(step) for step in set(cases.RELAY_STEPS)}
+    dense = [res.value["rows"][0]["forwarded"] for res in results[1:]]
+    for me, res in enumerate(results[1:]):
+        out = res.value["rows"]
+        assert ["error" in x for x in out] == fails, out
+        assert out[cases.RELAY_FAILS - 1]["error"] == rows[cases.RELAY_FAILS - 1]["error"]
+        held = None
+        for call, (step, x) in enumerate(zip(cases.RELAY_STEPS, out), 1):
+            held = held if "error" in x else step
+            assert x["held"] == want[held], (me, call, step)     # vLLM's bytes, bit for bit
+        assert [x["version"] for x in out] == [1, 2, 2, 3, 4]
+        assert out[2]["stale"] is False
+        for k in (1, 3):    # every forward a delta: a few changed codes and scales
+            assert out[k]["delta"]["pairs"] == 1 and out[k]["verified"] > 0
+            assert 0 < out[k]["forwarded"] < 0.2 * dense[me], (out[k], dense[me])
+            assert out[k]["posted"] == out[k]["forwarded"]
+        assert out[4]["delta"]["pairs"] == (1 if me == 1 else 0)    # 0's forward into 1
+        assert res.value["baseline_bytes"] == dense[me]       # what it forwards per call
+    # the trainer's: what it sends but the bf16 pieces of w's split blocks (sent raw)
+    assert 0 < results[0].value["baseline_bytes"] < rows[0]["sent"]

@@ -146,7 +146,9 @@ def delta_spans(reader: Executor, b: Bucket) -> Spans | None:
         for it, off in packed(b, wire):
             if t.dst_layouts[it.name].dtype != wire[it.name]:
                 break
-            piece = quant is not None and it.name in quant.tensors and not it.quantized
+            # a piece of split blocks (stage 0 only: a relay forwards finished codes)
+            piece = b.stage == 0 and quant is not None and it.name in quant.tensors \
+                and not it.quantized
             rest.append(piece)
             into = raw if piece else diffed
             if not piece:

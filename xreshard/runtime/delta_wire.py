@@ -77,9 +77,11 @@ forwards are timed: :mod:`xreshard.planner.relay`).
 
 **What composes, what is refused** (:func:`delta_problems`, at ``refit/check``, on every
 process before any byte moves). Host bindings: delta composes with ``wire_dtype``,
-``atomic=True``, FP8 destinations and ``relay``, but a relay not with ``atomic=True``
-(the forwarders' baselines are not transactional) nor with FP8 destinations (replicas
-forward finished codes and scales, which are not diffed). Device bindings: delta with
+``atomic=True``, FP8 destinations and ``relay``, in any combination. Through a relay with
+``atomic=True`` a forwarder's baselines are transactional like any sender's (its forwards'
+new bytes and messages are held until the outcome) and it forwards from its staging; with
+FP8 destinations a forwarder diffs the finished codes and scales it forwards (plain
+tensors of stage 2) against what it last forwarded. Device bindings: delta with
 ``wire_dtype``, but not with ``relay``, ``atomic=True`` or FP8 destinations (the device
 path diffs plain items and keeps its baselines in place).
 """
@@ -109,32 +111,25 @@ def delta_problems(config: Any, on_device: bool, quantized: bool = False, *,
     ``refit/check`` (refused on every process before any byte moves). Device bindings
     (``on_device``): no framework to diff or apply on the device (:mod:`.delta_device`;
     ``sides``: whether this process sends, receives), a relay, ``atomic=True`` and
-    destinations quantized on the way (``quantized``: FP8). Host bindings: a relay with
-    ``atomic=True`` or with FP8 destinations. Everything else composes (see the module
-    docstring)."""
+    destinations quantized on the way (``quantized``: FP8). Host bindings compose with
+    all of them, together too (see the module docstring)."""
     if not getattr(config, "delta", False):
         return []
-    relay = getattr(config, "relay", "off")
-    atomic = getattr(config, "atomic", False)
-    found = []
     from .device_ops import test_switch
-    if on_device or test_switch() is not None:      # the device path (tests: on the host)
-        from ..config import Tuning
-        from .delta_device import device_delta_problems
-        found += device_delta_problems(tuning or Tuning(), *sides)
-        where, fix = "this process binds device memory", "(or hold the weights in host memory)"
-        not_with = [(relay != "off", f"relay={relay!r}", "relay='off'"),
-                    (atomic, "atomic=True", "atomic=False"),
-                    (quantized, "FP8 destinations quantized on the way", "delta=False")]
-    else:
-        where, fix = "through a relay", "(or relay='off')"
-        not_with = [(relay != "off" and atomic, "atomic=True", "atomic=False"),
-                    (relay != "off" and quantized, "FP8 destinations quantized on the way",
-                     "delta=False")]
+    if not (on_device or test_switch() is not None):        # host bindings: everything
+        return []
+    from ..config import Tuning
+    from .delta_device import device_delta_problems
+    found = device_delta_problems(tuning or Tuning(), *sides)
+    relay = getattr(config, "relay", "off")
+    not_with = [(relay != "off", f"relay={relay!r}", "relay='off'"),
+                (getattr(config, "atomic", False), "atomic=True", "atomic=False"),
+                (quantized, "FP8 destinations quantized on the way", "delta=False")]
     for refused, what, instead in not_with:
-        if refused:
+        if refused:     # the device path diffs plain items, baselines kept in place
             found.append(["RefitError", f"RefitConfig(delta=True) with {what} is not built "
-                          f"in this version: {where}; pass {instead} {fix}"])
+                          "in this version: this process binds device memory; pass "
+                          f"{instead} (or hold the weights in host memory)"])
     return found
 
 
