@@ -246,6 +246,12 @@ class DeltaState:
         if jobs:
             self._ahead = (prepared, Encoder(reader, jobs, threads or ENCODE_THREADS))
 
+    @property
+    def ahead_buckets(self) -> frozenset[Any]:
+        """The buckets the encoder started ahead encodes (it quantizes their FP8 items:
+        ``quantize_ahead`` leaves them alone)."""
+        return frozenset() if self._ahead is None else self._ahead[1].buckets
+
     def stop_ahead(self) -> None:
         """Stop an encoder started ahead that no call took: no thread reads the sources or
         the baselines once this returns."""
