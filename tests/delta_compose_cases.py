@@ -212,6 +212,7 @@ def fp8_trainer(ctx: Any) -> dict:
         row = dc._row(report)
         if not isinstance(report, str):
             row["quantized"] = dict(report.quantized or {})
+        row["ahead"] = dict(refit.quant_ahead.last)     # FP8 items quantized ahead
         rows.append(row)
     world.close()
     return {"rows": rows}

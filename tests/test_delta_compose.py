@@ -83,6 +83,8 @@ def test_fp8_destinations_take_deltas_of_codes_and_scales():
     assert full > 0 and rows[2]["delta"]["pairs"] == full
     for r in rows[1:3]:
         assert r["delta"]["num_delta"] > 0 and r["verified"] > 0
+        # the delta encoder quantizes every FP8 item of its pairs: none is quantized ahead
+        assert r["ahead"] == {} or r["ahead"]["items"] == 0, r["ahead"]
         assert r["sent"] < 0.5 * dense["sent"], (r["sent"], dense["sent"])
     assert 0 < rows[3]["delta"]["pairs"] < full             # dense to rollout[1] only
     assert rows[3]["sent"] > rows[1]["sent"]

@@ -217,6 +217,7 @@ class QuantAhead:
         None) from ``src`` (this call's bound sending side, or None), but those of the
         buckets in ``skip`` (a delta call's encoder quantizes them as it diffs them)."""
         self.stop()
+        self.last = {}          # this call's, once it ran
         if not self.enabled or prepared is None or prepared.quant is None or src is None \
                 or prepared.stages[0].src_from != SOURCES:
             return
