@@ -106,7 +106,6 @@ def child(ctx: Any, cfg: dict) -> dict:
                         for k, a in v.items()}
                 jax.block_until_ready(send)
             elif receive is None:
-                import torch
                 # The dense Refit gets its own destinations: a delta's base is what the
                 # last delta call wrote, and any other write (a dense refit's included)
                 # is an outside write its fence refuses.

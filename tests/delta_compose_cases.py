@@ -365,7 +365,7 @@ def relay_rollout(ctx: Any) -> dict:
     n, me = 2, ctx.role.index
     dc._torch_group(ctx, n, me, "rollout")
     state, local = _fp8_state(me, n, RELAY_TENSORS, replicated=True)
-    rows, held = [], []
+    rows = []
     with ctx.join(groups=["trainer", "rollout"], timeout=120, host="a") as world:
         refit = xr.Refit(world, receive=state, config=_relay_config(xr))
         for call, _ in enumerate(RELAY_STEPS, 1):

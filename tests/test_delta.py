@@ -331,3 +331,33 @@ def test_delta_problems_refuse_the_combinations_not_built(monkeypatch):
     assert refused(xr.RefitConfig(delta=True), True) == []
     monkeypatch.setenv(device_ops.ENV, "torch")     # the device path, run on the host
     assert len(refused(xr.RefitConfig(delta=True, atomic=True), False)) == 1
+
+
+def test_split_block_pieces_kept_under_the_fence():
+    """The bf16 pieces of split FP8 blocks a receiver kept become the base of the next
+    delta only when the outcome confirmed their call; a failed call drops them with the
+    claims; a delta without them raises (never applied to a wrong base)."""
+    from types import SimpleNamespace
+
+    from xreshard.errors import RefitError
+    from xreshard.runtime.delta_wire import DeltaState
+
+    state = DeltaState()
+    b = SimpleNamespace(src=0, dst=1, tag=7)
+    call = state.begin([state.claims(None, None)[0]], SimpleNamespace(
+        schedule=SimpleNamespace(rounds=[]), stages=[]))
+    call.local_dst.add(1)
+    call.keep_pieces(b, np.arange(4, dtype=np.uint8))
+    with pytest.raises(RefitError, match="holds no base of its split FP8 blocks' pieces"):
+        call.pieces_base(b, 4)          # not confirmed yet
+    state.commit(call, None, None)
+    again = state.begin([state.claims(None, None)[0]], SimpleNamespace(
+        schedule=SimpleNamespace(rounds=[]), stages=[]))
+    held = again.pieces_base(b, 4)
+    assert held.tobytes() == bytes(range(4))
+    held[0] = 9                         # a copy: the kept base is not written
+    assert again.pieces_base(b, 4)[0] == 0
+    with pytest.raises(RefitError):
+        again.pieces_base(b, 5)         # another size: not this bucket's base
+    state.abort()                       # not atomic: every claim and piece goes
+    assert state.pieces == {}

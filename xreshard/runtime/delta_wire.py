@@ -65,8 +65,9 @@ scales, and the delta is applied to them in place. The sender requantizes every 
 the bucket each call (a changed element changes its block's codes and maybe its scale:
 a changed block requantizes whole) and only changed code and scale bytes move. The bf16
 pieces of blocks split across senders land in the receiver's scratch, which the receiver
-quantizes itself: they travel raw in every call, inside the delta bucket (the scratch
-is no destination, so it holds no fenced base).
+quantizes itself: they are diffed like any item, against the bytes the receiver kept of
+them when the last confirmed call landed (the scratch is no fenced base; see
+:mod:`.delta_land`).
 
 Buckets whose receiver casts (its dtype is not the wire dtype) always go dense: the
 receiver could not read its base back bit for bit. Device bindings take the device path
@@ -155,6 +156,8 @@ class DeltaState:
     def __init__(self) -> None:
         self.sent: dict[tuple[int, int], _Baseline] = {}
         self.base: dict[int, tuple[str, dict[int, str]]] = {}
+        #: (src, dst, tag) -> split blocks' pieces that bucket last brought (delta_land)
+        self.pieces: dict[tuple[int, int, int], np.ndarray] = {}
         self.memory: tuple[str, str] | None = None
         self._nonce = ""
         self._digests: tuple[Any, dict[tuple[int, int], str]] | None = None
@@ -179,6 +182,7 @@ class DeltaState:
         for b in self.sent.values():
             b.call = None
         self.base.clear()
+        self.pieces.clear()
         self.memory = None
 
     # ------------------------------------------------------------ refit/check
@@ -318,6 +322,8 @@ class DeltaState:
         for r in call.local_dst:
             self.base[r] = (call.call_id, {s: d for (s, rr), d in call.digests.items()
                                            if rr == r})
+        self.pieces = {k: v for k, v in self.pieces.items()
+                       if k[1] not in call.local_dst} | call.pieces
         self.memory = fingerprint(dst, receive_obj) if self.base else None
 
     def abort(self) -> None:
@@ -332,6 +338,7 @@ class DeltaState:
         call.pending.clear()
         if not call.staged:
             self.base.clear()
+            self.pieces.clear()
             self.memory = None
 
 
@@ -394,6 +401,27 @@ class DeltaCall:
     staged: bool = False
     pending: list[tuple[tuple[int, int], int, str, Any]] = field(default_factory=list)
     """``atomic``: the baselines' changes until the outcome, ``(pair, tag, how, what)``."""
+    pieces: dict[tuple[int, int, int], np.ndarray] = field(default_factory=dict)
+    """The split blocks' pieces this call's buckets brought (:meth:`keep_pieces`)."""
+
+    def pieces_base(self, b: Bucket, nbytes: int) -> np.ndarray:
+        """A copy of the split blocks' pieces bucket ``b`` brought in the last confirmed
+        call (``nbytes`` of them): what its delta applies to (see :mod:`.delta_land`).
+        Its pair's fence vouches for them; missing, it raises (never a wrong base)."""
+        held = self.state.pieces.get((b.src, b.dst, b.tag))
+        if held is None or held.nbytes != nbytes:
+            from ..errors import RefitError
+            raise RefitError(
+                f"RefitConfig(delta=True): rank {b.dst} received a delta of bucket {b.tag} "
+                f"from rank {b.src} but holds no base of its split FP8 blocks' pieces "
+                f"({nbytes} bytes); nothing of it was applied. The next call is dense; "
+                "report this (a fence that should have sent it dense)")
+        return held.copy()
+
+    def keep_pieces(self, b: Bucket, data: np.ndarray) -> None:
+        """Bucket ``b``'s split blocks' pieces as this call left them: the base of the
+        next call's delta once the outcome confirmed this one (:meth:`DeltaState.commit`)."""
+        self.pieces[(b.src, b.dst, b.tag)] = data
 
     def baseline(self, b: Bucket, nbytes: int, create: bool = False,
                  alloc: Callable[[int], Any] | None = None) -> Any:
