@@ -38,8 +38,9 @@ throttles this script's own transport to G Gb/s per process (a cross-datacenter 
         [--tensor-mib 16] [--reps 3] [--link-gbps 1] [--fp8] [--json]
 
 ``--fp8``: the receiver stores every tensor block-FP8 (codes + scales, quantized on the
-way by the trainer), both Refits; each delta call's row also says how many FP8 items the
-trainer quantized ahead (``quantize_ahead``) and in how many seconds.
+way by the trainer), both Refits; each delta row also says the trainer's CPU-seconds in
+the delta call (all its threads) and how many FP8 items it quantized ahead
+(``quantize_ahead``) in how many seconds.
 
 ``--device cuda [--baseline device]``: the same on one GPU, both processes on GPU 0 over
 NCCL (the device path: the trainer diffs with jitted JAX on the GPU, only the messages

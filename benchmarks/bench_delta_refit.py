@@ -96,7 +96,8 @@ def child(ctx: Any, cfg: dict) -> dict:
         receive = receive_dense = None
         dense = delta = None
         times: dict[str, list] = {"dense": [], "delta": [], "diff": [], "dense_bytes": [],
-                                  "delta_bytes": [], "ahead_items": [], "ahead_seconds": []}
+                                  "delta_bytes": [], "ahead_items": [], "ahead_seconds": [],
+                                  "delta_cpu": []}
         for rep in range(cfg["reps"] + 1):          # rep 0 seeds the baselines
             v = next(made)
             if trainer:
@@ -119,7 +120,9 @@ def child(ctx: Any, cfg: dict) -> dict:
                                  config=xr.RefitConfig(delta=True, **base),
                                  tuning=tuning, name=f"delta{fraction}")
             rd = dense(send=send) if trainer else dense()
+            cpu = time.process_time()       # this process's CPU-seconds in the delta call
             rx = delta(send=send) if trainer else delta()
+            cpu = time.process_time() - cpu
             if not trainer:
                 _check(receive, v, fraction)
             if rep:
@@ -128,6 +131,7 @@ def child(ctx: Any, cfg: dict) -> dict:
                 times["diff"].append((rx.delta or {}).get("encode_seconds", 0.0))
                 times["dense_bytes"].append(rd.bytes_sent)
                 times["delta_bytes"].append(rx.bytes_sent)
+                times["delta_cpu"].append(cpu)
                 if trainer:     # the FP8 items the trainer quantized ahead in the delta call
                     ahead = delta.quant_ahead.last or {}
                     times["ahead_items"].append(ahead.get("items", 0))
@@ -227,14 +231,15 @@ def refit_main(args: Any, fractions: list[float],
                "time_ratio": r["delta"] / r["dense"], "dense_seconds": r["dense"],
                "delta_seconds": r["delta"], "diff_seconds": r["diff"],
                "link_gbps": args.link_gbps, "ahead_items": r["ahead_items"],
-               "ahead_seconds": r["ahead_seconds"]}
+               "ahead_seconds": r["ahead_seconds"], "delta_cpu_seconds": r["delta_cpu"]}
         row["bars"] = {} if args.fp8 else {      # the bars are of bf16 refits
             name: ok for name, ok in bars(row, bool(args.link_gbps), args.device == "cuda")}
         met = met and all(row["bars"].values())
         rows.append(row)
         print(f"  changed {row['changed']:<6g} bytes_ratio {row['bytes_ratio']:.4f} "
               f"time_ratio {row['time_ratio']:.3f} | dense {row['dense_seconds']:.3f} s, "
-              f"delta {row['delta_seconds']:.3f} s, diff {row['diff_seconds']:.3f} s"
+              f"delta {row['delta_seconds']:.3f} s (trainer CPU {row['delta_cpu_seconds']:.3f} s)"
+              f", diff {row['diff_seconds']:.3f} s"
               + (f", quantized ahead {row['ahead_items']:g} items in "
                  f"{row['ahead_seconds']:.3f} s" if args.fp8 else "") + " | "
               + ("; ".join(f"{k}: {'met' if v else 'NOT met'}" for k, v in row["bars"].items())

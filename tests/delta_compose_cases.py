@@ -44,7 +44,9 @@ def atomic_trainer(ctx: Any) -> dict:
     for call in range(1, ATOMIC_CALLS + 1):
         rows.append(dc._row(dc._attempt(lambda: refit(send=dc._jax_params("bfloat16", call)))))
     world.close()
-    return {"rows": rows, "baseline_bytes": refit.delta_state.baseline_bytes}
+    from xreshard.runtime.device_ops import COUNTS
+    return {"rows": rows, "baseline_bytes": refit.delta_state.baseline_bytes,
+            "counts": dict(COUNTS)}
 
 
 def atomic_rollout(ctx: Any) -> dict:
@@ -75,7 +77,9 @@ def atomic_rollout(ctx: Any) -> dict:
     staging = refit._staging.nbytes if refit._staging is not None else 0
     world.close()
     dist.destroy_process_group()
-    return {"rows": rows, "checked": checked, "staging_bytes": staging}
+    from xreshard.runtime.device_ops import COUNTS
+    return {"rows": rows, "checked": checked, "staging_bytes": staging,
+            "counts": dict(COUNTS)}
 
 
 # ---------------------------------------------------------------------------- a killed sender

@@ -19,13 +19,18 @@ ROLES = [Role("jax", "trainer", 0, num_devices=4), Role("torch", "rollout", 0),
 pytestmark = pytest.mark.slow
 
 
-def test_atomic_deltas_and_a_failed_call_keeps_bases_valid():
+@pytest.mark.parametrize("path", ["host", "device"])
+def test_atomic_deltas_and_a_failed_call_keeps_bases_valid(path):
     """Deltas land in the staging (refreshed from the live destinations) and commit once
     every process agreed. A call that fails (one receiver raises at its last apply)
     leaves every destination at the previous version bit for bit, and, since nothing was
     written and no baseline moved, the next call still goes as deltas to every receiver."""
+    # "device": the device path on host memory, the trainer's baselines "on the device"
+    # (advanced by the device ops at the outcome), the receivers' applies by torch ops
+    env = {"XRESHARD_TEST_DEVICE_OPS": "torch", "XRESHARD_DELTA_BASELINE": "device"} \
+        if path == "device" else None
     results = launch([cases.atomic_trainer, cases.atomic_rollout, cases.atomic_rollout],
-                     ROLES, timeout=300)
+                     ROLES, timeout=300, env=env)
     rows = results[0].value["rows"]
     assert ["error" in r for r in rows] == [False, False, True, False, False], rows
     assert "injected failure" in rows[2]["error"]
@@ -44,6 +49,11 @@ def test_atomic_deltas_and_a_failed_call_keeps_bases_valid():
         assert out[2]["version"] == 2 and out[2]["stale"] is False
         assert [x["version"] for x in out] == [1, 2, 2, 3, 4]
         assert res.value["staging_bytes"] > 0 and res.value["checked"] > 0
+        assert (res.value["counts"].get("apply/torch", 0) > 0) == (path == "device")
+    # the device path's diffs, and its baselines advanced by its ops at the outcome
+    counts = results[0].value["counts"]
+    assert (counts.get("encode/torch", 0) >= 18) == (path == "device")     # 6 pairs x 3
+    assert (counts.get("apply/torch", 0) > 0) == (path == "device")
 
 
 def test_killed_sender_under_atomic_deltas_leaves_previous_version():

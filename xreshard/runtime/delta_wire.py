@@ -124,7 +124,6 @@ def delta_problems(config: Any, on_device: bool, quantized: bool = False, *,
     found = device_delta_problems(tuning or Tuning(), *sides)
     relay = getattr(config, "relay", "off")
     not_with = [(relay != "off", f"relay={relay!r}", "relay='off'"),
-                (getattr(config, "atomic", False), "atomic=True", "atomic=False"),
                 (quantized, "FP8 destinations quantized on the way", "delta=False")]
     for refused, what, instead in not_with:
         if refused:     # the device path diffs plain items, baselines kept in place
