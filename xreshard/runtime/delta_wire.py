@@ -83,8 +83,9 @@ process before any byte moves). Host bindings: delta composes with ``wire_dtype`
 new bytes and messages are held until the outcome) and it forwards from its staging; with
 FP8 destinations a forwarder diffs the finished codes and scales it forwards (plain
 tensors of stage 2) against what it last forwarded. Device bindings: delta with
-``wire_dtype``, but not with ``relay``, ``atomic=True`` or FP8 destinations (the device
-path diffs plain items and keeps its baselines in place).
+``wire_dtype`` and ``atomic=True`` (the baselines' changes are held until the outcome and
+applied by the device ops then), but not with ``relay`` (the forwards' encoder reads host
+memory) or FP8 destinations (the device path's apply writes plain items only).
 """
 
 from __future__ import annotations
@@ -111,9 +112,9 @@ def delta_problems(config: Any, on_device: bool, quantized: bool = False, *,
     """What ``RefitConfig(delta=True)`` cannot run in this process, as error entries for
     ``refit/check`` (refused on every process before any byte moves). Device bindings
     (``on_device``): no framework to diff or apply on the device (:mod:`.delta_device`;
-    ``sides``: whether this process sends, receives), a relay, ``atomic=True`` and
-    destinations quantized on the way (``quantized``: FP8). Host bindings compose with
-    all of them, together too (see the module docstring)."""
+    ``sides``: whether this process sends, receives), a relay and destinations quantized
+    on the way (``quantized``: FP8). Host bindings compose with all of them, together too;
+    device bindings with ``atomic=True`` (see the module docstring)."""
     if not getattr(config, "delta", False):
         return []
     from .device_ops import test_switch
@@ -126,7 +127,7 @@ def delta_problems(config: Any, on_device: bool, quantized: bool = False, *,
     not_with = [(relay != "off", f"relay={relay!r}", "relay='off'"),
                 (quantized, "FP8 destinations quantized on the way", "delta=False")]
     for refused, what, instead in not_with:
-        if refused:     # the device path diffs plain items, baselines kept in place
+        if refused:     # see the module docstring
             found.append(["RefitError", f"RefitConfig(delta=True) with {what} is not built "
                           "in this version: this process binds device memory; pass "
                           f"{instead} (or hold the weights in host memory)"])
