@@ -35,7 +35,12 @@ calls, ``report.delta["encode_seconds"]``), and the issue's bars. ``--link-gbps 
 throttles this script's own transport to G Gb/s per process (a cross-datacenter link).
 
     python benchmarks/bench_delta.py [--changed 1.0,0.01,0.001] [--model-mib 256]
-        [--tensor-mib 16] [--reps 3] [--link-gbps 1] [--json]
+        [--tensor-mib 16] [--reps 3] [--link-gbps 1] [--fp8] [--json]
+
+``--fp8``: the receiver stores every tensor block-FP8 (codes + scales, quantized on the
+way by the trainer), both Refits; each delta row also says the trainer's CPU-seconds in
+the delta call (all its threads) and how many FP8 items it quantized ahead
+(``quantize_ahead``) in how many seconds.
 
 ``--device cuda [--baseline device]``: the same on one GPU, both processes on GPU 0 over
 NCCL (the device path: the trainer diffs with jitted JAX on the GPU, only the messages
@@ -262,6 +267,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
                     help="refit: cuda runs both processes on GPU 0 over NCCL (the device "
                          "path: the diff with jitted JAX on the GPU, applied with torch ops)")
+    ap.add_argument("--fp8", action="store_true",
+                    help="refit: block-FP8 destinations, quantized on the way")
     ap.add_argument("--baseline", default="host", choices=["host", "device"],
                     help="refit: where the trainer keeps its baselines (Tuning.delta_baseline)")
     args = ap.parse_args(argv)

@@ -53,14 +53,20 @@ class Throttled:
         self.inner.recv(buf, src, dst, tag)
 
 
+#: ``--fp8``: the tensors' rows (a multiple of the 128-row blocks)
+FP8_COLUMNS = 1024
+
+
 def versions(cfg: dict, fraction: float) -> Iterator[dict[str, np.ndarray]]:
     """Version 0, 1, ... of every tensor (bf16 bits as uint16): each one ``fraction`` of
-    the elements one ulp off the last, at random places (the same in both processes)."""
+    the elements one ulp off the last, at random places (the same in both processes);
+    with ``--fp8`` matrices of :data:`FP8_COLUMNS` columns (changed in place: flat)."""
     n = int(cfg["tensor_mib"] * MiB) // 2
     count = max(1, int(cfg["model_mib"] // cfg["tensor_mib"]))
     rng = np.random.default_rng(0)
+    shape = (n // FP8_COLUMNS, FP8_COLUMNS) if cfg.get("fp8") else (n,)
     cur = {f"w{i}": (rng.standard_normal(n, dtype=np.float32) * 0.02).view(np.uint32)
-           .__rshift__(16).astype(np.uint16) for i in range(count)}
+           .__rshift__(16).astype(np.uint16).reshape(shape) for i in range(count)}
     k = int(round(n * fraction))
     while True:
         yield cur
@@ -68,7 +74,7 @@ def versions(cfg: dict, fraction: float) -> Iterator[dict[str, np.ndarray]]:
         for name, arr in cur.items():
             arr = arr.copy()
             pos = rng.choice(n, k, replace=False) if k < n else slice(None)
-            arr[pos] ^= np.uint16(1)
+            arr.reshape(-1)[pos] ^= np.uint16(1)
             nxt[name] = arr
         cur = nxt
 
@@ -90,7 +96,8 @@ def child(ctx: Any, cfg: dict) -> dict:
         receive = receive_dense = None
         dense = delta = None
         times: dict[str, list] = {"dense": [], "delta": [], "diff": [], "dense_bytes": [],
-                                  "delta_bytes": []}
+                                  "delta_bytes": [], "ahead_items": [], "ahead_seconds": [],
+                                  "delta_cpu": []}
         for rep in range(cfg["reps"] + 1):          # rep 0 seeds the baselines
             v = next(made)
             if trainer:
@@ -100,14 +107,12 @@ def child(ctx: Any, cfg: dict) -> dict:
                         for k, a in v.items()}
                 jax.block_until_ready(send)
             elif receive is None:
-                import torch
-                receive = {k: torch.zeros(a.shape, dtype=torch.bfloat16,
-                                          device="cuda" if cuda else "cpu")
-                           for k, a in v.items()}
                 # The dense Refit gets its own destinations: a delta's base is what the
                 # last delta call wrote, and any other write (a dense refit's included)
                 # is an outside write its fence refuses.
-                receive_dense = {k: torch.zeros_like(t) for k, t in receive.items()}
+                receive, receive_dense = (_destinations(v, "cuda" if cuda else "cpu",
+                                                        cfg.get("fp8", False))
+                                          for _ in range(2))
             if dense is None:
                 dense = xr.Refit(world, send=send if trainer else None, receive=receive_dense,
                                  config=xr.RefitConfig(**base), name=f"dense{fraction}")
@@ -115,22 +120,59 @@ def child(ctx: Any, cfg: dict) -> dict:
                                  config=xr.RefitConfig(delta=True, **base),
                                  tuning=tuning, name=f"delta{fraction}")
             rd = dense(send=send) if trainer else dense()
+            cpu = time.process_time()       # this process's CPU-seconds in the delta call
             rx = delta(send=send) if trainer else delta()
+            cpu = time.process_time() - cpu
             if not trainer:
-                for k, a in v.items():
-                    if receive[k].view(torch.int16).cpu().numpy().view(np.uint16).tobytes() != \
-                            a.tobytes():
-                        raise AssertionError(f"changed {fraction}: {k} not bit-exact")
+                _check(receive, v, fraction)
             if rep:
                 times["dense"].append(rd.seconds)
                 times["delta"].append(rx.seconds)
                 times["diff"].append((rx.delta or {}).get("encode_seconds", 0.0))
                 times["dense_bytes"].append(rd.bytes_sent)
                 times["delta_bytes"].append(rx.bytes_sent)
+                times["delta_cpu"].append(cpu)
+                if trainer:     # the FP8 items the trainer quantized ahead in the delta call
+                    ahead = delta.quant_ahead.last or {}
+                    times["ahead_items"].append(ahead.get("items", 0))
+                    times["ahead_seconds"].append(ahead.get("worker_seconds", 0.0))
             send = None
-        rows.append({k: statistics.median(v) for k, v in times.items()} | {"changed": fraction})
+        rows.append({k: statistics.median(v) if v else 0 for k, v in times.items()}
+                    | {"changed": fraction})
     world.close()
     return {"rows": rows}
+
+
+def _destinations(v: dict, device: str, fp8: bool) -> dict:
+    """Zeroed destinations of ``v``'s tensors: bf16, or block-FP8 codes and scales."""
+    import torch
+    if not fp8:
+        return {k: torch.zeros(a.shape, dtype=torch.bfloat16, device=device)
+                for k, a in v.items()}
+    from xreshard.adapters.torch import Quantized
+    from xreshard.ir.formats import BlockFP8
+    fmt = BlockFP8()
+    return {k: Quantized(torch.zeros(a.shape, dtype=torch.float8_e4m3fn, device=device),
+                         torch.zeros(fmt.scale_shape(a.shape), dtype=torch.float32,
+                                     device=device), fmt) for k, a in v.items()}
+
+
+def _check(receive: dict, v: dict, fraction: float) -> None:
+    """Every destination byte equals ``v`` (bf16), or its codes and scales the reference
+    quantizer's (vLLM's bytes, tests/test_quant.py)."""
+    import torch
+    for k, a in v.items():
+        got = receive[k]
+        if hasattr(got, "codes"):
+            from xreshard.dtypes import numpy_dtype
+            from xreshard.quant.host import quantize_block_fp8
+            codes, scales = quantize_block_fp8(a.view(numpy_dtype("bfloat16")), got.format)
+            same = got.codes.cpu().view(torch.uint8).numpy().tobytes() == codes.tobytes() \
+                and got.scales.cpu().numpy().tobytes() == scales.tobytes()
+        else:
+            same = got.view(torch.int16).cpu().numpy().view(np.uint16).tobytes() == a.tobytes()
+        if not same:
+            raise AssertionError(f"changed {fraction}: {k} not bit-exact")
 
 
 def bars(row: dict, link: bool, gpu: bool = False) -> list[tuple[str, bool]]:
@@ -166,16 +208,17 @@ def refit_main(args: Any, fractions: list[float],
 
     cfg = {"fractions": fractions, "model_mib": args.model_mib, "tensor_mib": args.tensor_mib,
            "reps": args.reps if args.reps != 5 else 3, "link_gbps": args.link_gbps,
-           "device": args.device, "baseline": args.baseline}
+           "device": args.device, "baseline": args.baseline, "fp8": args.fp8}
     link = f", transport throttled to {args.link_gbps:g} Gb/s per process" \
         if args.link_gbps else ""
     where = ("JAX (GPU 0) -> torch (cuda:0), NCCL between 2 processes on one GPU, baselines "
              f"on the {'GPU' if args.baseline == 'device' else 'host'}"
              if args.device == "cuda" else "JAX (1 CPU device) -> torch, gloo between 2 "
              "processes")
-    print(f"delta refit: {args.model_mib:g} MiB of bf16 in {args.tensor_mib:g} MiB tensors, "
-          f"{where}{link}; dense and delta=True side by side, median of {cfg['reps']}",
-          flush=True)
+    into = " into block-FP8 destinations (quantized on the way)" if args.fp8 else ""
+    print(f"delta refit: {args.model_mib:g} MiB of bf16 in {args.tensor_mib:g} MiB tensors"
+          f"{into}, {where}{link}; dense and delta=True side by side, median of "
+          f"{cfg['reps']}; load average {os.getloadavg()[0]:.1f}", flush=True)
     roles = [Role("jax", "trainer", 0, num_devices=1), Role("torch", "rollout", 0)]
     env = None
     if args.device == "cuda":       # two ranks of one GPU: NCCL >= 2.30 (see gpu_check.sh)
@@ -187,14 +230,18 @@ def refit_main(args: Any, fractions: list[float],
         row = {"changed": r["changed"], "bytes_ratio": r["delta_bytes"] / r["dense_bytes"],
                "time_ratio": r["delta"] / r["dense"], "dense_seconds": r["dense"],
                "delta_seconds": r["delta"], "diff_seconds": r["diff"],
-               "link_gbps": args.link_gbps}
-        row["bars"] = {name: ok for name, ok in bars(row, bool(args.link_gbps),
-                                                      args.device == "cuda")}
+               "link_gbps": args.link_gbps, "ahead_items": r["ahead_items"],
+               "ahead_seconds": r["ahead_seconds"], "delta_cpu_seconds": r["delta_cpu"]}
+        row["bars"] = {} if args.fp8 else {      # the issue's bars are of bf16 refits
+            name: ok for name, ok in bars(row, bool(args.link_gbps), args.device == "cuda")}
         met = met and all(row["bars"].values())
         rows.append(row)
         print(f"  changed {row['changed']:<6g} bytes_ratio {row['bytes_ratio']:.4f} "
               f"time_ratio {row['time_ratio']:.3f} | dense {row['dense_seconds']:.3f} s, "
-              f"delta {row['delta_seconds']:.3f} s, diff {row['diff_seconds']:.3f} s | "
+              f"delta {row['delta_seconds']:.3f} s (trainer CPU {row['delta_cpu_seconds']:.3f} s)"
+              f", diff {row['diff_seconds']:.3f} s"
+              + (f", quantized ahead {row['ahead_items']:g} items in "
+                 f"{row['ahead_seconds']:.3f} s" if args.fp8 else "") + " | "
               + ("; ".join(f"{k}: {'met' if v else 'NOT met'}" for k, v in row["bars"].items())
                  or "no bar"), flush=True)
     print("demo model (xreshard.tools.demo), one optax Adam step at lr 1e-6:", flush=True)
@@ -202,7 +249,8 @@ def refit_main(args: Any, fractions: list[float],
     for label, d in changed.items():
         print(f"  {label}: {d['changed'] * 100:.3f}% of {d['elements']:,} BF16 weights "
               "changed bits", flush=True)
-    print(f"Machine: {platform.machine()}, {os.cpu_count()} CPUs", flush=True)
+    print(f"Machine: {platform.machine()}, {os.cpu_count()} CPUs, load average "
+          f"{os.getloadavg()[0]:.1f} at the end", flush=True)
     if args.json:
         print(json.dumps({"refit": rows, "demo_adam_lr1e-6": changed}))
     return 0 if met else 1

@@ -44,7 +44,9 @@ def atomic_trainer(ctx: Any) -> dict:
     for call in range(1, ATOMIC_CALLS + 1):
         rows.append(dc._row(dc._attempt(lambda: refit(send=dc._jax_params("bfloat16", call)))))
     world.close()
-    return {"rows": rows, "baseline_bytes": refit.delta_state.baseline_bytes}
+    from xreshard.runtime.device_ops import COUNTS
+    return {"rows": rows, "baseline_bytes": refit.delta_state.baseline_bytes,
+            "counts": dict(COUNTS)}
 
 
 def atomic_rollout(ctx: Any) -> dict:
@@ -75,7 +77,9 @@ def atomic_rollout(ctx: Any) -> dict:
     staging = refit._staging.nbytes if refit._staging is not None else 0
     world.close()
     dist.destroy_process_group()
-    return {"rows": rows, "checked": checked, "staging_bytes": staging}
+    from xreshard.runtime.device_ops import COUNTS
+    return {"rows": rows, "checked": checked, "staging_bytes": staging,
+            "counts": dict(COUNTS)}
 
 
 # ---------------------------------------------------------------------------- a killed sender
@@ -175,12 +179,13 @@ FP8_STEPS = ("A", "B", "A", "B")
 FP8_CHANGED = 0.01
 
 
-def fp8_values(step: str) -> dict[str, np.ndarray]:
-    """``A``: random bf16 tensors (row magnitudes spread over 2^-6..2^6); ``B``: ``A`` with
-    the lowest bit of 1% of each tensor's elements flipped."""
+def fp8_values(step: str, tensors: dict | None = None) -> dict[str, np.ndarray]:
+    """``A``: random bf16 tensors of ``tensors`` (default :data:`FP8_TENSORS`; row
+    magnitudes spread over 2^-6..2^6); ``B``: ``A`` with the lowest bit of 1% of each
+    tensor's elements flipped."""
     import ml_dtypes
     out = {}
-    for i, (name, (shape, _, _)) in enumerate(sorted(FP8_TENSORS.items())):
+    for i, (name, (shape, _, _)) in enumerate(sorted((tensors or FP8_TENSORS).items())):
         rng = np.random.default_rng(100 + i)
         x = rng.standard_normal(shape).astype(np.float32) * 0.02
         x *= np.exp2(rng.integers(-6, 7, shape[:-1] + (1,))).astype(np.float32)
@@ -211,6 +216,7 @@ def fp8_trainer(ctx: Any) -> dict:
         row = dc._row(report)
         if not isinstance(report, str):
             row["quantized"] = dict(report.quantized or {})
+        row["ahead"] = dict(refit.quant_ahead.last)     # FP8 items quantized ahead
         rows.append(row)
     world.close()
     return {"rows": rows}
@@ -220,19 +226,21 @@ def _fp8_config(xr: Any) -> Any:
     return xr.RefitConfig(timeout=60, bucket_bytes=1 << 15, delta=True, verify=True)
 
 
-def _fp8_state(me: int, n: int) -> tuple[dict, dict]:
-    """Each tensor's destination on a 1-d mesh of ``n`` rollout processes, rows sharded:
-    ``Quantized`` codes + scales (0x55 bytes before the first call), or a bf16 DTensor;
-    and the local torch tensors."""
+def _fp8_state(me: int, n: int, tensors: dict | None = None, replicated: bool = False
+               ) -> tuple[dict, dict]:
+    """Each tensor of ``tensors`` (default :data:`FP8_TENSORS`)'s destination on a 1-d mesh
+    of ``n`` rollout processes, rows sharded (or ``replicated``): ``Quantized`` codes +
+    scales (0x55 bytes before the first call), or a bf16 DTensor; and the local torch
+    tensors."""
     import torch
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import DTensor, Shard
+    from torch.distributed.tensor import DTensor, Replicate, Shard
     from xreshard.adapters.torch import Quantized
     from xreshard.ir.formats import BlockFP8, MXFP8
 
     mesh = init_device_mesh("cpu", (n,))
     state, local = {}, {}
-    for name, (shape, kind, _) in FP8_TENSORS.items():
+    for name, (shape, kind, _) in (tensors or FP8_TENSORS).items():
         dim = len(shape) - 2
         fmt = None if kind is None else BlockFP8() if kind == "block" else MXFP8()
         pieces = []
@@ -241,10 +249,11 @@ def _fp8_state(me: int, n: int) -> tuple[dict, dict]:
             (fmt.scale_shape(shape), getattr(torch, fmt.scale_dtype))]
         for full, dtype in wanted:
             local_shape = list(full)
-            local_shape[dim] //= n
+            local_shape[dim] //= 1 if replicated else n
             nbytes = int(np.prod(local_shape)) * torch.empty(0, dtype=dtype).element_size()
             t = torch.full((nbytes,), 0x55, dtype=torch.uint8).view(dtype).view(local_shape)
-            pieces.append(DTensor.from_local(t, mesh, [Shard(dim)], shape=torch.Size(full),
+            pieces.append(DTensor.from_local(t, mesh, [Replicate() if replicated else Shard(dim)],
+                                             shape=torch.Size(full),
                                              stride=torch.empty(full).stride(),
                                              run_check=False))
             local.setdefault(name, []).append(t)
@@ -301,3 +310,86 @@ def fp8_rollout(ctx: Any) -> dict:
     world.close()
     dist.destroy_process_group()
     return {"rows": rows, "checked": checked}
+
+
+# ---------------------------------------------------------------------------- relay
+# "relay": delta through a relay with atomic=True and FP8 destinations at once. The two
+# rollouts (host "a") hold every tensor whole (replicas); the trainer (host "t") sends each
+# relayed tensor to the host once, half to each rollout, and they forward the halves to
+# each other (their finished FP8 codes and scales, or bf16). ``w`` has blocks split across
+# trainer devices: not relayed (each rollout receives it directly, its split pieces raw).
+# Calls: 1 A (seeds: dense), 2 B (deltas, forwards included), 3 A: rollout[1] fails after
+# its last landing (every process raises; atomic: nothing written, no baseline moved),
+# 4 A (deltas again everywhere: the bases stayed valid), 5 B: rollout[1] claims a base it
+# does not hold (the pairs into it go dense, the trainer's and its forwarder's; its own
+# forwards stay deltas). verify=True throughout. Each rollout returns the sha256 of every
+# local tensor after every call; the test compares them with vLLM's quantizer.
+
+RELAY_TENSORS = {
+    "o": ((512, 256), "block", (("a", "b"), None)),     # a block row per device: relayed
+    "mx": ((128, 256), "mx", (("a", "b"), None)),       # relayed
+    "w": ((256, 300), "block", ("a", "b")),             # columns cut at 150: split blocks
+    "n": ((256, 64), None, ("a",)),                     # bf16, relayed
+}
+RELAY_STEPS = ("A", "B", "A", "A", "B")
+RELAY_FAILS, RELAY_WRONG_BASE = 3, 5
+
+
+def _relay_config(xr: Any) -> Any:
+    return xr.RefitConfig(timeout=60, bucket_bytes=1 << 14, delta=True, relay="on",
+                          atomic=True, verify=True)
+
+
+def relay_trainer(ctx: Any) -> dict:
+    import jax
+    from jax.sharding import NamedSharding, PartitionSpec as P
+    import xreshard as xr
+
+    mesh = jax.make_mesh((2, 2), ("a", "b"), devices=jax.local_devices())
+
+    def params(step: str) -> dict:
+        return {name: jax.device_put(a, NamedSharding(mesh, P(*RELAY_TENSORS[name][2])))
+                for name, a in fp8_values(step, RELAY_TENSORS).items()}
+
+    rows = []
+    with ctx.join(groups=["trainer", "rollout"], timeout=120, host="t") as world:
+        refit = xr.Refit(world, send=params("A"), config=_relay_config(xr))
+        for step in RELAY_STEPS:
+            rows.append(dc._row(dc._attempt(lambda: refit(send=params(step)))))
+        baseline = refit.delta_state.baseline_bytes
+    return {"rows": rows, "baseline_bytes": baseline}
+
+
+def relay_rollout(ctx: Any) -> dict:
+    import hashlib
+    import torch
+    import torch.distributed as dist
+    import xreshard as xr
+
+    n, me = 2, ctx.role.index
+    dc._torch_group(ctx, n, me, "rollout")
+    state, local = _fp8_state(me, n, RELAY_TENSORS, replicated=True)
+    rows = []
+    with ctx.join(groups=["trainer", "rollout"], timeout=120, host="a") as world:
+        refit = xr.Refit(world, receive=state, config=_relay_config(xr))
+        for call, _ in enumerate(RELAY_STEPS, 1):
+            if call == RELAY_FAILS and me == 1:
+                dc._fail_last_apply()
+            if call == RELAY_WRONG_BASE and me == 1:       # a base it does not hold
+                refit.delta_state.base = {r: ("not-a-call", d) for r, (_, d)
+                                          in refit.delta_state.base.items()}
+            with xr.count_comm() as counts:
+                report = dc._attempt(refit)
+            if call == RELAY_FAILS and me == 1:
+                from xreshard.runtime.delta_exec import DeltaExecutor
+                DeltaExecutor._land = dc._LAND[0]
+            row = dc._row(report)
+            if not isinstance(report, str):
+                row.update(forwarded=report.bytes_forwarded, posted=counts.total_sent)
+            row.update(version=refit.version, stale=refit.stale)
+            row["held"] = {name: [hashlib.sha256(t.view(torch.uint8).numpy().tobytes())
+                                  .hexdigest() for t in ts] for name, ts in local.items()}
+            rows.append(row)
+        baseline = refit.delta_state.baseline_bytes
+    dist.destroy_process_group()
+    return {"rows": rows, "baseline_bytes": baseline}

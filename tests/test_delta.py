@@ -304,10 +304,9 @@ def test_import_loads_neither_jax_nor_torch():
 
 
 def test_delta_problems_refuse_the_combinations_not_built(monkeypatch):
-    """At ``refit/check``, by name: through a relay (host bindings) delta with atomic=True
-    and with FP8 destinations; on device bindings (or the device path on the host, as the
-    tests run it) delta with a relay, with atomic=True and with FP8 destinations. What
-    composes is not refused."""
+    """At ``refit/check``, by name: on device bindings (or the device path on the host, as
+    the tests run it) delta with a relay and with FP8 destinations. Host bindings compose
+    with all of them, three at once too; device bindings with atomic=True."""
     import xreshard as xr
     from xreshard.config import Tuning
     from xreshard.runtime import device_ops
@@ -321,15 +320,45 @@ def test_delta_problems_refuse_the_combinations_not_built(monkeypatch):
     relay = "auto"
     for config, fp8 in ((xr.RefitConfig(delta=True, atomic=True), True),
                         (xr.RefitConfig(delta=True, relay=relay), False),
+                        (xr.RefitConfig(delta=True, relay=relay, atomic=True), True),
+                        (xr.RefitConfig(delta=True, relay=relay), True),
                         (xr.RefitConfig(delta=True, wire_dtype="bfloat16"), False)):
         assert refused(config, False, fp8) == []        # host bindings compose
     assert refused(xr.RefitConfig(delta=False, relay=relay, atomic=True), True, True) == []
-    found = refused(xr.RefitConfig(delta=True, relay=relay, atomic=True), False, True)
-    assert len(found) == 2 and all("through a relay" in m for m in found)
-    assert "atomic=True" in found[0] and "FP8 destinations" in found[1]
     found = refused(xr.RefitConfig(delta=True, relay=relay, atomic=True), True, True)
-    assert len(found) == 3 and all("binds device memory" in m for m in found)
-    assert "relay='auto'" in found[0] and "atomic=True" in found[1] and "FP8" in found[2]
+    assert len(found) == 2 and all("binds device memory" in m for m in found)
+    assert "relay='auto'" in found[0] and "FP8" in found[1]
     assert refused(xr.RefitConfig(delta=True), True) == []
+    assert refused(xr.RefitConfig(delta=True, atomic=True), True) == []
     monkeypatch.setenv(device_ops.ENV, "torch")     # the device path, run on the host
-    assert len(refused(xr.RefitConfig(delta=True, atomic=True), False)) == 1
+    assert len(refused(xr.RefitConfig(delta=True, relay=relay), False)) == 1
+
+
+def test_split_block_pieces_kept_under_the_fence():
+    """The bf16 pieces of split FP8 blocks a receiver kept become the base of the next
+    delta only when the outcome confirmed their call; a failed call drops them with the
+    claims; a delta without them raises (never applied to a wrong base)."""
+    from types import SimpleNamespace
+
+    from xreshard.errors import RefitError
+    from xreshard.runtime.delta_wire import DeltaState
+
+    state = DeltaState()
+    b = SimpleNamespace(src=0, dst=1, tag=7)
+    call = state.begin([state.claims(None, None)[0]], SimpleNamespace(
+        schedule=SimpleNamespace(rounds=[]), stages=[]))
+    call.local_dst.add(1)
+    call.keep_pieces(b, np.arange(4, dtype=np.uint8))
+    with pytest.raises(RefitError, match="holds no base of its split FP8 blocks' pieces"):
+        call.pieces_base(b, 4)          # not confirmed yet
+    state.commit(call, None, None)
+    again = state.begin([state.claims(None, None)[0]], SimpleNamespace(
+        schedule=SimpleNamespace(rounds=[]), stages=[]))
+    held = again.pieces_base(b, 4)
+    assert held.tobytes() == bytes(range(4))
+    held[0] = 9                         # a copy: the kept base is not written
+    assert again.pieces_base(b, 4)[0] == 0
+    with pytest.raises(RefitError):
+        again.pieces_base(b, 5)         # another size: not this bucket's base
+    state.abort()                       # not atomic: every claim and piece goes
+    assert state.pieces == {}

@@ -286,6 +286,63 @@ def test_relayed_fp8_in_one_process_forwards_codes_and_scales_bit_exact(pipeline
     assert stats.quantized["fp8_sent"] > relayed and stats.quantized["bf16_sent"] > 0  # w
 
 
+def test_relayed_fp8_deltas_forward_changed_codes_and_scales_only():
+    """``delta=True`` through the relay of FP8 destinations (one process, one DeltaState):
+    a forwarder diffs the codes and scales it forwards against what it last forwarded, so
+    a step that changed 1% of the bf16 elements forwards a few percent of the FP8 bytes
+    (before: every forward went raw); the bf16 pieces of ``w``'s split blocks are diffed
+    against what their receivers kept of the last call (before: raw every call). Call 4:
+    receiver 1 claims a wrong base (dense to it). Every receiver holds the quantizer's
+    bytes after every call."""
+    from xreshard.ir.formats import MXFP8
+    from xreshard.quant.host import quantize_block_fp8, quantize_mxfp8
+    from xreshard.runtime.delta_wire import DeltaState
+    from xreshard.runtime.execute import run
+    from xreshard.runtime.metadata import stage_bindings
+    from xreshard.tools.testing import local_arrays_from_global
+    from xreshard.transport.local import LocalTransport
+
+    topo, src, dst, quantized = _fp8_case()
+    options = CallOptions(bucket_bytes=1 << 14, staging_bytes=1 << 17, relay="on",
+                          delta=True)
+    prepared = prepare(src, dst, topo, options, ranks=sorted(FP8_HOSTS), quantized=quantized)
+    real = {(r, n): [np.zeros(lay.regions(r)[0].shape, lay.dtype if lay.dtype == "float32"
+                              else np.uint8)] for n, lay in dst.items() for r in lay.ranks}
+    state, programs, forwarded, wire = DeltaState(), {}, [], []
+    for k, step in enumerate((1, 2, 2, 1)):
+        values = _fp8_values(1)
+        if step == 2:
+            for i, v in enumerate(values.values()):
+                bits = v.reshape(-1).view(np.uint16)
+                pos = np.random.default_rng(i).choice(bits.size, bits.size // 100, replace=False)
+                bits[pos] ^= 1
+        claims = state.claims(None, None)[0]
+        if k == 3:          # receiver 1 claims a base it does not hold
+            claims["recv"] = [[r, "not-a-call" if r == 1 else c, d] for r, c, d in claims["recv"]]
+        call = state.begin([claims], prepared)
+        src_b = {(r, n): [local_arrays_from_global(lay, r, values[n])[0]]
+                 for n, lay in src.items() for r in lay.ranks}
+        stats, _ = run(prepared, stage_bindings(prepared, src_b, real), LocalTransport(),
+                       timeout=30, programs=programs, delta=call)
+        state.commit(call, None, None)
+        forwarded.append(stats.bytes_forwarded)
+        wire.append(call.bytes_wire)
+        for name, qt in quantized.items():
+            quantize = quantize_mxfp8 if isinstance(qt.format, MXFP8) else quantize_block_fp8
+            for key, want in zip((name, qt.scale), quantize(values[name], qt.format, name=name)):
+                for r in (1, 2, 3, 4):
+                    region = dst[key].regions(r)[0]
+                    part = want[tuple(slice(a, b) for a, b in zip(region.starts, region.stops))]
+                    assert real[(r, key)][0].tobytes() == np.ascontiguousarray(part).tobytes()
+    assert {p for p in call.pairs if p[0] not in (0, 5)} == {(1, 2), (3, 4), (4, 3)}
+    assert {p for p in call.pairs if p[0] in (0, 5)} == {(s, r) for s in (0, 5)
+                                                         for r in (2, 3, 4)}
+    assert 0 < forwarded[1] < 0.05 * forwarded[0]       # the changed codes and scales
+    assert 0 < forwarded[2] < 0.01 * forwarded[0]       # nothing changed: headers only
+    assert 0 < wire[1] < 0.05 * wire[0]                 # w's pieces too
+    assert state.baseline_bytes == wire[0]               # pieces in the baselines too
+
+
 @pytest.mark.slow
 def test_relayed_fp8_jax_to_dtensor_replicas_equals_vllms_quantizer():
     """Two DTensor replicas (TP=2) storing every tensor quantized; ``relay="on"``,

@@ -87,7 +87,11 @@ dense next. The cost: a forwarder holds as many baseline bytes as it forwards pe
 executor sends a bucket's header (which needs its encoding) one group before its
 payload, and lands round ``k``'s payloads at the end of group ``k + 1``, so a forward is
 encoded from landed bytes only when it runs two rounds after its last arrival
-(``lag=2`` in :func:`overlapped_schedule`; one round later than a plain relay).
+(``lag=2`` in :func:`overlapped_schedule`; one round later than a plain relay). With
+``atomic=True`` a forwarder forwards from its staging (stage 1 lands there) and its
+forwards' baselines change only at the outcome, like any sender's. With FP8 destinations
+(below) a forward is plain codes and scales: diffed in bytes against what was last
+forwarded, so only the codes and scales of changed blocks cross the fast links again.
 
 FP8 through a relay (destinations quantized on the way, :mod:`xreshard.planner.quantize`,
 issue 20 item 3): stage 1 is the direct call's quantization restricted to ``stage1_dst``,

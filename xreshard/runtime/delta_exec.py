@@ -36,11 +36,11 @@ dense: the new bytes copied while they move).
 A bucket is read in place for the diff when its items are contiguous views that need no
 cast (a JAX array's or a torch tensor's memory; nothing is packed); otherwise the encoder
 packs it into scratch of its own (FP8 items quantized as the message carries them: their
-scales and codes are diffed as bytes). A bucket's :class:`Spans` say what is diffed and
-what travels raw after the header in every call (the bf16 pieces of FP8 blocks split
-across senders, which land in the receiver's scratch). Its receiver applies a delta to
-its destination items in place (contiguous views of the wire dtype; an FP8 item's scales
-and codes), or reads a strided item into scratch, applies and writes it back. Run round
+scales and codes are diffed as bytes). A bucket's :class:`Spans` say what is diffed. Its
+receiver applies a delta to its destination items in place (contiguous views of the wire
+dtype; an FP8 item's scales and codes), or reads a strided item into scratch, applies and
+writes it back; the bf16 pieces of FP8 blocks split across senders to the bytes it kept
+of them (:mod:`.delta_land`). Run round
 after round, one round's staging is live at a time (round ``k - 1``'s, during group
 ``k``; landed before group ``k + 1``), so the arena is the largest round's.
 """
@@ -60,12 +60,12 @@ from typing import Any, Callable, NamedTuple, Sequence
 import numpy as np
 
 from ..delta.codec import DENSE, HEADER_BYTES, Header, read_header
-from ..delta.host import apply_numpy, apply_parts, encode_parts
+from ..delta.host import apply_numpy, encode_parts
 from ..dtypes import bits_dtype, itemsize
 from ..errors import RefitError
 from ..planner.schedule import Bucket
 from . import quantized
-from .copies import copy_into
+from .delta_land import apply_host, gather, keep_landed_pieces
 from .execute import ExecStats, Executor
 from .programs import packed
 from .wire import Wire
@@ -102,27 +102,23 @@ def mostly_changed(old: np.ndarray, parts: Sequence[np.ndarray]) -> bool:
 
 
 class Spans(NamedTuple):
-    """How a bucket's message splits when its pair goes as a delta: the byte ranges that
-    are diffed against the baseline (in message order; their concatenation is what the
-    baseline holds) and those that travel raw in every call (the bf16 pieces of FP8 blocks
-    split across senders: their receiver's base is scratch, not its destination)."""
+    """How a bucket's message is diffed when its pair goes as a delta: the byte ranges
+    compared with the baseline (in message order; their concatenation is what the
+    baseline holds)."""
 
     unit: int
     """The element size the diffed bytes are compared in (their narrowest; 1 with FP8
     items: codes are bytes)."""
     diffed: tuple[tuple[int, int], ...]
-    raw: tuple[tuple[int, int], ...]
     rest: tuple[bool, ...]
-    """Per item in message order (``programs.packed``): whether it travels raw."""
+    """Per item in message order (``programs.packed``): whether it is a piece of FP8
+    blocks split across senders (its receiver's base: the bytes it last received, see
+    :mod:`.delta_land`)."""
 
     @property
     def nbytes(self) -> int:
         """The diffed bytes (a baseline's size)."""
         return sum(hi - lo for lo, hi in self.diffed)
-
-    @property
-    def raw_bytes(self) -> int:
-        return sum(hi - lo for lo, hi in self.raw)
 
 
 _SPANS: weakref.WeakKeyDictionary[Executor, dict[int, Spans | None]] = \
@@ -142,22 +138,22 @@ def delta_spans(reader: Executor, b: Bucket) -> Spans | None:
     spans = None
     if b.stage < len(reader.tables):        # a relay's forwards (stage 1) too
         t, wire, quant = reader.tables[b.stage], reader.programs.wire(b.stage), reader.quant
-        units, diffed, raw, rest = [], [], [], []
+        units, diffed, rest = [], [], []
         for it, off in packed(b, wire):
             if t.dst_layouts[it.name].dtype != wire[it.name]:
                 break
-            piece = quant is not None and it.name in quant.tensors and not it.quantized
+            # a piece of split blocks (stage 0 only: a relay forwards finished codes)
+            piece = b.stage == 0 and quant is not None and it.name in quant.tensors \
+                and not it.quantized
             rest.append(piece)
-            into = raw if piece else diffed
-            if not piece:
-                units.append(1 if it.quantized else itemsize(wire[it.name]))
-            if into and into[-1][1] == off:
-                into[-1] = (into[-1][0], off + it.nbytes)
+            units.append(1 if it.quantized else itemsize(wire[it.name]))
+            if diffed and diffed[-1][1] == off:
+                diffed[-1] = (diffed[-1][0], off + it.nbytes)
             else:
-                into.append((off, off + it.nbytes))
+                diffed.append((off, off + it.nbytes))
         else:
             if diffed:
-                spans = Spans(min(units), tuple(diffed), tuple(raw), tuple(rest))
+                spans = Spans(min(units), tuple(diffed), tuple(rest))
     cache[id(b)] = spans
     return spans
 
@@ -177,17 +173,12 @@ class Encoded:
     """The delta message (header included); None: send the bucket dense."""
     header: Header
     seconds: float
-    raw: np.ndarray | None = None
-    """The bytes of the bucket's raw spans (``Spans.raw``), sent before the message."""
 
     @property
     def payload(self) -> np.ndarray | None:
-        """What follows the header on the wire (a delta): the raw spans, then the message
-        when something changed; None: nothing."""
-        changed = self.message if self.header.count else None
-        if self.raw is None or not self.raw.nbytes:
-            return changed
-        return self.raw if changed is None else np.concatenate((self.raw, changed))
+        """What follows the header on the wire (a delta): the message when something
+        changed; None: nothing."""
+        return self.message if self.header.count else None
 
 
 class Encoder:
@@ -265,16 +256,13 @@ class Encoder:
         n = spans.nbytes // spans.unit
         buf = self._read(b, bits, spans)
         parts = [buf.view(bits)] if isinstance(buf, np.ndarray) else buf
-        if isinstance(buf, np.ndarray) and (spans.raw or len(spans.diffed) > 1):
+        if isinstance(buf, np.ndarray) and len(spans.diffed) > 1:
             parts = [buf[lo:hi].view(bits) for lo, hi in spans.diffed]
         old = base.view(bits)
         msg = None if mostly_changed(old, parts) else encode_parts(old, parts)
         header = Header(DENSE, spans.unit, n, n, 0) if msg is None else msg.header
-        raw = None
-        if msg is not None and spans.raw:       # scratch is reused: the raw bytes copied
-            raw = np.concatenate([buf[lo:hi] for lo, hi in spans.raw])
         out = Encoded(None if msg is None else msg.to_bytes(), header,
-                      time.perf_counter() - t0, raw)
+                      time.perf_counter() - t0)
         with self._lock:
             self.finished = max(self.finished, time.perf_counter())
         return out
@@ -287,7 +275,7 @@ class Encoder:
         reader = self.reader
         steps = reader.programs.program(b, 0)
         bindings = reader.tables[b.stage].src_bindings
-        if len(steps) <= _MAX_PARTS and not spans.raw and all(
+        if len(steps) <= _MAX_PARTS and all(
                 e.quant is None and e.dtype == e.wire for e in steps):
             views = [(bindings[e.key] if e.index is None else bindings[e.key][e.index])
                      [e.slices] for e in steps]
@@ -493,7 +481,7 @@ class DeltaExecutor(Executor):
                 if len(pieces) == 1:        # the device path keeps its own memory
                     self._keep_dense(base, pieces[0])
                 else:
-                    _gather(base, pieces)
+                    gather(base, pieces)
         for b in sends:
             self._send_header(b, stats, send)
 
@@ -521,7 +509,7 @@ class DeltaExecutor(Executor):
 
     def _send_payload(self, b: Bucket, enc: Encoded | None, offsets: dict, stats: ExecStats,
                       send: Callable[[Any, Bucket], None]) -> tuple[np.ndarray | None, Any]:
-        """Post bucket ``b``'s payload (none when nothing changed and nothing travels raw)
+        """Post bucket ``b``'s payload (none when nothing changed)
         and update its baseline (through the call: in place, or held until the outcome):
         a delta's message now; returns ``(target, new bytes)`` for a dense one to copy
         into (``(None, None)`` otherwise: also a bucket that cannot go as a delta, which
@@ -550,8 +538,8 @@ class DeltaExecutor(Executor):
     def _incoming(self, b: Bucket, head: np.ndarray | None, offsets: dict,
                   stats: ExecStats) -> tuple[Any, str]:
         """Where bucket ``b``'s payload lands and how it is then applied: ``"in place"``
-        (the destination view itself), ``"unpack"`` (staging), ``"apply"`` (a delta, after
-        the raw spans), or ``(None, "unchanged")``: nothing follows the header."""
+        (the destination view itself), ``"unpack"`` (staging), ``"apply"`` (a delta), or
+        ``(None, "unchanged")``: nothing follows the header."""
         quantized.count(self.quant, b, stats, "received")
         if head is not None:
             stats.bytes_received += HEADER_BYTES
@@ -559,7 +547,7 @@ class DeltaExecutor(Executor):
             assert spans is not None
             header = read_header(self._host(head), spans.unit, spans.nbytes // spans.unit)
             if header.kind != DENSE:
-                size = spans.raw_bytes + (header.nbytes if header.count else 0)
+                size = header.nbytes if header.count else 0
                 if not size:
                     return None, "unchanged"
                 stats.bytes_received += size
@@ -572,13 +560,17 @@ class DeltaExecutor(Executor):
         return self._take(offsets, b.dst, b.nbytes), "unpack"
 
     def _land(self, b: Bucket, buf: Any, how: str) -> None:
-        """Bucket ``b``'s payload arrived: unpack it, or write its raw spans and apply the
-        delta to its base (the destination items themselves, an FP8 item's scales and
-        codes; a strided one read into scratch and written back)."""
+        """Bucket ``b``'s payload arrived: unpack it, or apply the delta to its base (the
+        destination items themselves, an FP8 item's scales and codes; a strided one read
+        into scratch and written back; split blocks' pieces: see :mod:`.delta_land`)."""
         if how == "unpack":
             self._unpack(b, buf)
-        if how == "apply":
+        spans = delta_spans(self, b)
+        pieces = spans is not None and any(spans.rest)
+        if how == "apply" or (how == "unchanged" and pieces):
             self._apply(b, buf)
+        elif pieces:            # dense: the pieces as they landed, for the next delta
+            keep_landed_pieces(self, b, spans)
 
     # ------------------------------------------------------------ memory hooks
     # host memory here; the device path (delta_device.DeviceDeltaExecutor) overrides them
@@ -611,78 +603,8 @@ class DeltaExecutor(Executor):
         apply_numpy(enc.message, base.view(bits_dtype(enc.header.itemsize)))
 
     def _apply(self, b: Bucket, buf: Any) -> None:
-        """Apply the delta ``buf`` (after the raw spans) to bucket ``b``'s destination
-        items in place (an FP8 item's scales and codes; a strided one read into scratch
-        and written back), the raw spans written into their scratch."""
+        """Apply the delta ``buf`` (None: nothing changed) to bucket ``b``'s items in place
+        (:func:`.delta_land.apply_host`)."""
         spans = delta_spans(self, b)
         assert spans is not None
-        bits = bits_dtype(spans.unit)
-        bindings = self.tables[b.stage].dst_bindings
-        parts, back, at = [], [], 0
-        for e, rest in zip(self.programs.program(b, 1), spans.rest):
-            if rest:        # a piece of split blocks: into its scratch, as it came
-                data = buf[at:at + e.hi - e.lo].view(e.bits).reshape(e.shape)
-                at += e.hi - e.lo
-                copy_into(np, _view(bindings, e.key, e.index, e.slices), e.dtype, data, e.wire)
-                continue
-            if e.quant is None:
-                views = [(_view(bindings, e.key, e.index, e.slices), e.bits, e.shape)]
-            else:           # the message holds its scales, then its codes
-                q = e.quant
-                views = [(_view(bindings, q.scale_key, q.scale_index, q.scale_slices), None,
-                          None), (_view(bindings, e.key, e.index, e.slices), None, None)]
-            for view, vbits, shape in views:
-                part = _writable_bytes(view)
-                if part is None:
-                    part = _read_bits(view, vbits, shape, e)
-                    back.append((view, vbits, shape, e, part))
-                parts.append(part.view(bits))
-        if buf.nbytes > at:
-            apply_parts(buf[at:], parts, spans.unit, spans.nbytes // spans.unit)
-        for view, vbits, shape, e, part in back:
-            _write_bits(view, vbits, shape, e, part)
-
-
-def _view(bindings: Any, key: Any, index: int | None, slices: tuple) -> Any:
-    arr = bindings[key]
-    return (arr if index is None else arr[index])[slices]
-
-
-def _writable_bytes(view: Any) -> np.ndarray | None:
-    """``view``'s memory as bytes, when it is a contiguous writeable numpy array."""
-    if isinstance(view, np.ndarray) and view.flags.c_contiguous and view.flags.writeable:
-        return view.reshape(-1).view(np.uint8)
-    return None
-
-
-def _read_bits(view: Any, bits: Any, shape: Any, e: Any) -> np.ndarray:
-    """A contiguous copy of ``view``'s bytes (a plain item: as its wire dtype; an FP8
-    item's scales or codes: as they are)."""
-    if bits is None:
-        return np.ascontiguousarray(view).reshape(-1).view(np.uint8)
-    scratch = np.empty(e.hi - e.lo, np.uint8)
-    copy_into(np, scratch.view(bits).reshape(shape), e.wire, view, e.dtype)
-    return scratch
-
-
-def _write_bits(view: Any, bits: Any, shape: Any, e: Any, part: np.ndarray) -> None:
-    if bits is not None:
-        copy_into(np, view, e.dtype, part.view(bits).reshape(shape), e.wire)
-        return
-    typed = bits_dtype(view.dtype.itemsize)
-    try:
-        view.view(typed)[...] = part.view(typed).reshape(view.shape)
-    except (TypeError, ValueError):      # a view numpy cannot reinterpret: as typed
-        view[...] = part.view(view.dtype).reshape(view.shape)
-
-
-def _gather(out: np.ndarray, pieces: Sequence[np.ndarray]) -> None:
-    """Copy ``pieces`` back to back into ``out`` (a dense bucket's diffed bytes into its
-    baseline)."""
-    if len(pieces) == 1:
-        np.copyto(out, pieces[0])
-        return
-    at = 0
-    for p in pieces:
-        out[at:at + p.nbytes] = p
-        at += p.nbytes
+        apply_host(self, b, spans, buf)

@@ -65,8 +65,9 @@ scales, and the delta is applied to them in place. The sender requantizes every 
 the bucket each call (a changed element changes its block's codes and maybe its scale:
 a changed block requantizes whole) and only changed code and scale bytes move. The bf16
 pieces of blocks split across senders land in the receiver's scratch, which the receiver
-quantizes itself: they travel raw in every call, inside the delta bucket (the scratch
-is no destination, so it holds no fenced base).
+quantizes itself: they are diffed like any item, against the bytes the receiver kept of
+them when the last confirmed call landed (the scratch is no fenced base; see
+:mod:`.delta_land`).
 
 Buckets whose receiver casts (its dtype is not the wire dtype) always go dense: the
 receiver could not read its base back bit for bit. Device bindings take the device path
@@ -77,11 +78,14 @@ forwards are timed: :mod:`xreshard.planner.relay`).
 
 **What composes, what is refused** (:func:`delta_problems`, at ``refit/check``, on every
 process before any byte moves). Host bindings: delta composes with ``wire_dtype``,
-``atomic=True``, FP8 destinations and ``relay``, but a relay not with ``atomic=True``
-(the forwarders' baselines are not transactional) nor with FP8 destinations (replicas
-forward finished codes and scales, which are not diffed). Device bindings: delta with
-``wire_dtype``, but not with ``relay``, ``atomic=True`` or FP8 destinations (the device
-path diffs plain items and keeps its baselines in place).
+``atomic=True``, FP8 destinations and ``relay``, in any combination. Through a relay with
+``atomic=True`` a forwarder's baselines are transactional like any sender's (its forwards'
+new bytes and messages are held until the outcome) and it forwards from its staging; with
+FP8 destinations a forwarder diffs the finished codes and scales it forwards (plain
+tensors of stage 2) against what it last forwarded. Device bindings: delta with
+``wire_dtype`` and ``atomic=True`` (the baselines' changes are held until the outcome and
+applied by the device ops then), but not with ``relay`` (the forwards' encoder reads host
+memory) or FP8 destinations (the device path's apply writes plain items only).
 """
 
 from __future__ import annotations
@@ -108,33 +112,25 @@ def delta_problems(config: Any, on_device: bool, quantized: bool = False, *,
     """What ``RefitConfig(delta=True)`` cannot run in this process, as error entries for
     ``refit/check`` (refused on every process before any byte moves). Device bindings
     (``on_device``): no framework to diff or apply on the device (:mod:`.delta_device`;
-    ``sides``: whether this process sends, receives), a relay, ``atomic=True`` and
-    destinations quantized on the way (``quantized``: FP8). Host bindings: a relay with
-    ``atomic=True`` or with FP8 destinations. Everything else composes (see the module
-    docstring)."""
+    ``sides``: whether this process sends, receives), a relay and destinations quantized
+    on the way (``quantized``: FP8). Host bindings compose with all of them, together too;
+    device bindings with ``atomic=True`` (see the module docstring)."""
     if not getattr(config, "delta", False):
         return []
-    relay = getattr(config, "relay", "off")
-    atomic = getattr(config, "atomic", False)
-    found = []
     from .device_ops import test_switch
-    if on_device or test_switch() is not None:      # the device path (tests: on the host)
-        from ..config import Tuning
-        from .delta_device import device_delta_problems
-        found += device_delta_problems(tuning or Tuning(), *sides)
-        where, fix = "this process binds device memory", "(or hold the weights in host memory)"
-        not_with = [(relay != "off", f"relay={relay!r}", "relay='off'"),
-                    (atomic, "atomic=True", "atomic=False"),
-                    (quantized, "FP8 destinations quantized on the way", "delta=False")]
-    else:
-        where, fix = "through a relay", "(or relay='off')"
-        not_with = [(relay != "off" and atomic, "atomic=True", "atomic=False"),
-                    (relay != "off" and quantized, "FP8 destinations quantized on the way",
-                     "delta=False")]
+    if not (on_device or test_switch() is not None):        # host bindings: everything
+        return []
+    from ..config import Tuning
+    from .delta_device import device_delta_problems
+    found = device_delta_problems(tuning or Tuning(), *sides)
+    relay = getattr(config, "relay", "off")
+    not_with = [(relay != "off", f"relay={relay!r}", "relay='off'"),
+                (quantized, "FP8 destinations quantized on the way", "delta=False")]
     for refused, what, instead in not_with:
-        if refused:
+        if refused:     # see the module docstring
             found.append(["RefitError", f"RefitConfig(delta=True) with {what} is not built "
-                          f"in this version: {where}; pass {instead} {fix}"])
+                          "in this version: this process binds device memory; pass "
+                          f"{instead} (or hold the weights in host memory)"])
     return found
 
 
@@ -160,6 +156,8 @@ class DeltaState:
     def __init__(self) -> None:
         self.sent: dict[tuple[int, int], _Baseline] = {}
         self.base: dict[int, tuple[str, dict[int, str]]] = {}
+        #: (src, dst, tag) -> split blocks' pieces that bucket last brought (delta_land)
+        self.pieces: dict[tuple[int, int, int], np.ndarray] = {}
         self.memory: tuple[str, str] | None = None
         self._nonce = ""
         self._digests: tuple[Any, dict[tuple[int, int], str]] | None = None
@@ -184,6 +182,7 @@ class DeltaState:
         for b in self.sent.values():
             b.call = None
         self.base.clear()
+        self.pieces.clear()
         self.memory = None
 
     # ------------------------------------------------------------ refit/check
@@ -251,6 +250,12 @@ class DeltaState:
         if jobs:
             self._ahead = (prepared, Encoder(reader, jobs, threads or ENCODE_THREADS))
 
+    @property
+    def ahead_buckets(self) -> frozenset[Any]:
+        """The buckets the encoder started ahead encodes (it quantizes their FP8 items:
+        ``quantize_ahead`` leaves them alone)."""
+        return frozenset() if self._ahead is None else self._ahead[1].buckets
+
     def stop_ahead(self) -> None:
         """Stop an encoder started ahead that no call took: no thread reads the sources or
         the baselines once this returns."""
@@ -317,6 +322,8 @@ class DeltaState:
         for r in call.local_dst:
             self.base[r] = (call.call_id, {s: d for (s, rr), d in call.digests.items()
                                            if rr == r})
+        self.pieces = {k: v for k, v in self.pieces.items()
+                       if k[1] not in call.local_dst} | call.pieces
         self.memory = fingerprint(dst, receive_obj) if self.base else None
 
     def abort(self) -> None:
@@ -331,6 +338,7 @@ class DeltaState:
         call.pending.clear()
         if not call.staged:
             self.base.clear()
+            self.pieces.clear()
             self.memory = None
 
 
@@ -393,6 +401,27 @@ class DeltaCall:
     staged: bool = False
     pending: list[tuple[tuple[int, int], int, str, Any]] = field(default_factory=list)
     """``atomic``: the baselines' changes until the outcome, ``(pair, tag, how, what)``."""
+    pieces: dict[tuple[int, int, int], np.ndarray] = field(default_factory=dict)
+    """The split blocks' pieces this call's buckets brought (:meth:`keep_pieces`)."""
+
+    def pieces_base(self, b: Bucket, nbytes: int) -> np.ndarray:
+        """A copy of the split blocks' pieces bucket ``b`` brought in the last confirmed
+        call (``nbytes`` of them): what its delta applies to (see :mod:`.delta_land`).
+        Its pair's fence vouches for them; missing, it raises (never a wrong base)."""
+        held = self.state.pieces.get((b.src, b.dst, b.tag))
+        if held is None or held.nbytes != nbytes:
+            from ..errors import RefitError
+            raise RefitError(
+                f"RefitConfig(delta=True): rank {b.dst} received a delta of bucket {b.tag} "
+                f"from rank {b.src} but holds no base of its split FP8 blocks' pieces "
+                f"({nbytes} bytes); nothing of it was applied. The next call is dense; "
+                "report this (a fence that should have sent it dense)")
+        return held.copy()
+
+    def keep_pieces(self, b: Bucket, data: np.ndarray) -> None:
+        """Bucket ``b``'s split blocks' pieces as this call left them: the base of the
+        next call's delta once the outcome confirmed this one (:meth:`DeltaState.commit`)."""
+        self.pieces[(b.src, b.dst, b.tag)] = data
 
     def baseline(self, b: Bucket, nbytes: int, create: bool = False,
                  alloc: Callable[[int], Any] | None = None) -> Any:

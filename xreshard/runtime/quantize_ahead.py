@@ -31,6 +31,11 @@ whatever happened (:meth:`QuantAhead.stop`, called by ``Refit`` at the end of ev
 no thread reads a source past the call. A worker that fails leaves its items to the pack
 step, which raises the same error in the call's thread if it is real.
 
+In a delta call (``RefitConfig(delta=True)``) the buckets the delta encoder started ahead
+encodes are left out: its threads quantize their FP8 items as they diff them (the
+executor sends those buckets from the encoder's message, never packing them), so each
+item is quantized once (``benchmarks/RESULTS.md``).
+
 ``XRESHARD_FP8_AHEAD=0`` turns this off (read once, when the ``Refit`` is made).
 """
 
@@ -41,7 +46,7 @@ import logging
 import os
 import threading
 import time
-from typing import Any, Iterator
+from typing import Any, Collection, Iterator
 
 from ..errors import RefitError
 from ..planner.prepare import SOURCES
@@ -206,10 +211,13 @@ class QuantAhead:
         self._run: AheadRun | None = None
         self._used = False
 
-    def start(self, prepared: Any, src: Any, programs: dict) -> None:
+    def start(self, prepared: Any, src: Any, programs: dict, skip: Collection[Any] = ()
+              ) -> None:
         """Start quantizing this process's FP8 items of ``prepared`` (the last call's, or
-        None) from ``src`` (this call's bound sending side, or None)."""
+        None) from ``src`` (this call's bound sending side, or None), but those of the
+        buckets in ``skip`` (a delta call's encoder quantizes them as it diffs them)."""
         self.stop()
+        self.last = {}          # this call's, once it ran
         if not self.enabled or prepared is None or prepared.quant is None or src is None \
                 or prepared.stages[0].src_from != SOURCES:
             return
@@ -223,7 +231,7 @@ class QuantAhead:
                                      bindings, {}),), programs, prepared.quant)
             local = {r for r, _ in bindings}
             steps = [e for rnd in prepared.schedule.rounds for b in rnd
-                     if b.stage == 0 and b.src in local
+                     if b.stage == 0 and b.src in local and b not in skip
                      for e in progs.program(b, 0) if e.quant is not None]
         except Exception:       # noqa: BLE001 - only an optimization: the call packs as before
             logger.debug("not quantizing ahead: the last schedule does not fit these sources",

@@ -332,7 +332,9 @@ class Refit:
         if self.config.delta:       # the diff overlaps refit/check (see delta_wire)
             self.delta_state.encode_ahead(self._prepared, src)
         if not errors:          # quantizing overlaps refit/check (see quantize_ahead)
-            self.quant_ahead.start(self._prepared, src, self._programs)
+            # but not what the delta encoder quantizes as it diffs: FP8 items once
+            self.quant_ahead.start(self._prepared, src, self._programs,
+                                   skip=self.delta_state.ahead_buckets)
         replanned = self._prepare(src, dst, errors, self.version + 1)
         target = self.version + 1       # a process new to the world adopted the version
         plan_seconds = time.perf_counter() - t0
