@@ -165,7 +165,7 @@ class World(WorldTransports, ElasticWorld):
              groups: Sequence[str] | None = None, host: str | None = None,
              timeout: float = 300.0, world_id: str = "default",
              is_server: bool = False, token: str | bytes | None = None,
-             elastic: bool = False, wait: bool = True) -> World:
+             elastic: bool = False, wait: bool = True, unit: str | None = None) -> World:
         """Join a world; returns once all ``num_processes`` processes have joined.
 
         Args:
@@ -199,6 +199,9 @@ class World(WorldTransports, ElasticWorld):
             wait: (elastic, a running world) False returns before the members admitted
                 this process, for ``Refit.catch_up()``; its first refit call (or
                 ``admit()``) asks to join (:mod:`xreshard.runtime.catchup`).
+            unit: (elastic) processes that stand or fall together, e.g. the workers of
+                one tensor-parallel engine: a member excluded takes every member of its
+                unit with it (``ElasticWorld.excluded``). None: a unit of its own.
 
         Returns:
             The joined world.
@@ -232,6 +235,8 @@ class World(WorldTransports, ElasticWorld):
         me = {"group": group, "index": int(index), "host": host or socket.gethostname(),
               "pid": os.getpid(), "num_ranks": len(local_devices), "device_kinds": kinds,
               "devices": [str(d) for d in local_devices]}
+        if unit is not None:
+            me["unit"] = str(unit)
         expect = {"num_processes": num_processes, "groups": groups}
         seal = Seal(token_bytes, world_id)
         if elastic:
