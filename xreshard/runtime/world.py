@@ -183,8 +183,8 @@ class World(WorldTransports, ElasticWorld):
             timeout: seconds to wait for the others (and the default of every later wait).
             world_id: distinguishes several worlds on one store; unique per store among
                 the worlds open at one time (a closed world's id may be joined again).
-            is_server: host the store in this process at ``address`` (its port must be
-                free and known to the others, so launchers should prefer ``serve()``).
+            is_server: host the store in this process at ``address`` (a free port known
+                to all; launchers should prefer ``serve()``).
             token: a secret shared by the world's processes (default ``XRESHARD_TOKEN``,
                 else none): join records and every metadata payload are signed with it, so
                 a process without it can neither join nor inject metadata
@@ -196,12 +196,10 @@ class World(WorldTransports, ElasticWorld):
                 excluded at the next collective the members agree on, and the world moves
                 to a new ``epoch`` instead of being broken. Every process of a world
                 passes the same value.
-            wait: (elastic, a running world) False returns before the members admitted
-                this process, for ``Refit.catch_up()``; its first refit call (or
-                ``admit()``) asks to join (:mod:`xreshard.runtime.catchup`).
-            unit: (elastic) processes that stand or fall together, e.g. the workers of
-                one tensor-parallel engine: a member excluded takes every member of its
-                unit with it (``ElasticWorld.excluded``). None: a unit of its own.
+            wait: (elastic, a running world) False returns before the members admitted it,
+                for ``Refit.catch_up()``; its first refit (or ``admit()``) asks to join.
+            unit: (elastic) a member excluded takes every member of its unit with it
+                (one tensor-parallel engine's workers; ``ElasticWorld.excluded``).
 
         Returns:
             The joined world.
@@ -235,12 +233,10 @@ class World(WorldTransports, ElasticWorld):
         me = {"group": group, "index": int(index), "host": host or socket.gethostname(),
               "pid": os.getpid(), "num_ranks": len(local_devices), "device_kinds": kinds,
               "devices": [str(d) for d in local_devices]}
-        if unit is not None:
-            me["unit"] = str(unit)
         expect = {"num_processes": num_processes, "groups": groups}
         seal = Seal(token_bytes, world_id)
         if elastic:
-            me["start"] = epochs.own_start()
+            me.update(start=epochs.own_start(), **({} if unit is None else {"unit": unit}))
             running = epochs.read_epoch(store, seal)
             if running is not None:
                 return cls._join_running(store, server, address, seal, me, groups,

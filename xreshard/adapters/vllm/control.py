@@ -69,6 +69,7 @@ def concurrently(calls: Sequence[Callable[[], Any]], work: Callable[[], Any], ti
     except FleetError:
         raise       # the same typed error as on every other process (the engines' included)
     except XreshardError as e:
+        dead = lost() if lost is not None else set()
         mine = [f for f in failures if f[0] not in dead]
         if mine:    # its engine refused, so a peer never joined: say why, not only who
             i, f = min(mine, key=operator.itemgetter(0))
@@ -82,9 +83,9 @@ def concurrently(calls: Sequence[Callable[[], Any]], work: Callable[[], Any], ti
                          "after the trainer's side finished")
     failures = [f for f in failures if f[0] not in dead]
     if failures:
-        i, e = min(failures, key=operator.itemgetter(0))
+        i, first = min(failures, key=operator.itemgetter(0))
         who = f"engine {i}'s" if len(threads) > 1 else "the engine's"
-        raise RefitError(f"{who} {what} call failed: {e}") from e
+        raise RefitError(f"{who} {what} call failed: {first}") from first
     return result
 
 

@@ -10,9 +10,16 @@ Decision record.
   every survivor to the next epoch (``World.advance``), and the joining engines' workers,
   admitted there, run the epoch's setup with them (:meth:`Stream.enter_epoch
   <xreshard.adapters.vllm.stream.Stream.enter_epoch>`: ranks, versions, and each engine's
-  model digest). Only then does the round's first refit start, so a round never mixes two
-  member sets. Rejected: letting each group's Refit admit joiners at its own
+  model digest). Only then does the round's first refit start, so a round never admits
+  anyone midway. Rejected: letting each group's Refit admit joiners at its own
   ``refit/check`` - a joiner admitted at group 3 would miss groups 0..2 of its first round.
+* **Losses may happen midway.** An engine lost during a group's refit is excluded there
+  (the survivors finish that group in the next epoch, :mod:`xreshard.runtime.fleet`);
+  one lost after its last group at the round's last all-gather
+  (:func:`lost_at_outcome`). Every worker joins with its engine's ``unit``
+  (:func:`unit`), so a lost worker takes its whole engine out. With
+  ``on_member_loss="fail"`` the round fails instead, with one :class:`EngineLost` on
+  every survivor. Rank 0's side: :mod:`xreshard.adapters.vllm.control`.
 * **Who is an engine.** An engine's workers are ``rollout[e * W + w]`` (W workers per engine,
   engine id e): the trainer's rank 0 names the engines it has clients for (``expect``), so
   every process can tell, from the same gathered payloads, an engine that is whole from one

@@ -192,42 +192,7 @@ class Stream:
                 name = f"xreshard-vllm/{self.groups_id}/{g}" if world.elastic else None
                 refit = self._refits[g] = Refit(world, config=self.config, name=name,
                                                 **self._refit_kwargs)
-            # one staging arena for every group, handed from refit to refit: each group's
-            # refit would otherwise keep its own, and their sum is the whole shard again
-            refit.staging, self._arena = self._arena, None
-            before = world.processes
-            try:
-                reports.append(refit(**{self.side: obj}))
-                if reports[-1].lost and self.config.on_member_loss == "fail":
-                    # lost between two groups (the refit found them at its check): the
-                    # update still lost them, and "fail" fails it on every survivor
-                    raise members.engine_lost(before, world, self.version + 1, None) or \
-                        RefitError(f"members {list(reports[-1].lost)} lost during the update")
-                bound = obj.last if isinstance(obj, Placed) else obj
-                if self.serve is not None and isinstance(bound, Bound):
-                    served = self.serve(g, names, bound)    # before its bindings go
-                    with refit.writing:         # between calls, as its server reads it
-                        refit.served = served
-            except (XreshardError, CommunicationError) as e:
-                lost = members.engine_lost(before, world, self.version + 1, e) \
-                    if world.elastic and self.config.on_member_loss == "fail" else None
-                if lost is None and (g == 0 or not isinstance(e, XreshardError)):
-                    raise
-                if g == 0:
-                    raise lost from e
-                raise RefitError(f"{lost or e}\n(streamed round: groups 0..{g - 1} of "
-                                 f"{len(self.groups)} were already loaded, so the engine "
-                                 "holds a mix of two rounds; refit again before generating)"
-                                 ) from e
-            finally:
-                self._arena, refit.staging = refit.staging, None
-                # the refit keeps its last send/receive object for argument-less calls:
-                # emptied, it holds no group's buffers (or trainer arrays) past the call
-                for held in (obj, obj.last if isinstance(obj, Placed) else None):
-                    if isinstance(held, Bound):
-                        held.bindings.clear()
-                    elif isinstance(held, dict):
-                        held.clear()
+            reports.append(self._group(g, names, refit, obj))
             if done is not None:
                 try:
                     done(g, names)
@@ -251,6 +216,48 @@ class Stream:
             report = dataclasses.replace(report, lost=lost, epoch=world.epoch)
         return report
 
+    def _group(self, g: int, names: list[str], refit: Refit, obj: Any) -> RefitReport:
+        """Group ``g``'s refit of a round, this side ``obj``; ``serve`` keeps what a
+        catch-up reads. In an elastic world with ``on_member_loss="fail"``, an engine lost
+        during it fails the round with :class:`~.members.EngineLost` on every survivor."""
+        world = self.world
+        # one staging arena for every group, handed from refit to refit: each group's
+        # refit would otherwise keep its own, and their sum is the whole shard again
+        refit.staging, self._arena = self._arena, None
+        before = world.processes
+        try:
+            report = refit(**{self.side: obj})
+            if report.lost and self.config.on_member_loss == "fail":
+                # lost between two groups (the refit found them at its check): the
+                # update still lost them, and "fail" fails it on every survivor
+                raise members.engine_lost(before, world, self.version + 1, None) or \
+                    RefitError(f"members {list(report.lost)} lost during the update")
+            bound = obj.last if isinstance(obj, Placed) else obj
+            if self.serve is not None and isinstance(bound, Bound):
+                served = self.serve(g, names, bound)    # before its bindings go
+                with refit.writing:         # between calls, as its server reads it
+                    refit.served = served
+            return report
+        except (XreshardError, CommunicationError) as e:
+            lost = members.engine_lost(before, world, self.version + 1, e) \
+                if world.elastic and self.config.on_member_loss == "fail" else None
+            if lost is None and (g == 0 or not isinstance(e, XreshardError)):
+                raise
+            if g == 0:
+                raise lost from e
+            raise RefitError(f"{lost or e}\n(streamed round: groups 0..{g - 1} of "
+                             f"{len(self.groups)} were already loaded, so the engine "
+                             "holds a mix of two rounds; refit again before generating)"
+                             ) from e
+        finally:
+            self._arena, refit.staging = refit.staging, None
+            # the refit keeps its last send/receive object for argument-less calls:
+            # emptied, it holds no group's buffers (or trainer arrays) past the call
+            for held in (obj, obj.last if isinstance(obj, Placed) else None):
+                if isinstance(held, Bound):
+                    held.bindings.clear()
+                elif isinstance(held, dict):
+                    held.clear()
 
     def catch_up(self, part: Callable[[int, list[str], list[str]], Any],
                  done: Callable[[int, list[str]], None]) -> RefitReport:

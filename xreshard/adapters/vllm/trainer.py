@@ -86,7 +86,8 @@ class XreshardTrainerInitInfo(TrainerInitInfo):
             draft's checkpoint headers, the policy's rules and sizes.
         elastic: engines may join and leave between updates
             (:meth:`XreshardTrainerWeightTransferEngine.add_engine`, ``remove_engine``;
-            a crashed engine is dropped at the next update): the world is elastic
+            an engine that crashes is dropped, during an update: ``on_member_loss``;
+            between updates: at the next one): the world is elastic
             (``World.join(elastic=True)``, :mod:`xreshard.adapters.vllm.members`); give it
             a ``world_id`` of its own on a shared store. No draft or LoRA rounds there yet.
         catch_up: (elastic) engines added with ``add_engine(client, catch_up=True)`` are
