@@ -213,3 +213,37 @@ def test_an_engine_lost_mid_update_leaves_the_others_exact(tmp_path):
     assert rounds["A"]["engines"]["0"]["tokens"] != rounds["B"]["engines"]["0"]["tokens"]
     # the survivor's own update call, lost engine and all, within the bound too
     assert max(e0.value["update_seconds"]) < TIMEOUT + SLACK, e0.value
+
+
+def test_rank0_waits_only_for_the_engines_the_world_still_holds():
+    """:func:`~xreshard.adapters.vllm.control.concurrently` (no engine): a call of a lost
+    engine that never answers neither holds the update to its timeout nor fails it; the
+    same call of an engine not lost does both."""
+    import threading
+
+    from xreshard.adapters.vllm.control import concurrently
+    from xreshard.errors import RefitError
+
+    answer = threading.Event()
+
+    def dead() -> None:
+        answer.wait()
+        raise RuntimeError("connection refused")
+
+    lost: set[int] = set()
+
+    def work() -> int:
+        lost.add(1)         # the world excluded engine 1 during the trainer's side
+        return 7
+
+    try:
+        with pytest.raises(RefitError, match=r"engine\(s\) \[1\]: the x call did not return"):
+            concurrently([lambda: None, dead], lambda: 7, 0.5, "x")
+        assert concurrently([lambda: None, dead], work, 3600.0, "x", lambda: set(lost)) == 7
+        answer.set()        # it answers late, with an error: not raised either
+        assert concurrently([lambda: None, dead], work, 3600.0, "x", lambda: set(lost)) == 7
+        lost.clear()
+        with pytest.raises(RefitError, match="engine 1's x call failed: connection refused"):
+            concurrently([lambda: None, dead], lambda: 7, 3600.0, "x", lambda: set(lost))
+    finally:
+        answer.set()
