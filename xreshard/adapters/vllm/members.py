@@ -240,11 +240,11 @@ def lost_engines(before: Sequence[Mapping[str, Any]], world: Any) -> tuple[list[
 
 def engine_lost(before: Sequence[Mapping[str, Any]], world: Any, version: int,
                 cause: BaseException | None) -> EngineLost | None:
-    """After a call of an elastic world's round failed: :class:`EngineLost` naming the
-    engines the world moved on without (``RefitConfig(on_member_loss="fail")``, or a loss
-    the survivors could not finish: a relay), when only engines' workers were lost; None
-    otherwise (a lost trainer process: its error stands). The same on every survivor (the
-    world settled which members arrived)."""
+    """After a call of an elastic world's round failed or lost members with
+    ``RefitConfig(on_member_loss="fail")``: :class:`EngineLost` naming the engines the
+    world moved on without, when only engines' workers were lost; None otherwise (nobody
+    lost, or a trainer process: its error stands). The same on every survivor (the world
+    settled which members arrived)."""
     engines, labels = lost_engines(before, world)
     if not labels or any(not lab.startswith("rollout[") for lab in labels):
         return None
