@@ -25,6 +25,13 @@ change (members that left or died, processes that asked to join) makes the next 
   start time no longer run); which members arrived is then settled once for everyone
   (``World._settled``). A member on another host that stops answering is found at the
   collective's timeout instead.
+- **Units fall together.** A process may join with a ``unit`` (``World.join(unit=...)``):
+  the workers of one tensor-parallel engine, which cannot serve without any of them.
+  Whenever members are lost (a partial collective settled without them), every member of
+  their units is excluded with them (``ElasticWorld.excluded``), decided from the join
+  records alone, so every survivor excludes the same; a unit-mate that arrived learns it
+  is excluded from the same settled list and raises ``WorldBroken`` without forming the
+  next epoch. Processes without a unit (the plain elastic worlds) are excluded alone.
 - Rejected: renumbering ranks only for the new processes (stable ranks) - every
   transport keyed on dense ranks (gloo groups, NCCL communicators) would need a renumbering
   layer, and a restarted engine would come back under other ranks than its layouts name;
@@ -298,6 +305,17 @@ class ElasticWorld:
         if self._elastic is None or self._store is None:
             return []
         return read_requests(self._store, self._elastic.base, self._elastic.consumed)
+
+    def excluded(self, missing: Iterable[int]) -> list[int]:
+        """The positions a change excludes when the members at ``missing`` are lost: those,
+        and every member of their units (``World.join(unit=...)``: one tensor-parallel
+        engine's workers, which cannot serve without one of them). The same on every
+        member (the units are in the join records); members without a unit are excluded
+        alone."""
+        out = set(missing)
+        units = {self._infos[p].get("unit") for p in out} - {None}
+        out |= {p for p, info in enumerate(self._infos) if info.get("unit") in units}
+        return sorted(out)
 
     def _all_gone(self, positions: Iterable[int]) -> bool:
         leaving = [r for r in self.pending() if r["kind"] == "leave"]

@@ -25,7 +25,7 @@ from typing import Any
 
 from ..errors import WorldBroken
 
-__all__ = ["Restart", "check_body", "after_check", "after_loss", "lost_sources"]
+__all__ = ["Restart", "check_body", "after_check", "after_loss", "excluded", "lost_sources"]
 
 #: how many times one call may start over because the members changed under it
 MAX_RESTARTS = 4
@@ -48,6 +48,25 @@ def check_body(world: Any) -> list[str]:
 
 def _deadline(refit: Any) -> float:
     return time.monotonic() + refit.config.timeout
+
+
+def excluded(world: Any, missing: list[int]) -> list[int]:
+    """``missing`` (the positions a partial collective settled without) and every member
+    of their units (``World.excluded``); raises ``WorldBroken`` in a process among them:
+    it is no member of the next epoch and must not take part in forming it (its join
+    record would take a survivor's slot)."""
+    lost = world.excluded(missing)
+    if world.process_index in lost and world.process_index not in missing:
+        gone = [world.members[p] for p in missing]
+        world.mark_broken(f"a member of this process's unit was lost ({gone}): it is "
+                          f"excluded with it from epoch {world.epoch + 1}")
+        raise WorldBroken(f"world {world.world_id!r} moved on without "
+                          f"{world.describe_process(world.process_index)}: a member of its "
+                          f"unit {world.processes[world.process_index].get('unit')!r} was "
+                          f"lost ({', '.join(gone)}), and a unit stands or falls together; "
+                          f"restart the unit and join the running world again")
+    _excluded(world, lost)
+    return lost
 
 
 def _excluded(world: Any, missing: list[int]) -> None:
@@ -73,7 +92,7 @@ def after_check(refit: Any, gathered: list[Any]) -> None:
     seen = {rid for g in gathered if isinstance(g, dict) for rid in g.get("requests") or ()}
     if not missing and not seen:
         return
-    _excluded(world, missing)
+    missing = excluded(world, missing)
     deadline = _deadline(refit)
     joins = world.confirm_joins([r for r in world.pending() if r["id"] in seen],
                                 missing, deadline)
@@ -105,7 +124,7 @@ def after_loss(refit: Any, missing: list[int]) -> bool:
     there; else returns True: the call fails (the caller raises its error) and the world,
     not broken, runs the next call."""
     world = refit.world
-    _excluded(world, missing)
+    missing = excluded(world, missing)
     sources = lost_sources(refit, missing)
     lost = [world.members[p] for p in missing]
     world.advance(missing, [], _deadline(refit))

@@ -165,7 +165,7 @@ class World(WorldTransports, ElasticWorld):
              groups: Sequence[str] | None = None, host: str | None = None,
              timeout: float = 300.0, world_id: str = "default",
              is_server: bool = False, token: str | bytes | None = None,
-             elastic: bool = False, wait: bool = True) -> World:
+             elastic: bool = False, wait: bool = True, unit: str | None = None) -> World:
         """Join a world; returns once all ``num_processes`` processes have joined.
 
         Args:
@@ -183,8 +183,8 @@ class World(WorldTransports, ElasticWorld):
             timeout: seconds to wait for the others (and the default of every later wait).
             world_id: distinguishes several worlds on one store; unique per store among
                 the worlds open at one time (a closed world's id may be joined again).
-            is_server: host the store in this process at ``address`` (its port must be
-                free and known to the others, so launchers should prefer ``serve()``).
+            is_server: host the store in this process at ``address`` (a free port known
+                to all; launchers should prefer ``serve()``).
             token: a secret shared by the world's processes (default ``XRESHARD_TOKEN``,
                 else none): join records and every metadata payload are signed with it, so
                 a process without it can neither join nor inject metadata
@@ -196,9 +196,10 @@ class World(WorldTransports, ElasticWorld):
                 excluded at the next collective the members agree on, and the world moves
                 to a new ``epoch`` instead of being broken. Every process of a world
                 passes the same value.
-            wait: (elastic, a running world) False returns before the members admitted
-                this process, for ``Refit.catch_up()``; its first refit call (or
-                ``admit()``) asks to join (:mod:`xreshard.runtime.catchup`).
+            wait: (elastic, a running world) False returns before the members admitted it,
+                for ``Refit.catch_up()``; its first refit (or ``admit()``) asks to join.
+            unit: (elastic) a member excluded takes every member of its unit with it
+                (one tensor-parallel engine's workers; ``ElasticWorld.excluded``).
 
         Returns:
             The joined world.
@@ -235,7 +236,7 @@ class World(WorldTransports, ElasticWorld):
         expect = {"num_processes": num_processes, "groups": groups}
         seal = Seal(token_bytes, world_id)
         if elastic:
-            me["start"] = epochs.own_start()
+            me.update(start=epochs.own_start(), **({} if unit is None else {"unit": unit}))
             running = epochs.read_epoch(store, seal)
             if running is not None:
                 return cls._join_running(store, server, address, seal, me, groups,

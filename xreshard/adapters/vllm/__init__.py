@@ -99,7 +99,7 @@ from xreshard.adapters.lora import LoRAAdapter, LoRAError, write_peft_dir
 from .destination import (INPLACE_ALLOWED, INPLACE_MOE_BACKENDS, Destination, EngineRecording,
                           inplace_refusal, layouts_from_pieces, replicate_layout)
 from .draft import DraftError
-from .members import EngineMismatch, FleetError, HalfJoined
+from .members import EngineLost, EngineMismatch, FleetError, HalfJoined
 from .lora import LORA_SCHEME, LoRAReceiver, install_hook, lora_request, read_regions
 from .plugin import BACKEND, WorkerExtension, register_backend, worker_record
 from .quantized import (SCRATCH, KernelStandIn, OnlineQuantization, checkpoint_specs_fp8,
@@ -120,6 +120,7 @@ __all__ = [
     "KernelStandIn", "kernel_stand_ins", "engine_formats",
     "quantized_of", "checkpoint_specs_fp8", "record_quantized", "OnlineQuantization",
     "online_refusals", "SCRATCH", "DraftError", "FleetError", "EngineMismatch", "HalfJoined",
+    "EngineLost",
 ]
 
 #: names of the backend modules, loaded on first use (they import vLLM's base classes)

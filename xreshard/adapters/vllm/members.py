@@ -10,9 +10,16 @@ Decision record.
   every survivor to the next epoch (``World.advance``), and the joining engines' workers,
   admitted there, run the epoch's setup with them (:meth:`Stream.enter_epoch
   <xreshard.adapters.vllm.stream.Stream.enter_epoch>`: ranks, versions, and each engine's
-  model digest). Only then does the round's first refit start, so a round never mixes two
-  member sets. Rejected: letting each group's Refit admit joiners at its own
+  model digest). Only then does the round's first refit start, so a round never admits
+  anyone midway. Rejected: letting each group's Refit admit joiners at its own
   ``refit/check`` - a joiner admitted at group 3 would miss groups 0..2 of its first round.
+* **Losses may happen midway.** An engine lost during a group's refit is excluded there
+  (the survivors finish that group in the next epoch, :mod:`xreshard.runtime.fleet`);
+  one lost after its last group at the round's last all-gather
+  (:func:`lost_at_outcome`). Every worker joins with its engine's ``unit``
+  (:func:`unit`), so a lost worker takes its whole engine out. With
+  ``on_member_loss="fail"`` the round fails instead, with one :class:`EngineLost` on
+  every survivor. Rank 0's side: :mod:`xreshard.adapters.vllm.control`.
 * **Who is an engine.** An engine's workers are ``rollout[e * W + w]`` (W workers per engine,
   engine id e): the trainer's rank 0 names the engines it has clients for (``expect``), so
   every process can tell, from the same gathered payloads, an engine that is whole from one
@@ -51,13 +58,17 @@ import time
 from typing import Any, Mapping, Sequence
 
 from xreshard.errors import RefitError, WorldBroken
+from xreshard.runtime import fleet
 
-__all__ = ["FleetError", "EngineMismatch", "HalfJoined", "model_digest", "sync",
+__all__ = ["FleetError", "EngineMismatch", "HalfJoined", "EngineLost", "model_digest", "sync",
+           "lost_engines", "engine_lost", "lost_at_outcome",
            "engine_problem", "joining_problem", "served", "catch_up"]
 
 logger = logging.getLogger(__name__)
 
 KIND = "xreshard-vllm/members"
+#: the world unit of engine e's workers is UNIT + str(e)
+UNIT = "xreshard-vllm/engine/"
 #: how many membership changes one round's start acts on before giving up
 MAX_CHANGES = 4
 
@@ -73,6 +84,11 @@ class EngineMismatch(FleetError):
 class HalfJoined(FleetError):
     """An update while an engine is half-joined (not every worker in the world, or not known
     to the trainer)."""
+
+
+class EngineLost(FleetError):
+    """An engine was lost during an update with ``on_member_loss="fail"`` (the same error,
+    naming it, on every surviving process; the world moved on without it)."""
 
 
 def model_digest(recording: Any) -> str:
@@ -200,6 +216,65 @@ def catch_up(worker: Any) -> Any:
     return report
 
 
+def unit(engine: int) -> str:
+    """The world unit of an engine's workers (``World.join(unit=...)``): a lost worker takes
+    its whole engine out of the world (an engine missing a TP or PP rank cannot serve)."""
+    return f"{UNIT}{int(engine)}"
+
+
+def engine_of(info: Mapping[str, Any]) -> int | None:
+    """The engine id of a member's join info (None: not an engine's worker)."""
+    u = str(info.get("unit") or "")
+    return int(u[len(UNIT):]) if u.startswith(UNIT) and u[len(UNIT):].isdigit() else None
+
+
+def lost_engines(before: Sequence[Mapping[str, Any]], world: Any) -> tuple[list[int], list[str]]:
+    """(engine ids, member labels) of the members of ``before`` (join infos) that are no
+    members of ``world``'s epoch any more."""
+    from xreshard.runtime.joining import label
+    now = set(world.members)
+    gone = [info for info in before if label(info) not in now]
+    return (sorted({e for e in map(engine_of, gone) if e is not None}),
+            [label(info) for info in gone])
+
+
+def engine_lost(before: Sequence[Mapping[str, Any]], world: Any, version: int,
+                cause: BaseException | None) -> EngineLost | None:
+    """After a call of an elastic world's round failed or lost members with
+    ``RefitConfig(on_member_loss="fail")``: :class:`EngineLost` naming the engines the
+    world moved on without, when only engines' workers were lost; None otherwise (nobody
+    lost, or a trainer process: its error stands). The same on every survivor (the world
+    settled which members arrived)."""
+    engines, labels = lost_engines(before, world)
+    if not labels or any(not lab.startswith("rollout[") for lab in labels):
+        return None
+    why = f" ({type(cause).__name__})" if cause is not None else ""
+    return EngineLost(f"engine(s) {engines} lost during update v{version} (members "
+                      f"{labels} gone{why}): with on_member_loss='fail' the update fails on "
+                      f"every surviving process; the world moved on without them (epoch "
+                      f"{world.epoch}), so the next update goes to the live engines - "
+                      "refit again before generating")
+
+
+def lost_at_outcome(stream: Any, gathered: list[Any]) -> list[str]:
+    """The end of a round of an elastic world: members missing from its last all-gather
+    (lost after their last group, e.g. while vLLM loaded it) are excluded with their
+    engines (the world moves to the next epoch); returns their labels, the survivors'
+    round complete. With ``on_member_loss="fail"`` raises :class:`EngineLost` instead."""
+    world = stream.world
+    missing = [p for p, g in enumerate(gathered) if g is None]
+    if not missing:
+        return []
+    before = world.processes
+    missing = fleet.excluded(world, missing)
+    lost = [world.members[p] for p in missing]
+    world.advance(missing, [], time.monotonic() + stream.config.timeout)
+    if stream.config.on_member_loss == "fail":
+        raise engine_lost(before, world, stream.version + 1, None) or \
+            RefitError(f"members {lost} lost at the end of update v{stream.version + 1}")
+    return lost
+
+
 def sync(stream: Any) -> list[str]:
     """At the start of a round in an elastic world: act on the members lost and the engines
     asking to join, the same way on every process. Returns the labels of the members lost.
@@ -224,6 +299,7 @@ def sync(stream: Any) -> list[str]:
             raise WorldBroken(f"world {world.world_id!r} moved on without "
                               f"{world.describe_process(world.process_index)} (slower than "
                               "the timeout); join it again")
+        missing = fleet.excluded(world, missing)    # a lost worker's engine goes whole
         joins = confirmed_joins(world, seen, missing, timeout)
         infos = [g.get("engine") or {} for g in gathered if isinstance(g, dict)]
         trainer = next((i for i in infos if "expect" in i), {})

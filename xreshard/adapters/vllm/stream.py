@@ -12,8 +12,8 @@ import dataclasses
 import logging
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
-from xreshard.errors import RefitError, XreshardError
-from xreshard.runtime.binding import Bound
+from xreshard.errors import CommunicationError, RefitError, XreshardError
+from xreshard.runtime.binding import Bound, Rebuilt
 from xreshard.config import RefitConfig, RefitReport
 from xreshard.runtime.refit import Refit
 from xreshard.runtime.world import World
@@ -24,13 +24,31 @@ from . import members
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["GROUPS", "DEFAULT_WORLD_ID", "Stream"]
+__all__ = ["GROUPS", "DEFAULT_WORLD_ID", "Stream", "Placed"]
 
 #: the world's group order: trainer ranks first, then the vLLM workers in TP order
 GROUPS = ("trainer", "rollout")
 DEFAULT_WORLD_ID = "xreshard-vllm"
 #: how many times a catch-up brings its groups to one version before it gives up
 CATCH_UP_PASSES = 4
+
+
+class Placed(Rebuilt):
+    """A receive side of an elastic world's round: ``bound`` as placed, bound again by
+    ``rebind(world)`` when the world is at another epoch at the call (a member was lost
+    during the call: the survivors finish it in the next epoch, under renumbered ranks
+    and without the lost engine's axis). ``last``: the side the last call bound."""
+
+    def __init__(self, bound: Bound, epoch: int, rebind: Callable[[Any], Bound]):
+        self.last, self._epoch = bound, epoch
+
+        def build(world: Any) -> Bound:
+            if world.epoch != self._epoch:
+                self.last.bindings.clear()
+                self.last, self._epoch = rebind(world), world.epoch
+            return self.last
+
+        super().__init__(build)
 
 
 class Stream:
@@ -174,30 +192,7 @@ class Stream:
                 name = f"xreshard-vllm/{self.groups_id}/{g}" if world.elastic else None
                 refit = self._refits[g] = Refit(world, config=self.config, name=name,
                                                 **self._refit_kwargs)
-            # one staging arena for every group, handed from refit to refit: each group's
-            # refit would otherwise keep its own, and their sum is the whole shard again
-            refit.staging, self._arena = self._arena, None
-            try:
-                reports.append(refit(**{self.side: obj}))
-                if self.serve is not None and isinstance(obj, Bound):
-                    served = self.serve(g, names, obj)      # before its bindings go
-                    with refit.writing:         # between calls, as its server reads it
-                        refit.served = served
-            except XreshardError as e:
-                if g == 0:
-                    raise
-                raise RefitError(f"{e}\n(streamed round: groups 0..{g - 1} of "
-                                 f"{len(self.groups)} were already loaded, so the engine "
-                                 "holds a mix of two rounds; refit again before generating)"
-                                 ) from e
-            finally:
-                self._arena, refit.staging = refit.staging, None
-                # the refit keeps its last send/receive object for argument-less calls:
-                # emptied, it holds no group's buffers (or trainer arrays) past the call
-                if isinstance(obj, Bound):
-                    obj.bindings.clear()
-                elif isinstance(obj, dict):
-                    obj.clear()
+            reports.append(self._group(g, names, refit, obj))
             if done is not None:
                 try:
                     done(g, names)
@@ -206,8 +201,11 @@ class Stream:
                     carried = (f"{world.describe_process(world.process_index)} failed to "
                                f"load group {g} ({len(names)} tensors from "
                                f"{names[0]!r}): {type(e).__name__}: {e}")
-        outcomes = world.allgather_json({"error": carried}, timeout=timeout)
-        failed = [o["error"] for o in outcomes if o["error"]]
+        outcomes = world.allgather_json({"error": carried}, timeout=timeout,
+                                        kind="xreshard-vllm/outcome", partial=world.elastic)
+        if world.elastic:   # lost after their last group: the survivors' round is complete
+            self.lost += members.lost_at_outcome(self, outcomes)
+        failed = [o["error"] for o in outcomes if o is not None and o["error"]]
         if failed:
             raise RefitError("; ".join(failed) + " - the engine holds a mix of two rounds; "
                              "refit again before generating")
@@ -218,6 +216,48 @@ class Stream:
             report = dataclasses.replace(report, lost=lost, epoch=world.epoch)
         return report
 
+    def _group(self, g: int, names: list[str], refit: Refit, obj: Any) -> RefitReport:
+        """Group ``g``'s refit of a round, this side ``obj``; ``serve`` keeps what a
+        catch-up reads. In an elastic world with ``on_member_loss="fail"``, an engine lost
+        during it fails the round with :class:`~.members.EngineLost` on every survivor."""
+        world = self.world
+        # one staging arena for every group, handed from refit to refit: each group's
+        # refit would otherwise keep its own, and their sum is the whole shard again
+        refit.staging, self._arena = self._arena, None
+        before = world.processes
+        try:
+            report = refit(**{self.side: obj})
+            if report.lost and self.config.on_member_loss == "fail":
+                # lost between two groups (the refit found them at its check): the
+                # update still lost them, and "fail" fails it on every survivor
+                raise members.engine_lost(before, world, self.version + 1, None) or \
+                    RefitError(f"members {list(report.lost)} lost during the update")
+            bound = obj.last if isinstance(obj, Placed) else obj
+            if self.serve is not None and isinstance(bound, Bound):
+                served = self.serve(g, names, bound)    # before its bindings go
+                with refit.writing:         # between calls, as its server reads it
+                    refit.served = served
+            return report
+        except (XreshardError, CommunicationError) as e:
+            lost = members.engine_lost(before, world, self.version + 1, e) \
+                if world.elastic and self.config.on_member_loss == "fail" else None
+            if lost is None and (g == 0 or not isinstance(e, XreshardError)):
+                raise
+            if g == 0:
+                raise lost from e
+            raise RefitError(f"{lost or e}\n(streamed round: groups 0..{g - 1} of "
+                             f"{len(self.groups)} were already loaded, so the engine "
+                             "holds a mix of two rounds; refit again before generating)"
+                             ) from e
+        finally:
+            self._arena, refit.staging = refit.staging, None
+            # the refit keeps its last send/receive object for argument-less calls:
+            # emptied, it holds no group's buffers (or trainer arrays) past the call
+            for held in (obj, obj.last if isinstance(obj, Placed) else None):
+                if isinstance(held, Bound):
+                    held.bindings.clear()
+                elif isinstance(held, dict):
+                    held.clear()
 
     def catch_up(self, part: Callable[[int, list[str], list[str]], Any],
                  done: Callable[[int, list[str]], None]) -> RefitReport:

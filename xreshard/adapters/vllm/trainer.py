@@ -12,13 +12,13 @@ record in :mod:`xreshard.adapters.vllm.worker`.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
-import operator
+import logging
 import sys
-import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, ClassVar, Iterable, Mapping, Sequence
+from typing import Any, ClassVar, Iterable, Mapping, Sequence
 
 try:
     import torch
@@ -29,17 +29,19 @@ except (ImportError, RuntimeError) as e:  # pragma: no cover - depends on the en
 
 from xreshard.runtime.binding import Bound, canonical_name
 from xreshard.config import RefitConfig, RefitReport
-from xreshard.errors import RefitError, XreshardError
+from xreshard.errors import RefitError
 from xreshard.ir.layout import LayoutMemo
 from xreshard.runtime.world import World, serve
 
 from ..jax import bind_named
 from ..naming import NameMap
+from .control import Watch, concurrently as _concurrently
 from .draft import DraftError, client_problem, draft_verdict, share_groups
-from .members import FleetError
 from .plugin import BACKEND
 from .source import is_weight_source, source_tensors
 from .stream import DEFAULT_WORLD_ID, GROUPS, Stream
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["XreshardTrainerInitInfo", "XreshardTrainerWeightTransferEngine", "WeightSender",
            "LLMClient"]
@@ -52,51 +54,6 @@ def _default_devices() -> Any:
     if torch.cuda.is_available():
         return [f"cuda:{torch.cuda.current_device()}"]
     return 1
-
-
-def _concurrently(calls: Sequence[Callable[[], Any]], work: Callable[[], Any], timeout: float,
-                  what: str) -> Any:
-    """``work()`` here while the blocking control-plane ``calls`` (one per engine) run in
-    threads.
-
-    A worker's side of a collective (join, refit) runs inside the RPC, so the trainer's
-    side, and every engine's, must run at the same time. Raises ``work``'s error first,
-    else the first failed call's.
-    """
-    failures: list[tuple[int, BaseException]] = []
-
-    def run(i: int, call: Callable[[], Any]) -> None:
-        try:
-            call()
-        except BaseException as e:  # noqa: BLE001 - re-raised in the caller's thread
-            failures.append((i, e))
-
-    threads = [threading.Thread(target=run, args=(i, c), name=f"xreshard-{what}-{i}",
-                                daemon=True) for i, c in enumerate(calls)]
-    for t in threads:
-        t.start()
-    try:
-        result = work()
-    except FleetError:
-        raise       # the same typed error as on every other process (the engines' included)
-    except XreshardError as e:
-        if failures:    # its engine refused, so a peer never joined: say why, not only who
-            i, f = min(failures, key=operator.itemgetter(0))
-            raise RefitError(f"{e}\n(engine {i}'s {what} call failed: {f})") from e
-        raise
-    finally:
-        deadline = time.monotonic() + timeout
-        for t in threads:
-            t.join(max(0.0, deadline - time.monotonic()))
-    late = [i for i, t in enumerate(threads) if t.is_alive()]
-    if late:
-        raise RefitError(f"engine(s) {late}: the {what} call did not return within {timeout} s "
-                         "after the trainer's side finished")
-    if failures:
-        i, e = min(failures, key=operator.itemgetter(0))
-        who = f"engine {i}'s" if len(threads) > 1 else "the engine's"
-        raise RefitError(f"{who} {what} call failed: {e}") from e
-    return result
 
 
 @dataclass
@@ -129,7 +86,8 @@ class XreshardTrainerInitInfo(TrainerInitInfo):
             draft's checkpoint headers, the policy's rules and sizes.
         elastic: engines may join and leave between updates
             (:meth:`XreshardTrainerWeightTransferEngine.add_engine`, ``remove_engine``;
-            a crashed engine is dropped at the next update): the world is elastic
+            an engine that crashes is dropped, during an update: ``on_member_loss``;
+            between updates: at the next one): the world is elastic
             (``World.join(elastic=True)``, :mod:`xreshard.adapters.vllm.members`); give it
             a ``world_id`` of its own on a shared store. No draft or LoRA rounds there yet.
         catch_up: (elastic) engines added with ``add_engine(client, catch_up=True)`` are
@@ -137,6 +95,12 @@ class XreshardTrainerInitInfo(TrainerInitInfo):
             worker serves its shard between updates: the live parameters in mode
             ``"inplace"`` (no memory), else a kept copy of what it last received (memory:
             the worker's shard once more, on its receive buffers' device). Off by default.
+        on_member_loss: (elastic) an engine lost in the middle of an update: "continue"
+            (the default) finishes the update on the live engines, exact, with its
+            version, names the lost (``RefitReport.lost``, ``lost_engines``) and drives
+            them no more; "fail" fails it on every process with one
+            :class:`~xreshard.adapters.vllm.members.EngineLost`. Either way the world moves
+            on without it (:mod:`xreshard.adapters.vllm.control`).
     """
 
     backend: ClassVar[str] = BACKEND
@@ -166,10 +130,12 @@ class XreshardTrainerInitInfo(TrainerInitInfo):
     draft_rule_params: Mapping[str, int] | None = None
     elastic: bool = False
     catch_up: bool = False
+    on_member_loss: str = RefitConfig.on_member_loss
 
     def refit_config(self) -> RefitConfig:
         return RefitConfig(bucket_bytes=self.bucket_bytes, staging_bytes=self.staging_bytes,
-                           timeout=self.timeout, wire_dtype=self.wire_dtype)
+                           timeout=self.timeout, wire_dtype=self.wire_dtype,
+                           on_member_loss=self.on_member_loss)
 
 
 class XreshardTrainerWeightTransferEngine(TrainerWeightTransferEngine[XreshardTrainerInitInfo]):
@@ -201,6 +167,8 @@ class XreshardTrainerWeightTransferEngine(TrainerWeightTransferEngine[XreshardTr
         self._caught: set[int] = set()      # of those, initialized and caught up already
         self._worker_info: dict[str, Any] = {}
         self._engine_world_size = 1
+        #: rank 0: the engines the last update lost (they are driven no more)
+        self.lost_engines: list[int] = []
 
     @classmethod
     def trainer_init(cls, init_info: XreshardTrainerInitInfo, *, client: Any,
@@ -357,6 +325,10 @@ class XreshardTrainerWeightTransferEngine(TrainerWeightTransferEngine[XreshardTr
         calls = [functools.partial(c.update_weights, info) for c in self.clients]
         calls += [functools.partial(self._join_engine, e, c, info, failed, joined)
                   for e, c in adding]
+        # the engines as the world holds them now: those it loses during the round are
+        # neither waited for nor driven further (see .control)
+        watch = Watch(self.world, self.engine_ids + [e for e, _ in adding]) \
+            if self.elastic else None
 
         def work() -> RefitReport:
             if adding:      # into the round's membership sync only once they asked in
@@ -364,9 +336,11 @@ class XreshardTrainerWeightTransferEngine(TrainerWeightTransferEngine[XreshardTr
             return sender.send_weights(weights)
 
         try:
-            report = _concurrently(calls, work, self.timeout, "update_weights")
+            report = _concurrently(calls, work, self.timeout, "update_weights",
+                                   watch.lost if watch is not None else None)
         except BaseException:
             self._admit(adding, joined)
+            self._drop_lost(watch)
             # close the update session on the workers that did not raise (see
             # XreshardWeightTransferEngine.receive_weights), without a new version
             for c in self.clients:
@@ -376,9 +350,30 @@ class XreshardTrainerWeightTransferEngine(TrainerWeightTransferEngine[XreshardTr
                     pass
             raise
         self._admit(adding, joined)
+        report = self._drop_lost(watch, report)
         for c in self.clients:
             c.finish_weight_update(None if draft else str(version))
         return report
+
+    def _drop_lost(self, watch: Watch | None, report: RefitReport | None = None) -> Any:
+        """After an update of an elastic world: stop driving the engines it lost
+        (:class:`.control.Watch`), remember them (:attr:`lost_engines`), and name their
+        workers in ``report.lost``; returns the report."""
+        if watch is None:
+            return report
+        lost = watch.lost_engines()
+        self.lost_engines = lost
+        for e in lost:
+            if e in self.engine_ids:
+                i = self.engine_ids.index(e)
+                del self.clients[i], self.engine_ids[i]
+        if lost:
+            logger.warning("xreshard: engine(s) %s lost during the update; driving %s from "
+                           "now on", lost, self.engine_ids)
+        if report is None or not lost:
+            return report
+        labels = tuple(dict.fromkeys([*report.lost, *watch.labels(lost)]))
+        return dataclasses.replace(report, lost=labels)
 
     # ------------------------------------------------------------ engines that come and go
 

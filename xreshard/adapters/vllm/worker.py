@@ -110,7 +110,7 @@ from .draft import (TARGET_STATE, DraftError, draft_problem, draft_verdict, reco
 from . import members
 from .lora import LoRAReceiver
 from .quantized import online_refusals
-from .stream import DEFAULT_WORLD_ID, GROUPS, Stream
+from .stream import DEFAULT_WORLD_ID, GROUPS, Placed, Stream
 
 logger = logging.getLogger(__name__)
 
@@ -229,6 +229,7 @@ class XreshardWeightTransferEngine(WeightTransferEngine[XreshardInitInfo, Xresha
         self._draft_mode: str | None = None
         self._mode = "auto"
         self._engine = 0        # this engine's id (an elastic world's engines come and go)
+        self._placed = 0        # the epoch self._dest was placed at (elastic)
 
     def init_transfer_engine(self, init_info: XreshardInitInfo) -> None:
         """Record (once per ``specs``), then join the trainer's world as ``rollout[worker]``
@@ -273,7 +274,9 @@ class XreshardWeightTransferEngine(WeightTransferEngine[XreshardInitInfo, Xresha
                                 index=init_info.engine * workers + recording.worker,
                                 groups=GROUPS, timeout=init_info.timeout,
                                 world_id=init_info.world_id, elastic=init_info.elastic,
-                                wait=not init_info.catch_up)
+                                wait=not init_info.catch_up,
+                                unit=members.unit(init_info.engine) if init_info.elastic
+                                else None)
         if init_info.elastic:
             self._join_fleet(init_info, recording, mode)
             return
@@ -338,6 +341,7 @@ class XreshardWeightTransferEngine(WeightTransferEngine[XreshardInitInfo, Xresha
                        if p["group"] == "rollout"})
         self._dest = Destination.place(recording, self.world.group_ranks("rollout"),
                                        live.index(self._engine))
+        self._placed = self.world.epoch
 
     def _served(self, g: int, names: list[str], received: Bound) -> Bound:
         """What this worker serves engines catching up between rounds (members.served)."""
@@ -481,12 +485,12 @@ class XreshardWeightTransferEngine(WeightTransferEngine[XreshardInitInfo, Xresha
             for g, names in enumerate(stream.groups):
                 held[g] = self._bind_group(names, errors)
 
-        def part(g: int, names: list[str], errs: list[str]) -> Bound:
+        def part(g: int, names: list[str], errs: list[str]) -> Any:
             if g not in held:
                 held[g] = self._bind_group(names, errs)
             buffers, bound = held[g]
             bound.errors = errs + bound.errors
-            return bound
+            return self._placed_side(buffers, bound, names) if self.world.elastic else bound
 
         def done(g: int, names: list[str]) -> None:
             buffers, _ = held.pop(g)
@@ -522,6 +526,24 @@ class XreshardWeightTransferEngine(WeightTransferEngine[XreshardInitInfo, Xresha
         self.peak_rss_growth = None if rss0 is None else max(0, _peak_rss() - rss0)
         self.last_error = None
         self.last_report = report
+
+    def _placed_side(self, buffers: Any, bound: Bound, names: list[str]) -> Placed:
+        """An elastic world's receive side of one group: ``bound``, or the same buffers
+        bound again where the world moved to another epoch since the destination was
+        placed (a member lost during the call or after the last round: the ranks are
+        renumbered and the lost engine's axis is gone)."""
+        def rebind(world: Any) -> Bound:
+            if self._placed != world.epoch:
+                self._place()
+            errors = list(bound.errors)
+            try:
+                return self._dest.bind(buffers, errors, self._dest.with_scales(names))
+            except Exception as e:  # noqa: BLE001 - reported to every rank
+                errors.append(f"worker {self._dest.rec.worker} could not bind its receive "
+                              f"buffers again at epoch {world.epoch}: {type(e).__name__}: {e}")
+                return Bound({n: self._dest.layouts[n] for n in bound.layouts}, {},
+                             errors=errors)
+        return Placed(bound, self._placed, rebind)
 
     def _bind_group(self, names: list[str], errors: list[str]) -> tuple[Any, Bound]:
         """(buffers, receive side) of one group; any failure becomes an error of the refit,
