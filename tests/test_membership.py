@@ -121,33 +121,44 @@ def test_a_forged_instance_record_is_refused_by_name_not_waited_on():
 
 # ---------------------------------------------------------------------------- tokens
 
-def wrong_token(ctx: Context, intruder_token: str | None) -> dict:
+def wrong_token(ctx: Context, intruder_tokens: list) -> dict:
+    """The members form one world per token in ``intruder_tokens`` (world ids "w0",
+    "w1", ...); the intruder tries to join world ``k`` with token ``k`` (another token,
+    none), each world in use meanwhile."""
+    ids = [f"w{k}" for k in range(len(intruder_tokens))]
     if ctx.role.group == "intruder":
         _flag(ctx, "formed", wait=True)
-        out = {"join": _attempt(lambda: xr.World.join(
-            ctx.address, "rollout", 1, num_processes=2, index=1, timeout=60,
-            token=intruder_token))}
+        out = {"joins": [_attempt(lambda: xr.World.join(
+            ctx.address, "rollout", 1, num_processes=2, index=1, world_id=world_id,
+            timeout=60, token=token)) for world_id, token in zip(ids, intruder_tokens)]}
         _flag(ctx, "intruder-done")
         return out
-    with ctx.join(1, num_processes=2, timeout=30, token=TOKEN) as world:
-        if ctx.role.group == "trainer":
-            _flag(ctx, "formed")
-        _flag(ctx, "intruder-done", wait=True)      # the world is in use meanwhile
-        return {"ranks": list(world.rank_ids)}
+    worlds = [ctx.join(1, num_processes=2, world_id=world_id, timeout=30, token=TOKEN)
+              for world_id in ids]
+    if ctx.role.group == "trainer":
+        _flag(ctx, "formed")
+    _flag(ctx, "intruder-done", wait=True)      # the worlds are in use meanwhile
+    out = {"ranks": [list(world.rank_ids) for world in worlds]}
+    for world in worlds:
+        world.close()
+    return out
 
 
-@pytest.mark.parametrize("intruder_token", ["another-token-2", None])
-def test_a_wrong_token_is_refused_at_once_not_at_its_timeout(intruder_token):
+def test_a_wrong_token_is_refused_at_once_not_at_its_timeout():
+    """Another token and no token, each against its own formed world: one launch for both
+    (each attempt paid three processes' start)."""
     roles = [Role("plain", "trainer", 0), Role("plain", "rollout", 0),
              Role("plain", "intruder", 0)]
-    values = [r.value for r in launch(wrong_token, roles, args=(intruder_token,),
-                                      timeout=150)]
-    assert values[0]["ranks"] == [1] and values[1]["ranks"] == [0]
-    got = values[2]["join"]
-    assert got["error"] == "AuthenticationError", got
-    assert "refused at once" in got["message"], got["message"]
-    assert "2 record(s) are signed with another token" in got["message"]
-    assert got["seconds"] < 60          # its timeout: told before it
+    tokens = ["another-token-2", None]
+    values = [r.value for r in launch(wrong_token, roles, args=(tokens,), timeout=150)]
+    assert values[0]["ranks"] == [[1]] * 2 and values[1]["ranks"] == [[0]] * 2
+    joins = values[2]["joins"]
+    assert len(joins) == len(tokens)
+    for token, got in zip(tokens, joins):
+        assert got["error"] == "AuthenticationError", (token, got)
+        assert "refused at once" in got["message"], (token, got["message"])
+        assert "2 record(s) are signed with another token" in got["message"], (token, got)
+        assert got["seconds"] < 60, (token, got)        # its timeout: told before it
 
 
 # ---------------------------------------------------------------------------- num_processes
