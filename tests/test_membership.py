@@ -163,18 +163,24 @@ def test_a_wrong_token_is_refused_at_once_not_at_its_timeout():
 
 # ---------------------------------------------------------------------------- num_processes
 
-def disagree(ctx: Context, ordered: bool) -> dict:
+def disagree(ctx: Context, orders: list) -> dict:
+    """Each order in ``orders`` in its own world (world id = the order), one after another:
+    order -> what this process saw."""
+    return {order: _disagree(ctx, order == "late", order) for order in orders}
+
+
+def _disagree(ctx: Context, ordered: bool, world_id: str) -> dict:
     """trainer[0] and rollout[0] pass num_processes=2, rollout[1] passes 3; then every
     process that joined runs collectives until something raises."""
     n = 3 if ctx.role.index == 1 else 2
     if ordered and n == 3:
-        _flag(ctx, "formed", wait=True)         # joins after the other two formed
+        _flag(ctx, f"{world_id}/formed", wait=True)     # joins after the other two formed
     t0 = time.monotonic()
     out: dict = {}
     try:
-        world = ctx.join(1, num_processes=n, timeout=20)
+        world = ctx.join(1, num_processes=n, timeout=20, world_id=world_id)
         if n == 2 and ctx.role.group == "trainer":
-            _flag(ctx, "formed")
+            _flag(ctx, f"{world_id}/formed")
         while time.monotonic() - t0 < 40:
             world.barrier(timeout=20)
         out["error"] = None
@@ -184,11 +190,21 @@ def disagree(ctx: Context, ordered: bool) -> dict:
     return out
 
 
-@pytest.mark.parametrize("ordered", [False, True], ids=["together", "late"])
-def test_processes_that_disagree_on_num_processes_all_raise_world_mismatch(ordered):
+ORDERS = ["together", "late"]
+
+
+@pytest.fixture(scope="module")
+def disagreeing() -> dict:
+    """order -> every process's values: both orders in one launch (a world each)."""
     roles = [Role("plain", "trainer", 0), Role("plain", "rollout", 0),
              Role("plain", "rollout", 1)]
-    values = [r.value for r in launch(disagree, roles, args=(ordered,), timeout=150)]
+    values = [r.value for r in launch(disagree, roles, args=(ORDERS,), timeout=150 * 2)]
+    return {order: [v[order] for v in values] for order in ORDERS}
+
+
+@pytest.mark.parametrize("order", ORDERS)
+def test_processes_that_disagree_on_num_processes_all_raise_world_mismatch(order, disagreeing):
+    values = disagreeing[order]
     assert {v["error"] for v in values} == {"WorldMismatch"}, values
     messages = {v["message"] for v in values}
     assert len(messages) == 1, messages
