@@ -42,8 +42,32 @@ def _torch_group(ctx: Any, members: int, rank: int, prefix: str) -> None:
 
     host, port = parse_address(ctx.address)
     store = dist.TCPStore(host, port, is_master=False)
-    dist.init_process_group("gloo", store=dist.PrefixStore(f"{prefix}/", store),
+    # under the world id too: a process that runs several worlds in a row (``series``)
+    # forms a fresh group for each
+    dist.init_process_group("gloo", store=dist.PrefixStore(f"{ctx.world_id}/{prefix}/", store),
                             rank=rank, world_size=members)
+
+
+def series(ctx: Any, programs: list) -> dict:
+    """Run several cases one after another in this process, each in its own world (world
+    id = the case's name), so one launch serves them all: ``programs`` holds ``[name,
+    trainer function, rollout function, args]`` (functions of this module by name). Returns
+    name -> ``{"value": ...}`` or ``{"error": traceback}``; a failed case does not stop the
+    next (its world times out on the other processes, bounded by its refit timeout)."""
+    import dataclasses
+    import traceback
+
+    out: dict = {}
+    for name, trainer_fn, rollout_fn, args in programs:
+        fn = globals()[trainer_fn if ctx.role.group == "trainer" else rollout_fn]
+        try:
+            out[name] = {"value": fn(dataclasses.replace(ctx, world_id=name), *args)}
+        except Exception:   # noqa: BLE001 - the test reports it under the case's name
+            out[name] = {"error": traceback.format_exc()}
+            import torch.distributed as dist
+            if dist.is_available() and dist.is_initialized():
+                dist.destroy_process_group()
+    return out
 
 
 def _jax_params(names: dict, dtype: str, step: int, mesh_shape=(2, 2)) -> dict:

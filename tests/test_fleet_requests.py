@@ -58,12 +58,9 @@ def _join(ctx: Context, **kw):
                          world_id="w", groups=GROUPS, elastic=True, **kw)
 
 
-def outsider(ctx: Context, scenario: str) -> dict:
-    """What the third process does between the members' call 1 and call 2, then it joins
-    for real (as rollout[1]) and takes part in call 3."""
-    _flag(ctx, "v1", wait=True)
-    store = connect(ctx.address, 30)
-    base = Seal(TOKEN.encode(), "w")
+def _scenario(ctx: Context, store, base: Seal, scenario: str, step: int) -> dict | None:
+    """What the third process does as ``scenario`` (between the members' calls ``step``
+    and ``step + 1``); the result of its own attempt to join, if it made one."""
     out: dict = {}
     if scenario == "gave-up":       # asked in, no member refit came in time, still alive
         out["first"] = _attempt(lambda: _join(ctx, timeout=2))
@@ -78,20 +75,34 @@ def outsider(ctx: Context, scenario: str) -> dict:
         store.append("xreshard/w/requests", "garbage\n")
         epochs.request(store, Seal(b"another-token", "w"), "leave", _fake("trainer[0]", 1))
     elif scenario == "twice":       # a second process as rollout[0], a member's label
+        old = {r["id"] for r in epochs.read_requests(store, base)}
         thread = threading.Thread(target=lambda: out.update(first=_attempt(
             lambda: xr.World.join(ctx.address, "rollout", 1, index=0, num_processes=2,
                                   world_id="w", groups=GROUPS, elastic=True, token=TOKEN,
                                   timeout=30))))
         thread.start()
-        while not any(r["info"]["pid"] == os.getpid()
+        while not any(r["info"]["pid"] == os.getpid() and r["id"] not in old
                       for r in epochs.read_requests(store, base)):
             time.sleep(0.05)
-        _flag(ctx, "done")      # the members' call 2 sees it
+        _flag(ctx, f"done{step}")      # the members' next call sees it
         thread.join()
     elif scenario == "wrong-token":
         out["first"] = _attempt(lambda: _join(ctx, token="not-the-token", timeout=30))
-    _flag(ctx, "done")
-    _flag(ctx, "v2", wait=True)
+    return out.get("first")
+
+
+def outsider(ctx: Context, scenarios: list) -> dict:
+    """What the third process does between the members' calls: scenario ``k`` between
+    call ``k + 1`` and ``k + 2``, each in a world the earlier ones already tried; then it
+    joins for real (as rollout[1]) and takes part in the last call."""
+    store = connect(ctx.address, 30)
+    base = Seal(TOKEN.encode(), "w")
+    out: dict = {"first": {}}
+    for step, scenario in enumerate(scenarios, 1):
+        _flag(ctx, f"v{step}", wait=True)
+        out["first"][scenario] = _scenario(ctx, store, base, scenario, step)
+        _flag(ctx, f"done{step}")
+    _flag(ctx, "last", wait=True)
     world = _join(ctx)
     side = cases.Receiver()
     refit = xr.Refit(world, receive=xr.Rebuilt(side.build),
@@ -103,7 +114,9 @@ def outsider(ctx: Context, scenario: str) -> dict:
     return out
 
 
-def member(ctx: Context, scenario: str) -> dict:
+def member(ctx: Context, scenarios: list) -> dict:
+    """trainer[0] or rollout[0]: one call, then one more after each of the outsider's
+    ``scenarios``, then the last call once the outsider asked to join for real."""
     world = ctx.join(num_processes=2, world_id="w", groups=GROUPS, elastic=True, token=TOKEN,
                      timeout=60)
     trainer = ctx.role.group == "trainer"
@@ -111,16 +124,17 @@ def member(ctx: Context, scenario: str) -> dict:
     refit = xr.Refit(world, config=xr.RefitConfig(timeout=CONFIG_TIMEOUT), **{
         ("send" if trainer else "receive"): xr.Rebuilt(side.build)})
     calls = []
-    for version in (1, 2, 3):
-        if version == 2:
-            _flag(ctx, "v1")
-            _flag(ctx, "done", wait=True)
-        if version == 3:
-            # call 2 acted on every earlier join request (consumed: not pending), so a
-            # pending join is the outsider's real one. (Reading "the ids before v2" here
-            # raced: the other member could flag v2 first, and this one then counted the
-            # outsider's new request as old and waited for another.)
-            _flag(ctx, "v2")
+    last = len(scenarios) + 2
+    for version in range(1, last + 1):
+        if 1 < version < last:
+            _flag(ctx, f"v{version - 1}")
+            _flag(ctx, f"done{version - 1}", wait=True)
+        if version == last:
+            # the calls before acted on every earlier join request (consumed: not
+            # pending), so a pending join is the outsider's real one. (Reading "the ids
+            # before the flag" raced: the other member could flag first, and this one then
+            # counted the outsider's new request as old and waited for another.)
+            _flag(ctx, "last")
             deadline = time.monotonic() + 60
             while not any(r["kind"] == "join" for r in world.pending()):
                 assert time.monotonic() < deadline, "rollout[1] never asked to join"
@@ -136,32 +150,42 @@ def member(ctx: Context, scenario: str) -> dict:
     return out
 
 
-@pytest.mark.parametrize("scenario", [
-    "gave-up", "died-elsewhere", "stray-leaves", "twice", "wrong-token"])
-def test_requests_of_non_members_never_move_the_epoch(scenario):
+#: the scenarios whose outsider never becomes a member, run one after another in one
+#: world (one launch: each would otherwise pay three processes' start and a world's join)
+NON_MEMBERS = ["gave-up", "died-elsewhere", "stray-leaves", "twice", "wrong-token"]
+
+
+def test_requests_of_non_members_never_move_the_epoch():
+    scenarios = NON_MEMBERS
     roles = [Role("plain", "trainer", 0, num_devices=2), Role("plain", "rollout", 0),
              Role("plain", "outsider", 0)]
-    results = launch([member, member, outsider], roles, args=(scenario,), timeout=240,
-                     check=False, fail_fast=False)
+    results = launch([member, member, outsider], roles, args=(scenarios,),
+                     timeout=120 + 60 * len(scenarios), check=False, fail_fast=False)
     for res in results:
         assert res.ok, res.describe()
     trainer, rollout, new = (r.value for r in results)
+    last = len(scenarios) + 2
     for v in (trainer, rollout):
         for call in v["calls"]:
             assert call.get("ok") == [] and call["exact"], v
-        # calls 1 and 2 in epoch 0 (nothing to act on), call 3 admits rollout[1]
-        assert [c["epoch"] for c in v["calls"]] == [0, 0, 1], v
+        # every call before the last in epoch 0 (nothing to act on), the last admits
+        # rollout[1]
+        assert [c["epoch"] for c in v["calls"]] == [0] * (last - 1) + [1], v
         assert v["members"] == ["trainer[0]", "rollout[0]", "rollout[1]"], v
-    assert new["version"] == 3 and new["exact"] and new["epoch"] == 1, new
-    first = new.get("first")
-    if scenario == "gave-up":
-        assert first["error"] == "TransportTimeout", first
-    elif scenario == "twice":
-        assert first["error"] == "RefitError" and "rollout[0]" in first["message"], first
-        assert first["seconds"] < 30, first      # refused at the members' call, not timed out
-    elif scenario == "wrong-token":
-        assert first["error"] == "AuthenticationError", first
-        assert first["seconds"] < 30, first
+    assert new["version"] == last and new["exact"] and new["epoch"] == 1, new
+    first = new["first"]
+    assert sorted(first) == sorted(scenarios), first
+    if "gave-up" in first:
+        assert first["gave-up"]["error"] == "TransportTimeout", first
+    if "twice" in first:
+        got = first["twice"]
+        assert got["error"] == "RefitError" and "rollout[0]" in got["message"], got
+        assert got["seconds"] < 30, got      # refused at the members' call, not timed out
+    if "wrong-token" in first:
+        got = first["wrong-token"]
+        assert got["error"] == "AuthenticationError", got
+        assert got["seconds"] < 30, got
+    assert first.get("died-elsewhere") is None and first.get("stray-leaves") is None, first
 
 
 def _three(fn) -> list:

@@ -121,49 +121,66 @@ def test_a_forged_instance_record_is_refused_by_name_not_waited_on():
 
 # ---------------------------------------------------------------------------- tokens
 
-def wrong_token(ctx: Context, intruder_token: str | None) -> dict:
+def wrong_token(ctx: Context, intruder_tokens: list) -> dict:
+    """The members form one world per token in ``intruder_tokens`` (world ids "w0",
+    "w1", ...); the intruder tries to join world ``k`` with token ``k`` (another token,
+    none), each world in use meanwhile."""
+    ids = [f"w{k}" for k in range(len(intruder_tokens))]
     if ctx.role.group == "intruder":
         _flag(ctx, "formed", wait=True)
-        out = {"join": _attempt(lambda: xr.World.join(
-            ctx.address, "rollout", 1, num_processes=2, index=1, timeout=60,
-            token=intruder_token))}
+        out = {"joins": [_attempt(lambda: xr.World.join(
+            ctx.address, "rollout", 1, num_processes=2, index=1, world_id=world_id,
+            timeout=60, token=token)) for world_id, token in zip(ids, intruder_tokens)]}
         _flag(ctx, "intruder-done")
         return out
-    with ctx.join(1, num_processes=2, timeout=30, token=TOKEN) as world:
-        if ctx.role.group == "trainer":
-            _flag(ctx, "formed")
-        _flag(ctx, "intruder-done", wait=True)      # the world is in use meanwhile
-        return {"ranks": list(world.rank_ids)}
+    worlds = [ctx.join(1, num_processes=2, world_id=world_id, timeout=30, token=TOKEN)
+              for world_id in ids]
+    if ctx.role.group == "trainer":
+        _flag(ctx, "formed")
+    _flag(ctx, "intruder-done", wait=True)      # the worlds are in use meanwhile
+    out = {"ranks": [list(world.rank_ids) for world in worlds]}
+    for world in worlds:
+        world.close()
+    return out
 
 
-@pytest.mark.parametrize("intruder_token", ["another-token-2", None])
-def test_a_wrong_token_is_refused_at_once_not_at_its_timeout(intruder_token):
+def test_a_wrong_token_is_refused_at_once_not_at_its_timeout():
+    """Another token and no token, each against its own formed world: one launch for both
+    (each attempt paid three processes' start)."""
     roles = [Role("plain", "trainer", 0), Role("plain", "rollout", 0),
              Role("plain", "intruder", 0)]
-    values = [r.value for r in launch(wrong_token, roles, args=(intruder_token,),
-                                      timeout=150)]
-    assert values[0]["ranks"] == [1] and values[1]["ranks"] == [0]
-    got = values[2]["join"]
-    assert got["error"] == "AuthenticationError", got
-    assert "refused at once" in got["message"], got["message"]
-    assert "2 record(s) are signed with another token" in got["message"]
-    assert got["seconds"] < 60          # its timeout: told before it
+    tokens = ["another-token-2", None]
+    values = [r.value for r in launch(wrong_token, roles, args=(tokens,), timeout=150)]
+    assert values[0]["ranks"] == [[1]] * 2 and values[1]["ranks"] == [[0]] * 2
+    joins = values[2]["joins"]
+    assert len(joins) == len(tokens)
+    for token, got in zip(tokens, joins):
+        assert got["error"] == "AuthenticationError", (token, got)
+        assert "refused at once" in got["message"], (token, got["message"])
+        assert "2 record(s) are signed with another token" in got["message"], (token, got)
+        assert got["seconds"] < 60, (token, got)        # its timeout: told before it
 
 
 # ---------------------------------------------------------------------------- num_processes
 
-def disagree(ctx: Context, ordered: bool) -> dict:
+def disagree(ctx: Context, orders: list) -> dict:
+    """Each order in ``orders`` in its own world (world id = the order), one after another:
+    order -> what this process saw."""
+    return {order: _disagree(ctx, order == "late", order) for order in orders}
+
+
+def _disagree(ctx: Context, ordered: bool, world_id: str) -> dict:
     """trainer[0] and rollout[0] pass num_processes=2, rollout[1] passes 3; then every
     process that joined runs collectives until something raises."""
     n = 3 if ctx.role.index == 1 else 2
     if ordered and n == 3:
-        _flag(ctx, "formed", wait=True)         # joins after the other two formed
+        _flag(ctx, f"{world_id}/formed", wait=True)     # joins after the other two formed
     t0 = time.monotonic()
     out: dict = {}
     try:
-        world = ctx.join(1, num_processes=n, timeout=20)
+        world = ctx.join(1, num_processes=n, timeout=20, world_id=world_id)
         if n == 2 and ctx.role.group == "trainer":
-            _flag(ctx, "formed")
+            _flag(ctx, f"{world_id}/formed")
         while time.monotonic() - t0 < 40:
             world.barrier(timeout=20)
         out["error"] = None
@@ -173,11 +190,21 @@ def disagree(ctx: Context, ordered: bool) -> dict:
     return out
 
 
-@pytest.mark.parametrize("ordered", [False, True], ids=["together", "late"])
-def test_processes_that_disagree_on_num_processes_all_raise_world_mismatch(ordered):
+ORDERS = ["together", "late"]
+
+
+@pytest.fixture(scope="module")
+def disagreeing() -> dict:
+    """order -> every process's values: both orders in one launch (a world each)."""
     roles = [Role("plain", "trainer", 0), Role("plain", "rollout", 0),
              Role("plain", "rollout", 1)]
-    values = [r.value for r in launch(disagree, roles, args=(ordered,), timeout=150)]
+    values = [r.value for r in launch(disagree, roles, args=(ORDERS,), timeout=150 * 2)]
+    return {order: [v[order] for v in values] for order in ORDERS}
+
+
+@pytest.mark.parametrize("order", ORDERS)
+def test_processes_that_disagree_on_num_processes_all_raise_world_mismatch(order, disagreeing):
+    values = disagreeing[order]
     assert {v["error"] for v in values} == {"WorldMismatch"}, values
     messages = {v["message"] for v in values}
     assert len(messages) == 1, messages

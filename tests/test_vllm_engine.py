@@ -58,10 +58,13 @@ def _expected_shard_bytes(tp: int, rank: int, itemsize: int, c: dict = cases.CON
     return (vocab_rows * D + c["num_hidden_layers"] * layer + D) * itemsize
 
 
+#: every pair of (TP, dtype, trainer) values is in some case: (1, bf16, jax) was dropped as
+#: a duplicate, its JAX sender's bf16 cast and refused rounds being (2, bf16, jax)'s and its
+#: in-process TP=1 engine loading a bf16 wire being (1, bf16, torch)'s (one engine launch
+#: less in CI)
 @pytest.mark.slow
-@pytest.mark.parametrize("tp,dtype,kind", [(1, "float32", "jax-stream"), (1, "bfloat16", "jax"),
-                                           (2, "float32", "jax"), (2, "bfloat16", "jax"),
-                                           (1, "bfloat16", "torch")])
+@pytest.mark.parametrize("tp,dtype,kind", [(1, "float32", "jax-stream"), (2, "float32", "jax"),
+                                           (2, "bfloat16", "jax"), (1, "bfloat16", "torch")])
 def test_trainer_refits_vllm_engine_like_a_checkpoint_load(tp, dtype, kind, tmp_path):
     trainer_role = Role("jax", "trainer", 0, num_devices=4) if kind.startswith("jax") else \
         Role("torch", "trainer", 0)
