@@ -63,7 +63,7 @@ def replayed(ctx: Context, old: str) -> dict:
 
 
 def _join_and_gather(ctx: Context, world_id: str, token: str = TOKEN) -> list:
-    with ctx.join(1, num_processes=2, world_id=world_id, timeout=20, token=token) as world:
+    with ctx.join(1, num_processes=2, world_id=world_id, timeout=60, token=token) as world:
         return world.allgather_json(f"{ctx.role.group}[{ctx.role.index}]")
 
 
