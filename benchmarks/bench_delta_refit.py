@@ -119,10 +119,25 @@ def child(ctx: Any, cfg: dict) -> dict:
                 delta = xr.Refit(world, send=send if trainer else None, receive=receive,
                                  config=xr.RefitConfig(delta=True, **base),
                                  tuning=tuning, name=f"delta{fraction}")
-            rd = dense(send=send) if trainer else dense()
-            cpu = time.process_time()       # this process's CPU-seconds in the delta call
-            rx = delta(send=send) if trainer else delta()
-            cpu = time.process_time() - cpu
+            # Both processes start each timed call together (the receiver checks the last
+            # rep and makes the next version meanwhile: without the barrier the first call
+            # of a rep waited for that), and the two take turns going first.
+            def timed_dense() -> Any:
+                world.barrier(timeout=600)
+                return dense(send=send) if trainer else dense()
+
+            def timed_delta() -> tuple[Any, float]:
+                world.barrier(timeout=600)
+                cpu = time.process_time()       # this process's CPU-seconds in the call
+                got = delta(send=send) if trainer else delta()
+                return got, time.process_time() - cpu
+
+            if rep % 2:
+                rd = timed_dense()
+                rx, cpu = timed_delta()
+            else:
+                rx, cpu = timed_delta()
+                rd = timed_dense()
             if not trainer:
                 _check(receive, v, fraction)
             if rep:
