@@ -1,5 +1,6 @@
-"""FP8 pairs in several rounds (issue 20, the CPU speed bar): a pair that sends quantized
-whole blocks is cut into at least ``FP8_ROUNDS`` rounds, the same buckets on both peers,
+"""FP8 pairs in several rounds (issue 20, the CPU speed bar; ``FP8_ROUNDS`` is 1 by
+default, set to 4 here): a pair that sends quantized whole blocks is cut into at least
+``FP8_ROUNDS`` rounds, the same buckets on both peers,
 and the pipelined executor quantizes each round when it packs it, after the earlier
 rounds went to the wire - so quantizing overlaps the wire instead of preceding all of it.
 """
@@ -48,6 +49,7 @@ def _pair(sched, src, dst):
 
 def test_a_quantized_pair_takes_at_least_fp8_rounds_rounds_of_whole_blocks(monkeypatch):
     monkeypatch.setattr(sched_mod, "FP8_MIN_ROUND_BYTES", 1)
+    monkeypatch.setattr(sched_mod, "FP8_ROUNDS", 4)
     whole = _prepared(range(3)).schedule
     for src in (0, 1):
         buckets = _pair(whole, src, 2)
@@ -67,10 +69,11 @@ def test_a_quantized_pair_takes_at_least_fp8_rounds_rounds_of_whole_blocks(monke
         assert _pair(_prepared([2]).schedule, src, 2) == _pair(whole, src, 2)
 
 
-def test_the_fp8_rounds_respect_the_floor_and_the_plain_bucket_size():
+def test_the_fp8_rounds_respect_the_floor_and_the_plain_bucket_size(monkeypatch):
     """At the default floor a small pair stays one round; a bucket size below a
     ``FP8_ROUNDS``-th of the pair still cuts it finer; a pair without quantized bytes
-    keeps the plain size."""
+    keeps the plain size; ``FP8_ROUNDS = 1`` (the default) changes nothing."""
+    monkeypatch.setattr(sched_mod, "FP8_ROUNDS", 4)
     small = _prepared(range(3)).schedule            # 2 x 256 KiB of FP8: under the floor
     assert {b.round for b in _pair(small, 0, 2)} == {0}
     fine = _prepared(range(3), bucket=16 << 10).schedule
@@ -82,6 +85,9 @@ def test_the_fp8_rounds_respect_the_floor_and_the_plain_bucket_size():
                      staging_bytes=1 << 30, quantized={})
     assert {b.round for b in _pair(plain, 0, 2)} == {0}
     assert sched_mod.fp8_pair_bytes(plan.transfers_for(2), 1 << 30, {"w": 2}, {}) == 1 << 30
+    monkeypatch.setattr(sched_mod, "FP8_ROUNDS", 1)
+    monkeypatch.setattr(sched_mod, "FP8_MIN_ROUND_BYTES", 1)
+    assert {b.round for b in _pair(_prepared(range(3)).schedule, 0, 2)} == {0}
 
 
 @pytest.mark.parametrize("pipeline", [True, False])
@@ -94,6 +100,7 @@ def test_fp8_rounds_are_quantized_as_packed_and_land_bit_exact(monkeypatch, pipe
     from xreshard.transport.local import LocalTransport
 
     monkeypatch.setattr(sched_mod, "FP8_MIN_ROUND_BYTES", 1)
+    monkeypatch.setattr(sched_mod, "FP8_ROUNDS", 4)
     src, dst, quantized = _layouts()
     rng = np.random.default_rng(3)
     values = (rng.standard_normal((1024, 512)) * 0.02).astype(np.float32).astype(BF16)

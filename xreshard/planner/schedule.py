@@ -15,13 +15,14 @@ Memory: a pair's bucket size is ``min(bucket_bytes, staging_bytes // max(peers o
 peers of dst))``, so the bytes a rank has in flight in one round, over all its peers in
 both directions, never exceed ``staging_bytes``.
 
-Quantized pairs: a pair that sends FP8 items (whole blocks its sender quantizes at pack
-time, :mod:`xreshard.planner.quantize`) is cut into at least ``FP8_ROUNDS`` rounds (of at
-least ``FP8_MIN_ROUND_BYTES``, never more than the size above), so a pipelined sender
-quantizes round k+1 while round k is on the wire and its receiver unpacks round k-1:
-quantizing is the slow stage on CPU, and in one round the receivers could start pulling
-only after the last block was quantized (quantize + wire + unpack in series). The size
-is a function of the pair's transfers, which both peers see alike.
+Quantized pairs: with ``FP8_ROUNDS`` > 1, a pair that sends FP8 items (whole blocks its
+sender quantizes at pack time, :mod:`xreshard.planner.quantize`) is cut into at least
+that many rounds (of at least ``FP8_MIN_ROUND_BYTES``, never more than the size above), so
+a pipelined sender quantizes round k+1 while round k is on the wire and its receiver
+unpacks round k-1, instead of quantize + wire + unpack in series. The size is a function
+of the pair's transfers, which both peers see alike. Off by default (1): on the 2-core CPU
+benchmark 4 rounds measured 1.10-1.18x slower than one, not faster (no idle core for the
+overlap, and more rounds cost CPU; ``benchmarks/RESULTS.md``, issue 20 phase 5).
 """
 
 from __future__ import annotations
@@ -42,8 +43,9 @@ MIN_BUCKET_BYTES = 1 << 10
 #: items at least this big are messages of their own (maybe zero-copy); smaller ones share
 OWN_MESSAGE_BYTES = 1 << 16
 
-#: a pair that sends quantized items spreads its bytes over at least this many rounds...
-FP8_ROUNDS = 4
+#: a pair that sends quantized items spreads its bytes over at least this many rounds
+#: (1: as the bucket size allows; see the module docstring for why that is the default)...
+FP8_ROUNDS = 1
 
 #: ...of at least this many bytes each (below it, a round's fixed cost outweighs the overlap)
 FP8_MIN_ROUND_BYTES = 4 << 20
@@ -151,7 +153,7 @@ def fp8_pair_bytes(transfers: Sequence[Transfer], size: int, itemsizes: Mapping[
         fp8_bytes, rest = quantized_bytes(qt, t.region, itemsizes[t.name])
         total += fp8_bytes + rest
         fp8 = fp8 or fp8_bytes > 0
-    if not fp8:
+    if not fp8 or FP8_ROUNDS <= 1:
         return size
     return min(size, max(FP8_MIN_ROUND_BYTES, -(-total // FP8_ROUNDS)))
 
