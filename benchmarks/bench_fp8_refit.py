@@ -19,6 +19,12 @@ of the slowest process:
 * ``quantize_ahead``: what the trainer's last FP8 call quantized ahead, on a worker thread
   while the call checked and planned (``xreshard.runtime.quantize_ahead``; run with
   ``XRESHARD_FP8_AHEAD=0`` for the same benchmark without it);
+* ``fp8_alt_seconds``: the same FP8 refit with another count of FP8 rounds per pair
+  (``schedule.FP8_ROUNDS = --alt-fp8-rounds``, default 4, while it prepares; the default
+  schedule has 1: a pair's FP8 items in as few rounds as the bucket size allows), its own
+  ``Refit`` in the same processes, interleaved; ``fp8_over_alt`` (and per rep) compares
+  the schedules as a ratio that a shared machine's load moves less than the absolute
+  figures (``--alt-fp8-rounds 0`` skips it);
 * ``fp8_over_bf16``; ``wire_bytes_fp8`` and ``wire_bytes_bf16`` (what crossed the
   transports, ``count_comm`` on the trainer); ``quantize_gbps`` (GB of bf16 input per
   second of ``quantize_seconds``).
@@ -128,6 +134,14 @@ def check_fp8(views: dict, specs, me: int) -> None:
             raise AssertionError(f"fp8 refit: {name} on rollout[{me}] holds wrong bytes")
 
 
+def zero_fp8(views: dict) -> None:
+    """Zero this rank's codes and scales (so the next check sees what the next refit
+    wrote)."""
+    for codes, scales in views.values():
+        codes.view(__import__("torch").uint8).zero_()
+        scales.zero_()
+
+
 def quantize_alone(params: dict, specs) -> int:
     """The trainer quantizes its shards of the quantized tensors (what the FP8 refit packs);
     returns the bf16 bytes quantized."""
@@ -167,20 +181,30 @@ def child(ctx: Any, cfg: dict) -> dict:
     config = xr.RefitConfig(bucket_bytes=cfg["bucket_mib"] * MiB,
                             staging_bytes=cfg["staging_mib"] * MiB, timeout=TIMEOUT,
                             transport=cfg["transport"])
+    kinds = ("bf16", "fp8") + (("fp8_alt",) if cfg["alt_rounds"] else ())
     if is_trainer:
         params = jax_params(specs, "bfloat16", "out_in")
-        refits = {k: xr.Refit(world, send=params, config=config) for k in ("bf16", "fp8")}
+        refits = {k: xr.Refit(world, send=params, config=config) for k in kinds}
     else:
         bf16_state = dtensors(specs, "bfloat16")
         fp8, views = fp8_state(specs)
-        refits = {"bf16": xr.Refit(world, receive=bf16_state, config=config),
-                  "fp8": xr.Refit(world, receive=fp8, config=config)}
+        refits = {k: xr.Refit(world, receive=bf16_state if k == "bf16" else fp8,
+                              config=config) for k in kinds}
 
-    phases: dict[str, list] = {"bf16": [], "fp8": []}
+    phases: dict[str, list] = {k: [] for k in kinds}
 
     def call(k: str) -> Any:
-        report = refits[k](send=params) if is_trainer else refits[k]()
-        phases[k].append((report.plan_seconds, report.move_seconds, report.seconds))
+        from xreshard.planner import schedule as sched_mod
+        rounds = sched_mod.FP8_ROUNDS
+        if k == "fp8_alt":  # prepared (first call) with the other count of FP8 rounds
+            sched_mod.FP8_ROUNDS = cfg["alt_rounds"]
+        try:
+            report = refits[k](send=params) if is_trainer else refits[k]()
+        finally:
+            sched_mod.FP8_ROUNDS = rounds
+        assert not (report.replanned and phases[k]), f"{k} re-planned: not comparable"
+        phases[k].append((report.plan_seconds, report.move_seconds, report.seconds,
+                          report.num_rounds))
         return report
 
     # time spent in the executor's FP8 pack (trainer) and unpack (receivers) steps
@@ -198,16 +222,18 @@ def child(ctx: Any, cfg: dict) -> dict:
     qmod.pack, qmod.unpack = timed_step(qmod.pack, "pack"), timed_step(qmod.unpack, "unpack")
 
     wire: dict[str, int] = {}
-    for k in ("bf16", "fp8"):           # warm-up: plans, transports; then every byte checked
+    for k in kinds:                     # warm-up: plans, transports; then every byte checked
         world.barrier(timeout=TIMEOUT)
+        if not is_trainer and k != "bf16":
+            zero_fp8(views)
         with xr.count_comm() as counts:
             report = call(k)
         wire[k] = sum(counts.bytes_sent.values())
         if k == "fp8":
             quantized = dict(report.quantized)
-    if not is_trainer:
-        check_fp8(views, specs, me_index)
-    times: dict[str, list[float]] = {"bf16": [], "fp8": [], "quantize": []}
+        if not is_trainer and k != "bf16":
+            check_fp8(views, specs, me_index)
+    times: dict[str, list[float]] = {k: [] for k in kinds + ("quantize",)}
     qbytes = [0]
 
     def alone() -> None:
@@ -215,15 +241,18 @@ def child(ctx: Any, cfg: dict) -> dict:
             qbytes[0] = quantize_alone(params, specs)
 
     spent.update(pack=0.0, unpack=0.0)
-    phases.update(bf16=[], fp8=[])
+    phases = {k: [p[-1]] for k, p in phases.items()}   # (the re-plan check needs one)
     cpu: dict[str, list[float]] = {k: [] for k in times}
-    for _ in range(cfg["reps"]):
-        for k in ("bf16", "fp8"):
+    for i in range(cfg["reps"]):
+        # the two FP8 schedules alternate which goes first
+        order = kinds if i % 2 == 0 else kinds[:1] + kinds[:0:-1]
+        for k in order:
             times[k].append(timed_cpu(world, lambda: call(k), cpu[k]))
         times["quantize"].append(timed_cpu(world, alone, cpu["quantize"]))
+    phases = {k: p[1:] for k, p in phases.items()}
     mine = {"times": times, "wire": wire, "quantized": quantized, "qbytes": qbytes[0],
             "ahead": refits["fp8"].quant_ahead.last,
-            "phases": {k: [statistics.median(p[i] for p in v) for i in range(3)]
+            "phases": {k: [statistics.median(p[i] for p in v) for i in range(4)]
                        for k, v in phases.items()},
             "trainer": is_trainer, "cpu": {k: statistics.median(v) for k, v in cpu.items()},
             "step_seconds": {k: v / cfg["reps"] for k, v in spent.items()}}
@@ -239,7 +268,7 @@ def figures(res: dict, cfg: dict) -> dict[str, Any]:
     procs = res["processes"]
     reps = cfg["reps"]
     med = {k: statistics.median([max(p["times"][k][i] for p in procs) for i in range(reps)])
-           for k in ("bf16", "fp8", "quantize")}
+           for k in procs[0]["times"]}
     trainer = next(p for p in procs if p["trainer"])
     bar = 1.15 * max(0.55 * med["bf16"], med["quantize"])
     return {"gib": cfg["gib"], "reps": reps, "transport": cfg["transport"],
@@ -257,7 +286,14 @@ def figures(res: dict, cfg: dict) -> dict[str, Any]:
             "quantize_ahead": trainer["ahead"],
             # RefitReport: (plan_seconds: bind, refit/check, planning; move_seconds: the
             # executor; seconds: the whole call), medians, trainer's
-            "trainer_call_phases": trainer["phases"], "cpu_bar_met": med["fp8"] <= bar}
+            "trainer_call_phases": trainer["phases"], "cpu_bar_met": med["fp8"] <= bar,
+            **({"alt_fp8_rounds": cfg["alt_rounds"], "fp8_alt_seconds": med["fp8_alt"],
+                "fp8_over_alt": med["fp8"] / med["fp8_alt"],
+                # per rep, the same moment's pair: less swayed by the load than medians
+                "fp8_over_alt_per_rep": [
+                    max(p["times"]["fp8"][i] for p in procs)
+                    / max(p["times"]["fp8_alt"][i] for p in procs) for i in range(reps)]}
+               if "fp8_alt" in med else {})}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -270,11 +306,14 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--transport", choices=("auto", "gloo"), default="auto")
     ap.add_argument("--timeout", type=float, default=1800.0)
     ap.add_argument("--json", action="store_true", help="also print the figures as JSON")
+    ap.add_argument("--alt-fp8-rounds", type=int, default=4,
+                    help="FP8 rounds per pair of the compared schedule (fp8_alt; 0: none)")
     args, _ = ap.parse_known_args(argv)
     if args.quick:
         args.gib, args.reps = 0.1, min(args.reps, 3)
     cfg = {"gib": args.gib, "reps": args.reps, "bucket_mib": args.bucket_mib,
-           "staging_mib": args.staging_mib, "transport": args.transport}
+           "staging_mib": args.staging_mib, "transport": args.transport,
+           "alt_rounds": args.alt_fp8_rounds}
     from xreshard.tools.launch import Role, launch
 
     roles = [Role("jax", "trainer", 0, num_devices=TRAINER_TP)] + [
@@ -296,10 +335,13 @@ def main(argv: list[str] | None = None) -> None:
         f"{qa['taken']} of {qa['items']} FP8 items taken by the call, {qa['by_call']} "
         f"quantized by the call itself, worker {qa['worker_seconds']:.3f} s"
         if qa.get("used") else f"not used ({ENV}=0, or nothing to quantize ahead)"))
-    for k in ("bf16", "fp8"):
-        plan, move, whole = fig["trainer_call_phases"][k]
-        print(f"  trainer's {k} call: {plan:.3f} s bind + check + plan, {move:.3f} s executor, "
-              f"{whole - plan - move:.3f} s after (outcome)")
+    if "fp8_alt_seconds" in fig:
+        print(f"  fp8, schedule with FP8_ROUNDS={fig['alt_fp8_rounds']}: "
+              f"{fig['fp8_alt_seconds']:.3f} s: fp8 / that {fig['fp8_over_alt']:.3f} (per rep: "
+              + ", ".join(f"{r:.2f}" for r in fig["fp8_over_alt_per_rep"]) + ")")
+    for k, (plan, move, whole, rounds) in fig["trainer_call_phases"].items():
+        print(f"  trainer's {k} call ({rounds} rounds): {plan:.3f} s bind + check + plan, "
+              f"{move:.3f} s executor, {whole - plan - move:.3f} s after (outcome)")
     tc = fig["trainer_cpu_seconds"]
     print(f"  trainer CPU seconds: bf16 refit {tc['bf16']:.3f}, fp8 refit {tc['fp8']:.3f}, "
           f"quantize alone {tc['quantize']:.3f}")

@@ -48,7 +48,7 @@ from ..ir.geometry import Region
 from ..ir.layout import Layout
 
 __all__ = ["Quantization", "Scratch", "quantization", "split_quantized", "rest_boxes",
-           "core_of"]
+           "core_of", "quantized_bytes"]
 
 
 @dataclass(frozen=True)
@@ -187,6 +187,16 @@ def fp8_nbytes(qt: QuantizedTensor, region: Region) -> int:
     return region.size * itemsize(qt.format.dtype) + nblocks * itemsize(qt.format.scale_dtype)
 
 
+def quantized_bytes(qt: QuantizedTensor, region: Region, wire_itemsize: int
+                    ) -> tuple[int, int]:
+    """``(FP8 bytes, rest bytes)`` that a transfer of ``region`` puts on the wire: its
+    whole blocks as codes plus scales, the rest in the wire dtype (``wire_itemsize``)."""
+    core = core_of(qt, region)
+    if core is None:
+        return 0, region.size * wire_itemsize
+    return fp8_nbytes(qt, core), (region.size - core.size) * wire_itemsize
+
+
 def scale_nbytes(qt: QuantizedTensor, region: Region) -> int:
     """Bytes of the scales of an aligned ``region`` (they lead its FP8 item)."""
     return qt.format.blocks(region, qt.shape).size * itemsize(qt.format.scale_dtype)
@@ -285,9 +295,8 @@ def wire_totals(q: Quantization | None, plan: Any) -> dict[str, int]:
         if qt is None:
             continue
         isz = itemsize(q.wire[t.name])
-        core = core_of(qt, t.region)
+        fp8, rest = quantized_bytes(qt, t.region, isz)
         out["unquantized_world"] += t.region.size * isz
-        if core is not None:
-            out["fp8_world"] += fp8_nbytes(qt, core)
-        out["bf16_world"] += (t.region.size - (core.size if core is not None else 0)) * isz
+        out["fp8_world"] += fp8
+        out["bf16_world"] += rest
     return out

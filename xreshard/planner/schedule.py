@@ -14,6 +14,15 @@ each carries the pair's running message number as its tag.
 Memory: a pair's bucket size is ``min(bucket_bytes, staging_bytes // max(peers of src,
 peers of dst))``, so the bytes a rank has in flight in one round, over all its peers in
 both directions, never exceed ``staging_bytes``.
+
+Quantized pairs: with ``FP8_ROUNDS`` > 1, a pair that sends FP8 items (whole blocks its
+sender quantizes at pack time, :mod:`xreshard.planner.quantize`) is cut into at least
+that many rounds (of at least ``FP8_MIN_ROUND_BYTES``, never more than the size above), so
+a pipelined sender quantizes round k+1 while round k is on the wire and its receiver
+unpacks round k-1, instead of quantize + wire + unpack in series. The size is a function
+of the pair's transfers, which both peers see alike. Off by default (1): on the 2-core CPU
+benchmark 4 rounds measured 1.10-1.18x slower than one, not faster (no idle core for the
+overlap, and more rounds cost CPU; ``benchmarks/RESULTS.md``, issue 20 phase 5).
 """
 
 from __future__ import annotations
@@ -25,7 +34,7 @@ from typing import Any, Iterable, Iterator, Mapping, Sequence
 from ..dtypes import itemsize
 from ..ir.layout import Region
 from .plan import Plan, Transfer
-from .quantize import split_quantized
+from .quantize import quantized_bytes, split_quantized
 
 #: a bucket never shrinks below this, whatever the staging budget and the peer count (so
 #: staging_bytes is honoured as long as it allows this much per peer)
@@ -33,6 +42,13 @@ MIN_BUCKET_BYTES = 1 << 10
 
 #: items at least this big are messages of their own (maybe zero-copy); smaller ones share
 OWN_MESSAGE_BYTES = 1 << 16
+
+#: a pair that sends quantized items spreads its bytes over at least this many rounds
+#: (1: as the bucket size allows; see the module docstring for why that is the default)...
+FP8_ROUNDS = 1
+
+#: ...of at least this many bytes each (below it, a round's fixed cost outweighs the overlap)
+FP8_MIN_ROUND_BYTES = 4 << 20
 
 
 @dataclass(frozen=True, slots=True)
@@ -123,6 +139,25 @@ def pair_bucket_bytes(src: int, dst: int, peer_counts: Mapping[int, int], *,
     return max(MIN_BUCKET_BYTES, min(bucket_bytes, staging_bytes // peers))
 
 
+def fp8_pair_bytes(transfers: Sequence[Transfer], size: int, itemsizes: Mapping[str, int],
+                   quantized: Mapping[str, Any]) -> int:
+    """The bucket size of a pair sending ``transfers``, ``size`` its plain one: cut to a
+    ``FP8_ROUNDS``-th of the pair's wire bytes (at least ``FP8_MIN_ROUND_BYTES``) when some
+    of them are quantized whole blocks (see the module docstring); else ``size``."""
+    total, fp8 = 0, False
+    for t in transfers:
+        qt = quantized.get(t.name)
+        if qt is None:
+            total += t.region.size * itemsizes[t.name]
+            continue
+        fp8_bytes, rest = quantized_bytes(qt, t.region, itemsizes[t.name])
+        total += fp8_bytes + rest
+        fp8 = fp8 or fp8_bytes > 0
+    if not fp8 or FP8_ROUNDS <= 1:
+        return size
+    return min(size, max(FP8_MIN_ROUND_BYTES, -(-total // FP8_ROUNDS)))
+
+
 def _pair_buckets(src: int, dst: int, transfers: Sequence[Transfer], order: Mapping[str, int],
                   size: int, itemsizes: Mapping[str, int], quantized: Mapping[str, Any]
                   ) -> list[list[Item]]:
@@ -200,6 +235,8 @@ def schedule(plan: Plan, local_ranks: Sequence[int], peer_counts: Mapping[int, i
     for (src, dst), transfers in sorted(by_pair.items()):
         size = pair_bucket_bytes(src, dst, peer_counts, bucket_bytes=bucket_bytes,
                                  staging_bytes=staging_bytes)
+        if quantized:
+            size = fp8_pair_bytes(transfers, size, itemsizes, quantized)
         rnd, used = 0, 0
         for tag, items in enumerate(_pair_buckets(src, dst, transfers, order, size, itemsizes,
                                                          quantized)):
