@@ -36,17 +36,12 @@ def catchup_engine(ctx: Any, tmp: str) -> dict:
     what this process's transports move in between (``xr.count_comm``)."""
     _log()
     import xreshard as xr
-    from vllm import LLM
 
     e = ctx.role.index
     control = cases._store(ctx.address, cases.ENGINE_START_TIMEOUT)
     model_dir = os.path.join(tmp, f"engine{e}")
     cases.write_model_dir(model_dir)
-    llm = LLM(model=model_dir, skip_tokenizer_init=True, dtype="float32", enforce_eager=True,
-              max_model_len=64, max_num_seqs=4, seed=0, max_logprobs=-1,
-              enable_prefix_caching=False,
-              worker_extension_cls="xreshard.adapters.vllm.WorkerExtension",
-              weight_transfer_config={"backend": "xreshard"})
+    llm = cases.xreshard_llm(model_dir)
     counting: dict[str, Any] = {}
 
     def check(weights_path: str) -> dict:

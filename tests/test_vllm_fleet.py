@@ -55,18 +55,13 @@ def fleet_engine(ctx: Any, tmp: str) -> dict:
     """An in-process TP=1 engine answering the trainer (tests/vllm_cases.py's control plane);
     every failed control call is kept, to show each process raised the same error."""
     _log()
-    from vllm import LLM
     from xreshard.adapters.vllm import LLMClient
 
     e = ctx.role.index
     control = cases._store(ctx.address, cases.ENGINE_START_TIMEOUT)
     model_dir = os.path.join(tmp, f"engine{e}")
     cases.write_model_dir(model_dir, c=ODD_CONFIG if e == 3 else cases.CONFIG)
-    llm = LLM(model=model_dir, skip_tokenizer_init=True, dtype="float32", enforce_eager=True,
-              max_model_len=64, max_num_seqs=4, seed=0, max_logprobs=-1,
-              enable_prefix_caching=False,
-              worker_extension_cls="xreshard.adapters.vllm.WorkerExtension",
-              weight_transfer_config={"backend": "xreshard"})
+    llm = cases.xreshard_llm(model_dir)
     client, errors = LLMClient(llm), []
 
     def kept(method: str) -> Any:

@@ -54,18 +54,13 @@ def loss_engine(ctx: Any, tmp: str) -> dict:
     vLLM without multiprocessing). Keeps every failed control call and how long each
     ``update_weights`` took."""
     _log()
-    from vllm import LLM
     from xreshard.adapters.vllm import LLMClient
     from xreshard.runtime import execute
 
     control = cases._store(ctx.address, cases.ENGINE_START_TIMEOUT)
     model_dir = os.path.join(tmp, f"engine{ctx.role.index}")
     cases.write_model_dir(model_dir)
-    llm = LLM(model=model_dir, skip_tokenizer_init=True, dtype="float32", enforce_eager=True,
-              max_model_len=64, max_num_seqs=4, seed=0, max_logprobs=-1,
-              enable_prefix_caching=False,
-              worker_extension_cls="xreshard.adapters.vllm.WorkerExtension",
-              weight_transfer_config={"backend": "xreshard"})
+    llm = cases.xreshard_llm(model_dir)
     client, errors, updates = LLMClient(llm), [], []
 
     def arm() -> None:

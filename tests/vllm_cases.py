@@ -151,6 +151,19 @@ def write_model_dir(path: str, seed: int = 0, c: dict = CONFIG) -> None:
     save_checkpoint(init_params(seed, tree_shapes(c)), path)
 
 
+def xreshard_llm(model_dir: str) -> Any:
+    """An in-process TP=1 fp32 engine of the tiny model at ``model_dir`` (its worker runs in
+    this process: vLLM without multiprocessing) with xreshard as its weight transfer
+    backend: what the fleet, catch-up and loss tests refit."""
+    from vllm import LLM
+
+    return LLM(model=model_dir, skip_tokenizer_init=True, dtype="float32", enforce_eager=True,
+               max_model_len=64, max_num_seqs=4, seed=0, max_logprobs=-1,
+               enable_prefix_caching=False,
+               worker_extension_cls="xreshard.adapters.vllm.WorkerExtension",
+               weight_transfer_config={"backend": "xreshard"})
+
+
 def fp8_kernels_missing() -> str | None:
     """Why vLLM cannot run block-FP8 layers on this machine (None: it can). vLLM's CPU
     backend needs AMX (``CPUFp8BlockScaledMMKernel`` checks
