@@ -28,14 +28,10 @@ one after another on the calling thread (``Tuning(executor="rounds")``, device b
 and a call with a relay's forwards too: a forward is encoded from bytes that landed two
 rounds before it, and the pipelined groups land after posting).
 The encoder may even start before ``refit/check`` (:meth:`DeltaState.encode_ahead`: the
-diff overlaps the check's gather and the receivers' fingerprints), since it reads the
-sources and the baselines and writes only the baselines of buckets it found mostly changed:
-it copies their new bytes there on its worker thread (with ``atomic``, into new memory),
-ahead of the wire rather than on the calling thread in series with it, and that baseline's
-pair loses its claim until a call that sent it commits
-(:meth:`~.delta_wire.DeltaState.keeper`). A delta is applied to its baseline by the
-calling thread as its payload is posted; a dense bucket no encoder copied (its pair went
-dense) is copied by the calling thread while it moves.
+diff overlaps the check's gather and the receivers' fingerprints), since it only reads the
+sources and the baselines: a baseline is written by the calling thread alone, once the
+call's decision is known, as its bucket's payload is posted (a delta: the message applied;
+dense: the new bytes copied while they move).
 
 A bucket is read in place for the diff when its items are contiguous views that need no
 cast (a JAX array's or a torch tensor's memory; nothing is packed); otherwise the encoder
@@ -177,10 +173,6 @@ class Encoded:
     """The delta message (header included); None: send the bucket dense."""
     header: Header
     seconds: float
-    kept: Any = None
-    """Sent dense: the memory the encoder already copied its new bytes into (the
-    baseline itself, or with ``atomic`` new memory; see :class:`Encoder`); None: the
-    calling thread copies them as they move."""
 
     @property
     def payload(self) -> np.ndarray | None:
@@ -194,26 +186,18 @@ class Encoder:
     in the order given, without waiting for anything (see the module docstring).
 
     It reads the sources (through ``reader``, an executor over the call's source bindings)
-    and the baselines. A bucket that goes dense has its new bytes copied here, on the
-    worker thread, into ``keep(bucket, baseline)`` (:meth:`.delta_wire.DeltaState.keeper`:
-    the baseline itself, its pair's claim dropped until the call commits; with ``atomic``
-    new memory, the baseline's replacement at the outcome), not by the calling thread in
-    series with the wire; the calling thread applies a delta to its baseline once its
+    and the baselines, and writes neither: the calling thread updates a baseline once its
     bucket's payload is posted.
 
     Args:
         reader: an executor whose stage-0 source bindings and programs the buckets read.
         jobs: ``(bucket, baseline)`` in schedule order (a baseline of ``bucket.nbytes``).
         threads: worker threads.
-        keep: where a dense bucket's new bytes go; None: nowhere (the calling thread
-            copies them).
     """
 
     def __init__(self, reader: Executor, jobs: Sequence[tuple[Bucket, np.ndarray]],
-                 threads: int = ENCODE_THREADS,
-                 keep: Callable[[Bucket, np.ndarray], np.ndarray] | None = None):
+                 threads: int = ENCODE_THREADS):
         self.reader = reader
-        self.keep = keep
         self.threads = max(1, threads)
         self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="xreshard-diff")
         self._lock = threading.Lock()
@@ -277,15 +261,8 @@ class Encoder:
         old = base.view(bits)
         msg = None if mostly_changed(old, parts) else encode_parts(old, parts)
         header = Header(DENSE, spans.unit, n, n, 0) if msg is None else msg.header
-        kept = None
-        if msg is None and self.keep is not None and not self._stop.is_set():
-            kept = self.keep(b, base)
-            at = 0
-            for p in parts:         # the new bytes, as they go on the wire
-                np.copyto(kept[at:at + p.nbytes].view(bits), p)
-                at += p.nbytes
         out = Encoded(None if msg is None else msg.to_bytes(), header,
-                      time.perf_counter() - t0, kept)
+                      time.perf_counter() - t0)
         with self._lock:
             self.finished = max(self.finished, time.perf_counter())
         return out
@@ -393,7 +370,7 @@ class DeltaExecutor(Executor):
         if not jobs:
             return
         if self._forward_encoder is None:
-            self._forward_encoder = Encoder(self, jobs, keep=self.delta.keep)
+            self._forward_encoder = Encoder(self, jobs)
         else:
             self._forward_encoder.add(jobs)
 
@@ -555,9 +532,6 @@ class DeltaExecutor(Executor):
         spans = delta_spans(self, b)
         if spans is None:
             return None, None
-        if enc is not None and enc.kept is not None:    # the encoder copied them ahead
-            call.kept(b, enc.kept)
-            return None, None
         return (call.target(b, spans.nbytes, self._baseline_alloc(b)),
                 [new[lo:hi] for lo, hi in spans.diffed])
 
@@ -602,7 +576,7 @@ class DeltaExecutor(Executor):
     # host memory here; the device path (delta_device.DeviceDeltaExecutor) overrides them
 
     def _encoder(self, jobs: Sequence[tuple[Bucket, np.ndarray]]) -> Encoder:
-        return Encoder(self, jobs, keep=self.delta.keep)
+        return Encoder(self, jobs)
 
     def _buffer(self, rank: int, nbytes: int) -> Any:
         """An uninitialized message buffer of ``nbytes`` for ``rank``'s memory."""

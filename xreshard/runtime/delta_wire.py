@@ -163,9 +163,6 @@ class DeltaState:
         self._digests: tuple[Any, dict[tuple[int, int], str]] | None = None
         self._ahead: tuple[Any, Any] | None = None      # (prepared, Encoder)
         self._open: DeltaCall | None = None     # begun, neither committed nor aborted
-        #: (src, dst, tag): baselines an encoder overwrote with bytes a call is sending
-        #: dense (:meth:`keeper`), until that call's outcome
-        self.dirty: set[tuple[int, int, int]] = set()
 
     @property
     def baseline_bytes(self) -> int:
@@ -220,16 +217,13 @@ class DeltaState:
 
     # ------------------------------------------------------------ encoding ahead
 
-    def encode_ahead(self, prepared: Any, src: Any, threads: int | None = None,
-                     atomic: bool = False) -> None:
+    def encode_ahead(self, prepared: Any, src: Any, threads: int | None = None) -> None:
         """Start encoding this process's buckets against its baselines now, with the last
         call's schedule ``prepared`` (None: none yet) and this call's bound sources ``src``,
         so the diff overlaps ``refit/check``: only pairs whose baseline holds a claim for
         that schedule, which may go as deltas. :meth:`begin` hands the work to the call
-        when the schedule stayed; :meth:`stop_ahead` ends it (call it whatever happens).
-        ``atomic``: the call runs with ``RefitConfig(atomic=True)`` (see :meth:`keeper`)."""
+        when the schedule stayed; :meth:`stop_ahead` ends it (call it whatever happens)."""
         self.stop_ahead()
-        self._forget_dirty()        # of a call that never began (refused at refit/check)
         if prepared is None or src is None or prepared.stages[0].src_from != SOURCES:
             return
         from .delta_device import device_path
@@ -251,36 +245,10 @@ class DeltaState:
                         or pair.digest != digests.get((b.src, b.dst)):
                     continue
                 base, spans = pair.buffers.get(b.tag), delta_spans(reader, b)
-                if base is not None and spans is not None and base.nbytes == spans.nbytes \
-                        and (b.src, b.dst, b.tag) not in self.dirty:
+                if base is not None and spans is not None and base.nbytes == spans.nbytes:
                     jobs.append((b, base))
         if jobs:
-            self._ahead = (prepared, Encoder(reader, jobs, threads or ENCODE_THREADS,
-                                             keep=self.keeper(atomic)))
-
-    def keeper(self, atomic: bool) -> Callable[[Bucket, np.ndarray], np.ndarray]:
-        """Where an encoder copies the new bytes of a bucket that goes dense, on its worker
-        thread (``delta_exec.Encoder``), given the bucket and its baseline: with ``atomic``
-        new memory (the baseline's replacement once the outcome confirmed the call,
-        :meth:`DeltaCall.kept`); else the baseline itself, and its pair's claim goes now:
-        that memory holds a version no call confirmed yet (:attr:`dirty`): a call that fails
-        or never sends it (refused at ``refit/check``) leaves the pair dense next time, and
-        no other encoder diffs against it (:meth:`DeltaCall.baseline`); the commit of the
-        call that sent it claims it again."""
-        def keep(b: Bucket, base: np.ndarray) -> np.ndarray:
-            if atomic:
-                return _host_bytes(base.nbytes)
-            self.dirty.add((b.src, b.dst, b.tag))
-            return base
-        return keep
-
-    def _forget_dirty(self, keep: set[tuple[int, int]] | frozenset = frozenset()) -> None:
-        """The pairs of baselines an encoder overwrote that no confirmed call sent (all but
-        ``keep``'s) lose their claim: they go dense next time."""
-        for s, r, _ in self.dirty:
-            if (s, r) not in keep and (s, r) in self.sent:
-                self.sent[(s, r)].call = None
-        self.dirty.clear()
+            self._ahead = (prepared, Encoder(reader, jobs, threads or ENCODE_THREADS))
 
     @property
     def ahead_buckets(self) -> frozenset[Any]:
@@ -348,7 +316,6 @@ class DeltaState:
         committed): its baselines and bases are of it now."""
         self._open = None
         call.settle()
-        self._forget_dirty(call.sent_pairs)
         for pair in call.sent_pairs:
             b = self.sent.setdefault(pair, _Baseline())
             b.call, b.digest = call.call_id, call.digests[pair]
@@ -365,7 +332,6 @@ class DeltaState:
         destination byte was written and no baseline changed: the claims stay, but for
         destinations this process did not stage (they were written in place)."""
         call, self._open = self._open, None
-        self._forget_dirty()
         if call is None or not call.atomic:
             self.reset()
             return
@@ -464,8 +430,6 @@ class DeltaCall:
         bucket is sent), from ``alloc(nbytes)`` (None: host memory; a baseline held in
         another kind of memory than ``alloc`` gives is replaced)."""
         pair = self.state.sent.get((b.src, b.dst))
-        if not create and (b.src, b.dst, b.tag) in self.state.dirty:
-            return None         # holds this call's new bytes already: not a base to diff
         if pair is None:
             if not create:
                 return None
@@ -486,18 +450,6 @@ class DeltaCall:
         out = (alloc or _host_bytes)(nbytes)
         self.pending.append(((b.src, b.dst), b.tag, "replace", out))
         return out
-
-    def keep(self, b: Bucket, base: np.ndarray) -> np.ndarray:
-        """Where an encoder of this call copies bucket ``b``'s new bytes when it goes dense
-        (:meth:`DeltaState.keeper`)."""
-        return self.state.keeper(self.atomic)(b, base)
-
-    def kept(self, b: Bucket, data: np.ndarray) -> None:
-        """Bucket ``b`` went dense and an encoder already copied its new bytes into
-        ``data`` (:meth:`keep`): its baseline, or with ``atomic`` the baseline's
-        replacement at :meth:`settle`."""
-        if self.atomic:
-            self.pending.append(((b.src, b.dst), b.tag, "replace", data))
 
     def applied(self, b: Bucket, enc: Any, advance: Callable[[Any, Any], None]) -> None:
         """Bucket ``b`` went as delta ``enc`` (a ``delta_exec.Encoded``):

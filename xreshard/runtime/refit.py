@@ -330,7 +330,7 @@ class Refit:
             self._members = self.world.processes
         src, dst, errors, snapshot = self._bind_sides(send, receive, snapshot)
         if self.config.delta:       # the diff overlaps refit/check (see delta_wire)
-            self.delta_state.encode_ahead(self._prepared, src, atomic=self.config.atomic)
+            self.delta_state.encode_ahead(self._prepared, src)
         if not errors:          # quantizing overlaps refit/check (see quantize_ahead)
             # but not what the delta encoder quantizes as it diffs: FP8 items once
             self.quant_ahead.start(self._prepared, src, self._programs,
