@@ -418,10 +418,9 @@ class DeltaExecutor(Executor):
         ones' staging, send and receive) sit at the bottom of the arena when ``j`` is even,
         at its top when odd: a round's half is free again once it landed."""
         rounds = self.schedule.rounds
-        wire = Wire(self.transport, self.timeout)
         landing: list = []
         started = 0.0
-        try:
+        with Wire(self.transport, self.timeout) as wire:
             for k in range(len(rounds) + 1):
                 if k:
                     wire.wait(k - 1)
@@ -440,11 +439,6 @@ class DeltaExecutor(Executor):
             wire.wait(len(rounds))
             self._land_all(landing, started, stats)
             self._local_copies(stats, forwarded=True)
-        except BaseException as e:
-            wire.abort(e)
-            raise
-        finally:
-            wire.stop()
 
     def _land_all(self, incoming: list, started: float, stats: ExecStats) -> None:
         for b, buf, how in incoming:

@@ -566,7 +566,6 @@ class Executor:
         for and unpacked. Round k's other sends go first, so they still leave early.
         """
         rounds = self.schedule.rounds
-        wire = Wire(self.transport, self.timeout)
         pending: dict[int, list[tuple[Bucket, Any]]] = {}
         started: dict[int, float] = {}
 
@@ -578,7 +577,7 @@ class Executor:
                 self._unpack(b, buf)
             stats.per_round_seconds.append(time.perf_counter() - started.pop(k))
 
-        try:
+        with Wire(self.transport, self.timeout) as wire:
             for k, buckets in enumerate(rounds):
                 if k >= 2:
                     finish(k - 2)       # frees round k's half of the arena
@@ -610,11 +609,6 @@ class Executor:
             for k in sorted(pending):
                 finish(k)
             self._local_copies(stats, forwarded=True)
-        except BaseException as e:
-            wire.abort(e)
-            raise
-        finally:
-            wire.stop()
 
 
 

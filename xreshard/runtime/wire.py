@@ -70,6 +70,16 @@ class Wire:
                                        f"return from its group)")
         self._check()
 
+    def __enter__(self) -> Wire:
+        return self
+
+    def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> None:
+        """The executor's run ended: a failure aborts the open group first; the thread
+        then ends either way."""
+        if exc is not None:
+            self.abort(exc)
+        self.stop()
+
     def abort(self, e: BaseException) -> None:
         """The calling thread failed: the open group exits with ``e`` (no more posts)."""
         self._q.put(("abort", e, None))
