@@ -97,7 +97,8 @@ def child(ctx: Any, cfg: dict) -> dict:
         dense = delta = None
         times: dict[str, list] = {"dense": [], "delta": [], "diff": [], "dense_bytes": [],
                                   "delta_bytes": [], "ahead_items": [], "ahead_seconds": [],
-                                  "delta_cpu": []}
+                                  "delta_cpu": [], "dense_plan": [], "delta_plan": [],
+                                  "dense_move": [], "delta_move": [], "dense_cpu": []}
         for rep in range(cfg["reps"] + 1):          # rep 0 seeds the baselines
             v = next(made)
             if trainer:
@@ -124,7 +125,10 @@ def child(ctx: Any, cfg: dict) -> dict:
             # of a rep waited for that), and the two take turns going first.
             def timed_dense() -> Any:
                 world.barrier(timeout=600)
-                return dense(send=send) if trainer else dense()
+                cpu = time.process_time()
+                got = dense(send=send) if trainer else dense()
+                times["dense_cpu"].append(time.process_time() - cpu)
+                return got
 
             def timed_delta() -> tuple[Any, float]:
                 world.barrier(timeout=600)
@@ -147,6 +151,9 @@ def child(ctx: Any, cfg: dict) -> dict:
                 times["dense_bytes"].append(rd.bytes_sent)
                 times["delta_bytes"].append(rx.bytes_sent)
                 times["delta_cpu"].append(cpu)
+                for k, r in (("dense", rd), ("delta", rx)):    # refit/check + plan; the move
+                    times[k + "_plan"].append(r.plan_seconds)
+                    times[k + "_move"].append(r.move_seconds)
                 if trainer:     # the FP8 items the trainer quantized ahead in the delta call
                     ahead = delta.quant_ahead.last or {}
                     times["ahead_items"].append(ahead.get("items", 0))
@@ -241,12 +248,16 @@ def refit_main(args: Any, fractions: list[float],
         env = {"NCCL_MULTI_RANK_GPU_ENABLE": "1", "XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
     results = launch("bench_delta_refit:child", roles, args=(cfg,), timeout=3600, env=env)
     rows, met = [], True
-    for r in results[0].value["rows"]:
+    for r, rr in zip(results[0].value["rows"], results[1].value["rows"]):
         row = {"changed": r["changed"], "bytes_ratio": r["delta_bytes"] / r["dense_bytes"],
                "time_ratio": r["delta"] / r["dense"], "dense_seconds": r["dense"],
                "delta_seconds": r["delta"], "diff_seconds": r["diff"],
                "link_gbps": args.link_gbps, "ahead_items": r["ahead_items"],
-               "ahead_seconds": r["ahead_seconds"], "delta_cpu_seconds": r["delta_cpu"]}
+               "ahead_seconds": r["ahead_seconds"], "delta_cpu_seconds": r["delta_cpu"],
+               # the calls' refit/check + planning and their move, per process (medians)
+               "phases": {who: {k: x[k] for k in ("dense_plan", "dense_move", "delta_plan",
+                                                  "delta_move", "dense_cpu", "delta_cpu")}
+                          for who, x in (("trainer", r), ("receiver", rr))}}
         row["bars"] = {} if args.fp8 else {      # the issue's bars are of bf16 refits
             name: ok for name, ok in bars(row, bool(args.link_gbps), args.device == "cuda")}
         met = met and all(row["bars"].values())

@@ -28,10 +28,11 @@ one after another on the calling thread (``Tuning(executor="rounds")``, device b
 and a call with a relay's forwards too: a forward is encoded from bytes that landed two
 rounds before it, and the pipelined groups land after posting).
 The encoder may even start before ``refit/check`` (:meth:`DeltaState.encode_ahead`: the
-diff overlaps the check's gather and the receivers' fingerprints), since it only reads the
-sources and the baselines: a baseline is written by the calling thread alone, once the
-call's decision is known, as its bucket's payload is posted (a delta: the message applied;
-dense: the new bytes copied while they move).
+diff overlaps the check and the receivers' fence), since it only reads the sources and
+the baselines, but for the buckets said dense (mostly changed), which it packs into their
+baselines (see :class:`Encoder`). Other baselines are written by the calling thread once
+the call's decision is known, as their bucket's payload is posted (a delta: the message
+applied; dense: the new bytes copied while they move).
 
 A bucket is read in place for the diff when its items are contiguous views that need no
 cast (a JAX array's or a torch tensor's memory; nothing is packed); otherwise the encoder
@@ -125,6 +126,34 @@ _SPANS: weakref.WeakKeyDictionary[Executor, dict[int, Spans | None]] = \
     weakref.WeakKeyDictionary()
 
 
+def sampled_dense(reader: Executor, b: Bucket, base: np.ndarray) -> bool:
+    """Whether a sample of bucket ``b``, read in place (no packing: else False), says it
+    :func:`mostly_changed` against its baseline ``base``: it then goes dense without a
+    diff, said before the call moves (see ``delta_wire.DeltaState.fence``)."""
+    spans = delta_spans(reader, b)
+    if spans is None or spans.diffed != ((0, b.nbytes),):
+        return False
+    bits = bits_dtype(spans.unit)
+    parts = _in_place(reader, b, bits)
+    return parts is not None and mostly_changed(base.view(bits), parts)
+
+
+def _in_place(reader: Executor, b: Bucket, bits: Any) -> list[np.ndarray] | None:
+    """Bucket ``b``'s new bytes as its items' own memory, contiguous pieces of ``bits``
+    elements, when every item is a contiguous view that needs no cast nor quantizing (else
+    None: the bucket has to be packed)."""
+    steps = reader.programs.program(b, 0)
+    bindings = reader.tables[b.stage].src_bindings
+    if len(steps) > _MAX_PARTS or not all(e.quant is None and e.dtype == e.wire
+                                          for e in steps):
+        return None
+    views = [(bindings[e.key] if e.index is None else bindings[e.key][e.index])[e.slices]
+             for e in steps]
+    if all(isinstance(v, np.ndarray) and v.flags.c_contiguous for v in views):
+        return [v.reshape(-1).view(np.uint8).view(bits) for v in views]
+    return None
+
+
 def delta_spans(reader: Executor, b: Bucket) -> Spans | None:
     """Bucket ``b``'s :class:`Spans`, or None when it cannot go as a delta: its receiver
     casts (it could not read its base back bit for bit), or nothing of it is diffed (every
@@ -173,6 +202,9 @@ class Encoded:
     """The delta message (header included); None: send the bucket dense."""
     header: Header
     seconds: float
+    packed: np.ndarray | None = None
+    """A bucket sent dense: its message, packed by the encoder into what becomes its
+    baseline (see :class:`Encoder`'s ``keep``); None: the executor packs it."""
 
     @property
     def payload(self) -> np.ndarray | None:
@@ -186,19 +218,34 @@ class Encoder:
     in the order given, without waiting for anything (see the module docstring).
 
     It reads the sources (through ``reader``, an executor over the call's source bindings)
-    and the baselines, and writes neither: the calling thread updates a baseline once its
-    bucket's payload is posted.
+    and the baselines. It writes no source, and no baseline but with ``keep="in place"``:
+    a bucket that mostly changed (sent dense) is then packed into its baseline, and its
+    message sent from there (``Encoded.packed``: the new bytes are copied once, on a worker
+    thread, ahead of the wire, where the executor would pack them into staging and copy them
+    into the baseline as they move). That is sound whatever the call decides, since the
+    bucket goes dense, and a failed call drops every claim; a bucket packed so whose
+    encoding the call does not take has its baseline dropped (:meth:`forget`: the next
+    encoding of it finds none and it goes dense). ``keep="new"`` (``atomic``: baselines
+    change at the outcome) packs into new memory; None: the executor packs.
 
     Args:
         reader: an executor whose stage-0 source bindings and programs the buckets read.
         jobs: ``(bucket, baseline)`` in schedule order (a baseline of ``bucket.nbytes``).
         threads: worker threads.
+        keep: where a bucket sent dense is packed: "in place", "new" or None (see above).
+        dense: ``(src, dst, tag)`` of buckets that go dense whatever they hold (their
+            sender said so at ``refit/check``): packed (with ``keep``), never diffed.
     """
 
     def __init__(self, reader: Executor, jobs: Sequence[tuple[Bucket, np.ndarray]],
-                 threads: int = ENCODE_THREADS):
+                 threads: int = ENCODE_THREADS, keep: str | None = None,
+                 dense: frozenset = frozenset()):
         self.reader = reader
         self.threads = max(1, threads)
+        self.keep = keep
+        self.dense = dense
+        #: buckets whose baseline holds their new bytes (``keep="in place"``)
+        self.kept: set[Bucket] = set()
         self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="xreshard-diff")
         self._lock = threading.Lock()
         self._scratch = threading.local()
@@ -241,6 +288,16 @@ class Encoder:
         self._stop.set()
         self._pool.shutdown(wait=True, cancel_futures=True)
 
+    def forget(self, sent: dict) -> None:
+        """After :meth:`stop`, when the call does not take this encoder's work: drop the
+        baselines it packed new bytes into (``sent``: ``DeltaState.sent``), so that no diff
+        compares a source with its own bytes."""
+        for b in self.kept:
+            pair = sent.get((b.src, b.dst))
+            if pair is not None:
+                pair.buffers.pop(b.tag, None)
+        self.kept.clear()
+
     @property
     def seconds(self) -> float:
         """Wall time from the first encode's start to the last one's end."""
@@ -259,12 +316,25 @@ class Encoder:
         if isinstance(buf, np.ndarray) and len(spans.diffed) > 1:
             parts = [buf[lo:hi].view(bits) for lo, hi in spans.diffed]
         old = base.view(bits)
-        msg = None if mostly_changed(old, parts) else encode_parts(old, parts)
+        msg = None if (b.src, b.dst, b.tag) in self.dense or mostly_changed(old, parts) \
+            else encode_parts(old, parts)
         header = Header(DENSE, spans.unit, n, n, 0) if msg is None else msg.header
+        packed = None
+        if msg is None and self.keep and spans.diffed == ((0, b.nbytes),):
+            packed = base if self.keep == "in place" else np.empty(b.nbytes, np.uint8)
+            if isinstance(buf, np.ndarray):
+                np.copyto(packed, buf)
+            else:
+                at, into = 0, packed.view(bits)
+                for p in parts:
+                    np.copyto(into[at:at + p.size], p)
+                    at += p.size
         out = Encoded(None if msg is None else msg.to_bytes(), header,
-                      time.perf_counter() - t0)
+                      time.perf_counter() - t0, packed)
         with self._lock:
             self.finished = max(self.finished, time.perf_counter())
+            if packed is base:
+                self.kept.add(b)
         return out
 
     def _read(self, b: Bucket, bits: Any, spans: Spans) -> Any:
@@ -273,14 +343,9 @@ class Encoder:
         quantizing and is diffed whole, else the bucket packed into this worker's scratch
         (one uint8 array, FP8 items quantized as the message carries them)."""
         reader = self.reader
-        steps = reader.programs.program(b, 0)
-        bindings = reader.tables[b.stage].src_bindings
-        if len(steps) <= _MAX_PARTS and all(
-                e.quant is None and e.dtype == e.wire for e in steps):
-            views = [(bindings[e.key] if e.index is None else bindings[e.key][e.index])
-                     [e.slices] for e in steps]
-            if all(isinstance(v, np.ndarray) and v.flags.c_contiguous for v in views):
-                return [v.reshape(-1).view(np.uint8).view(bits) for v in views]
+        parts = _in_place(reader, b, bits) if spans.diffed == ((0, b.nbytes),) else None
+        if parts is not None:
+            return parts
         scratch = getattr(self._scratch, "buf", None)
         if scratch is None or scratch.nbytes < b.nbytes:
             scratch = self._scratch.buf = np.empty(b.nbytes, np.uint8)
@@ -315,6 +380,7 @@ class DeltaExecutor(Executor):
         if encoder is None or not {b for b, _ in wanted} <= encoder.buckets:
             if encoder is not None:
                 encoder.stop()
+                encoder.forget(call.state.sent)
             encoder = call.encoder = self._encoder([
                 (b, base) for b, spans in wanted
                 if (base := call.baseline(b, spans.nbytes)) is not None])
@@ -459,7 +525,8 @@ class DeltaExecutor(Executor):
         self._landing = [b for b in buckets if b.dst in self._local_dst]
         call.local_dst.update(b.dst for b in self._landing)
         self._heads_in = {b: self._buffer(b.dst, HEADER_BYTES) for b in self._landing
-                          if (b.src, b.dst) in call.pairs and delta_unit(self, b) is not None}
+                          if (b.src, b.dst) in call.pairs and delta_unit(self, b) is not None
+                          and not call.promised(b)}
         sends = [b for b in buckets if b.src in self._local_src]
         call.sent_pairs.update((b.src, b.dst) for b in sends)
         recvs = [(buf, b) for b, buf, _ in incoming if buf is not None]
@@ -493,12 +560,14 @@ class DeltaExecutor(Executor):
         spans = delta_spans(self, b)
         if (b.src, b.dst) in call.pairs and spans is not None:
             enc = self._encoded(b)
-            if enc is None:         # no baseline of this bucket's size: dense
-                n = spans.nbytes // spans.unit
+            promised = call.promised(b)     # dense, said at refit/check: no header
+            if enc is None or (promised and enc.message is not None):
+                n = spans.nbytes // spans.unit      # no baseline of this size, or said
                 enc = Encoded(None, Header(DENSE, spans.unit, n, n, 0), 0.0)
-            send(self._outgoing(b.src, np.frombuffer(enc.header.pack(), np.uint8)), b)
-            call.bytes_wire += HEADER_BYTES
-            self._count_wire(b, HEADER_BYTES, stats)
+            if not promised:
+                send(self._outgoing(b.src, np.frombuffer(enc.header.pack(), np.uint8)), b)
+                call.bytes_wire += HEADER_BYTES
+                self._count_wire(b, HEADER_BYTES, stats)
         self._sent.append((b, enc))
 
     def _send_payload(self, b: Bucket, enc: Encoded | None, offsets: dict, stats: ExecStats,
@@ -509,6 +578,13 @@ class DeltaExecutor(Executor):
         into (``(None, None)`` otherwise: also a bucket that cannot go as a delta, which
         keeps no baseline)."""
         call = self.delta
+        if enc is not None and enc.packed is not None:      # dense, packed by the encoder
+            send(enc.packed, b)
+            call.bytes_wire += b.nbytes
+            self._count_wire(b, b.nbytes, stats)
+            if call.atomic:     # new memory: the baseline from the outcome on
+                call.pending.append(((b.src, b.dst), b.tag, "replace", enc.packed))
+            return None, None
         if enc is not None and enc.message is not None:      # a delta
             call.num_delta += 1
             payload = enc.payload
@@ -570,7 +646,8 @@ class DeltaExecutor(Executor):
     # host memory here; the device path (delta_device.DeviceDeltaExecutor) overrides them
 
     def _encoder(self, jobs: Sequence[tuple[Bucket, np.ndarray]]) -> Encoder:
-        return Encoder(self, jobs)
+        return Encoder(self, jobs, keep="new" if self.delta.atomic else "in place",
+                       dense=self.delta.dense)
 
     def _buffer(self, rank: int, nbytes: int) -> Any:
         """An uninitialized message buffer of ``nbytes`` for ``rank``'s memory."""

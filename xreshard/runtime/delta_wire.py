@@ -31,22 +31,30 @@ that failed anywhere invalidates every claim of every process (:meth:`DeltaState
 every receiver may hold a mix, so the next call is dense.
 
 A receiver's destination memory is fingerprinted when a call commits: where it lives
-(buffer addresses) and what it holds (a checksum of its bytes). New memory (a JAX receiver
-gets new arrays every call) silently drops the claim; the same memory written outside
-xreshard is refused on every process at ``refit/check``, before any byte moves (and the
-claim is dropped: the next call is dense).
+(buffer addresses) and what each destination tensor holds (a checksum of its bytes). New
+memory (a JAX receiver gets new arrays every call) silently drops the claim at
+``refit/check``. After planning, where some bucket may go as a delta
+(:meth:`DeltaState.fence_needed`, from the claims alone), ``refit/fence`` checks the
+tensors such buckets write, only those (:meth:`DeltaState.fence`): one written outside
+xreshard is refused on every process before any byte moves (and its claim is dropped: the
+next call is dense).
+A sender samples each bucket before ``refit/check`` and says which it sends dense whatever
+they hold (those that mostly changed): they go without a header, and the tensors only
+they write are overwritten whole, so they are not read.
 
 **Encoding ahead.** A sender starts encoding the buckets of the pairs its baselines hold a
 claim for as soon as the call's sources are bound (:meth:`DeltaState.encode_ahead`), with
 the schedule of the last call, so the diff overlaps ``refit/check`` (the gather and the
-receivers' fingerprints). The encoder only reads sources and baselines; the call uses its
-work only when the schedule stayed and the pair goes as a delta, and it is stopped before
-the call returns, whatever happened.
+fence). The encoder reads sources and baselines, and packs a bucket said dense into its
+baseline (its message is sent from there; see :class:`~.delta_exec.Encoder`); the call
+uses its work only when the schedule stayed and the pair goes as a delta (else the
+baselines it packed are dropped), and it is stopped before the call returns, whatever
+happened.
 
 **With ``atomic=True``** (:mod:`.atomic`) a receiver's destinations are shadowed: the
 shadows are refreshed from the live destinations at the start of the call, so a delta
 applies onto the base its claim names, and the fingerprints are of the real destinations
-(taken at ``refit/check`` and after the staging is committed). The senders' baselines
+(checked at ``refit/fence``, taken after the staging is committed). The senders' baselines
 become transactional too: a dense bucket's new bytes go to new memory and a delta's
 message is kept, both applied to the baselines only at :meth:`DeltaState.commit`. So a
 call that fails anywhere leaves every staged destination and every baseline as the last
@@ -158,10 +166,16 @@ class DeltaState:
         self.base: dict[int, tuple[str, dict[int, str]]] = {}
         #: (src, dst, tag) -> split blocks' pieces that bucket last brought (delta_land)
         self.pieces: dict[tuple[int, int, int], np.ndarray] = {}
-        self.memory: tuple[str, str] | None = None
+        #: (where, checksum per binding) of the destinations as the last call left them
+        self.memory: tuple[str, dict[str, str]] | None = None
         self._nonce = ""
         self._digests: tuple[Any, dict[tuple[int, int], str]] | None = None
         self._ahead: tuple[Any, Any] | None = None      # (prepared, Encoder)
+        #: (src, dst, tag) of the buckets this process's senders send dense this call
+        self._promised: frozenset[tuple[int, int, int]] = frozenset()
+        #: the pairs every bucket of which this process's senders send dense this call
+        self._whole: frozenset[tuple[int, int]] = frozenset()
+        self._decided: tuple[Any, Any, tuple] | None = None
         self._open: DeltaCall | None = None     # begun, neither committed nor aborted
 
     @property
@@ -188,24 +202,15 @@ class DeltaState:
     # ------------------------------------------------------------ refit/check
 
     def claims(self, dst: Any, receive_obj: Any) -> tuple[dict, list[list[str]]]:
-        """This process's part of ``refit/check``, and the errors found: destination memory
-        written outside xreshard since the last call."""
-        errors: list[list[str]] = []
+        """This process's part of ``refit/check`` (and the errors found: none, the fence
+        checks what destinations hold, :meth:`fence`): its baselines' and bases' calls, and
+        the buckets its senders send dense whatever they hold (``dense``: those that
+        mostly changed, sampled by :meth:`encode_ahead`)."""
         if self._open is not None:      # the last call neither committed nor failed cleanly
             self._open = None
             self.reset()
-        if self.base and self.memory is not None:
-            where, what = fingerprint(dst, receive_obj)
-            if where != self.memory[0]:
-                self.base.clear()           # other memory: it holds no base
-            elif what != self.memory[1]:
-                self.base.clear()
-                errors.append(["RefitError", (
-                    "RefitConfig(delta=True): this process's destination tensors were written "
-                    "outside xreshard since the last refit (their write counters or checksum "
-                    "moved), so they no longer hold the version a delta applies to; refused "
-                    "before any byte moves. The next call sends them dense; do not write "
-                    "refit destinations between calls (or call refit.delta_state.reset())")])
+        if self.base and self.memory is not None and where_of(dst) != self.memory[0]:
+            self.base.clear()           # other memory: it holds no base
         if not self.base:
             self.memory = None
         self._nonce = secrets.token_hex(8)
@@ -213,23 +218,61 @@ class DeltaState:
                 "send": [[s, r, b.call, b.digest] for (s, r), b in sorted(self.sent.items())
                          if b.call is not None],
                 "recv": [[r, call, sorted(d.items())] for r, (call, d) in
-                         sorted(self.base.items())]}, errors
+                         sorted(self.base.items())],
+                "dense": [list(k) for k in sorted(self._promised)],
+                "dense_pairs": [list(p) for p in sorted(self._whole)]}, []
+
+    def fence(self, gathered: Sequence[Any], prepared: Any, dst: Any) -> list[list[str]]:
+        """This process's part of ``refit/fence`` (after ``refit/check`` and planning, run
+        where some bucket may go as a delta: :meth:`fence_needed`): the destination tensors a
+        delta may apply to this call, checksummed against what the last confirmed call left
+        there. Those only: a tensor every bucket of which goes dense (its pair does, or its
+        sender said so at ``refit/check``) is overwritten whole, whatever it holds. Returns
+        the errors (a tensor written outside xreshard: refused on every process before any
+        byte moves; its claim is dropped, so the next call sends it dense)."""
+        if not self.base or self.memory is None or dst is None:
+            return []
+        quant = prepared.quant
+        keys: set[Any] = set()
+        for b in self._fenced(gathered, prepared):
+            if b.dst in self.base:
+                for it in b.items:
+                    keys.add((b.dst, it.name))
+                    if quant is not None and it.name in quant.tensors:
+                        keys.add((b.dst, quant.tensors[it.name].scale))
+        held = self.memory[1]
+        keys = {k for k in keys if k in dst.bindings and _key(k) in held}
+        now = sums_of(dst, keys)
+        if all(now[k] == held[k] for k in now):
+            return []
+        self.base.clear()
+        self.memory = None
+        return [["RefitError", (
+            "RefitConfig(delta=True): this process's destination tensors were written "
+            "outside xreshard since the last refit (their checksum moved), so they no longer "
+            "hold the version a delta applies to; refused before any byte moves. The next "
+            "call sends them dense; do not write refit destinations between calls (or call "
+            "refit.delta_state.reset())")]]
 
     # ------------------------------------------------------------ encoding ahead
 
-    def encode_ahead(self, prepared: Any, src: Any, threads: int | None = None) -> None:
+    def encode_ahead(self, prepared: Any, src: Any, threads: int | None = None,
+                     atomic: bool = False) -> None:
         """Start encoding this process's buckets against its baselines now, with the last
         call's schedule ``prepared`` (None: none yet) and this call's bound sources ``src``,
         so the diff overlaps ``refit/check``: only pairs whose baseline holds a claim for
         that schedule, which may go as deltas. :meth:`begin` hands the work to the call
-        when the schedule stayed; :meth:`stop_ahead` ends it (call it whatever happens)."""
+        when the schedule stayed; :meth:`stop_ahead` ends it (call it whatever happens).
+        A bucket that mostly changed is packed ahead too, into its baseline (``atomic``:
+        new memory), and sent from there (see :class:`~.delta_exec.Encoder`)."""
         self.stop_ahead()
+        self._promised, self._whole = frozenset(), frozenset()
         if prepared is None or src is None or prepared.stages[0].src_from != SOURCES:
             return
         from .delta_device import device_path
         if device_path(src.bindings):       # device memory: encoded in the call
             return
-        from .delta_exec import ENCODE_THREADS, Encoder, delta_spans
+        from .delta_exec import ENCODE_THREADS, Encoder, delta_spans, sampled_dense
         st = prepared.stages[0]
         reader = Executor(prepared.schedule, st.src_layouts, st.dst_layouts, st.wire_dtypes,
                           fit(src, prepared.direct.src_layouts), {},
@@ -248,7 +291,17 @@ class DeltaState:
                 if base is not None and spans is not None and base.nbytes == spans.nbytes:
                     jobs.append((b, base))
         if jobs:
-            self._ahead = (prepared, Encoder(reader, jobs, threads or ENCODE_THREADS))
+            # which buckets mostly changed (a sample of each, read in place): they go dense,
+            # said at refit/check so that their receivers need not fence them
+            self._promised = frozenset((b.src, b.dst, b.tag) for b, base in jobs
+                                       if sampled_dense(reader, b, base))
+            self._ahead = (prepared, Encoder(reader, jobs, threads or ENCODE_THREADS,
+                                             keep="new" if atomic else "in place",
+                                             dense=self._promised))
+            # a pair's buckets without a job have no baseline to diff: dense too
+            mixed = {(b.src, b.dst) for b, _ in jobs if (b.src, b.dst, b.tag)
+                     not in self._promised}
+            self._whole = frozenset({(b.src, b.dst) for b, _ in jobs} - mixed)
 
     @property
     def ahead_buckets(self) -> frozenset[Any]:
@@ -262,6 +315,7 @@ class DeltaState:
         ahead, self._ahead = self._ahead, None
         if ahead is not None:
             ahead[1].stop()
+            ahead[1].forget(self.sent)      # its packed baselines: no call took them
 
     # ------------------------------------------------------------ the call
 
@@ -272,27 +326,55 @@ class DeltaState:
         ``RefitConfig(atomic=True)`` (the baselines change only at :meth:`commit`);
         ``staged``: this process's destinations receive into staging (its bases survive a
         failed call)."""
-        bodies = [g for g in gathered if isinstance(g, dict)]
-        call_id = hashlib.sha256(
-            "/".join(str(g.get("nonce")) for g in bodies).encode()).hexdigest()[:24]
-        send: dict[tuple[int, int], tuple] = {}
-        recv: dict[tuple[int, int], tuple] = {}
-        for g in bodies:
-            for s, r, call, digest in g.get("send") or ():
-                send[(int(s), int(r))] = (call, digest)
-            for r, call, pairs in g.get("recv") or ():
-                for s, digest in pairs:
-                    recv[(int(s), int(r))] = (call, digest)
-        digests = self.pair_digests(prepared)
-        pairs = frozenset(p for p, d in digests.items()
-                          if send.get(p) is not None and send.get(p) == recv.get(p)
-                          and send[p][1] == d)
-        call = DeltaCall(self, call_id, pairs, digests, atomic=atomic, staged=staged)
+        call_id, pairs, dense = self._decide(gathered, prepared)
+        call = DeltaCall(self, call_id, pairs, self.pair_digests(prepared), atomic=atomic,
+                         staged=staged, dense=dense)
         self._open = call
         if self._ahead is not None and self._ahead[0] is prepared:
             call.encoder, self._ahead = self._ahead[1], None    # the executor takes it
         self.stop_ahead()
         return call
+
+    @staticmethod
+    def fence_needed(gathered: Sequence[Any]) -> bool:
+        """Whether the call runs ``refit/fence``, from ``refit/check``'s claims alone (the
+        same in every process, whose schedules hold their own buckets only): some pair's
+        sender and receiver claim the same call, and its sender did not say it sends every
+        bucket of it dense."""
+        send, recv, whole = _claimed(gathered)
+        return any(c == recv.get(p) and p not in whole for p, c in send.items())
+
+    def _fenced(self, gathered: Sequence[Any], prepared: Any) -> list[Bucket]:
+        """The buckets that may go as deltas this call (of any process): their pair does
+        and their sender did not say it sends them dense."""
+        _, pairs, dense = self._decide(gathered, prepared)
+        return [b for rnd in prepared.schedule.rounds for b in rnd
+                if (b.src, b.dst) in pairs
+                and not (b.stage == 0 and (b.src, b.dst, b.tag) in dense)]
+
+    def _decide(self, gathered: Sequence[Any], prepared: Any
+                ) -> tuple[str, frozenset[tuple[int, int]], frozenset[tuple[int, int, int]]]:
+        """The call's id, its pairs that go as deltas and the buckets of those sent dense
+        whatever they hold: the same in every process (from every process's claims and the
+        schedule)."""
+        if self._decided is not None and self._decided[0] is gathered \
+                and self._decided[1] is prepared:
+            return self._decided[2]
+        bodies = [g for g in gathered if isinstance(g, dict)]
+        call_id = hashlib.sha256(
+            "/".join(str(g.get("nonce")) for g in bodies).encode()).hexdigest()[:24]
+        send, recv, whole = _claimed(gathered)
+        said = {(int(s), int(r), int(t)) for g in bodies for s, r, t in g.get("dense") or ()}
+        digests = self.pair_digests(prepared)
+        pairs = frozenset(p for p, d in digests.items()
+                          if send.get(p) is not None and send.get(p) == recv.get(p)
+                          and send[p][1] == d)
+        # a pair said whole: all its buckets (those without a baseline too)
+        dense = frozenset((b.src, b.dst, b.tag) for rnd in prepared.schedule.rounds
+                          for b in rnd if b.stage == 0 and (b.src, b.dst) in pairs
+                          and ((b.src, b.dst, b.tag) in said or (b.src, b.dst) in whole))
+        self._decided = (gathered, prepared, (call_id, pairs, dense))
+        return call_id, pairs, dense
 
     def pair_digests(self, prepared: Any) -> dict[tuple[int, int], str]:
         """A digest of every local pair's buckets (what both ends of a pair compute alike)."""
@@ -324,7 +406,8 @@ class DeltaState:
                                            if rr == r})
         self.pieces = {k: v for k, v in self.pieces.items()
                        if k[1] not in call.local_dst} | call.pieces
-        self.memory = fingerprint(dst, receive_obj) if self.base else None
+        self.memory = (where_of(dst), sums_of(dst)) if self.base and dst is not None \
+            else None
 
     def abort(self) -> None:
         """The call failed somewhere. Without ``atomic`` every destination may hold a mix
@@ -347,28 +430,63 @@ _PARALLEL_BYTES = 1 << 24
 _FINGERPRINT_THREADS = max(1, min(4, os.cpu_count() or 1))
 
 
-def fingerprint(dst: Any, receive_obj: Any) -> tuple[str, str]:
-    """``(where, what)`` of this process's destination memory: the buffers' addresses and
-    shapes, and a checksum of their bytes (``receive_obj`` is not read: kept for callers)."""
+def _claimed(gathered: Sequence[Any]) -> tuple[dict, dict, set]:
+    """From every process's claims: ``(src, dst) -> (call, digest)`` of the senders'
+    baselines and of the receivers' bases, and the pairs whose sender sends every bucket
+    dense this call."""
+    send: dict[tuple[int, int], tuple] = {}
+    recv: dict[tuple[int, int], tuple] = {}
+    whole: set[tuple[int, int]] = set()
+    for g in gathered:
+        if not isinstance(g, dict):
+            continue
+        for s, r, call, digest in g.get("send") or ():
+            send[(int(s), int(r))] = (call, digest)
+        for r, call, pairs in g.get("recv") or ():
+            for s, digest in pairs:
+                recv[(int(s), int(r))] = (call, digest)
+        whole.update((int(s), int(r)) for s, r in g.get("dense_pairs") or ())
+    return send, recv, whole
+
+
+def _arrays(value: Any) -> tuple[Any, ...]:
+    return tuple(value) if isinstance(value, (list, tuple)) else (value,)
+
+
+def _key(key: Any) -> str:
+    return repr(key)
+
+
+def where_of(dst: Any) -> str:
+    """Where this process's destination memory lives: its buffers' addresses and shapes
+    (other memory holds no base: a JAX receiver gets new arrays every call)."""
     if dst is None:
-        return "", ""
-    where, arrays = hashlib.sha256(), []
+        return ""
+    where = hashlib.sha256()
     for key in sorted(dst.bindings, key=repr):
-        value = dst.bindings[key]
-        for arr in value if isinstance(value, (list, tuple)) else (value,):
+        for arr in _arrays(dst.bindings[key]):
             where.update(repr((key, _address(arr), arr.shape, arr.strides)).encode())
-            arrays.append(arr)
+    return where.hexdigest()
+
+
+def sums_of(dst: Any, keys: Any = None) -> dict[str, str]:
+    """A checksum of each destination binding's bytes (``keys``: those only), by its key."""
     from . import verify
+    keys = sorted(dst.bindings if keys is None else keys, key=repr)
+    arrays = [(k, a) for k in keys for a in _arrays(dst.bindings[k])]
     # by content, never torch write counters: fused optimizers, ``.data`` and numpy views
     # write without moving them (see xreshard.runtime.writes); numpy sums release the GIL,
     # so tensors are checksummed on several threads
-    if len(arrays) > 1 and sum(a.nbytes for a in arrays) >= _PARALLEL_BYTES:
+    if len(arrays) > 1 and sum(a.nbytes for _, a in arrays) >= _PARALLEL_BYTES:
         from concurrent.futures import ThreadPoolExecutor
         with ThreadPoolExecutor(min(len(arrays), _FINGERPRINT_THREADS)) as pool:
-            what = "/".join(pool.map(verify.checksum, arrays))
+            digests = list(pool.map(verify.checksum, [a for _, a in arrays]))
     else:
-        what = "/".join(verify.checksum(a) for a in arrays)
-    return where.hexdigest(), hashlib.sha256(what.encode()).hexdigest()
+        digests = [verify.checksum(a) for _, a in arrays]
+    out: dict[str, list[str]] = {}
+    for (k, _), d in zip(arrays, digests):
+        out.setdefault(_key(k), []).append(d)
+    return {k: "/".join(v) for k, v in out.items()}
 
 
 @dataclass
@@ -403,6 +521,14 @@ class DeltaCall:
     """``atomic``: the baselines' changes until the outcome, ``(pair, tag, how, what)``."""
     pieces: dict[tuple[int, int, int], np.ndarray] = field(default_factory=dict)
     """The split blocks' pieces this call's buckets brought (:meth:`keep_pieces`)."""
+    dense: frozenset[tuple[int, int, int]] = frozenset()
+    """``(src, dst, tag)`` of the buckets of :attr:`pairs` sent dense whatever they hold
+    (said by their sender at ``refit/check``): no header goes before their payloads."""
+
+    def promised(self, b: Bucket) -> bool:
+        """Whether bucket ``b`` goes dense whatever it holds, without a header (see
+        :attr:`dense`)."""
+        return b.stage == 0 and (b.src, b.dst, b.tag) in self.dense
 
     def pieces_base(self, b: Bucket, nbytes: int) -> np.ndarray:
         """A copy of the split blocks' pieces bucket ``b`` brought in the last confirmed

@@ -21,6 +21,9 @@ step and raises the same error (same class, same message):
  (re)prepare    refit/layouts            only when some process's layouts (or the call's
                                          options) changed
                 refit/schedule           preparing errors (planner.prepare runs between)
+ fence          refit/fence              delta calls whose buckets may go as deltas only:
+                                         destinations written outside xreshard
+                                         (delta_wire.DeltaState.fence)
  move           (transport)              execute.run(prepared call)
  outcome        refit/outcome            each process's error, checksums (verify=)
 ```
@@ -330,13 +333,17 @@ class Refit:
             self._members = self.world.processes
         src, dst, errors, snapshot = self._bind_sides(send, receive, snapshot)
         if self.config.delta:       # the diff overlaps refit/check (see delta_wire)
-            self.delta_state.encode_ahead(self._prepared, src)
+            self.delta_state.encode_ahead(self._prepared, src, atomic=self.config.atomic)
         if not errors:          # quantizing overlaps refit/check (see quantize_ahead)
             # but not what the delta encoder quantizes as it diffs: FP8 items once
             self.quant_ahead.start(self._prepared, src, self._programs,
                                    skip=self.delta_state.ahead_buckets)
         replanned = self._prepare(src, dst, errors, self.version + 1)
         target = self.version + 1       # a process new to the world adopted the version
+        if self.config.delta and self.delta_state.fence_needed(self._claims):
+            self._agree("refit/fence", {"errors": self.delta_state.fence(
+                self._claims, self._prepared, dst)},
+                f"refit v{target} refused before moving anything")
         plan_seconds = time.perf_counter() - t0
         error: list[str] | None = None
         moved = Moved()
