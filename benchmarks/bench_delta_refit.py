@@ -254,6 +254,8 @@ def refit_main(args: Any, fractions: list[float],
                "delta_seconds": r["delta"], "diff_seconds": r["diff"],
                "link_gbps": args.link_gbps, "ahead_items": r["ahead_items"],
                "ahead_seconds": r["ahead_seconds"], "delta_cpu_seconds": r["delta_cpu"],
+               # the receiver's own calls (its commit checksum after the outcome included)
+               "receiver_time_ratio": rr["delta"] / rr["dense"],
                # the calls' refit/check + planning and their move, per process (medians)
                "phases": {who: {k: x[k] for k in ("dense_plan", "dense_move", "delta_plan",
                                                   "delta_move", "dense_cpu", "delta_cpu")}

@@ -1,7 +1,10 @@
 """A delta call whose buckets mostly changed: their sender says so at ``refit/check``, so
-they go dense without a header and their receivers do not fence them (a tensor overwritten
-whole needs no base); a tensor a delta may apply to is still fenced, and one written outside
-xreshard is refused on every process before any byte moves (``delta_wire.DeltaState.fence``).
+they go dense without a header, their receivers do not fence them (a tensor overwritten
+whole needs no base), the sender drops their baselines (keeping a sample) and the receiver
+does not checksum what only they wrote. The first sparse call after that goes dense too
+(no baseline to diff) and keeps the baselines; the next sends deltas, and a tensor a delta
+may apply to is fenced: one written outside xreshard is refused on every process before
+any byte moves (``delta_wire.DeltaState.fence``).
 
 Real processes: a JAX trainer (one CPU device) and a torch receiver (plain CPU tensors),
 over gloo; the receiver compares every byte after every call."""
@@ -19,8 +22,10 @@ from xreshard.tools.launch import Role, launch
 SHAPE, NAMES = (256, 256), ("a", "b")
 #: call -> (fraction of elements changed since the last call, the receiver writes "a"
 #: outside xreshard first)
-CALLS = [(1.0, False), (1.0, False), (1.0, True), (0.01, False), (0.01, True), (0.01, False),
-         (0.01, False)]
+#: a bucket's sample (delta_exec.sample: 16 blocks of 2,048 bf16 elements)
+SAMPLE_BYTES = 16 * 2048 * 2
+CALLS = [(1.0, False), (1.0, False), (1.0, True), (0.01, False), (0.01, False), (0.01, True),
+         (0.01, False), (0.01, False)]
 
 
 def versions() -> list[dict[str, np.ndarray]]:
@@ -87,17 +92,21 @@ def test_mostly_changed_buckets_go_dense_unfenced_sparse_ones_stay_fenced():
     bucket = SHAPE[0] * SHAPE[1] * 2
     # 1: seeds (dense); 2, 3: every element changed: said dense at refit/check, no headers
     # (the wire carries exactly the dense bytes), and the outside write before 3 is no error:
-    # "a" goes whole
-    assert sent[0]["pairs"] == 0
+    # "a" goes whole; the baselines are dropped (a sample of each bucket kept)
+    assert sent[0]["pairs"] == 0 and sent[0]["baseline_bytes"] == 2 * bucket
     for d in sent[1:3]:
         assert d["pairs"] == 1 and d["num_delta"] == 0
         assert d["bytes_wire"] == d["bytes_dense"] == 2 * bucket
-    assert got[:3] == [{"exact": True}] * 3
-    # 4: sparse: deltas, each after its 32-byte header
-    assert sent[3]["num_delta"] == 2 and sent[3]["bytes_wire"] < 0.1 * bucket
-    # 5: "a" written outside xreshard before a sparse call: refused on both processes
-    assert isinstance(sent[4], str) and "written outside xreshard" in sent[4]
-    assert got[4] == sent[4]
-    # 6: dense again (the claims went with the refusal), exact; 7: deltas again
-    assert sent[5]["num_delta"] == 0 and got[5] == {"exact": True}
-    assert sent[6]["num_delta"] == 2 and got[6] == {"exact": True}
+        assert d["baseline_bytes"] == 2 * SAMPLE_BYTES        # the samples only
+    # 4: sparse, but no baseline to diff: dense, said so (no headers), baselines kept again
+    assert sent[3]["num_delta"] == 0 and sent[3]["bytes_wire"] == 2 * bucket
+    assert sent[3]["baseline_bytes"] == 2 * bucket
+    assert got[:4] == [{"exact": True}] * 4
+    # 5: deltas, each after its 32-byte header
+    assert sent[4]["num_delta"] == 2 and sent[4]["bytes_wire"] < 0.1 * bucket
+    # 6: "a" written outside xreshard before a sparse call: refused on both processes
+    assert isinstance(sent[5], str) and "written outside xreshard" in sent[5]
+    assert got[5] == sent[5]
+    # 7: dense again (the claims went with the refusal), exact; 8: deltas again
+    assert sent[6]["num_delta"] == 0 and got[6] == {"exact": True}
+    assert sent[7]["num_delta"] == 2 and got[7] == {"exact": True}

@@ -89,17 +89,19 @@ def mostly_changed(old: np.ndarray, parts: Sequence[np.ndarray]) -> bool:
     diff is then skipped and the bucket sent dense (a cost policy: dense is always a valid
     message; a step that changed most weights costs a dense refit plus the baseline's
     copy)."""
-    n = old.size
-    if n <= _SAMPLE_BLOCKS * _SAMPLE_ELEMENTS or old.dtype.kind != "u":
+    new = sample(parts)
+    if new is None or old.size != sum(p.size for p in parts) or old.dtype.kind != "u":
         return False
-    stride, changed, base, k = n // _SAMPLE_BLOCKS, 0, 0, 0
-    for a in range(0, stride * _SAMPLE_BLOCKS, stride):
-        while base + parts[k].size <= a:
-            base += parts[k].size
-            k += 1
-        p = parts[k][a - base:a - base + _SAMPLE_ELEMENTS]       # clipped at a part's end
-        changed += int(np.count_nonzero(old[a:a + p.size] != p))
-    return changed >= DENSE_SAMPLE_FRACTION * _SAMPLE_BLOCKS * _SAMPLE_ELEMENTS
+    stride = old.size // _SAMPLE_BLOCKS
+    mine = [old[a:a + _SAMPLE_ELEMENTS] for a in range(0, stride * _SAMPLE_BLOCKS, stride)]
+    if len(parts) > 1:          # the blocks clipped at a part's end, as sample() clips
+        base, k = 0, 0
+        for i, a in enumerate(range(0, stride * _SAMPLE_BLOCKS, stride)):
+            while base + parts[k].size <= a:
+                base += parts[k].size
+                k += 1
+            mine[i] = mine[i][:min(_SAMPLE_ELEMENTS, base + parts[k].size - a)]
+    return sampled_changed(np.concatenate(mine), new)
 
 
 class Spans(NamedTuple):
@@ -126,16 +128,44 @@ _SPANS: weakref.WeakKeyDictionary[Executor, dict[int, Spans | None]] = \
     weakref.WeakKeyDictionary()
 
 
-def sampled_dense(reader: Executor, b: Bucket, base: np.ndarray) -> bool:
-    """Whether a sample of bucket ``b``, read in place (no packing: else False), says it
-    :func:`mostly_changed` against its baseline ``base``: it then goes dense without a
-    diff, said before the call moves (see ``delta_wire.DeltaState.fence``)."""
+def sample(parts: Sequence[np.ndarray]) -> np.ndarray | None:
+    """The elements :func:`mostly_changed` compares of a bucket given in ``parts`` (its
+    message in pieces), as one new array (``_SAMPLE_BLOCKS`` blocks of up to
+    ``_SAMPLE_ELEMENTS``, spread over it); None: the bucket is too small or not raw bits
+    (it is never sampled)."""
+    n = sum(p.size for p in parts)
+    if n <= _SAMPLE_BLOCKS * _SAMPLE_ELEMENTS or parts[0].dtype.kind != "u":
+        return None
+    stride, base, k, out = n // _SAMPLE_BLOCKS, 0, 0, []
+    if len(parts) == 1:         # the blocks as one strided view: one copy
+        return np.array(parts[0][:stride * _SAMPLE_BLOCKS].reshape(_SAMPLE_BLOCKS, stride)[
+            :, :_SAMPLE_ELEMENTS]).reshape(-1)
+    for a in range(0, stride * _SAMPLE_BLOCKS, stride):
+        while base + parts[k].size <= a:
+            base += parts[k].size
+            k += 1
+        out.append(parts[k][a - base:a - base + _SAMPLE_ELEMENTS])   # clipped at its end
+    return np.concatenate(out)
+
+
+def sampled_changed(old: np.ndarray, new: np.ndarray) -> bool:
+    """Whether two :func:`sample` s of a bucket differ in at least
+    ``DENSE_SAMPLE_FRACTION`` of the blocks' full size."""
+    return old.shape == new.shape and int(np.count_nonzero(old != new)) >= \
+        DENSE_SAMPLE_FRACTION * _SAMPLE_BLOCKS * _SAMPLE_ELEMENTS
+
+
+def in_place_sample(reader: Executor, b: Bucket) -> tuple[Any, np.ndarray] | None:
+    """``(bits dtype, sample)`` of bucket ``b``'s new bytes read in place (no packing),
+    or None: it cannot be sampled so (its items need packing, it is too small, or it
+    cannot go as a delta)."""
     spans = delta_spans(reader, b)
     if spans is None or spans.diffed != ((0, b.nbytes),):
-        return False
+        return None
     bits = bits_dtype(spans.unit)
     parts = _in_place(reader, b, bits)
-    return parts is not None and mostly_changed(base.view(bits), parts)
+    got = None if parts is None else sample(parts)
+    return None if got is None else (bits, got)
 
 
 def _in_place(reader: Executor, b: Bucket, bits: Any) -> list[np.ndarray] | None:
@@ -233,17 +263,15 @@ class Encoder:
         jobs: ``(bucket, baseline)`` in schedule order (a baseline of ``bucket.nbytes``).
         threads: worker threads.
         keep: where a bucket sent dense is packed: "in place", "new" or None (see above).
-        dense: ``(src, dst, tag)`` of buckets that go dense whatever they hold (their
-            sender said so at ``refit/check``): packed (with ``keep``), never diffed.
+        start: begin at once (else at :meth:`start`).
     """
 
     def __init__(self, reader: Executor, jobs: Sequence[tuple[Bucket, np.ndarray]],
                  threads: int = ENCODE_THREADS, keep: str | None = None,
-                 dense: frozenset = frozenset()):
+                 start: bool = True):
         self.reader = reader
         self.threads = max(1, threads)
         self.keep = keep
-        self.dense = dense
         #: buckets whose baseline holds their new bytes (``keep="in place"``)
         self.kept: set[Bucket] = set()
         self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="xreshard-diff")
@@ -252,12 +280,22 @@ class Encoder:
         self._stop = threading.Event()
         self.started = time.perf_counter()
         self.finished = self.started
-        self._futures: dict[Bucket, Future] = {
-            b: self._pool.submit(self._encode, b, base) for b, base in jobs}
+        self._jobs = list(jobs)
+        self._futures: dict[Bucket, Future] = {}
+        if start:
+            self.start()
+
+    def start(self) -> None:
+        """Begin encoding (once; see ``start``)."""
+        jobs, self._jobs = self._jobs, []
+        if jobs and not self._futures:
+            self.started = self.finished = time.perf_counter()
+        for b, base in jobs:
+            self._futures[b] = self._pool.submit(self._encode, b, base)
 
     @property
     def buckets(self) -> frozenset[Bucket]:
-        return frozenset(self._futures)
+        return frozenset(self._futures) | {b for b, _ in self._jobs}
 
     def add(self, jobs: Sequence[tuple[Bucket, np.ndarray]]) -> None:
         """Encode more buckets, after those given so far (a relay's forwards, once their
@@ -267,11 +305,13 @@ class Encoder:
 
     def drop(self, keep: Callable[[Bucket], bool]) -> None:
         """Cancel the buckets ``keep`` rejects (their pairs go dense after all)."""
+        self._jobs = [(b, base) for b, base in self._jobs if keep(b)]
         for b in [b for b in self._futures if not keep(b)]:
             self._futures.pop(b).cancel()
 
     def result(self, b: Bucket, timeout: float) -> Encoded | None:
         """Bucket ``b``'s encoding (waits for it); None: ``b`` was not encoded."""
+        self.start()
         fut = self._futures.get(b)
         if fut is None:
             return None
@@ -286,6 +326,7 @@ class Encoder:
         """Cancel what has not started and wait for what has: no worker reads a source or
         a baseline once this returns."""
         self._stop.set()
+        self._jobs = []
         self._pool.shutdown(wait=True, cancel_futures=True)
 
     def forget(self, sent: dict) -> None:
@@ -316,8 +357,7 @@ class Encoder:
         if isinstance(buf, np.ndarray) and len(spans.diffed) > 1:
             parts = [buf[lo:hi].view(bits) for lo, hi in spans.diffed]
         old = base.view(bits)
-        msg = None if (b.src, b.dst, b.tag) in self.dense or mostly_changed(old, parts) \
-            else encode_parts(old, parts)
+        msg = None if mostly_changed(old, parts) else encode_parts(old, parts)
         header = Header(DENSE, spans.unit, n, n, 0) if msg is None else msg.header
         packed = None
         if msg is None and self.keep and spans.diffed == ((0, b.nbytes),):
@@ -374,7 +414,7 @@ class DeltaExecutor(Executor):
         call = self.delta
         local = {r for t in self.tables for r, _ in t.src_bindings}
         wanted = [(b, spans) for rnd in self.schedule.rounds for b in rnd
-                  if b.src in local and (b.src, b.dst) in call.pairs
+                  if b.src in local and (b.src, b.dst) in call.pairs and not call.promised(b)
                   and (spans := delta_spans(self, b)) is not None and not self._is_forward(b)]
         encoder = call.encoder
         if encoder is None or not {b for b, _ in wanted} <= encoder.buckets:
@@ -600,7 +640,7 @@ class DeltaExecutor(Executor):
         call.bytes_wire += b.nbytes
         self._count_wire(b, b.nbytes, stats)
         spans = delta_spans(self, b)
-        if spans is None:
+        if spans is None or call.dropped(b):    # no baseline kept
             return None, None
         return (call.target(b, spans.nbytes, self._baseline_alloc(b)),
                 [new[lo:hi] for lo, hi in spans.diffed])
@@ -646,8 +686,7 @@ class DeltaExecutor(Executor):
     # host memory here; the device path (delta_device.DeviceDeltaExecutor) overrides them
 
     def _encoder(self, jobs: Sequence[tuple[Bucket, np.ndarray]]) -> Encoder:
-        return Encoder(self, jobs, keep="new" if self.delta.atomic else "in place",
-                       dense=self.delta.dense)
+        return Encoder(self, jobs, keep="new" if self.delta.atomic else "in place")
 
     def _buffer(self, rank: int, nbytes: int) -> Any:
         """An uninitialized message buffer of ``nbytes`` for ``rank``'s memory."""

@@ -39,8 +39,10 @@ tensors such buckets write, only those (:meth:`DeltaState.fence`): one written o
 xreshard is refused on every process before any byte moves (and its claim is dropped: the
 next call is dense).
 A sender samples each bucket before ``refit/check`` and says which it sends dense whatever
-they hold (those that mostly changed): they go without a header, and the tensors only
-they write are overwritten whole, so they are not read.
+they hold (those that mostly changed, and those it holds no baseline of): they go without a
+header, and the tensors only they write are overwritten whole, so they are not read. Those
+that mostly changed also drop their baselines at commit (their samples are kept), and the
+tensors only they wrote are not checksummed then: no delta can reach them next call.
 
 **Encoding ahead.** A sender starts encoding the buckets of the pairs its baselines hold a
 claim for as soon as the call's sources are bound (:meth:`DeltaState.encode_ahead`), with
@@ -150,6 +152,10 @@ class _Baseline:
     """The confirmed call these bytes are of (None: not valid)."""
     digest: str | None = None
     buffers: dict[int, np.ndarray] = field(default_factory=dict)
+    samples: dict[int, np.ndarray] = field(default_factory=dict)
+    """Per bucket tag that holds no bytes (it went dense whole, its baseline dropped: see
+    :meth:`DeltaState.encode_ahead`): the sample of what it last sent, to tell whether
+    the next version mostly changed too."""
 
 
 class DeltaState:
@@ -175,6 +181,9 @@ class DeltaState:
         self._promised: frozenset[tuple[int, int, int]] = frozenset()
         #: the pairs every bucket of which this process's senders send dense this call
         self._whole: frozenset[tuple[int, int]] = frozenset()
+        #: of ``_promised``, those whose baselines are dropped at commit (kept: a sample
+        #: of the new bytes, here until then)
+        self._dropped: dict[tuple[int, int, int], np.ndarray] = {}
         self._decided: tuple[Any, Any, tuple] | None = None
         self._open: DeltaCall | None = None     # begun, neither committed nor aborted
 
@@ -182,7 +191,8 @@ class DeltaState:
     def baseline_bytes(self) -> int:
         """Memory the senders' baselines take, host and device (the bytes this process
         sends per call)."""
-        return sum(buf.nbytes for b in self.sent.values() for buf in b.buffers.values())
+        return sum(buf.nbytes for b in self.sent.values()
+                   for buf in (*b.buffers.values(), *b.samples.values()))
 
     @property
     def baseline_device_bytes(self) -> int:
@@ -214,12 +224,15 @@ class DeltaState:
         if not self.base:
             self.memory = None
         self._nonce = secrets.token_hex(8)
+        if self._ahead is not None:
+            self._ahead[1].start()
         return {"nonce": self._nonce,
                 "send": [[s, r, b.call, b.digest] for (s, r), b in sorted(self.sent.items())
                          if b.call is not None],
                 "recv": [[r, call, sorted(d.items())] for r, (call, d) in
                          sorted(self.base.items())],
                 "dense": [list(k) for k in sorted(self._promised)],
+                "drop": [list(k) for k in sorted(self._dropped)],
                 "dense_pairs": [list(p) for p in sorted(self._whole)]}, []
 
     def fence(self, gathered: Sequence[Any], prepared: Any, dst: Any) -> list[list[str]]:
@@ -241,9 +254,9 @@ class DeltaState:
                     if quant is not None and it.name in quant.tensors:
                         keys.add((b.dst, quant.tensors[it.name].scale))
         held = self.memory[1]
-        keys = {k for k in keys if k in dst.bindings and _key(k) in held}
+        keys = {k for k in keys if k in dst.bindings}
         now = sums_of(dst, keys)
-        if all(now[k] == held[k] for k in now):
+        if all(held.get(k) == v for k, v in now.items()):
             return []
         self.base.clear()
         self.memory = None
@@ -263,16 +276,24 @@ class DeltaState:
         so the diff overlaps ``refit/check``: only pairs whose baseline holds a claim for
         that schedule, which may go as deltas. :meth:`begin` hands the work to the call
         when the schedule stayed; :meth:`stop_ahead` ends it (call it whatever happens).
-        A bucket that mostly changed is packed ahead too, into its baseline (``atomic``:
-        new memory), and sent from there (see :class:`~.delta_exec.Encoder`)."""
+        First each bucket it would diff is sampled, read in place (``delta_exec.sample``,
+        against its baseline, or the sample kept of a bucket whose baseline was dropped):
+        one that mostly changed goes dense, said at ``refit/check`` (no header; its
+        receiver does not fence it), and its baseline is dropped at commit (its sample
+        kept): a step that changed most weights costs a dense refit, not a copy of every
+        byte besides. A bucket with no baseline goes dense, said too (its baseline is set
+        as it is sent). The encoder packs a bucket it finds mostly changed into its
+        baseline (``atomic``: new memory), and it is sent from there (see
+        :class:`~.delta_exec.Encoder`)."""
         self.stop_ahead()
-        self._promised, self._whole = frozenset(), frozenset()
+        self._promised, self._whole, self._dropped = frozenset(), frozenset(), {}
         if prepared is None or src is None or prepared.stages[0].src_from != SOURCES:
             return
         from .delta_device import device_path
         if device_path(src.bindings):       # device memory: encoded in the call
             return
-        from .delta_exec import ENCODE_THREADS, Encoder, delta_spans, sampled_dense
+        from .delta_exec import (ENCODE_THREADS, Encoder, delta_spans, in_place_sample,
+                                 sampled_changed)
         st = prepared.stages[0]
         reader = Executor(prepared.schedule, st.src_layouts, st.dst_layouts, st.wire_dtypes,
                           fit(src, prepared.direct.src_layouts), {},
@@ -280,28 +301,45 @@ class DeltaState:
                           quant=prepared.quant)
         local = {r for r, _ in reader.src_bindings}
         digests = self.pair_digests(prepared)
-        jobs = []
+        jobs, said, scanned = [], set(), set()
         for rnd in prepared.schedule.rounds:
             for b in rnd:
                 pair = self.sent.get((b.src, b.dst))
                 if b.src not in local or pair is None or pair.call is None \
                         or pair.digest != digests.get((b.src, b.dst)):
                     continue
-                base, spans = pair.buffers.get(b.tag), delta_spans(reader, b)
-                if base is not None and spans is not None and base.nbytes == spans.nbytes:
-                    jobs.append((b, base))
+                spans = delta_spans(reader, b)
+                if spans is None:
+                    continue
+                key = (b.src, b.dst, b.tag)
+                scanned.add(key)
+                base = pair.buffers.get(b.tag)
+                if base is not None and base.nbytes != spans.nbytes:
+                    base = None
+                got = in_place_sample(reader, b)
+                if got is not None:
+                    bits, new = got
+                    old = pair.samples.get(b.tag) if base is None else \
+                        in_place_sample_of(base, bits)
+                    if old is not None and sampled_changed(old, new):
+                        # mostly changed: dense, and its baseline dropped (no copy of a
+                        # version that mostly changes again); its sample kept instead
+                        said.add(key)
+                        self._dropped[key] = new
+                        continue
+                if base is None:        # nothing to diff: dense (its baseline kept)
+                    said.add(key)
+                    continue
+                jobs.append((b, base))
+        self._promised = frozenset(said)
+        mixed = {k[:2] for k in scanned - said}
+        self._whole = frozenset({k[:2] for k in scanned} - mixed)
         if jobs:
-            # which buckets mostly changed (a sample of each, read in place): they go dense,
-            # said at refit/check so that their receivers need not fence them
-            self._promised = frozenset((b.src, b.dst, b.tag) for b, base in jobs
-                                       if sampled_dense(reader, b, base))
+            # started once the claims are made (claims()): its threads' start-up overlaps
+            # the check's gather, not what comes before it
             self._ahead = (prepared, Encoder(reader, jobs, threads or ENCODE_THREADS,
                                              keep="new" if atomic else "in place",
-                                             dense=self._promised))
-            # a pair's buckets without a job have no baseline to diff: dense too
-            mixed = {(b.src, b.dst) for b, _ in jobs if (b.src, b.dst, b.tag)
-                     not in self._promised}
-            self._whole = frozenset({(b.src, b.dst) for b, _ in jobs} - mixed)
+                                             start=False))
 
     @property
     def ahead_buckets(self) -> frozenset[Any]:
@@ -327,8 +365,22 @@ class DeltaState:
         ``staged``: this process's destinations receive into staging (its bases survive a
         failed call)."""
         call_id, pairs, dense = self._decide(gathered, prepared)
+        dropped = {(int(s), int(r), int(t)) for g in gathered if isinstance(g, dict)
+                   for s, r, t in g.get("drop") or ()}
+        drop = frozenset(k for k in dense if k in dropped)
+        keys: dict[tuple[int, str], bool] = {}  # destination key -> written by kept ones
+        quant = getattr(prepared, "quant", None)
+        for rnd in prepared.schedule.rounds:
+            for b in rnd:
+                kept = not (b.stage == 0 and (b.src, b.dst, b.tag) in drop)
+                for it in b.items:
+                    names = [it.name] + ([quant.tensors[it.name].scale] if quant is not None
+                                         and it.name in quant.tensors else [])
+                    for n in names:
+                        keys[(b.dst, n)] = keys.get((b.dst, n), False) or kept
         call = DeltaCall(self, call_id, pairs, self.pair_digests(prepared), atomic=atomic,
-                         staged=staged, dense=dense)
+                         staged=staged, dense=dense, drop=drop,
+                         unsummed=frozenset(k for k, kept in keys.items() if not kept))
         self._open = call
         if self._ahead is not None and self._ahead[0] is prepared:
             call.encoder, self._ahead = self._ahead[1], None    # the executor takes it
@@ -398,16 +450,26 @@ class DeltaState:
         committed): its baselines and bases are of it now."""
         self._open = None
         call.settle()
+        for s, r, tag in call.drop:
+            held = self.sent.get((s, r))
+            if held is not None and (s, r, tag) in self._dropped:
+                held.buffers.pop(tag, None)
+                held.samples[tag] = self._dropped[(s, r, tag)]
         for pair in call.sent_pairs:
             b = self.sent.setdefault(pair, _Baseline())
             b.call, b.digest = call.call_id, call.digests[pair]
+            for tag in [t for t in b.samples if t in b.buffers]:    # bytes again
+                del b.samples[tag]
         for r in call.local_dst:
             self.base[r] = (call.call_id, {s: d for (s, rr), d in call.digests.items()
                                            if rr == r})
         self.pieces = {k: v for k, v in self.pieces.items()
                        if k[1] not in call.local_dst} | call.pieces
-        self.memory = (where_of(dst), sums_of(dst)) if self.base and dst is not None \
-            else None
+        # the tensors only dropped buckets wrote cannot get a delta next call (their
+        # senders hold no baseline of them): not checksummed
+        self.memory = (where_of(dst), sums_of(dst, [k for k in dst.bindings
+                                                    if k not in call.unsummed])) \
+            if self.base and dst is not None else None
 
     def abort(self) -> None:
         """The call failed somewhere. Without ``atomic`` every destination may hold a mix
@@ -428,6 +490,12 @@ class DeltaState:
 #: fingerprints of at least this many bytes are checksummed on several threads
 _PARALLEL_BYTES = 1 << 24
 _FINGERPRINT_THREADS = max(1, min(4, os.cpu_count() or 1))
+
+
+def in_place_sample_of(base: np.ndarray, bits: Any) -> np.ndarray | None:
+    """The sample (``delta_exec.sample``) of a baseline ``base`` viewed as ``bits``."""
+    from .delta_exec import sample
+    return sample([base.view(bits)])
 
 
 def _claimed(gathered: Sequence[Any]) -> tuple[dict, dict, set]:
@@ -524,6 +592,14 @@ class DeltaCall:
     dense: frozenset[tuple[int, int, int]] = frozenset()
     """``(src, dst, tag)`` of the buckets of :attr:`pairs` sent dense whatever they hold
     (said by their sender at ``refit/check``): no header goes before their payloads."""
+    drop: frozenset[tuple[int, int, int]] = frozenset()
+    """Of :attr:`dense`, those whose baselines are dropped (not copied as they are sent)."""
+    unsummed: frozenset[tuple[int, str]] = frozenset()
+    """Destination keys only :attr:`drop` buckets write (not checksummed at commit)."""
+
+    def dropped(self, b: Bucket) -> bool:
+        """Whether bucket ``b``'s baseline is dropped (see :attr:`drop`)."""
+        return b.stage == 0 and (b.src, b.dst, b.tag) in self.drop
 
     def promised(self, b: Bucket) -> bool:
         """Whether bucket ``b`` goes dense whatever it holds, without a header (see
