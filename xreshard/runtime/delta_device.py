@@ -39,7 +39,8 @@ from ..delta.host import apply_numpy
 from ..dtypes import bits_dtype
 from ..planner.schedule import Bucket
 from .copies import array_module, copy_into
-from .delta_exec import DeltaExecutor, Encoded, Encoder, delta_unit
+from .delta_encode import Encoded, Encoder, delta_unit
+from .delta_exec import DeltaExecutor
 from .devices import device_ctx
 from .device_ops import DeviceOps, is_host, ops_for, test_switch
 

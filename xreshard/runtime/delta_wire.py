@@ -48,7 +48,7 @@ tensors only they wrote are not checksummed then: no delta can reach them next c
 claim for as soon as the call's sources are bound (:meth:`DeltaState.encode_ahead`), with
 the schedule of the last call, so the diff overlaps ``refit/check`` (the gather and the
 fence). The encoder reads sources and baselines, and packs a bucket said dense into its
-baseline (its message is sent from there; see :class:`~.delta_exec.Encoder`); the call
+baseline (its message is sent from there; see :class:`~.delta_encode.Encoder`); the call
 uses its work only when the schedule stayed and the pair goes as a delta (else the
 baselines it packed are dropped), and it is stopped before the call returns, whatever
 happened.
@@ -101,7 +101,6 @@ memory) or FP8 destinations (the device path's apply writes plain items only).
 from __future__ import annotations
 
 import hashlib
-import os
 import secrets
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
@@ -110,6 +109,7 @@ import numpy as np
 
 from ..planner.prepare import SOURCES
 from ..planner.schedule import Bucket
+from .delta_fence import claimed, sums_of, where_of
 from .execute import Executor
 from .metadata import fit
 
@@ -276,7 +276,7 @@ class DeltaState:
         so the diff overlaps ``refit/check``: only pairs whose baseline holds a claim for
         that schedule, which may go as deltas. :meth:`begin` hands the work to the call
         when the schedule stayed; :meth:`stop_ahead` ends it (call it whatever happens).
-        First each bucket it would diff is sampled, read in place (``delta_exec.sample``,
+        First each bucket it would diff is sampled, read in place (``delta_encode.sample``,
         against its baseline, or the sample kept of a bucket whose baseline was dropped):
         one that mostly changed goes dense, said at ``refit/check`` (no header; its
         receiver does not fence it), and its baseline is dropped at commit (its sample
@@ -284,7 +284,7 @@ class DeltaState:
         byte besides. A bucket with no baseline goes dense, said too (its baseline is set
         as it is sent). The encoder packs a bucket it finds mostly changed into its
         baseline (``atomic``: new memory), and it is sent from there (see
-        :class:`~.delta_exec.Encoder`)."""
+        :class:`~.delta_encode.Encoder`)."""
         self.stop_ahead()
         self._promised, self._whole, self._dropped = frozenset(), frozenset(), {}
         if prepared is None or src is None or prepared.stages[0].src_from != SOURCES:
@@ -292,8 +292,8 @@ class DeltaState:
         from .delta_device import device_path
         if device_path(src.bindings):       # device memory: encoded in the call
             return
-        from .delta_exec import (ENCODE_THREADS, Encoder, delta_spans, in_place_sample,
-                                 sampled_changed)
+        from .delta_encode import (ENCODE_THREADS, Encoder, delta_spans, in_place_sample,
+                                   sample_of, sampled_changed)
         st = prepared.stages[0]
         reader = Executor(prepared.schedule, st.src_layouts, st.dst_layouts, st.wire_dtypes,
                           fit(src, prepared.direct.src_layouts), {},
@@ -320,7 +320,7 @@ class DeltaState:
                 if got is not None:
                     bits, new = got
                     old = pair.samples.get(b.tag) if base is None else \
-                        in_place_sample_of(base, bits)
+                        sample_of(base, bits)
                     if old is not None and sampled_changed(old, new):
                         # mostly changed: dense, and its baseline dropped (no copy of a
                         # version that mostly changes again); its sample kept instead
@@ -393,7 +393,7 @@ class DeltaState:
         same in every process, whose schedules hold their own buckets only): some pair's
         sender and receiver claim the same call, and its sender did not say it sends every
         bucket of it dense."""
-        send, recv, whole = _claimed(gathered)
+        send, recv, whole = claimed(gathered)
         return any(c == recv.get(p) and p not in whole for p, c in send.items())
 
     def _fenced(self, gathered: Sequence[Any], prepared: Any) -> list[Bucket]:
@@ -415,7 +415,7 @@ class DeltaState:
         bodies = [g for g in gathered if isinstance(g, dict)]
         call_id = hashlib.sha256(
             "/".join(str(g.get("nonce")) for g in bodies).encode()).hexdigest()[:24]
-        send, recv, whole = _claimed(gathered)
+        send, recv, whole = claimed(gathered)
         said = {(int(s), int(r), int(t)) for g in bodies for s, r, t in g.get("dense") or ()}
         digests = self.pair_digests(prepared)
         pairs = frozenset(p for p, d in digests.items()
@@ -487,76 +487,6 @@ class DeltaState:
             self.memory = None
 
 
-#: fingerprints of at least this many bytes are checksummed on several threads
-_PARALLEL_BYTES = 1 << 24
-_FINGERPRINT_THREADS = max(1, min(4, os.cpu_count() or 1))
-
-
-def in_place_sample_of(base: np.ndarray, bits: Any) -> np.ndarray | None:
-    """The sample (``delta_exec.sample``) of a baseline ``base`` viewed as ``bits``."""
-    from .delta_exec import sample
-    return sample([base.view(bits)])
-
-
-def _claimed(gathered: Sequence[Any]) -> tuple[dict, dict, set]:
-    """From every process's claims: ``(src, dst) -> (call, digest)`` of the senders'
-    baselines and of the receivers' bases, and the pairs whose sender sends every bucket
-    dense this call."""
-    send: dict[tuple[int, int], tuple] = {}
-    recv: dict[tuple[int, int], tuple] = {}
-    whole: set[tuple[int, int]] = set()
-    for g in gathered:
-        if not isinstance(g, dict):
-            continue
-        for s, r, call, digest in g.get("send") or ():
-            send[(int(s), int(r))] = (call, digest)
-        for r, call, pairs in g.get("recv") or ():
-            for s, digest in pairs:
-                recv[(int(s), int(r))] = (call, digest)
-        whole.update((int(s), int(r)) for s, r in g.get("dense_pairs") or ())
-    return send, recv, whole
-
-
-def _arrays(value: Any) -> tuple[Any, ...]:
-    return tuple(value) if isinstance(value, (list, tuple)) else (value,)
-
-
-def _key(key: Any) -> str:
-    return repr(key)
-
-
-def where_of(dst: Any) -> str:
-    """Where this process's destination memory lives: its buffers' addresses and shapes
-    (other memory holds no base: a JAX receiver gets new arrays every call)."""
-    if dst is None:
-        return ""
-    where = hashlib.sha256()
-    for key in sorted(dst.bindings, key=repr):
-        for arr in _arrays(dst.bindings[key]):
-            where.update(repr((key, _address(arr), arr.shape, arr.strides)).encode())
-    return where.hexdigest()
-
-
-def sums_of(dst: Any, keys: Any = None) -> dict[str, str]:
-    """A checksum of each destination binding's bytes (``keys``: those only), by its key."""
-    from . import verify
-    keys = sorted(dst.bindings if keys is None else keys, key=repr)
-    arrays = [(k, a) for k in keys for a in _arrays(dst.bindings[k])]
-    # by content, never torch write counters: fused optimizers, ``.data`` and numpy views
-    # write without moving them (see xreshard.runtime.writes); numpy sums release the GIL,
-    # so tensors are checksummed on several threads
-    if len(arrays) > 1 and sum(a.nbytes for _, a in arrays) >= _PARALLEL_BYTES:
-        from concurrent.futures import ThreadPoolExecutor
-        with ThreadPoolExecutor(min(len(arrays), _FINGERPRINT_THREADS)) as pool:
-            digests = list(pool.map(verify.checksum, [a for _, a in arrays]))
-    else:
-        digests = [verify.checksum(a) for _, a in arrays]
-    out: dict[str, list[str]] = {}
-    for (k, _), d in zip(arrays, digests):
-        out.setdefault(_key(k), []).append(d)
-    return {k: "/".join(v) for k, v in out.items()}
-
-
 @dataclass
 class DeltaCall:
     """One call's delta decision and what it moved (see :class:`DeltaState`)."""
@@ -579,7 +509,7 @@ class DeltaCall:
     its last bucket's end, on ``encode_threads`` worker threads."""
     encode_threads: int = 0
     encoder: Any = None
-    """The ``delta_exec.Encoder`` at work on this call (started ahead, or by the executor)."""
+    """The ``delta_encode.Encoder`` at work on this call (started ahead, or by the executor)."""
 
     atomic: bool = False
     """``RefitConfig(atomic=True)``: baselines change at :meth:`settle` (the outcome
@@ -654,7 +584,7 @@ class DeltaCall:
         return out
 
     def applied(self, b: Bucket, enc: Any, advance: Callable[[Any, Any], None]) -> None:
-        """Bucket ``b`` went as delta ``enc`` (a ``delta_exec.Encoded``):
+        """Bucket ``b`` went as delta ``enc`` (a ``delta_encode.Encoded``):
         ``advance(enc, baseline)`` applies it to the baseline now (with ``atomic``, at
         :meth:`settle`)."""
         if self.atomic:
@@ -680,12 +610,6 @@ class DeltaCall:
                 "encode_threads": self.encode_threads,
                 "baseline_bytes": self.state.baseline_bytes,
                 "baseline_device_bytes": self.state.baseline_device_bytes}
-
-
-def _address(arr: Any) -> int:
-    """Where ``arr``'s data starts: host (numpy) or device (CUDA Array Interface)."""
-    face = getattr(arr, "__array_interface__", None) or arr.__cuda_array_interface__
-    return int(face["data"][0])
 
 
 def _host_bytes(n: int) -> np.ndarray:

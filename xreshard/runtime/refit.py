@@ -21,9 +21,8 @@ step and raises the same error (same class, same message):
  (re)prepare    refit/layouts            only when some process's layouts (or the call's
                                          options) changed
                 refit/schedule           preparing errors (planner.prepare runs between)
- fence          refit/fence              delta calls whose buckets may go as deltas only:
-                                         destinations written outside xreshard
-                                         (delta_wire.DeltaState.fence)
+ fence          refit/fence              delta calls that may send deltas: destinations
+                                         written outside xreshard (DeltaState.fence)
  move           (transport)              execute.run(prepared call)
  outcome        refit/outcome            each process's error, checksums (verify=)
 ```
