@@ -1,0 +1,174 @@
+"""Adversarial sequences for the delta refit's dense promises, fences and baselines
+(``RefitConfig(delta=True)``; docs/delta.md "A bucket that mostly changed goes dense",
+"Baselines", "Fences"): steps that alternate fully changed and sparse, one tensor fully
+changed beside a sparse one in the same bucket, a destination tensor written by four
+senders some of which send dense (their baselines dropped) while the others send deltas,
+tensors exactly at the sampling threshold (16 * 2,048 elements: never sampled) and one
+element above it, destinations written outside xreshard after a fully changed call and
+between sparse calls; with and without ``atomic``, sources read in place and sources the
+sender must pack (fp32 cast to a bf16 wire: the encoder packs a bucket it finds mostly
+changed into its baseline).
+
+Real processes: a JAX trainer on four CPU devices and a torch receiver with plain tensors,
+over gloo. After every call the receiver compares every byte it holds: a call that
+succeeded left exactly the trainer's version, a call that failed failed the same way on
+both processes and moved no byte (the destinations hold the last version plus the
+outside writes)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+
+from xreshard.tools.launch import Role, launch
+
+#: name -> (shape, JAX partition spec over mesh axis "d" of 4 devices)
+TENSORS = {
+    "w": ((1024, 256), ("d",)),          # four senders into one destination tensor
+    "c": ((256, 512), (None, "d")),      # column shards: strided in the destination
+    "x": ((16 * 2048,), ()),             # at the sampling threshold: never sampled
+    "y": ((16 * 2048 + 1,), ()),         # one element above: sampled
+    "p": ((128, 512), ()),
+    "q": ((128, 512), ()),
+    # several tensors per bucket, a sample block across the boundary of two
+    "m": ((400, 256), ("d",)),
+    "n": ((384, 256), ("d",)),
+}
+#: a bucket of more elements than this is sampled (delta_exec.sample)
+SAMPLED = 16 * 2048
+F, S, Z = 1.0, 0.01, 0.0
+ALL_F = {n: F for n in TENSORS}
+ALL_S = {n: S for n in TENSORS}
+#: per call: fraction of elements changed per tensor ("w": per row shard), and the
+#: elements the receiver flips outside xreshard before the call
+STEPS: list[tuple[dict, list[tuple[str, int]]]] = [
+    (ALL_F, []),
+    (ALL_F, []),
+    (ALL_S, [("p", 5)]),                 # written after a fully changed call
+    (ALL_S, []),
+    ({"w": (F, S, S, F), "c": S, "x": F, "y": F, "p": F, "q": S, "m": S, "n": F}, []),
+    (ALL_S, [("w", 3)]),                 # a dense sender's rows of a fenced tensor
+    (ALL_S, []),
+    (ALL_S, [("q", 7)]),                 # written between sparse calls
+    (ALL_S, []),
+    (ALL_F, [("x", 3)]),
+    (ALL_S, [("y", 32768)]),             # its last element, after a fully changed call
+    (ALL_F, []),
+    (ALL_S, [("w", 1024 * 256 - 1)]),
+    (ALL_F, []),
+    ({"w": (S, F, S, F), "c": F, "x": S, "y": S, "p": S, "q": F, "m": F, "n": S}, []),
+    ({"w": (F, S, F, S), "c": S, "x": F, "y": F, "p": F, "q": S, "m": F, "n": F}, [("c", 1)]),
+    (ALL_S, [("c", 256 * 512 - 1)]),
+    (ALL_S, []),
+    ({n: Z for n in TENSORS}, []),
+    (ALL_F, []),
+    ({**ALL_S, "m": F}, [("n", 9)]),     # one tensor of a bucket fully changed
+    ({**ALL_S, "n": F}, []),
+    (ALL_S, []),
+]
+
+
+def versions() -> list[dict[str, np.ndarray]]:
+    """Each call's bf16 bits (uint16) of every tensor."""
+    rng = np.random.default_rng(11)
+    now = {n: rng.integers(0, 0x3F00, shape, dtype=np.uint16)
+           for n, (shape, _) in TENSORS.items()}
+    out = []
+    for fractions, _ in STEPS:
+        now = {n: v.copy() for n, v in now.items()}
+        for n, v in now.items():
+            f = fractions[n]
+            blocks = np.split(v.reshape(-1), len(f)) if isinstance(f, tuple) else [v.reshape(-1)]
+            for block, frac in zip(blocks, f if isinstance(f, tuple) else (f,)):
+                k = int(block.size * frac)
+                if k:
+                    block[rng.choice(block.size, k, replace=False)] ^= 1
+        out.append(now)
+    return out
+
+
+def _attempt(fn: Any) -> Any:
+    try:
+        return fn()
+    except Exception as e:      # noqa: BLE001 - the test compares what every process raised
+        return f"{type(e).__name__}: {e}"
+
+
+def child(ctx: Any, cast: bool, atomic: bool) -> list:
+    import xreshard as xr
+
+    trainer = ctx.role.group == "trainer"
+    world = ctx.join(groups=["trainer", "rollout"])
+    # buckets of several tensors (p and q share one)
+    config = xr.RefitConfig(delta=True, transport="gloo", timeout=60, atomic=atomic,
+                            bucket_bytes=300_000, wire_dtype="bfloat16" if cast else None)
+    rows: list = []
+    made = versions()
+    if trainer:
+        import jax
+        from jax.sharding import NamedSharding, PartitionSpec as P
+
+        mesh = jax.make_mesh((4,), ("d",), devices=jax.local_devices())
+        refit = xr.Refit(world, send=None, config=config)
+        for v in made:
+            send = {}
+            for n, (_, spec) in TENSORS.items():
+                bits = v[n]
+                host = (bits.astype(np.uint32) << 16).view(np.float32) if cast \
+                    else bits.view(jax.numpy.bfloat16)
+                send[n] = jax.device_put(host, NamedSharding(mesh, P(*spec)))
+            got = _attempt(lambda: refit(send=send))
+            rows.append(got if isinstance(got, str) else dict(got.delta, small=sum(
+                b.nbytes <= 2 * SAMPLED for rnd in refit.prepared.schedule.rounds
+                for b in rnd)))
+    else:
+        import torch
+
+        dst = {n: torch.zeros(shape, dtype=torch.bfloat16) for n, (shape, _) in TENSORS.items()}
+        bits = {n: t.view(torch.uint16).numpy().reshape(-1) for n, t in dst.items()}
+        held = {n: b.copy() for n, b in bits.items()}      # what dst should hold
+        refit = xr.Refit(world, receive=dst, config=config)
+        for (_, outside), v in zip(STEPS, made):
+            for n, i in outside:
+                bits[n][i] ^= 0x40
+                held[n][i] ^= 0x40
+            got = _attempt(refit)
+            if not isinstance(got, str):
+                held = {n: a.reshape(-1).copy() for n, a in v.items()}
+            wrong = sorted(n for n in TENSORS if not np.array_equal(bits[n], held[n]))
+            rows.append(got if isinstance(got, str) else {"wrong": wrong})
+            if isinstance(got, str):
+                rows[-1] = {"error": got, "wrong": wrong}
+    world.close()
+    return rows
+
+
+def _run(cast: bool, atomic: bool) -> None:
+    results = launch(child, [Role("jax", "trainer", 0, num_devices=4),
+                             Role("torch", "rollout", 0)], args=(cast, atomic), timeout=240)
+    sent, got = results[0].value, results[1].value
+    for k, (s, g) in enumerate(zip(sent, got)):
+        assert g["wrong"] == [], (k, s, g)          # never a wrong byte, nor a moved one
+        if isinstance(s, str):
+            assert g.get("error") == s, (k, s, g)    # the same error on both processes
+            assert "written outside xreshard" in s, (k, s)
+        else:
+            assert "error" not in g, (k, s, g)
+    # a tensor written between two sparse calls (its buckets go as deltas) is refused
+    assert isinstance(sent[7], str)
+    # sparse calls after a sparse one send deltas (the sequence is not all dense)
+    assert sum(s["num_delta"] for s in sent if isinstance(s, dict)) > 0
+    if not cast:        # read in place: every sampled bucket of a fully changed call is
+        # said dense (no header), those of several tensors too; only the small ones are
+        # diffed (a header each) and keep their baselines
+        for k in (1, 11, 13, 19):
+            assert sent[k]["bytes_wire"] - sent[k]["bytes_dense"] == 32 * sent[k]["small"], k
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("cast,atomic", [(False, False), (True, False), (False, True),
+                                         (True, True)])
+def test_alternating_mixed_and_written_destinations_never_hold_a_wrong_byte(cast, atomic):
+    _run(cast, atomic)
