@@ -318,9 +318,9 @@ class DeltaState:
                     base = None
                 got = in_place_sample(reader, b)
                 if got is not None:
-                    bits, new = got
+                    bits, new, sizes = got
                     old = pair.samples.get(b.tag) if base is None else \
-                        in_place_sample_of(base, bits)
+                        in_place_sample_of(base, bits, sizes)
                     if old is not None and sampled_changed(old, new):
                         # mostly changed: dense, and its baseline dropped (no copy of a
                         # version that mostly changes again); its sample kept instead
@@ -492,10 +492,12 @@ _PARALLEL_BYTES = 1 << 24
 _FINGERPRINT_THREADS = max(1, min(4, os.cpu_count() or 1))
 
 
-def in_place_sample_of(base: np.ndarray, bits: Any) -> np.ndarray | None:
-    """The sample (``delta_exec.sample``) of a baseline ``base`` viewed as ``bits``."""
-    from .delta_exec import sample
-    return sample([base.view(bits)])
+def in_place_sample_of(base: np.ndarray, bits: Any, sizes: Sequence[int]
+                       ) -> np.ndarray | None:
+    """The sample (``delta_exec.sample``) of a baseline ``base`` viewed as ``bits``, cut
+    in parts of ``sizes`` elements as its bucket's items are (``delta_exec.sample_as``)."""
+    from .delta_exec import sample_as
+    return sample_as(base.view(bits), sizes)
 
 
 def _claimed(gathered: Sequence[Any]) -> tuple[dict, dict, set]:
