@@ -172,3 +172,114 @@ def _run(cast: bool, atomic: bool) -> None:
                                          (True, True)])
 def test_alternating_mixed_and_written_destinations_never_hold_a_wrong_byte(cast, atomic):
     _run(cast, atomic)
+
+
+#: calls of the JAX receiver's test: fraction of elements changed per tensor
+JAX_STEPS = [F, F, S, S, F, S, S, Z]
+
+
+def jax_child(ctx: Any) -> list:
+    """A JAX trainer and a JAX receiver (new arrays every call: its claim drops, every
+    call is dense); ``verify=True``. The receiver also checks that the arrays an earlier
+    call returned still hold that call's version (no delta applied under them)."""
+    import jax
+    import xreshard as xr
+    from jax.sharding import SingleDeviceSharding
+
+    world = ctx.join(groups=["trainer", "rollout"])
+    config = xr.RefitConfig(delta=True, transport="gloo", timeout=60, verify=True,
+                            bucket_bytes=300_000)
+    rng = np.random.default_rng(5)
+    shapes = {"a": (256, 256), "b": (200, 100), "c": (160, 100)}
+    now = {n: rng.integers(0, 0x3F00, s, dtype=np.uint16) for n, s in shapes.items()}
+    made = []
+    for f in JAX_STEPS:
+        now = {n: v.copy() for n, v in now.items()}
+        for v in now.values():
+            k = int(v.size * f)
+            if k:
+                v.reshape(-1)[rng.choice(v.size, k, replace=False)] ^= 1
+        made.append(now)
+    device = jax.local_devices()[0]
+    rows: list = []
+    if ctx.role.group == "trainer":
+        refit = xr.Refit(world, send=None, config=config)
+        for v in made:
+            got = _attempt(lambda: refit(send={n: jax.device_put(a.view(jax.numpy.bfloat16))
+                                               for n, a in v.items()}))
+            rows.append(got if isinstance(got, str) else dict(got.delta))
+    else:
+        like = {n: jax.ShapeDtypeStruct(s, jax.numpy.bfloat16,
+                                        sharding=SingleDeviceSharding(device))
+                for n, s in shapes.items()}
+        refit = xr.Refit(world, receive=like, config=config)
+        earlier: list = []
+        for k, v in enumerate(made):
+            got = _attempt(refit)
+            if isinstance(got, str):
+                rows.append({"error": got})
+                continue
+            earlier.append((k, dict(refit.received)))
+            wrong = [(j, n) for j, arrays in earlier for n, a in arrays.items()
+                     if not np.array_equal(np.asarray(a).view(np.uint16), made[j][n])]
+            rows.append({"wrong": wrong})
+    world.close()
+    return rows
+
+
+@pytest.mark.slow
+def test_jax_receiver_with_verify_holds_every_version_it_returned():
+    results = launch(jax_child, [Role("jax", "trainer", 0, num_devices=1),
+                                 Role("jax", "rollout", 0, num_devices=1)], timeout=200)
+    sent, got = results[0].value, results[1].value
+    assert all(isinstance(s, dict) and s["pairs"] == 0 for s in sent), sent   # dense
+    assert got == [{"wrong": []}] * len(JAX_STEPS), got
+
+
+#: tensors sent per call of the re-plan test: a set that shrinks, then grows again
+REPLAN = [("a", "b"), ("a", "b"), ("a",), ("a",), ("a", "b"), ("a", "b")]
+
+
+def replan_child(ctx: Any) -> list:
+    """Both sides stop refitting a tensor, then resume it (a re-plan each time) while
+    baselines are held: the encoder started ahead with the last call's schedule must not
+    trip over a binding that is gone."""
+    import xreshard as xr
+
+    world = ctx.join(groups=["trainer", "rollout"])
+    config = xr.RefitConfig(delta=True, transport="gloo", timeout=20)
+    rng = np.random.default_rng(3)
+    now = {n: rng.integers(0, 0x3F00, (256, 256), dtype=np.uint16) for n in "ab"}
+    made = []
+    for _ in REPLAN:
+        now = {n: v.copy() for n, v in now.items()}
+        for v in now.values():
+            v.reshape(-1)[rng.choice(v.size, v.size // 100, replace=False)] ^= 1
+        made.append(now)
+    rows: list = []
+    if ctx.role.group == "trainer":
+        import jax
+        refit = xr.Refit(world, send=None, config=config)
+        for names, v in zip(REPLAN, made):
+            got = _attempt(lambda: refit(send={n: jax.device_put(v[n].view(jax.numpy.bfloat16))
+                                               for n in names}))
+            rows.append(got if isinstance(got, str) else got.delta["num_delta"])
+    else:
+        import torch
+        dst = {n: torch.zeros((256, 256), dtype=torch.bfloat16) for n in "ab"}
+        refit = xr.Refit(world, receive=dst, config=config)
+        for names, v in zip(REPLAN, made):
+            got = _attempt(lambda: refit(receive={n: dst[n] for n in names}))
+            rows.append(got if isinstance(got, str) else all(
+                np.array_equal(dst[n].view(torch.uint16).numpy(), v[n]) for n in names))
+    world.close()
+    return rows
+
+
+@pytest.mark.slow
+def test_a_replan_that_drops_a_tensor_while_baselines_are_held():
+    results = launch(replan_child, [Role("jax", "trainer", 0, num_devices=1),
+                                    Role("torch", "rollout", 0)], timeout=120, check=False)
+    sent, got = results[0].value, results[1].value
+    assert got == [True] * len(REPLAN), (sent, got)
+    assert sent[1] == 2 and sent[3] == 1, sent      # deltas between the re-plans
