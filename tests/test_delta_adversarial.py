@@ -283,3 +283,18 @@ def test_a_replan_that_drops_a_tensor_while_baselines_are_held():
     sent, got = results[0].value, results[1].value
     assert got == [True] * len(REPLAN), (sent, got)
     assert sent[1] == 2 and sent[3] == 1, sent      # deltas between the re-plans
+
+
+def test_a_bucket_of_small_tensors_that_changed_whole_is_mostly_changed():
+    """A bucket of many small items (norms, biases): its sample's blocks are clipped at
+    each item's end, so the sample is far smaller than 16 * 2,048 elements; every element
+    changed is still "mostly changed" (90% of the sample), and 1% is not."""
+    from xreshard.runtime.delta_exec import mostly_changed, sample
+
+    old = np.zeros(40 * 1000, np.uint16)
+    new = old + 1
+    assert sample(np.split(new, 40)).size < SAMPLED // 2
+    assert mostly_changed(old, np.split(new, 40))
+    some = old.copy()
+    some[::100] = 1
+    assert not mostly_changed(old, np.split(some, 40))
