@@ -148,9 +148,11 @@ def sample_as(old: np.ndarray, sizes: Sequence[int]) -> np.ndarray | None:
 
 def sampled_changed(old: np.ndarray, new: np.ndarray) -> bool:
     """Whether two :func:`sample` s of a bucket differ in at least
-    ``DENSE_SAMPLE_FRACTION`` of the blocks' full size."""
+    ``DENSE_SAMPLE_FRACTION`` of their elements (of the sample's own size: a bucket of
+    small items clips every block at an item's end, so its sample may hold far fewer than
+    the blocks' full size even when every element changed)."""
     return old.shape == new.shape and int(np.count_nonzero(old != new)) >= \
-        DENSE_SAMPLE_FRACTION * _SAMPLE_BLOCKS * _SAMPLE_ELEMENTS
+        DENSE_SAMPLE_FRACTION * new.size
 
 
 def in_place_sample(reader: Executor, b: Bucket
