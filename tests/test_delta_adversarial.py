@@ -35,6 +35,8 @@ TENSORS = {
     # several tensors per bucket, a sample block across the boundary of two
     "m": ((400, 256), ("d",)),
     "n": ((384, 256), ("d",)),
+    # a bucket of many small tensors per sender (norms, biases)
+    **{f"s{i:02}": ((4000,), ("d",)) for i in range(40)},
 }
 #: a bucket of more elements than this is sampled (delta_exec.sample)
 SAMPLED = 16 * 2048
@@ -56,15 +58,16 @@ STEPS: list[tuple[dict, list[tuple[str, int]]]] = [
     (ALL_F, [("x", 3)]),
     (ALL_S, [("y", 32768)]),             # its last element, after a fully changed call
     (ALL_F, []),
-    (ALL_S, [("w", 1024 * 256 - 1)]),
+    (ALL_S, [("w", 1024 * 256 - 1), ("s39", 3999)]),
     (ALL_F, []),
-    ({"w": (S, F, S, F), "c": F, "x": S, "y": S, "p": S, "q": F, "m": F, "n": S}, []),
+    ({"w": (S, F, S, F), "c": F, "x": S, "y": S, "p": S, "q": F, "m": F, "n": S, "*": F},
+     [("s03", 0)]),
     ({"w": (F, S, F, S), "c": S, "x": F, "y": F, "p": F, "q": S, "m": F, "n": F}, [("c", 1)]),
     (ALL_S, [("c", 256 * 512 - 1)]),
     (ALL_S, []),
     ({n: Z for n in TENSORS}, []),
     (ALL_F, []),
-    ({**ALL_S, "m": F}, [("n", 9)]),     # one tensor of a bucket fully changed
+    ({**ALL_S, "m": F, "s07": F}, [("n", 9)]),   # one tensor of a bucket fully changed
     ({**ALL_S, "n": F}, []),
     (ALL_S, []),
 ]
@@ -79,7 +82,7 @@ def versions() -> list[dict[str, np.ndarray]]:
     for fractions, _ in STEPS:
         now = {n: v.copy() for n, v in now.items()}
         for n, v in now.items():
-            f = fractions[n]
+            f = fractions.get(n, fractions.get("*", S))     # "*": the small ones
             blocks = np.split(v.reshape(-1), len(f)) if isinstance(f, tuple) else [v.reshape(-1)]
             for block, frac in zip(blocks, f if isinstance(f, tuple) else (f,)):
                 k = int(block.size * frac)
@@ -96,14 +99,14 @@ def _attempt(fn: Any) -> Any:
         return f"{type(e).__name__}: {e}"
 
 
-def child(ctx: Any, cast: bool, atomic: bool) -> list:
+def child(ctx: Any, cast: bool, atomic: bool, verify: bool) -> list:
     import xreshard as xr
 
     trainer = ctx.role.group == "trainer"
     world = ctx.join(groups=["trainer", "rollout"])
     # buckets of several tensors (p and q share one)
     config = xr.RefitConfig(delta=True, transport="gloo", timeout=60, atomic=atomic,
-                            bucket_bytes=300_000, wire_dtype="bfloat16" if cast else None)
+                            verify=verify, bucket_bytes=300_000, wire_dtype="bfloat16" if cast else None)
     rows: list = []
     made = versions()
     if trainer:
@@ -145,9 +148,10 @@ def child(ctx: Any, cast: bool, atomic: bool) -> list:
     return rows
 
 
-def _run(cast: bool, atomic: bool) -> None:
+def _run(cast: bool, atomic: bool, verify: bool) -> None:
     results = launch(child, [Role("jax", "trainer", 0, num_devices=4),
-                             Role("torch", "rollout", 0)], args=(cast, atomic), timeout=240)
+                             Role("torch", "rollout", 0)], args=(cast, atomic, verify),
+                     timeout=240)
     sent, got = results[0].value, results[1].value
     for k, (s, g) in enumerate(zip(sent, got)):
         assert g["wrong"] == [], (k, s, g)          # never a wrong byte, nor a moved one
@@ -168,10 +172,11 @@ def _run(cast: bool, atomic: bool) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("cast,atomic", [(False, False), (True, False), (False, True),
-                                         (True, True)])
-def test_alternating_mixed_and_written_destinations_never_hold_a_wrong_byte(cast, atomic):
-    _run(cast, atomic)
+@pytest.mark.parametrize("cast,atomic,verify", [(False, False, False), (True, False, True),
+                                                (False, True, True), (True, True, False)])
+def test_alternating_mixed_and_written_destinations_never_hold_a_wrong_byte(cast, atomic,
+                                                                          verify):
+    _run(cast, atomic, verify)
 
 
 #: calls of the JAX receiver's test: fraction of elements changed per tensor
