@@ -104,9 +104,10 @@ def child(ctx: Any, cast: bool, atomic: bool, verify: bool) -> list:
 
     trainer = ctx.role.group == "trainer"
     world = ctx.join(groups=["trainer", "rollout"])
-    # buckets of several tensors (p and q share one)
+    # buckets of several small tensors (items under 64 KiB are packed together)
     config = xr.RefitConfig(delta=True, transport="gloo", timeout=60, atomic=atomic,
-                            verify=verify, bucket_bytes=300_000, wire_dtype="bfloat16" if cast else None)
+                            verify=verify, bucket_bytes=300_000,
+                            wire_dtype="bfloat16" if cast else None)
     rows: list = []
     made = versions()
     if trainer:
