@@ -51,7 +51,8 @@ fence). The encoder reads sources and baselines, and packs a bucket said dense i
 baseline (its message is sent from there; see :class:`~.delta_exec.Encoder`); the call
 uses its work only when the schedule stayed and the pair goes as a delta (else the
 baselines it packed are dropped), and it is stopped before the call returns, whatever
-happened.
+happened. Where this call's sources no longer fit that schedule (a tensor dropped: the call
+re-plans), nothing is encoded ahead, and the call goes on as without it.
 
 **With ``atomic=True``** (:mod:`.atomic`) a receiver's destinations are shadowed: the
 shadows are refreshed from the live destinations at the start of the call, so a delta
