@@ -49,16 +49,8 @@ def mostly_changed(old: np.ndarray, parts: Sequence[np.ndarray]) -> bool:
     new = sample(parts)
     if new is None or old.size != sum(p.size for p in parts) or old.dtype.kind != "u":
         return False
-    stride = old.size // _SAMPLE_BLOCKS
-    mine = [old[a:a + _SAMPLE_ELEMENTS] for a in range(0, stride * _SAMPLE_BLOCKS, stride)]
-    if len(parts) > 1:          # the blocks clipped at a part's end, as sample() clips
-        base, k = 0, 0
-        for i, a in enumerate(range(0, stride * _SAMPLE_BLOCKS, stride)):
-            while base + parts[k].size <= a:
-                base += parts[k].size
-                k += 1
-            mine[i] = mine[i][:min(_SAMPLE_ELEMENTS, base + parts[k].size - a)]
-    return sampled_changed(np.concatenate(mine), new)
+    mine = sample_as(old, [p.size for p in parts])
+    return mine is not None and sampled_changed(mine, new)
 
 
 class Spans(NamedTuple):
@@ -105,29 +97,42 @@ def sample(parts: Sequence[np.ndarray]) -> np.ndarray | None:
     return np.concatenate(out)
 
 
-def sample_of(base: np.ndarray, bits: Any) -> np.ndarray | None:
-    """The :func:`sample` of a baseline ``base`` (one array) viewed as ``bits``."""
-    return sample([base.view(bits)])
+def sample_as(old: np.ndarray, sizes: Sequence[int]) -> np.ndarray | None:
+    """The :func:`sample` of ``old`` (one array: a baseline) cut in parts of ``sizes``
+    elements, as the bucket's new version is given: the same elements, blocks clipped at
+    the same part ends (a baseline sampled whole would not compare with it)."""
+    return sample(np.split(old, np.cumsum(sizes)[:-1]))
+
+
+def sample_of(base: np.ndarray, bits: Any, sizes: Sequence[int]) -> np.ndarray | None:
+    """The :func:`sample` of a baseline ``base`` viewed as ``bits``, cut in parts of
+    ``sizes`` elements as its bucket's items are (:func:`sample_as`)."""
+    return sample_as(base.view(bits), sizes)
 
 
 def sampled_changed(old: np.ndarray, new: np.ndarray) -> bool:
     """Whether two :func:`sample` s of a bucket differ in at least
-    ``DENSE_SAMPLE_FRACTION`` of the blocks' full size."""
+    ``DENSE_SAMPLE_FRACTION`` of their elements (of the sample's own size: a bucket of
+    small items clips every block at an item's end, so its sample may hold far fewer than
+    the blocks' full size even when every element changed)."""
     return old.shape == new.shape and int(np.count_nonzero(old != new)) >= \
-        DENSE_SAMPLE_FRACTION * _SAMPLE_BLOCKS * _SAMPLE_ELEMENTS
+        DENSE_SAMPLE_FRACTION * new.size
 
 
-def in_place_sample(reader: Executor, b: Bucket) -> tuple[Any, np.ndarray] | None:
-    """``(bits dtype, sample)`` of bucket ``b``'s new bytes read in place (no packing),
-    or None: it cannot be sampled so (its items need packing, it is too small, or it
-    cannot go as a delta)."""
+def in_place_sample(reader: Executor, b: Bucket
+                    ) -> tuple[Any, np.ndarray, tuple[int, ...]] | None:
+    """``(bits dtype, sample, part sizes)`` of bucket ``b``'s new bytes read in place (no
+    packing: the parts are its items, of those sizes in elements; sample its baseline in
+    the same parts, :func:`sample_as`), or None: it cannot be sampled so (its items need
+    packing, it is too small, or it cannot go as a delta)."""
     spans = delta_spans(reader, b)
     if spans is None or spans.diffed != ((0, b.nbytes),):
         return None
     bits = bits_dtype(spans.unit)
     parts = _in_place(reader, b, bits)
     got = None if parts is None else sample(parts)
-    return None if got is None else (bits, got)
+    return None if got is None or parts is None else \
+        (bits, got, tuple(p.size for p in parts))
 
 
 def _in_place(reader: Executor, b: Bucket, bits: Any) -> list[np.ndarray] | None:

@@ -51,7 +51,8 @@ fence). The encoder reads sources and baselines, and packs a bucket said dense i
 baseline (its message is sent from there; see :class:`~.delta_encode.Encoder`); the call
 uses its work only when the schedule stayed and the pair goes as a delta (else the
 baselines it packed are dropped), and it is stopped before the call returns, whatever
-happened.
+happened. Where this call's sources no longer fit that schedule (a tensor dropped: the call
+re-plans), nothing is encoded ahead, and the call goes on as without it.
 
 **With ``atomic=True``** (:mod:`.atomic`) a receiver's destinations are shadowed: the
 shadows are refreshed from the live destinations at the start of the call, so a delta
@@ -101,6 +102,7 @@ memory) or FP8 destinations (the device path's apply writes plain items only).
 from __future__ import annotations
 
 import hashlib
+import logging
 import secrets
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
@@ -114,6 +116,8 @@ from .execute import Executor
 from .metadata import fit
 
 __all__ = ["DeltaCall", "DeltaState", "delta_problems"]
+
+logger = logging.getLogger(__name__)
 
 
 def delta_problems(config: Any, on_device: bool, quantized: bool = False, *,
@@ -292,8 +296,35 @@ class DeltaState:
         from .delta_device import device_path
         if device_path(src.bindings):       # device memory: encoded in the call
             return
-        from .delta_encode import (ENCODE_THREADS, Encoder, delta_spans, in_place_sample,
-                                   sample_of, sampled_changed)
+        from .delta_encode import ENCODE_THREADS, Encoder
+        try:
+            reader, jobs, said, scanned, self._dropped = self._scan(prepared, src)
+        except Exception:       # noqa: BLE001 - only an optimization: the call decides as before
+            # the last schedule does not fit these sources (they changed: the call
+            # re-plans, and a missing binding must not fail this process alone)
+            logger.debug("not encoding ahead: the last schedule does not fit these sources",
+                         exc_info=True)
+            return
+        self._promised = frozenset(said)
+        # a pair that forwards too (a relay's stage 2) is never whole: its forwards may go
+        # as deltas, fenced like any
+        forwarding = {(b.src, b.dst) for rnd in prepared.schedule.rounds for b in rnd
+                      if b.stage > 0}
+        mixed = {k[:2] for k in scanned - said} | forwarding
+        self._whole = frozenset({k[:2] for k in scanned} - mixed)
+        if jobs:
+            # started once the claims are made (claims()): its threads' start-up overlaps
+            # the check's gather, not what comes before it
+            self._ahead = (prepared, Encoder(reader, jobs, threads or ENCODE_THREADS,
+                                             keep="new" if atomic else "in place",
+                                             start=False))
+
+    def _scan(self, prepared: Any, src: Any) -> tuple[Executor, list, set, set, dict]:
+        """:meth:`encode_ahead`'s look at this call's sources with the last call's schedule:
+        ``(reader, jobs to encode, buckets said dense, buckets sampled or diffed, the samples
+        of those whose baselines are dropped)``; it may raise where the sources no longer
+        fit that schedule."""
+        from .delta_encode import delta_spans, in_place_sample, sample_of, sampled_changed
         st = prepared.stages[0]
         reader = Executor(prepared.schedule, st.src_layouts, st.dst_layouts, st.wire_dtypes,
                           fit(src, prepared.direct.src_layouts), {},
@@ -301,7 +332,7 @@ class DeltaState:
                           quant=prepared.quant)
         local = {r for r, _ in reader.src_bindings}
         digests = self.pair_digests(prepared)
-        jobs, said, scanned = [], set(), set()
+        jobs, said, scanned, dropped = [], set(), set(), {}
         for rnd in prepared.schedule.rounds:
             for b in rnd:
                 pair = self.sent.get((b.src, b.dst))
@@ -318,28 +349,20 @@ class DeltaState:
                     base = None
                 got = in_place_sample(reader, b)
                 if got is not None:
-                    bits, new = got
+                    bits, new, sizes = got
                     old = pair.samples.get(b.tag) if base is None else \
-                        sample_of(base, bits)
+                        sample_of(base, bits, sizes)
                     if old is not None and sampled_changed(old, new):
                         # mostly changed: dense, and its baseline dropped (no copy of a
                         # version that mostly changes again); its sample kept instead
                         said.add(key)
-                        self._dropped[key] = new
+                        dropped[key] = new
                         continue
                 if base is None:        # nothing to diff: dense (its baseline kept)
                     said.add(key)
                     continue
                 jobs.append((b, base))
-        self._promised = frozenset(said)
-        mixed = {k[:2] for k in scanned - said}
-        self._whole = frozenset({k[:2] for k in scanned} - mixed)
-        if jobs:
-            # started once the claims are made (claims()): its threads' start-up overlaps
-            # the check's gather, not what comes before it
-            self._ahead = (prepared, Encoder(reader, jobs, threads or ENCODE_THREADS,
-                                             keep="new" if atomic else "in place",
-                                             start=False))
+        return reader, jobs, said, scanned, dropped
 
     @property
     def ahead_buckets(self) -> frozenset[Any]:
