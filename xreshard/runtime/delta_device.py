@@ -13,6 +13,16 @@ The host delta executor (:mod:`.delta_exec`) with its memory hooks pointed at th
  baseline <- message applied / bytes copied          with torch ops on e
 ```
 
+FP8 destinations quantized on the way: the sender's pack quantizes the bucket's whole
+blocks with the device quantizer (:mod:`.quantize_device`) and the encoder diffs the packed
+bytes (scales, then codes, and split blocks' bf16 pieces; unit 1), as the host path does
+(:func:`.delta_exec.delta_spans`). The receiver gathers the bucket's base into scratch on
+its device in message order (codes and scales read from the destination, split blocks'
+pieces uploaded from the bytes it kept of the last call, :mod:`.delta_land`), applies the
+delta there and writes it back: codes and scales in place, the pieces into the scratch it
+then quantizes with the device quantizer (``quantized.finish``), their bytes kept on the
+host as the next call's base.
+
 Which framework runs the ops: :func:`xreshard.runtime.device_ops.ops_for` (a JAX trainer
 diffs with jitted JAX, a torch process with torch ops; ``Tuning(device_kernels=...)``
 overrides). Where a sender keeps its baselines: ``Tuning(delta_baseline="host")`` (the

@@ -93,9 +93,11 @@ process before any byte moves). Host bindings: delta composes with ``wire_dtype`
 new bytes and messages are held until the outcome) and it forwards from its staging; with
 FP8 destinations a forwarder diffs the finished codes and scales it forwards (plain
 tensors of stage 2) against what it last forwarded. Device bindings: delta with
-``wire_dtype`` and ``atomic=True`` (the baselines' changes are held until the outcome and
-applied by the device ops then), but not with ``relay`` (the forwards' encoder reads host
-memory) or FP8 destinations (the device path's apply writes plain items only).
+``wire_dtype``, ``atomic=True`` (the baselines' changes are held until the outcome and
+applied by the device ops then) and FP8 destinations (quantized and diffed on the
+sender's device, applied to codes, scales and split blocks' pieces on the receiver's:
+:mod:`.delta_device`), together too, but not with ``relay`` (the forwards' encoder reads
+host memory).
 """
 
 from __future__ import annotations
