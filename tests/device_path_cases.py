@@ -49,12 +49,13 @@ def fp8_rollout(ctx: Any, bad: str | None) -> dict:
 # trainer's devices) as deltas through the device path: A (seeds, dense), B and A (1% of
 # the elements changed), C (every element changed), D and C (1% again). After every call
 # each receiver holds the host quantizer's codes and scales of the whole new tensors.
+# ``atomic``: RefitConfig(atomic=True) too (deltas land in the receivers' staging).
 
 FP8_DELTA_STEPS = ("A", "B", "A", "C", "D", "C")
 FP8_DELTA_FULL = 3      # the call (0-based) that changed every element
 
 
-def fp8_delta_trainer(ctx: Any) -> dict:
+def fp8_delta_trainer(ctx: Any, atomic: bool) -> dict:
     import jax
     from jax.sharding import NamedSharding, PartitionSpec as P
     import xreshard as xr
@@ -66,7 +67,7 @@ def fp8_delta_trainer(ctx: Any) -> dict:
         return {name: jax.device_put(a, NamedSharding(mesh, P(*compose.FP8_TENSORS[name][2])))
                 for name, a in compose.fp8_values(step).items()}
 
-    refit = xr.Refit(world, send=params("A"), config=_fp8_delta_config(xr))
+    refit = xr.Refit(world, send=params("A"), config=_fp8_delta_config(xr, atomic))
     rows = []
     for step in FP8_DELTA_STEPS:
         report = delta_cases._attempt(lambda: refit(send=params(step)))
@@ -78,11 +79,12 @@ def fp8_delta_trainer(ctx: Any) -> dict:
     return {"rows": rows, "counts": _counts()}
 
 
-def _fp8_delta_config(xr: Any) -> Any:
-    return xr.RefitConfig(timeout=TIMEOUT, bucket_bytes=1 << 15, delta=True, verify=True)
+def _fp8_delta_config(xr: Any, atomic: bool) -> Any:
+    return xr.RefitConfig(timeout=TIMEOUT, bucket_bytes=1 << 15, delta=True, verify=True,
+                          atomic=atomic)
 
 
-def fp8_delta_rollout(ctx: Any) -> dict:
+def fp8_delta_rollout(ctx: Any, atomic: bool) -> dict:
     import hashlib
     import torch
     import torch.distributed as dist
@@ -92,7 +94,7 @@ def fp8_delta_rollout(ctx: Any) -> dict:
     delta_cases._torch_group(ctx, n, me, "rollout")
     world = ctx.join(groups=["trainer", "rollout"], timeout=120)
     state, local = compose._fp8_state(me, n)
-    refit = xr.Refit(world, receive=state, config=_fp8_delta_config(xr))
+    refit = xr.Refit(world, receive=state, config=_fp8_delta_config(xr, atomic))
     rows, checked = [], 0
     for step in FP8_DELTA_STEPS:
         row = delta_cases._row(delta_cases._attempt(refit))
@@ -107,6 +109,7 @@ def fp8_delta_rollout(ctx: Any) -> dict:
                 checked += len(g)
         row["held"] = held
         rows.append(row)
+    staging = refit._staging.nbytes if refit._staging is not None else 0
     world.close()
     dist.destroy_process_group()
-    return {"rows": rows, "checked": checked, "counts": _counts()}
+    return {"rows": rows, "checked": checked, "counts": _counts(), "staging_bytes": staging}

@@ -186,19 +186,21 @@ def test_fp8_device_path_between_processes(kind):
 
 
 @pytest.mark.slow
-def test_fp8_delta_device_path_between_processes():
+@pytest.mark.parametrize("atomic", [False, True])
+def test_fp8_delta_device_path_between_processes(atomic):
     """Delta refit to FP8 destinations through the device path (torch ops; the trainer's
     baselines "on the device"): A, B, A (1% changed), C (all changed), D, C (1% changed),
     verify=True. The trainer quantizes its whole blocks with the device quantizer and diffs
     scales and codes as bytes; the receivers apply the deltas to their codes and scales
     and to the split blocks' bf16 pieces, then quantize those. After every call each
     receiver holds the host quantizer's codes and scales of the new tensors (checked in
-    the child), and every call moved the bytes the host path moves for the same steps."""
+    the child), and every call moved the bytes the host path moves for the same steps.
+    ``atomic``: with RefitConfig(atomic=True) too (the receivers' staging)."""
     kind = "torch"
     env = {"XRESHARD_TEST_DEVICE_OPS": kind, "XRESHARD_DELTA_BASELINE": "device"}
     procs = [cases.fp8_delta_trainer, cases.fp8_delta_rollout, cases.fp8_delta_rollout]
-    results = launch(procs, ROLES, timeout=600, env=env)
-    host = launch(procs, ROLES, timeout=600)
+    results = launch(procs, ROLES, args=(atomic,), timeout=600, env=env)
+    host = launch(procs, ROLES, args=(atomic,), timeout=600)
     rows, host_rows = results[0].value["rows"], host[0].value["rows"]
     assert all("error" not in r for r in rows), rows
     assert [r["version"] for r in rows] == list(range(1, len(cases.FP8_DELTA_STEPS) + 1))
@@ -225,6 +227,7 @@ def test_fp8_delta_device_path_between_processes():
         out = res.value["rows"]
         assert all("wrong" not in x and "error" not in x for x in out), out
         assert res.value["checked"] > 0
+        assert (res.value["staging_bytes"] > 0) == atomic
         assert res.value["counts"].get(f"apply/{kind}", 0) > 0          # deltas applied
         assert res.value["counts"].get(f"quantize/{kind}", 0) > 0       # split blocks
         assert [x["held"] for x in out] == [x["held"] for x in res_host.value["rows"]]
