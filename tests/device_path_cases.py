@@ -46,13 +46,14 @@ def fp8_rollout(ctx: Any, bad: str | None) -> dict:
 # ---------------------------------------------------------------------------- delta + FP8
 # tests/delta_compose_cases.py's FP8 destinations (a JAX trainer's bf16 values, torch
 # receivers storing block FP8 / MXFP8; ``w`` and ``mx`` have blocks split across the
-# trainer's devices) as deltas through the device path: A (seeds, dense), B and A (1% of
-# the elements changed), C (every element changed), D and C (1% again). After every call
+# trainer's devices) as deltas through the device path: A (seeds, dense), B (1% of the
+# elements changed), B (nothing: headers only), A (1%), C (every element changed), D and
+# C (1% again). After every call
 # each receiver holds the host quantizer's codes and scales of the whole new tensors.
 # ``atomic``: RefitConfig(atomic=True) too (deltas land in the receivers' staging).
 
-FP8_DELTA_STEPS = ("A", "B", "A", "C", "D", "C")
-FP8_DELTA_FULL = 3      # the call (0-based) that changed every element
+FP8_DELTA_STEPS = ("A", "B", "B", "A", "C", "D", "C")
+FP8_DELTA_FULL = 4      # the call (0-based) that changed every element
 
 
 def fp8_delta_trainer(ctx: Any, atomic: bool) -> dict:

@@ -189,8 +189,8 @@ def test_fp8_device_path_between_processes(kind):
 @pytest.mark.parametrize("atomic", [False, True])
 def test_fp8_delta_device_path_between_processes(atomic):
     """Delta refit to FP8 destinations through the device path (torch ops; the trainer's
-    baselines "on the device"): A, B, A (1% changed), C (all changed), D, C (1% changed),
-    verify=True. The trainer quantizes its whole blocks with the device quantizer and diffs
+    baselines "on the device"): A, B (1% changed), B (unchanged), A (1%), C (all
+    changed), D, C (1%), verify=True. The trainer quantizes its whole blocks with the device quantizer and diffs
     scales and codes as bytes; the receivers apply the deltas to their codes and scales
     and to the split blocks' bf16 pieces, then quantize those. After every call each
     receiver holds the host quantizer's codes and scales of the new tensors (checked in
