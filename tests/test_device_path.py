@@ -190,12 +190,13 @@ def test_fp8_device_path_between_processes(kind):
 def test_fp8_delta_device_path_between_processes(atomic):
     """Delta refit to FP8 destinations through the device path (torch ops; the trainer's
     baselines "on the device"): A, B (1% changed), B (unchanged), A (1%), C (all
-    changed), D, C (1%), verify=True. The trainer quantizes its whole blocks with the device quantizer and diffs
-    scales and codes as bytes; the receivers apply the deltas to their codes and scales
-    and to the split blocks' bf16 pieces, then quantize those. After every call each
-    receiver holds the host quantizer's codes and scales of the new tensors (checked in
-    the child), and every call moved the bytes the host path moves for the same steps.
-    ``atomic``: with RefitConfig(atomic=True) too (the receivers' staging)."""
+    changed), D, C (1%), verify=True. The trainer quantizes its whole blocks with the
+    device quantizer and diffs scales and codes as bytes; the receivers apply the deltas
+    to their codes and scales and to the split blocks' bf16 pieces, then quantize those.
+    With RefitConfig(atomic=True) too (``atomic``: deltas into the receivers' staging).
+    After every call each receiver holds the host quantizer's codes and scales of the new
+    tensors (checked in the child), and every call moved the bytes the host path moves for
+    the same steps."""
     kind = "torch"
     env = {"XRESHARD_TEST_DEVICE_OPS": kind, "XRESHARD_DELTA_BASELINE": "device"}
     procs = [cases.fp8_delta_trainer, cases.fp8_delta_rollout, cases.fp8_delta_rollout]
