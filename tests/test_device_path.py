@@ -202,8 +202,16 @@ def test_fp8_delta_device_path_between_processes(atomic):
     procs = [cases.fp8_delta_trainer, cases.fp8_delta_rollout, cases.fp8_delta_rollout]
     results = launch(procs, ROLES, args=(atomic,), timeout=600, env=env)
     host = launch(procs, ROLES, args=(atomic,), timeout=600)
+    # the host path round by round too (the groups the device path runs): the unchanged
+    # call's round moves nothing but still lands (its split pieces are kept)
+    rounds = launch(procs, ROLES, args=(atomic,), timeout=600,
+                    env={"XRESHARD_EXECUTOR": "rounds"})
     rows, host_rows = results[0].value["rows"], host[0].value["rows"]
     assert all("error" not in r for r in rows), rows
+    moved = [(r["sent"], r["delta"]["bytes_wire"], r["delta"]["num_delta"])
+             for r in rounds[0].value["rows"]]
+    assert moved == [(r["sent"], r["delta"]["bytes_wire"], r["delta"]["num_delta"])
+                     for r in host_rows], moved
     assert [r["version"] for r in rows] == list(range(1, len(cases.FP8_DELTA_STEPS) + 1))
     assert rows[0]["delta"]["pairs"] == 0 and rows[0]["quantized"]["fp8_sent"] > 0
     for k, r in enumerate(rows):
@@ -224,9 +232,10 @@ def test_fp8_delta_device_path_between_processes(atomic):
     assert counts.get(f"encode/{kind}", 0) > 0 and counts.get(f"quantize/{kind}", 0) > 0
     assert counts.get(f"apply/{kind}", 0) > 0           # baselines advanced on the device
     assert host[0].value["counts"] == {}
-    for res, res_host in zip(results[1:], host[1:]):
+    for res, res_host, res_rounds in zip(results[1:], host[1:], rounds[1:]):
         out = res.value["rows"]
         assert all("wrong" not in x and "error" not in x for x in out), out
+        assert all("wrong" not in x and "error" not in x for x in res_rounds.value["rows"])
         assert res.value["checked"] > 0
         assert (res.value["staging_bytes"] > 0) == atomic
         assert res.value["counts"].get(f"apply/{kind}", 0) > 0          # deltas applied
