@@ -182,15 +182,16 @@ FP8_CHANGED = 0.01
 def fp8_values(step: str, tensors: dict | None = None) -> dict[str, np.ndarray]:
     """``A``: random bf16 tensors of ``tensors`` (default :data:`FP8_TENSORS`; row
     magnitudes spread over 2^-6..2^6); ``B``: ``A`` with the lowest bit of 1% of each
-    tensor's elements flipped."""
+    tensor's elements flipped. ``C`` and ``D``: the same of other random tensors (every
+    element, code and scale changed from ``A`` or ``B``)."""
     import ml_dtypes
     out = {}
     for i, (name, (shape, _, _)) in enumerate(sorted((tensors or FP8_TENSORS).items())):
-        rng = np.random.default_rng(100 + i)
+        rng = np.random.default_rng((200 if step in "CD" else 100) + i)
         x = rng.standard_normal(shape).astype(np.float32) * 0.02
         x *= np.exp2(rng.integers(-6, 7, shape[:-1] + (1,))).astype(np.float32)
         a = x.astype(ml_dtypes.bfloat16)
-        if step == "B":
+        if step in "BD":
             bits = a.reshape(-1).view(np.uint16)
             bits[rng.choice(bits.size, int(bits.size * FP8_CHANGED), replace=False)] ^= 1
         out[name] = a

@@ -94,6 +94,11 @@ def test_switch_and_refusals(monkeypatch):
     # device bindings are no longer refused when a framework can run the ops
     config = xr.RefitConfig(delta=True)
     assert delta_problems(config, True, tuning=Tuning()) == []
+    # FP8 destinations compose with them now (no argument says so); a relay is refused
+    relay = xr.RefitConfig(delta=True, relay="on")
+    found = delta_problems(relay, True, tuning=Tuning())
+    assert len(found) == 1 and "relay='on' is not built" in found[0][1], found
+    assert delta_problems(relay, False, tuning=Tuning()) == []      # host bindings
     # ... and are, naming it, when none can
     monkeypatch.setattr(device_ops, "_available", lambda kind: False)
     found = delta_problems(config, True, tuning=Tuning(), sides=(True, False))
@@ -178,3 +183,61 @@ def test_fp8_device_path_between_processes(kind):
                 got = me["got"][v - 1][name]
                 assert got[0] == codes[sl + (rows,)].tobytes().hex(), (v, name, index)
                 assert got[1] == scales[sl + (srows,)].tobytes().hex(), (v, name, index)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("atomic", [False, True])
+def test_fp8_delta_device_path_between_processes(atomic):
+    """Delta refit to FP8 destinations through the device path (torch ops; the trainer's
+    baselines "on the device"): A, B (1% changed), B (unchanged), A (1%), C (all
+    changed), D, C (1%), verify=True. The trainer quantizes its whole blocks with the
+    device quantizer and diffs scales and codes as bytes; the receivers apply the deltas
+    to their codes and scales and to the split blocks' bf16 pieces, then quantize those.
+    With RefitConfig(atomic=True) too (``atomic``: deltas into the receivers' staging).
+    After every call each receiver holds the host quantizer's codes and scales of the new
+    tensors (checked in the child), and every call moved the bytes the host path moves for
+    the same steps."""
+    kind = "torch"
+    env = {"XRESHARD_TEST_DEVICE_OPS": kind, "XRESHARD_DELTA_BASELINE": "device"}
+    procs = [cases.fp8_delta_trainer, cases.fp8_delta_rollout, cases.fp8_delta_rollout]
+    results = launch(procs, ROLES, args=(atomic,), timeout=600, env=env)
+    host = launch(procs, ROLES, args=(atomic,), timeout=600)
+    # the host path round by round too (the groups the device path runs): the unchanged
+    # call's round moves nothing but still lands (its split pieces are kept)
+    rounds = launch(procs, ROLES, args=(atomic,), timeout=600,
+                    env={"XRESHARD_EXECUTOR": "rounds"})
+    rows, host_rows = results[0].value["rows"], host[0].value["rows"]
+    assert all("error" not in r for r in rows), rows
+    moved = [(r["sent"], r["delta"]["bytes_wire"], r["delta"]["num_delta"])
+             for r in rounds[0].value["rows"]]
+    assert moved == [(r["sent"], r["delta"]["bytes_wire"], r["delta"]["num_delta"])
+                     for r in host_rows], moved
+    assert [r["version"] for r in rows] == list(range(1, len(cases.FP8_DELTA_STEPS) + 1))
+    assert rows[0]["delta"]["pairs"] == 0 and rows[0]["quantized"]["fp8_sent"] > 0
+    for k, r in enumerate(rows):
+        want = host_rows[k]
+        assert r["sent"] == want["sent"], (k, r, want)
+        assert r["delta"]["bytes_wire"] == want["delta"]["bytes_wire"], (k, r, want)
+        assert r["delta"]["num_delta"] == want["delta"]["num_delta"], (k, r, want)
+        assert r["verified"] > 0
+        if k == 0:
+            continue
+        d = r["delta"]
+        assert d["pairs"] > 0, d
+        if k == cases.FP8_DELTA_FULL:   # every element changed: dense, headers besides
+            assert d["num_delta"] == 0 and d["bytes_wire"] > d["bytes_dense"], d
+        else:                   # 1%: the changed codes and scales only
+            assert d["num_delta"] > 0 and d["bytes_wire"] < 0.5 * d["bytes_dense"], d
+    counts = results[0].value["counts"]
+    assert counts.get(f"encode/{kind}", 0) > 0 and counts.get(f"quantize/{kind}", 0) > 0
+    assert counts.get(f"apply/{kind}", 0) > 0           # baselines advanced on the device
+    assert host[0].value["counts"] == {}
+    for res, res_host, res_rounds in zip(results[1:], host[1:], rounds[1:]):
+        out = res.value["rows"]
+        assert all("wrong" not in x and "error" not in x for x in out), out
+        assert all("wrong" not in x and "error" not in x for x in res_rounds.value["rows"])
+        assert res.value["checked"] > 0
+        assert (res.value["staging_bytes"] > 0) == atomic
+        assert res.value["counts"].get(f"apply/{kind}", 0) > 0          # deltas applied
+        assert res.value["counts"].get(f"quantize/{kind}", 0) > 0       # split blocks
+        assert [x["held"] for x in out] == [x["held"] for x in res_host.value["rows"]]

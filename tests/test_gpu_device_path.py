@@ -10,6 +10,9 @@ GPU, and every byte is checked.
 * ``fp8-bench``: issue 20's speed bar on one GPU: ~1 GiB of bf16 refitted into bf16 and
   into block-FP8 destinations side by side (``fp8_over_bf16`` <= 0.6), beside the
   trainer's quantizer alone.
+* ``fp8-delta``: ``delta=True`` into those FP8 destinations (baselines on the GPU): 1%
+  steps, an all-changed one, 1% again; codes and scales equal the host quantizer's after
+  every call (the receiver's device apply of codes and scales).
 * ``fp8``: bf16 values on the GPU refit into block-FP8 and MXFP8 ``Quantized`` CUDA
   destinations: the trainer quantizes whole blocks with JAX on the GPU and sends codes +
   scales; the received bytes equal :mod:`xreshard.quant.host` (vLLM's function, byte for
@@ -208,6 +211,87 @@ def fp8_child(role: str, address: str, device: str, timeout: float, baseline: st
     return out
 
 
+#: fp8-delta: the steps (A, B: 1% of A's elements changed; C, D: the same of other
+#: values) and the call (0-based) that changed every element
+FP8_DELTA_STEPS = ("A", "B", "A", "C", "D")
+FP8_DELTA_FULL = 3
+
+
+def _fp8_delta_values(step: str) -> dict[str, np.ndarray]:
+    out = {}
+    for i, (n, (shape, _)) in enumerate(sorted(FP8_TENSORS.items())):
+        x = _bf16(shape, (80 if step in "CD" else 50) + i)
+        if step in "BD":
+            bits = x.reshape(-1).view(np.uint16)
+            rng = np.random.default_rng(7 + i)
+            bits[rng.integers(0, bits.size, bits.size // 100)] ^= 1
+        out[n] = x
+    return out
+
+
+def fp8_delta_child(role: str, address: str, device: str, timeout: float, baseline: str
+                    ) -> dict:
+    """One side of ``fp8-delta``: ``delta=True, verify=True`` into block-FP8 and MXFP8
+    CUDA destinations, :data:`FP8_DELTA_STEPS`: the trainer quantizes on the GPU and diffs
+    scales and codes there, the receiver applies the deltas to its codes and scales with
+    torch ops and compares them with the host quantizer's bytes after every call."""
+    import xreshard as xr
+    from xreshard.ir.formats import BlockFP8, MXFP8
+    config = xr.RefitConfig(delta=True, verify=True, timeout=timeout,
+                            transport="nccl" if device == "cuda" else "gloo")
+    tuning = xr.Tuning(delta_baseline=baseline)
+    world, dev = _join(role, address, device, timeout)
+    out: dict[str, Any] = {"role": role, "calls": []}
+    if role == "jax":
+        import jax
+        import jax.numpy as jnp
+
+        def params(step: str) -> dict:
+            return {n: jax.device_put(jnp.asarray(v), dev)
+                    for n, v in _fp8_delta_values(step).items()}
+        refit = xr.Refit(world, send=params("A"), config=config, tuning=tuning)
+        for step in FP8_DELTA_STEPS:
+            report = refit(send=params(step))
+            out["calls"].append({"verified": report.verified, **(report.delta or {})})
+        calls = out["calls"]
+        out["ok"] = calls[0]["pairs"] == 0 and all(
+            c["pairs"] == 1 and (c["num_delta"] == 0 if k == FP8_DELTA_FULL else
+                                 c["num_delta"] > 0 and c["bytes_wire"] <= 0.5 * c["bytes_dense"])
+            for k, c in enumerate(calls) if k)
+    else:
+        import torch
+        from xreshard.quant import host
+        state = {}
+        for n, (shape, kind) in FP8_TENSORS.items():
+            fmt = BlockFP8() if kind == "block" else MXFP8()
+            codes = torch.zeros(shape, dtype=torch.float8_e4m3fn, device=dev)
+            scales = torch.zeros(fmt.scale_shape(shape), device=dev,
+                                 dtype=getattr(torch, fmt.scale_dtype))
+            state[n] = _quantized(world, codes, scales, fmt)
+        refit = xr.Refit(world, receive=state, config=config, tuning=tuning)
+        exact = []
+        for step in FP8_DELTA_STEPS:
+            report = refit()
+            values = _fp8_delta_values(step)
+            ok = True
+            for n, q in state.items():
+                fn = host.quantize_mxfp8 if FP8_TENSORS[n][1] == "mx" else \
+                    host.quantize_block_fp8
+                want = fn(values[n], q.format, name=n)
+                ok &= q.codes.local.view(torch.uint8).cpu().numpy().tobytes() == \
+                    want[0].tobytes()
+                ok &= q.scales.local.contiguous().view(torch.uint8).cpu().numpy().tobytes() \
+                    == want[1].tobytes()
+            exact.append(bool(ok))
+            out["calls"].append({"received": report.bytes_received,
+                                 "verified": report.verified})
+        out["exact"] = exact
+        out["ok"] = all(exact)
+    out["counts"] = _counts()
+    world.close()
+    return out
+
+
 #: fp8-bench: name -> shape (bf16), ~1 GiB; every dim a multiple of 128
 BENCH_TENSORS = {f"layer{i}.{w}": shape for i in range(4) for w, shape in
                  (("qkv", (6144, 4096)), ("o", (4096, 4096)), ("up", (11264, 4096)),
@@ -293,14 +377,15 @@ def fp8_bench_child(role: str, address: str, device: str, timeout: float, baseli
     return out
 
 
-CHILDREN = {"delta": delta_child, "fp8": fp8_child, "fp8-bench": fp8_bench_child}
+CHILDREN = {"delta": delta_child, "fp8": fp8_child, "fp8-bench": fp8_bench_child,
+            "fp8-delta": fp8_delta_child}
 
 
 # ---------------------------------------------------------------------------- the pair
 
 def pair(scenario: str, device: str = "cuda", *, timeout: float = 40.0,
          logs: Path | None = None, baseline: str = "host") -> dict:
-    """Run ``scenario`` ("delta" or "fp8") between a JAX and a torch process; returns the
+    """Run ``scenario`` (a key of :data:`CHILDREN`) between a JAX and a torch process; returns the
     report (``ok``, ``figure``, ``bar``, each process's results)."""
     import xreshard as xr
     from .test_gpu_refit import _collect, _nccl_version, children_env
@@ -341,6 +426,16 @@ def pair(scenario: str, device: str = "cuda", *, timeout: float = 40.0,
                             + (f"; errors {errors}" if errors else ""))
         report["bar"] = ("JAX GPU -> torch CUDA over NCCL, delta=True: bit-exact after every "
                          "call; calls 2-4 deltas of <= 0.08x the dense bytes (1% changed)")
+    elif scenario == "fp8-delta":
+        calls = trainer.get("calls") or []
+        ratios = [round(c["bytes_wire"] / max(c["bytes_dense"], 1), 4) for c in calls]
+        report["figure"] = (f"{len(calls)} calls, bytes_wire/dense {ratios}, baselines "
+                            f"{baseline}, receiver exact {receiver.get('exact')}, device ops "
+                            f"{trainer.get('counts')} / {receiver.get('counts')}"
+                            + (f"; errors {errors}" if errors else ""))
+        report["bar"] = ("JAX GPU -> torch CUDA FP8 over NCCL, delta=True: codes and scales "
+                         "equal the host quantizer's after every call; 1% steps go as deltas "
+                         "of <= 0.5x the dense bytes, the all-changed step dense")
     elif scenario == "fp8-bench":
         keys = ("fp8_seconds", "bf16_seconds", "quantize_seconds", "fp8_over_bf16",
                 "wire_bytes_fp8", "wire_bytes_bf16", "quantize_gbps")
@@ -375,8 +470,15 @@ def test_fp8_jax_gpu_to_torch_cuda_over_nccl():
     assert report["ok"], report
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(_why_no_gpu() is not None, reason=str(_why_no_gpu()))
+def test_fp8_delta_jax_gpu_to_torch_cuda_over_nccl():
+    report = pair("fp8-delta", "cuda", baseline="device")
+    assert report["ok"], report
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("scenario", ["delta", "fp8", "fp8-bench"])
+@pytest.mark.parametrize("scenario", ["delta", "fp8", "fp8-bench", "fp8-delta"])
 def test_the_gpu_check_runs_on_cpu(scenario):
     """The same script on CPU (gloo, the device path on host memory): what the GPU part
     runs is exercised everywhere."""
@@ -385,7 +487,7 @@ def test_the_gpu_check_runs_on_cpu(scenario):
     trainer = report["processes"]["jax"]
     assert trainer["counts"].get("encode/jax" if scenario == "delta" else "quantize/jax")
     receiver = report["processes"]["torch"]
-    if scenario == "delta":
+    if scenario in ("delta", "fp8-delta"):
         assert receiver["counts"].get("apply/torch")
 
 

@@ -64,15 +64,15 @@ class RefitConfig:
     that is new, restarted, failed or missed a call gets a dense refit of its regions in
     the same call. Composes with ``wire_dtype`` (the baseline is the cast bytes), with
     ``atomic`` (a failed call keeps every claim: the next call is a delta again; the
-    senders hold a dense bucket's new bytes until the outcome), and on host bindings with
-    FP8 destinations quantized on the way (codes and scales diffed as sent; a changed
-    block requantizes whole; pieces of blocks split across senders diffed against what
-    their receiver kept of them) and ``relay`` (a forwarding rank keeps a baseline of what
-    it forwards and sends its forwards as deltas under the same per-pair fences; see
-    :mod:`xreshard.planner.relay`), all of them together too. Device bindings diff and
-    apply on their device with JAX or torch ops (``xreshard.runtime.delta_device``).
-    Refused by name at ``refit/check``, before any byte moves: on device bindings, a relay
-    or FP8 destinations."""
+    senders hold a dense bucket's new bytes until the outcome), with FP8 destinations
+    quantized on the way (codes and scales diffed as sent; a changed block requantizes
+    whole; pieces of blocks split across senders diffed against what their receiver kept
+    of them), and on host bindings with ``relay`` (a forwarding rank keeps a baseline of
+    what it forwards and sends its forwards as deltas under the same per-pair fences; see
+    :mod:`xreshard.planner.relay`), all of them together too. Device bindings diff,
+    quantize and apply on their device with JAX or torch ops
+    (``xreshard.runtime.delta_device``). Refused by name at ``refit/check``, before any
+    byte moves: on device bindings, a relay."""
 
     check_writes: bool = False
     """Fail the refit (the same ``RefitError`` on every rank; the version stays) when a sent

@@ -13,6 +13,16 @@ The host delta executor (:mod:`.delta_exec`) with its memory hooks pointed at th
  baseline <- message applied / bytes copied          with torch ops on e
 ```
 
+FP8 destinations quantized on the way: the sender's pack quantizes the bucket's whole
+blocks with the device quantizer (:mod:`.quantize_device`) and the encoder diffs the packed
+bytes (scales, then codes, and split blocks' bf16 pieces; unit 1), as the host path does
+(:func:`.delta_exec.delta_spans`). The receiver gathers the bucket's base into scratch on
+its device in message order (codes and scales read from the destination, split blocks'
+pieces uploaded from the bytes it kept of the last call, :mod:`.delta_land`), applies the
+delta there and writes it back: codes and scales in place, the pieces into the scratch it
+then quantizes with the device quantizer (``quantized.finish``), their bytes kept on the
+host as the next call's base.
+
 Which framework runs the ops: :func:`xreshard.runtime.device_ops.ops_for` (a JAX trainer
 diffs with jitted JAX, a torch process with torch ops; ``Tuning(device_kernels=...)``
 overrides). Where a sender keeps its baselines: ``Tuning(delta_baseline="host")`` (the
@@ -39,8 +49,9 @@ from ..delta.host import apply_numpy
 from ..dtypes import bits_dtype
 from ..planner.schedule import Bucket
 from .copies import array_module, copy_into
-from .delta_encode import Encoded, Encoder, delta_unit
+from .delta_encode import Encoded, Encoder, delta_spans, delta_unit
 from .delta_exec import DeltaExecutor
+from .delta_land import binding_view
 from .devices import device_ctx
 from .device_ops import DeviceOps, is_host, ops_for, test_switch
 
@@ -235,28 +246,108 @@ class DeviceDeltaExecutor(DeltaExecutor):
     # ------------------------------------------------------------ receiver
 
     def _apply(self, b: Bucket, buf: Any) -> None:
-        """Apply the delta ``buf`` to bucket ``b``'s destination items in place on their
-        device: one contiguous item directly, several (or a strided one) gathered into
-        scratch there, applied and written back."""
-        unit = delta_unit(self, b)
-        assert unit is not None
-        message = self._host(buf)
+        """Apply the delta ``buf`` (None: nothing changed) to bucket ``b``'s destination
+        items in place on their device: one contiguous plain item directly; otherwise the
+        bucket's base is gathered into scratch there in message order (a plain item in its
+        wire dtype, an FP8 item's scales then codes, split blocks' pieces from the bytes
+        kept of the last call: :mod:`.delta_land`), the delta applied to it, and written
+        back (the pieces into their scratch, which the receiver quantizes after the rounds,
+        and kept for the next call). Nothing is written when the message is malformed."""
+        spans = delta_spans(self, b)
+        assert spans is not None and spans.diffed == ((0, b.nbytes),), \
+            "a bucket's message is its diffed bytes (programs.packed: no gaps)"
+        unit = spans.unit
         bindings = self.tables[b.stage].dst_bindings
         steps = self.programs.program(b, 1)
-        views = [(bindings[e.key] if e.index is None else bindings[e.key][e.index])[e.slices]
-                 for e in steps]
-        if len(views) == 1 and views[0].flags.c_contiguous and getattr(
-                views[0].flags, "writeable", True):
+        views = [binding_view(bindings, e.key, e.index, e.slices) for e in steps]
+        pieces = any(spans.rest)
+        held = self.delta.pieces_base(b, sum(e.hi - e.lo for e, r in zip(steps, spans.rest)
+                                             if r)) if pieces else None
+        if buf is None:         # nothing changed: the pieces' base is this call's too
+            assert held is not None
+            sizes = np.cumsum([0] + [e.hi - e.lo for e, r in zip(steps, spans.rest) if r])
+            self._land_pieces(b, steps, spans.rest, views,
+                              [held[lo:hi] for lo, hi in zip(sizes[:-1], sizes[1:])])
+            return
+        message = self._host(buf)
+        if len(views) == 1 and not pieces and steps[0].quant is None and \
+                views[0].flags.c_contiguous and getattr(views[0].flags, "writeable", True):
             self.recv_ops.apply(message, views[0].reshape(-1).view(np.uint8), unit)
             return
         target = self._buffer(b.dst, b.nbytes)
         with self._on(b.dst):
             xp = array_module(target)
-            for e, view in zip(steps, views):
-                copy_into(xp, target[e.lo:e.hi].view(e.bits).reshape(e.shape), e.wire, view,
-                          e.dtype)
+            at = 0
+            for e, rest, view in zip(steps, spans.rest, views):
+                if rest:
+                    _upload(target[e.lo:e.hi], held[at:at + e.hi - e.lo])  # type: ignore
+                    at += e.hi - e.lo
+                elif e.quant is not None:
+                    for part, item in _fp8_parts(e, target, view, bindings):
+                        _typed(part, item)[...] = _as_bits(item)
+                else:
+                    copy_into(xp, target[e.lo:e.hi].view(e.bits).reshape(e.shape), e.wire,
+                              view, e.dtype)
         self.recv_ops.apply(message, target, unit)
         with self._on(b.dst):
-            for e, view in zip(steps, views):
-                copy_into(xp, view, e.dtype, target[e.lo:e.hi].view(e.bits).reshape(e.shape),
-                          e.wire)
+            for e, rest, view in zip(steps, spans.rest, views):
+                if rest:
+                    continue
+                if e.quant is not None:
+                    for part, item in _fp8_parts(e, target, view, bindings):
+                        _as_bits(item)[...] = _typed(part, item)
+                else:
+                    copy_into(xp, view, e.dtype,
+                              target[e.lo:e.hi].view(e.bits).reshape(e.shape), e.wire)
+            if pieces:
+                self._land_pieces(b, steps, spans.rest, views, [
+                    target[e.lo:e.hi] for e, r in zip(steps, spans.rest) if r])
+
+    def _land_pieces(self, b: Bucket, steps: Sequence[Any], rest: Sequence[bool],
+                     views: Sequence[Any], parts: Sequence[Any]) -> None:
+        """Write bucket ``b``'s split blocks' pieces ``parts`` (their bytes, host or device,
+        in message order) into their scratch on the device and keep their bytes (host
+        memory: only pieces of split blocks) as the base of the next call's delta."""
+        kept = []
+        with self._on(b.dst):
+            items = [(e, view) for e, piece, view in zip(steps, rest, views) if piece]
+            for (e, view), part in zip(items, parts):
+                if is_host(part) != is_host(view):
+                    up = self._buffer(b.dst, part.nbytes)
+                    _upload(up, part)
+                    part = up
+                copy_into(array_module(view), view, e.dtype,
+                          part.view(e.bits).reshape(e.shape), e.wire)
+                kept.append(self._host(part))
+        self.delta.keep_pieces(b, np.concatenate(kept))
+
+
+def _upload(seg: Any, data: np.ndarray) -> None:
+    """Host bytes ``data`` into the contiguous executor array ``seg`` (same size)."""
+    if is_host(seg):
+        np.copyto(seg, data)
+    else:
+        seg.set(data)       # on the current (own) stream
+
+
+def _fp8_parts(e: Any, buf: Any, codes: Any, bindings: Mapping[Any, Any]
+               ) -> list[tuple[Any, Any]]:
+    """FP8 step ``e``'s ``(bytes of the message buffer buf, binding view)``: its scales,
+    then its codes (the message's order, :func:`.quantized.pack`)."""
+    q = e.quant
+    scales = binding_view(bindings, q.scale_key, q.scale_index, q.scale_slices)
+    return [(buf[e.lo:e.lo + q.scale_bytes], scales), (buf[e.lo + q.scale_bytes:e.hi], codes)]
+
+
+def _as_bits(view: Any) -> Any:
+    """A binding view as unsigned ints of its element size, so that bits are copied,
+    never cast (as :func:`.quantized._put`), or itself where it cannot be seen so."""
+    try:
+        return view.view(bits_dtype(view.dtype.itemsize))
+    except (TypeError, ValueError):      # a view numpy cannot reinterpret: as typed
+        return view
+
+
+def _typed(part: Any, view: Any) -> Any:
+    """Contiguous bytes ``part`` as :func:`_as_bits` sees ``view`` (its shape)."""
+    return part.view(_as_bits(view).dtype).reshape(view.shape)

@@ -180,12 +180,13 @@ class DeltaExecutor(Executor):
         tr = time.perf_counter()
         offsets: dict[int | None, int] = {}
         incoming, recvs, previous, sends = self._open(buckets, offsets, stats)
-        if not (recvs or previous or sends):
+        if not (recvs or previous or sends or incoming):
             return
-        with self.transport.group(self.timeout):
-            for buf, b in recvs:
-                self.transport.recv(buf, b.src, b.dst, b.tag)
-            self._posts(self._post, previous, sends, offsets, stats)
+        if recvs or previous or sends:      # else only buckets that did not change land
+            with self.transport.group(self.timeout):
+                for buf, b in recvs:
+                    self.transport.recv(buf, b.src, b.dst, b.tag)
+                self._posts(self._post, previous, sends, offsets, stats)
         for b, buf, how in incoming:
             self._land(b, buf, how)
         stats.per_round_seconds.append(time.perf_counter() - tr)

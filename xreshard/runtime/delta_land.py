@@ -79,10 +79,11 @@ def apply_host(ex: Any, b: Any, spans: Any, buf: np.ndarray | None) -> None:
 
 def keep_landed_pieces(ex: Any, b: Any, spans: Any) -> None:
     """Bucket ``b`` landed dense: keep its split blocks' pieces as they landed in their
-    scratch (the wire dtype: the bytes sent) for the next call's delta."""
+    scratch (the wire dtype: the bytes sent; host bytes, copied from a device's scratch)
+    for the next call's delta."""
+    from .quantize_device import host_bytes
     bindings = ex.tables[b.stage].dst_bindings
-    got = [np.ascontiguousarray(binding_view(bindings, e.key, e.index, e.slices))
-           .reshape(-1).view(np.uint8)
+    got = [host_bytes(binding_view(bindings, e.key, e.index, e.slices))
            for e, rest in zip(ex.programs.program(b, 1), spans.rest) if rest]
     ex.delta.keep_pieces(b, np.concatenate(got))
 

@@ -94,9 +94,11 @@ process before any byte moves). Host bindings: delta composes with ``wire_dtype`
 new bytes and messages are held until the outcome) and it forwards from its staging; with
 FP8 destinations a forwarder diffs the finished codes and scales it forwards (plain
 tensors of stage 2) against what it last forwarded. Device bindings: delta with
-``wire_dtype`` and ``atomic=True`` (the baselines' changes are held until the outcome and
-applied by the device ops then), but not with ``relay`` (the forwards' encoder reads host
-memory) or FP8 destinations (the device path's apply writes plain items only).
+``wire_dtype``, ``atomic=True`` (the baselines' changes are held until the outcome and
+applied by the device ops then) and FP8 destinations (quantized and diffed on the
+sender's device, applied to codes, scales and split blocks' pieces on the receiver's:
+:mod:`.delta_device`), together too, but not with ``relay`` (the forwards' encoder reads
+host memory).
 """
 
 from __future__ import annotations
@@ -120,15 +122,14 @@ __all__ = ["DeltaCall", "DeltaState", "delta_problems"]
 logger = logging.getLogger(__name__)
 
 
-def delta_problems(config: Any, on_device: bool, quantized: bool = False, *,
-                   tuning: Any = None, sides: tuple[bool, bool] = (True, True)
-                   ) -> list[list[str]]:
+def delta_problems(config: Any, on_device: bool, *, tuning: Any = None,
+                   sides: tuple[bool, bool] = (True, True)) -> list[list[str]]:
     """What ``RefitConfig(delta=True)`` cannot run in this process, as error entries for
     ``refit/check`` (refused on every process before any byte moves). Device bindings
     (``on_device``): no framework to diff or apply on the device (:mod:`.delta_device`;
-    ``sides``: whether this process sends, receives), a relay and destinations quantized
-    on the way (``quantized``: FP8). Host bindings compose with all of them, together too;
-    device bindings with ``atomic=True`` (see the module docstring)."""
+    ``sides``: whether this process sends, receives), and a relay. Host bindings compose
+    with everything; device bindings with ``atomic=True`` and FP8 destinations (see the
+    module docstring)."""
     if not getattr(config, "delta", False):
         return []
     from .device_ops import test_switch
@@ -138,13 +139,10 @@ def delta_problems(config: Any, on_device: bool, quantized: bool = False, *,
     from .delta_device import device_delta_problems
     found = device_delta_problems(tuning or Tuning(), *sides)
     relay = getattr(config, "relay", "off")
-    not_with = [(relay != "off", f"relay={relay!r}", "relay='off'"),
-                (quantized, "FP8 destinations quantized on the way", "delta=False")]
-    for refused, what, instead in not_with:
-        if refused:     # see the module docstring
-            found.append(["RefitError", f"RefitConfig(delta=True) with {what} is not built "
-                          "in this version: this process binds device memory; pass "
-                          f"{instead} (or hold the weights in host memory)"])
+    if relay != "off":      # see the module docstring
+        found.append(["RefitError", f"RefitConfig(delta=True) with relay={relay!r} is not "
+                      "built in this version: this process binds device memory; pass "
+                      "relay='off' (or hold the weights in host memory)"])
     return found
 
 

@@ -594,8 +594,8 @@ class Refit:
         if self.config.delta:       # fences: see xreshard.runtime.delta_wire
             claims, found = self.delta_state.claims(dst, self._sides.receive.obj)
             errors = errors + found + delta_problems(
-                self.config, on_device(src, dst), bool(dst is not None and dst.quantized),
-                tuning=self.tuning, sides=(on_device(src), on_device(dst)))
+                self.config, on_device(src, dst), tuning=self.tuning,
+                sides=(on_device(src), on_device(dst)))
         gathered = self._agree("refit/check", {
             "version": self.version, "generation": self._generation, "tuning": tuning,
             "devices": on_device(src, dst), "propose": self._proposal(),
