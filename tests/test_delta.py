@@ -305,8 +305,9 @@ def test_import_loads_neither_jax_nor_torch():
 
 def test_delta_problems_refuse_the_combinations_not_built(monkeypatch):
     """At ``refit/check``, by name: on device bindings (or the device path on the host, as
-    the tests run it) delta with a relay and with FP8 destinations. Host bindings compose
-    with all of them, three at once too; device bindings with atomic=True."""
+    the tests run it) delta with a relay. Host bindings compose with relay, ``atomic`` and
+    casts, together too (FP8 destinations compose on either: tests/test_device_path.py);
+    device bindings with atomic=True."""
     import xreshard as xr
     from xreshard.config import Tuning
     from xreshard.runtime import device_ops
@@ -314,20 +315,19 @@ def test_delta_problems_refuse_the_combinations_not_built(monkeypatch):
 
     monkeypatch.delenv(device_ops.ENV, raising=False)
 
-    def refused(config, on_device, fp8=False):
-        return [m for _, m in delta_problems(config, on_device, fp8, tuning=Tuning())]
+    def refused(config, on_device):
+        return [m for _, m in delta_problems(config, on_device, tuning=Tuning())]
 
     relay = "auto"
-    for config, fp8 in ((xr.RefitConfig(delta=True, atomic=True), True),
-                        (xr.RefitConfig(delta=True, relay=relay), False),
-                        (xr.RefitConfig(delta=True, relay=relay, atomic=True), True),
-                        (xr.RefitConfig(delta=True, relay=relay), True),
-                        (xr.RefitConfig(delta=True, wire_dtype="bfloat16"), False)):
-        assert refused(config, False, fp8) == []        # host bindings compose
-    assert refused(xr.RefitConfig(delta=False, relay=relay, atomic=True), True, True) == []
-    found = refused(xr.RefitConfig(delta=True, relay=relay, atomic=True), True, True)
-    assert len(found) == 2 and all("binds device memory" in m for m in found)
-    assert "relay='auto'" in found[0] and "FP8" in found[1]
+    for config in (xr.RefitConfig(delta=True, atomic=True),
+                   xr.RefitConfig(delta=True, relay=relay),
+                   xr.RefitConfig(delta=True, relay=relay, atomic=True),
+                   xr.RefitConfig(delta=True, wire_dtype="bfloat16")):
+        assert refused(config, False) == []        # host bindings compose
+    assert refused(xr.RefitConfig(delta=False, relay=relay, atomic=True), True) == []
+    found = refused(xr.RefitConfig(delta=True, relay=relay, atomic=True), True)
+    assert len(found) == 1 and "binds device memory" in found[0]
+    assert "relay='auto'" in found[0]
     assert refused(xr.RefitConfig(delta=True), True) == []
     assert refused(xr.RefitConfig(delta=True, atomic=True), True) == []
     monkeypatch.setenv(device_ops.ENV, "torch")     # the device path, run on the host
