@@ -115,7 +115,9 @@ def _config(xr: Any, cast: bool, **kw: Any) -> Any:
     return xr.RefitConfig(delta=True, wire_dtype="bfloat16" if cast else None, **kw)
 
 
-def _attempt(fn: Any) -> Any:
+def attempt(fn: Any) -> Any:
+    """``fn()``, or what it raised as ``"Type: message"`` (the tests compare every
+    process's)."""
     try:
         return fn()
     except Exception as e:      # noqa: BLE001 - the test compares what every process raised
@@ -151,7 +153,7 @@ def trainer(ctx: Any, scenario: str, cast: bool = False) -> dict:
                      config=_config(xr, cast, verify=scenario == "steady"))
     rows, step = [], 0
     for call in range(1, _calls(scenario) + 1):
-        row = _row(_attempt(lambda: refit(send=_jax_params(src, call))))
+        row = _row(attempt(lambda: refit(send=_jax_params(src, call))))
         if "error" not in row:
             step = call
         rows.append(row)
@@ -178,7 +180,7 @@ def rollout(ctx: Any, scenario: str, cast: bool = False) -> dict:
     rows, checked, held = [], 0, 0
     for call in range(1, _calls(scenario) + 1):
         _before(scenario, call, me, refit, state)
-        row = _row(_attempt(refit))
+        row = _row(attempt(refit))
         _after(scenario, call, me)
         if "error" not in row:
             held = call
@@ -258,7 +260,7 @@ def restart_trainer(ctx: Any) -> dict:
         if handed is not None:
             refit.delta_state = handed
         for call in calls:
-            rows.append(_row(_attempt(lambda: refit(send=_jax_params("bfloat16", call)))))
+            rows.append(_row(attempt(lambda: refit(send=_jax_params("bfloat16", call)))))
         handed = refit.delta_state
         world.close()
     return {"rows": rows}
@@ -290,7 +292,7 @@ def restart_rollout(ctx: Any) -> dict:
         for call in RESTART_WORLDS[w]:
             if call == 5 and me == 1:
                 _die_at_first_apply()
-            row = _row(_attempt(refit))
+            row = _row(attempt(refit))
             if "error" not in row:
                 checked += check(state, "bfloat16", "bfloat16", call, me, 2)
             rows.append(row)

@@ -42,7 +42,7 @@ def atomic_trainer(ctx: Any) -> dict:
                      config=_config(xr, verify=True))
     rows = []
     for call in range(1, ATOMIC_CALLS + 1):
-        rows.append(dc._row(dc._attempt(lambda: refit(send=dc._jax_params("bfloat16", call)))))
+        rows.append(dc._row(dc.attempt(lambda: refit(send=dc._jax_params("bfloat16", call)))))
     world.close()
     from xreshard.runtime.device_ops import COUNTS
     return {"rows": rows, "baseline_bytes": refit.delta_state.baseline_bytes,
@@ -62,7 +62,7 @@ def atomic_rollout(ctx: Any) -> dict:
     for call in range(1, ATOMIC_CALLS + 1):
         if call == ATOMIC_FAILS and me == 1:
             dc._fail_last_apply()
-        row = dc._row(dc._attempt(refit))
+        row = dc._row(dc.attempt(refit))
         if call == ATOMIC_FAILS and me == 1:
             from xreshard.runtime.delta_exec import DeltaExecutor
             DeltaExecutor._land = dc._LAND[0]
@@ -122,7 +122,7 @@ def kill_trainer(ctx: Any) -> dict:
     for call in calls:
         if w == 1 and call == KILLED_CALL:
             _die_after_first_payload()
-        rows.append(dc._row(dc._attempt(lambda: refit(send=dc._jax_params("bfloat16", call)))))
+        rows.append(dc._row(dc.attempt(lambda: refit(send=dc._jax_params("bfloat16", call)))))
     world.close()
     return {"rows": rows}
 
@@ -145,7 +145,7 @@ def kill_rollout(ctx: Any) -> dict:
         if handed is not None:
             refit.delta_state = handed
         for call in calls:
-            row = dc._row(dc._attempt(refit))
+            row = dc._row(dc.attempt(refit))
             if "error" not in row:
                 held = call
             row.update(version=refit.version, stale=refit.stale)
@@ -213,7 +213,7 @@ def fp8_trainer(ctx: Any) -> dict:
     refit = xr.Refit(world, send=params("A"), config=_fp8_config(xr))
     rows = []
     for step in FP8_STEPS:
-        report = dc._attempt(lambda: refit(send=params(step)))
+        report = dc.attempt(lambda: refit(send=params(step)))
         row = dc._row(report)
         if not isinstance(report, str):
             row["quantized"] = dict(report.quantized or {})
@@ -300,7 +300,7 @@ def fp8_rollout(ctx: Any) -> dict:
         if call == 4 and me == 1:           # a base it does not hold
             refit.delta_state.base = {r: ("not-a-call", d) for r, (_, d)
                                       in refit.delta_state.base.items()}
-        row = dc._row(dc._attempt(refit))
+        row = dc._row(dc.attempt(refit))
         want = _fp8_wanted(step, me, n)
         for name, tensors in local.items():
             for i, t in enumerate(tensors):
@@ -356,7 +356,7 @@ def relay_trainer(ctx: Any) -> dict:
     with ctx.join(groups=["trainer", "rollout"], timeout=120, host="t") as world:
         refit = xr.Refit(world, send=params("A"), config=_relay_config(xr))
         for step in RELAY_STEPS:
-            rows.append(dc._row(dc._attempt(lambda: refit(send=params(step)))))
+            rows.append(dc._row(dc.attempt(lambda: refit(send=params(step)))))
         baseline = refit.delta_state.baseline_bytes
     return {"rows": rows, "baseline_bytes": baseline}
 
@@ -380,7 +380,7 @@ def relay_rollout(ctx: Any) -> dict:
                 refit.delta_state.base = {r: ("not-a-call", d) for r, (_, d)
                                           in refit.delta_state.base.items()}
             with xr.count_comm() as counts:
-                report = dc._attempt(refit)
+                report = dc.attempt(refit)
             if call == RELAY_FAILS and me == 1:
                 from xreshard.runtime.delta_exec import DeltaExecutor
                 DeltaExecutor._land = dc._LAND[0]

@@ -24,6 +24,8 @@ import pytest
 
 from xreshard.tools.launch import Role, launch
 
+from .delta_cases import attempt
+
 #: name -> (shape, JAX partition spec over mesh axis "d" of 4 devices)
 TENSORS = {
     "w": ((1024, 256), ("d",)),          # four senders into one destination tensor
@@ -96,13 +98,6 @@ def versions() -> list[dict[str, np.ndarray]]:
     return out
 
 
-def _attempt(fn: Any) -> Any:
-    try:
-        return fn()
-    except Exception as e:      # noqa: BLE001 - the test compares what every process raised
-        return f"{type(e).__name__}: {e}"
-
-
 def child(ctx: Any, cast: bool, atomic: bool, verify: bool) -> list:
     import xreshard as xr
 
@@ -127,7 +122,7 @@ def child(ctx: Any, cast: bool, atomic: bool, verify: bool) -> list:
                 host = (bits.astype(np.uint32) << 16).view(np.float32) if cast \
                     else bits.view(jax.numpy.bfloat16)
                 send[n] = jax.device_put(host, NamedSharding(mesh, P(*spec)))
-            got = _attempt(lambda: refit(send=send))
+            got = attempt(lambda: refit(send=send))
             rows.append(got if isinstance(got, str) else dict(got.delta, small=sum(
                 b.nbytes <= 2 * SAMPLED for rnd in refit.prepared.schedule.rounds
                 for b in rnd)))
@@ -144,7 +139,7 @@ def child(ctx: Any, cast: bool, atomic: bool, verify: bool) -> list:
             for n, i in outside if ctx.role.index == 0 else ():   # the first receiver's
                 bits[n][i] ^= 0x40
                 held[n][i] ^= 0x40
-            got = _attempt(refit)
+            got = attempt(refit)
             if not isinstance(got, str):
                 held = {n: a.reshape(-1).copy() for n, a in v.items()}
             elif failing[0]:        # a mix of two versions: the next call is dense
@@ -241,7 +236,7 @@ def jax_child(ctx: Any) -> list:
     if ctx.role.group == "trainer":
         refit = xr.Refit(world, send=None, config=config)
         for v in made:
-            got = _attempt(lambda: refit(send={n: jax.device_put(a.view(jax.numpy.bfloat16))
+            got = attempt(lambda: refit(send={n: jax.device_put(a.view(jax.numpy.bfloat16))
                                                for n, a in v.items()}))
             rows.append(got if isinstance(got, str) else dict(got.delta))
     else:
@@ -251,7 +246,7 @@ def jax_child(ctx: Any) -> list:
         refit = xr.Refit(world, receive=like, config=config)
         earlier: list = []
         for k, v in enumerate(made):
-            got = _attempt(refit)
+            got = attempt(refit)
             if isinstance(got, str):
                 rows.append({"error": got})
                 continue
@@ -297,7 +292,7 @@ def replan_child(ctx: Any) -> list:
         import jax
         refit = xr.Refit(world, send=None, config=config)
         for names, v in zip(REPLAN, made):
-            got = _attempt(lambda: refit(send={n: jax.device_put(v[n].view(jax.numpy.bfloat16))
+            got = attempt(lambda: refit(send={n: jax.device_put(v[n].view(jax.numpy.bfloat16))
                                                for n in names}))
             rows.append(got if isinstance(got, str) else got.delta["num_delta"])
     else:
@@ -305,7 +300,7 @@ def replan_child(ctx: Any) -> list:
         dst = {n: torch.zeros((256, 256), dtype=torch.bfloat16) for n in "ab"}
         refit = xr.Refit(world, receive=dst, config=config)
         for names, v in zip(REPLAN, made):
-            got = _attempt(lambda: refit(receive={n: dst[n] for n in names}))
+            got = attempt(lambda: refit(receive={n: dst[n] for n in names}))
             rows.append(got if isinstance(got, str) else all(
                 np.array_equal(dst[n].view(torch.uint16).numpy(), v[n]) for n in names))
     world.close()

@@ -18,6 +18,8 @@ import pytest
 
 from xreshard.tools.launch import Role, launch
 
+from .delta_cases import attempt
+
 #: two bf16 tensors, one bucket each; 64 Ki elements: large enough to be sampled
 SHAPE, NAMES = (256, 256), ("a", "b")
 #: call -> (fraction of elements changed since the last call, the receiver writes "a"
@@ -43,13 +45,6 @@ def versions() -> list[dict[str, np.ndarray]]:
     return out
 
 
-def _attempt(fn: Any) -> Any:
-    try:
-        return fn()
-    except Exception as e:      # noqa: BLE001 - the test compares what every process raised
-        return f"{type(e).__name__}: {e}"
-
-
 def child(ctx: Any) -> list:
     import xreshard as xr
 
@@ -66,7 +61,7 @@ def child(ctx: Any) -> list:
         refit = xr.Refit(world, send=None, config=config)
         for v in made:
             send = {n: jax.device_put(jnp.asarray(a).view(jnp.bfloat16)) for n, a in v.items()}
-            got = _attempt(lambda: refit(send=send))
+            got = attempt(lambda: refit(send=send))
             rows.append(got if isinstance(got, str) else dict(got.delta))
     else:
         import torch
@@ -77,7 +72,7 @@ def child(ctx: Any) -> list:
             if outside:
                 with torch.no_grad():
                     dst["a"][0, 0] += 1
-            got = _attempt(refit)
+            got = attempt(refit)
             exact = all(np.array_equal(dst[n].view(torch.uint16).numpy(), v[n]) for n in NAMES)
             rows.append(got if isinstance(got, str) else {"exact": exact})
     world.close()

@@ -116,22 +116,30 @@ def _quantized(world: Any, codes: Any, scales: Any, fmt: Any) -> Any:
                      Sharded(scales, mesh, ["R"], tuple(scales.shape)), fmt)
 
 
+def _delta_side(role: str, address: str, device: str, timeout: float, baseline: str,
+                values: Any) -> tuple[Any, Any, Any, Any, Any]:
+    """What a side of a delta scenario starts with: ``(world, device, params, config,
+    tuning)``, ``params(step)`` the trainer's arrays of ``values(step)`` on its device."""
+    import xreshard as xr
+    config = xr.RefitConfig(delta=True, verify=True, timeout=timeout,
+                            transport="nccl" if device == "cuda" else "gloo")
+    world, dev = _join(role, address, device, timeout)
+
+    def params(step: Any) -> dict:
+        import jax
+        import jax.numpy as jnp
+        return {n: jax.device_put(jnp.asarray(v), dev) for n, v in values(step).items()}
+    return world, dev, params, config, xr.Tuning(delta_baseline=baseline)
+
+
 def delta_child(role: str, address: str, device: str, timeout: float, baseline: str) -> dict:
     """One side of ``delta``: the JAX trainer sends :func:`_delta_values` call after call;
     the torch receiver checks every bit after every call."""
     import xreshard as xr
-    config = xr.RefitConfig(delta=True, verify=True, timeout=timeout,
-                            transport="nccl" if device == "cuda" else "gloo")
-    tuning = xr.Tuning(delta_baseline=baseline)
-    world, dev = _join(role, address, device, timeout)
+    world, dev, params, config, tuning = _delta_side(role, address, device, timeout,
+                                                     baseline, _delta_values)
     out: dict[str, Any] = {"role": role, "calls": []}
     if role == "jax":
-        import jax
-        import jax.numpy as jnp
-
-        def params(step: int) -> dict:
-            return {n: jax.device_put(jnp.asarray(v), dev)
-                    for n, v in _delta_values(step).items()}
         refit = xr.Refit(world, send=params(0), config=config, tuning=tuning)
         for step in range(DELTA_CALLS):
             t0 = time.perf_counter()
@@ -237,18 +245,10 @@ def fp8_delta_child(role: str, address: str, device: str, timeout: float, baseli
     torch ops and compares them with the host quantizer's bytes after every call."""
     import xreshard as xr
     from xreshard.ir.formats import BlockFP8, MXFP8
-    config = xr.RefitConfig(delta=True, verify=True, timeout=timeout,
-                            transport="nccl" if device == "cuda" else "gloo")
-    tuning = xr.Tuning(delta_baseline=baseline)
-    world, dev = _join(role, address, device, timeout)
+    world, dev, params, config, tuning = _delta_side(role, address, device, timeout,
+                                                     baseline, _fp8_delta_values)
     out: dict[str, Any] = {"role": role, "calls": []}
     if role == "jax":
-        import jax
-        import jax.numpy as jnp
-
-        def params(step: str) -> dict:
-            return {n: jax.device_put(jnp.asarray(v), dev)
-                    for n, v in _fp8_delta_values(step).items()}
         refit = xr.Refit(world, send=params("A"), config=config, tuning=tuning)
         for step in FP8_DELTA_STEPS:
             report = refit(send=params(step))
