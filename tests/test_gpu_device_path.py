@@ -417,22 +417,17 @@ def pair(scenario: str, device: str = "cuda", *, timeout: float = 40.0,
                               "baseline": baseline, "processes": results}
     trainer, receiver = results.get("jax", {}), results.get("torch", {})
     errors = [r.get("error") for r in results.values() if r.get("error")]
-    if scenario == "delta":
+    if scenario in ("delta", "fp8-delta"):
         calls = trainer.get("calls") or []
         ratios = [round(c["bytes_wire"] / max(c["bytes_dense"], 1), 4) for c in calls]
         report["figure"] = (f"{len(calls)} calls, bytes_wire/dense {ratios}, baselines "
                             f"{baseline}, receiver exact {receiver.get('exact')}, device ops "
                             f"{trainer.get('counts')} / {receiver.get('counts')}"
                             + (f"; errors {errors}" if errors else ""))
+    if scenario == "delta":
         report["bar"] = ("JAX GPU -> torch CUDA over NCCL, delta=True: bit-exact after every "
                          "call; calls 2-4 deltas of <= 0.08x the dense bytes (1% changed)")
     elif scenario == "fp8-delta":
-        calls = trainer.get("calls") or []
-        ratios = [round(c["bytes_wire"] / max(c["bytes_dense"], 1), 4) for c in calls]
-        report["figure"] = (f"{len(calls)} calls, bytes_wire/dense {ratios}, baselines "
-                            f"{baseline}, receiver exact {receiver.get('exact')}, device ops "
-                            f"{trainer.get('counts')} / {receiver.get('counts')}"
-                            + (f"; errors {errors}" if errors else ""))
         report["bar"] = ("JAX GPU -> torch CUDA FP8 over NCCL, delta=True: codes and scales "
                          "equal the host quantizer's after every call; 1% steps go as deltas "
                          "of <= 0.5x the dense bytes, the all-changed step dense")
