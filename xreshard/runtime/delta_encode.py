@@ -232,12 +232,10 @@ class Encoder:
         jobs: ``(bucket, baseline)`` in schedule order (a baseline of ``bucket.nbytes``).
         threads: worker threads.
         keep: where a bucket sent dense is packed: "in place", "new" or None (see above).
-        start: begin at once (else at :meth:`start`).
     """
 
     def __init__(self, reader: Executor, jobs: Sequence[tuple[Bucket, np.ndarray]],
-                 threads: int = ENCODE_THREADS, keep: str | None = None,
-                 start: bool = True):
+                 threads: int = ENCODE_THREADS, keep: str | None = None):
         self.reader = reader
         self.threads = max(1, threads)
         self.keep = keep
@@ -249,22 +247,12 @@ class Encoder:
         self._stop = threading.Event()
         self.started = time.perf_counter()
         self.finished = self.started
-        self._jobs = list(jobs)
-        self._futures: dict[Bucket, Future] = {}
-        if start:
-            self.start()
-
-    def start(self) -> None:
-        """Begin encoding (once; see ``start``)."""
-        jobs, self._jobs = self._jobs, []
-        if jobs and not self._futures:
-            self.started = self.finished = time.perf_counter()
-        for b, base in jobs:
-            self._futures[b] = self._pool.submit(self._encode, b, base)
+        self._futures: dict[Bucket, Future] = {
+            b: self._pool.submit(self._encode, b, base) for b, base in jobs}
 
     @property
     def buckets(self) -> frozenset[Bucket]:
-        return frozenset(self._futures) | {b for b, _ in self._jobs}
+        return frozenset(self._futures)
 
     def add(self, jobs: Sequence[tuple[Bucket, np.ndarray]]) -> None:
         """Encode more buckets, after those given so far (a relay's forwards, once their
@@ -274,13 +262,11 @@ class Encoder:
 
     def drop(self, keep: Callable[[Bucket], bool]) -> None:
         """Cancel the buckets ``keep`` rejects (their pairs go dense after all)."""
-        self._jobs = [(b, base) for b, base in self._jobs if keep(b)]
         for b in [b for b in self._futures if not keep(b)]:
             self._futures.pop(b).cancel()
 
     def result(self, b: Bucket, timeout: float) -> Encoded | None:
         """Bucket ``b``'s encoding (waits for it); None: ``b`` was not encoded."""
-        self.start()
         fut = self._futures.get(b)
         if fut is None:
             return None
@@ -295,7 +281,6 @@ class Encoder:
         """Cancel what has not started and wait for what has: no worker reads a source or
         a baseline once this returns."""
         self._stop.set()
-        self._jobs = []
         self._pool.shutdown(wait=True, cancel_futures=True)
 
     def forget(self, sent: dict) -> None:

@@ -226,8 +226,6 @@ class DeltaState:
         if not self.base:
             self.memory = None
         self._nonce = secrets.token_hex(8)
-        if self._ahead is not None:
-            self._ahead[1].start()
         return {"nonce": self._nonce,
                 "send": [[s, r, b.call, b.digest] for (s, r), b in sorted(self.sent.items())
                          if b.call is not None],
@@ -310,12 +308,9 @@ class DeltaState:
                       if b.stage > 0}
         mixed = {k[:2] for k in scanned - said} | forwarding
         self._whole = frozenset({k[:2] for k in scanned} - mixed)
-        if jobs:
-            # started once the claims are made (claims()): its threads' start-up overlaps
-            # the check's gather, not what comes before it
+        if jobs:        # what remains to diff: the diff is the call's critical path
             self._ahead = (prepared, Encoder(reader, jobs, threads or ENCODE_THREADS,
-                                             keep="new" if atomic else "in place",
-                                             start=False))
+                                             keep="new" if atomic else "in place"))
 
     def _scan(self, prepared: Any, src: Any) -> tuple[Executor, list, set, set, dict]:
         """:meth:`encode_ahead`'s look at this call's sources with the last call's schedule:
