@@ -32,6 +32,8 @@
 #                      ops, bit-exact call after call (issue 22; tests/test_gpu_device_path.py)
 #   i_fp8_device       FP8 quantized on the way on the GPU: JAX quantizes whole blocks there,
 #                      codes + scales cross NCCL, bytes equal vLLM's quantizer (issue 20)
+#   i_fp8_delta        delta=True into FP8 CUDA destinations: scales and codes diffed on the
+#                      GPU, applied there, split blocks requantized (issues 20 + 22)
 #   c_bandwidth        pack/unpack and NCCL send/recv to self against a D2D copy (events)
 #   e_cuda_ipc         JAX -> torch process through cuda_ipc, 4 GiB, against a device copy
 #   pytest_gpu         `pytest -m gpu` of the transport tests and of check_writes (a fused
@@ -270,6 +272,10 @@ part h_delta_device 45 "JAX GPU -> torch CUDA over NCCL, delta=True, baselines o
 part i_fp8_device 40 "JAX GPU -> torch CUDA FP8 (block + MXFP8) quantized on the GPU: codes and scales equal vLLM's quantizer's bytes; wire <= 0.52x bf16" \
     "$PY" -m tests.test_gpu_device_path fp8 --timeout 30 \
     --json "$WORK/i_fp8_device.json" --logs "$WORK/i_logs"
+
+part i_fp8_delta 40 "JAX GPU -> torch CUDA FP8, delta=True: codes and scales equal the host quantizer's after every call; 1% steps deltas of <= 0.5x the dense bytes, the all-changed step dense" \
+    "$PY" -m tests.test_gpu_device_path fp8-delta --baseline device --timeout 30 \
+    --json "$WORK/i_fp8_delta.json" --logs "$WORK/i_delta_logs"
 
 # ---------------------------------------------------------------- bandwidth
 part c_bandwidth 30 "pack/unpack >= 0.70 and NCCL self >= 0.30 of a D2D copy (CUDA events)" \

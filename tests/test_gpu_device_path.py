@@ -19,11 +19,12 @@ GPU, and every byte is checked.
   byte: tests/test_quant.py) on the same values, and the wire carries <= 0.52x the bf16
   bytes.
 
-Run by scripts/gpu_check.sh (parts ``h_delta_device`` and ``i_fp8_device``)::
+Run by scripts/gpu_check.sh (parts ``h_delta_device``, ``i_fp8_device``, ``i_fp8_delta``)::
 
     python -m tests.test_gpu_device_path delta --json OUT.json [--baseline device]
     python -m tests.test_gpu_device_path fp8 --json OUT.json
     python -m tests.test_gpu_device_path fp8-bench --json OUT.json
+    python -m tests.test_gpu_device_path fp8-delta --json OUT.json [--baseline device]
     ... --device cpu    # no GPU: gloo, and the device path on host memory
                         # (XRESHARD_TEST_DEVICE_OPS), what tests/test_device_path.py covers
 
