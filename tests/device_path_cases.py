@@ -71,7 +71,7 @@ def fp8_delta_trainer(ctx: Any, atomic: bool) -> dict:
     refit = xr.Refit(world, send=params("A"), config=_fp8_delta_config(xr, atomic))
     rows = []
     for step in FP8_DELTA_STEPS:
-        report = delta_cases._attempt(lambda: refit(send=params(step)))
+        report = delta_cases.attempt(lambda: refit(send=params(step)))
         row = delta_cases._row(report)
         if not isinstance(report, str):
             row["quantized"] = dict(report.quantized or {})
@@ -98,7 +98,7 @@ def fp8_delta_rollout(ctx: Any, atomic: bool) -> dict:
     refit = xr.Refit(world, receive=state, config=_fp8_delta_config(xr, atomic))
     rows, checked = [], 0
     for step in FP8_DELTA_STEPS:
-        row = delta_cases._row(delta_cases._attempt(refit))
+        row = delta_cases._row(delta_cases.attempt(refit))
         want = compose._fp8_wanted(step, me, n)
         held = {}
         for name, tensors in local.items():
