@@ -459,7 +459,7 @@ def shm_dies_mid_refit(ctx: Context, timeout: float, how: str) -> dict:
         created: list[str] = []
         shm._new_segment = new_segment
     t0 = time.monotonic()
-    error = cases.attempt(refit)
+    error = cases._attempt(refit)
     return {"error": error, "seconds": time.monotonic() - t0, "version": refit.version,
             "prefix": shm.prefix, "copied_in": shm.bytes_copied_in, "pulled": shm.bytes_pulled,
             "created": created if ctx.role.group == "trainer" else []}
