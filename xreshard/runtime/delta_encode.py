@@ -44,9 +44,9 @@ def mostly_changed(old: np.ndarray, parts: Sequence[np.ndarray]) -> bool:
     """Whether most of a bucket changed, from 16 blocks spread over it (``old``: the
     baseline; ``parts``: the new version in pieces, as :func:`encode_parts` takes it): the
     diff is then skipped and the bucket sent dense (a cost policy: dense is always a valid
-    message). The encoder asks this of a bucket its sender could not sample before
-    ``refit/check`` (one it has to pack: ``DeltaState.encode_ahead`` samples the others
-    and says them dense there), and packs it into its baseline."""
+    message). The encoder asks this of every bucket it diffs; it decides for those the
+    sender has to pack (the others were sampled in place before ``refit/check``, and said
+    dense there if they mostly changed: ``DeltaState.encode_ahead``)."""
     new = sample(parts)
     if new is None or old.size != sum(p.size for p in parts) or old.dtype.kind != "u":
         return False
