@@ -14,7 +14,7 @@ import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
-from typing import Any, Callable, NamedTuple, Sequence
+from typing import Any, Callable, Collection, NamedTuple, Sequence
 
 import numpy as np
 
@@ -233,11 +233,15 @@ class Encoder:
         jobs: ``(bucket, baseline)`` in schedule order (a baseline of ``bucket.nbytes``).
         threads: worker threads.
         keep: where a bucket sent dense is packed: "in place", "new" or None (see above).
+        sampled: buckets whose sample (against this baseline) already showed they did not
+            mostly change: diffed without sampling them again.
     """
 
     def __init__(self, reader: Executor, jobs: Sequence[tuple[Bucket, np.ndarray]],
-                 threads: int = ENCODE_THREADS, keep: str | None = None):
+                 threads: int = ENCODE_THREADS, keep: str | None = None,
+                 sampled: Collection[Bucket] = ()):
         self.reader = reader
+        self.sampled = frozenset(sampled)
         self.threads = max(1, threads)
         self.keep = keep
         #: buckets whose baseline holds their new bytes (``keep="in place"``)
@@ -312,7 +316,8 @@ class Encoder:
         if isinstance(buf, np.ndarray) and len(spans.diffed) > 1:
             parts = [buf[lo:hi].view(bits) for lo, hi in spans.diffed]
         old = base.view(bits)
-        msg = None if mostly_changed(old, parts) else encode_parts(old, parts)
+        msg = None if b not in self.sampled and mostly_changed(old, parts) \
+            else encode_parts(old, parts)
         header = Header(DENSE, spans.unit, n, n, 0) if msg is None else msg.header
         packed = None
         if msg is None and self.keep and spans.diffed == ((0, b.nbytes),):

@@ -294,7 +294,7 @@ class DeltaState:
             return
         from .delta_encode import ENCODE_THREADS, Encoder
         try:
-            reader, jobs, said, scanned, self._dropped = self._scan(prepared, src)
+            reader, jobs, said, scanned, self._dropped, sampled = self._scan(prepared, src)
         except Exception:       # noqa: BLE001 - only an optimization: the call decides as before
             # the last schedule does not fit these sources (they changed: the call
             # re-plans, and a missing binding must not fail this process alone)
@@ -310,13 +310,15 @@ class DeltaState:
         self._whole = frozenset({k[:2] for k in scanned} - mixed)
         if jobs:        # what remains to diff: the diff is the call's critical path
             self._ahead = (prepared, Encoder(reader, jobs, threads or ENCODE_THREADS,
-                                             keep="new" if atomic else "in place"))
+                                             keep="new" if atomic else "in place",
+                                             sampled=sampled))
 
-    def _scan(self, prepared: Any, src: Any) -> tuple[Executor, list, set, set, dict]:
+    def _scan(self, prepared: Any, src: Any
+              ) -> tuple[Executor, list, set, set, dict, set]:
         """:meth:`encode_ahead`'s look at this call's sources with the last call's schedule:
         ``(reader, jobs to encode, buckets said dense, buckets sampled or diffed, the samples
-        of those whose baselines are dropped)``; it may raise where the sources no longer
-        fit that schedule."""
+        of those whose baselines are dropped, the jobs sampled already)``; it may raise
+        where the sources no longer fit that schedule."""
         from .delta_encode import delta_spans, in_place_sample, sample_of, sampled_changed
         st = prepared.stages[0]
         reader = Executor(prepared.schedule, st.src_layouts, st.dst_layouts, st.wire_dtypes,
@@ -325,7 +327,7 @@ class DeltaState:
                           quant=prepared.quant)
         local = {r for r, _ in reader.src_bindings}
         digests = self.pair_digests(prepared)
-        jobs, said, scanned, dropped = [], set(), set(), {}
+        jobs, said, scanned, dropped, sampled = [], set(), set(), {}, set()
         for rnd in prepared.schedule.rounds:
             for b in rnd:
                 pair = self.sent.get((b.src, b.dst))
@@ -354,8 +356,10 @@ class DeltaState:
                 if base is None:        # nothing to diff: dense (its baseline kept)
                     said.add(key)
                     continue
+                if got is not None:     # sampled against this baseline: not mostly changed
+                    sampled.add(b)
                 jobs.append((b, base))
-        return reader, jobs, said, scanned, dropped
+        return reader, jobs, said, scanned, dropped, sampled
 
     @property
     def ahead_buckets(self) -> frozenset[Any]:
