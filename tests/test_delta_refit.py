@@ -47,6 +47,51 @@ def test_decision_needs_both_claims_of_one_call_and_the_current_digest():
     assert call.call_id == state.begin(claims, prepared).call_id
 
 
+def test_fence_checks_only_what_a_delta_may_write_and_a_local_failure_is_an_error(
+        monkeypatch):
+    """``refit/fence``: a tensor written outside xreshard since the last commit is refused;
+    one that only buckets said dense write is not read; a failure while checking (here the
+    checksum raising) is returned as an error entry (every process reaches the exchange),
+    never raised on one process alone. Each refusal drops the claims."""
+    from types import SimpleNamespace
+    import numpy as np
+    from xreshard.ir.layout import Region
+    from xreshard.planner.schedule import Bucket, Item, Schedule
+    from xreshard.runtime import delta_wire
+    from xreshard.runtime.delta_fence import sums_of, where_of
+
+    lay = SimpleNamespace(dtype="bfloat16")
+    a, b = Item("a", Region((0,), (8,)), 16), Item("b", Region((0,), (8,)), 16)
+    buckets = (Bucket(0, 1, 0, 0, (a,), 16), Bucket(0, 1, 0, 1, (b,), 16))
+    stage = SimpleNamespace(wire_dtypes={"a": "bfloat16", "b": "bfloat16"},
+                            dst_layouts={"a": lay, "b": lay})
+    prepared = SimpleNamespace(stages=(stage,), schedule=Schedule((buckets,), (), 16),
+                               quant=None)
+    dst = SimpleNamespace(bindings={(1, "a"): np.zeros(8, np.uint16),
+                                    (1, "b"): np.zeros(8, np.uint16)})
+
+    committed = (where_of(dst), sums_of(dst))      # what the last call left
+
+    def fenced(dense: list) -> tuple:
+        state = delta_wire.DeltaState()
+        d = state.pair_digests(prepared)[(0, 1)]
+        state.base = {1: ("c1", {0: d})}
+        state.memory = committed
+        claims = [{"nonce": "x", "send": [[0, 1, "c1", d]], "dense": dense},
+                  {"nonce": "y", "recv": [[1, "c1", [[0, d]]]]}]
+        return state, state.fence(claims, prepared, dst)
+
+    assert fenced([])[1] == []
+    dst.bindings[(1, "b")][3] = 1                   # written outside xreshard
+    state, found = fenced([])
+    assert len(found) == 1 and "written outside xreshard" in found[0][1] and not state.base
+    assert fenced([[0, 1, 1]])[1] == []             # b's only bucket said dense: not read
+    monkeypatch.setattr(delta_wire, "sums_of", lambda *a: 1 / 0)
+    state, found = fenced([])
+    assert found[0][0] == "RefitError" and "ZeroDivisionError" in found[0][1]
+    assert not state.base and state.memory is None
+
+
 def test_amostly_changed_bucket_skips_the_diff():
     import numpy as np
     from xreshard.runtime.delta_exec import mostly_changed

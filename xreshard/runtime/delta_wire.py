@@ -122,6 +122,18 @@ __all__ = ["DeltaCall", "DeltaState", "delta_problems"]
 logger = logging.getLogger(__name__)
 
 
+def _written(b: Bucket, prepared: Any) -> list[tuple[int, str]]:
+    """The destination bindings bucket ``b`` writes: its items' tensors on its receiving
+    rank, and the scales of those quantized on the way."""
+    quant = getattr(prepared, "quant", None)
+    out = []
+    for it in b.items:
+        out.append((b.dst, it.name))
+        if quant is not None and it.name in quant.tensors:
+            out.append((b.dst, quant.tensors[it.name].scale))
+    return out
+
+
 def delta_problems(config: Any, on_device: bool, *, tuning: Any = None,
                    sides: tuple[bool, bool] = (True, True)) -> list[list[str]]:
     """What ``RefitConfig(delta=True)`` cannot run in this process, as error entries for
@@ -245,17 +257,16 @@ class DeltaState:
         byte moves; its claim is dropped, so the next call sends it dense)."""
         if not self.base or self.memory is None or dst is None:
             return []
-        quant = prepared.quant
-        keys: set[Any] = set()
-        for b in self._fenced(gathered, prepared):
-            if b.dst in self.base:
-                for it in b.items:
-                    keys.add((b.dst, it.name))
-                    if quant is not None and it.name in quant.tensors:
-                        keys.add((b.dst, quant.tensors[it.name].scale))
-        held = self.memory[1]
-        keys = {k for k in keys if k in dst.bindings}
-        now = sums_of(dst, keys)
+        try:        # whatever fails here reaches refit/fence: the others wait for it there
+            keys = {k for b in self._fenced(gathered, prepared) if b.dst in self.base
+                    for k in _written(b, prepared) if k in dst.bindings}
+            now, held = sums_of(dst, keys), self.memory[1]
+        except Exception as e:      # noqa: BLE001 - said on every process, before moving
+            self.base.clear()
+            self.memory = None
+            return [["RefitError", f"RefitConfig(delta=True): checking the destinations "
+                     f"failed on this process ({type(e).__name__}: {e}); the next call is "
+                     "dense"]]
         if all(held.get(k) == v for k, v in now.items()):
             return []
         self.base.clear()
@@ -389,15 +400,11 @@ class DeltaState:
                    for s, r, t in g.get("drop") or ()}
         drop = frozenset(k for k in dense if k in dropped)
         keys: dict[tuple[int, str], bool] = {}  # destination key -> written by kept ones
-        quant = getattr(prepared, "quant", None)
         for rnd in prepared.schedule.rounds:
             for b in rnd:
                 kept = not (b.stage == 0 and (b.src, b.dst, b.tag) in drop)
-                for it in b.items:
-                    names = [it.name] + ([quant.tensors[it.name].scale] if quant is not None
-                                         and it.name in quant.tensors else [])
-                    for n in names:
-                        keys[(b.dst, n)] = keys.get((b.dst, n), False) or kept
+                for k in _written(b, prepared):
+                    keys[k] = keys.get(k, False) or kept
         call = DeltaCall(self, call_id, pairs, self.pair_digests(prepared), atomic=atomic,
                          staged=staged, dense=dense, drop=drop,
                          unsummed=frozenset(k for k, kept in keys.items() if not kept))
