@@ -147,6 +147,22 @@ def as_bytes(t):
     return t.view(torch.uint8).numpy() if t.element_size() == 1 else t.view(torch.int32).numpy()
 
 
+def in_use(model):
+    """Name -> each parameter as ``model`` computes with it. vLLM's CPU backend hands an
+    unquantized linear layer's weight to a prepacked kernel (oneDNN where it takes the
+    dtype, as with bf16 on AVX-512; sgl with AMX) and leaves the parameter empty; that
+    weight is read back through the kernel (:func:`xreshard.adapters.vllm.gemm_weight`),
+    so a comparison sees the same bytes on every x86-64 CPU."""
+    modules = dict(model.named_modules())
+    out = {}
+    for name, param in model.named_parameters():
+        module = modules.get(name.rpartition(".")[0])
+        prepacked = name.endswith(".weight") and param.numel() == 0 and \
+            callable(getattr(module, "cpu_linear", None))
+        out[name] = xv.gemm_weight(module) if prepacked else param.detach()
+    return out
+
+
 def vllm_checkpoint(weights, quantized):
     """The block-FP8 checkpoint of ``weights``, quantized by vLLM's own function."""
     from vllm.utils.deep_gemm import per_block_cast_to_fp8
@@ -357,7 +373,7 @@ def test_reload_from_fp8_shards_writes_what_a_fresh_load_writes(name):
             xv.reload_from_shards(model, vllm_config.model_config, [
                 (n, xv.shard_weight(n, specs[n][0], xv.parts_from_full(ps, b[n])))
                 for n, ps in rec.pieces.items() if ps])
-    got = dict(model.named_parameters())
+    got = in_use(model)
     want = vllm_loads(vllm_config, 1, 0, par, b)
     touched = {p.param for ps in rec.pieces.values() for p in ps}
     assert any(rec.param_dtypes[p] == "float8_e4m3fn" for p in touched)
@@ -410,7 +426,7 @@ def test_online_blocks_straddling_two_hf_tensors_are_finished_by_the_worker():
             torch.no_grad():
         dest.load(model, vllm_config.model_config, buffers, False, engine.names)
     want = vllm_loads(vllm_config, 1, 0, par, b)
-    got = dict(model.named_parameters())
+    got = in_use(model)
     for param in (f"{attn}.qkv_proj.weight", f"{attn}.qkv_proj.weight_scale_inv",
                   "model.layers.1.mlp.down_proj.weight", "model.embed_tokens.weight"):
         assert (as_bytes(got[param].detach()) == as_bytes(want[param])).all(), param

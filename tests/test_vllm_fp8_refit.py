@@ -136,7 +136,7 @@ def rollout(ctx, case) -> dict:
 
     def compare(seed):
         want = t.vllm_loads(vllm_config, tp_rank, 0, par, fed(seed))
-        got = dict(model.named_parameters())
+        got = t.in_use(model)
         fp8 = [p for p in touched if str(want[p].dtype) == "torch.float8_e4m3fn"]
         assert fp8, "the engine stores nothing in FP8"
         out["fp8_params"] = fp8
