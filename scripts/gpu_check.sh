@@ -34,6 +34,8 @@
 #                      codes + scales cross NCCL, bytes equal vLLM's quantizer (issue 20)
 #   i_fp8_delta        delta=True into FP8 CUDA destinations: scales and codes diffed on the
 #                      GPU, applied there, split blocks requantized (issues 20 + 22)
+#   g_relay_delta      relay="on" with delta=True over cuda_ipc: the forwarders diff what
+#                      landed on their GPU and forward deltas (issue 22)
 #   c_bandwidth        pack/unpack and NCCL send/recv to self against a D2D copy (events)
 #   e_cuda_ipc         JAX -> torch process through cuda_ipc, 4 GiB, against a device copy
 #   pytest_gpu         `pytest -m gpu` of the transport tests and of check_writes (a fused
@@ -276,6 +278,9 @@ part i_fp8_device 40 "JAX GPU -> torch CUDA FP8 (block + MXFP8) quantized on the
 part i_fp8_delta 40 "JAX GPU -> torch CUDA FP8, delta=True: codes and scales equal the host quantizer's after every call; 1% steps deltas of <= 0.5x the dense bytes, the all-changed step dense" \
     "$PY" -m tests.test_gpu_device_path fp8-delta --baseline device --timeout 30 \
     --json "$WORK/i_fp8_delta.json" --logs "$WORK/i_delta_logs"
+
+part g_relay_delta 35 "relay + delta=True over cuda_ipc: the second call (1% changed) sends and forwards deltas diffed on the GPU (< 0.1x the model each), bit-exact and verified" \
+    "$PY" -m tests.test_gpu_check relay-delta --timeout 30 --json "$WORK/g_relay_delta.json"
 
 # ---------------------------------------------------------------- bandwidth
 part c_bandwidth 30 "pack/unpack >= 0.70 and NCCL self >= 0.30 of a D2D copy (CUDA events)" \

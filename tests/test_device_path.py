@@ -94,10 +94,9 @@ def test_switch_and_refusals(monkeypatch):
     # device bindings are no longer refused when a framework can run the ops
     config = xr.RefitConfig(delta=True)
     assert delta_problems(config, True, tuning=Tuning()) == []
-    # FP8 destinations compose with them now (no argument says so); a relay is refused
-    relay = xr.RefitConfig(delta=True, relay="on")
-    found = delta_problems(relay, True, tuning=Tuning())
-    assert len(found) == 1 and "relay='on' is not built" in found[0][1], found
+    # FP8 destinations and a relay compose with them now (tests/test_relay_compose.py)
+    relay = xr.RefitConfig(delta=True, relay="on", atomic=True)
+    assert delta_problems(relay, True, tuning=Tuning()) == []
     assert delta_problems(relay, False, tuning=Tuning()) == []      # host bindings
     # ... and are, naming it, when none can
     monkeypatch.setattr(device_ops, "_available", lambda kind: False)

@@ -12,6 +12,8 @@ of its logic (``--device cpu``: JAX and torch on CPU, the local / shm transports
   (the stream capture switched off must show the race, or the check proves nothing).
 - ``relay`` (three torch processes on GPU 0, declaring two hosts): ``relay="on"`` over a
   GPU transport; the trainer sends one copy per host and the receivers forward.
+  ``relay-delta``: the same with ``delta=True`` and a second call after 1% changed (the
+  sends and the forwards diffed on the device).
 
 Every check writes JSON with ``ok``, ``figure`` (one line) and ``bar`` (what ``ok``
 compares), which scripts/gpu_check.sh gathers into summary.json::
@@ -19,6 +21,7 @@ compares), which scripts/gpu_check.sh gathers into summary.json::
     python -m tests.test_gpu_check cases --json OUT.json [--device cpu]
     python -m tests.test_gpu_check ipc-torch --json OUT.json [--device cpu]
     python -m tests.test_gpu_check relay --json OUT.json [--device cpu]
+    python -m tests.test_gpu_check relay-delta --json OUT.json [--device cpu]
 """
 
 from __future__ import annotations
@@ -342,9 +345,12 @@ def run_ipc_torch(device: str, timeout: float) -> dict:
 RELAY_TENSORS = {"w": (1024, 1024), "b": (4096,), "e": (8, 256, 512)}
 
 
-def relay_gpu(ctx: Any, device: str) -> dict:
+def relay_gpu(ctx: Any, device: str, delta: bool = False) -> dict:
     """A torch trainer on host "t", two torch receivers on host "a", all on GPU 0:
-    ``relay="on"`` sends one copy to host "a", forwarded there over the GPU transport."""
+    ``relay="on"`` sends one copy to host "a", forwarded there over the GPU transport.
+    ``delta``: ``RefitConfig(delta=True)`` and a second call after 1% of every tensor's
+    elements changed: the trainer's sends and the forwards go as deltas, diffed on the
+    device (the forwarder from the bytes that landed there)."""
     import torch
     import xreshard as xr
     cuda = device == "cuda"
@@ -352,47 +358,80 @@ def relay_gpu(ctx: Any, device: str) -> dict:
     host = "t" if ctx.role.group == "trainer" else "a"
     world = ctx.join(devices=["cuda:0"] if cuda else 1, host=host,
                      groups=["trainer", "rollout"], timeout=90)
-    values = {n: _values(s, "bfloat16", 60 + i) for i, (n, s) in enumerate(RELAY_TENSORS.items())}
-    config = xr.RefitConfig(timeout=60, relay="on", verify=True)
-    if ctx.role.group == "trainer":
-        state = {n: torch.from_numpy(v.view(np.int16)).to(dev).view(torch.bfloat16)
-                 for n, v in values.items()}
-        r = xr.Refit(world, send=state, config=config)()
-        out = {"sent": r.bytes_sent}
-    else:
-        state = {n: torch.zeros(s, dtype=torch.bfloat16, device=dev)
-                 for n, s in RELAY_TENSORS.items()}
-        r = xr.Refit(world, receive=state, config=config)()
-        out = {"forwarded": r.bytes_forwarded, "received": r.bytes_received,
-               "verified": r.verified,
-               "exact": all(np.array_equal(_torch_bits(state[n]), _bits(v))
-                            for n, v in values.items())}
-    out["by_transport"] = r.bytes_by_transport
+    steps = [{n: _values(s, "bfloat16", 60 + i) for i, (n, s) in enumerate(RELAY_TENSORS.items())}]
+    if delta:
+        steps.append({n: _changed(v, 0.01, 70 + i) for i, (n, v) in enumerate(steps[0].items())})
+    config = xr.RefitConfig(timeout=60, relay="on", verify=True, delta=delta)
+    trainer = ctx.role.group == "trainer"
+    state = {n: torch.zeros(s, dtype=torch.bfloat16, device=dev) for n, s in RELAY_TENSORS.items()}
+    refit = xr.Refit(world, **({"send": state} if trainer else {"receive": state}), config=config)
+    calls = []
+    for values in steps:
+        if trainer:
+            for n, v in values.items():
+                state[n].copy_(torch.from_numpy(v.view(np.int16)).view(torch.bfloat16))
+        r = refit()
+        out = {"sent": r.bytes_sent, "forwarded": r.bytes_forwarded,
+               "by_transport": r.bytes_by_transport,
+               "delta_pairs": (r.delta or {}).get("pairs", 0)}
+        if not trainer:
+            out.update(received=r.bytes_received, verified=r.verified,
+                       exact=all(np.array_equal(_torch_bits(state[n]), _bits(v))
+                                 for n, v in values.items()))
+        calls.append(out)
     world.close()
+    from xreshard.runtime.device_ops import COUNTS
+    return {"calls": calls, "device_ops": dict(COUNTS)}
+
+
+def _changed(v: np.ndarray, fraction: float, seed: int) -> np.ndarray:
+    """``v`` with ``fraction`` of its elements' lowest bit flipped."""
+    out = v.copy()
+    bits = _bits(out).reshape(-1)
+    bits[np.random.default_rng(seed).choice(bits.size, int(bits.size * fraction),
+                                            replace=False)] ^= 1
     return out
 
 
-def run_relay(device: str, timeout: float) -> dict:
+def run_relay(device: str, timeout: float, delta: bool = False,
+              env: dict | None = None) -> dict:
+    """``env``: for the CPU dry run of ``delta``, ``XRESHARD_TEST_DEVICE_OPS`` runs the
+    device path's code on host memory."""
     from xreshard.tools.launch import Role, launch
     gpus = (0,) if device == "cuda" else None
     roles = [Role("torch", "trainer", 0, gpus=gpus)] + [
         Role("torch", "rollout", i, gpus=gpus) for i in range(2)]
-    results = launch("tests.test_gpu_check:relay_gpu", roles, args=(device,),
-                     timeout=timeout, check=False)
+    results = launch("tests.test_gpu_check:relay_gpu", roles, args=(device, delta),
+                     timeout=timeout, check=False, env=env)
     vals = [r.value if r.ok else {"error": (r.traceback or r.output)[-3000:]} for r in results]
     model = sum(int(np.prod(s)) * 2 for s in RELAY_TENSORS.values())
-    trainer, receivers = vals[0], vals[1:]
-    forwarded = sum(v.get("forwarded", 0) for v in receivers)
-    kinds = sorted({k for v in vals for k in (v.get("by_transport") or {})})
+    calls = [v.get("calls") or [{}] * (1 + delta) for v in vals]
+    trainer, receivers = calls[0], calls[1:]
+    forwarded = [sum(c[k].get("forwarded", 0) for c in receivers) for k in range(1 + delta)]
+    kinds = sorted({k for c in calls for call in c for k in (call.get("by_transport") or {})})
     report = {"device": device, "processes": vals, "model_bytes": model, "kinds": kinds}
-    report["ok"] = bool(trainer.get("sent") == model and forwarded == model
-                        and all(v.get("exact") and v.get("verified") for v in receivers)
-                        and (device != "cuda" or kinds == ["cuda_ipc"]))
-    report["figure"] = (f"trainer sent {trainer.get('sent')} B, receivers forwarded "
-                        f"{forwarded} B of a {model} B model, over {kinds}")
+    ok = bool(trainer[0].get("sent") == model and forwarded[0] == model
+              and all(c[k].get("exact") and c[k].get("verified") for c in receivers
+                      for k in range(1 + delta))
+              and (device != "cuda" or kinds == ["cuda_ipc"]))
+    report["figure"] = (f"trainer sent {trainer[0].get('sent')} B, receivers forwarded "
+                        f"{forwarded[0]} B of a {model} B model, over {kinds}")
     report["bar"] = ("the trainer sends the model once to host 'a' (sent == model bytes), "
                      "its receivers forward one copy (forwarded == model bytes) over "
                      "cuda_ipc only, bit-exact and verified")
+    if delta:
+        ok = ok and bool(trainer[1].get("delta_pairs") and 0 < trainer[1].get("sent", 0)
+                         < 0.1 * model and 0 < forwarded[1] < 0.1 * model
+                         and all(c[1].get("delta_pairs") for c in receivers))
+        # the forwarders' second call diffs on the device (the CPU dry run: the device
+        # path's code, XRESHARD_TEST_DEVICE_OPS)
+        ok = ok and all((v.get("device_ops") or {}).get("encode/torch", 0) > 0 for v in vals)
+        report["figure"] += (f"; 1% changed, delta=True: sent {trainer[1].get('sent')} B, "
+                             f"forwarded {forwarded[1]} B")
+        report["bar"] += ("; then with delta=True after 1% of the elements changed, the "
+                          "trainer's sends and the forwards go as deltas (< 0.1x the model "
+                          "bytes each), bit-exact and verified")
+    report["ok"] = ok
     return report
 
 
@@ -423,11 +462,21 @@ def test_ipc_torch_and_relay_dry_run_on_cpu():
         assert report["ok"], json.dumps(report, indent=1, default=str)[-6000:]
 
 
+@pytest.mark.slow
+def test_relay_delta_through_the_device_path_between_processes():
+    """``relay-delta``'s logic on CPU through the device path's code
+    (``XRESHARD_TEST_DEVICE_OPS=torch``): three torch processes, the second call's sends
+    and forwards diffed by the device ops, every receiver bit-exact and verified."""
+    pytest.importorskip("torch")
+    report = run_relay("cpu", 240, delta=True, env={"XRESHARD_TEST_DEVICE_OPS": "torch"})
+    assert report["ok"], json.dumps(report, indent=1, default=str)[-6000:]
+
+
 # ---------------------------------------------------------------------------- CLI
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description="issue 18's parts of scripts/gpu_check.sh")
-    ap.add_argument("what", choices=["cases", "ipc-torch", "relay"])
+    ap.add_argument("what", choices=["cases", "ipc-torch", "relay", "relay-delta"])
     ap.add_argument("--json", required=True)
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     ap.add_argument("--timeout", type=float, default=60)
@@ -441,7 +490,7 @@ def main(argv: list[str] | None = None) -> int:
         elif args.what == "ipc-torch":
             report = run_ipc_torch(args.device, args.timeout)
         else:
-            report = run_relay(args.device, args.timeout)
+            report = run_relay(args.device, args.timeout, delta=args.what == "relay-delta")
     except Exception as e:      # noqa: BLE001 - reported in the JSON
         report = {"ok": False, "error": f"{type(e).__name__}: {e}",
                   "traceback": traceback.format_exc()[-4000:]}

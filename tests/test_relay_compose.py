@@ -81,11 +81,11 @@ def _values(src: dict, step: int) -> dict[str, np.ndarray]:
     return out
 
 
-def test_relayed_delta_in_one_process_bit_exact_forwards_as_deltas():
+def _relayed_delta_calls():
     """Every rank in one process (local transport), one DeltaState: call 1 seeds (dense),
     call 2 sends every pair, forwards included, as deltas; call 3 with receiver 2's claim
-    wrong: every pair into rank 2 (from the trainer and from its forwarder) goes dense,
-    rank 2's own forwards still go as deltas. Every destination is bit-exact each call."""
+    wrong. Every destination is checked bit-exact after each call. Returns the prepared
+    call, the state and ``[(DeltaCall, ExecStats)]`` per call."""
     from xreshard.runtime.delta_wire import DeltaState
     from xreshard.runtime.execute import run
     from xreshard.runtime.metadata import stage_bindings
@@ -100,7 +100,6 @@ def test_relayed_delta_in_one_process_bit_exact_forwards_as_deltas():
     real = {(r, n): np.zeros(l.shape, np.uint16) for n, l in dst.items() for r in l.ranks}
     transport = RecordingTransport(LocalTransport())
     programs: dict = {}
-    total = sum(v.nbytes for v in _values(src, 0).values())
     rows = []
     for step in (1, 2, 3):
         values = _values(src, step)
@@ -116,6 +115,15 @@ def test_relayed_delta_in_one_process_bit_exact_forwards_as_deltas():
         for (r, n), arr in real.items():
             assert arr.tobytes() == values[n].tobytes(), (step, r, n)
         rows.append((call, stats))
+    return prepared, state, rows
+
+
+def test_relayed_delta_in_one_process_bit_exact_forwards_as_deltas():
+    """Call 2 sends every pair, forwards included, as deltas; call 3 (receiver 2's claim
+    wrong): every pair into rank 2 (from the trainer and from its forwarder) goes dense,
+    rank 2's own forwards still go as deltas. Bit-exact each call (_relayed_delta_calls)."""
+    _, state, rows = _relayed_delta_calls()
+    total = sum(v.nbytes for v in _values(_case()[1], 0).values())
     (c1, s1), (c2, s2), (c3, s3) = rows
     forwards = {p for p in c2.pairs if p[0] != 0}
     assert not c1.pairs and c1.bytes_wire == c1.bytes_dense
@@ -127,6 +135,32 @@ def test_relayed_delta_in_one_process_bit_exact_forwards_as_deltas():
     assert c3.pairs == c2.pairs - {(0, 2), (1, 2)}      # into rank 2: dense
     # the forwarders' baselines are the bytes they forward
     assert state.baseline_bytes == 4 * total
+
+
+@pytest.mark.parametrize("kind", ["torch", "jax"])
+def test_relayed_delta_device_path_forwards_as_the_host_path(monkeypatch, kind):
+    """The same calls through the device path (``XRESHARD_TEST_DEVICE_OPS``: the code a GPU
+    runs, its arrays on the host): every destination bit-exact each call, every pair's
+    delta, forwards included, encoded by the device ops (a forwarder diffs on its device
+    what landed there), and each call moved exactly the bytes the host path moves."""
+    from xreshard.runtime import device_ops
+
+    _, _, host = _relayed_delta_calls()
+    monkeypatch.setenv(device_ops.ENV, kind)
+    before = device_ops.COUNTS[f"encode/{kind}"]
+    prepared, _, rows = _relayed_delta_calls()
+    encoded = device_ops.COUNTS[f"encode/{kind}"] - before
+    moved = [(c.pairs, c.bytes_wire, c.num_delta, s.bytes_sent, s.bytes_forwarded)
+             for c, s in rows]
+    assert moved == [(c.pairs, c.bytes_wire, c.num_delta, s.bytes_sent, s.bytes_forwarded)
+                     for c, s in host]
+    buckets = [b for rnd in prepared.schedule.rounds for b in rnd]
+    forwards = {b for b in buckets if b.src != 0}
+    c2, c3 = rows[1][0], rows[2][0]
+    assert c2.num_delta > 0 and forwards and {(b.src, b.dst) for b in forwards} <= c2.pairs
+    # calls 2 and 3: each bucket of a delta pair was diffed by the device ops once
+    want = sum(1 for c in (c2, c3) for b in buckets if (b.src, b.dst) in c.pairs)
+    assert encoded == want, (encoded, want)
 
 
 # ---------------------------------------------------------------------------- processes
@@ -286,14 +320,17 @@ def test_relayed_fp8_in_one_process_forwards_codes_and_scales_bit_exact(pipeline
     assert stats.quantized["fp8_sent"] > relayed and stats.quantized["bf16_sent"] > 0  # w
 
 
-def test_relayed_fp8_deltas_forward_changed_codes_and_scales_only():
+@pytest.mark.parametrize("kind", [None, "torch"])
+def test_relayed_fp8_deltas_forward_changed_codes_and_scales_only(monkeypatch, kind):
     """``delta=True`` through the relay of FP8 destinations (one process, one DeltaState):
     a forwarder diffs the codes and scales it forwards against what it last forwarded, so
     a step that changed 1% of the bf16 elements forwards a few percent of the FP8 bytes
     (before: every forward went raw); the bf16 pieces of ``w``'s split blocks are diffed
     against what their receivers kept of the last call (before: raw every call). Call 4:
     receiver 1 claims a wrong base (dense to it). Every receiver holds the quantizer's
-    bytes after every call."""
+    bytes after every call. ``kind``: through the device path (``XRESHARD_TEST_DEVICE_OPS``,
+    the code a GPU runs: quantized, diffed, applied and forwarded by the device ops)."""
+    from xreshard.runtime import device_ops
     from xreshard.ir.formats import MXFP8
     from xreshard.quant.host import quantize_block_fp8, quantize_mxfp8
     from xreshard.runtime.delta_wire import DeltaState
@@ -309,6 +346,9 @@ def test_relayed_fp8_deltas_forward_changed_codes_and_scales_only():
     real = {(r, n): [np.zeros(lay.regions(r)[0].shape, lay.dtype if lay.dtype == "float32"
                               else np.uint8)] for n, lay in dst.items() for r in lay.ranks}
     state, programs, forwarded, wire = DeltaState(), {}, [], []
+    if kind:
+        monkeypatch.setenv(device_ops.ENV, kind)
+    counts, pairs = dict(device_ops.COUNTS), []
     for k, step in enumerate((1, 2, 2, 1)):
         values = _fp8_values(1)
         if step == 2:
@@ -325,6 +365,7 @@ def test_relayed_fp8_deltas_forward_changed_codes_and_scales_only():
         stats, _ = run(prepared, stage_bindings(prepared, src_b, real), LocalTransport(),
                        timeout=30, programs=programs, delta=call)
         state.commit(call, None, None)
+        pairs.append(call.pairs)
         forwarded.append(stats.bytes_forwarded)
         wire.append(call.bytes_wire)
         for name, qt in quantized.items():
@@ -341,6 +382,14 @@ def test_relayed_fp8_deltas_forward_changed_codes_and_scales_only():
     assert 0 < forwarded[2] < 0.01 * forwarded[0]       # nothing changed: headers only
     assert 0 < wire[1] < 0.05 * wire[0]                 # w's pieces too
     assert state.baseline_bytes == wire[0]               # pieces in the baselines too
+    ran = {k: n - counts.get(k, 0) for k, n in device_ops.COUNTS.items() if n > counts.get(k, 0)}
+    if kind:            # each bucket of a delta pair, forwards included, diffed on the device
+        buckets = [b for rnd in prepared.schedule.rounds for b in rnd]
+        want = sum(1 for p in pairs for b in buckets if (b.src, b.dst) in p)
+        assert ran.get(f"encode/{kind}", 0) == want and ran.get(f"apply/{kind}", 0) > 0, ran
+        assert ran.get(f"quantize/{kind}", 0) > 0, ran
+    else:
+        assert not ran, ran
 
 
 @pytest.mark.slow

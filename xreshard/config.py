@@ -67,12 +67,12 @@ class RefitConfig:
     senders hold a dense bucket's new bytes until the outcome), with FP8 destinations
     quantized on the way (codes and scales diffed as sent; a changed block requantizes
     whole; pieces of blocks split across senders diffed against what their receiver kept
-    of them), and on host bindings with ``relay`` (a forwarding rank keeps a baseline of
-    what it forwards and sends its forwards as deltas under the same per-pair fences; see
+    of them), and with ``relay`` (a forwarding rank keeps a baseline of what it forwards
+    and sends its forwards as deltas under the same per-pair fences; see
     :mod:`xreshard.planner.relay`), all of them together too. Device bindings diff,
     quantize and apply on their device with JAX or torch ops
-    (``xreshard.runtime.delta_device``). Refused by name at ``refit/check``, before any
-    byte moves: on device bindings, a relay."""
+    (``xreshard.runtime.delta_device``); refused by name at ``refit/check``, before any
+    byte moves, where neither is installed."""
 
     check_writes: bool = False
     """Fail the refit (the same ``RefitError`` on every rank; the version stays) when a sent

@@ -156,7 +156,8 @@ class DeviceDeltaExecutor(DeltaExecutor):
 
     # ------------------------------------------------------------ sender
 
-    def _encoder(self, jobs: Sequence[tuple[Bucket, Any]]) -> Encoder:
+    def _new_encoder(self, jobs: Sequence[tuple[Bucket, Any]], *,
+                     forwards: bool = False) -> Encoder:
         return DeviceEncoder(self, jobs)
 
     def _new_bytes(self, b: Bucket, scratch: threading.local) -> Any:

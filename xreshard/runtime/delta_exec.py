@@ -95,7 +95,7 @@ class DeltaExecutor(Executor):
             if encoder is not None:
                 encoder.stop()
                 encoder.forget(call.state.sent)
-            encoder = call.encoder = self._encoder([
+            encoder = call.encoder = self._new_encoder([
                 (b, base) for b, spans in wanted
                 if (base := call.baseline(b, spans.nbytes)) is not None])
         else:
@@ -150,7 +150,7 @@ class DeltaExecutor(Executor):
         if not jobs:
             return
         if self._forward_encoder is None:
-            self._forward_encoder = Encoder(self, jobs)
+            self._forward_encoder = self._new_encoder(jobs, forwards=True)
         else:
             self._forward_encoder.add(jobs)
 
@@ -360,7 +360,12 @@ class DeltaExecutor(Executor):
     # ------------------------------------------------------------ memory hooks
     # host memory here; the device path (delta_device.DeviceDeltaExecutor) overrides them
 
-    def _encoder(self, jobs: Sequence[tuple[Bucket, np.ndarray]]) -> Encoder:
+    def _new_encoder(self, jobs: Sequence[tuple[Bucket, np.ndarray]], *,
+                     forwards: bool = False) -> Encoder:
+        """An encoder of ``jobs``: a relay's ``forwards`` (encoded once their bytes
+        landed, never packed into their baselines ahead) or this call's own sends."""
+        if forwards:
+            return Encoder(self, jobs)
         return Encoder(self, jobs, keep="new" if self.delta.atomic else "in place")
 
     def _buffer(self, rank: int, nbytes: int) -> Any:

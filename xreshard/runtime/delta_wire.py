@@ -93,12 +93,12 @@ process before any byte moves). Host bindings: delta composes with ``wire_dtype`
 ``atomic=True`` a forwarder's baselines are transactional like any sender's (its forwards'
 new bytes and messages are held until the outcome) and it forwards from its staging; with
 FP8 destinations a forwarder diffs the finished codes and scales it forwards (plain
-tensors of stage 2) against what it last forwarded. Device bindings: delta with
-``wire_dtype``, ``atomic=True`` (the baselines' changes are held until the outcome and
-applied by the device ops then) and FP8 destinations (quantized and diffed on the
-sender's device, applied to codes, scales and split blocks' pieces on the receiver's:
-:mod:`.delta_device`), together too, but not with ``relay`` (the forwards' encoder reads
-host memory).
+tensors of stage 2) against what it last forwarded. Device bindings: the same, by the
+device path: ``wire_dtype``, ``atomic=True`` (the baselines' changes are held until the
+outcome and applied by the device ops then), FP8 destinations (quantized and diffed on
+the sender's device, applied to codes, scales and split blocks' pieces on the
+receiver's: :mod:`.delta_device`) and ``relay`` (a forwarder diffs what it forwards on
+its device, from the bytes that landed there, with the same ops as its sends).
 """
 
 from __future__ import annotations
@@ -137,11 +137,10 @@ def _written(b: Bucket, prepared: Any) -> list[tuple[int, str]]:
 def delta_problems(config: Any, on_device: bool, *, tuning: Any = None,
                    sides: tuple[bool, bool] = (True, True)) -> list[list[str]]:
     """What ``RefitConfig(delta=True)`` cannot run in this process, as error entries for
-    ``refit/check`` (refused on every process before any byte moves). Device bindings
-    (``on_device``): no framework to diff or apply on the device (:mod:`.delta_device`;
-    ``sides``: whether this process sends, receives), and a relay. Host bindings compose
-    with everything; device bindings with ``atomic=True`` and FP8 destinations (see the
-    module docstring)."""
+    ``refit/check`` (refused on every process before any byte moves): with device bindings
+    (``on_device``), no framework to diff or apply on the device (:mod:`.delta_device`;
+    ``sides``: whether this process sends, receives). Delta composes with everything else
+    on both kinds of bindings (see the module docstring)."""
     if not getattr(config, "delta", False):
         return []
     from .device_ops import test_switch
@@ -149,13 +148,7 @@ def delta_problems(config: Any, on_device: bool, *, tuning: Any = None,
         return []
     from ..config import Tuning
     from .delta_device import device_delta_problems
-    found = device_delta_problems(tuning or Tuning(), *sides)
-    relay = getattr(config, "relay", "off")
-    if relay != "off":      # see the module docstring
-        found.append(["RefitError", f"RefitConfig(delta=True) with relay={relay!r} is not "
-                      "built in this version: this process binds device memory; pass "
-                      "relay='off' (or hold the weights in host memory)"])
-    return found
+    return device_delta_problems(tuning or Tuning(), *sides)
 
 
 @dataclass
