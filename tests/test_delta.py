@@ -303,11 +303,11 @@ def test_import_loads_neither_jax_nor_torch():
     assert out.stdout.split() == ["False", "False"]
 
 
-def test_delta_problems_refuse_the_combinations_not_built(monkeypatch):
-    """At ``refit/check``, by name: on device bindings (or the device path on the host, as
-    the tests run it) delta with a relay. Host bindings compose with relay, ``atomic`` and
-    casts, together too (FP8 destinations compose on either: tests/test_device_path.py);
-    device bindings with atomic=True."""
+def test_delta_composes_with_relay_atomic_and_casts_on_both_kinds_of_bindings(monkeypatch):
+    """``delta_problems`` at ``refit/check``: host and device bindings (or the device path
+    on the host, as the tests run it) compose delta with relay, ``atomic`` and casts,
+    together too (FP8 destinations: tests/test_device_path.py); device bindings are refused
+    by name, on both sides, where no framework can run the device ops."""
     import xreshard as xr
     from xreshard.config import Tuning
     from xreshard.runtime import device_ops
@@ -324,14 +324,14 @@ def test_delta_problems_refuse_the_combinations_not_built(monkeypatch):
                    xr.RefitConfig(delta=True, relay=relay, atomic=True),
                    xr.RefitConfig(delta=True, wire_dtype="bfloat16")):
         assert refused(config, False) == []        # host bindings compose
-    assert refused(xr.RefitConfig(delta=False, relay=relay, atomic=True), True) == []
-    found = refused(xr.RefitConfig(delta=True, relay=relay, atomic=True), True)
-    assert len(found) == 1 and "binds device memory" in found[0]
-    assert "relay='auto'" in found[0]
-    assert refused(xr.RefitConfig(delta=True), True) == []
-    assert refused(xr.RefitConfig(delta=True, atomic=True), True) == []
+        assert refused(config, True) == []         # and so do device bindings
     monkeypatch.setenv(device_ops.ENV, "torch")     # the device path, run on the host
-    assert len(refused(xr.RefitConfig(delta=True, relay=relay), False)) == 1
+    assert refused(xr.RefitConfig(delta=True, relay=relay, atomic=True), False) == []
+    # ... unless no framework can run the device ops
+    monkeypatch.delenv(device_ops.ENV)
+    monkeypatch.setattr(device_ops, "_available", lambda kind: False)
+    found = refused(xr.RefitConfig(delta=True, relay=relay), True)
+    assert len(found) == 2 and all("neither is installed" in m for m in found), found
 
 
 def test_split_block_pieces_kept_under_the_fence():
