@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import time
 
 import pytest
@@ -168,6 +169,31 @@ def test_a_partial_collective_gives_every_survivor_the_same_arrivals():
     values = {v["me"]: v for v in (r.value for r in launch(partial_outcomes, roles, timeout=90))}
     assert values[0]["got"] == values[1]["got"], values
     assert values[0]["got"][2] is None
+
+
+def dead_outcome(ctx: Context) -> dict:
+    """Three processes of a fixed world on one host; after a barrier process 2 exits, and
+    the other two wait for its outcome up to 600 s."""
+    with ctx.join(1, groups=("trainer", "rollout"), timeout=20) as w:
+        w.barrier(timeout=20)
+        me = w.process_index
+        if me == 2:
+            os._exit(0)
+        got = w.allgather_json({"me": me}, timeout=600, kind="refit/outcome", partial=True)
+        return {"me": me, "got": got}
+
+
+@pytest.mark.slow
+def test_a_partial_collective_stops_waiting_for_a_process_gone_from_this_host():
+    """A member on this host whose process no longer runs (pid and start time) is not
+    waited for until the timeout: the survivors' outcome exchange settles without it
+    (well inside the launch's 120 s, against the exchange's 600)."""
+    roles = [Role("plain", "trainer", 0), Role("plain", "rollout", 0),
+             Role("plain", "rollout", 1)]
+    results = launch(dead_outcome, roles, timeout=120, check=False, fail_fast=False)
+    assert not any(r.timed_out for r in results)
+    values = [r.value for r in results[:2]]
+    assert [v["got"] for v in values] == [[{"me": 0}, {"me": 1}, None]] * 2, values
 
 
 def test_in_process_world_and_errors():

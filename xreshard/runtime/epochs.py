@@ -318,7 +318,11 @@ class ElasticWorld:
         return sorted(out)
 
     def _all_gone(self, positions: Iterable[int]) -> bool:
-        leaving = [r for r in self.pending() if r["kind"] == "leave"]
+        """Whether every process at ``positions`` is known not to come (``gone``): in any
+        world, a process on this host that no longer runs; in an elastic one, also a
+        member that asked to leave."""
+        leaving = [] if self._elastic is None else [r for r in self.pending()
+                                                     if r["kind"] == "leave"]
         return all(gone(self._infos[p], leaving) for p in positions)
 
     def _epoch_record(self, epoch: int, admitted: list[str], consumed: Iterable[str]

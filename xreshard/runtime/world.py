@@ -231,12 +231,13 @@ class World(WorldTransports, ElasticWorld):
             store = connect(address, timeout)
 
         me = {"group": group, "index": int(index), "host": host or socket.gethostname(),
-              "pid": os.getpid(), "num_ranks": len(local_devices), "device_kinds": kinds,
-              "devices": [str(d) for d in local_devices]}
+              "pid": os.getpid(), "start": epochs.own_start(), "num_ranks": len(local_devices),
+              "device_kinds": kinds, "devices": [str(d) for d in local_devices]}
         expect = {"num_processes": num_processes, "groups": groups}
         seal = Seal(token_bytes, world_id)
         if elastic:
-            me.update(start=epochs.own_start(), **({} if unit is None else {"unit": unit}))
+            if unit is not None:
+                me["unit"] = unit
             running = epochs.read_epoch(store, seal)
             if running is not None:
                 return cls._join_running(store, server, address, seal, me, groups,
@@ -527,10 +528,11 @@ class World(WorldTransports, ElasticWorld):
 
     def _wait_keys(self, keys: list[str], readers: Sequence[int], deadline: float,
                    partial: bool) -> None:
-        """Wait for the payloads at ``keys``; a partial collective of an elastic world
-        also stops once every reader still missing is known not to come (it left, or its
-        process is gone: ``epochs.gone``)."""
-        if not partial or self._elastic is None:
+        """Wait for the payloads at ``keys``; a partial collective (a refit's outcome) also
+        stops once every reader still missing is known not to come (its process, on this
+        host, no longer runs; in an elastic world also: it left; ``epochs.gone``), instead
+        of at the deadline."""
+        if not partial:
             return wait_keys(self._store, keys, deadline)
         while True:
             try:
