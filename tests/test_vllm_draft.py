@@ -135,7 +135,7 @@ def draft_trainer(ctx, tp: int, tmp: str) -> dict:
 
 
 ENGINE_ENV = {1: {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"},      # in-process engine
-              2: {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}}
+              2: {"VLLM_CPU_OMP_THREADS_BIND": "0|1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}}
 
 
 @pytest.mark.slow

@@ -37,8 +37,10 @@ cases.importorskip_vllm()
 from xreshard.adapters.naming import NameMap  # noqa: E402
 from xreshard.tools.launch import Role, launch  # noqa: E402
 
-ENGINE_ENV = {1: {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"},      # in-process engine: ~3 s start
-              2: {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}}
+#: the engine core in the engine role's process (VLLM_ENABLE_V1_MULTIPROCESSING=0): at TP=1
+#: ~3 s start; at TP=2 one process importing vLLM less (its workers are processes anyway)
+ENGINE_ENV = {1: {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"},
+              2: {"VLLM_CPU_OMP_THREADS_BIND": "0|1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}}
 
 
 def _expected_shard_bytes(tp: int, rank: int, itemsize: int, c: dict = cases.CONFIG) -> int:

@@ -68,7 +68,8 @@ def trainer(ctx, case) -> dict:
     import xreshard as xr
 
     t, _, bf16_specs, _ = _setup(case)
-    world = ctx.join(groups=["trainer", "rollout"], timeout=240)
+    world = ctx.join(groups=["trainer", "rollout"], timeout=240,
+                     world_id=f"{ctx.world_id}-{case}")
     mesh = jax.make_mesh((4,), ("x",), devices=jax.local_devices())
     grid = jax.make_mesh((2, 2), ("a", "b"), devices=jax.local_devices())
 
@@ -113,7 +114,8 @@ def rollout(ctx, case) -> dict:
                                                               t.ranks_of(par))
     recs = [xv.record_from_config(vllm_config, r, TP, specs) for r in range(TP)]
     recording = xv.EngineRecording(recs, tp_rank, specs)
-    world = ctx.join(groups=["trainer", "rollout"], timeout=240)
+    world = ctx.join(groups=["trainer", "rollout"], timeout=240,
+                     world_id=f"{ctx.world_id}-{case}")
     dest = xv.Destination.place(recording, world.group_ranks("rollout"))
 
     def fed(seed):          # what vLLM loads itself: bf16 (online) or its own checkpoint
@@ -174,24 +176,38 @@ def _wire(dest, received):
     return received - plain, sum(b for n, b in held.items() if n in q)
 
 
-@pytest.mark.parametrize("case", list(CASES))
-def test_jax_trainer_refits_block_fp8_vllm_ranks_byte_for_byte(case):
+def every_case(ctx, cases) -> dict:
+    """``trainer`` or ``rollout`` for each case in turn, each in a world of its own: one
+    launch for all of them (each process imports JAX or vLLM once, not once per case)."""
+    run = trainer if ctx.role.group == "trainer" else rollout
+    return {case: run(ctx, case) for case in cases}
+
+
+@pytest.fixture(scope="module")
+def runs() -> dict:
+    """case -> [the trainer's value, each rollout's], from one launch."""
     roles = [Role("jax", "trainer", 0, num_devices=4)] + [
         Role("plain", "rollout", i) for i in range(TP)]
-    results = launch([trainer, rollout, rollout], roles, args=(case,), timeout=600)
-    refused = [results[0].value["refused"]] + [res.value["refused"] for res in results[1:]]
-    for res in results[1:]:
-        for equal in res.value["equal"]:
+    results = launch(every_case, roles, args=(list(CASES),), timeout=600 * len(CASES))
+    return {case: [r.value[case] for r in results] for case in CASES}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_jax_trainer_refits_block_fp8_vllm_ranks_byte_for_byte(case, runs):
+    values = runs[case]
+    refused = [v["refused"] for v in values]
+    for value in values[1:]:
+        for equal in value["equal"]:
             assert equal and all(equal.values()), [p for p, ok in equal.items() if not ok]
-        assert res.value["fp8_params"]
-    for report in results[0].value["reports"]:
+        assert value["fp8_params"]
+    for report in values[0]["reports"]:
         # whole 128-row blocks went as FP8 from the trainer; kv heads (64 rows a device)
         # and anything else split went bf16 to the receivers
         assert report["fp8_sent"] > 0 and report["fp8_world"] > 0
         assert report["fp8_sent"] + report["bf16_sent"] <= report["unquantized_world"]
     if not _online(case):
         return
-    for res in results[1:]:             # count_comm: e4m3 + scales, no more
-        for fp8, bf16 in res.value["wire"]:
+    for value in values[1:]:            # count_comm: e4m3 + scales, no more
+        for fp8, bf16 in value["wire"]:
             assert bf16 > 0 and fp8 <= 0.52 * bf16, (fp8, bf16)
     assert all(r is not None and r[0] == "FormatError" and BAD in r[1] for r in refused), refused

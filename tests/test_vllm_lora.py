@@ -26,7 +26,10 @@ cases.importorskip_vllm()
 
 from xreshard.tools.launch import Role, launch  # noqa: E402
 
-ENGINE_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "0|1"}
+#: the engine core in the test's process (VLLM_ENABLE_V1_MULTIPROCESSING=0): one process
+#: importing vLLM less (~10 s of CPU on these machines); the TP workers are processes anyway
+ENGINE_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "0|1",
+              "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 
 
 @pytest.mark.slow
