@@ -143,20 +143,28 @@ def test_missing_processes_time_out_and_are_named():
     assert "allgather" not in v1
 
 
-def partial_outcomes(ctx: Context) -> dict:
-    """Three processes; after a barrier, process 0 posts its outcome at once with a short
-    wait, process 1 posts 3 s later (a survivor still stuck in its transport), process 2
-    never posts (dead)."""
+def partial_outcomes(ctx: Context, dead: bool = False) -> dict:
+    """Three processes; after a barrier, process 2 never posts its outcome: it is stuck
+    for 8 s (alive: waited for up to the timeout, 1 s) or, ``dead``, its process exits
+    (not waited for, though the others would wait 600 s). Process 0 posts at once;
+    process 1 3 s later unless ``dead`` (a survivor still stuck in its transport)."""
     with ctx.join(1, groups=("trainer", "rollout"), timeout=20) as w:
         w.barrier(timeout=20)
         me = w.process_index
         if me == 2:
+            if dead:
+                os._exit(0)
             time.sleep(8)
             return {"me": me}
-        if me == 1:
+        if me == 1 and not dead:
             time.sleep(3)
-        got = w.allgather_json({"me": me}, timeout=1, kind="refit/outcome", partial=True)
+        got = w.allgather_json({"me": me}, timeout=600 if dead else 1, kind="refit/outcome",
+                               partial=True)
         return {"me": me, "got": got}
+
+
+PARTIAL_ROLES = [Role("plain", "trainer", 0), Role("plain", "rollout", 0),
+                 Role("plain", "rollout", 1)]
 
 
 @pytest.mark.slow
@@ -164,23 +172,10 @@ def test_a_partial_collective_gives_every_survivor_the_same_arrivals():
     """Issue 17.9: the survivors of a dead process build their failure message from the
     outcomes that arrived; a survivor whose wait ended before a slow one posted must not
     see other outcomes than that slow one (one message everywhere)."""
-    roles = [Role("plain", "trainer", 0), Role("plain", "rollout", 0),
-             Role("plain", "rollout", 1)]
-    values = {v["me"]: v for v in (r.value for r in launch(partial_outcomes, roles, timeout=90))}
+    results = launch(partial_outcomes, PARTIAL_ROLES, timeout=90)
+    values = {v["me"]: v for v in (r.value for r in results)}
     assert values[0]["got"] == values[1]["got"], values
     assert values[0]["got"][2] is None
-
-
-def dead_outcome(ctx: Context) -> dict:
-    """Three processes of a fixed world on one host; after a barrier process 2 exits, and
-    the other two wait for its outcome up to 600 s."""
-    with ctx.join(1, groups=("trainer", "rollout"), timeout=20) as w:
-        w.barrier(timeout=20)
-        me = w.process_index
-        if me == 2:
-            os._exit(0)
-        got = w.allgather_json({"me": me}, timeout=600, kind="refit/outcome", partial=True)
-        return {"me": me, "got": got}
 
 
 @pytest.mark.slow
@@ -188,10 +183,8 @@ def test_a_partial_collective_stops_waiting_for_a_process_gone_from_this_host():
     """A member on this host whose process no longer runs (pid and start time) is not
     waited for until the timeout: the survivors' outcome exchange settles without it
     (well inside the launch's 120 s, against the exchange's 600)."""
-    roles = [Role("plain", "trainer", 0), Role("plain", "rollout", 0),
-             Role("plain", "rollout", 1)]
-    results = launch(dead_outcome, roles, timeout=120, check=False, fail_fast=False)
-    assert not any(r.timed_out for r in results)
+    results = launch(partial_outcomes, PARTIAL_ROLES, args=(True,), timeout=120, check=False,
+                     fail_fast=False)
     values = [r.value for r in results[:2]]
     assert [v["got"] for v in values] == [[{"me": 0}, {"me": 1}, None]] * 2, values
 
