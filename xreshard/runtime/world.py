@@ -236,8 +236,7 @@ class World(WorldTransports, ElasticWorld):
         expect = {"num_processes": num_processes, "groups": groups}
         seal = Seal(token_bytes, world_id)
         if elastic:
-            if unit is not None:
-                me["unit"] = unit
+            me.update({} if unit is None else {"unit": unit})
             running = epochs.read_epoch(store, seal)
             if running is not None:
                 return cls._join_running(store, server, address, seal, me, groups,
