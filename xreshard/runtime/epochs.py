@@ -120,12 +120,13 @@ def same_process(a: dict[str, Any], b: dict[str, Any]) -> bool:
 
 def gone(info: dict[str, Any], leaving: Iterable[Request]) -> bool:
     """Whether the member ``info`` is known not to come: it asked to leave, or it ran on
-    this host and its process (pid and start time) no longer runs."""
+    this machine (``node``: its host name, whatever ``host`` it declared for the topology)
+    and its process (pid and start time) no longer runs."""
     for r in leaving:
         if r["kind"] == "leave" and same_process(r["info"], info):
             return True
     start = info.get("start")
-    if info.get("host") != socket.gethostname() or not isinstance(start, str):
+    if info.get("node", info.get("host")) != socket.gethostname() or not isinstance(start, str):
         return False
     return not peers.alive(int(info["pid"]), start)
 

@@ -218,7 +218,6 @@ class World(WorldTransports, ElasticWorld):
         groups, local_devices = _checked(group, devices, num_processes, groups)
         if index is None:
             index = _default_index(local_devices)
-        kinds = [device_kind(d) for d in local_devices]
 
         token_bytes = token_from(token)
         deadline = time.monotonic() + timeout
@@ -231,8 +230,9 @@ class World(WorldTransports, ElasticWorld):
             store = connect(address, timeout)
 
         me = {"group": group, "index": int(index), "host": host or socket.gethostname(),
-              "pid": os.getpid(), "start": epochs.own_start(), "num_ranks": len(local_devices),
-              "device_kinds": kinds, "devices": [str(d) for d in local_devices]}
+              "node": socket.gethostname(), "pid": os.getpid(), "start": epochs.own_start(),
+              "num_ranks": len(local_devices), "devices": [str(d) for d in local_devices],
+              "device_kinds": [device_kind(d) for d in local_devices]}
         expect = {"num_processes": num_processes, "groups": groups}
         seal = Seal(token_bytes, world_id)
         if elastic:
