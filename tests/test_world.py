@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import socket
 import time
 
 import pytest
@@ -187,6 +188,33 @@ def test_a_partial_collective_stops_waiting_for_a_process_gone_from_this_host():
                      fail_fast=False)
     values = [r.value for r in results[:2]]
     assert [v["got"] for v in values] == [[{"me": 0}, {"me": 1}, None]] * 2, values
+
+
+def test_gone_only_where_pids_mean_what_they_say():
+    """``epochs.gone``: a member on this node (machine, boot, pid namespace) whose process
+    ended is gone; the same pid and start time published from another node (a pod sharing
+    the host's name but not its pid namespace), or with no node, are never declared gone;
+    a live one is not."""
+    import subprocess
+    import sys
+    from xreshard.runtime import epochs
+    from xreshard.transport import peers
+
+    node = epochs.own_node()
+    assert node is not None and node.startswith(socket.gethostname())
+    proc = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"],
+                            stdin=subprocess.PIPE)
+    start = peers.process_start_time(proc.pid)
+    info = {"group": "rollout", "index": 0, "host": "a", "node": node, "pid": proc.pid,
+            "start": start}
+    assert start is not None and not epochs.gone(info, ())      # alive
+    proc.communicate(b"")
+    assert epochs.gone(info, ())                                 # ended, on this node
+    host, boot, _ = node.split("|")
+    assert not epochs.gone({**info, "node": f"{host}|{boot}|pid:[1]"}, ())
+    assert not epochs.gone({k: v for k, v in info.items() if k != "node"}, ())
+    me = {**info, "pid": os.getpid(), "start": peers.own_start_time()}
+    assert not epochs.gone(me, ())
 
 
 def test_in_process_world_and_errors():

@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import secrets
 import socket
 import time
@@ -120,15 +121,34 @@ def same_process(a: dict[str, Any], b: dict[str, Any]) -> bool:
 
 def gone(info: dict[str, Any], leaving: Iterable[Request]) -> bool:
     """Whether the member ``info`` is known not to come: it asked to leave, or it ran on
-    this machine (``node``: its host name, whatever ``host`` it declared for the topology)
-    and its process (pid and start time) no longer runs."""
+    this machine, in this pid namespace (its ``node`` is ours: :func:`own_node`, whatever
+    ``host`` it declared for the topology), and its process (pid and start time) no longer
+    runs. A member elsewhere, or one that published no node, is never declared gone here:
+    only its timeout tells."""
     for r in leaving:
         if r["kind"] == "leave" and same_process(r["info"], info):
             return True
-    start = info.get("start")
-    if info.get("node", info.get("host")) != socket.gethostname() or not isinstance(start, str):
+    start, node = info.get("start"), info.get("node")
+    if node is None or node != own_node() or not isinstance(start, str):
         return False
     return not peers.alive(int(info["pid"]), start)
+
+
+def own_node() -> str | None:
+    """Where this process's pids mean what they say, as members publish it (``node``): the
+    host name, the kernel's boot id and the pid namespace. Two processes with one node see
+    each other's ``/proc/<pid>``; pods sharing a host's name and network (``hostNetwork``)
+    but not its pid namespace differ. None where ``/proc`` is not this namespace's (its
+    entry for our pid is another process): then no pid here can be trusted."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+        namespace = os.readlink("/proc/self/ns/pid")
+    except OSError:
+        return None
+    if peers.process_start_time(os.getpid()) != peers.own_start_time():
+        return None
+    return f"{socket.gethostname()}|{boot}|{namespace}"
 
 
 def publish_epoch(store: Any, seal: Seal, record: dict[str, Any]) -> None:

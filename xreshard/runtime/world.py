@@ -230,7 +230,7 @@ class World(WorldTransports, ElasticWorld):
             store = connect(address, timeout)
 
         me = {"group": group, "index": int(index), "host": host or socket.gethostname(),
-              "node": socket.gethostname(), "pid": os.getpid(), "start": epochs.own_start(),
+              "node": epochs.own_node(), "pid": os.getpid(), "start": epochs.own_start(),
               "num_ranks": len(local_devices), "devices": [str(d) for d in local_devices],
               "device_kinds": [device_kind(d) for d in local_devices]}
         expect = {"num_processes": num_processes, "groups": groups}
