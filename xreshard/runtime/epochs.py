@@ -40,6 +40,7 @@ change (members that left or died, processes that asked to join) makes the next 
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -139,7 +140,14 @@ def own_node() -> str | None:
     host name, the kernel's boot id and the pid namespace. Two processes with one node see
     each other's ``/proc/<pid>``; pods sharing a host's name and network (``hostNetwork``)
     but not its pid namespace differ. None where ``/proc`` is not this namespace's (its
-    entry for our pid is another process): then no pid here can be trusted."""
+    entry for our pid is another process): then no pid here can be trusted. Read once per
+    process (``gone`` asks it in every wait slice of a partial collective)."""
+    return _node(os.getpid())
+
+
+@functools.lru_cache(maxsize=4)
+def _node(pid: int) -> str | None:
+    """:func:`own_node` of the process ``pid`` (this one: a fork reads it again)."""
     try:
         with open("/proc/sys/kernel/random/boot_id") as f:
             boot = f.read().strip()
