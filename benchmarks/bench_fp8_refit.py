@@ -187,12 +187,12 @@ def child(ctx: Any, cfg: dict) -> dict:
     kinds = ("bf16", "fp8") + (("fp8_alt",) if cfg["alt_rounds"] else ())
     if is_trainer:
         params = jax_params(specs, "bfloat16", "out_in")
-        refits = {k: xr.Refit(world, send=params, config=config) for k in kinds}
+        refits = {k: xr.Refit(world, send=params, config=config, name=k) for k in kinds}
     else:
         bf16_state = dtensors(specs, "bfloat16")
         fp8, views = fp8_state(specs)
         refits = {k: xr.Refit(world, receive=bf16_state if k == "bf16" else fp8,
-                              config=config) for k in kinds}
+                              config=config, name=k) for k in kinds}
 
     phases: dict[str, list] = {k: [] for k in kinds}
 

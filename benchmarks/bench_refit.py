@@ -458,7 +458,7 @@ def child(ctx: Any, cfg: dict) -> dict:
         transpose = {n for n, s, _ in specs if is_kernel(n, s, cfg["kernels"])}
         for k in kinds:
             refits[k] = xr.Refit(world, send=params, transpose=transpose, config=configs[k],
-                                 tuning=tunings[k])
+                                 tuning=tunings[k], name=k)
         max_bytes = max(math.prod(s) for _, s, _ in specs) * 2
         gather_buf = np.empty(max_bytes, np.uint8)
         gather_buf[:] = 1                                       # resident, like a real buffer
@@ -466,7 +466,8 @@ def child(ctx: Any, cfg: dict) -> dict:
         state = dtensors(specs, dtype)
         views = local_views(state)
         for k in kinds:
-            refits[k] = xr.Refit(world, receive=state, config=configs[k], tuning=tunings[k])
+            refits[k] = xr.Refit(world, receive=state, config=configs[k], tuning=tunings[k],
+                                 name=k)
         max_bytes = max(math.prod(s) for _, s, _ in specs) * 2
         recv_buf = np.ones(max_bytes, np.uint8)
     setup_s = time.perf_counter() - t_setup

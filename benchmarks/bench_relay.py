@@ -72,7 +72,7 @@ def child(ctx: Any, cfg: dict) -> dict:
                                     staging_bytes=cfg["staging_mib"] * MiB,
                                     transport=cfg["transport"])
             tuning = xr.Tuning(relay_overlap=v != "relay back to back")
-            refits[v] = xr.Refit(world, config=config, tuning=tuning)
+            refits[v] = xr.Refit(world, config=config, tuning=tuning, name=v)
         if trainer:
             vals = values(shapes, 1)
             side = xr.Bound({n: xr.Layout.replicated(a.shape, "float32", xr.Mesh((1,), (rank,)))

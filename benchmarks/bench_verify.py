@@ -82,15 +82,15 @@ def child(ctx: Any, cfg: dict) -> dict:
     params = views = None
     if is_trainer:
         params = br.jax_params(specs, dtype, "out_in")
-        refits = {k: xr.Refit(world, send=params, config=xr.RefitConfig(verify=v, **base))
-                  for k, v in modes.items()}
+        refits = {k: xr.Refit(world, send=params, config=xr.RefitConfig(verify=v, **base),
+                              name=k) for k, v in modes.items()}
         # a Refit keeps no reference to sent JAX arrays: the trainer passes them each call
         calls = {k: (lambda r=r: r(send=params)) for k, r in refits.items()}
     else:
         state = br.dtensors(specs, dtype)
         views = br.local_views(state)
-        refits = {k: xr.Refit(world, receive=state, config=xr.RefitConfig(verify=v, **base))
-                  for k, v in modes.items()}
+        refits = {k: xr.Refit(world, receive=state, config=xr.RefitConfig(verify=v, **base),
+                              name=k) for k, v in modes.items()}
         calls = dict(refits)
 
     for k, call in calls.items():               # warm-up: plans, transports; check bytes

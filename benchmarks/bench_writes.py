@@ -73,8 +73,8 @@ def child(ctx: Any, cfg: dict) -> dict:
     base = dict(bucket_bytes=cfg["bucket_mib"] * MiB, staging_bytes=cfg["staging_mib"] * MiB,
                 timeout=TIMEOUT, transport=cfg["transport"])
     side = {"send": state} if is_trainer else {"receive": state}
-    refits = {k: xr.Refit(world, **side, config=xr.RefitConfig(check_writes=v, **base))
-              for k, v in (("off", False), ("on", True))}
+    refits = {k: xr.Refit(world, **side, config=xr.RefitConfig(check_writes=v, **base),
+                          name=k) for k, v in (("off", False), ("on", True))}
 
     for k, refit in refits.items():            # warm-up: plans, transports; check bytes
         world.barrier(timeout=TIMEOUT)

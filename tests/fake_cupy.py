@@ -200,8 +200,18 @@ def zeros(n: Any, dtype: Any) -> ndarray:
     return np.zeros(n, dtype).view(ndarray)
 
 
-def stack(arrays: list[Any]) -> ndarray:
-    return np.stack([np.asarray(a) for a in arrays]).view(ndarray)
+def stack(arrays: list[Any], axis: int = 0) -> ndarray:
+    return np.stack([np.asarray(a) for a in arrays], axis=axis).view(ndarray)
+
+
+def concatenate(arrays: list[Any]) -> ndarray:
+    return np.concatenate([np.asarray(a) for a in arrays]).view(ndarray)
+
+
+def multiply(a: Any, b: Any, dtype: Any = None) -> ndarray:
+    """CuPy's elementwise multiply: uint32 operands with ``dtype=uint64`` give exact
+    products, as CuPy casts the operands first."""
+    return np.multiply(np.asarray(a), np.asarray(b), dtype=dtype).view(ndarray)
 
 
 def module() -> types.ModuleType:
@@ -209,8 +219,8 @@ def module() -> types.ModuleType:
     m = types.ModuleType("cupy")
     m.__version__ = "14.2.0+fake"
     m.ndarray = ndarray
-    m.uint8, m.uint16, m.uint64 = np.uint8, np.uint16, np.uint64
-    for f in (asarray, ascontiguousarray, zeros, stack):
+    m.uint8, m.uint16, m.uint32, m.uint64 = np.uint8, np.uint16, np.uint32, np.uint64
+    for f in (asarray, ascontiguousarray, zeros, stack, concatenate, multiply):
         setattr(m, f.__name__, f)
     m.cuda = types.SimpleNamespace(Device=Device, Stream=Stream, Event=Event,
                                    get_current_stream=get_current_stream, runtime=runtime)

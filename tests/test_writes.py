@@ -26,7 +26,8 @@ torch = pytest.importorskip("torch")
 from xreshard.adapters.torch import tensor_view  # noqa: E402 - needs torch
 
 #: every kind of write the check promises to see (README, "check_writes")
-WRITES = ("fused_adamw", "fused_adam", "fused_sgd", "data", "numpy_view", "no_grad")
+WRITES = ("fused_adamw", "fused_adam", "fused_sgd", "data", "numpy_view", "numpy_negate",
+          "no_grad")
 
 
 def _model(device: str) -> Any:
@@ -51,6 +52,9 @@ def _write(model: Any, kind: str) -> str:
     if kind == "numpy_view":
         model[1].bias.detach().numpy()[:] += 1.0     # a view of the tensor's memory
         return "1.bias"
+    if kind == "numpy_negate":      # every odd column's sign: bit 63 of each 64-bit word
+        model[1].weight.detach().numpy()[:, 1::2] *= -1
+        return "1.weight"
     if kind == "no_grad":
         with torch.no_grad():
             model[1].weight.mul_(2.0)
@@ -135,7 +139,10 @@ def _wait_for(path: Path, timeout: float = 60.0) -> None:
 
 
 def _digests(state: Any) -> dict[str, str]:
-    return {k: verify.checksum(tensor_view(v.detach().cpu())) for k, v in state.items()}
+    """Digests compared across processes: under one key (the default is per process)."""
+    from xreshard.runtime.digest import Key
+    key = Key.of("test_writes")
+    return {k: verify.checksum(tensor_view(v.detach().cpu()), key) for k, v in state.items()}
 
 
 def overlapping(ctx: Context, tmp: str, device: str, transports: list[str],

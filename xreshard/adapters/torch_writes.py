@@ -9,8 +9,8 @@ the first check and miss the common writes: ``AdamW``/``Adam``/``SGD(fused=True)
 parameters without moving them, and so do writes through ``.data`` and through a numpy
 view (``t.numpy()[:] = ...``). So the check compares content:
 
-- **what**: the xr64x2 checksum (:func:`xreshard.runtime.verify.checksum`, 128 bits, the
-  one ``verify=True`` uses) of every local tensor of the send object (a DTensor's local
+- **what**: the keyed digest (:mod:`xreshard.runtime.digest`, the one ``verify=True`` uses,
+  under this process's random key) of every local tensor of the send object (a DTensor's local
   shard, a plain tensor whole), and its version counter; a tensor whose digest or counter
   moved was written (so ``t.add_(0)`` counts, through its counter). The whole local tensor,
   not only the regions this rank sends: which regions go where is known only after the
@@ -29,8 +29,9 @@ view (``t.numpy()[:] = ...``). So the check compares content:
 
 Not seen: a write that leaves every byte as it was by the refit's end without moving a
 counter (``p.data.add_(0)``: harmless, unless the refit read the bytes in between, which
-no content check can see), and a change the checksum maps to the same digest (for
-accidental changes about 2**-64; it is not cryptographic). Rejected: a snapshot copy of
+no content check can see), and a change the digest maps to the same value (at most
+``2**-64 + 2n/(2**127 - 1)`` for any change of n 64 KiB blocks made without the key, a
+sign flip or swapped words included; it is not a MAC). Rejected: a snapshot copy of
 the sources (twice the memory, for a debug option), and hashing only the sent regions
 (known too late, above).
 """
@@ -61,7 +62,7 @@ class Taken:
     def __init__(self, tensors: Mapping[str, Any]):
         self.versions: dict[str, int] = {}
         self._digests: dict[str, str] = {}
-        self._pending: dict[str, tuple[Any, int]] = {}      # name -> (device sums, bytes)
+        self._pending: dict[str, tuple[Any, int]] = {}      # name -> (block values, bytes)
         self._same: dict[str, str] = {}                     # tied tensors -> the first name
         first: dict[tuple, str] = {}
         for name, t in tensors.items():
@@ -82,14 +83,18 @@ class Taken:
         """Every digest as hex (waits for the device ones: one copy per device)."""
         if self._pending:
             import torch
-            from ..runtime.verify import checksum_hex
+            from ..runtime import digest
             by_device: dict[Any, list[tuple[str, Any, int]]] = {}
-            for name, (sums, nbytes) in self._pending.items():
-                by_device.setdefault(sums.device, []).append((name, sums, nbytes))
+            for name, (values, nbytes) in self._pending.items():
+                by_device.setdefault(values.device, []).append((name, values, nbytes))
             for items in by_device.values():
-                host = torch.stack([s for _, s, _ in items]).cpu().tolist()
-                for (name, _, nbytes), (h1, h2) in zip(items, host):
-                    self._digests[name] = checksum_hex(h1, h2, nbytes)
+                host = torch.cat([v for _, v, _ in items]).cpu().tolist()
+                at = 0
+                for name, values, nbytes in items:
+                    count = int(values.numel())
+                    self._digests[name] = digest.finish(host[at:at + count], nbytes,
+                                                        digest.process_key())
+                    at += count
             self._pending = {}
         for name, same in self._same.items():
             self._digests[name] = self._digests[same]
@@ -118,13 +123,12 @@ def changes(before: Taken, after: Taken) -> list[str]:
 
 
 def checksum(t: Any) -> str:
-    """The xr64x2 digest of a tensor's elements' bytes in row-major order, computed with
-    torch ops on the tensor's device (the same digest as
-    :func:`xreshard.runtime.verify.checksum` of the same bytes; waits for the device)."""
-    from ..runtime.verify import checksum_hex
-    sums, nbytes = _device_sums(t)
-    h1, h2 = sums.cpu().tolist()
-    return checksum_hex(h1, h2, nbytes)
+    """The digest of a tensor's elements' bytes in row-major order, computed with torch ops
+    on the tensor's device (the same digest as :func:`xreshard.runtime.verify.checksum` of
+    the same bytes, under this process's key; waits for the device)."""
+    from ..runtime import digest
+    values, nbytes = _device_sums(t)
+    return digest.finish(values.cpu().tolist(), nbytes, digest.process_key())
 
 
 def _strided(t: Any) -> bool:
@@ -133,59 +137,54 @@ def _strided(t: Any) -> bool:
 
 
 def _host_checksum(t: Any) -> str:
-    """xr64x2 of a CPU tensor with numpy, in place (a copy only when it is strided)."""
+    """The digest of a CPU tensor with numpy, in place (a copy only when it is strided)."""
     from ..runtime.verify import checksum as host_checksum
     from .torch import tensor_view
     return host_checksum(tensor_view(t))
 
 
-#: device -> (P, Q) as int64 tensors there (the uint64 weights' bits), grown on demand
-_WEIGHTS: dict[Any, tuple[Any, Any]] = {}
-
-
-def _weights(device: Any, num_rows: int) -> tuple[Any, Any]:
-    import torch
-    from ..runtime.verify import checksum_weights
-    have = _WEIGHTS.get(device)
-    if have is None or have[0].numel() < num_rows:
-        p, q = checksum_weights(max(num_rows, 1024))
-        have = (torch.from_numpy(p.view(np.int64)).to(device),
-                torch.from_numpy(q.view(np.int64)).to(device))
-        _WEIGHTS[device] = have
-    return have[0][:num_rows], have[1]
-
-
 def _device_sums(t: Any) -> tuple[Any, int]:
-    """xr64x2's two weighted sums of ``t``'s bytes as an int64 tensor ``[h1, h2]`` on
-    ``t``'s device, queued on the current stream (not waited for), and the byte count.
+    """The digest's block values of ``t``'s bytes (:mod:`xreshard.runtime.digest`: NH per
+    block and lane) as an int64 tensor on ``t``'s device, queued on the current stream (not
+    waited for), and the byte count.
 
-    The bytes are little-endian 64-bit words in rows of ``ROW_WORDS``, the last row
-    zero-padded; ``h1`` weighs the row sums, ``h2`` the column sums (see
-    :mod:`xreshard.runtime.verify`). Int64 sums and products wrap like uint64 ones.
+    Torch has no uint32 arithmetic, so the 32-bit words are int64 here: ``(w + k) & M32``
+    is the uint32 add, and int64 products and sums wrap modulo 2**64 as uint64 ones do; the
+    values' bits are the host path's.
     """
     import torch
-    from ..runtime.verify import ROW_WORDS
+    from ..runtime import digest
 
+    key = digest.process_key()
     flat = t.detach()
     if not flat.is_contiguous():
         flat = flat.contiguous()            # row-major, as the host path reads it
     data = flat.reshape(-1).view(torch.uint8)
-    if data.storage_offset() % 8:
-        data = data.clone()                 # 64-bit words need 8-byte alignment
-    nbytes, row = data.numel(), ROW_WORDS * 8
-    full, tail = divmod(nbytes, row)
-    rowsums = [torch.zeros(0, dtype=torch.int64, device=data.device)]
-    colsum = torch.zeros(ROW_WORDS, dtype=torch.int64, device=data.device)
+    nbytes = data.numel()
+    full, tail = divmod(nbytes, digest.BLOCK_WORDS * 4)
+    half = digest.BLOCK_WORDS // 2
+    h = -(-tail // 8)
+    padded = full * digest.BLOCK_WORDS * 4 + 8 * h
+    if padded != nbytes or data.storage_offset() % 4:
+        grown = torch.zeros(padded, dtype=torch.uint8, device=data.device)
+        grown[:nbytes] = data
+        data = grown
+    low, high = key.on_device("torch", data.device, lambda lo, hi: (
+        torch.from_numpy(lo.astype(np.int64)).to(data.device),
+        torch.from_numpy(hi.astype(np.int64)).to(data.device)))
+    words = data.view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+    parts = []
     if full:
-        words = data[:full * row].view(torch.int64).view(full, ROW_WORDS)
-        rowsums.append(words.sum(dim=1))
-        colsum = colsum + words.sum(dim=0)
+        blocks = words[:full * digest.BLOCK_WORDS].view(full, digest.BLOCK_WORDS)
+        lanes = [(((blocks[:, :half] + low[lane]) & 0xFFFFFFFF)
+                  * ((blocks[:, half:] + high[lane]) & 0xFFFFFFFF)).sum(dim=1)
+                 for lane in range(digest.LANES)]
+        parts.append(torch.stack(lanes, dim=1).reshape(-1))
     if tail:
-        last = torch.zeros(row, dtype=torch.uint8, device=data.device)
-        last[:tail] = data[full * row:]
-        words = last.view(torch.int64)
-        rowsums.append(words.sum().reshape(1))
-        colsum = colsum + words
-    sums = torch.cat(rowsums)
-    p, q = _weights(data.device, int(sums.numel()))
-    return torch.stack([(sums * p).sum(), (colsum * q).sum()]), nbytes
+        last = words[full * digest.BLOCK_WORDS:]
+        parts.append(torch.stack([(((last[:h] + low[lane, :h]) & 0xFFFFFFFF)
+                                   * ((last[h:] + high[lane, :h]) & 0xFFFFFFFF)).sum()
+                                  for lane in range(digest.LANES)]))
+    if not parts:
+        return torch.zeros(0, dtype=torch.int64, device=data.device), nbytes
+    return torch.cat(parts), nbytes

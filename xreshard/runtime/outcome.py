@@ -26,6 +26,8 @@ class WorldState:
         self.identity: list[dict] | None = None
         self.agreed = 0
         self.epoch = 0
+        #: this process's Refits of the world (see ``Refit._unnamed_problem``)
+        self.refits: weakref.WeakSet = weakref.WeakSet()
 
 
 #: world -> its WorldState in this process

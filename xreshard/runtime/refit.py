@@ -32,8 +32,9 @@ first call that passes ``refit/check``: the name given (``Refit(world, name=...)
 its position among the Refits of the world to run so far (``#1``, ``#2``, ...). Two Refits
 of one world called in a different order on two processes (a policy and a reference
 model) are refused as ``CollectiveMismatch`` on every process before any byte moves; the
-world stays usable. Unnamed Refits whose very first calls cross cannot be told apart (the
-two look the same): name them.
+world stays usable. Unnamed Refits whose very first calls cross would look the same (both
+propose ``#1``), so a process that holds two unnamed Refits that never ran refuses the
+first call of either, on every process (``RefitError``: name them).
 
 A call that changes nothing (the same layouts everywhere) runs two metadata round trips,
 refit/check before moving and refit/outcome after: the least that still refuses bad input
@@ -182,6 +183,7 @@ class Refit:
         self.served: Bound | None = None    # the in-place destination of the last call
         self._server: Any = None            # its catch-up server (an elastic world)
         self.own_only = False               # bind only this process's ranks (catch-up)
+        world_state(world).refits.add(self)
         if receive is not None:     # a process joining with wait=False: forms its catch-up
             catchup.ahead(self)     # world while it builds the rest
 
@@ -450,7 +452,8 @@ class Refit:
             dst_bindings = {**dst_bindings, **scratch_bindings(quant, self._programs)}
         return verify.digest_bindings(self._prepared.stages[stage].plan, self.world.rank_ids,
                                       src_bindings, dst_bindings, mode=self.config.verify,
-                                      version=target, sides=sides, quant=quant)
+                                      version=target, sides=sides, quant=quant,
+                                      key=verify.call_key(self.world, target))
 
     # ------------------------------------------------------------ binding
 
@@ -596,6 +599,9 @@ class Refit:
             errors = errors + found + delta_problems(
                 self.config, on_device(src, dst), tuning=self.tuning,
                 sides=(on_device(src), on_device(dst)))
+        unnamed = self._unnamed_problem()
+        if unnamed:
+            errors = errors + [unnamed]
         gathered = self._agree("refit/check", {
             "version": self.version, "generation": self._generation, "tuning": tuning,
             "devices": on_device(src, dst), "propose": self._proposal(),
@@ -626,6 +632,33 @@ class Refit:
             halved=self.tuning.executor == "pipelined" and not any(g.get("devices")
                                                                   for g in gathered))
         return tuple(g.get("generation") for g in gathered), options
+
+    def _unnamed_problem(self) -> list[str] | None:
+        """An error entry when this unnamed Refit's first call could be matched with
+        another Refit's on another process: this process holds two or more unnamed
+        Refits of the world that never agreed on an identity (trainer calls policy then
+        reference, the rollouts reference then policy: both first calls propose ``#1``,
+        and each side would receive the other model's weights)."""
+        if self._id is not None or self._name is not None:
+            return None
+
+        def waiting() -> list[Refit]:
+            return [r for r in list(world_state(self.world).refits)
+                    if r is not self and r._id is None and r._name is None]
+        if not waiting():
+            return None
+        import gc
+        gc.collect()        # Refits dropped without a call, not collected yet, do not count
+        others = waiting()
+        if not others:
+            return None
+        return ["RefitError",
+                f"this process holds {len(others) + 1} Refits of world "
+                f"{self.world.world_id!r} with no name that have not run yet: the first call "
+                f"of each proposes the same identity, so if another process called them in "
+                f"another order, each would receive the other's weights; name every Refit "
+                f"of a world that holds several (Refit(world, ..., name='policy'), the same "
+                f"name on every process)"]
 
     def _proposal(self) -> str:
         """The identity this Refit proposes until its processes agreed on one."""

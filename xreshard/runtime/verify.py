@@ -20,15 +20,13 @@ transposed Flax kernel, one row range of a fused qkv). Local copies (colocated r
 checked the same way. A checksum proves nothing about bytes equal by chance: an unwritten
 destination that already held the sender's values passes.
 
-The checksum (``xr64x2``, 128 bits) is built for speed on CPU and GPU from two reductions
-that numpy and CuPy run at memory speed, with identical integer results: the bytes as
-little-endian uint64 words (zero-padded tail), laid out in rows of ``ROW_WORDS`` words;
-``h1 = sum_r P[r] * rowsum[r]``, ``h2 = sum_c Q[c] * colsum[c]`` (mod 2**64), ``P``/``Q`` odd
-pseudo-random constants, and the byte length mixed into ``h1``. Any change confined to one
-word changes ``h1`` (an odd factor is invertible mod 2**64); exchanging two different words
-changes ``h1`` or ``h2`` unless their difference is divisible by about 2**62. zlib.crc32
-runs at ~1.7 GB/s on the benchmark machine against ~10 GB/s for this; it is not a
-cryptographic hash (a peer that wants to fool it can).
+The digest is :mod:`xreshard.runtime.digest`'s keyed universal hash (NH per 64 KiB block,
+two lanes, then a polynomial mod 2**127 - 1), under a key every process derives from the
+world's random instance nonce and the call's version (:func:`call_key`): for any two
+different byte strings of at most ``n`` 64 KiB blocks, the chance that a transfer arriving
+wrong passes is at most ``2**-64 + 2n / (2**127 - 1)``, whatever the change (a flipped sign,
+two swapped words, a zeroed tile), and a fresh key each call. It is not a MAC: a peer that
+wants to fool it can read the key.
 
 Coverage: ``verify=True`` hashes every transfer. ``verify="sample"`` hashes every transfer
 of at most ``SAMPLE_SMALL_BYTES`` and those whose key falls in this call's slot
@@ -41,7 +39,7 @@ Usage (what ``Refit.__call__`` does; ``target`` is the version this call would c
 
     stats = executor.run()
     mine = verify.digests(plan, executor, world.rank_ids, sample=config.verify == "sample",
-                          version=target)                                  # JSON
+                          version=target, key=verify.call_key(world, target))   # JSON
     outcomes = world.allgather_json({"errors": [], "digests": mine})      # the outcome
     messages, compared = verify.compare([o["digests"] for o in outcomes], world)
     if messages:
@@ -68,19 +66,15 @@ import numpy as np
 
 from ..dtypes import as_dtype, bits, numpy_dtype
 from ..errors import RefitError
-from . import quantized
+from . import digest, quantized
 from .execute import copy_into, view_of
 from ..ir.layout import Layout, Region
 
-__all__ = ["Digests", "Mismatch", "checksum", "checksum_hex", "checksum_weights", "compare",
+__all__ = ["Digests", "Mismatch", "call_key", "checksum", "compare",
            "digest_bindings", "digests", "key_of",
            "message", "mismatches",
-           "INLINE_TRANSFERS", "ROW_WORDS", "SAMPLE_PERIOD", "SAMPLE_SMALL_BYTES"]
+           "INLINE_TRANSFERS", "SAMPLE_PERIOD", "SAMPLE_SMALL_BYTES"]
 
-#: words (8 bytes) per row of the checksum's 2-D layout of a region's bytes
-ROW_WORDS = 2048
-#: rows per numpy tile: rowsums and colsums of a tile come from cache, one read of memory
-_TILE_ROWS = 64
 #: a strided or cast region is copied into scratch at most this many bytes at a time
 _SCRATCH_BYTES = 16 << 20
 #: verify="sample": a transfer is hashed in one call out of this many ...
@@ -90,131 +84,31 @@ SAMPLE_SMALL_BYTES = 1 << 16
 #: per-transfer digests travel in the summary while a process has at most this many
 INLINE_TRANSFERS = 20000
 
-_M64 = (1 << 64) - 1
-
-
-def _splitmix64(x: np.ndarray) -> np.ndarray:
-    """SplitMix64 finalizer on uint64 arrays (wraps mod 2**64, as the constants need)."""
-    x = x + np.uint64(0x9E3779B97F4A7C15)
-    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-    return x ^ (x >> np.uint64(31))
-
-
-_WEIGHTS: dict[str, np.ndarray] = {}
-
-
-def _weights(kind: str, n: int) -> np.ndarray:
-    """Odd pseudo-random uint64 weights ``[0, n)`` for rows ("P") or columns ("Q")."""
-    have = _WEIGHTS.get(kind)
-    if have is None or len(have) < n:
-        size = max(1 << max(n - 1, 0).bit_length(), 1024)
-        base = np.uint64(0) if kind == "P" else np.uint64(1 << 32)
-        with np.errstate(over="ignore"):
-            have = _splitmix64(np.arange(size, dtype=np.uint64) + base) | np.uint64(1)
-        _WEIGHTS[kind] = have
-    return have[:n]
-
-
-class _Hasher:
-    """The xr64x2 checksum of a byte stream fed in pieces (numpy, host memory)."""
-
-    __slots__ = ("_rows", "_carry", "_rowsums", "_colsum", "_nbytes")
-
-    def __init__(self) -> None:
-        self._rows = 0                      # full rows hashed so far
-        self._carry = bytearray()           # bytes of a row not yet full
-        self._rowsums: list[np.ndarray] = []
-        self._colsum = np.zeros(ROW_WORDS, np.uint64)
-        self._nbytes = 0
-
-    def update(self, data: np.ndarray) -> None:
-        """Feed ``data``: a C-contiguous uint8 array."""
-        n = data.size
-        if n == 0:
-            return
-        self._nbytes += n
-        row = ROW_WORDS * 8
-        start = 0
-        if self._carry:
-            take = min(row - len(self._carry), n)
-            self._carry += data[:take].tobytes()
-            start = take
-            if len(self._carry) < row:
-                return
-            self._rows_of(np.frombuffer(bytes(self._carry), "<u8").reshape(1, ROW_WORDS))
-            self._carry = bytearray()
-        full = (n - start) // row
-        if full:
-            words = data[start:start + full * row].view("<u8").reshape(full, ROW_WORDS)
-            self._rows_of(words)
-        rest = data[start + full * row:]
-        if rest.size:
-            self._carry += rest.tobytes()
-
-    def _rows_of(self, words: np.ndarray) -> None:
-        rows = words.shape[0]
-        sums = np.empty(rows, np.uint64)
-        col = np.empty(ROW_WORDS, np.uint64)
-        for i in range(0, rows, _TILE_ROWS):
-            tile = words[i:i + _TILE_ROWS]
-            np.add.reduce(tile, axis=1, out=sums[i:i + _TILE_ROWS])
-            np.add.reduce(tile, axis=0, out=col)
-            self._colsum += col
-        self._rowsums.append(sums)
-        self._rows += rows
-
-    def hexdigest(self) -> str:
-        if self._carry:
-            last = bytes(self._carry) + b"\0" * (ROW_WORDS * 8 - len(self._carry))
-            self._rows_of(np.frombuffer(last, "<u8").reshape(1, ROW_WORDS))
-            self._carry = bytearray()
-        rowsums = np.concatenate(self._rowsums) if self._rowsums else np.zeros(0, np.uint64)
-        with np.errstate(over="ignore"):
-            h1 = int(np.add.reduce(rowsums * _weights("P", len(rowsums)), dtype=np.uint64))
-            h2 = int(np.add.reduce(self._colsum * _weights("Q", ROW_WORDS), dtype=np.uint64))
-        return _hex(h1, h2, self._nbytes)
-
-
-def _hex(h1: int, h2: int, nbytes: int) -> str:
-    """The digest: both sums, the length mixed in (zero bytes add nothing to the sums)."""
-    return f"{(h1 + nbytes * _LENGTH_MIX) & _M64:016x}{h2 & _M64:016x}"
-
-
-_LENGTH_MIX = 0xD6E8FEB86659FD93
-
-
-def checksum_weights(num_rows: int) -> tuple[np.ndarray, np.ndarray]:
-    """The xr64x2 weights (uint64, odd): ``P`` for ``num_rows`` rows and ``Q`` for the
-    ``ROW_WORDS`` columns, for another implementation of :func:`checksum` that must give
-    the same digests (torch's on CUDA tensors: :mod:`xreshard.adapters.torch_writes`)."""
-    return _weights("P", num_rows), _weights("Q", ROW_WORDS)
-
-
-def checksum_hex(h1: int, h2: int, nbytes: int) -> str:
-    """The xr64x2 digest of ``nbytes`` bytes from its weighted row sum ``h1`` and column sum
-    ``h2`` (any ints, taken mod 2**64): see :func:`checksum_weights`."""
-    return _hex(h1, h2, nbytes)
-
-
 def _bytes_of(arr: Any) -> Any:
     """A C-contiguous array's bytes as a flat uint8 array (zero-copy)."""
     return arr.reshape(-1).view(np.uint8)
 
 
-def checksum(arr: Any) -> str:
-    """The xr64x2 checksum (32 hex digits) of ``arr``'s elements' bytes in row-major order.
+def checksum(arr: Any, key: digest.Key | None = None) -> str:
+    """The digest (32 hex digits, :mod:`xreshard.runtime.digest`) of ``arr``'s elements'
+    bytes in row-major order, under ``key`` (default: this process's random key, for
+    digests compared inside this process only).
 
     ``arr`` is a numpy array (any strides) or a CuPy array; the result depends only on the
-    bytes and their order, never on the strides or the device.
+    bytes, their order and the key, never on the strides or the device.
     """
     if not type(arr).__module__.startswith("cupy"):
         arr = np.asarray(arr)
-        h = _Hasher()
-        for piece in _host_pieces(arr, None, None, None):
-            h.update(piece)
-        return h.hexdigest()
-    return _device_digests([arr])[0]
+        return digest.stream_hex(_host_pieces(arr, None, None, None), key)[0]
+    return digest.device_digests([arr], key)[0]
+
+
+def call_key(world: Any, version: int) -> digest.Key:
+    """The key of one call's ``verify`` digests: every process of ``world`` derives the
+    same one from the world's random instance nonce and the version the call would commit,
+    and no earlier call used it."""
+    return digest.Key.of("verify", getattr(world, "world_id", None) or "",
+                         getattr(world, "nonce", None) or "", int(version))
 
 
 def _host_pieces(view: np.ndarray, have: str | None, wire: str | None, want: str | None
@@ -260,40 +154,6 @@ def _cast_into(out: np.ndarray, src: np.ndarray, have: str | None, wire: str | N
 
 
 # ---------------------------------------------------------------------------- GPU
-
-
-def _device_digests(arrays: Sequence[Any]) -> list[str]:
-    """xr64x2 of CuPy arrays (already in the receiver's dtype), one host sync for all.
-
-    Arrays are hashed as their raw bits: a strided region is made contiguous as same-size
-    unsigned ints, which CuPy copies for any dtype (its kernels refuse float8, and bf16
-    without ml_dtypes). Written to match the host path bit for bit (the reductions are
-    plain uint64 sums, which CuPy and numpy wrap identically); scripts/gpu_check.sh runs it
-    on a GPU against the host digests.
-    """
-    import cupy
-
-    out, sizes = [], []
-    row = ROW_WORDS * 8
-    for arr in arrays:
-        flat = cupy.ascontiguousarray(bits(arr)).reshape(-1).view(cupy.uint8)
-        n = int(flat.size)
-        sizes.append(n)
-        if n % row or int(flat.data.ptr) % 8:
-            padded = cupy.zeros(-(-n // row) * row if n else 0, cupy.uint8)
-            padded[:n] = flat
-            flat = padded
-        words = flat.view(cupy.uint64).reshape(-1, ROW_WORDS)
-        rowsums = words.sum(axis=1, dtype=cupy.uint64)
-        colsum = words.sum(axis=0, dtype=cupy.uint64)
-        p = cupy.asarray(_weights("P", int(rowsums.size)))
-        q = cupy.asarray(_weights("Q", ROW_WORDS))
-        out.append(cupy.stack([(rowsums * p).sum(dtype=cupy.uint64),
-                               (colsum * q).sum(dtype=cupy.uint64)]))
-    if not out:
-        return []
-    host = cupy.stack(out).get()
-    return [_hex(int(a), int(b), n) for (a, b), n in zip(host, sizes)]
 
 
 def _device_receiver_view(view: Any, have: str, wire: str, want: str, cast: bool) -> Any:
@@ -404,7 +264,8 @@ class Digests:
 def digest_bindings(plan: Any, local_ranks: Iterable[int],
                     src_bindings: Mapping[tuple[int, str], Any],
                     dst_bindings: Mapping[tuple[int, str], Any], *, mode: bool | str = True,
-                    version: int = 0, sides: str = "both", quant: Any = None) -> Digests:
+                    version: int = 0, sides: str = "both", quant: Any = None,
+                    key: digest.Key | None = None) -> Digests:
     """Digest every transfer (and local copy) of ``plan`` that ``local_ranks`` take part in.
 
     Call after the executor ran, with the bindings of the stage of ``plan`` it used
@@ -424,6 +285,7 @@ def digest_bindings(plan: Any, local_ranks: Iterable[int],
             (:meth:`Digests.merge`).
         quant: ``PreparedCall.quant`` of the stage that quantizes on the way (see
             :func:`xreshard.runtime.quantized.digest_transfer`).
+        key: the digest key (:func:`call_key`): the same in every process that compares.
 
     Returns:
         This process's :class:`Digests`.
@@ -443,6 +305,8 @@ def digest_bindings(plan: Any, local_ranks: Iterable[int],
     if mode is False:
         return out
     local = list(local_ranks)
+    hash_key = key or digest.process_key()
+    stream_hex = lambda pieces: digest.stream_hex(pieces, hash_key)
     src_cache: dict[tuple[str, Region, int], str] = {}
     # CuPy bindings: hashed together at the end (one host sync), by index into `arrays`
     arrays: list[Any] = []
@@ -450,69 +314,52 @@ def digest_bindings(plan: Any, local_ranks: Iterable[int],
     src_index: dict[tuple[str, Region, int], int] = {}
     for rank in local:
         for t in (*plan.transfers_for(rank), *plan.local_copies_for(rank)):
-            key = key_of(t.name, t.region, t.src, t.dst)
-            if mode == "sample" and not _sampled(key, t.nbytes, version):
+            tkey = key_of(t.name, t.region, t.src, t.dst)
+            if mode == "sample" and not _sampled(tkey, t.nbytes, version):
                 continue
             if quant is not None and t.name in quant.tensors:
                 out.nbytes += quantized.digest_transfer(
-                    out, quant, t, key, rank, src_bindings, dst_bindings, plan.src[t.name],
-                    _stream_hex)
+                    out, quant, t, tkey, rank, src_bindings, dst_bindings, plan.src[t.name],
+                    stream_hex)
                 continue
             src_layout: Layout = plan.src[t.name]
             dst_layout: Layout = plan.dst[t.name]
             want = dst_layout.dtype
-            if t.src == rank and (t.src, t.name) in src_bindings and key not in out.send:
+            if t.src == rank and (t.src, t.name) in src_bindings and tkey not in out.send:
                 ck = (t.name, t.region, t.src)       # one region sent to several receivers
                 if ck in src_cache:
-                    out.send[key] = src_cache[ck]
+                    out.send[tkey] = src_cache[ck]
                 elif ck in src_index:
-                    jobs.append((out.send, key, src_index[ck]))
+                    jobs.append((out.send, tkey, src_index[ck]))
                 else:
                     view = view_of(src_bindings[(t.src, t.name)], src_layout, t.src, t.region)
                     have, wire = src_layout.dtype, plan.wire_dtypes[t.name]
                     out.nbytes += t.region.size * numpy_dtype(want).itemsize
                     if isinstance(view, np.ndarray):
-                        h = _Hasher()
-                        for piece in _host_pieces(view, have, wire, want):
-                            h.update(piece)
-                        out.send[key] = src_cache[ck] = h.hexdigest()
+                        out.send[tkey] = src_cache[ck] = stream_hex(
+                            _host_pieces(view, have, wire, want))[0]
                     else:
                         src_index[ck] = len(arrays)
-                        jobs.append((out.send, key, len(arrays)))
+                        jobs.append((out.send, tkey, len(arrays)))
                         arrays.append(_device_receiver_view(view, have, wire, want,
                                                             not (have == wire == want)))
-            if t.dst == rank and (t.dst, t.name) in dst_bindings and key not in out.recv:
+            if t.dst == rank and (t.dst, t.name) in dst_bindings and tkey not in out.recv:
                 view = view_of(dst_bindings[(t.dst, t.name)], dst_layout, t.dst, t.region)
                 out.nbytes += t.region.size * numpy_dtype(want).itemsize
                 if isinstance(view, np.ndarray):
-                    h = _Hasher()
-                    for piece in _host_pieces(view, None, None, None):
-                        h.update(piece)
-                    out.recv[key] = h.hexdigest()
+                    out.recv[tkey] = stream_hex(_host_pieces(view, None, None, None))[0]
                 else:
-                    jobs.append((out.recv, key, len(arrays)))
+                    jobs.append((out.recv, tkey, len(arrays)))
                     arrays.append(view)
     if quant is not None and dst_bindings:      # the split blocks receivers quantized
-        out.nbytes += quantized.digest_finished(out, quant, local, dst_bindings, _stream_hex,
+        out.nbytes += quantized.digest_finished(out, quant, local, dst_bindings, stream_hex,
                                                 lambda k, n: _wanted(mode, k, n, version))
     if arrays:
-        hexes = _device_digests(arrays)
-        for table, key, i in jobs:
-            table[key] = hexes[i]
+        hexes = digest.device_digests(arrays, hash_key)
+        for table, tkey, i in jobs:
+            table[tkey] = hexes[i]
     out.seconds = time.perf_counter() - t0
     return out
-
-
-def _stream_hex(pieces: Iterable[np.ndarray]) -> tuple[str, int]:
-    """The xr64x2 digest of C-contiguous uint8 ``pieces`` in order, and their bytes."""
-    h, n = _Hasher(), 0
-    for piece in pieces:
-        h.update(piece)
-        n += piece.size
-    return h.hexdigest(), n
-
-
-# ---------------------------------------------------------------------------- compare
 
 
 @dataclass(frozen=True)
@@ -585,8 +432,8 @@ def mismatches(summaries: Sequence[Mapping[str, Any] | None],
         if not s:
             continue
         for side, table in (("send", send), ("recv", recv)):
-            for pair, (digest, count) in (s.get(side) or {}).items():
-                table[pair] = (p, digest, count)
+            for pair, (pair_hex, count) in (s.get(side) or {}).items():
+                table[pair] = (p, pair_hex, count)
     bad_pairs = sorted((pair for pair in set(send) | set(recv)
                         if send.get(pair, (None, None))[1] != recv.get(pair, (None, None))[1]),
                        key=lambda x: tuple(map(int, x.split("->"))))
@@ -649,7 +496,7 @@ def message(mismatches: Sequence[Mismatch], describe_process: Callable[[int], st
 
 
 def digests(plan: Any, executor: Any, local_ranks: Iterable[int], *, sample: bool = False,
-            version: int = 0) -> dict[str, Any]:
+            version: int = 0, key: digest.Key | None = None) -> dict[str, Any]:
     """This process's digests after ``executor.run()``, as JSON for the outcome exchange.
 
     Args:
@@ -659,12 +506,14 @@ def digests(plan: Any, executor: Any, local_ranks: Iterable[int], *, sample: boo
         local_ranks: this process's world ranks.
         sample: hash the sample (``verify="sample"``) instead of every transfer.
         version: the version this refit would commit (the same in every process).
+        key: the digest key, the same in every process (:func:`call_key`).
 
     Returns:
         ``Digests.summary`` (see :func:`digest_bindings`).
     """
     return digest_bindings(plan, local_ranks, executor.src_bindings, executor.dst_bindings,
-                           mode="sample" if sample else True, version=version).summary
+                           mode="sample" if sample else True, version=version,
+                           key=key).summary
 
 
 def compare(outcomes: Sequence[Mapping[str, Any] | None], world: Any = None

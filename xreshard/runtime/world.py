@@ -273,6 +273,12 @@ class World(WorldTransports, ElasticWorld):
         return self._world_id
 
     @property
+    def nonce(self) -> str:
+        """The random nonce of this world's instance (of its current epoch, elastic): the
+        same in every member, new for every world formed; keys ``verify``'s digests."""
+        return self._joined.instance if self._joined is not None else ""
+
+    @property
     def timeout(self) -> float:
         """Default timeout of every wait, in seconds."""
         return self._timeout
