@@ -46,6 +46,13 @@ def test_adapter_names_shapes_and_config():
     assert ad.num_bytes() == (a.size + b.size) * 4
 
 
+@pytest.mark.parametrize("alpha", [float("nan"), float("inf"), -8, 0, True, "16"])
+def test_alpha_must_be_a_finite_positive_number(alpha):
+    with pytest.raises(LoRAError, match="alpha"):
+        _adapter(alpha=alpha)
+    assert _adapter(alpha=np.float32(8.0)).spec()["config"]["lora_alpha"] == 8.0
+
+
 def test_write_peft_dir_writes_what_vllm_reads(tmp_path):
     torch = pytest.importorskip("torch")
     from safetensors.torch import load_file

@@ -320,7 +320,8 @@ def test_join_to_a_closed_port_obeys_its_timeout():
 def test_config_is_validated():
     for bad in ({"timeout": 0}, {"timeout": -1}, {"timeout": float("inf")},
                 {"bucket_bytes": 0}, {"staging_bytes": -5}, {"verify": "all"},
-                {"wire_dtype": "float7"}):
+                {"wire_dtype": "float7"}, {"check_writes": "yes"}, {"atomic": 1},
+                {"delta": "no"}):
         with pytest.raises(XreshardError):
             xr.RefitConfig(**bad)
 

@@ -130,13 +130,13 @@ class RefitConfig:
         if self.on_member_loss not in ("continue", "fail"):
             raise RefitError(f"RefitConfig.on_member_loss must be 'continue' or 'fail', got "
                              f"{self.on_member_loss!r}")
-        if not isinstance(self.atomic, bool):
-            raise RefitError(f"RefitConfig.atomic must be a bool, got {self.atomic!r}")
+        for flag in ("atomic", "delta", "check_writes"):      # "yes" is truthy, not True
+            if not isinstance(getattr(self, flag), bool):
+                raise RefitError(f"RefitConfig.{flag} must be a bool, got "
+                                 f"{getattr(self, flag)!r}")
         if self.relay not in ("off", "on", "auto"):
             raise RefitError(f"RefitConfig.relay must be 'off', 'on' or 'auto', got "
                              f"{self.relay!r}")
-        if not isinstance(self.delta, bool):
-            raise RefitError(f"RefitConfig.delta must be a bool, got {self.delta!r}")
 
     def to_dict(self) -> dict[str, Any]:
         d = {k: getattr(self, k) for k in self.__dataclass_fields__}

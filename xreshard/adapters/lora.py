@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import math
+import numbers
 import os
 from dataclasses import dataclass, field
 from typing import Any, Mapping
@@ -94,6 +95,12 @@ class LoRAAdapter:
                             f"{self.lora_id}")
         if int(self.r) < 1:
             raise LoRAError(f"{where}: r must be >= 1, got {self.r}")
+        alpha = self.alpha
+        if isinstance(alpha, bool) or not isinstance(alpha, numbers.Real) \
+                or not math.isfinite(alpha) or alpha <= 0:
+            raise LoRAError(f"{where}: alpha (lora_alpha) must be a finite number > 0, got "
+                            f"{alpha!r}; the engine scales the adapter by alpha / r, so "
+                            f"a NaN or negative alpha would serve NaN or wrong logits")
         if not self.weights:
             raise LoRAError(f"{where}: no target modules in weights")
         for module, pair in self.weights.items():

@@ -22,7 +22,9 @@ negative zero and turns >= 256 into NaN. NaN codes are *canonical* here (0x7F e4
 0x80 e4m3fnuz) whatever produced them: the sign a NaN carries through ``x * (1/scale)``
 is the hardware's (x86 propagates operand NaNs and makes negative default NaNs, CUDA
 makes 0x7FFFFFFF), so vLLM's own NaN codes differ between CPU and GPU. A NaN anywhere
-in a block makes the whole block NaN (its scale is NaN) - as in vLLM.
+in a block makes the whole block NaN (its scale is NaN) - as in vLLM. So "vLLM's bytes"
+means: every byte of every block without a NaN code, and NaN codes as NaN of either sign
+(what ``tests/test_quant.py`` checks).
 
 Three implementations, identical bytes (``tests/test_quant.py`` checks them against each
 other and against vLLM's functions): :mod:`.host` (numpy/ml_dtypes: host buffers, the
