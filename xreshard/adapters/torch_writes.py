@@ -30,7 +30,7 @@ view (``t.numpy()[:] = ...``). So the check compares content:
 Not seen: a write that leaves every byte as it was by the refit's end without moving a
 counter (``p.data.add_(0)``: harmless, unless the refit read the bytes in between, which
 no content check can see), and a change the digest maps to the same value (at most
-``2**-64 + 2n/(2**127 - 1)`` for any change of n 64 KiB blocks made without the key, a
+``2**-32 + n/(2**127 - 1)`` for any change of n 64 KiB blocks made without the key, a
 sign flip or swapped words included; it is not a MAC). Rejected: a snapshot copy of
 the sources (twice the memory, for a debug option), and hashing only the sent regions
 (known too late, above).

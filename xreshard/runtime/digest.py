@@ -16,7 +16,8 @@ Rogaway, CRYPTO 1999):
   with key words ``A``, ``B`` uniform in ``[0, 2**32)``. For two different blocks of the
   same length, ``Pr[NH equal] <= 2**-32`` (UMAC, Theorem 4.2: NH is 2**-w-almost
   universal, here w = 32; the pairing ``(j, h+j)`` instead of ``(2j, 2j+1)`` is a fixed
-  permutation of the words). ``LANES`` = 2 lanes with independent keys: ``<= 2**-64``.
+  permutation of the words). ``LANES`` lanes with independent keys would multiply the
+  bound; there is one (each lane costs a full pass: see Cost).
 - **A polynomial over the blocks.** The block values (``LANES`` per block, each < 2**64)
   and last the byte length are the coefficients ``c_1 .. c_N`` of
   ``H = sum_i c_i r**(N-i)  mod p``, ``p = 2**127 - 1``, at a key point ``r`` uniform in
@@ -24,21 +25,25 @@ Rogaway, CRYPTO 1999):
   difference polynomial of degree < N, zero at most at N - 1 points.
 
 **The bound.** For any two different byte strings ``x``, ``y`` of at most ``n`` blocks,
-chosen independently of the key: ``Pr[digest(x) == digest(y)] <= 2**-64 + 2n / (2**127 - 1)``
-(same length: a block differs, both lanes' NH collide with probability <= 2**-64, else the
-polynomial does with <= 2n/p; different lengths: the last coefficients differ). For any
-size that fits in memory that is below ``2**-63.9``, for every change: sign flips, swapped
-words, zeroed tiles, single bits alike. It is not a MAC: a process that sees the key can
-forge; the key is drawn where the comparison is made (:func:`process_key` for comparisons
-inside one process, :func:`Key.of` from the world's random instance nonce and the call for
-the ``verify`` exchange), so faults and careless writes are independent of it.
+chosen independently of the key: ``Pr[digest(x) == digest(y)] <= 2**-32 + n / (2**127 - 1)``
+(same length: a block differs, and its NH values collide with probability <= 2**-32, else
+the polynomial does with <= n/p; different lengths: the last coefficients differ). For any
+size that fits in memory that is below ``2**-31.99``, for every change: sign flips, swapped
+words, zeroed tiles, single bits alike; with a fresh key per call (``verify``) a change
+that persists passes k calls with probability at most ``2**-32k``. It is not a MAC: a
+process that sees the key can forge; the key is drawn where the comparison is made
+(:func:`process_key` for comparisons inside one process, :func:`Key.of` from the world's
+random instance nonce and the call for the ``verify`` exchange), so faults and careless
+writes are independent of it.
 
 The key words come from SHAKE-256 of the key's material, so numpy, CuPy and torch compute
 the same digest from the same bytes, on any host, numpy version or device.
 
 Cost: one 32x32->64 multiply per two words (numpy: two adds, one widening multiply and one
 reduction per tile of blocks that stays in cache; large inputs are split over threads,
-numpy releases the GIL). ``benchmarks/bench_verify.py`` prints it beside the old checksum.
+numpy releases the GIL): a few times the cost of xr64x2's plain sums on a CPU, and each
+further lane would cost as much again, hence one (``benchmarks/bench_digest.py`` prints
+them side by side). On a GPU both run far below the wire's time.
 """
 
 from __future__ import annotations
@@ -61,7 +66,7 @@ BLOCK_WORDS = 16384
 _HALF = BLOCK_WORDS // 2
 _BLOCK_BYTES = BLOCK_WORDS * 4
 #: independent NH lanes per block: each one's collision bound is 2**-32
-LANES = 2
+LANES = 1
 #: the polynomial's field
 PRIME = (1 << 127) - 1
 #: full blocks hashed per numpy tile (256 KiB: the tile's temporaries stay in cache)

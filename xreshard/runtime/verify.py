@@ -21,11 +21,11 @@ checked the same way. A checksum proves nothing about bytes equal by chance: an 
 destination that already held the sender's values passes.
 
 The digest is :mod:`xreshard.runtime.digest`'s keyed universal hash (NH per 64 KiB block,
-two lanes, then a polynomial mod 2**127 - 1), under a key every process derives from the
-world's random instance nonce and the call's version (:func:`call_key`): for any two
-different byte strings of at most ``n`` 64 KiB blocks, the chance that a transfer arriving
-wrong passes is at most ``2**-64 + 2n / (2**127 - 1)``, whatever the change (a flipped sign,
-two swapped words, a zeroed tile), and a fresh key each call. It is not a MAC: a peer that
+then a polynomial mod 2**127 - 1), under a key every process derives from the world's
+random instance nonce and the call's version (:func:`call_key`): for any two different
+byte strings of at most ``n`` 64 KiB blocks, the chance that a transfer arriving wrong
+passes is at most ``2**-32 + n / (2**127 - 1)``, whatever the change (a flipped sign, two
+swapped words, a zeroed tile), with a fresh key each call. It is not a MAC: a peer that
 wants to fool it can read the key.
 
 Coverage: ``verify=True`` hashes every transfer. ``verify="sample"`` hashes every transfer
