@@ -83,3 +83,90 @@ def test_common_abilities_count_a_missing_answer_as_unable():
     assert (got.shrink, got.grow, got.split, got.name) == (False, False, False, "nccl")
     got = world_links._common_abilities(mine, [{"shrink": True, "grow": False, "split": True}])
     assert (got.shrink, got.grow, got.split) == (True, False, True)
+
+
+# ---------------------------------------------------------------------------- A3
+
+class _Dev:
+    """A device of the fake below: a context manager (allocations land on the current
+    device), synchronizable, hashable by id."""
+
+    current = [0]
+
+    def __init__(self, i):
+        self.id = i
+
+    def __enter__(self):
+        self.current.append(self.id)
+        return self
+
+    def __exit__(self, *exc):
+        self.current.pop()
+
+    def synchronize(self):
+        pass
+
+    def __eq__(self, other):
+        return isinstance(other, _Dev) and other.id == self.id
+
+    def __hash__(self):
+        return self.id
+
+
+def _supported(dtype):
+    """CuPy 14 ``_dtype.pyx`` ``check_supported_dtype``: only dtypes with a C type name
+    (no float8; ml_dtypes' types are kind "V") can be allocated or run through a kernel."""
+    if np.dtype(dtype).kind not in "biufc?":
+        raise ValueError(f"Unsupported dtype {np.dtype(dtype)}")
+
+
+class _CupyArray:
+    """A CuPy array (not a numpy one): views of any dtype, but allocation and elementwise
+    copies only of supported ones."""
+
+    def __init__(self, a, device=0):
+        self._a, self.device = a, _Dev(device)
+
+    shape = property(lambda self: self._a.shape)
+    dtype = property(lambda self: self._a.dtype)
+    nbytes = property(lambda self: self._a.nbytes)
+
+    def view(self, dtype):
+        return _CupyArray(self._a.view(dtype), self.device.id)
+
+    def __setitem__(self, key, value):
+        _supported(self.dtype)
+        _supported(value.dtype)
+        self._a[key] = value._a
+
+
+def _empty(shape, dtype):
+    _supported(dtype)
+    return _CupyArray(np.zeros(shape, dtype), _Dev.current[-1])
+
+
+def test_float8_device_bindings_are_staged_as_bits(monkeypatch):
+    """A3: ``atomic=True`` (and elastic FP8 engines in reload mode, catch-up snapshots)
+    stage float8 CUDA destinations: allocated and copied as unsigned ints, bit-exact."""
+    import ml_dtypes
+
+    from xreshard.runtime.atomic import Staging
+    from xreshard.runtime.binding import Bound
+    monkeypatch.setitem(sys.modules, "cupy", types.SimpleNamespace(empty=_empty))
+    rng = np.random.default_rng(3)
+    codes = rng.integers(0, 255, (4, 6), dtype=np.uint8)
+    codes[codes == 0x7F] = 0                      # no NaN codes: compare bits anyway
+    real = _CupyArray(codes.view(ml_dtypes.float8_e4m3fn).copy(), device=1)
+    scales = _CupyArray(rng.standard_normal(3).astype(np.float32), device=1)
+    bound = Bound({}, {(0, "w"): real, (0, "w.scale"): scales})
+    staging = Staging()
+    staged = staging.stage(bound)
+    shadow = staged.bindings[(0, "w")]
+    assert shadow is not real and shadow.dtype == real.dtype
+    assert shadow._a.view(np.uint8).tobytes() == codes.tobytes()
+    new = rng.integers(0, 0x70, (4, 6), dtype=np.uint8)
+    shadow._a.view(np.uint8)[...] = new
+    staging.commit()
+    assert real._a.view(np.uint8).tobytes() == new.tobytes()
+    again = staging.stage(bound)                  # kept across calls, refreshed
+    assert again.bindings[(0, "w")] is shadow and staging.nbytes == 24 + 12
