@@ -170,3 +170,201 @@ def test_float8_device_bindings_are_staged_as_bits(monkeypatch):
     assert real._a.view(np.uint8).tobytes() == new.tobytes()
     again = staging.stage(bound)                  # kept across calls, refreshed
     assert again.bindings[(0, "w")] is shadow and staging.nbytes == 24 + 12
+
+
+# ---------------------------------------------------------------------------- fakes
+
+class _Gpu(_CupyArray):
+    """``_CupyArray`` with what the device ops touch: reshape, slicing, ``data.ptr``."""
+
+    def view(self, dtype):
+        return _Gpu(self._a.view(dtype), self.device.id)
+
+    def reshape(self, *shape):
+        return _Gpu(self._a.reshape(*shape), self.device.id)
+
+    def __getitem__(self, key):
+        return _Gpu(self._a[key], self.device.id)
+
+    @property
+    def data(self):
+        return types.SimpleNamespace(ptr=self._a.ctypes.data)
+
+
+def _gpu_empty(shape, dtype):
+    _supported(dtype)
+    return _Gpu(np.zeros(shape, dtype), _Dev.current[-1])
+
+
+@pytest.fixture
+def cupy_streams(monkeypatch):
+    """fake_cupy's per-thread devices and streams as ``cupy``, xreshard's own streams
+    made afresh there; ids past CuPy's default-stream handles (0, 1, 2)."""
+    from xreshard.runtime import devices
+    cupy = fake_cupy.module()
+    monkeypatch.setitem(sys.modules, "cupy", cupy)
+    monkeypatch.setattr(devices, "_OWN_STREAMS", {})
+    for _ in range(3):
+        fake_cupy.Event()
+    return cupy
+
+
+# ---------------------------------------------------------------------------- B1
+
+def test_device_delta_orders_its_streams_before_the_encoder_starts(monkeypatch, cupy_streams):
+    """B1: the encoder's threads pack on xreshard's own stream as soon as the delta
+    executor's ``run`` starts them, so that stream must already wait for the bindings'
+    producers (the caller's current stream: a JAX step still running)."""
+    from xreshard.runtime import devices
+    from xreshard.runtime.delta_device import DeviceDeltaExecutor
+    from xreshard.runtime.delta_exec import DeltaExecutor
+    ex = object.__new__(DeviceDeltaExecutor)
+    ex._devices = lambda: {0: 1, 1: None}
+    seen = []
+    monkeypatch.setattr(DeltaExecutor, "run", lambda self: seen.append(
+        [e.recorded_on for e in devices.own_stream(1).waited]))
+    with fake_cupy.Device(1):
+        producer = cupy_streams.cuda.Stream(non_blocking=True)
+        with producer:
+            ex.run()
+    assert seen == [[producer]]
+
+
+# ---------------------------------------------------------------------------- A5 / B3
+
+def test_every_step_of_a_delta_group_enters_its_buckets_device():
+    """A5/B3: a process with ranks on two GPUs: each bucket's payload pack and post, header
+    post, receive post and landing run with its rank's device current (without it CuPy
+    refuses the other device's arrays, or with peer access packs on device 0 while NCCL on
+    device 1 sends unfilled staging)."""
+    import contextlib
+
+    from xreshard.runtime.delta_exec import DeltaExecutor
+    dev = {0: 0, 1: 1, 2: 0, 3: 1}
+    ex = object.__new__(DeltaExecutor)
+    ex._on = lambda rank: fake_cupy.Device(dev[rank])
+    seen = []
+
+    def here():
+        return fake_cupy._tls.device
+    b_prev = types.SimpleNamespace(src=1, dst=2, tag=0)
+    b_new = types.SimpleNamespace(src=3, dst=0, tag=1)
+    b_in = types.SimpleNamespace(src=0, dst=3, tag=2)
+    ex._open = lambda buckets, offsets, stats: (
+        [(b_in, "buf", "unpack")], [("buf", b_in)], [(b_prev, None)], list(buckets))
+
+    class Transport:
+        group = staticmethod(lambda timeout: contextlib.nullcontext())
+
+        def recv(self, buf, src, dst, tag):
+            seen.append(("recv", dst, here()))
+    ex.transport, ex.timeout, ex._post = Transport(), 5.0, None
+    ex._send_payload = lambda b, enc, offsets, stats, send: (
+        seen.append(("payload", b.src, here())), (None, None))[1]
+    ex._send_header = lambda b, stats, send: seen.append(("header", b.src, here()))
+    ex._land = lambda b, buf, how: seen.append(("land", b.dst, here()))
+    ex._group([b_new], types.SimpleNamespace(per_round_seconds=[]))
+    assert [s[0] for s in seen] == ["recv", "payload", "header", "land"]
+    assert all(d == dev[rank] for _, rank, d in seen), seen
+
+
+# ---------------------------------------------------------------------------- B2
+
+def test_split_block_scratch_is_read_on_the_stream_that_wrote_it(monkeypatch, cupy_streams):
+    """B2: the rounds' unpacks wrote the split blocks' scratch on xreshard's own stream
+    (non-blocking); ``quantized.finish`` must read it there, not on the caller's."""
+    from xreshard.runtime import devices, quantized
+    read_on = []
+
+    def ascontiguousarray(a):
+        read_on.append((fake_cupy._tls.device, fake_cupy.get_current_stream()))
+        return a
+    cupy_streams.ascontiguousarray = ascontiguousarray
+    monkeypatch.setattr(quantized, "_write", lambda *a: None)
+    region = types.SimpleNamespace(starts=(0, 0), stops=(2, 4))
+    fmt = types.SimpleNamespace(data_region=lambda blocks, shape: region)
+    scratch = types.SimpleNamespace(key=(0, "w#scratch"), blocks=[(0,)], rank=0, name="w",
+                                    region=types.SimpleNamespace(starts=(0, 0)))
+    quant = types.SimpleNamespace(scratch={"w": [scratch]},
+                                  tensors={"w": types.SimpleNamespace(format=fmt, shape=(2, 4))})
+    buf = _Gpu(np.zeros((2, 4), np.uint16), device=1)
+    quantized.finish(quant, {scratch.key: buf})
+    assert read_on == [(1, devices.own_stream(1))]
+
+
+# ---------------------------------------------------------------------------- A6
+
+def test_jax_device_ops_get_an_aligned_address(monkeypatch):
+    """A6: XLA's GPU executables refuse parameters not 16-byte aligned (``CheckAlignment``);
+    a bound view that starts mid-row is copied to an aligned buffer first."""
+    jax = pytest.importorskip("jax")
+    import jax.numpy as jnp
+
+    from xreshard.runtime.device_ops import DeviceOps
+    cupy = types.SimpleNamespace(empty=_gpu_empty,
+                                 cuda=types.SimpleNamespace(Device=_Dev))
+    monkeypatch.setitem(sys.modules, "cupy", cupy)
+
+    def from_dlpack(x):
+        if x.data.ptr % 16:
+            raise RuntimeError(f"Address of buffer 0 must be a multiple of 10, but was "
+                               f"{x.data.ptr:#x}")
+        return jnp.asarray(np.array(x._a))
+    monkeypatch.setattr(jax.dlpack, "from_dlpack", from_dlpack)
+    base = np.arange(96, dtype=np.uint8)
+    start = next(s for s in range(16) if (base.ctypes.data + s) % 16 == 6)
+    view = _Gpu(base[start:start + 48], device=0)
+    got = DeviceOps("jax").wrap(view)
+    assert np.asarray(got).tobytes() == base[start:start + 48].tobytes()
+
+
+# ---------------------------------------------------------------------------- A7
+
+def test_torch_results_are_imported_on_their_device(monkeypatch, cupy_streams):
+    """A7: torch's ``__dlpack__`` exports only from its current device ("Can't export
+    tensors on a different CUDA device index"); the encoder and verify threads start on
+    device 0, the tensor is on device 1."""
+    pytest.importorskip("torch")
+    from xreshard.runtime.device_ops import DeviceOps
+
+    class Tensor:
+        device = types.SimpleNamespace(index=1)
+
+        def contiguous(self):
+            return self
+
+        def reshape(self, *shape):
+            return self
+
+        def view(self, dtype):
+            return self
+
+    def from_dlpack(t):
+        if t.device.index != fake_cupy._tls.device:
+            raise BufferError("Can't export tensors on a different CUDA device index")
+        return "imported"
+    cupy_streams.from_dlpack = from_dlpack
+    assert DeviceOps("torch").unwrap(Tensor(), like=object()) == "imported"
+
+
+# ---------------------------------------------------------------------------- B4
+
+def test_fence_checksums_read_on_the_callers_stream_and_device(monkeypatch, cupy_streams):
+    """B4: ``delta_fence.sums_of``'s pool threads read device bindings on the calling
+    thread's stream and on the array's device, not on their own legacy stream of device 0."""
+    from xreshard.runtime import delta_fence, verify
+    monkeypatch.setattr(delta_fence, "_PARALLEL_BYTES", 0)
+    seen = []
+
+    def checksum(a):
+        seen.append((fake_cupy._tls.device, fake_cupy.get_current_stream()))
+        return "x"
+    monkeypatch.setattr(verify, "checksum", checksum)
+    arrays = {(0, "a"): fake_cupy.on_device(np.zeros(8, np.uint8), 1),
+              (0, "b"): fake_cupy.on_device(np.ones(8, np.uint8), 1)}
+    with fake_cupy.Device(1):
+        producer = cupy_streams.cuda.Stream(non_blocking=True)
+        with producer:
+            with fake_cupy.Device(0):
+                sums = delta_fence.sums_of(types.SimpleNamespace(bindings=arrays))
+    assert len(sums) == 2 and seen == [(1, producer)] * 2
