@@ -368,3 +368,87 @@ def test_fence_checksums_read_on_the_callers_stream_and_device(monkeypatch, cupy
             with fake_cupy.Device(0):
                 sums = delta_fence.sums_of(types.SimpleNamespace(bindings=arrays))
     assert len(sums) == 2 and seen == [(1, producer)] * 2
+
+
+# ---------------------------------------------------------------------------- A2
+
+@pytest.fixture
+def inexact_divide(monkeypatch):
+    """float32 division as XLA's GPU backend compiles it (``div.full.f32``, not correctly
+    rounded), modelled on CPU as ``x * (1 / y)``: two roundings, 1 ulp off IEEE for many
+    operands. Every jitted function is traced anew under it, and again afterwards."""
+    jax = pytest.importorskip("jax")
+    import jax.numpy as jnp
+    from jax._src.lax import lax as lax_impl
+
+    from xreshard.quant import jax_ops
+    exact = lax_impl.div
+
+    def div(x, y):
+        if jnp.result_type(x, y) == jnp.float32:
+            return lax_impl.mul(x, exact(np.float32(1.0), y))
+        return exact(x, y)
+
+    def fresh():
+        jax.clear_caches()
+        jax_ops._block_fn.cache_clear()
+        jax_ops._mx_fn.cache_clear()
+    monkeypatch.setattr(lax_impl, "div", div)
+    fresh()
+    yield
+    monkeypatch.undo()
+    fresh()
+
+
+def _off_by_an_ulp(fp8_max: float) -> np.ndarray:
+    """bf16 magnitudes whose ``x / fp8_max`` and ``x * (1 / fp8_max)`` differ in float32."""
+    import ml_dtypes
+    bits = (np.arange(0x3800, 0x4400, dtype=np.uint32) << 16)       # ~1e-4 .. 512
+    x = bits.view(np.float32)
+    inv = np.float32(1.0) / np.float32(fp8_max)
+    differ = (x / np.float32(fp8_max)) != (x * inv)
+    return x[differ].astype(ml_dtypes.bfloat16)
+
+
+def test_jax_fp8_scales_are_vllms_under_an_inexact_divide(inexact_divide):
+    """A2: block FP8 scales (``amax / fp8_max``, and ``1 / scale`` for the codes) and MXFP8
+    scale bytes from the JAX quantizer equal the host quantizer's (vLLM's bytes) even where
+    the backend's float division is not IEEE's: the block divisions run on the host, the
+    MXFP8 one in integers."""
+    import jax.numpy as jnp
+    import ml_dtypes
+
+    from xreshard.quant import BlockFP8, MXFP8, host, jax_ops
+    rng = np.random.default_rng(7)
+    special = _off_by_an_ulp(448.0)
+    assert len(special) > 50
+    x = (rng.standard_normal((512, 1024)) * 0.02).astype(ml_dtypes.bfloat16)
+    blocks = x.reshape(4, 128, 8, 128)
+    flat = blocks.transpose(0, 2, 1, 3).reshape(32, -1)
+    for i in range(32):             # each block's amax one that an inexact divide rounds off
+        flat[i, rng.integers(flat.shape[1])] = special[rng.integers(len(special))]
+    x = flat.reshape(4, 8, 128, 128).transpose(0, 2, 1, 3).reshape(512, 1024)
+    for fmt, fn in ((BlockFP8(), host.quantize_block_fp8),
+                    (BlockFP8(ue8m0=True), host.quantize_block_fp8),
+                    (MXFP8(), host.quantize_mxfp8)):
+        codes, scales = jax_ops.quantize(jnp.asarray(x), fmt)
+        want_codes, want_scales = fn(x, fmt, name="w")
+        assert np.asarray(scales).tobytes() == want_scales.tobytes(), fmt
+        assert np.asarray(codes).tobytes() == want_codes.tobytes(), fmt
+
+
+@pytest.mark.parametrize("divisor", [448.0, 240.0, 57344.0])
+def test_integer_division_is_ieee_for_every_mantissa(divisor):
+    """``div_exact_bits`` (MXFP8's ``amax / 448`` on the device) against numpy's IEEE
+    float32 division, every mantissa at three exponents."""
+    jax = pytest.importorskip("jax")
+    import jax.numpy as jnp
+
+    from xreshard.quant.jax_ops import div_exact_bits
+    fn = jax.jit(lambda a: div_exact_bits(jnp, jax.lax, a, divisor))
+    mantissas = np.arange(1 << 23, dtype=np.uint32)
+    for exponent in (40, 127, 200):
+        a = mantissas | np.uint32(exponent << 23)
+        want = (a.view(np.float32) / np.float32(divisor)).view(np.uint32)
+        got = np.asarray(fn(a))
+        assert np.array_equal(got, want), (exponent, int(np.sum(got != want)))
