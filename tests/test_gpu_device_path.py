@@ -568,6 +568,13 @@ def test_delta_jax_gpu_to_torch_cuda_over_nccl(baseline):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(_why_no_gpu() is not None, reason=str(_why_no_gpu()))
+def test_delta_from_a_slow_producer_over_nccl():
+    report = pair("slow-producer", "cuda", baseline="device")
+    assert report["ok"], report
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(_why_no_gpu() is not None, reason=str(_why_no_gpu()))
 def test_fp8_jax_gpu_to_torch_cuda_over_nccl():
     report = pair("fp8", "cuda")
     assert report["ok"], report
@@ -581,16 +588,19 @@ def test_fp8_delta_jax_gpu_to_torch_cuda_over_nccl():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("scenario", ["delta", "fp8", "fp8-bench", "fp8-delta"])
+@pytest.mark.parametrize("scenario", ["delta", "fp8", "fp8-bench", "fp8-delta",
+                                      "slow-producer"])
 def test_the_gpu_check_runs_on_cpu(scenario):
     """The same script on CPU (gloo, the device path on host memory): what the GPU part
     runs is exercised everywhere."""
-    report = pair(scenario, "cpu", timeout=240.0)
+    report = pair(scenario, "cpu", timeout=240.0,
+                  baseline="device" if scenario == "slow-producer" else "host")
     assert report["ok"], json.dumps(report, indent=1, default=str)[-6000:]
     trainer = report["processes"]["jax"]
-    assert trainer["counts"].get("encode/jax" if scenario == "delta" else "quantize/jax")
+    assert trainer["counts"].get("encode/jax" if scenario in ("delta", "slow-producer")
+                                 else "quantize/jax")
     receiver = report["processes"]["torch"]
-    if scenario in ("delta", "fp8-delta"):
+    if scenario in ("delta", "fp8-delta", "slow-producer"):
         assert receiver["counts"].get("apply/torch")
 
 
