@@ -12,8 +12,9 @@
    copy's bandwidth (a floor that catches a broken or host-bound path, not a tuned figure).
 
 Every time is device time between CUDA events around the kernels (the NCCL ones on the
-transport's own stream), never Python launch latency, on regions large enough (>= 256 MiB)
-that launches do not count; the median of ``--iters`` after two warm-ups. GB/s counts the
+transport's own stream); pack/unpack and their copies are timed as ``--back-to-back`` calls
+(default 10) between one pair of events, so that a short kernel (a 32 MiB region: ~20 us)
+is not timed as the host's launch latency of one call; the median of ``--iters`` after two warm-ups. GB/s counts the
 bytes moved once (not read + write). The NCCL group's wall time (what a refit waits for)
 is reported beside it. ``--device cpu`` dry-runs the same code with numpy and wall-clock
 timers.
@@ -53,12 +54,19 @@ class DictStore:
         return all(k in self._d for k in keys)
 
 
-class Timer:
-    """Median milliseconds of a function: CUDA events on GPU, wall clock on CPU."""
+#: calls timed back to back between one pair of events (per-call time = total / this): a
+#: single call of a ~20 us kernel would time the host's launch latency, not the copy
+BACK_TO_BACK = 10
 
-    def __init__(self, xp: Any):
+
+class Timer:
+    """Median milliseconds per call of a function: ``reps`` calls back to back between
+    CUDA events on GPU (wall clock on CPU), the total divided by ``reps``."""
+
+    def __init__(self, xp: Any, reps: int = BACK_TO_BACK):
         self.xp = xp
         self.cuda = xp.__name__ == "cupy"
+        self.reps = max(1, reps)
 
     def __call__(self, fn: Callable[[], None], iters: int, warmup: int = 2) -> float:
         for _ in range(warmup):
@@ -68,14 +76,16 @@ class Timer:
             if self.cuda:
                 start, stop = self.xp.cuda.Event(), self.xp.cuda.Event()
                 start.record()
-                fn()
+                for _ in range(self.reps):
+                    fn()
                 stop.record()
                 stop.synchronize()
-                times.append(self.xp.cuda.get_elapsed_time(start, stop))
+                times.append(self.xp.cuda.get_elapsed_time(start, stop) / self.reps)
             else:
                 t0 = time.perf_counter()
-                fn()
-                times.append((time.perf_counter() - t0) * 1e3)
+                for _ in range(self.reps):
+                    fn()
+                times.append((time.perf_counter() - t0) * 1e3 / self.reps)
         return statistics.median(times)
 
 
@@ -92,11 +102,11 @@ def _gbps(nbytes: int, ms: float) -> float:
     return nbytes / (ms * 1e-3) / 1e9
 
 
-def bench_pack(xp, torch, iters: int, size: int = 16384) -> dict:
+def bench_pack(xp, torch, iters: int, size: int = 16384, reps: int = BACK_TO_BACK) -> dict:
     from xreshard.runtime.execute import copy_into
 
     rows = cols = size                        # 512 MiB of bf16 at 16384, seen as uint16
-    timer = Timer(xp)
+    timer = Timer(xp, reps)
     weight = xp.arange(rows * cols, dtype=xp.uint16).reshape(rows, cols)
     stacked = weight.reshape(8, rows // 8, cols)
     k = cols // 16
@@ -133,7 +143,7 @@ def bench_pack(xp, torch, iters: int, size: int = 16384) -> dict:
         if torch is not None:
             t_region, t_staging = torch.from_dlpack(region), torch.from_dlpack(staging)
             torch.cuda.synchronize()
-            t_ms = _time_torch(torch, lambda: t_staging.copy_(t_region), iters)
+            t_ms = _time_torch(torch, lambda: t_staging.copy_(t_region), iters, reps=reps)
             row.update(torch_gbps=_gbps(nbytes, t_ms), torch_ratio=copy_ms / t_ms)
         row["ok"] = exact and (not held or (row["pack_ratio"] >= BAR
                                             and row["unpack_ratio"] >= BAR))
@@ -148,17 +158,18 @@ def bench_pack(xp, torch, iters: int, size: int = 16384) -> dict:
     return out
 
 
-def _time_torch(torch, fn, iters: int, warmup: int = 2) -> float:
+def _time_torch(torch, fn, iters: int, warmup: int = 2, reps: int = BACK_TO_BACK) -> float:
     for _ in range(warmup):
         fn()
     times = []
     for _ in range(iters):
         start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        fn()
+        for _ in range(reps):
+            fn()
         stop.record()
         stop.synchronize()
-        times.append(start.elapsed_time(stop))
+        times.append(start.elapsed_time(stop) / reps)
     return statistics.median(times)
 
 
@@ -166,7 +177,7 @@ def bench_nccl_self(cupy, size_gib: float, iters: int) -> dict:
     from xreshard.transport.nccl import NcclTransport
 
     nbytes = int(size_gib * 2**30) // 2 * 2
-    timer = Timer(cupy)
+    timer = Timer(cupy, reps=1)      # GiB-sized: one call is far from launch-bound
     src_c = cupy.empty(nbytes, dtype=cupy.uint8)
     words = src_c[:nbytes // 4 * 4].view(cupy.uint32)     # a cheap pseudo-random pattern
     words[...] = cupy.arange(words.size, dtype=cupy.uint32)
@@ -221,6 +232,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--size-gib", type=float, default=2.0, help="NCCL self-transfer size")
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--pack-size", type=int, default=16384, help="the weight is N x N bf16")
+    ap.add_argument("--back-to-back", type=int, default=BACK_TO_BACK,
+                    help="pack/unpack calls timed between one pair of events")
     ap.add_argument("--skip-pack", action="store_true")
     ap.add_argument("--skip-nccl", action="store_true")
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
@@ -247,7 +260,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{nccl.get_version()}, torch {torch.__version__ if torch else 'absent'}")
     ok = True
     if not args.skip_pack:
-        report["pack"] = bench_pack(xp, torch, args.iters, args.pack_size)
+        report["pack"] = bench_pack(xp, torch, args.iters, args.pack_size, args.back_to_back)
         ok &= report["pack"]["ok"]
     if not args.skip_nccl and args.device == "cuda":
         report["nccl_self"] = bench_nccl_self(xp, args.size_gib, args.iters)

@@ -116,6 +116,9 @@ class Stream:
     def wait_event(self, event: Event) -> None:
         self.waited.append(event)
 
+    def synchronize(self) -> None:
+        """Copies here are synchronous host copies: nothing to wait for."""
+
 
 Stream.null = Stream(null=True)
 

@@ -71,6 +71,16 @@ def _bf16(shape: tuple[int, ...], seed: int) -> np.ndarray:
     return x.astype(numpy_dtype("bfloat16"))
 
 
+def _differing(got: bytes, want: np.ndarray) -> int:
+    """How many elements of ``want`` the bytes ``got`` do not hold (-1: other size)."""
+    w = np.ascontiguousarray(want)
+    size = w.dtype.itemsize
+    if len(got) != w.nbytes:
+        return -1
+    word = np.dtype(f"u{size}")
+    return int(np.sum(np.frombuffer(got, word) != w.reshape(-1).view(word)))
+
+
 def _delta_values(step: int) -> dict[str, np.ndarray]:
     """The trainer's tensors after ``step`` optimizer-like steps: each step flips the
     lowest bit of ~1% of the elements (a fixed seed per step and tensor)."""
@@ -170,6 +180,86 @@ def delta_child(role: str, address: str, device: str, timeout: float, baseline: 
     return out
 
 
+#: slow-producer: many small tensors, so that buckets hold several items (packed)
+SLOW_TENSORS = {f"small{i}.w": (256, 1024) for i in range(12)}
+SLOW_CALLS = 3
+
+
+def _slow_values(step: int) -> dict[str, np.ndarray]:
+    """The slow producer's tensors after ``step`` steps (~1% of the bits flipped each)."""
+    out = {}
+    for i, (name, shape) in enumerate(sorted(SLOW_TENSORS.items())):
+        x = _bf16(shape, 300 + i)
+        bits = x.reshape(-1).view(np.uint16)
+        for s in range(1, step + 1):
+            rng = np.random.default_rng(7000 * s + i)
+            bits[rng.integers(0, bits.size, int(bits.size * DELTA_FRACTION))] ^= 1
+        out[name] = x
+    return out
+
+
+def _slow_step(dev: Any, device: str) -> Any:
+    """A jitted step that returns its input after ~0.2 s of device work (a loop of
+    matmuls the result depends on): JAX dispatches it asynchronously, so a refit that
+    starts right after it sees arrays whose producers still run (issue 33, B1)."""
+    import jax
+    import jax.numpy as jnp
+    iters = 600 if device == "cuda" else 2
+
+    @jax.jit
+    def step(params: dict, m: Any) -> dict:
+        heavy = jax.lax.fori_loop(0, iters, lambda i, a: jnp.tanh(a @ m), m)
+        alive = jnp.isfinite(heavy.sum())       # always true; XLA cannot know it
+        return {n: jnp.where(alive, x, jnp.zeros_like(x)) for n, x in params.items()}
+    m = jax.device_put(jnp.eye(2048, dtype=jnp.float32) * 0.5, dev)
+    return lambda params: step(params, m)
+
+
+def slow_producer_child(role: str, address: str, device: str, timeout: float,
+                        baseline: str) -> dict:
+    """One side of ``slow-producer`` (B1): the trainer refits (delta, ``verify=False``)
+    arrays a ~0.2 s jitted step is still computing when the call starts, into packed
+    multi-item buckets; the receiver checks every bit after every call."""
+    import xreshard as xr
+    config = xr.RefitConfig(delta=True, verify=False, timeout=timeout,
+                            transport="nccl" if device == "cuda" else "gloo")
+    world, dev = _join(role, address, device, timeout)
+    tuning = xr.Tuning(delta_baseline=baseline)
+    out: dict[str, Any] = {"role": role, "calls": []}
+    if role == "jax":
+        import jax
+        import jax.numpy as jnp
+        step_fn = _slow_step(dev, device)
+        inputs = [{n: jax.device_put(jnp.asarray(v), dev) for n, v in _slow_values(s).items()}
+                  for s in range(SLOW_CALLS)]
+        jax.block_until_ready(inputs)
+        jax.block_until_ready(step_fn(inputs[0]))       # compiled before the calls
+        refit = None
+        for s in range(SLOW_CALLS):
+            params = step_fn(inputs[s])         # still running when the refit starts
+            if refit is None:
+                refit = xr.Refit(world, send=params, config=config, tuning=tuning)
+            report = refit(send=params)
+            out["calls"].append({**(report.delta or {})})
+        out["ok"] = True
+    else:
+        import torch
+        bufs = {n: torch.zeros(s, dtype=torch.bfloat16, device=dev)
+                for n, s in SLOW_TENSORS.items()}
+        refit = xr.Refit(world, receive=bufs, config=config, tuning=tuning)
+        exact = []
+        for s in range(SLOW_CALLS):
+            refit()
+            want = _slow_values(s)
+            exact.append(all(np.array_equal(bufs[n].view(torch.int16).cpu().numpy(),
+                                            want[n].view(np.int16)) for n in bufs))
+        out["exact"] = exact
+        out["ok"] = all(exact)
+    out["counts"] = _counts()
+    world.close()
+    return out
+
+
 def fp8_child(role: str, address: str, device: str, timeout: float, baseline: str) -> dict:
     """One side of ``fp8``: the JAX trainer sends bf16 values; the torch receiver stores
     them quantized and compares with the host quantizer's bytes."""
@@ -207,12 +297,15 @@ def fp8_child(role: str, address: str, device: str, timeout: float, baseline: st
             want[n] = fn(values[n], fmt, name=n)
         refit = xr.Refit(world, receive=state, config=config)
         report = refit()
-        exact = {}
+        exact, differ = {}, {}
         for n, q in state.items():
             got_c = q.codes.local.view(torch.uint8).cpu().numpy().tobytes()
             got_s = q.scales.local.contiguous().view(torch.uint8).cpu().numpy().tobytes()
             exact[n] = got_c == want[n][0].tobytes() and got_s == want[n][1].tobytes()
+            differ[n] = {"codes": _differing(got_c, want[n][0]),
+                         "scales": _differing(got_s, want[n][1])}
         out["exact"] = exact
+        out["differ"] = differ      # which bytes are not vLLM's: scales, codes, how many
         out["received"] = report.bytes_received
         out["ok"] = all(exact.values())
     out["counts"] = _counts()
@@ -275,15 +368,18 @@ def fp8_delta_child(role: str, address: str, device: str, timeout: float, baseli
             report = refit()
             values = _fp8_delta_values(step)
             ok = True
+            differ = {}
             for n, q in state.items():
                 fn = host.quantize_mxfp8 if FP8_TENSORS[n][1] == "mx" else \
                     host.quantize_block_fp8
                 want = fn(values[n], q.format, name=n)
-                ok &= q.codes.local.view(torch.uint8).cpu().numpy().tobytes() == \
-                    want[0].tobytes()
-                ok &= q.scales.local.contiguous().view(torch.uint8).cpu().numpy().tobytes() \
-                    == want[1].tobytes()
+                got_c = q.codes.local.view(torch.uint8).cpu().numpy().tobytes()
+                got_s = q.scales.local.contiguous().view(torch.uint8).cpu().numpy().tobytes()
+                ok &= got_c == want[0].tobytes() and got_s == want[1].tobytes()
+                differ[n] = {"codes": _differing(got_c, want[0]),
+                             "scales": _differing(got_s, want[1])}
             exact.append(bool(ok))
+            out.setdefault("differ", []).append(differ)
             out["calls"].append({"received": report.bytes_received,
                                  "verified": report.verified})
         out["exact"] = exact
@@ -379,7 +475,7 @@ def fp8_bench_child(role: str, address: str, device: str, timeout: float, baseli
 
 
 CHILDREN = {"delta": delta_child, "fp8": fp8_child, "fp8-bench": fp8_bench_child,
-            "fp8-delta": fp8_delta_child}
+            "fp8-delta": fp8_delta_child, "slow-producer": slow_producer_child}
 
 
 # ---------------------------------------------------------------------------- the pair
@@ -422,7 +518,10 @@ def pair(scenario: str, device: str = "cuda", *, timeout: float = 40.0,
         calls = trainer.get("calls") or []
         ratios = [round(c["bytes_wire"] / max(c["bytes_dense"], 1), 4) for c in calls]
         report["figure"] = (f"{len(calls)} calls, bytes_wire/dense {ratios}, baselines "
-                            f"{baseline}, receiver exact {receiver.get('exact')}, device ops "
+                            f"{baseline}, receiver exact {receiver.get('exact')}"
+                            + (f", differing {receiver['differ']}" if receiver.get("differ")
+                               and not all(receiver.get("exact") or [False]) else "")
+                            + ", device ops "
                             f"{trainer.get('counts')} / {receiver.get('counts')}"
                             + (f"; errors {errors}" if errors else ""))
     if scenario == "delta":
@@ -432,6 +531,13 @@ def pair(scenario: str, device: str = "cuda", *, timeout: float = 40.0,
         report["bar"] = ("JAX GPU -> torch CUDA FP8 over NCCL, delta=True: codes and scales "
                          "equal the host quantizer's after every call; 1% steps go as deltas "
                          "of <= 0.5x the dense bytes, the all-changed step dense")
+    elif scenario == "slow-producer":
+        calls = trainer.get("calls") or []
+        report["figure"] = (f"{len(calls)} calls of a ~0.2 s jitted producer's arrays, "
+                            f"delta pairs {[c.get('pairs') for c in calls]}, receiver exact "
+                            f"{receiver.get('exact')}" + (f"; errors {errors}" if errors else ""))
+        report["bar"] = ("delta=True, verify=False, packed multi-item buckets from arrays whose "
+                         "jitted producer still runs when the refit starts: bit-exact every call")
     elif scenario == "fp8-bench":
         keys = ("fp8_seconds", "bf16_seconds", "quantize_seconds", "fp8_over_bf16",
                 "wire_bytes_fp8", "wire_bytes_bf16", "quantize_gbps")
@@ -442,7 +548,8 @@ def pair(scenario: str, device: str = "cuda", *, timeout: float = 40.0,
                          "CUDA, NCCL, ~1 GiB, medians of 5)")
     else:
         report["figure"] = (f"wire/bf16 {trainer.get('wire_over_bf16')}, exact "
-                            f"{receiver.get('exact')}, device ops {trainer.get('counts')}"
+                            f"{receiver.get('exact')}, differing {receiver.get('differ')}, "
+                            f"device ops {trainer.get('counts')}"
                             + (f"; errors {errors}" if errors else ""))
         report["bar"] = ("JAX GPU -> torch CUDA FP8 over NCCL: codes and scales equal the "
                          "host quantizer's (vLLM's) bytes; wire <= 0.52x bf16")
@@ -461,6 +568,13 @@ def test_delta_jax_gpu_to_torch_cuda_over_nccl(baseline):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(_why_no_gpu() is not None, reason=str(_why_no_gpu()))
+def test_delta_from_a_slow_producer_over_nccl():
+    report = pair("slow-producer", "cuda", baseline="device")
+    assert report["ok"], report
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(_why_no_gpu() is not None, reason=str(_why_no_gpu()))
 def test_fp8_jax_gpu_to_torch_cuda_over_nccl():
     report = pair("fp8", "cuda")
     assert report["ok"], report
@@ -474,16 +588,19 @@ def test_fp8_delta_jax_gpu_to_torch_cuda_over_nccl():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("scenario", ["delta", "fp8", "fp8-bench", "fp8-delta"])
+@pytest.mark.parametrize("scenario", ["delta", "fp8", "fp8-bench", "fp8-delta",
+                                      "slow-producer"])
 def test_the_gpu_check_runs_on_cpu(scenario):
     """The same script on CPU (gloo, the device path on host memory): what the GPU part
     runs is exercised everywhere."""
-    report = pair(scenario, "cpu", timeout=240.0)
+    report = pair(scenario, "cpu", timeout=240.0,
+                  baseline="device" if scenario == "slow-producer" else "host")
     assert report["ok"], json.dumps(report, indent=1, default=str)[-6000:]
     trainer = report["processes"]["jax"]
-    assert trainer["counts"].get("encode/jax" if scenario == "delta" else "quantize/jax")
+    assert trainer["counts"].get("encode/jax" if scenario in ("delta", "slow-producer")
+                                 else "quantize/jax")
     receiver = report["processes"]["torch"]
-    if scenario in ("delta", "fp8-delta"):
+    if scenario in ("delta", "fp8-delta", "slow-producer"):
         assert receiver["counts"].get("apply/torch")
 
 

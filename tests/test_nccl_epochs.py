@@ -52,11 +52,27 @@ def test_the_loaded_nccl_is_read_not_guessed():
 
 
 class FakeLib:
-    """The C functions ``Library`` and ``RawComm`` call, recording their arguments."""
+    """The C functions ``Library`` and ``RawComm`` call, recording their arguments. As
+    NCCL (``src/init.cc`` ``ncclCommInitChildComm``, ``src/group.cc``), a shrink inside a
+    group leaves ``*newcomm`` NULL and fills it at the outer ``ncclGroupEnd``."""
 
     def __init__(self):
         self.calls = []
         self.async_status = 0
+        self.depth = 0
+        self.deferred = []
+
+    def ncclGroupStart(self):
+        self.depth += 1
+        return 0
+
+    def ncclGroupEnd(self):
+        self.depth -= 1
+        if self.depth == 0:
+            for fill in self.deferred:
+                fill()
+            self.deferred.clear()
+        return 0
 
     def ncclGetVersion(self, out):
         out._obj.value = 23203
@@ -68,8 +84,11 @@ class FakeLib:
     def ncclCommShrink(self, comm, ranks, count, new, config, flags):
         self.calls.append(("shrink", comm.value, list(ranks[:count.value]), config,
                            flags.value))
-        new._obj.value = 0x7000 + comm.value
-        return 0
+        holder, value = new._obj, 0x7000 + comm.value
+        holder.value = None                         # NCCL_COMM_NULL until the init ran
+        self.deferred.append(lambda: setattr(holder, "value", value))
+        self.ncclGroupStart()                       # its own group: 1 -> 2 -> 1 in a group
+        return self.ncclGroupEnd()
 
     def ncclCommGetUniqueId(self, comm, out):
         self.calls.append(("uid", comm.value))
@@ -104,7 +123,7 @@ class FakeLib:
 def test_shrink_passes_the_excluded_ranks_and_the_abort_flag():
     lib = FakeLib()
     library = Library(lib)
-    comm = library.shrink(0x11, [2, 0], abort=True)
+    comm = library.shrink(0x11, [2, 0], abort=True).result()   # outside a group: at once
     assert lib.calls == [("shrink", 0x11, [2, 0], None, 1)]     # NCCL_SHRINK_ABORT
     assert isinstance(comm, RawComm) and comm.comm == 0x7011
     library.shrink(0x12, [1], abort=False)
@@ -145,11 +164,22 @@ class _OnCuda(fake_cupy.ndarray):
         return (2, self.device_id)
 
 
-def _fake_binding():
+def _fake_binding(lib=None):
+    """CuPy's NCCL module as the transport uses it; its group calls reach ``lib``'s (CuPy
+    calls the loaded library's ncclGroupStart/End), so a deferred shrink fills there."""
     calls = []
-    return calls, types.SimpleNamespace(
-        groupStart=lambda: calls.append("groupStart"),
-        groupEnd=lambda: calls.append("groupEnd"), get_version=lambda: 23203)
+
+    def start():
+        calls.append("groupStart")
+        if lib is not None:
+            lib.ncclGroupStart()
+
+    def end():
+        calls.append("groupEnd")
+        if lib is not None:
+            lib.ncclGroupEnd()
+    return calls, types.SimpleNamespace(groupStart=start, groupEnd=end,
+                                        get_version=lambda: 23203)
 
 
 def test_a_transport_shrunk_moves_bytes_over_the_new_communicator(monkeypatch):
@@ -158,9 +188,9 @@ def test_a_transport_shrunk_moves_bytes_over_the_new_communicator(monkeypatch):
     (ranks 0..1) sends over the new communicator."""
     cupy = fake_cupy.module()
     monkeypatch.setitem(sys.modules, "cupy", cupy)
-    calls, binding = _fake_binding()
-    monkeypatch.setattr(nccl_module, "import_cupy", lambda: (cupy, binding))
     lib = FakeLib()
+    calls, binding = _fake_binding(lib)     # shrunk communicators filled at groupEnd
+    monkeypatch.setattr(nccl_module, "import_cupy", lambda: (cupy, binding))
     monkeypatch.setattr(nccl_epochs, "loaded_library", lambda: Library(lib))
     old = {0: FakeComm(0x10), 1: FakeComm(0x11)}
     t = nccl_module.NcclTransport(object(), 3, {0: 0, 1: 1}, key="k/0", comms=old)

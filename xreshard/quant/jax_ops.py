@@ -15,6 +15,14 @@ does not), so nothing subnormal is ever computed with here:
   of two is applied in two normal halves; the scale byte of a group whose ``amax / 448``
   is subnormal is computed from ``amax``'s integer significand.
 
+Divisions are where backends differ: XLA's GPU backend compiles float32 division to
+``div.full.f32`` (``-nvptx-prec-divf32=1``, not correctly rounded), vLLM's torch divides as
+IEEE does. So no float is divided on the device: block FP8's per-block ``amax / fp8_max``
+and ``1 / scale`` run on the host with numpy (one uint32 per 128 x 128 block goes down, two
+float32 come back: one small round trip per tensor), and MXFP8's ``amax / 448`` is an
+integer division rounded as IEEE's (:func:`div_exact_bits`; its scale is a power of two,
+so the codes only multiply). The bytes are vLLM's on every backend.
+
 A sharded array is quantized as one global tensor (XLA partitions the jitted function;
 shard edges off the block grid make it communicate). A refit quantizes each addressable
 shard's whole blocks on that shard's device: ``quantize(shard.data, fmt)``.
@@ -31,7 +39,8 @@ from ..dtypes import dtype_name
 from ..ir.formats import QUANTIZABLE, BlockFP8, FormatError, MXFP8
 from .host import CAST, ceil_log2_thresholds
 
-__all__ = ["quantize", "quantize_block_fp8", "quantize_bf16_bits", "quantize_mxfp8"]
+__all__ = ["block_scales_on_host", "div_exact_bits", "quantize", "quantize_block_fp8",
+           "quantize_bf16_bits", "quantize_mxfp8"]
 
 
 def _import_jax() -> Any:
@@ -62,36 +71,72 @@ def quantize_block_fp8(x: Any, fmt: BlockFP8 = BlockFP8(), *, name: str = "tenso
     """Block FP8 of ``x`` (see :func:`xreshard.quant.host.quantize_block_fp8`): codes as
     ``fmt.dtype`` and float32 scale-inverses, jitted, on ``x``'s devices."""
     _check(x, fmt, name)
-    return _block_fn(fmt)(x, _divisor(fmt.scale_shape(x.shape), fmt.fp8_max))
+    return _block_fn(fmt)(x)
 
 
 def quantize_bf16_bits(bits: Any, fmt: BlockFP8 = BlockFP8()) -> tuple[Any, Any]:
     """:func:`quantize_block_fp8` of bf16 values given as their uint16 bits (a host buffer
     imported without a copy: DLPack carries no bfloat16)."""
-    device = next(iter(bits.devices()))
-    return _block_fn(fmt)(bits, _divisor_on(fmt.scale_shape(bits.shape), fmt.fp8_max, device))
-
-
-@functools.lru_cache(maxsize=256)
-def _divisor_on(shape: tuple[int, ...], value: float, device: Any) -> Any:
-    """:func:`_divisor` as a ``jax.Array`` on ``device``, made once: a refit quantizes the
-    same shard shapes every call, and a numpy argument is copied to the device per call."""
-    jax = _import_jax()
-    return jax.device_put(_divisor(shape, value), device)
+    return _block_fn(fmt)(bits)
 
 
 def quantize_mxfp8(x: Any, fmt: MXFP8 = MXFP8(), *, name: str = "tensor") -> tuple[Any, Any]:
     """MXFP8 of ``x`` (see :func:`xreshard.quant.host.quantize_mxfp8`): e4m3fn codes and
     uint8 scales ``[..., K / 32]``, jitted, on ``x``'s devices."""
     _check(x, fmt, name)
-    return _mx_fn()(x, _divisor(fmt.scale_shape(x.shape), fmt.fp8_max))
+    return _mx_fn(float(fmt.fp8_max))(x)
 
 
-def _divisor(shape: tuple[int, ...], value: float) -> np.ndarray:
-    """``value`` in an array of ``shape``: XLA rewrites a division by a broadcast scalar
-    into a multiplication by its reciprocal (two roundings: 1 ulp off IEEE division,
-    which vLLM's ``amax / fp8_max`` is); by a full array it divides."""
-    return np.full(shape, value, np.float32)
+def block_scales_on_host(amax_bits: np.ndarray, fmt: BlockFP8) -> tuple[np.ndarray, np.ndarray]:
+    """``(scales, inverses)`` of per-block amax bits, with numpy's IEEE division: the
+    host quantizer's scales (:func:`xreshard.quant.host._block_scales`, vLLM's
+    ``clamp(1e-4) / fp8_max``) and ``1 / scale`` (0 for a block that is not finite)."""
+    from .host import _block_scales
+    sf = _block_scales(np.ascontiguousarray(amax_bits, np.uint32), fmt)
+    finite = amax_bits < np.uint32(0x7F800000)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        inv = np.where(finite, np.float32(1.0) / np.where(finite, sf, np.float32(1.0)),
+                       np.float32(0.0)).astype(np.float32)
+    return sf, inv
+
+
+def div_exact_bits(jnp: Any, lax: Any, a: Any, divisor: float) -> Any:
+    """float32 bits of ``a / divisor`` rounded as IEEE division rounds (to nearest, ties
+    to even), in integer arithmetic: XLA's GPU backend compiles float32 division to
+    ``div.full.f32`` (``-nvptx-prec-divf32=1``: up to 2 ulp off, not correctly rounded),
+    so a float division there is not vLLM's (torch's is IEEE).
+
+    ``a``: bits (uint32) of positive normal floats; ``divisor``: ``c * 2**p`` with ``c``
+    odd and below 16 (448 = 7 * 2**6, 240 = 15 * 2**4, 57344 = 7 * 2**13). Quotients that
+    are not normal floats (below 2**-126) are the caller's to handle."""
+    c, p = _odd_part(divisor)
+    e = (a >> 23).astype(jnp.int32)
+    n = ((a & jnp.uint32(0x7FFFFF)) | jnp.uint32(0x800000)) << 5      # < 2**29
+    q = n // jnp.uint32(c)                                              # >= 2**24 for c < 16
+    sticky = (n - q * jnp.uint32(c)) != 0
+    s = (32 - lax.clz(q).astype(jnp.int32)) - 24                        # 1..5
+    su = s.astype(jnp.uint32)
+    m = q >> su
+    rest = q & ((jnp.uint32(1) << su) - 1)
+    half = jnp.uint32(1) << (su - 1)
+    up = (rest > half) | ((rest == half) & (sticky | ((m & 1) == 1)))
+    m = m + up.astype(jnp.uint32)
+    carry = m == jnp.uint32(1 << 24)
+    m = jnp.where(carry, jnp.uint32(1 << 23), m)
+    e = e - 5 - p + s + carry.astype(jnp.int32)
+    return (jnp.maximum(e, 0).astype(jnp.uint32) << 23) | (m & jnp.uint32(0x7FFFFF))
+
+
+def _odd_part(value: float) -> tuple[int, int]:
+    """``(c, p)`` with ``value == c * 2**p``, ``c`` odd and below 16."""
+    v, p = int(value), 0
+    if v != value or v <= 0:
+        raise FormatError(f"fp8_max {value} is not a positive integer")
+    while v % 2 == 0:
+        v, p = v // 2, p + 1
+    if v >= 16:
+        raise FormatError(f"fp8_max {value}: the exact division takes c * 2**p, c < 16")
+    return v, p
 
 
 # ---------------------------------------------------------------------------- pieces
@@ -172,23 +217,13 @@ def _block_fn(fmt: BlockFP8) -> Any:
         return lead, m, n, rows, cols, [(0, 0)] * len(lead) + [(0, rows * b0 - m),
                                                                (0, cols * b1 - n)]
 
-    def scales(x: Any, fp8_max: Any) -> tuple[Any, Any, Any]:
+    def scales(x: Any) -> Any:
+        """Per-block amax bits (uint32); the divisions are the host's (see run)."""
         lead, m, n, rows, cols, pad = geometry(x)
         mag, shift = _magnitudes(jnp, lax, x)
         amax = _tree_max(jnp, lax, jnp.pad(mag, pad).reshape(*lead, rows, b0, cols * b1), -2)
         amax = _tree_max(jnp, lax, amax.reshape(*lead, rows, cols, b1), -1)
-        amax = amax.astype(jnp.uint32) << shift
-        sf = jnp.maximum(lax.bitcast_convert_type(amax, jnp.float32), jnp.float32(1e-4))
-        sf = sf / fp8_max          # a full array (see _divisor)
-        if fmt.ue8m0:
-            e = _ceil_log2(jnp, lax.bitcast_convert_type(sf, jnp.uint32))
-            sf = jnp.where(jnp.isfinite(sf),
-                           lax.bitcast_convert_type(((e + 127) << 23).astype(jnp.uint32),
-                                                    jnp.float32), sf)
-        finite = amax < jnp.uint32(0x7F800000)
-        inv = jnp.where(finite, jnp.float32(1.0) / jnp.where(finite, sf, 1), jnp.float32(0))
-        sf = jnp.where(jnp.isnan(sf), jnp.float32(np.nan), sf)
-        return sf, inv, amax > jnp.uint32(0x7F800000)
+        return amax.astype(jnp.uint32) << shift
 
     def codes(x: Any, inv: Any, nan_block: Any) -> Any:
         lead, m, n, rows, cols, pad = geometry(x)
@@ -204,22 +239,31 @@ def _block_fn(fmt: BlockFP8) -> Any:
 
     scales_fn, codes_fn = jax.jit(scales), jax.jit(codes)
 
-    def run(x: Any, fp8_max: Any) -> tuple[Any, Any]:
-        sf, inv, nan_block = scales_fn(x, fp8_max)
-        return codes_fn(x, inv, nan_block), sf
+    def run(x: Any) -> tuple[Any, Any]:
+        # ``amax / fp8_max`` and ``1 / scale`` with IEEE division, on the host: XLA's GPU
+        # division (div.full.f32) is not correctly rounded, vLLM's is. One uint32 per
+        # block (1/16384 of the values) goes down and two float32 come back.
+        amax = scales_fn(x)
+        host = np.asarray(amax)
+        sf, inv = block_scales_on_host(host, fmt)
+        where = amax.sharding
+        return (codes_fn(x, jax.device_put(inv, where),
+                         jax.device_put(host > np.uint32(0x7F800000), where)),
+                jax.device_put(sf, where))
 
     return run
 
 
 # ---------------------------------------------------------------------------- MXFP8
 
-def _mx_scale_bytes(jnp: Any, lax: Any, amax: Any, fp8_max: Any) -> Any:
+def _mx_scale_bytes(jnp: Any, lax: Any, amax: Any, fp8_max: float) -> Any:
     """E8M0 bytes of per-group amax bits (see :func:`xreshard.quant.host._mx_scale_bytes`),
-    subnormal ``amax / 448`` included, without computing a subnormal float."""
+    subnormal ``amax / 448`` included, without computing a subnormal float; the division
+    in integers, rounded as IEEE's (:func:`div_exact_bits`)."""
     tiny = jnp.uint32(0x00800000)
     amax_n = jnp.maximum(amax, tiny)                   # the clamp to float32's tiny
-    y = lax.bitcast_convert_type(amax_n, jnp.float32) / fp8_max
-    sb = _ceil_log2(jnp, lax.bitcast_convert_type(y, jnp.uint32)) + 127
+    y = div_exact_bits(jnp, lax, jnp.minimum(amax_n, jnp.uint32(0x7F7FFFFF)), fp8_max)
+    sb = _ceil_log2(jnp, y) + 127
     # amax in (448 * 2**-127, 448 * 2**-126): amax / 448 is subnormal, n * 2**-149 with
     # n = round(M * 2**(E + 120) / 7) for amax = M * 2**(E - 23); its float32 log2 rounds
     # up past -127 (scale byte 1) only when n > 2**22 + 11
@@ -240,13 +284,13 @@ def _pow2(jnp: Any, lax: Any, k: Any) -> Any:
 
 
 @functools.cache
-def _mx_fn() -> Any:
+def _mx_fn(fp8_max: float) -> Any:
     """Scale bytes, then codes, in two jitted functions (as :func:`_block_fn`)."""
     jax = _import_jax()
     jnp, lax = jax.numpy, jax.lax
     group = MXFP8.group
 
-    def scales(x: Any, fp8_max: Any) -> tuple[Any, Any]:
+    def scales(x: Any) -> tuple[Any, Any]:
         *lead, k = x.shape
         mag, shift = _magnitudes(jnp, lax, x)
         amax = mag.reshape(*lead, k // group, group).max(axis=-1).astype(jnp.uint32) << shift
@@ -271,8 +315,8 @@ def _mx_fn() -> Any:
 
     scales_fn, codes_fn = jax.jit(scales), jax.jit(codes)
 
-    def run(x: Any, fp8_max: Any) -> tuple[Any, Any]:
-        sb, nan_group = scales_fn(x, fp8_max)
+    def run(x: Any) -> tuple[Any, Any]:
+        sb, nan_group = scales_fn(x)
         return codes_fn(x, sb, nan_group), sb.astype(jnp.uint8)
 
     return run

@@ -36,6 +36,7 @@ from typing import Any
 import numpy as np
 
 from .binding import Bound
+from ..dtypes import bits, bits_dtype
 
 __all__ = ["Staging", "left"]
 
@@ -48,12 +49,24 @@ def left(atomic: bool, version: int) -> str:
 
 
 def _empty_like(a: Any) -> Any:
-    """A C-contiguous buffer of ``a``'s shape and dtype on ``a``'s device."""
+    """A C-contiguous buffer of ``a``'s shape and dtype on ``a``'s device. On a device
+    it is allocated as unsigned ints and viewed as ``a``'s dtype: CuPy refuses to allocate
+    a dtype it has no C type for (float8: ``check_supported_dtype``), views any."""
     if isinstance(a, np.ndarray):
         return np.empty(a.shape, a.dtype)
     import cupy         # a device binding: CuPy is how the executor sees it
     with a.device:
-        return cupy.empty(a.shape, a.dtype)
+        return cupy.empty(a.shape, bits_dtype(a.dtype.itemsize)).view(a.dtype)
+
+
+def _copy(dst: Any, src: Any) -> None:
+    """``dst[...] = src`` as a copy of bits: CuPy has no copy kernel for float8 (nor
+    bf16 before 14), and a bit copy is exact for every dtype."""
+    if isinstance(dst, np.ndarray):
+        dst[...] = src
+        return
+    with dst.device:
+        bits(dst)[...] = bits(src)
 
 
 def _arrays(binding: Any) -> list[Any]:
@@ -89,7 +102,7 @@ class Staging:
             shadows = [s if i < len(old) and _fits(old[i], r) else _empty_like(r)
                        for i, (s, r) in enumerate(zip(old + [None] * len(real), real))]
             for s, r in zip(shadows, real):
-                s[...] = r
+                _copy(s, r)
                 pairs.append((r, s))
                 if not isinstance(r, np.ndarray):
                     devices.add(r.device)
@@ -108,7 +121,7 @@ class Staging:
             return
         devices: set[Any] = set()
         for real, shadow in pairs:
-            real[...] = shadow
+            _copy(real, shadow)
             if not isinstance(real, np.ndarray):
                 devices.add(real.device)
         _synchronize(devices)

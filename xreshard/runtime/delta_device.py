@@ -52,7 +52,7 @@ from .copies import array_module, copy_into
 from .delta_encode import Encoded, Encoder, delta_spans, delta_unit
 from .delta_exec import DeltaExecutor
 from .delta_land import binding_view
-from .devices import device_ctx
+from .devices import order_after_current
 from .device_ops import DeviceOps, is_host, ops_for, test_switch
 
 __all__ = ["DeviceDeltaExecutor", "DeviceEncoder", "executor_for", "device_path",
@@ -136,23 +136,13 @@ class DeviceDeltaExecutor(DeltaExecutor):
 
     def run(self) -> Any:
         self._device = self._devices()      # the encoder starts before the rounds
+        gpus = sorted({d for d in self._device.values() if d is not None})
+        if gpus:
+            # the encoder's threads pack on xreshard's own streams at once: those must wait
+            # for the bindings' producers (a JAX step still running: async dispatch) before
+            # any encoder starts, not only once the rounds begin (Executor._run)
+            order_after_current(gpus)
         return super().run()
-
-    def _group(self, buckets: Sequence[Bucket], stats: Any) -> None:
-        """One group (see :meth:`DeltaExecutor._group`) with xreshard's own stream of the
-        process's device current: packs, unpacks, applies and the transport's posts are
-        ordered on it, and the run's end waits for it (:func:`.devices.wait_devices`).
-        Ranks on several devices: each call's copies wait on the host instead."""
-        devices = sorted({d for d in self._device.values() if d is not None})
-        if len(devices) <= 1:
-            with device_ctx(devices[0] if devices else None):
-                return super()._group(buckets, stats)
-        super()._group(buckets, stats)
-        import cupy
-        for dev in devices:
-            with cupy.cuda.Device(dev):
-                cupy.cuda.get_current_stream().synchronize()
-        return None
 
     # ------------------------------------------------------------ sender
 

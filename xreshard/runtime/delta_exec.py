@@ -185,10 +185,12 @@ class DeltaExecutor(Executor):
         if recvs or previous or sends:      # else only buckets that did not change land
             with self.transport.group(self.timeout):
                 for buf, b in recvs:
-                    self.transport.recv(buf, b.src, b.dst, b.tag)
+                    with self._on(b.dst):   # transports order after the device's stream
+                        self.transport.recv(buf, b.src, b.dst, b.tag)
                 self._posts(self._post, previous, sends, offsets, stats)
         for b, buf, how in incoming:
-            self._land(b, buf, how)
+            with self._on(b.dst):
+                self._land(b, buf, how)
         stats.per_round_seconds.append(time.perf_counter() - tr)
 
     def _pipelined(self, needs: list[dict[int | None, int]], arena: dict[int | None, int],
@@ -223,7 +225,8 @@ class DeltaExecutor(Executor):
 
     def _land_all(self, incoming: list, started: float, stats: ExecStats) -> None:
         for b, buf, how in incoming:
-            self._land(b, buf, how)
+            with self._on(b.dst):
+                self._land(b, buf, how)
         if incoming:
             stats.per_round_seconds.append(time.perf_counter() - started)
 
@@ -235,7 +238,7 @@ class DeltaExecutor(Executor):
         ``buckets``' sends (their headers)."""
         call = self.delta
         previous, self._sent = self._sent, []
-        incoming = [(b, *self._incoming(b, self._heads_in.pop(b, None), offsets, stats))
+        incoming = [(b, *self._incoming_on(b, self._heads_in.pop(b, None), offsets, stats))
                     for b in self._landing]
         self._landing = [b for b in buckets if b.dst in self._local_dst]
         call.local_dst.update(b.dst for b in self._landing)
@@ -251,15 +254,22 @@ class DeltaExecutor(Executor):
                offsets: dict, stats: ExecStats) -> None:
         """Post the previous round's payloads, then ``sends``' headers: the payloads move
         while this thread updates their baselines and waits for the headers' encodes."""
-        copies = [self._send_payload(b, enc, offsets, stats, send) for b, enc in previous]
-        for base, pieces in copies:
+        # each bucket's packs and posts on its sender's device and stream: a process with
+        # several GPUs packs on the bucket's device, and NCCL there orders after the pack
+        copies = []
+        for b, enc in previous:
+            with self._on(b.src):
+                copies.append((b, self._send_payload(b, enc, offsets, stats, send)))
+        for b, (base, pieces) in copies:
             if base is not None:
-                if len(pieces) == 1:        # the device path keeps its own memory
-                    self._keep_dense(base, pieces[0])
-                else:
-                    gather(base, pieces)
+                with self._on(b.src):
+                    if len(pieces) == 1:        # the device path keeps its own memory
+                        self._keep_dense(base, pieces[0])
+                    else:
+                        gather(base, pieces)
         for b in sends:
-            self._send_header(b, stats, send)
+            with self._on(b.src):
+                self._send_header(b, stats, send)
 
     def _post(self, buf: Any, b: Bucket) -> None:
         self.transport.send(buf, b.src, b.dst, b.tag)
@@ -319,6 +329,11 @@ class DeltaExecutor(Executor):
             return None, None
         return (call.target(b, spans.nbytes, self._baseline_alloc(b)),
                 [new[lo:hi] for lo, hi in spans.diffed])
+
+    def _incoming_on(self, b: Bucket, head: Any, offsets: dict, stats: ExecStats
+                     ) -> tuple[Any, str]:
+        with self._on(b.dst):       # the header is read on the receiver's device
+            return self._incoming(b, head, offsets, stats)
 
     def _incoming(self, b: Bucket, head: np.ndarray | None, offsets: dict,
                   stats: ExecStats) -> tuple[Any, str]:

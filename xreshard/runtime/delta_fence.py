@@ -65,14 +65,33 @@ def sums_of(dst: Any, keys: Any = None) -> dict[str, str]:
     # so tensors are checksummed on several threads
     if len(arrays) > 1 and sum(a.nbytes for _, a in arrays) >= _PARALLEL_BYTES:
         from concurrent.futures import ThreadPoolExecutor
+
+        from .handle import caller_streams
+        # the pool's threads read device arrays on this thread's streams (those the
+        # producers were ordered onto), not on their own legacy stream of device 0
+        streams = caller_streams()
+
+        def checksum(a: Any) -> str:
+            with streams(), _device_of(a):
+                return verify.checksum(a)
         with ThreadPoolExecutor(min(len(arrays), _FINGERPRINT_THREADS)) as pool:
-            digests = list(pool.map(verify.checksum, [a for _, a in arrays]))
+            digests = list(pool.map(checksum, [a for _, a in arrays]))
     else:
         digests = [verify.checksum(a) for _, a in arrays]
     out: dict[str, list[str]] = {}
     for (k, _), d in zip(arrays, digests):
         out.setdefault(key_of(k), []).append(d)
     return {k: "/".join(v) for k, v in out.items()}
+
+
+def _device_of(arr: Any) -> Any:
+    """The device context of a CuPy array (its kernels run there), or nothing."""
+    import contextlib
+    import sys
+    cupy = sys.modules.get("cupy")
+    if cupy is None or not isinstance(arr, cupy.ndarray):
+        return contextlib.nullcontext()
+    return cupy.cuda.Device(arr.device.id)
 
 
 def _address(arr: Any) -> int:

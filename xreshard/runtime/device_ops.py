@@ -96,6 +96,23 @@ def ops_for(role: str, prefer: str = "auto") -> DeviceOps:
     return DeviceOps(kind)
 
 
+#: XLA's GPU executables refuse parameters not aligned to this (``CheckAlignment``,
+#: ``kEntryParameterAlignBytes``); a DLPack view of such an address imports, then fails
+XLA_ALIGN = 16
+
+
+def _aligned(flat: Any) -> Any:
+    """The contiguous 1-D CuPy array ``flat`` itself, or a copy at an address XLA accepts
+    (a bound view starts where its item starts: a row range of a (N, 3) bf16 table)."""
+    if int(flat.data.ptr) % XLA_ALIGN == 0:
+        return flat
+    import cupy
+    with cupy.cuda.Device(flat.device.id):
+        out = cupy.empty(flat.shape, flat.dtype)      # CuPy allocates 256-byte aligned
+        out[...] = flat
+    return out
+
+
 _TORCH_WORDS = {1: "uint8", 2: "int16", 4: "int32", 8: "int64", 16: "complex128"}
 
 
@@ -127,7 +144,7 @@ class DeviceOps:
             return t.view(getattr(torch, _TORCH_WORDS[unit])) if unit != 1 else t
         import jax
         x = jax.device_put(flat, jax.devices("cpu")[0]) if is_host(flat) \
-            else jax.dlpack.from_dlpack(flat)
+            else jax.dlpack.from_dlpack(_aligned(flat))
         if unit == 1:
             return x
         from ..delta.jax_kernels import byte_words
@@ -157,7 +174,10 @@ class DeviceOps:
             if is_host(like):
                 return u8.numpy()
             import cupy
-            return cupy.from_dlpack(u8)
+            # torch exports only from its current device (``__dlpack__``: "Can't export
+            # tensors on a different CUDA device index"), which is CuPy's cudaSetDevice
+            with cupy.cuda.Device(u8.device.index):
+                return cupy.from_dlpack(u8)
         import jax
         import jax.numpy as jnp
         u8 = x.reshape(-1) if x.dtype == jnp.uint8 else \

@@ -48,13 +48,18 @@ logger = logging.getLogger("xreshard.runtime.refit")
 class Background:
     """Runs ``fn`` in a thread; ``result()`` joins it and returns or raises its outcome."""
 
-    def __init__(self, fn: Callable[[], Any], name: str = "xreshard-verify"):
+    def __init__(self, fn: Callable[[], Any], name: str = "xreshard-verify",
+                 streams: Callable[[], Any] | None = None):
         self._value: Any = None
         self._error: BaseException | None = None
 
         def run() -> None:
             try:
-                self._value = fn()
+                if streams is None:
+                    self._value = fn()
+                else:       # the caller's CUDA streams current here (caller_streams)
+                    with streams():
+                        self._value = fn()
             except BaseException as e:      # noqa: BLE001 - raised again from result()
                 self._error = e
         self._thread = threading.Thread(target=run, name=name, daemon=True)

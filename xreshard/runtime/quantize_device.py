@@ -97,7 +97,8 @@ def device_problems(quant: Any, sends: bool, receives: bool) -> list[str]:
 
 
 def settle(bindings: Mapping[Any, Any]) -> None:
-    """Wait for the copies queued on the current stream of each device holding one of
+    """Wait for the copies queued on the current stream and on xreshard's own stream of
+    each device holding one of
     ``bindings`` (the receivers' split blocks written after the executor's rounds, whose
     end waits on xreshard's own streams only). Nothing for host memory."""
     devices = set()
@@ -107,6 +108,9 @@ def settle(bindings: Mapping[Any, Any]) -> None:
                 devices.add(arr.device.id)
     if devices:
         import cupy
+
+        from .devices import own_stream
         for dev in sorted(devices):
             with cupy.cuda.Device(dev):
                 cupy.cuda.get_current_stream().synchronize()
+                own_stream(dev).synchronize()   # quantized.finish writes there

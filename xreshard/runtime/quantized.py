@@ -257,19 +257,24 @@ def finish(quant: Any, dst_bindings: Mapping) -> int:
     and copy landed). Returns the bytes quantized (in the wire dtype)."""
     if quant is None:
         return 0
+    from .devices import device_ctx
+    from .device_ops import is_host
+    from .quantize_device import settle
     done = 0
     for ss in quant.scratch.values():
         for s in ss:
             qt = quant.tensors[s.name]
             buf = dst_bindings[s.key]
-            for blocks in s.blocks:
-                region = qt.format.data_region(blocks, qt.shape)
-                rel = tuple(slice(a - o, z - o) for a, z, o in zip(
-                    region.starts, region.stops, s.region.starts))
-                values = array_module(buf).ascontiguousarray(buf[rel])
-                _write(quant, s.rank, s.name, region, values, dst_bindings)
-                done += values.nbytes
-    from .quantize_device import settle
+            # on xreshard's own stream of the scratch's device: the rounds' unpacks wrote
+            # the scratch there (a non-blocking stream, unordered with the caller's)
+            with device_ctx(None if is_host(buf) else buf.device.id):
+                for blocks in s.blocks:
+                    region = qt.format.data_region(blocks, qt.shape)
+                    rel = tuple(slice(a - o, z - o) for a, z, o in zip(
+                        region.starts, region.stops, s.region.starts))
+                    values = array_module(buf).ascontiguousarray(buf[rel])
+                    _write(quant, s.rank, s.name, region, values, dst_bindings)
+                    done += values.nbytes
     settle(dst_bindings)
     return done
 

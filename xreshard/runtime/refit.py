@@ -87,7 +87,7 @@ from . import catchup, fleet
 from .atomic import Staging, left
 from .comm_epochs import renumbering
 from .delta_wire import DeltaState, delta_problems
-from .handle import Background, RefitHandle
+from .handle import Background, RefitHandle, caller_streams
 from .outcome import Failed, Moved, crossed, entry, failure_lines, rank_maps, world_state
 from .sides import Sides, on_device
 
@@ -419,8 +419,9 @@ class Refit:
         moved = Moved()
         before = dict(getattr(transport, "bytes_by_transport", None) or {})
         # sources do not change during a refit: their checksums overlap the move
-        sent_half = Background(lambda: self._digest(0, bindings.src[0], {}, target, "send")) \
-            if self.config.verify else None
+        # (read on this thread's CUDA streams: the producers were ordered onto those)
+        sent_half = Background(lambda: self._digest(0, bindings.src[0], {}, target, "send"),
+                               streams=caller_streams()) if self.config.verify else None
         # atomic: baselines move at the outcome; staged bases survive a failed call
         moved.delta = self.delta_state.begin(
             self._claims, prepared, atomic=self.config.atomic,

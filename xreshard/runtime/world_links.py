@@ -15,6 +15,7 @@ again for the new member set.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import logging
 from collections import Counter
@@ -177,17 +178,21 @@ class WorldLinks:
         parked = self.__dict__.pop("_parked_nccl", None)
         before, old = (None, None) if parked is None else parked
         usable = before is None or before.usable
+        mine_can = _nccl_abilities()
         agreed = self.allgather_json({"usable": usable, "old": None if old is None else
-                                      list(old)}, timeout=self._wait_seconds(),
-                                     kind="nccl/epoch")
+                                      list(old), "can": _ability_flags(mine_can)},
+                                     timeout=self._wait_seconds(), kind="nccl/epoch")
         # a new member has no last epoch of its own: the members that do say what it was
         olds = {tuple(a["old"]) for a in agreed if a["old"] is not None}
         old = olds.pop() if len(olds) == 1 else None
         if not all(a["usable"] for a in agreed):
             old = None      # a failed group may have left work behind: make it anew
         new = self._rank_members(ranks)
+        # what every process's NCCL can do: processes with different NCCLs (a trainer's
+        # 2.29, an engine's 2.28) must take the same step, or one waits in a grow while the
+        # other waits in a fresh rendezvous
         step = decide("nccl", old, new, self._rank_members(range(self.num_ranks)),
-                      _nccl_abilities())
+                      _common_abilities(mine_can, [a.get("can") for a in agreed]))
         mine = set(self._rank_members(self._rank_ids))
         resized = ("shrink", "grow", "shrink+grow")
         members = step.members if step.action in ("keep",) + resized else new
@@ -248,3 +253,19 @@ def _nccl_abilities() -> Any:
         return GLOO
     library = loaded_library()
     return GLOO if library is None else library.abilities()
+
+
+_FLAGS = ("shrink", "grow", "split")
+
+
+def _ability_flags(can: Any) -> dict[str, bool]:
+    return {k: bool(getattr(can, k)) for k in _FLAGS}
+
+
+def _common_abilities(mine: Any, gathered: list[Any]) -> Any:
+    """What every process can do: ``mine`` with each flag ANDed over the processes'
+    gathered flags (a process that sent none, or a flag it does not know, counts as
+    unable)."""
+    common = {k: bool(getattr(mine, k)) and all(isinstance(g, dict) and g.get(k) is True
+                                                for g in gathered) for k in _FLAGS}
+    return dataclasses.replace(mine, **common)

@@ -40,7 +40,7 @@ from ..errors import RefitError
 from .base import TransportError, TransportTimeout
 from .nccl_setup import NCCL_UNIQUE_ID_BYTES as UNIQUE_ID_BYTES
 
-__all__ = ["GROW_MIN_VERSION", "Library", "RawComm", "Resizable", "SHRINK_ABORT",
+__all__ = ["GROW_MIN_VERSION", "Library", "Pending", "RawComm", "Resizable", "SHRINK_ABORT",
            "SHRINK_MIN_VERSION", "SPLIT_MIN_VERSION", "loaded_library", "nccl_abilities"]
 
 logger = logging.getLogger(__name__)
@@ -102,18 +102,19 @@ class Library:
                 text = "unknown"
             raise TransportError(f"{what} failed: NCCL error {status} ({text})")
 
-    def shrink(self, comm: int, excluded: Sequence[int], abort: bool) -> RawComm:
+    def shrink(self, comm: int, excluded: Sequence[int], abort: bool) -> Pending:
         """``ncclCommShrink`` of communicator handle ``comm`` without the ranks
         ``excluded`` (sorted by NCCL), aborting the parent's pending work when ``abort``;
-        the parent stays valid (the caller destroys or aborts it)."""
+        the parent stays valid (the caller destroys or aborts it). Inside an NCCL group
+        the new communicator exists only once the outer ``groupEnd`` returned (NCCL
+        ``ncclCommInitChildComm`` leaves ``*newcomm`` NULL and defers the child's init to
+        the group), so this returns a :class:`Pending`, read after that."""
         ranks = (ctypes.c_int * len(excluded))(*excluded)
         new = ctypes.c_void_p(0)
         self._check(self._lib.ncclCommShrink(
             ctypes.c_void_p(comm), ranks, ctypes.c_int(len(excluded)), ctypes.byref(new),
             None, ctypes.c_int(SHRINK_ABORT if abort else SHRINK_DEFAULT)), "ncclCommShrink")
-        if not new.value:
-            raise TransportError("ncclCommShrink returned no communicator")
-        return RawComm(self, new.value)
+        return Pending(self, new, "ncclCommShrink")
 
 
     def unique_id(self, comm: int) -> bytes:
@@ -139,6 +140,25 @@ class Library:
         if not new.value:
             raise TransportError("ncclCommGrow returned no communicator")
         return RawComm(self, new.value)
+
+
+class Pending:
+    """The ``ncclComm_t*`` a shrink or grow writes into, held (NCCL writes it during the
+    outer ``groupEnd``) until :meth:`result` reads it after the group ended."""
+
+    def __init__(self, library: Library, holder: ctypes.c_void_p, what: str):
+        self._library, self._holder, self._what = library, holder, what
+
+    def result(self) -> RawComm:
+        """The communicator NCCL made; after the group that issued the call ended."""
+        if not self._holder.value:
+            raise TransportError(f"{self._what} returned no communicator")
+        return RawComm(self._library, self._holder.value)
+
+
+def resolved(made: Any) -> Any:
+    """``made`` itself, or the communicator a :class:`Pending` holds."""
+    return made.result() if isinstance(made, Pending) else made
 
 
 class RawComm:
@@ -324,7 +344,9 @@ class Resizable:
         def run() -> dict[int, Any]:
             self._nccl.groupStart()
             try:
-                return {r: call(r) for r in ranks}
+                made = {r: call(r) for r in ranks}
             finally:
                 self._nccl.groupEnd()
+            # NCCL fills a shrunk communicator only at the outer groupEnd: read it now
+            return {r: resolved(m) for r, m in made.items()}
         return self._worker.submit(run).result(timeout=timeout)
