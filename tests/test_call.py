@@ -123,8 +123,12 @@ def crossing(ctx: Context) -> dict:
                 {"receive": _receive(rank, dest)}
             return xr.Refit(world, config=config, **side, **kw)
 
-        r1, r2 = make(1, policy), make(2, reference)
-        out["in_step"] = [_attempt(r1), _attempt(r2)]
+        # unnamed: each agrees on its identity (#1, #2) before the next exists (two unrun
+        # unnamed Refits are refused: tests/test_unnamed_refits.py)
+        r1 = make(1, policy)
+        out["in_step"] = [_attempt(r1)]
+        r2 = make(2, reference)
+        out["in_step"].append(_attempt(r2))
         order = (r1, r2) if trainer else (r2, r1)
         out["crossed"] = [_attempt(r) for r in order]
         out["policy_ok"] = trainer or bool(np.array_equal(policy, _values(1)))

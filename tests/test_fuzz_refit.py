@@ -263,11 +263,14 @@ def fuzz_child(ctx: Any, cases: list[dict]) -> dict:
                          world_id=f"fuzz-{generation}")
 
     def refit_for(model, seed, defect, timeout=TIMEOUT):
-        config = xr.RefitConfig(timeout=timeout)
+        # named: a case's Refit that some processes never call (extra_call) stays unrun
+        # beside the next ones, and unnamed Refits are refused then
+        config, name = xr.RefitConfig(timeout=timeout), f"seed{seed}"
         if trainer:
-            return xr.Refit(world, send=_sender(world, model, seed, defect), config=config), None
+            return xr.Refit(world, send=_sender(world, model, seed, defect), config=config,
+                            name=name), None
         recv, locals_, names = _receiver(world, model, defect)
-        return xr.Refit(world, receive=recv, names=names, config=config), locals_
+        return xr.Refit(world, receive=recv, names=names, config=config, name=name), locals_
 
     def good_refit(seed) -> dict:
         refit, locals_ = refit_for(GOOD, seed, None)

@@ -419,7 +419,7 @@ def fp8_bench_child(role: str, address: str, device: str, timeout: float, baseli
                                     .astype(jnp.bfloat16), dev)
                   for k, (n, s) in zip(keys, sorted(tensors.items()))}
         jax.block_until_ready(params)
-        refits = {k: xr.Refit(world, send=params, config=config) for k in ("bf16", "fp8")}
+        refits = {k: xr.Refit(world, send=params, config=config, name=k) for k in ("bf16", "fp8")}
 
         def call(k: str) -> Any:
             return refits[k](send=params)
@@ -433,8 +433,8 @@ def fp8_bench_child(role: str, address: str, device: str, timeout: float, baseli
         q = {n: _quantized(world, torch.zeros(s, dtype=torch.float8_e4m3fn, device=dev),
                            torch.zeros(fmt.scale_shape(s), dtype=torch.float32, device=dev),
                            fmt) for n, s in tensors.items()}
-        refits = {"bf16": xr.Refit(world, receive=bf16, config=config),
-                  "fp8": xr.Refit(world, receive=q, config=config)}
+        refits = {"bf16": xr.Refit(world, receive=bf16, config=config, name="bf16"),
+                  "fp8": xr.Refit(world, receive=q, config=config, name="fp8")}
 
         def call(k: str) -> Any:
             return refits[k]()

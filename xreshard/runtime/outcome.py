@@ -5,6 +5,7 @@ which runs the call)."""
 
 from __future__ import annotations
 
+import gc
 import weakref
 from typing import Any
 
@@ -12,7 +13,7 @@ from . import registry
 from ..errors import CollectiveMismatch, error_from, error_message, error_name
 
 __all__ = ["Failed", "Moved", "WORLDS", "WorldState", "crossed", "entry", "failure_lines",
-           "rank_maps", "world_state"]
+           "rank_maps", "unrun_unnamed", "world_state"]
 
 
 class WorldState:
@@ -39,6 +40,29 @@ def world_state(world: Any) -> WorldState:
     if state is None:
         state = WORLDS[world] = WorldState()
     return state
+
+
+def unrun_unnamed(refit: Any) -> list[list[str]]:
+    """An error entry for the first call of an unnamed Refit when this process holds two
+    or more unnamed Refits of the world that never agreed on an identity: the first call of
+    each proposes the same one (``#n``), so a trainer calling policy then reference and
+    rollouts calling reference then policy would each receive the other model's weights."""
+    def unrun() -> list[Any]:
+        return [r for r in list(world_state(refit.world).refits)
+                if r is not refit and r._id is None and r._name is None]
+    if not unrun():
+        return []
+    gc.collect()        # Refits dropped without a call, not collected yet, do not count
+    others = unrun()
+    if not others:
+        return []
+    return [["RefitError",
+             f"this process holds {len(others) + 1} Refits of world "
+             f"{refit.world.world_id!r} with no name that have not run yet: the first call of "
+             f"each proposes the same identity, so if another process called them in another "
+             f"order, each would receive the other's weights; name every Refit of a world "
+             f"that holds several (Refit(world, ..., name='policy'), the same name on every "
+             f"process)"]]
 
 
 class Failed(Exception):

@@ -65,6 +65,7 @@ sent JAX arrays after a call returns (so the trainer's next step can donate them
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
@@ -80,7 +81,7 @@ from .execute import gc_paused
 from ..ir.layout import LayoutMemo
 from .metadata import fit, merged_layouts, merged_quantized, stage_bindings
 from .quantize_ahead import QuantAhead
-from .quantized import quantized_report, scratch_bindings
+from .quantized import quantized_report
 from ..planner.plan import Plan, PlanCache
 from ..planner.prepare import CallOptions, PreparedCall, prepare
 from . import catchup, fleet
@@ -88,7 +89,8 @@ from .atomic import Staging, left
 from .comm_epochs import renumbering
 from .delta_wire import DeltaState, delta_problems
 from .handle import Background, RefitHandle, caller_streams
-from .outcome import Failed, Moved, crossed, entry, failure_lines, rank_maps, world_state
+from .outcome import (Failed, Moved, crossed, entry, failure_lines, rank_maps,
+                      unrun_unnamed, world_state)
 from .sides import Sides, on_device
 
 __all__ = ["Bound", "Refit", "RefitConfig", "RefitHandle", "RefitReport", "Tuning"]
@@ -420,8 +422,13 @@ class Refit:
         before = dict(getattr(transport, "bytes_by_transport", None) or {})
         # sources do not change during a refit: their checksums overlap the move
         # (read on this thread's CUDA streams: the producers were ordered onto those)
-        sent_half = Background(lambda: self._digest(0, bindings.src[0], {}, target, "send"),
-                               streams=caller_streams()) if self.config.verify else None
+        sent_half = digest = None
+        if self.config.verify:
+            from .verify import stage_digests
+            digest = functools.partial(stage_digests, prepared, self._programs, self.world,
+                                       self.config.verify, target)
+            sent_half = Background(lambda: digest(0, bindings.src[0], {}, "send"),
+                                   streams=caller_streams())
         # atomic: baselines move at the outcome; staged bases survive a failed call
         moved.delta = self.delta_state.begin(
             self._claims, prepared, atomic=self.config.atomic,
@@ -434,27 +441,13 @@ class Refit:
         after = getattr(transport, "bytes_by_transport", None) or {}
         moved.by_kind = {k: v - before.get(k, 0) for k, v in after.items()
                          if v - before.get(k, 0)}
-        if sent_half is not None:
-            merged = sent_half.result().merge(self._digest(0, {}, bindings.dst[0], target,
-                                                           "recv"))
+        if sent_half is not None and digest is not None:
+            merged = sent_half.result().merge(digest(0, {}, bindings.dst[0], "recv"))
             for k in range(1, len(prepared.stages)):     # forwards: both ends, after moving
-                merged = merged.merge(self._digest(k, bindings.src[k], bindings.dst[k],
-                                                   target, "both"))
+                merged = merged.merge(digest(k, bindings.src[k], bindings.dst[k], "both"))
             moved.digests = merged.summary
         writes.check(snapshot)      # every source read: were they written meanwhile?
         return moved
-
-    def _digest(self, stage: int, src_bindings: Any, dst_bindings: Any, target: int,
-                sides: str) -> Any:
-        from . import verify
-        assert self._prepared is not None
-        quant = self._prepared.quant if stage == 0 else None
-        if quant is not None and dst_bindings:     # split blocks' pieces landed there
-            dst_bindings = {**dst_bindings, **scratch_bindings(quant, self._programs)}
-        return verify.digest_bindings(self._prepared.stages[stage].plan, self.world.rank_ids,
-                                      src_bindings, dst_bindings, mode=self.config.verify,
-                                      version=target, sides=sides, quant=quant,
-                                      key=verify.call_key(self.world, target))
 
     # ------------------------------------------------------------ binding
 
@@ -600,9 +593,8 @@ class Refit:
             errors = errors + found + delta_problems(
                 self.config, on_device(src, dst), tuning=self.tuning,
                 sides=(on_device(src), on_device(dst)))
-        unnamed = self._unnamed_problem()
-        if unnamed:
-            errors = errors + [unnamed]
+        if self._id is None and self._name is None:
+            errors = errors + unrun_unnamed(self)
         gathered = self._agree("refit/check", {
             "version": self.version, "generation": self._generation, "tuning": tuning,
             "devices": on_device(src, dst), "propose": self._proposal(),
@@ -633,33 +625,6 @@ class Refit:
             halved=self.tuning.executor == "pipelined" and not any(g.get("devices")
                                                                   for g in gathered))
         return tuple(g.get("generation") for g in gathered), options
-
-    def _unnamed_problem(self) -> list[str] | None:
-        """An error entry when this unnamed Refit's first call could be matched with
-        another Refit's on another process: this process holds two or more unnamed
-        Refits of the world that never agreed on an identity (trainer calls policy then
-        reference, the rollouts reference then policy: both first calls propose ``#1``,
-        and each side would receive the other model's weights)."""
-        if self._id is not None or self._name is not None:
-            return None
-
-        def waiting() -> list[Refit]:
-            return [r for r in list(world_state(self.world).refits)
-                    if r is not self and r._id is None and r._name is None]
-        if not waiting():
-            return None
-        import gc
-        gc.collect()        # Refits dropped without a call, not collected yet, do not count
-        others = waiting()
-        if not others:
-            return None
-        return ["RefitError",
-                f"this process holds {len(others) + 1} Refits of world "
-                f"{self.world.world_id!r} with no name that have not run yet: the first call "
-                f"of each proposes the same identity, so if another process called them in "
-                f"another order, each would receive the other's weights; name every Refit "
-                f"of a world that holds several (Refit(world, ..., name='policy'), the same "
-                f"name on every process)"]
 
     def _proposal(self) -> str:
         """The identity this Refit proposes until its processes agreed on one."""

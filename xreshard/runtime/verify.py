@@ -71,7 +71,7 @@ from .execute import copy_into, view_of
 from ..ir.layout import Layout, Region
 
 __all__ = ["Digests", "Mismatch", "call_key", "checksum", "compare",
-           "digest_bindings", "digests", "key_of",
+           "digest_bindings", "digests", "key_of", "stage_digests",
            "message", "mismatches",
            "INLINE_TRANSFERS", "SAMPLE_PERIOD", "SAMPLE_SMALL_BYTES"]
 
@@ -514,6 +514,19 @@ def digests(plan: Any, executor: Any, local_ranks: Iterable[int], *, sample: boo
     return digest_bindings(plan, local_ranks, executor.src_bindings, executor.dst_bindings,
                            mode="sample" if sample else True, version=version,
                            key=key).summary
+
+
+def stage_digests(prepared: Any, programs: dict, world: Any, mode: bool | str, target: int,
+                  stage: int, src_bindings: Any, dst_bindings: Any, sides: str) -> Digests:
+    """This process's digests of one stage of a prepared call (what ``Refit`` hashes with
+    ``verify``): :func:`digest_bindings` under the call's key (:func:`call_key`), with the
+    receivers' scratch of split FP8 blocks beside the destinations of the quantizing stage."""
+    quant = prepared.quant if stage == 0 else None
+    if quant is not None and dst_bindings:     # split blocks' pieces landed there
+        dst_bindings = {**dst_bindings, **quantized.scratch_bindings(quant, programs)}
+    return digest_bindings(prepared.stages[stage].plan, world.rank_ids, src_bindings,
+                           dst_bindings, mode=mode, version=target, sides=sides, quant=quant,
+                           key=call_key(world, target))
 
 
 def compare(outcomes: Sequence[Mapping[str, Any] | None], world: Any = None
