@@ -417,7 +417,6 @@ class Refit:
         moved = Moved()
         before = dict(getattr(transport, "bytes_by_transport", None) or {})
         # sources do not change during a refit: their checksums overlap the move
-        # (read on this thread's CUDA streams: the producers were ordered onto those)
         sent_half = Background(lambda: self._digest(0, bindings.src[0], {}, target, "send"),
                                streams=caller_streams()) if self.config.verify else None
         # atomic: baselines move at the outcome; staged bases survive a failed call
