@@ -199,16 +199,18 @@ def _slow_values(step: int) -> dict[str, np.ndarray]:
 
 
 def _slow_step(dev: Any, device: str) -> Any:
-    """A jitted step that returns its input after ~0.2 s of device work (a loop of
+    """A jitted step that returns its input after ~0.4 s of device work (a loop of
     matmuls the result depends on): JAX dispatches it asynchronously, so a refit that
     starts right after it sees arrays whose producers still run (issue 33, B1)."""
     import jax
     import jax.numpy as jnp
-    iters = 600 if device == "cuda" else 2
+    # full-precision f32 matmuls (not TF32): ~0.3 ms each on an H200, ~0.4 s in all
+    iters = 1500 if device == "cuda" else 2
 
     @jax.jit
     def step(params: dict, m: Any) -> dict:
-        heavy = jax.lax.fori_loop(0, iters, lambda i, a: jnp.tanh(a @ m), m)
+        heavy = jax.lax.fori_loop(0, iters, lambda i, a: jnp.tanh(
+            jnp.matmul(a, m, precision=jax.lax.Precision.HIGHEST)), m)
         alive = jnp.isfinite(heavy.sum())       # always true; XLA cannot know it
         return {n: jnp.where(alive, x, jnp.zeros_like(x)) for n, x in params.items()}
     m = jax.device_put(jnp.eye(2048, dtype=jnp.float32) * 0.5, dev)
@@ -218,7 +220,7 @@ def _slow_step(dev: Any, device: str) -> Any:
 def slow_producer_child(role: str, address: str, device: str, timeout: float,
                         baseline: str) -> dict:
     """One side of ``slow-producer`` (B1): the trainer refits (delta, ``verify=False``)
-    arrays a ~0.2 s jitted step is still computing when the call starts, into packed
+    arrays a ~0.4 s jitted step is still computing when the call starts, into packed
     multi-item buckets; the receiver checks every bit after every call."""
     import xreshard as xr
     config = xr.RefitConfig(delta=True, verify=False, timeout=timeout,
@@ -533,7 +535,7 @@ def pair(scenario: str, device: str = "cuda", *, timeout: float = 40.0,
                          "of <= 0.5x the dense bytes, the all-changed step dense")
     elif scenario == "slow-producer":
         calls = trainer.get("calls") or []
-        report["figure"] = (f"{len(calls)} calls of a ~0.2 s jitted producer's arrays, "
+        report["figure"] = (f"{len(calls)} calls of a ~0.4 s jitted producer's arrays, "
                             f"delta pairs {[c.get('pairs') for c in calls]}, receiver exact "
                             f"{receiver.get('exact')}" + (f"; errors {errors}" if errors else ""))
         report["bar"] = ("delta=True, verify=False, packed multi-item buckets from arrays whose "

@@ -56,9 +56,9 @@ def shrink_child(rank: int, port: int, timeout: float) -> dict:
     out: dict[str, Any] = {"rank": rank, "NCCL_HOSTID": os.environ.get("NCCL_HOSTID")}
     store = dist.TCPStore("127.0.0.1", port, is_master=False,
                           timeout=datetime.timedelta(seconds=timeout))
-    library = nccl_epochs.loaded_library()
-    out["abilities"] = str(library.abilities()) if library is not None else None
     t = NcclTransport(store, 3, {rank: 0}, key="probe/0", timeout=timeout)
+    library = nccl_epochs.loaded_library()      # the NCCL CuPy loaded (torch's)
+    out["abilities"] = str(library.abilities()) if library is not None else None
     store.set(f"probe/joined/{rank}", "1")
     if rank == 2:       # leaves once all three joined (a member that died)
         store.wait([f"probe/joined/{r}" for r in range(3)])

@@ -438,29 +438,63 @@ def test_extras_never_bring_an_nccl_of_another_cuda_major_than_their_name():
 
 # ---------------------------------------------------------------------------- item 1: gpu_check
 
-def test_gpu_check_dry_run_leaves_two_files_and_runs_no_gpu_part(tmp_path):
-    """Issue 18 item 1: what a GPU run hands back is at most 8 files from $OUT and the
-    last 12,000 characters of output. The dry run walks every part, leaves exactly
-    summary.json and gpu_check.tgz, marks every GPU part "not run" (never "ok"), and
-    prints a few lines per part."""
+#: issue 33: the parts of each run, in order (correctness by value; the probes beside
+#: the paths they probe)
+GPU_CHECK_PARTS = {
+    "check": ["env", "a_executor", "d_cases", "b_nccl_processes", "h_delta_device",
+              "b1_slow_producer", "i_fp8_device", "i_fp8_delta", "b2_split_blocks",
+              "a3_fp8_stage", "pytest_gpu", "a1_shrink", "g_relay", "g_relay_delta",
+              "f_ipc_torch"],
+    "bench": ["env", "c_bandwidth", "e_cuda_ipc", "j_delta_bench", "k_fp8_bench"],
+}
+
+
+@pytest.mark.parametrize("mode", ["check", "bench"])
+def test_gpu_check_dry_run_leaves_two_files_and_runs_no_gpu_part(tmp_path, mode):
+    """Issues 18 and 33: what a GPU run hands back is at most 8 files from $OUT and the
+    last 12,000 characters of output; each of the two runs must end within 300 s on a
+    fresh machine. The dry run walks every part of its run, leaves exactly summary.json
+    and gpu_check.tgz, marks every GPU part "not run" (never "ok") with its cap, the caps
+    sum within the budget less its reserve (under 300 s), "complete" is apart from "ok",
+    and the verdict is the last line printed."""
     out = tmp_path / "out"
     env = {**os.environ, "XRESHARD_GPU_CHECK_DRY": "1", "OUT": str(out),
            "PYTHON": sys.executable}
-    run = subprocess.run(["bash", str(REPO / "scripts" / "gpu_check.sh")], env=env,
-                         capture_output=True, text=True, timeout=240, cwd=tmp_path)
+    env.pop("GPU_CHECK_PARTS", None)
+    env.pop("GPU_CHECK_BUDGET_S", None)
+    argv = ["bash", str(REPO / "scripts" / "gpu_check.sh")] + (["bench"] if mode == "bench"
+                                                               else [])
+    run = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=240,
+                         cwd=tmp_path)
     assert run.returncode != 0, run.stdout        # a dry run never passes the check
     assert sorted(p.name for p in out.iterdir()) == ["gpu_check.tgz", "summary.json"]
     summary = json.loads((out / "summary.json").read_text())
     assert summary["ok"] is False and summary["dry"] is True
+    assert summary["complete"] is False and summary["mode"] == mode
     parts = summary["parts"]
     names = [p["name"] for p in parts]
-    assert len(names) == len(set(names)) >= 9
+    assert names == GPU_CHECK_PARTS[mode]
     for p in parts:
-        assert {"name", "status", "figure", "bar", "seconds"} <= set(p), p
+        assert {"name", "status", "figure", "bar", "seconds", "cap_s"} <= set(p), p
         assert isinstance(p["bar"], str) and p["bar"]
         assert p["status"] == "not run", p
-    assert len(run.stdout.splitlines()) <= 4 * len(parts) + 12
+        assert "MISSING" not in p["why_not_run"], p
+        assert f"[{p['name']}] not run (dry run; cap {p['cap_s']}s)" in run.stdout
+    caps = sum(p["cap_s"] for p in parts)
+    assert caps == summary["caps_s"] and summary["caps_fit"] is True
+    assert caps <= summary["budget_s"] - summary["reserve_s"] and summary["budget_s"] < 300
+    lines = run.stdout.splitlines()
+    assert lines[-1].startswith(f"VERDICT gpu_check {mode}: ok=False complete=False"), lines[-1]
+    assert len(lines) <= 4 * len(parts) + 12
     assert len(run.stdout) < 12000
     with tarfile.open(out / "gpu_check.tgz") as tgz:
         members = tgz.getnames()
     assert any(m.endswith("gpu_check.log") for m in members)
+    assert not any("jax-cache" in m for m in members)
+
+
+def test_gpu_check_refuses_an_unknown_run(tmp_path):
+    run = subprocess.run(["bash", str(REPO / "scripts" / "gpu_check.sh"), "benchmark"],
+                         env={**os.environ, "OUT": str(tmp_path / "out")},
+                         capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    assert run.returncode == 2 and "usage" in run.stderr

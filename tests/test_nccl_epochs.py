@@ -1,8 +1,10 @@
 """NCCL communicators across epochs, without a GPU: what the loaded NCCL can do (read from
 the real library, which loads without a GPU), ``ncclCommShrink`` marshalled through ctypes
 (a fake of the C functions), and the nccl transport shrunk and then moving bytes over the
-shrunk communicator (the fake CuPy of tests/fake_cupy.py, a fake NCCL binding). The GPU
-check (scripts/gpu_check.sh, part h_nccl_shrink) runs the real shrink."""
+shrunk communicator (the fake CuPy of tests/fake_cupy.py, a fake NCCL binding that, as
+NCCL, fills a shrunk communicator only at the outer group end). The GPU check
+(scripts/gpu_check.sh, part a1_shrink: three processes, tests/test_gpu_probes.py) runs the
+real shrink."""
 
 from __future__ import annotations
 

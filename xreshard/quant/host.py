@@ -36,7 +36,7 @@ import numpy as np
 from ..dtypes import dtype_name, numpy_dtype
 from ..ir.formats import QUANTIZABLE, BlockFP8, FormatError, MXFP8
 
-__all__ = ["quantize_block_fp8", "quantize_mxfp8", "dequantize", "e4m3_codes",
+__all__ = ["quantize_block_fp8", "quantize_mxfp8", "dequantize", "e4m3_codes", "block_scales",
            "ceil_log2_thresholds", "ceil_log2", "CAST", "default_threads"]
 
 #: torch's float32 -> fp8 cast, per code type: (first normal's bits, rebias, magic float
@@ -186,7 +186,7 @@ def _chunk_width(rows: int, group: int) -> int:
     return max(group, (_CHUNK_ELEMENTS // max(rows, 1)) // group * group)
 
 
-def _block_scales(amax_bits: np.ndarray, fmt: BlockFP8) -> np.ndarray:
+def block_scales(amax_bits: np.ndarray, fmt: BlockFP8) -> np.ndarray:
     """float32 scale-inverses from per-block amax bits: vLLM's ``clamp(1e-4) / fp8_max``,
     rounded up to a power of two with ``ue8m0``."""
     amax = amax_bits.view(np.float32)
@@ -253,7 +253,7 @@ def _block_band(x: np.ndarray, dtype: str, r0: int, fmt: BlockFP8, out: np.ndarr
         a[:rows, cols:] = 0                  # zero padding: a tail block's amax ignores it
         a[rows:] = 0
         amax = a.reshape(prows // b0, b0, padded // b1, b1).max(axis=(1, 3))
-        sf = _block_scales(amax, fmt)
+        sf = block_scales(amax, fmt)
         scales[r0 // b0:r0 // b0 + len(sf), c0 // b1:c0 // b1 + sf.shape[1]] = sf
         finite = amax < np.uint32(0x7F800000)
         inv = np.float32(1.0) / np.where(finite, sf, np.float32(1.0))

@@ -89,10 +89,10 @@ def quantize_mxfp8(x: Any, fmt: MXFP8 = MXFP8(), *, name: str = "tensor") -> tup
 
 def block_scales_on_host(amax_bits: np.ndarray, fmt: BlockFP8) -> tuple[np.ndarray, np.ndarray]:
     """``(scales, inverses)`` of per-block amax bits, with numpy's IEEE division: the
-    host quantizer's scales (:func:`xreshard.quant.host._block_scales`, vLLM's
+    host quantizer's scales (:func:`xreshard.quant.host.block_scales`, vLLM's
     ``clamp(1e-4) / fp8_max``) and ``1 / scale`` (0 for a block that is not finite)."""
-    from .host import _block_scales
-    sf = _block_scales(np.ascontiguousarray(amax_bits, np.uint32), fmt)
+    from .host import block_scales
+    sf = block_scales(np.ascontiguousarray(amax_bits, np.uint32), fmt)
     finite = amax_bits < np.uint32(0x7F800000)
     with np.errstate(divide="ignore", invalid="ignore"):
         inv = np.where(finite, np.float32(1.0) / np.where(finite, sf, np.float32(1.0)),

@@ -46,7 +46,9 @@ logger = logging.getLogger("xreshard.runtime.refit")
 
 
 class Background:
-    """Runs ``fn`` in a thread; ``result()`` joins it and returns or raises its outcome."""
+    """Runs ``fn`` in a thread; ``result()`` joins it and returns or raises its outcome.
+    ``streams`` (from :func:`caller_streams`): CUDA streams made current there first, so
+    that device reads are ordered after the producers the caller's streams wait for."""
 
     def __init__(self, fn: Callable[[], Any], name: str = "xreshard-verify",
                  streams: Callable[[], Any] | None = None):
