@@ -10,6 +10,7 @@ processes are still waiting on the faulty one's later posts when it fails.
 from __future__ import annotations
 
 import contextlib
+import time
 from typing import Any, Iterator
 
 from . import elastic_cases as cases
@@ -84,6 +85,7 @@ def member(ctx: Any, scenario: str) -> dict:
         fault = _fault_once(transport, what) if version == 2 and label == faulty \
             else contextlib.nullcontext()
         row: dict[str, Any] = {"epoch_before": world.epoch}
+        t0 = time.monotonic()
         try:
             with fault:
                 refit()
@@ -91,7 +93,7 @@ def member(ctx: Any, scenario: str) -> dict:
         except Exception as e:      # noqa: BLE001 - reported to the test
             row["error"] = [type(e).__name__, str(e)]
         row.update(epoch_after=world.epoch, broken=world.broken is not None,
-                   members=list(world.members))
+                   members=list(world.members), seconds=time.monotonic() - t0)
         calls.append(row)
     world.close()
     return {"label": label, "calls": calls}
