@@ -16,6 +16,10 @@ Two moments, both at a collective every member agrees on:
   the lost (``RefitReport.lost``). A lost source, or ``"fail"``, fails the call on every
   survivor with one typed error, as a fixed world does, and the world moves to the next
   epoch without the lost instead of being broken: a restarted trainer joins it.
+- ``refit/outcome`` of a call that failed with nobody lost (one process's own fault: it
+  aborted its transports, so its peers arrived at once; nobody settles early, see
+  ``Refit._commit``): the call fails on every member with one typed error and the same
+  members form the next epoch, with fresh transports (``after_loss``).
 """
 
 from __future__ import annotations
