@@ -208,6 +208,11 @@ class WorldTransports(WorldLinks):
             except Exception:   # noqa: BLE001 - the call's own error is what is raised
                 logger.warning("world %r: aborting its %s transport failed", self._world_id,
                                kind, exc_info=True)
+        # a gloo group's pairs close only once nothing holds its context: the failed
+        # call's works may still be held by a traceback in a reference cycle (and the
+        # call pauses the cyclic collector): collect them now, once
+        import gc
+        gc.collect()
 
     def renew_transports(self) -> None:
         """Close every transport of this process; the next ``transport()`` makes them again
