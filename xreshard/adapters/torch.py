@@ -446,6 +446,16 @@ def accepts(obj: Any) -> bool:
         isinstance(v, (torch.Tensor, Sharded, Quantized)) for v in obj.values())
 
 
+def warm() -> None:
+    """Import what binding needs now (``torch.distributed.tensor``: 2-7 s on a loaded
+    machine), not in a refit's first call between two collectives, where its peers wait
+    for this process against the refit's timeout (``registry.warm``)."""
+    import sys
+    dist = sys.modules.get("torch.distributed")
+    if dist is not None and dist.is_available():
+        _import_torch()
+
+
 def identity(devices: Sequence[Any], ranks: Sequence[int]) -> list[list[int]]:
     """``[[torch default-group rank, world rank]]`` when torch.distributed is initialized
     (a torch process holds one world rank)."""

@@ -416,12 +416,15 @@ class ElasticWorld:
                                   for r in joins if r not in confirmed))
         return confirmed
 
-    def advance(self, lost: Iterable[int], joins: Iterable[Request], deadline: float) -> bool:
+    def advance(self, lost: Iterable[int], joins: Iterable[Request], deadline: float,
+                renew: bool = False) -> bool:
         """Move every survivor to the next epoch: without the members at positions
         ``lost``, with the processes of ``joins`` that confirm (``confirm_joins``).
         Collective among the survivors (every one passes the same ``lost`` and ``joins``,
         e.g. from one settled all-gather); the joining processes wait in ``World.join``
-        for it. Returns False, moving nothing, when nobody is lost and no join confirmed.
+        for it. Returns False, moving nothing, when nobody is lost and no join confirmed,
+        unless ``renew``: then the same members form the next epoch, with transports
+        made anew (after a call that failed while moving: see ``fleet.after_loss``).
 
         Raises:
             TransportTimeout: a survivor or a joining process did not form the epoch by
@@ -432,7 +435,7 @@ class ElasticWorld:
         assert m is not None
         lost = set(lost)
         joins = self.confirm_joins(joins, lost, deadline)
-        if not lost and not joins:
+        if not lost and not joins and not renew:
             return False
         survivors = [p for p in range(len(self._infos)) if p not in lost]
         stay = [self._infos[p] for p in survivors] + [r["info"] for r in joins]

@@ -16,6 +16,10 @@ Two moments, both at a collective every member agrees on:
   the lost (``RefitReport.lost``). A lost source, or ``"fail"``, fails the call on every
   survivor with one typed error, as a fixed world does, and the world moves to the next
   epoch without the lost instead of being broken: a restarted trainer joins it.
+- ``refit/outcome`` of a call that failed with nobody lost (one process's own fault: it
+  aborted its transports, so its peers arrived at once; nobody settles early, see
+  ``Refit._commit``): the call fails on every member with one typed error and the same
+  members form the next epoch, with fresh transports (``after_loss``).
 """
 
 from __future__ import annotations
@@ -118,16 +122,18 @@ def lost_sources(refit: Any, missing: list[int]) -> list[str]:
 
 
 def after_loss(refit: Any, missing: list[int]) -> bool:
-    """After ``refit/outcome`` of an elastic world found members missing or a transport
-    failure: every survivor moves to the next epoch (without the missing; with fresh
-    transports either way). Raises :class:`Restart` when the survivors finish the call
-    there; else returns True: the call fails (the caller raises its error) and the world,
-    not broken, runs the next call."""
+    """After ``refit/outcome`` of an elastic world found members missing or a failure:
+    every survivor moves to the next epoch, without the missing, and with fresh transports
+    either way - also when nobody is lost (one process's local fault: its transports, and
+    those of the peers it failed, are unusable, and a process that failed locally is no
+    evidence that anyone is lost). Raises :class:`Restart` when the survivors finish the
+    call there; else returns True: the call fails (the caller raises its error) and the
+    world, not broken, runs the next call."""
     world = refit.world
     missing = excluded(world, missing)
     sources = lost_sources(refit, missing)
     lost = [world.members[p] for p in missing]
-    world.advance(missing, [], _deadline(refit))
+    world.advance(missing, [], _deadline(refit), renew=True)
     if missing and not sources and refit.config.on_member_loss == "continue":
         raise Restart(lost)
     return True

@@ -10,10 +10,11 @@ import weakref
 from typing import Any
 
 from . import registry
-from ..errors import CollectiveMismatch, error_from, error_message, error_name
+from ..errors import (CollectiveMismatch, XreshardError, error_from, error_message, error_name,
+                      short_name)
 
 __all__ = ["Failed", "Moved", "WORLDS", "WorldState", "crossed", "entry", "failure_lines",
-           "rank_maps", "unrun_unnamed", "world_state"]
+           "failed_call", "first_cause", "rank_maps", "unrun_unnamed", "world_state"]
 
 
 class WorldState:
@@ -105,6 +106,49 @@ def failure_lines(failed: list[tuple[int, list[str]]], world: Any, limit: int = 
     if len(by_error) > limit:
         lines.append(f"... and {len(by_error) - limit} more")
     return "\n  ".join(lines)
+
+
+def first_cause(failed: list[tuple[int, list[str]]]) -> str:
+    """The error class every process raises for a call that failed while moving: the first
+    process's (in process order) that failed for a reason of its own, not a transport
+    error; a process whose transport failed because a peer aborted (or died) reports a
+    ``TransportError`` that only echoes it. Only transport errors (or none: a process never
+    reported): the first of them, else ``TransportTimeout``."""
+    from ..errors import TransportError
+    for _, (cls, msg) in failed:
+        if not isinstance(error_from(cls, msg), TransportError):
+            return cls
+    return failed[0][1][0] if failed else "TransportTimeout"
+
+
+def failed_call(refit: Any, failed: list[tuple[int, list[str]]], missing: list[int],
+                target: int) -> Exception:
+    """A call whose outcome shows failures (``failed``: position, [class, message]) or
+    processes that never reported it (``missing``): deal with the world, the same way in
+    every process (they all hold the same settled outcomes), and return the error every
+    one raises. An elastic world moves to a new epoch, without the missing, with
+    transports made anew (``fleet.after_loss``; it may finish the call there instead:
+    ``Restart``); a fixed world is broken when a process went missing or failed for a
+    reason that is not bad input, else its transports are made anew (a process that
+    failed aborted its own, ``World.abort_transports``)."""
+    from . import fleet
+    from .atomic import left
+    world = refit.world
+    lines = [failure_lines([(q, [e[0], f"{short_name(e[0])}: {e[1]}"]) for q, e in failed],
+                           world, 10)]
+    if missing:
+        lines.append("never reported its outcome (dead, or stuck past the timeout): "
+                     + "; ".join(world.describe_process(p) for p in missing[:10]))
+    where = "\n  ".join(x for x in lines if x)
+    if world.elastic:
+        fleet.after_loss(refit, missing)
+    elif missing or any(not isinstance(error_from(*e), XreshardError) for _, e in failed):
+        world.mark_broken(f"refit v{target} failed while moving: {where}")
+    else:
+        world.renew_transports()
+    stale = left(refit.config.atomic, refit.version)
+    return error_from(first_cause(failed),
+                      f"refit v{target} failed while moving, {stale}:\n  {where}")
 
 
 def rank_maps(world: Any, timeout: float) -> tuple[list[dict], dict[str, Any]]:

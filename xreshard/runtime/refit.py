@@ -75,7 +75,7 @@ from . import writes
 from .binding import Bound, side_problems
 from ..config import RefitConfig, RefitReport, Tuning
 from ..errors import (CommunicationError, RefitError, VerificationError,
-                      XreshardError, error_from, short_name)
+                      XreshardError, error_from)
 from . import execute
 from .execute import gc_paused
 from ..ir.layout import LayoutMemo
@@ -84,21 +84,18 @@ from .quantize_ahead import QuantAhead
 from .quantized import quantized_report
 from ..planner.plan import Plan, PlanCache
 from ..planner.prepare import CallOptions, PreparedCall, prepare
-from . import catchup, fleet
+from . import catchup, fleet, registry
 from .atomic import Staging, left
 from .comm_epochs import renumbering
 from .delta_wire import DeltaState, delta_problems
 from .handle import Background, RefitHandle, caller_streams
-from .outcome import (Failed, Moved, crossed, entry, failure_lines, rank_maps,
+from .outcome import (Failed, Moved, crossed, entry, failed_call, failure_lines, rank_maps,
                       unrun_unnamed, world_state)
 from .sides import Sides, on_device
 
 __all__ = ["Bound", "Refit", "RefitConfig", "RefitHandle", "RefitReport", "Tuning"]
 
 logger = logging.getLogger(__name__)
-
-#: seconds a process that already failed waits for the others' outcomes
-_GRACE = 3.0
 
 
 class Refit:
@@ -149,6 +146,7 @@ class Refit:
             raise RefitError(f"tuning must be a Tuning, got {type(tuning).__name__}")
         if name is not None and (not isinstance(name, str) or not name):
             raise RefitError(f"name must be a non-empty str, got {name!r}")
+        registry.warm()     # what binding imports: before the first call's collectives
         self.world = world
         self.config = config or RefitConfig()
         self.tuning = tuning or Tuning.from_env()
@@ -356,6 +354,11 @@ class Refit:
         except Exception as e:      # noqa: BLE001 - reported to the others before raising
             error = entry(e, "move")
             logger.debug("refit v%d failed here while moving", target, exc_info=True)
+        if error is not None:       # (out of the except: its traceback holds gloo works)
+            # peers may wait on posts this process will never make: fail them now, so they
+            # reach the outcome at once, not at their timeout (and are not left out of it)
+            me = self.world.describe_process(self.world.process_index)
+            self.world.abort_transports(f"{me} failed while moving: {error[0]}: {error[1]}")
         try:
             verified = self._commit(error, moved.digests, target)
         except BaseException:
@@ -654,33 +657,23 @@ class Refit:
 
     def _commit(self, error: list[str] | None, digests: Any, target: int) -> int:
         """All-gather every process's outcome; raise the first cause if any failed (the
-        version stays). A process that already failed waits only a short grace for the
-        others; a process that never reports is named; every survivor builds its message
-        from the same outcomes (the world settles which arrived, see
-        ``World.allgather_json(partial=True)``). Returns how many checksums this process
-        compared."""
-        timeout = self.config.timeout if error is None else min(_GRACE, self.config.timeout)
+        version stays). A process that never reports within the timeout (or is gone) is
+        named; every survivor builds its message from the same outcomes (the world settles
+        which arrived, see ``World.allgather_json(partial=True)``). Returns how many
+        checksums this process compared.
+
+        A process that failed here waits the full timeout like the others: it told its
+        peers at once (``World.abort_transports``), so they arrive promptly, and it has no
+        evidence that they are lost (settling after a shorter grace would leave out, and in
+        an elastic world exclude, healthy peers still on their way)."""
         outcomes = self.world.allgather_json(
             {"errors": [error] if error else [], "digests": digests, "refit": self._id},
-            timeout=timeout, kind="refit/outcome", partial=True)
+            timeout=self.config.timeout, kind="refit/outcome", partial=True)
         missing = [p for p, o in enumerate(outcomes) if o is None]
         failed = [(p, o["errors"][0]) for p, o in enumerate(outcomes)
                   if o is not None and o.get("errors")]
-        if failed or missing:
-            lines = [failure_lines([(q, [e[0], f"{short_name(e[0])}: {e[1]}"]) for q, e in failed],
-                            self.world, 10)]
-            if missing:
-                lines.append("never reported its outcome (dead, or stuck past the timeout): "
-                             + "; ".join(self.world.describe_process(p) for p in missing[:10]))
-            where = "\n  ".join(x for x in lines if x)
-            if missing or any(not isinstance(error_from(*e), XreshardError) for _, e in failed):
-                # a peer failed or went silent: the transports are in an unknown state (an
-                # elastic world moves to a new epoch instead, or finishes the call there)
-                if not (self.world.elastic and fleet.after_loss(self, missing)):
-                    self.world.mark_broken(f"refit v{target} failed while moving: {where}")
-            cls = failed[0][1][0] if failed else "TransportTimeout"
-            raise Failed(error_from(cls, f"refit v{target} failed while moving, "
-                                          f"{left(self.config.atomic, self.version)}:\n  {where}"))
+        if failed or missing:       # the world dealt with, the same error everywhere
+            raise Failed(failed_call(self, failed, missing, target))
         if len({o.get("refit") for o in outcomes}) > 1:
             self.world.mark_broken(f"refit v{target}: processes ended different Refits")
             raise Failed(crossed(self.world, outcomes, f"refit v{target} moved bytes, but"))

@@ -42,6 +42,7 @@ accepts.
 from __future__ import annotations
 
 import importlib
+import logging
 import sys
 import threading
 from dataclasses import dataclass, field
@@ -50,8 +51,10 @@ from typing import Any, Iterable, Mapping
 
 from ..errors import RefitError
 
+logger = logging.getLogger(__name__)
+
 __all__ = ["AdapterEntry", "BindContext", "adapter_for", "adapters", "identity",
-           "register_adapter", "unregister_adapter"]
+           "register_adapter", "unregister_adapter", "warm"]
 
 
 @dataclass(frozen=True)
@@ -174,3 +177,21 @@ def identity(devices: Iterable[Any], ranks: Iterable[int]) -> dict[str, list]:
             if ids:
                 out[entry.name] = ids
     return out
+
+
+def warm() -> None:
+    """Import now what binding needs, for every adapter whose framework is loaded: its
+    module and its ``warm()`` (the torch adapter's imports ``torch.distributed.tensor``,
+    seconds on a loaded machine). ``World.join`` and ``Refit`` call it before their
+    first collective, so a refit's first call does not spend it between two collectives,
+    where its peers wait for this process against the refit's timeout. Best effort: what
+    fails here fails again at binding, where every process hears of it."""
+    for entry in adapters():
+        if not entry.ready():
+            continue
+        try:
+            fn = getattr(entry.load(), "warm", None)
+            if fn is not None:
+                fn()
+        except Exception:       # noqa: BLE001 - reported at binding instead
+            logger.debug("warming adapter %r failed", entry.name, exc_info=True)

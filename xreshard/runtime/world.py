@@ -32,7 +32,7 @@ from typing import Any, Iterator, Sequence
 
 from ..errors import (CollectiveMismatch, CommunicationError, RefitError, WorldBroken,
                       WorldMismatch)
-from . import epochs
+from . import epochs, registry
 from .epochs import ElasticWorld
 from .joining import (KEY_ROOT, Joined, join_records, label, member_nonce, numbered,
                       refusal, retire)
@@ -65,7 +65,10 @@ def _default_index(devices: Any) -> int:
 
 def _checked(group: str, devices: Sequence[Any] | int, num_processes: int,
              groups: Sequence[str] | None) -> tuple[list[str] | None, list[Any]]:
-    """``World.join``'s arguments checked: (groups as a list, the local devices)."""
+    """``World.join``'s arguments checked: (groups as a list, the local devices). Warms
+    the adapters too (``registry.warm``: their imports, seconds on a loaded machine), so
+    that it happens within the join's wait, not between a first refit's collectives."""
+    registry.warm()
     if not isinstance(group, str) or not group:
         raise RefitError(f"group must be a non-empty string, got {group!r}")
     if num_processes < 1:

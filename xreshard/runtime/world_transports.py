@@ -193,6 +193,33 @@ class WorldTransports(WorldLinks):
             counted = self._counted[kind] = CountedTransport(self._made_transport(kind))
         return counted
 
+    def abort_transports(self, why: str) -> None:
+        """This process failed in the middle of a refit's move: make its peers' waits on it
+        fail now, not at their timeout (shm, cuda_ipc: the failure is published where their
+        watchers look; gloo: its sockets close). Each such transport is unusable afterwards:
+        the refit's outcome, which every process reaches, has them made again
+        (``renew_transports``, or a new epoch). NCCL communicators are left as they are."""
+        for kind, t in list(self._transports.items()):
+            abort = getattr(t, "abort", None)
+            if kind == "auto" or abort is None:
+                continue        # "auto" is a view of the others
+            try:
+                abort(why)
+            except Exception:   # noqa: BLE001 - the call's own error is what is raised
+                logger.warning("world %r: aborting its %s transport failed", self._world_id,
+                               kind, exc_info=True)
+        # a gloo group's pairs close only once nothing holds its context: the failed
+        # call's works may still be held by a traceback in a reference cycle (and the
+        # call pauses the cyclic collector): collect them now, once
+        import gc
+        gc.collect()
+
+    def renew_transports(self) -> None:
+        """Close every transport of this process; the next ``transport()`` makes them again
+        (a collective, as at first). Every process calls it at the same step (after a
+        refit whose outcome failed), so their transports are made anew together."""
+        self._close_transports()
+
     def _made_transport(self, kind: str) -> Transport:
         """The transport of ``kind`` itself (not wrapped for counting), created once."""
         cached = self._transports.get(kind)

@@ -255,10 +255,30 @@ class GlooTransport:
         self._broken = f"{what} failed: {msg}"
         raise TransportError(f"{what} failed (did the peer process die?): {msg}") from e
 
+    def abort(self, why: str) -> None:
+        """This process failed in the middle of a call: close the group's sockets now, so a
+        peer waiting on one of this process's posts fails at once ("connection closed by
+        peer") instead of at its timeout; the transport is unusable afterwards.
+
+        Gloo cannot interrupt a wait from outside (neither ``ProcessGroupGloo.abort`` nor
+        ``shutdown`` wakes a pending ``Work.wait``, on this side or the peer's); only
+        destroying the group's context closes its pairs, and every ``Work`` holds the
+        context: the group and the works of failed groups are dropped here.
+        """
+        if self._broken == "closed" or self._pg is None:
+            return
+        self._broken = self._broken or f"aborted: {why}"
+        self._abandoned.clear()
+        pg, self._pg = self._pg, None
+        with contextlib.suppress(RuntimeError):
+            pg.shutdown()
+        del pg
+
     def close(self) -> None:
         """Shut the gloo group down; the transport is unusable afterwards."""
         if self._broken != "closed":
             self._broken = "closed"
             self._abandoned.clear()
-            with contextlib.suppress(RuntimeError):
-                self._pg.shutdown()
+            if self._pg is not None:
+                with contextlib.suppress(RuntimeError):
+                    self._pg.shutdown()

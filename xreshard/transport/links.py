@@ -124,6 +124,15 @@ class LinkedTransport:
     def recv(self, buf: Any, src_rank: int, dst_rank: int, tag: int) -> None:
         self._view(src_rank, dst_rank, "recv").recv(buf, src_rank, dst_rank, tag)
 
+    def abort(self, why: str) -> None:
+        """This process failed mid-call: abort every link (``GlooTransport.abort``: peers
+        waiting on this process fail now); each is dirty, the next epoch makes it again."""
+        for link in self._links.values():
+            link.dirty = True
+            abort = getattr(link.inner, "abort", None)
+            if abort is not None:
+                abort(why)
+
     def close(self) -> None:
         for link in self._links.values():
             link.close()

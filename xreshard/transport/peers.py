@@ -443,6 +443,14 @@ class PeerTransport:
     def _fail(self, why: str) -> None:
         self._broken = why
 
+    def abort(self, why: str) -> None:
+        """This process failed in the middle of a call, maybe between groups (its executor
+        raised): publish it as a failed group does, so a peer waiting for this process's
+        next posts or acks raises within a watcher interval instead of at its timeout; the
+        transport is unusable afterwards."""
+        if self._broken is None:
+            self._cleanup(None, why)
+
     def _publish(self, rnd: Round) -> None:
         """Write the records held back for the group's exit (one store round trip)."""
         if rnd.pending:

@@ -47,6 +47,11 @@ class RenumberedTransport:
         inner, s, d = self._inner("recv", src_rank, dst_rank)
         inner.recv(buf, s, d, tag)
 
+    def abort(self, why: str) -> None:
+        abort = getattr(self.inner, "abort", None)
+        if abort is not None:
+            abort(why)
+
     def close(self) -> None:
         if self.inner is not None:
             self.inner.close()
