@@ -30,14 +30,13 @@ import threading
 import time
 from typing import Any, Iterator, Sequence
 
-from ..errors import (CollectiveMismatch, CommunicationError, RefitError, WorldBroken,
-                      WorldMismatch)
-from . import epochs
+from ..errors import (CollectiveMismatch, CommunicationError, RefitError, TransportError,
+                      WorldBroken, error_name)
+from . import epochs, waiting
 from .epochs import ElasticWorld
 from .joining import (KEY_ROOT, Joined, join_records, label, member_nonce, numbered,
-                      refusal, retire)
-from .store import (Seal, StoreServer, connect, parse_address, serve, token_from,
-                    wait_keys)
+                      refusal, refuse_unjoined, retire)
+from .store import Seal, StoreServer, connect, parse_address, serve, token_from
 from ..ir.topology import Topology
 from ..transport.base import Transport, TransportTimeout, format_seconds
 from ..transport.routed import RenumberedTransport, RoutedTransport
@@ -215,11 +214,16 @@ class World(WorldTransports, ElasticWorld):
                 too few with this process's token (at once when ``num_processes`` of them
                 exist), or the world's instance record was forged or replayed.
         """
-        groups, local_devices = _checked(group, devices, num_processes, groups)
-        if index is None:
-            index = _default_index(local_devices)
-
         token_bytes = token_from(token)
+        try:
+            groups, local_devices = _checked(group, devices, num_processes, groups)
+            if index is None:
+                index = _default_index(local_devices)
+        except RefitError as e:     # the others would wait for this process: tell them
+            if is_server or not isinstance(group, str):
+                raise
+            who = f"{group}[{'?' if index is None else index}] (pid {os.getpid()})"
+            raise refuse_unjoined(address, Seal(token_bytes, world_id), who, e) from None
         deadline = time.monotonic() + timeout
         server = None
         if is_server:
@@ -428,18 +432,30 @@ class World(WorldTransports, ElasticWorld):
         return f"{self._root}/op{self._num_ops}", self._num_ops
 
     def _fail(self, error: CommunicationError, since: float | None = None) -> Exception:
-        """Mark the world broken by ``error``, or by the world's published refusal (a
-        process that disagreed on the world joined after us): that is the first cause.
-        ``since``: when the failed step began (the refusal counts for steps begun within
-        the join timeout)."""
-        refused = self._refusal(since)
-        cause: Exception = refused if refused is not None else error
+        """Mark the world broken by its first cause, and return it: the world's published
+        refusal (a process that disagreed on the world joined after us), else the end a
+        member posted first (``waiting``: a fixed world posts ``error`` unless one is
+        there, so every member raises one error), else ``error``. ``since``: when the
+        failed step began (the refusal counts for steps begun within the join timeout)."""
+        cause = self._refusal(since) or self._post_end(
+            error_name(error), f"{error} (raised first by "
+                               f"{self.describe_process(self._process_index)})") or error
         self.mark_broken(f"{type(cause).__name__}: {cause}")
         return cause
 
-    def _refusal(self, since: float | None = None) -> WorldMismatch | None:
-        """The world's published ``WorldMismatch``, looked up (one store round trip) for
-        steps begun (``since``, default now) within one join timeout of joining."""
+    def _post_end(self, error: str, message: str) -> Exception | None:
+        """Post that this process ends the world (a fixed world's; an elastic one goes on
+        without a lost member); the end that holds, or None."""
+        if self._elastic is not None or self._store is None or self.num_processes < 2:
+            return None
+        return waiting.post_end(self._store, self._seal,
+                                waiting.ended_key(self._root, self._seal.nonce),
+                                self._process_index, error, message)
+
+    def _refusal(self, since: float | None = None) -> Exception | None:
+        """The world's published refusal (``WorldMismatch``, or the error a join found),
+        looked up (one store round trip) for steps begun (``since``, default now) within
+        one join timeout of joining."""
         joined = self._joined
         begun = time.monotonic() if since is None else since
         if joined is None or self._store is None or begun > self._refusal_until:
@@ -458,7 +474,7 @@ class World(WorldTransports, ElasticWorld):
             self.close()
             raise error
 
-    def _refuse_step(self, prefix: str, op: int, refused: WorldMismatch) -> Exception:
+    def _refuse_step(self, prefix: str, op: int, refused: Exception) -> Exception:
         """Raise ``refused`` from step ``op``: first write this process's payload of that
         step as a wake-up, so the members waiting on it fail now (their payload check
         fails and their failure path reads the same refusal), not at their timeout."""
@@ -490,7 +506,8 @@ class World(WorldTransports, ElasticWorld):
                     self._store.set(f"{prefix}/{me}", self._seal.seal(kind, op, me, body))
                 arrived = [True] * len(keys)
                 try:
-                    self._wait_keys(keys, readers, time.monotonic() + timeout, partial)
+                    self._wait_keys(keys, readers, time.monotonic() + timeout, partial,
+                                    f"{kind} (collective #{op})", begun)
                 except TransportTimeout as e:
                     try:
                         arrived = [bool(self._store.check([k])) for k in keys]
@@ -526,22 +543,39 @@ class World(WorldTransports, ElasticWorld):
                 raise self._fail(e, begun) from None
 
     def _wait_keys(self, keys: list[str], readers: Sequence[int], deadline: float,
-                   partial: bool) -> None:
-        """Wait for the payloads at ``keys``; a partial collective (a refit's outcome) also
-        stops once every reader still missing is known not to come (its process, on this
-        host, no longer runs; in an elastic world also: it left; ``epochs.gone``), instead
-        of at the deadline."""
-        if not partial:
-            return wait_keys(self._store, keys, deadline)
-        while True:
-            try:
-                return wait_keys(self._store, keys, min(deadline, time.monotonic() + 0.2))
-            except TransportTimeout:
-                if time.monotonic() >= deadline:
-                    raise
-            missing = [p for k, p in zip(keys, readers) if not self._store.check([k])]
-            if missing and self._all_gone(missing):
-                raise TransportTimeout(f"gone: {missing}")
+                   partial: bool, what: str = "a collective", begun: float = 0.0) -> None:
+        """Wait for the payloads at ``keys``, naming the missing readers every
+        ``waiting.REPORT_SECONDS``. It stops before the deadline once a reader still
+        missing is known not to come: its process, on this node, no longer runs
+        (``epochs.gone``; a partial collective, a refit's outcome, stops only when every
+        missing one is, or in an elastic world left); or (not partial) the world's
+        refusal or end was posted (``_fail`` then raises it)."""
+        if partial:
+            def stop(missing: list[int]) -> None:
+                if self._all_gone(missing):
+                    raise TransportTimeout(f"gone: {missing}")
+        else:
+            def stop(missing: list[int]) -> None:
+                self._stop_if_over(missing, what, begun)
+        reporter = waiting.Reporter(f"world {self._world_id!r}: {what}")
+        waiting.wait_for(self._store, keys, readers, deadline, reporter,
+                         self.describe_process, stop)
+
+    def _stop_if_over(self, missing: list[int], what: str, begun: float) -> None:
+        """Raise when a wait on the processes ``missing`` cannot end well: some of them no
+        longer run (this node), or a member posted the world's end (or, within the join
+        timeout, its refusal): ``_fail`` turns the raise into that first cause."""
+        dead = [p for p in missing if epochs.gone(self._infos[p], ())]
+        if dead:
+            raise TransportError(
+                f"{what} in world {self._world_id!r}: "
+                f"{'; '.join(self.describe_process(p) for p in dead)} no longer "
+                f"run{'s' if len(dead) == 1 else ''} (exited on this node) and never "
+                f"arrived: it ends the world")
+        if self._refusal(begun) is not None or (self._elastic is None and waiting.read_end(
+                self._store, self._seal, waiting.ended_key(self._root, self._seal.nonce))
+                is not None):
+            raise CommunicationError(f"{what}: the world was ended by another process")
 
     def _settled(self, prefix: str, op: int, kind: str, readers: Sequence[int],
                  arrived: list[bool]) -> list[bool]:
@@ -649,6 +683,12 @@ class World(WorldTransports, ElasticWorld):
         if self._closed:
             return
         self._closed = True
+        if self._broken is None and self._store is not None:
+            # peers waiting for this process (now or at their next collective) stop at once
+            self._post_end("RefitError", f"world {self._world_id!r}: "
+                           f"{self.describe_process(self._process_index)} closed its world "
+                           f"and takes part in no further collective; close the world in "
+                           f"every process (join a new one to go on)")
         self._close_transports()
         self._close_links()         # links parked at an epoch change, not taken up
         if self._joined is not None and self._store is not None and self._elastic is None:
