@@ -93,15 +93,19 @@ def test_a_missing_peer_and_a_wrong_store_address_print_who_is_missing():
 
 def peer_leaves(ctx: Context, how: str) -> dict:
     """Three processes join; rollout[0] then closes its world (``how`` = "close": it stays
-    alive until the others are done) or exits without closing ("exit"); the others call
-    their first collective and report what it raised."""
+    alive until the others are done), leaves its ``with`` block on a bad ``wire_dtype``
+    ("refuse": the same, closing on the way out) or exits without closing ("exit"); the
+    others call their first collective and report what it raised."""
     world = ctx.join(1, num_processes=3, timeout=PATIENT)
     if ctx.role.group == "rollout" and ctx.role.index == 0:
         if how == "exit":
             os._exit(0)
+        if how == "refuse":
+            with pytest.raises(xr.XreshardError, match="float13"), world:
+                xr.RefitConfig(wire_dtype="float13")
         world.close()
         store = connect(ctx.address, 30)
-        store.wait(["test/done/0", "test/done/1"])
+        store.wait(["test/done/0", "test/done/1"], datetime.timedelta(seconds=PATIENT))
         return {}
     got = _attempt(lambda: world.allgather_json("first", kind="refit/identity"))
     connect(ctx.address, 30).set(f"test/done/{ctx.role.index}", "1")
@@ -112,14 +116,16 @@ ROLES3 = [Role("plain", "rollout", 0), Role("plain", "rollout", 1), Role("plain"
 
 
 @pytest.mark.slow
-def test_a_peer_that_closed_its_world_ends_the_first_call_with_its_reason():
+@pytest.mark.parametrize("how", ["close", "refuse"])
+def test_a_peer_that_closed_its_world_ends_the_first_call_with_its_reason(how):
     """The others raise the closer's reason within the launch's 60 s (they would wait 120),
     though it still runs: the store told them, not its pid."""
-    values = [r.value for r in launch(peer_leaves, ROLES3, args=("close",), timeout=60)]
+    values = [r.value for r in launch(peer_leaves, ROLES3, args=(how,), timeout=60)]
     for v in values[1:]:
         assert v["error"] == "RefitError", v
         assert "rollout[0] (process 0" in v["message"], v
         assert "closed its world" in v["message"], v
+        assert ("float13" in v["message"]) == (how == "refuse"), v
     assert values[1]["message"] == values[2]["message"]
 
 
@@ -162,24 +168,23 @@ def test_a_joiner_that_died_before_the_world_formed_ends_the_join():
 
 # ---------------------------------------------------------------------------- join-time disagreements
 
-def disagreements(ctx: Context) -> dict:
-    """One world per case, one after another; case -> what this process raised. Cases with
-    two processes leave rollout[1] out."""
+def disagreements(ctx: Context, cases: list) -> dict:
+    """One world per case of ``cases``, one after another; case -> what this process
+    raised. Cases with two processes leave rollout[1] out."""
     me = f"{ctx.role.group}[{ctx.role.index}]"
     trainer = me == "trainer[0]"
-    out = {}
-    if me != "rollout[1]":
-        n = 0 if trainer else 2         # "zero": the trainer passes num_processes=0
-        out["zero"] = _attempt(lambda: ctx.join(1, num_processes=n, world_id="zero",
-                                                timeout=PATIENT))
-        group = "trainr" if trainer else "rollout"      # "group": a typo in a group name
-        out["group"] = _attempt(lambda: xr.World.join(
-            ctx.address, group, 1, num_processes=2, index=0, groups=("trainer", "rollout"),
-            world_id="group", timeout=PATIENT))
-        out["closed"] = _attempt(lambda: _closed(ctx, trainer))
-        out["order"] = _attempt(lambda: _out_of_order(ctx, trainer))
-    out["count"] = _attempt(lambda: _count(ctx, me))
-    return out
+    n = 0 if trainer else 2             # "zero": the trainer passes num_processes=0
+    group = "trainr" if trainer else "rollout"      # "group": a typo in a group name
+    steps = {
+        "zero": lambda: ctx.join(1, num_processes=n, world_id="zero", timeout=PATIENT),
+        "group": lambda: xr.World.join(ctx.address, group, 1, num_processes=2, index=0,
+                                       groups=("trainer", "rollout"), world_id="group",
+                                       timeout=PATIENT),
+        "closed": lambda: _closed(ctx, trainer),
+        "order": lambda: _out_of_order(ctx, trainer),
+        "count": lambda: _count(ctx, me)}
+    return {case: _attempt(steps[case]) for case in cases
+            if case == "count" or me != "rollout[1]"}
 
 
 def _closed(ctx: Context, trainer: bool) -> None:
@@ -229,7 +234,7 @@ def disagreeing() -> dict:
     the 120 s that any process waiting for its timeout would need for one case."""
     roles = [Role("plain", "trainer", 0), Role("plain", "rollout", 0),
              Role("plain", "rollout", 1)]
-    values = [r.value for r in launch(disagreements, roles, timeout=100)]
+    values = [r.value for r in launch(disagreements, roles, args=(CASES,), timeout=100)]
     return {case: [v[case] for v in values if case in v] for case in CASES}
 
 

@@ -35,7 +35,9 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 import secrets
+import sys
 import time
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
@@ -47,7 +49,7 @@ from . import waiting
 from .store import Seal, connect, store_nonce
 
 __all__ = ["KEY_ROOT", "Joined", "join_records", "label", "member_nonce", "numbered",
-           "refusal", "refuse_unjoined", "retire"]
+           "join_arguments", "refusal", "refuse_unjoined", "retire"]
 
 logger = logging.getLogger("xreshard.runtime.world")
 
@@ -249,6 +251,56 @@ def refusal(store: Any, wseal: Seal, refused_key: str) -> Exception | None:
     except (RuntimeError, CommunicationError):
         return None
     return _refusal_of(body)
+
+
+def _default_index(devices: Any) -> int:
+    """The process index within its group when the framework makes it unambiguous."""
+    if not isinstance(devices, int) and devices and hasattr(devices[0], "platform"):
+        jax = sys.modules.get("jax")
+        if jax is not None and jax.process_count() > 1:
+            return int(jax.process_index())
+    dist = sys.modules.get("torch.distributed")
+    if dist is not None and dist.is_available() and dist.is_initialized():
+        return int(dist.get_rank())
+    raise RefitError("World.join needs index= (this process's position within its group): "
+                     "it is only inferred from a multi-process JAX job (jax.process_index()) "
+                     "or an initialized torch.distributed (its rank)")
+
+
+def _checked(group: str, devices: Sequence[Any] | int, num_processes: int,
+             groups: Sequence[str] | None) -> tuple[list[str] | None, list[Any]]:
+    """``World.join``'s arguments checked: (groups as a list, the local devices)."""
+    if not isinstance(group, str) or not group:
+        raise RefitError(f"group must be a non-empty string, got {group!r}")
+    if num_processes < 1:
+        raise RefitError(f"num_processes must be >= 1, got {num_processes}")
+    if groups is not None:
+        groups = list(groups)
+        if group not in groups:
+            raise RefitError(f"group {group!r} is not in groups={groups}; "
+                             f"add it or pass groups=None for sorted group names")
+    if isinstance(devices, int):
+        if devices < 0:
+            raise RefitError(f"devices must be a device list or a count >= 0, got {devices}")
+        return groups, ["cpu"] * devices
+    return groups, list(devices)
+
+
+def join_arguments(address: str, seal: Seal, group: str, devices: Sequence[Any] | int,
+                   num_processes: int, groups: Sequence[str] | None, index: int | None,
+                   is_server: bool) -> tuple[list[str] | None, list[Any], int]:
+    """``World.join``'s arguments checked: (groups as a list, the local devices, the
+    index). A process refused here would leave the others waiting for it: the refusal is
+    published for them first (``refuse_unjoined``; not by the store's host, whom nobody
+    reaches)."""
+    try:
+        groups, local_devices = _checked(group, devices, num_processes, groups)
+        return groups, local_devices, _default_index(local_devices) if index is None else index
+    except RefitError as e:
+        if is_server or not isinstance(group, str):
+            raise
+        who = f"{group}[{'?' if index is None else index}] (pid {os.getpid()})"
+        raise refuse_unjoined(address, seal, who, e) from None
 
 
 def refuse_unjoined(address: str, seal: Seal, who: str, problem: Exception) -> WorldMismatch:

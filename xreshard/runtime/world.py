@@ -15,7 +15,9 @@ A launcher (or the first process) holds the store server::
 Every collective (``allgather_json``, ``broadcast_json``, ``barrier``, creating the gloo
 transport) uses a fresh key prefix from a per-world counter that every process advances
 identically, so all processes must call them in the same order. Every wait is bounded; a
-timeout raises ``TransportTimeout`` naming the processes that never arrived.
+timeout raises ``TransportTimeout`` naming the processes that never arrived. A wait that
+lasts names them every 15 s, and ends early, with one error on every process, when one of
+them will not come (:mod:`xreshard.runtime.waiting`).
 """
 
 from __future__ import annotations
@@ -25,7 +27,6 @@ import json
 import logging
 import os
 import socket
-import sys
 import threading
 import time
 from typing import Any, Iterator, Sequence
@@ -34,8 +35,8 @@ from ..errors import (CollectiveMismatch, CommunicationError, RefitError, Transp
                       WorldBroken, error_name)
 from . import epochs, waiting
 from .epochs import ElasticWorld
-from .joining import (KEY_ROOT, Joined, join_records, label, member_nonce, numbered,
-                      refusal, refuse_unjoined, retire)
+from .joining import (KEY_ROOT, Joined, join_arguments, join_records, label, member_nonce,
+                      numbered, refusal, retire)
 from .store import Seal, StoreServer, connect, parse_address, serve, token_from
 from ..ir.topology import Topology
 from ..transport.base import Transport, TransportTimeout, format_seconds
@@ -46,39 +47,6 @@ __all__ = ["StoreServer", "World", "RoutedTransport", "RenumberedTransport", "se
            "parse_address"]
 
 logger = logging.getLogger(__name__)
-
-
-def _default_index(devices: Any) -> int:
-    """The process index within its group when the framework makes it unambiguous."""
-    if not isinstance(devices, int) and devices and hasattr(devices[0], "platform"):
-        jax = sys.modules.get("jax")
-        if jax is not None and jax.process_count() > 1:
-            return int(jax.process_index())
-    dist = sys.modules.get("torch.distributed")
-    if dist is not None and dist.is_available() and dist.is_initialized():
-        return int(dist.get_rank())
-    raise RefitError("World.join needs index= (this process's position within its group): "
-                     "it is only inferred from a multi-process JAX job (jax.process_index()) "
-                     "or an initialized torch.distributed (its rank)")
-
-
-def _checked(group: str, devices: Sequence[Any] | int, num_processes: int,
-             groups: Sequence[str] | None) -> tuple[list[str] | None, list[Any]]:
-    """``World.join``'s arguments checked: (groups as a list, the local devices)."""
-    if not isinstance(group, str) or not group:
-        raise RefitError(f"group must be a non-empty string, got {group!r}")
-    if num_processes < 1:
-        raise RefitError(f"num_processes must be >= 1, got {num_processes}")
-    if groups is not None:
-        groups = list(groups)
-        if group not in groups:
-            raise RefitError(f"group {group!r} is not in groups={groups}; "
-                             f"add it or pass groups=None for sorted group names")
-    if isinstance(devices, int):
-        if devices < 0:
-            raise RefitError(f"devices must be a device list or a count >= 0, got {devices}")
-        return groups, ["cpu"] * devices
-    return groups, list(devices)
 
 
 class World(WorldTransports, ElasticWorld):
@@ -136,6 +104,7 @@ class World(WorldTransports, ElasticWorld):
         self._counted: dict[str, Transport] = {}
         self._closed = False
         self._closing = False
+        self._why = ""          # what made this process close it (``__exit__``'s exception)
         self._depth = 0         # nesting of ``exclusive`` in the thread that holds it
         self._elastic = elastic     # an epochs.Membership, or None (a fixed world)
         self._set_members(infos, process_index)
@@ -179,7 +148,8 @@ class World(WorldTransports, ElasticWorld):
             groups: the group order for rank numbering; default sorted group names. Every
                 process must pass the same value.
             host: the host name published for the topology; default ``socket.gethostname()``.
-            timeout: seconds to wait for the others (and the default of every later wait).
+            timeout: seconds to wait for the others (and the default of every later wait);
+                a wait that lasts logs who it waits for every 15 s.
             world_id: distinguishes several worlds on one store; unique per store among
                 the worlds open at one time (a closed world's id may be joined again).
             is_server: host the store in this process at ``address`` (a free port known
@@ -205,9 +175,12 @@ class World(WorldTransports, ElasticWorld):
 
         Raises:
             TransportTimeout: not every process joined within ``timeout``; names those that did.
-            WorldMismatch: processes passed different ``num_processes`` or ``groups``: every
-                one of them raises it, with one message (members that had formed a world
-                already raise it from their next collective, within ``timeout``).
+            WorldMismatch: processes passed different ``num_processes`` or ``groups``, or
+                one passed arguments it cannot join with: every one of them raises it, with
+                one message (members that had formed a world already raise it from their
+                next collective, within ``timeout``).
+            TransportError: a process that joined no longer runs (on this node) and the
+                world cannot form with its record: every joiner raises it at once.
             RefitError: two processes joined with one group and index, or this one came
                 after the world was complete.
             AuthenticationError: join records signed with another token were found and
@@ -215,15 +188,9 @@ class World(WorldTransports, ElasticWorld):
                 exist), or the world's instance record was forged or replayed.
         """
         token_bytes = token_from(token)
-        try:
-            groups, local_devices = _checked(group, devices, num_processes, groups)
-            if index is None:
-                index = _default_index(local_devices)
-        except RefitError as e:     # the others would wait for this process: tell them
-            if is_server or not isinstance(group, str):
-                raise
-            who = f"{group}[{'?' if index is None else index}] (pid {os.getpid()})"
-            raise refuse_unjoined(address, Seal(token_bytes, world_id), who, e) from None
+        groups, local_devices, index = join_arguments(
+            address, Seal(token_bytes, world_id), group, devices, num_processes, groups,
+            index, is_server)
         deadline = time.monotonic() + timeout
         server = None
         if is_server:
@@ -686,9 +653,9 @@ class World(WorldTransports, ElasticWorld):
         if self._broken is None and self._store is not None:
             # peers waiting for this process (now or at their next collective) stop at once
             self._post_end("RefitError", f"world {self._world_id!r}: "
-                           f"{self.describe_process(self._process_index)} closed its world "
-                           f"and takes part in no further collective; close the world in "
-                           f"every process (join a new one to go on)")
+                           f"{self.describe_process(self._process_index)} closed its world"
+                           f"{self._why} and takes part in no further collective; close the "
+                           f"world in every process (join a new one to go on)")
         self._close_transports()
         self._close_links()         # links parked at an epoch change, not taken up
         if self._joined is not None and self._store is not None and self._elastic is None:
@@ -714,7 +681,9 @@ class World(WorldTransports, ElasticWorld):
     def __enter__(self) -> World:
         return self
 
-    def __exit__(self, *exc: object) -> None:
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        if exc is not None:     # the peers' error names why this process left
+            self._why = f" on {type(exc).__name__}: {str(exc)[:500]}"
         self.close()
 
     def __repr__(self) -> str:
