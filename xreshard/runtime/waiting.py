@@ -13,23 +13,31 @@ nothing until its timeout (300 s by default), even where the answer was known at
   configured logging gets it through its own handlers. At a join the missing processes are
   named where the joined ones imply them (``rollout[0]`` when ``rollout[1]`` joined),
   else counted: a process that never reached the store left no trace to name.
-- **Stop waiting for who will not come.** A wait looks twice a second: a member on this
-  node whose process no longer runs (``epochs.gone``: pid and start time) ends it at once,
-  at a join as in every collective.
+- **Stop waiting for who will not come.** A wait that lasts past a second looks twice a
+  second: a member on this node whose process no longer runs (``epochs.gone``: pid and
+  start time) ends it at once, at a join as in every collective.
 - **A world's end, posted once.** A process of a fixed world that closes it, or whose
   collective failed (a timeout, a payload out of step, a peer found dead), will take part
   in no further collective: it posts why at ``xreshard/<world_id>/ended/<nonce>`` (sealed,
   ``compare_set``: the first writer wins; ``nonce`` is the member set's). Every other
   member's wait reads it at its next look and raises that error, the same class and the
   same words, naming the process. A join's refusal (``joining.refusal``) travels the same
-  way, under its own key, to processes still joining. Cost: a few store round trips per
-  look of a wait that lasts, and one ``compare_set`` per close.
+  way, under its own key, to processes still joining.
 
-Rejected: a heartbeat thread per world (store traffic in every process all the time, and
-on one node it tells nothing that a pid check and a posted end do not; across nodes a
-silent peer is still found by the timeout, with the waiting lines naming it); asking every
-process at every collective whether an end was posted before it writes (a round trip per
-collective on the fast path, for what the looks find within a second).
+- **What it costs.** Nothing while a wait is short: its first second is the store's own
+  blocking ``wait``, which returns the moment the last payload lands (most collectives end
+  there). Past it, a poll every 50 ms (at most 5% of the time waited), a few round trips
+  per look, and TCPStore's client logs its two C++ lines about a timed-out wait once.
+  A close costs one ``compare_set``. Measured: benchmarks/bench_waits.py.
+
+Rejected: polling from the first instant (1.6x per metadata all-gather on the loaded
+2-core machine: sleeps of a fraction of a millisecond overshoot there); slicing the store's
+``wait`` (TCPStore's client logs two C++ warning lines at every slice that times out); a
+heartbeat thread per world (store traffic in every process all the time, and on one node
+it tells nothing that a pid check and a posted end do not; across nodes a silent peer is
+still found by the timeout, with the waiting lines naming it); asking at every collective
+whether an end was posted before writing (a round trip per collective on the fast path,
+for what a wait finds within its second and a half).
 """
 
 from __future__ import annotations
@@ -42,7 +50,7 @@ from typing import Any, Callable, Sequence
 from ..errors import CommunicationError, TransportError, error_from
 from ..transport.base import TransportTimeout, format_seconds
 from . import store as store_module
-from .store import Seal
+from .store import Seal, wait_keys
 
 __all__ = ["REPORT_SECONDS", "Reporter", "ended_key", "missing_labels", "post_end",
            "read_end", "wait_for"]
@@ -52,8 +60,12 @@ logger = logging.getLogger("xreshard.runtime.world")
 #: seconds between two waiting lines of one wait (the first comes after as many)
 REPORT_SECONDS = store_module.REPORT_SECONDS
 
-#: seconds between two looks of a wait for processes that will not come
+#: seconds a wait blocks in the store before it watches for processes that will not come
+WATCH_AFTER = 1.0
+#: seconds between two looks for them
 LOOK_SECONDS = 0.5
+#: seconds between two polls of a watched wait
+POLL_SECONDS = 0.05
 
 
 class Reporter:
@@ -103,22 +115,30 @@ def wait_for(store: Any, keys: Sequence[str], readers: Sequence[int], deadline: 
              reporter: Reporter, describe: Callable[[int], str],
              stop: Callable[[list[int]], None]) -> None:
     """Wait until every key of ``keys`` (the payloads of processes ``readers``) is set, at
-    most until ``deadline``. Every :data:`LOOK_SECONDS` the readers still missing go to
-    ``stop(missing)``, which may raise to end the wait (a process that will not come), and
-    ``reporter`` names them every interval.
+    most until ``deadline``. Past :data:`WATCH_AFTER` seconds, every
+    :data:`LOOK_SECONDS` the readers still missing go to ``stop(missing)``, which may
+    raise to end the wait (a process that will not come), and ``reporter`` names them
+    every interval.
 
-    It polls (``check``, one round trip of about 50 us on loopback) with pauses of a tenth
-    of the time waited so far (0.2 ms to 50 ms), so a payload is seen at most ~10% after
-    it lands: a store ``wait`` cut into slices would do the same with no polling, but
-    TCPStore's client logs two C++ warning lines at every slice that times out.
+    The first :data:`WATCH_AFTER` seconds are the store's own blocking ``wait`` (it
+    returns the moment the last key lands: most collectives end there, at no cost); then
+    it polls (``check``, about 50 us on loopback) every :data:`POLL_SECONDS`, at most 5%
+    of the time already waited. Polling from the start costs 1.6x per all-gather on a
+    loaded machine (benchmarks/bench_waits.py), and cutting the store's wait in slices
+    makes TCPStore's client log two C++ warning lines per slice: this way a wait that
+    lasts logs them once.
 
     Raises:
         TransportTimeout: the deadline passed.
         TransportError: the store failed.
         what ``stop`` raises.
     """
-    begun = time.monotonic()
-    look = begun + LOOK_SECONDS
+    try:
+        return wait_keys(store, keys, min(deadline, time.monotonic() + WATCH_AFTER))
+    except TransportTimeout:
+        if time.monotonic() >= deadline:
+            raise
+    look = time.monotonic()
     while True:
         try:
             if store.check(list(keys)):
@@ -142,7 +162,7 @@ def wait_for(store: Any, keys: Sequence[str], readers: Sequence[int], deadline: 
             raise       # (a RuntimeError too)
         except RuntimeError as e:   # torch's DistStoreError / DistNetworkError derive from it
             raise TransportError(f"the rendezvous store failed: {e}") from e
-        time.sleep(max(min((now - begun) * 0.1, 0.05, deadline - now), 0.0002))
+        time.sleep(max(min(POLL_SECONDS, deadline - now), 0.0))
 
 
 def ended_key(root: str, nonce: str) -> str:
