@@ -48,6 +48,46 @@ def test_waiting_lines_name_what_a_join_implies():
         "waiting for 1 of 3 processes (joined: a, b; missing: c)"
 
 
+def test_a_process_refused_by_its_own_arguments_ends_the_others_join():
+    """In one process, two threads: one joins and waits for a second process; the second
+    passes num_processes=0. Both raise one WorldMismatch, the waiting one well before its
+    60 s timeout (the thread is joined for 30)."""
+    from xreshard.runtime.world import serve
+
+    with serve() as server:
+        got: dict = {}
+
+        def waiter() -> None:
+            got["waiter"] = _attempt(lambda: xr.World.join(
+                server.address, "rollout", 1, num_processes=2, index=0, timeout=60))
+
+        thread = threading.Thread(target=waiter, daemon=True)
+        thread.start()
+        got["zero"] = _attempt(lambda: xr.World.join(server.address, "trainer", 1,
+                                                     num_processes=0, index=0, timeout=60))
+        thread.join(30)
+        assert not thread.is_alive(), "the waiting join never heard of the refusal"
+    assert got["zero"]["error"] == got["waiter"]["error"] == "WorldMismatch", got
+    assert got["zero"]["message"] == got["waiter"]["message"], got
+    assert "num_processes must be >= 1" in got["zero"]["message"], got
+
+
+def test_the_first_posted_end_holds_and_only_a_members_counts():
+    from xreshard.runtime.store import Seal
+    from xreshard.runtime.world import serve
+
+    with serve() as server:
+        store = connect(server.address, 10)
+        seal, key = Seal(b"a-token-of-16-chars", "w", "n1"), waiting.ended_key("xreshard/w", "n1")
+        assert waiting.read_end(store, seal, key) is None
+        first = waiting.post_end(store, seal, key, 0, "CollectiveMismatch", "first")
+        second = waiting.post_end(store, seal, key, 1, "TransportTimeout", "second")
+        assert type(first) is type(second) is xr.CollectiveMismatch
+        assert str(second) == "first" == str(waiting.read_end(store, seal, key))
+        other = Seal(b"another-token-16-c", "w", "n1")     # not this world's token
+        assert waiting.read_end(store, other, key) is None
+
+
 # ---------------------------------------------------------------------------- waiting lines
 
 def _free_port() -> int:
@@ -167,7 +207,7 @@ def test_a_joiner_that_died_before_the_world_formed_ends_the_join():
     assert values[0]["message"] == values[1]["message"]
 
 
-# ---------------------------------------------------------------------------- join-time disagreements
+# ------------------------------------------------------------------ join-time disagreements
 
 def disagreements(ctx: Context, cases: list) -> dict:
     """One world per case of ``cases``, one after another; case -> what this process
