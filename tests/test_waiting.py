@@ -103,6 +103,10 @@ def missing_at_join(ctx: Context, wrong: str) -> dict:
         os._exit(3)
     import torch.distributed  # noqa: F401 - its import (seconds under load) is not waited
     address = wrong if ctx.role.index == 2 else ctx.address
+    if address == ctx.address:      # both start their join together: the first line names both
+        _flag(ctx, f"ready/{ctx.role.group}")
+        _flag(ctx, "ready/trainer", wait=True)
+        _flag(ctx, "ready/rollout", wait=True)
     return _attempt(lambda: xr.World.join(address, ctx.role.group, 1, num_processes=4,
                                           index=ctx.role.index, timeout=30))
 
