@@ -75,9 +75,10 @@ class BindingError(RefitError):
 
 
 class WorldMismatch(RefitError):
-    """The processes of one world joined with different ``num_processes`` or ``groups``:
-    raised by every one of them (the members that formed first learn it at their next
-    collective within the join timeout), naming who passed what."""
+    """The processes of one world joined with different ``num_processes`` or ``groups``,
+    or one of them passed arguments it cannot join with (``num_processes=0``, a group not
+    in ``groups``): raised by every one of them (the members that formed first learn it at
+    their next collective within the join timeout), naming who passed what."""
 
 
 class CommunicationError(RuntimeError):

@@ -35,18 +35,21 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 import secrets
+import sys
 import time
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
-from ..errors import (AuthenticationError, CommunicationError,
-                      RefitError, TransportError, WorldMismatch)
+from ..errors import (AuthenticationError, CommunicationError, RefitError,
+                      TransportError, WorldMismatch, error_from)
 from ..transport.base import TransportTimeout
-from .store import Seal, store_nonce
+from . import waiting
+from .store import Seal, connect, store_nonce
 
 __all__ = ["KEY_ROOT", "Joined", "join_records", "label", "member_nonce", "numbered",
-           "refusal", "retire"]
+           "join_arguments", "refusal", "refuse_unjoined", "retire"]
 
 logger = logging.getLogger("xreshard.runtime.world")
 
@@ -66,7 +69,7 @@ class Joined:
     instance_raw: str               # what ``retire`` compares before blanking the key
     refused_key: str
     join_key: str
-    refused: WorldMismatch | None = None    # raise it once the members are woken
+    refused: Exception | None = None    # raise it once the members are woken
 
 
 @dataclass
@@ -215,21 +218,31 @@ def _disagreement(world_id: str, valid: list[dict[str, Any]]) -> str | None:
             f"groups everywhere")
 
 
-def _refuse(store: Any, wseal: Seal, refused_key: str, message: str) -> WorldMismatch:
-    """Publish ``message`` as this world's refusal unless one is there; the refusal to
-    raise (the first published one, so every process raises the same words)."""
-    draft = wseal.seal("refused", 0, -1, json.dumps({"message": message}))
+def _refuse(store: Any, wseal: Seal, refused_key: str, message: str,
+            error: str = "WorldMismatch") -> Exception:
+    """Publish ``message`` (raised as ``error``, a class name that crosses processes) as
+    this world's refusal unless one is there; the refusal to raise (the first published
+    one, so every process raises the same words)."""
+    draft = wseal.seal("refused", 0, -1, json.dumps({"message": message, "error": error}))
     try:
         raw = store.compare_set(refused_key, "", draft)
-        body = wseal.open(raw, key=refused_key, kind="refused", op=0, process=-1)
-        message = body["message"] if isinstance(body.get("message"), str) else message
-    except (RuntimeError, CommunicationError, AttributeError, TypeError):
-        pass        # an outsider's marker is never raised; ours stands
-    return WorldMismatch(message)
+        return _refusal_of(wseal.open(raw, key=refused_key, kind="refused", op=0,
+                                      process=-1)) or error_from(error, message)
+    except (RuntimeError, CommunicationError):
+        return error_from(error, message)   # an outsider's marker is never raised; ours stands
 
 
-def refusal(store: Any, wseal: Seal, refused_key: str) -> WorldMismatch | None:
-    """The world's published refusal (``WorldMismatch``), if a member published one."""
+def _refusal_of(body: Any) -> Exception | None:
+    message = body.get("message") if isinstance(body, dict) else None
+    if not isinstance(message, str):
+        return None
+    error = body.get("error", "WorldMismatch")
+    return error_from(error if isinstance(error, str) else "WorldMismatch", message)
+
+
+def refusal(store: Any, wseal: Seal, refused_key: str) -> Exception | None:
+    """The world's published refusal (``WorldMismatch``, or what a joining process found:
+    a member that no longer runs), if a process of the world published one."""
     try:
         if not store.check([refused_key]):
             return None
@@ -237,8 +250,80 @@ def refusal(store: Any, wseal: Seal, refused_key: str) -> WorldMismatch | None:
                           process=-1)
     except (RuntimeError, CommunicationError):
         return None
-    message = body.get("message") if isinstance(body, dict) else None
-    return WorldMismatch(message) if isinstance(message, str) else None
+    return _refusal_of(body)
+
+
+def _default_index(devices: Any) -> int:
+    """The process index within its group when the framework makes it unambiguous."""
+    if not isinstance(devices, int) and devices and hasattr(devices[0], "platform"):
+        jax = sys.modules.get("jax")
+        if jax is not None and jax.process_count() > 1:
+            return int(jax.process_index())
+    dist = sys.modules.get("torch.distributed")
+    if dist is not None and dist.is_available() and dist.is_initialized():
+        return int(dist.get_rank())
+    raise RefitError("World.join needs index= (this process's position within its group): "
+                     "it is only inferred from a multi-process JAX job (jax.process_index()) "
+                     "or an initialized torch.distributed (its rank)")
+
+
+def _checked(group: str, devices: Sequence[Any] | int, num_processes: int,
+             groups: Sequence[str] | None) -> tuple[list[str] | None, list[Any]]:
+    """``World.join``'s arguments checked: (groups as a list, the local devices). Warms
+    the adapters too (``registry.warm``: their imports, seconds on a loaded machine), so
+    that it happens within the join's wait, not between a first refit's collectives."""
+    from . import registry
+    registry.warm()
+    if not isinstance(group, str) or not group:
+        raise RefitError(f"group must be a non-empty string, got {group!r}")
+    if num_processes < 1:
+        raise RefitError(f"num_processes must be >= 1, got {num_processes}")
+    if groups is not None:
+        groups = list(groups)
+        if group not in groups:
+            raise RefitError(f"group {group!r} is not in groups={groups}; "
+                             f"add it or pass groups=None for sorted group names")
+    if isinstance(devices, int):
+        if devices < 0:
+            raise RefitError(f"devices must be a device list or a count >= 0, got {devices}")
+        return groups, ["cpu"] * devices
+    return groups, list(devices)
+
+
+def join_arguments(address: str, seal: Seal, group: str, devices: Sequence[Any] | int,
+                   num_processes: int, groups: Sequence[str] | None, index: int | None,
+                   is_server: bool) -> tuple[list[str] | None, list[Any], int]:
+    """``World.join``'s arguments checked: (groups as a list, the local devices, the
+    index). A process refused here would leave the others waiting for it: the refusal is
+    published for them first (``refuse_unjoined``; not by the store's host, whom nobody
+    reaches)."""
+    try:
+        groups, local_devices = _checked(group, devices, num_processes, groups)
+        return groups, local_devices, _default_index(local_devices) if index is None else index
+    except RefitError as e:
+        if is_server or not isinstance(group, str):
+            raise
+        who = f"{group}[{'?' if index is None else index}] (pid {os.getpid()})"
+        raise refuse_unjoined(address, seal, who, e) from None
+
+
+def refuse_unjoined(address: str, seal: Seal, who: str, problem: Exception) -> WorldMismatch:
+    """A process refused by its own arguments (``num_processes=0``, a group not in
+    ``groups``, no index) before it joins: publish the refusal for the world's instance,
+    so the processes joining it (and members that formed without this one, within their
+    join timeout) raise the same ``WorldMismatch`` at once instead of waiting for it; the
+    error to raise. The store is tried once, briefly: unreachable, the refusal stays local.
+    """
+    message = (f"world {seal.world_id!r}: {who} cannot join it: {problem}; every process "
+               f"of the world stops here")
+    try:
+        store = connect(address, 1.0)
+        instance, _, _ = _instance(store, seal, address)
+    except (CommunicationError, RefitError, RuntimeError):
+        return WorldMismatch(message)
+    refused = _refuse(store, seal.with_nonce(instance),
+                      f"{KEY_ROOT}/{seal.world_id}/refused/{instance}", message)
+    return refused if isinstance(refused, WorldMismatch) else WorldMismatch(message)
 
 
 def retire(store: Any, joined: Joined) -> None:
@@ -277,6 +362,7 @@ def join_records(store: Any, seal: Seal, me: dict[str, Any], expect: dict[str, A
     where = f"world {world_id!r} at {address}"
     pause = 0.002
     refused = None
+    reporter, look = waiting.Reporter(where), time.monotonic()
     while True:
         raw = _store_call("reading the join records", store.get, key)
         seen = _read(raw, key, wseal, instance)
@@ -300,6 +386,9 @@ def join_records(store: Any, seal: Seal, me: dict[str, Any], expect: dict[str, A
                                      f"returns: another store answers at this address, or "
                                      f"the key was overwritten; check the address")
             raise _short(where, seen, num_processes, seal.signed, deadline)
+        if time.monotonic() >= look:
+            look = time.monotonic() + 0.5
+            _look(store, wseal, refused_key, seen, str(mine["nonce"]), num_processes, reporter)
         time.sleep(pause)
         pause = min(pause * 2, 0.05)
     _log(world_id, seen)
@@ -310,6 +399,33 @@ def join_records(store: Any, seal: Seal, me: dict[str, Any], expect: dict[str, A
                          f"give every world on one store its own world_id and every process "
                          f"the same num_processes")
     return Joined(members, instance, instance_key, instance_raw, refused_key, key, refused)
+
+
+def _look(store: Any, wseal: Seal, refused_key: str, seen: _Seen, mine: str,
+          num_processes: int, reporter: waiting.Reporter) -> None:
+    """Between the polls of a join, twice a second: raise the world's published refusal (a
+    process refused by its own arguments, or one that found a joiner dead); refuse the
+    instance when a process that took a member's slot no longer runs (on this node: it
+    cannot come back under its record, a restart of it would be a second process with its
+    label); name the missing every ``waiting.REPORT_SECONDS``."""
+    published = refusal(store, wseal, refused_key)
+    if published is not None:
+        raise published
+    from .epochs import gone        # epochs builds on this module
+    dead = [r["info"] for r in seen.valid[:num_processes]
+            if r["nonce"] != mine and gone(r["info"], ())]
+    if dead:
+        raise _refuse(store, wseal, refused_key, (
+            f"{reporter.what}: {', '.join(_describe(r) for r in seen.valid if r['info'] in dead)} "
+            f"joined and then exited (no longer runs on this node) before the world formed; "
+            f"it cannot form with that record: start its processes again on a new world_id "
+            f"(or a new store)"), "TransportError")
+    if reporter.due():
+        joined = [(r["info"]["group"], r["info"]["index"]) for r in seen.valid]
+        short = num_processes - len(seen.valid)
+        reporter.say(waiting.waiting_line(short, num_processes,
+                                          [label(r["info"]) for r in seen.valid],
+                                          waiting.missing_labels(joined, short)))
 
 
 def _log(world_id: str, seen: _Seen) -> None:

@@ -60,6 +60,7 @@ import datetime
 import hashlib
 import hmac
 import json
+import logging
 import os
 import secrets
 import socket
@@ -76,6 +77,11 @@ __all__ = ["Seal", "StoreServer", "connect", "parse_address", "serve", "token_fr
 
 #: where the process that started the store publishes the store's nonce
 STORE_NONCE_KEY = "xreshard/store"
+
+#: seconds between two lines of a wait that lasts (see :mod:`xreshard.runtime.waiting`)
+REPORT_SECONDS = 15.0
+
+logger = logging.getLogger("xreshard.runtime.world")
 
 
 def _tcp_store_class() -> Any:
@@ -200,9 +206,15 @@ def connect(address: str, timeout: float) -> Any:
         TransportTimeout: nothing accepted a connection at ``address`` in time.
     """
     host, port = parse_address(address)
-    deadline = time.monotonic() + timeout
+    begun = time.monotonic()
+    deadline, report = begun + timeout, begun + REPORT_SECONDS
     last: Exception | None = None
     while True:
+        if time.monotonic() >= report:      # a wrong address says so, not only at the end
+            report = time.monotonic() + REPORT_SECONDS
+            logger.warning("waiting for the rendezvous store at %s, for %s so far: %s; is it "
+                           "served (xreshard.serve) and the address right?", address,
+                           format_seconds(time.monotonic() - begun), last)
         left = deadline - time.monotonic()
         if left <= 0:
             raise TransportTimeout(f"could not reach the rendezvous store at {address} within "

@@ -15,7 +15,9 @@ A launcher (or the first process) holds the store server::
 Every collective (``allgather_json``, ``broadcast_json``, ``barrier``, creating the gloo
 transport) uses a fresh key prefix from a per-world counter that every process advances
 identically, so all processes must call them in the same order. Every wait is bounded; a
-timeout raises ``TransportTimeout`` naming the processes that never arrived.
+timeout raises ``TransportTimeout`` naming the processes that never arrived. A wait that
+lasts names them every 15 s, and ends early, with one error on every process, when one of
+them will not come (:mod:`xreshard.runtime.waiting`).
 """
 
 from __future__ import annotations
@@ -25,19 +27,17 @@ import json
 import logging
 import os
 import socket
-import sys
 import threading
 import time
 from typing import Any, Iterator, Sequence
 
-from ..errors import (CollectiveMismatch, CommunicationError, RefitError, WorldBroken,
-                      WorldMismatch)
-from . import epochs, registry
+from ..errors import (CollectiveMismatch, CommunicationError, RefitError, TransportError,
+                      WorldBroken, error_name)
+from . import epochs, waiting
 from .epochs import ElasticWorld
-from .joining import (KEY_ROOT, Joined, join_records, label, member_nonce, numbered,
-                      refusal, retire)
-from .store import (Seal, StoreServer, connect, parse_address, serve, token_from,
-                    wait_keys)
+from .joining import (KEY_ROOT, Joined, join_arguments, join_records, label, member_nonce,
+                      numbered, refusal, retire)
+from .store import Seal, StoreServer, connect, parse_address, serve, token_from
 from ..ir.topology import Topology
 from ..transport.base import Transport, TransportTimeout, format_seconds
 from ..transport.routed import RenumberedTransport, RoutedTransport
@@ -47,42 +47,6 @@ __all__ = ["StoreServer", "World", "RoutedTransport", "RenumberedTransport", "se
            "parse_address"]
 
 logger = logging.getLogger(__name__)
-
-
-def _default_index(devices: Any) -> int:
-    """The process index within its group when the framework makes it unambiguous."""
-    if not isinstance(devices, int) and devices and hasattr(devices[0], "platform"):
-        jax = sys.modules.get("jax")
-        if jax is not None and jax.process_count() > 1:
-            return int(jax.process_index())
-    dist = sys.modules.get("torch.distributed")
-    if dist is not None and dist.is_available() and dist.is_initialized():
-        return int(dist.get_rank())
-    raise RefitError("World.join needs index= (this process's position within its group): "
-                     "it is only inferred from a multi-process JAX job (jax.process_index()) "
-                     "or an initialized torch.distributed (its rank)")
-
-
-def _checked(group: str, devices: Sequence[Any] | int, num_processes: int,
-             groups: Sequence[str] | None) -> tuple[list[str] | None, list[Any]]:
-    """``World.join``'s arguments checked: (groups as a list, the local devices). Warms
-    the adapters too (``registry.warm``: their imports, seconds on a loaded machine), so
-    that it happens within the join's wait, not between a first refit's collectives."""
-    registry.warm()
-    if not isinstance(group, str) or not group:
-        raise RefitError(f"group must be a non-empty string, got {group!r}")
-    if num_processes < 1:
-        raise RefitError(f"num_processes must be >= 1, got {num_processes}")
-    if groups is not None:
-        groups = list(groups)
-        if group not in groups:
-            raise RefitError(f"group {group!r} is not in groups={groups}; "
-                             f"add it or pass groups=None for sorted group names")
-    if isinstance(devices, int):
-        if devices < 0:
-            raise RefitError(f"devices must be a device list or a count >= 0, got {devices}")
-        return groups, ["cpu"] * devices
-    return groups, list(devices)
 
 
 class World(WorldTransports, ElasticWorld):
@@ -140,6 +104,7 @@ class World(WorldTransports, ElasticWorld):
         self._counted: dict[str, Transport] = {}
         self._closed = False
         self._closing = False
+        self._why = ""          # what made this process close it (``__exit__``'s exception)
         self._depth = 0         # nesting of ``exclusive`` in the thread that holds it
         self._elastic = elastic     # an epochs.Membership, or None (a fixed world)
         self._set_members(infos, process_index)
@@ -183,7 +148,8 @@ class World(WorldTransports, ElasticWorld):
             groups: the group order for rank numbering; default sorted group names. Every
                 process must pass the same value.
             host: the host name published for the topology; default ``socket.gethostname()``.
-            timeout: seconds to wait for the others (and the default of every later wait).
+            timeout: seconds to wait for the others (and the default of every later wait);
+                a wait that lasts logs who it waits for every 15 s.
             world_id: distinguishes several worlds on one store; unique per store among
                 the worlds open at one time (a closed world's id may be joined again).
             is_server: host the store in this process at ``address`` (a free port known
@@ -209,20 +175,22 @@ class World(WorldTransports, ElasticWorld):
 
         Raises:
             TransportTimeout: not every process joined within ``timeout``; names those that did.
-            WorldMismatch: processes passed different ``num_processes`` or ``groups``: every
-                one of them raises it, with one message (members that had formed a world
-                already raise it from their next collective, within ``timeout``).
+            WorldMismatch: processes passed different ``num_processes`` or ``groups``, or
+                one passed arguments it cannot join with: every one of them raises it, with
+                one message (members that had formed a world already raise it from their
+                next collective, within ``timeout``).
+            TransportError: a process that joined no longer runs (on this node) and the
+                world cannot form with its record: every joiner raises it at once.
             RefitError: two processes joined with one group and index, or this one came
                 after the world was complete.
             AuthenticationError: join records signed with another token were found and
                 too few with this process's token (at once when ``num_processes`` of them
                 exist), or the world's instance record was forged or replayed.
         """
-        groups, local_devices = _checked(group, devices, num_processes, groups)
-        if index is None:
-            index = _default_index(local_devices)
-
         token_bytes = token_from(token)
+        groups, local_devices, index = join_arguments(
+            address, Seal(token_bytes, world_id), group, devices, num_processes, groups,
+            index, is_server)
         deadline = time.monotonic() + timeout
         server = None
         if is_server:
@@ -437,18 +405,30 @@ class World(WorldTransports, ElasticWorld):
         return f"{self._root}/op{self._num_ops}", self._num_ops
 
     def _fail(self, error: CommunicationError, since: float | None = None) -> Exception:
-        """Mark the world broken by ``error``, or by the world's published refusal (a
-        process that disagreed on the world joined after us): that is the first cause.
-        ``since``: when the failed step began (the refusal counts for steps begun within
-        the join timeout)."""
-        refused = self._refusal(since)
-        cause: Exception = refused if refused is not None else error
+        """Mark the world broken by its first cause, and return it: the world's published
+        refusal (a process that disagreed on the world joined after us), else the end a
+        member posted first (``waiting``: a fixed world posts ``error`` unless one is
+        there, so every member raises one error), else ``error``. ``since``: when the
+        failed step began (the refusal counts for steps begun within the join timeout)."""
+        cause = self._refusal(since) or self._post_end(
+            error_name(error), f"{error} (raised first by "
+                               f"{self.describe_process(self._process_index)})") or error
         self.mark_broken(f"{type(cause).__name__}: {cause}")
         return cause
 
-    def _refusal(self, since: float | None = None) -> WorldMismatch | None:
-        """The world's published ``WorldMismatch``, looked up (one store round trip) for
-        steps begun (``since``, default now) within one join timeout of joining."""
+    def _post_end(self, error: str, message: str) -> Exception | None:
+        """Post that this process ends the world (a fixed world's; an elastic one goes on
+        without a lost member); the end that holds, or None."""
+        if self._elastic is not None or self._store is None or self.num_processes < 2:
+            return None
+        return waiting.post_end(self._store, self._seal,
+                                waiting.ended_key(self._root, self._seal.nonce),
+                                self._process_index, error, message)
+
+    def _refusal(self, since: float | None = None) -> Exception | None:
+        """The world's published refusal (``WorldMismatch``, or the error a join found),
+        looked up (one store round trip) for steps begun (``since``, default now) within
+        one join timeout of joining."""
         joined = self._joined
         begun = time.monotonic() if since is None else since
         if joined is None or self._store is None or begun > self._refusal_until:
@@ -467,7 +447,7 @@ class World(WorldTransports, ElasticWorld):
             self.close()
             raise error
 
-    def _refuse_step(self, prefix: str, op: int, refused: WorldMismatch) -> Exception:
+    def _refuse_step(self, prefix: str, op: int, refused: Exception) -> Exception:
         """Raise ``refused`` from step ``op``: first write this process's payload of that
         step as a wake-up, so the members waiting on it fail now (their payload check
         fails and their failure path reads the same refusal), not at their timeout."""
@@ -499,7 +479,8 @@ class World(WorldTransports, ElasticWorld):
                     self._store.set(f"{prefix}/{me}", self._seal.seal(kind, op, me, body))
                 arrived = [True] * len(keys)
                 try:
-                    self._wait_keys(keys, readers, time.monotonic() + timeout, partial)
+                    self._wait_keys(keys, readers, time.monotonic() + timeout, partial,
+                                    f"{kind} (collective #{op})", begun)
                 except TransportTimeout as e:
                     try:
                         arrived = [bool(self._store.check([k])) for k in keys]
@@ -535,22 +516,39 @@ class World(WorldTransports, ElasticWorld):
                 raise self._fail(e, begun) from None
 
     def _wait_keys(self, keys: list[str], readers: Sequence[int], deadline: float,
-                   partial: bool) -> None:
-        """Wait for the payloads at ``keys``; a partial collective (a refit's outcome) also
-        stops once every reader still missing is known not to come (its process, on this
-        host, no longer runs; in an elastic world also: it left; ``epochs.gone``), instead
-        of at the deadline."""
-        if not partial:
-            return wait_keys(self._store, keys, deadline)
-        while True:
-            try:
-                return wait_keys(self._store, keys, min(deadline, time.monotonic() + 0.2))
-            except TransportTimeout:
-                if time.monotonic() >= deadline:
-                    raise
-            missing = [p for k, p in zip(keys, readers) if not self._store.check([k])]
-            if missing and self._all_gone(missing):
-                raise TransportTimeout(f"gone: {missing}")
+                   partial: bool, what: str = "a collective", begun: float = 0.0) -> None:
+        """Wait for the payloads at ``keys``, naming the missing readers every
+        ``waiting.REPORT_SECONDS``. It stops before the deadline once a reader still
+        missing is known not to come: its process, on this node, no longer runs
+        (``epochs.gone``; a partial collective, a refit's outcome, stops only when every
+        missing one is, or in an elastic world left); or (not partial) the world's
+        refusal or end was posted (``_fail`` then raises it)."""
+        if partial:
+            def stop(missing: list[int]) -> None:
+                if self._all_gone(missing):
+                    raise TransportTimeout(f"gone: {missing}")
+        else:
+            def stop(missing: list[int]) -> None:
+                self._stop_if_over(missing, what, begun)
+        reporter = waiting.Reporter(f"world {self._world_id!r}: {what}")
+        waiting.wait_for(self._store, keys, readers, deadline, reporter,
+                         self.describe_process, stop)
+
+    def _stop_if_over(self, missing: list[int], what: str, begun: float) -> None:
+        """Raise when a wait on the processes ``missing`` cannot end well: some of them no
+        longer run (this node), or a member posted the world's end (or, within the join
+        timeout, its refusal): ``_fail`` turns the raise into that first cause."""
+        dead = [p for p in missing if epochs.gone(self._infos[p], ())]
+        if dead:
+            raise TransportError(
+                f"{what} in world {self._world_id!r}: "
+                f"{'; '.join(self.describe_process(p) for p in dead)} no longer "
+                f"run{'s' if len(dead) == 1 else ''} (exited on this node) and never "
+                f"arrived: it ends the world")
+        if self._refusal(begun) is not None or (self._elastic is None and waiting.read_end(
+                self._store, self._seal, waiting.ended_key(self._root, self._seal.nonce))
+                is not None):
+            raise CommunicationError(f"{what}: the world was ended by another process")
 
     def _settled(self, prefix: str, op: int, kind: str, readers: Sequence[int],
                  arrived: list[bool]) -> list[bool]:
@@ -658,6 +656,12 @@ class World(WorldTransports, ElasticWorld):
         if self._closed:
             return
         self._closed = True
+        if self._broken is None and self._store is not None:
+            # peers waiting for this process (now or at their next collective) stop at once
+            self._post_end("RefitError", f"world {self._world_id!r}: "
+                           f"{self.describe_process(self._process_index)} closed its world"
+                           f"{self._why} and takes part in no further collective; close the "
+                           f"world in every process (join a new one to go on)")
         self._close_transports()
         self._close_links()         # links parked at an epoch change, not taken up
         if self._joined is not None and self._store is not None and self._elastic is None:
@@ -683,7 +687,9 @@ class World(WorldTransports, ElasticWorld):
     def __enter__(self) -> World:
         return self
 
-    def __exit__(self, *exc: object) -> None:
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        if exc is not None:     # the peers' error names why this process left
+            self._why = f" on {type(exc).__name__}: {str(exc)[:500]}"
         self.close()
 
     def __repr__(self) -> str:
