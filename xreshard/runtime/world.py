@@ -187,10 +187,9 @@ class World(WorldTransports, ElasticWorld):
                 too few with this process's token (at once when ``num_processes`` of them
                 exist), or the world's instance record was forged or replayed.
         """
-        token_bytes = token_from(token)
+        seal = Seal(token_from(token), world_id)
         groups, local_devices, index = join_arguments(
-            address, Seal(token_bytes, world_id), group, devices, num_processes, groups,
-            index, is_server)
+            address, seal, group, devices, num_processes, groups, index, is_server)
         deadline = time.monotonic() + timeout
         server = None
         if is_server:
@@ -205,7 +204,6 @@ class World(WorldTransports, ElasticWorld):
               "num_ranks": len(local_devices), "devices": [str(d) for d in local_devices],
               "device_kinds": [device_kind(d) for d in local_devices]}
         expect = {"num_processes": num_processes, "groups": groups}
-        seal = Seal(token_bytes, world_id)
         if elastic:
             me.update({} if unit is None else {"unit": unit})
             running = epochs.read_epoch(store, seal)
@@ -214,8 +212,7 @@ class World(WorldTransports, ElasticWorld):
                                          local_devices, deadline, timeout, running, wait)
         try:
             joined = join_records(store, seal, me, expect, num_processes, deadline, address)
-            records = joined.members
-            infos, position = numbered(records, groups, world_id, (group, index))
+            infos, position = numbered(joined.members, groups, world_id, (group, index))
         except BaseException:
             if server is not None:
                 server.close()
