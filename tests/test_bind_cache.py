@@ -273,3 +273,98 @@ def test_overlap_sweep_is_redone_when_an_array_changes():
     assert _overlaps([("a", a), ("b", b)]) == []
     b.strides = (-4,)           # the same object, now running back over a's last elements
     assert len(_overlaps([("a", a), ("b", b)])) == 1
+
+
+# ------------------------------------------------------------------- across real processes
+
+R, C = 32, 16
+
+
+def _trainer(ctx: Any) -> dict:
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding, PartitionSpec as P
+    import xreshard as xr
+    from xreshard.errors import BindingError
+
+    world = ctx.join(groups=["trainer", "rollout"])
+    mesh = jax.make_mesh((4,), ("tp",), devices=jax.local_devices())
+    base = jnp.arange(R * C, dtype=jnp.float32).reshape(R, C)
+    refit = xr.Refit(world, config=xr.RefitConfig(timeout=60))
+    for step in range(4):       # a new array of the same sharding every call (a step's output)
+        # column blocks: each lands in a receiver's rows as a strided block (via staging)
+        w = jax.device_put(base * (step + 1), NamedSharding(mesh, P(None, "tp")))
+        try:
+            refit(send={"w": w})
+        except BindingError as e:
+            out = {"error": type(e).__name__, "calls": step}
+            break
+    else:
+        out = {"error": None, "calls": 4}
+    world.close()
+    return out
+
+
+def _rollout(ctx: Any) -> dict:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+    import xreshard as xr
+    from xreshard.errors import BindingError
+    from xreshard.runtime.world import parse_address
+
+    host, port = parse_address(ctx.address)
+    store = dist.TCPStore(host, port, is_master=False)
+    dist.init_process_group("gloo", store=dist.PrefixStore("rollout/", store),
+                            rank=ctx.role.index, world_size=2)
+    world = ctx.join(groups=["trainer", "rollout"])
+    mesh = init_device_mesh("cpu", (2,))
+
+    def dtensor() -> Any:
+        return DTensor.from_local(torch.zeros(R // 2, C), mesh, [Shard(0)],
+                                  shape=torch.Size((R, C)), stride=(C, 1), run_check=False)
+    state = {"w": dtensor()}
+    refit = xr.Refit(world, receive=state, config=xr.RefitConfig(timeout=60))
+    rows = slice(ctx.role.index * R // 2, (ctx.role.index + 1) * R // 2)
+    want = lambda step: (np.arange(R * C, dtype=np.float32).reshape(R, C)  # noqa: E731
+                         * (step + 1))[rows].tobytes()
+    exact, kept, error = [], [], None
+    for step in range(4):
+        local = xtorch._local_of(state["w"])
+        old = local.clone()
+        if step == 1:       # new memory under the same DTensor and local tensor
+            local.set_(torch.zeros(R // 2, C))
+        elif step == 2:     # a new DTensor under the same name
+            swapped = local
+            state["w"] = dtensor()
+        elif step == 3:     # a local tensor the layout does not fit
+            local.set_(torch.zeros(R // 4, C))
+        try:
+            refit()
+        except BindingError as e:
+            error = (type(e).__name__, "local shape (8, 16)" in str(e))
+            break
+        exact.append(xtorch._local_of(state["w"]).numpy().tobytes() == want(step))
+        if step == 2:       # the tensor swapped out was not written
+            kept.append(swapped.numpy().tobytes() == old.numpy().tobytes())
+    world.close()
+    dist.destroy_process_group()
+    return {"exact": exact, "kept": kept, "error": error}
+
+
+@needs_jax
+@needs_torch
+@pytest.mark.slow
+def test_refits_land_in_memory_changed_between_calls_and_refuse_a_wrong_shape():
+    """Warm calls into destinations changed between calls: new memory under the same
+    DTensor, a new DTensor, then a local tensor of the wrong shape. Each call's bytes land
+    bit-exact in the memory the destination has now (not the memory it had, which keeps
+    its last bytes), and the wrong shape is refused on every process with BindingError."""
+    from xreshard.tools.launch import Role, launch
+    roles = [Role("jax", "trainer", 0, num_devices=4),
+             Role("torch", "rollout", 0), Role("torch", "rollout", 1)]
+    results = launch([_trainer, _rollout, _rollout], roles, timeout=150)
+    assert results[0].value == {"error": "BindingError", "calls": 3}
+    for res in results[1:]:
+        assert res.value == {"exact": [True, True, True], "kept": [True],
+                             "error": ["BindingError", True]}, res.value
