@@ -112,6 +112,13 @@ def test_jax_warm_bind_sees_a_changed_sharding_shape_or_dtype():
         assert bound.layouts["w"] != first.layouts["w"]
         assert bound.layouts["w"] == xjax.layout_of(changed, ranks=ranks)
         _assert_bound_exactly(bound, {"w": changed}, ranks)
+    # another rank map, through memos that number rank maps anew (no memo: a fresh one
+    # per bind, as Tuning(layout_memo=False) does): its own ranks, not the cached ones
+    shifted = {d: r + 10 for d, r in ranks.items()}
+    for rank_map in (ranks, shifted, ranks):
+        bound = xjax.bind(tree, "send", ranks=rank_map, cache=cache)
+        assert bound.layouts["w"].ranks == tuple(sorted(rank_map.values()))
+        assert {r for r, _ in bound.bindings} == set(rank_map.values())
     # and back: the first geometry again binds the first layout, the new array's bytes
     back = {"w": jax.device_put(base + 7, NamedSharding(mesh, P("a", "b")))}
     bound = xjax.bind(back, "send", ranks=ranks, memo=memo, cache=cache)
@@ -247,6 +254,10 @@ def test_torch_bind_cache_is_per_rank_map_and_names(gloo1):
     assert list(renamed.layouts) == ["v"] and list(renamed.bindings) == [(0, "v")]
     again = _bind(state, cache, memo)
     assert list(again.layouts) == ["w"] and again.layouts["w"] == first.layouts["w"]
+    # memos that number rank maps anew (none given: a fresh one per bind)
+    for rank in (0, 5, 0):
+        bound = xtorch.bind(state, "receive", ranks={0: rank}, local_ranks=[rank], cache=cache)
+        assert list(bound.bindings) == [(rank, "w")] and bound.layouts["w"].ranks == (rank,)
 
 
 def _parts(bound) -> tuple:

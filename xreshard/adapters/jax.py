@@ -572,24 +572,30 @@ def _bind(tree: Any, side: str, *, ranks: Mapping[int, int], names: Any, transpo
     rid = memo.ranks_id(ranks)
     pending = []       # receive: (leaf, name, [(device, buffer)])
     per_device: dict[Any, tuple[int, bool]] = {}    # device -> (world rank, on CPU?)
-    # (sharding, shape, dtype, rank map) -> (layout, [(world rank, on CPU?)] of the shards in
-    # the array's own order, or None): what every array of that geometry shares, looked up
-    # per array instead of walked per shard; kept across calls (an optimizer step's new
-    # arrays have new, equal shardings) and bounded like the memo
-    geometry = cache.setdefault("geometry", {}) if rid is not None else {}
-    if len(geometry) > 4096:
-        geometry.clear()
+    # (sharding, shape, dtype) -> (layout, [(world rank, on CPU?)] of the shards in the
+    # array's own order, or None): what every array of that geometry shares, looked up per
+    # array instead of walked per shard; kept across calls (an optimizer step's new arrays
+    # have new, equal shardings) for the same rank map (compared by value: a memo's
+    # ranks_id numbers restart when it is new or full), bounded like the memo
+    geometry: dict = {}
+    if rid is not None:
+        rank_map = dict(ranks)
+        kept = cache.get("geometry")
+        if kept is None or kept[0] != rank_map or len(kept[1]) > 4096:
+            kept = cache["geometry"] = (rank_map, {})
+        geometry = kept[1]
     for name, leaf in zip(leaf_names, leaves):
         if name in layouts:
             errors.append(f"two leaves map to tensor {name!r}")
             continue
-        key = None if rid is None else (leaf.sharding, tuple(leaf.shape), leaf.dtype, rid)
+        key = None if rid is None else (leaf.sharding, tuple(leaf.shape), leaf.dtype)
         try:
             known_geo = geometry.get(key) if key is not None else None
         except TypeError:       # an unhashable sharding: converted every call
             key = known_geo = None
         if known_geo is None:
-            layout = memo.get(key, lambda: layout_of(leaf, ranks=rank_of, name=name))
+            layout = memo.get(None if key is None else key + (rid,),
+                              lambda: layout_of(leaf, ranks=rank_of, name=name))
             known_geo = (layout, _shard_ranks(leaf.sharding, rank_of))
             if key is not None:
                 geometry[key] = known_geo

@@ -588,9 +588,10 @@ def _bind(obj: Any, side: str, *, ranks: RankMap, local_ranks: Sequence[int], na
     holds: dict[Layout, bool] = {}          # layout -> whether this rank holds elements
     dtypes: dict[Any, str] = {}             # torch dtype -> canonical name
     quantized: list[tuple[Any, str, str]] = []
-    # entries of the last call, valid for the same rank map, rank, names and transposes
-    context = (rid, me, transpose, names if names is None or callable(names) else
-               dict(names))
+    # entries of the last call, valid for the same rank map (by value: a memo's ranks_id
+    # numbers restart when it is new or full), rank, names and transposes
+    context = (dict(ranks) if rid is not None else None, me, transpose,
+               names if names is None or callable(names) else dict(names))
     known: dict[str, _Known] = cache.get("known", {}) \
         if rid is not None and cache.get("context") == context else {}
     now: dict[str, _Known] = {}
