@@ -8,7 +8,8 @@ the checks, two metadata all-gathers, the executor's bookkeeping. Calls alternat
 * warm: the refit's layout memo (``Refit.layout_memo``) hands back the layouts of the last
   call, as every refit after the first finds it;
 * cold: the refit is given a memo that remembers nothing (``tools.testing.ColdMemo``) for
-  the call, so every layout is built anew, as before the memo existed,
+  the call, and its adapters' bind caches are emptied, so every layout is built and every
+  tensor bound anew, as before the memo existed,
 
 in the same processes, and the script prints the median of each and their ratio.
 ``--fresh`` sends new arrays every call (``params + 0``, made outside the timed region),
@@ -84,6 +85,10 @@ def _calls(refit: Any, side: dict, reps: int, profile: int = 0, sort: str = "cum
     for _ in range(reps):
         for kind in ("warm", "cold"):
             refit.layout_memo = warm_memo if kind == "warm" else cold_memo
+            if kind == "cold":      # and the adapters' bind caches (those this version has)
+                for state in getattr(getattr(refit, "_sides", None), "__iter__", list)():
+                    for key in ("geometry", "known", "context"):
+                        state.cache.pop(key, None)
             now = prepared()
             t0, c0 = time.perf_counter(), time.process_time()
             refit(**now)

@@ -39,9 +39,10 @@ def trainer(ctx: Any) -> dict:
                        NamedSharding(mesh, P("tp", None)))
     refit = xr.Refit(world, send={"w": w}, config=xr.RefitConfig(timeout=60))
     calls = []
-    for _ in range(2):
+    for step in range(3):       # the third: new arrays of the same sharding (a step's output)
+        sent = w if step < 2 else jax.block_until_ready(w + 0)
         with count_comm() as counts:
-            refit(send={"w": w})
+            refit(send={"w": sent})
         calls.append(counts.as_json())
     out = {"calls": calls, "trainer_ranks": list(world.group_ranks("trainer")),
            "rollout_ranks": list(world.group_ranks("rollout"))}
@@ -68,7 +69,7 @@ def rollout(ctx: Any) -> dict:
                                      stride=(C, 1), run_check=False)}
     refit = xr.Refit(world, receive=state, config=xr.RefitConfig(timeout=60))
     calls = []
-    for _ in range(2):
+    for _ in range(3):
         with count_comm() as counts:
             refit()
         calls.append(counts.as_json())
@@ -90,7 +91,7 @@ def test_counts_are_the_bytes_each_destination_lacks_per_peer():
     received: dict = {}
     for res in results[1:]:
         assert res.value["exact"]
-    for call in range(2):                           # the second call moves it all again
+    for call in range(3):                           # later calls move it all again
         sent = CommCounts.pairs_from_json(t["calls"][call]["bytes_sent"])
         assert sent == want
         assert CommCounts.pairs_from_json(t["calls"][call]["messages_sent"]).keys() == want.keys()
@@ -101,6 +102,14 @@ def test_counts_are_the_bytes_each_destination_lacks_per_peer():
             assert got["rounds"] >= 1
             received.update(CommCounts.pairs_from_json(got["bytes_received"]))
         assert received == want
+    # a warm plain call (no delta, atomic, verify, check_writes, FP8 or relay) enters two
+    # metadata collectives, its check and its outcome, and one transport round, on every
+    # process: no feature that is off costs a collective
+    for res in results:
+        for call in (1, 2):
+            got = res.value["calls"][call]
+            assert got["collectives"] == {"refit/check": 1, "refit/outcome": 1}, (res.role, got)
+            assert got["rounds"] == res.value["calls"][1]["rounds"] == 1, (res.role, got)
 
 
 def test_counter_sees_posts_only_while_active_and_nests():

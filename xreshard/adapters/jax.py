@@ -385,8 +385,9 @@ def accepts(obj: Any) -> bool:
     if jax is None:
         return False
     leaves = jax.tree_util.tree_leaves(obj)
+    # one leaf of each type asked, not every leaf (isinstance on jax.Array runs Python)
     return bool(leaves) and all(isinstance(x, (jax.Array, jax.ShapeDtypeStruct))
-                                for x in leaves)
+                                for x in dict(zip(map(type, leaves), leaves)).values())
 
 
 def identity(devices: Sequence[Any], ranks: Sequence[int]) -> list[list[int]]:
@@ -534,6 +535,16 @@ def bind(tree: Any, side: str, *, ranks: Mapping[int, int], names: Any = None,
                      cache={} if cache is None else cache)
 
 
+def _shard_ranks(sharding: Any, rank_of: Callable[[Any], int]) -> list[tuple[int, bool]] | None:
+    """``[(world rank, on CPU?)]`` of ``sharding``'s addressable devices in the order an
+    array of it keeps its per-device arrays, or None when this JAX does not say (the
+    caller then walks ``addressable_shards``)."""
+    devices = getattr(sharding, "_addressable_device_assignment", None)
+    if devices is None:
+        return None
+    return [(rank_of(d), d.platform == "cpu") for d in devices]
+
+
 def _leaf_names(jax: Any, tree: Any, names: Any, cache: dict) -> tuple[list[str], list, Any]:
     """(canonical names, leaves, treedef); the names of a tree structure are computed once
     per ``cache``."""
@@ -561,13 +572,34 @@ def _bind(tree: Any, side: str, *, ranks: Mapping[int, int], names: Any, transpo
     rid = memo.ranks_id(ranks)
     pending = []       # receive: (leaf, name, [(device, buffer)])
     per_device: dict[Any, tuple[int, bool]] = {}    # device -> (world rank, on CPU?)
+    # (sharding, shape, dtype) -> (layout, [(world rank, on CPU?)] of the shards in the
+    # array's own order, or None): what every array of that geometry shares, looked up per
+    # array instead of walked per shard; kept across calls (an optimizer step's new arrays
+    # have new, equal shardings) for the same rank map (compared by value: a memo's
+    # ranks_id numbers restart when it is new or full), bounded like the memo
+    geometry: dict = {}
+    if rid is not None:
+        rank_map = dict(ranks)
+        kept = cache.get("geometry")
+        if kept is None or kept[0] != rank_map or len(kept[1]) > 4096:
+            kept = cache["geometry"] = (rank_map, {})
+        geometry = kept[1]
     for name, leaf in zip(leaf_names, leaves):
         if name in layouts:
             errors.append(f"two leaves map to tensor {name!r}")
             continue
-        layout = memo.get(None if rid is None else (leaf.sharding, tuple(leaf.shape),
-                                                    leaf.dtype, rid),
-                          lambda: layout_of(leaf, ranks=rank_of, name=name))
+        key = None if rid is None else (leaf.sharding, tuple(leaf.shape), leaf.dtype)
+        try:
+            known_geo = geometry.get(key) if key is not None else None
+        except TypeError:       # an unhashable sharding: converted every call
+            key = known_geo = None
+        if known_geo is None:
+            layout = memo.get(None if key is None else key + (rid,),
+                              lambda: layout_of(leaf, ranks=rank_of, name=name))
+            known_geo = (layout, _shard_ranks(leaf.sharding, rank_of))
+            if key is not None:
+                geometry[key] = known_geo
+        layout = known_geo[0]
         flip = name in transpose
         if flip:
             if layout.ndim != 2:
@@ -577,6 +609,17 @@ def _bind(tree: Any, side: str, *, ranks: Mapping[int, int], names: Any, transpo
         layouts[name] = layout
         if side == "send":
             product = layout.is_product
+            shard_ranks = known_geo[1]
+            arrays = getattr(leaf, "_arrays", None) if shard_ranks is not None else None
+            if arrays is not None and len(arrays) == len(shard_ranks) \
+                    and not leaf.is_deleted():
+                # the per-device arrays, in the sharding's addressable device order (JAX
+                # keeps them so: ArrayImpl._check_and_rearrange); no Shard objects built
+                for x, (rank, cpu) in zip(arrays, shard_ranks):
+                    arr = np.asarray(x) if cpu else host_view(x)
+                    arr = arr.T if flip else arr
+                    bindings[(rank, name)] = arr if product else [arr]
+                continue
             for shard in leaf.addressable_shards:
                 device = shard.device
                 known = per_device.get(device)

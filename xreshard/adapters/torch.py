@@ -526,11 +526,13 @@ def refit_bind(obj: Any, side: str, context: Any) -> Any:
                           "torch state dicts are named by their keys (use names= to rename "
                           "them)")
     return bind(obj, side, ranks=dict(context.ranks) or None, local_ranks=context.local_ranks,
-                names=context.names, transpose=context.transpose, memo=context.memo)
+                names=context.names, transpose=context.transpose, memo=context.memo,
+                cache=context.cache)
 
 
 def bind(obj: Any, side: str, *, ranks: RankMap, local_ranks: Sequence[int], names: Any = None,
-         transpose: frozenset[str] = frozenset(), memo: LayoutMemo | None = None) -> Any:
+         transpose: frozenset[str] = frozenset(), memo: LayoutMemo | None = None,
+         cache: dict | None = None) -> Any:
     """Bind a state dict / module of DTensors, :class:`Sharded` or plain tensors.
 
     DTensors and Sharded tensors are bound through their local tensor (written in place when
@@ -546,16 +548,45 @@ def bind(obj: Any, side: str, *, ranks: RankMap, local_ranks: Sequence[int], nam
         transpose: canonical names whose local tensors are stored transposed.
         memo: DTensor layouts remembered across calls by spec and rank map (a Refit passes
             its own); None converts every spec anew.
+        cache: a dict kept by the caller across calls of one side (a Refit passes its own):
+            an entry bound before whose tensor is unchanged is looked up, not bound anew
+            (see ``_Known``).
     """
     from xreshard.runtime.execute import gc_paused
     with gc_paused():
         return _bind(obj, side, ranks=ranks, local_ranks=local_ranks, names=names,
-                     transpose=transpose, memo=LayoutMemo() if memo is None else memo)
+                     transpose=transpose, memo=LayoutMemo() if memo is None else memo,
+                     cache={} if cache is None else cache)
+
+
+class _Known:
+    """What an earlier call bound for one state-dict entry, and what it was bound from.
+
+    A later call reuses it only when the entry is the same tensor object whose DTensor spec
+    object, local tensor object and memory (address, shape, strides, dtype, device) are the
+    same: everything the layout and the view were made of. A tensor resized, re-pointed
+    (``set_``, ``.data =``), moved or retyped in place, or a DTensor given another spec or
+    local tensor, is bound anew (and checked anew). Holding these entries keeps nothing
+    alive that the Refit does not already keep (it keeps the torch objects it binds).
+    """
+
+    __slots__ = ("value", "spec", "local", "memory", "name", "layout", "binding", "only")
+
+    def __init__(self, value: Any, spec: Any, local: Any, memory: tuple, name: str,
+                 layout: Layout, binding: Any, only: bool):
+        self.value, self.spec, self.local, self.memory = value, spec, local, memory
+        self.name, self.layout, self.binding, self.only = name, layout, binding, only
+
+
+def _memory(t: Any) -> tuple:
+    """Where and how a tensor's elements lie: what a view of it was made from."""
+    return (t.data_ptr(), t.shape, t.stride(), t.dtype, t.device)
 
 
 def _bind(obj: Any, side: str, *, ranks: RankMap, local_ranks: Sequence[int], names: Any,
-          transpose: frozenset[str], memo: LayoutMemo) -> Any:
+          transpose: frozenset[str], memo: LayoutMemo, cache: dict) -> Any:
     import torch
+    from torch.distributed.tensor import DTensor
     from xreshard.runtime.binding import Bound
 
     items = obj.state_dict().items() if isinstance(obj, torch.nn.Module) else obj.items()
@@ -567,7 +598,31 @@ def _bind(obj: Any, side: str, *, ranks: RankMap, local_ranks: Sequence[int], na
     holds: dict[Layout, bool] = {}          # layout -> whether this rank holds elements
     dtypes: dict[Any, str] = {}             # torch dtype -> canonical name
     quantized: list[tuple[Any, str, str]] = []
+    # entries of the last call, valid for the same rank map (by value: a memo's ranks_id
+    # numbers restart when it is new or full), rank, names and transposes
+    context = (dict(ranks) if rid is not None else None, me, transpose,
+               names if names is None or callable(names) else dict(names))
+    known: dict[str, _Known] = cache.get("known", {}) \
+        if rid is not None and cache.get("context") == context else {}
+    now: dict[str, _Known] = {}
     for key, value, named in _expand_quantized(items, names, quantized):
+        k = known.get(key) if not named else None
+        if k is not None and k.value is value:
+            if isinstance(value, DTensor):
+                local = getattr(value, "_local_tensor", None)
+                same = value._spec is k.spec and local is k.local
+            else:
+                local, same = value, True
+            if same and _memory(local) == k.memory and k.name not in layouts:
+                # the same tensor, the same memory: the same layout and view
+                name = k.name
+                layouts[name] = k.layout
+                if k.only:
+                    local_only.add(name)
+                if k.binding is not None:
+                    bindings[(me, name)] = k.binding
+                now[key] = k
+                continue
         name = key if named else canonical_name(key, names)
         if name in layouts:
             errors.append(f"two state-dict entries map to tensor {name!r}")
@@ -589,16 +644,28 @@ def _bind(obj: Any, side: str, *, ranks: RankMap, local_ranks: Sequence[int], na
         held = holds.get(layout)
         if held is None:
             held = holds[layout] = me in layout.rank_set and layout.num_elements(me) > 0
+        binding = None
         if held:
             dtype = dtypes.get(local.dtype)
             if dtype is None:
                 dtype = dtypes[local.dtype] = dtype_name(local.dtype)
             view = _view(local, dtype)
-            bindings[(me, name)] = view if layout.is_product else [view]
+            binding = bindings[(me, name)] = view if layout.is_product else [view]
         elif local.numel():
             errors.append(f"{name!r}: this process (world rank {me}) holds a local tensor of "
                           f"shape {tuple(local.shape)} but is not in the tensor's mesh "
                           f"{layout.ranks}; check the torch-rank to world-rank map")
+            continue
+        if named or not isinstance(value, torch.Tensor):
+            continue        # Quantized parts and Sharded entries are bound every call
+        if isinstance(value, DTensor):
+            spec, base = value._spec, getattr(value, "_local_tensor", None)
+            if base is None:
+                continue
+        else:
+            spec, base = None, value
+        now[key] = _Known(value, spec, base, _memory(base), name, layout, binding, only)
+    cache["context"], cache["known"] = context, now
     declared = {}
     for fmt, name, scale in quantized:
         if name in layouts and scale in layouts:

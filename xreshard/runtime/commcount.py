@@ -9,6 +9,7 @@ often, switches counting on around the calls it wants to see::
     counts.bytes_received        # {(src_rank, dst_rank): bytes} posted to land here
     counts.sent_to(3)            # bytes this process sent to world rank 3
     counts.rounds                # transport groups (one per executor round)
+    counts.collectives           # {"refit/check": 1, ...}: the world's metadata collectives
 
 Every transport a :class:`~xreshard.runtime.world.World` hands out is wrapped in
 :class:`CountedTransport`, which reports each posted send and receive to the counters
@@ -46,6 +47,9 @@ class CommCounts:
         self.messages_sent: Counter[tuple[int, int]] = Counter()
         self.messages_received: Counter[tuple[int, int]] = Counter()
         self.rounds = 0
+        #: the world's metadata collectives (all-gathers, broadcasts, barriers) this
+        #: process entered, by kind (``"refit/check"``, ``"refit/outcome"``, ...)
+        self.collectives: Counter[str] = Counter()
 
     def sent_to(self, dst_rank: int) -> int:
         """Bytes this process posted to world rank ``dst_rank`` (from any local rank)."""
@@ -68,7 +72,7 @@ class CommCounts:
                 f"bytes_received={dict(sorted(self.bytes_received.items()))}, "
                 f"messages_sent={dict(sorted(self.messages_sent.items()))}, "
                 f"messages_received={dict(sorted(self.messages_received.items()))}, "
-                f"rounds={self.rounds})")
+                f"rounds={self.rounds}, collectives={dict(sorted(self.collectives.items()))})")
 
     def __str__(self) -> str:
         """A table, one row per ``(src_rank, dst_rank)`` pair this process posted::
@@ -108,7 +112,7 @@ class CommCounts:
                 "bytes_received": pairs(self.bytes_received),
                 "messages_sent": pairs(self.messages_sent),
                 "messages_received": pairs(self.messages_received),
-                "rounds": self.rounds}
+                "rounds": self.rounds, "collectives": dict(sorted(self.collectives.items()))}
 
     @staticmethod
     def pairs_from_json(d: dict[str, int]) -> dict[tuple[int, int], int]:
@@ -166,6 +170,13 @@ class CountedTransport:
 
     def close(self) -> None:
         self.inner.close()
+
+
+def count_collective(kind: str) -> None:
+    """Note one metadata collective of ``kind`` entered by this process (the world calls
+    it, only while some counter is active)."""
+    for c in list(_ACTIVE):
+        c.collectives[kind] += 1
 
 
 def _count(buf: Any, pair: tuple[int, int], way: str) -> None:

@@ -191,6 +191,14 @@ class Programs:
                     off + it.nbytes, bits_dtype(1), it.region.shape, fmt.dtype,
                     lay.dtype if side == 0 else fmt.dtype, False, quant)
 
+    def landing(self, b: Bucket) -> Any:
+        """What the executor kept of bucket ``b``'s last host unpack (see
+        ``Executor._unpack_host``), or None."""
+        return self._cache.get((id(b), "landing"))
+
+    def keep_landing(self, b: Bucket, landing: Any) -> None:
+        self._cache[(id(b), "landing")] = landing
+
     def runs(self, b: Bucket, side: int) -> tuple[Run, ...]:
         """Bucket ``b``'s program cut into :class:`Run` s (see there)."""
         key = (id(b), 2 + side)

@@ -42,6 +42,7 @@ from ..ir.topology import Topology
 from ..transport.base import Transport, TransportTimeout, format_seconds
 from ..transport.routed import RenumberedTransport, RoutedTransport
 from .world_transports import WorldTransports, device_kind
+from .commcount import count_collective
 
 __all__ = ["StoreServer", "World", "RoutedTransport", "RenumberedTransport", "serve",
            "parse_address"]
@@ -463,6 +464,7 @@ class World(WorldTransports, ElasticWorld):
         mark the world broken (it knows the first cause)."""
         body = json.dumps(obj)      # TypeError before anything is posted
         begun = time.monotonic()
+        count_collective(kind)      # for count_comm(); nothing when no counter is active
         with self.exclusive(kind):
             prefix, op = self._next_op(kind)
             me = self._process_index
