@@ -167,7 +167,8 @@ def _listen(host: str, port: int) -> socket.socket:
         sock.listen(1024)
     except OSError as e:
         sock.close()
-        raise RefitError(f"cannot listen on {host}:{port}: {e}") from e
+        # the machine's state, not the caller's input: an OSError (EADDRINUSE, EACCES, ...)
+        raise OSError(e.errno, f"cannot listen on {host}:{port}: {e.strerror}") from e
     sock.set_inheritable(False)
     return sock
 
