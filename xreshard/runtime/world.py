@@ -20,6 +20,7 @@ timeout raises ``TransportTimeout`` naming the processes that never arrived.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import json
 import logging
@@ -28,6 +29,7 @@ import socket
 import sys
 import threading
 import time
+import weakref
 from typing import Any, Iterator, Sequence
 
 from ..errors import (CollectiveMismatch, CommunicationError, RefitError, WorldBroken,
@@ -47,6 +49,18 @@ __all__ = ["StoreServer", "World", "RoutedTransport", "RenumberedTransport", "se
            "parse_address"]
 
 logger = logging.getLogger(__name__)
+
+# Open worlds (weakly), closed at interpreter exit: one left open (an exception on its way
+# out) has its store and gloo clients torn down by C++ destructors under their threads,
+# and the process aborts ("terminate called without an active exception", exit -6).
+_OPEN: weakref.WeakSet[World] = weakref.WeakSet()
+
+
+@atexit.register
+def _close_at_exit() -> None:
+    for world in list(_OPEN):
+        with contextlib.suppress(Exception):    # exiting: the others still close
+            world.close(wait=5.0)               # a daemon thread's collective: 5 s at most
 
 
 def _default_index(devices: Any) -> int:
@@ -140,6 +154,7 @@ class World(WorldTransports, ElasticWorld):
         self._depth = 0         # nesting of ``exclusive`` in the thread that holds it
         self._elastic = elastic     # an epochs.Membership, or None (a fixed world)
         self._set_members(infos, process_index)
+        _OPEN.add(self)
 
     def _set_members(self, infos: list[dict[str, Any]], process_index: int) -> None:
         """The rank tables of a member set (at the join, and at each new epoch)."""
@@ -623,22 +638,23 @@ class World(WorldTransports, ElasticWorld):
                               f"collectives: {self._broken}; join a new world (another "
                               f"world_id) to continue")
 
-    def close(self) -> None:
-        """Close the transports and leave the store. Idempotent.
+    def close(self, wait: float | None = None) -> None:
+        """Close the transports and leave the store. Idempotent; also at ``with`` exit, and
+        at interpreter exit for a world still open then (``wait`` 5 s).
 
-        A collective or refit still running in another thread (``refit.start()``) is
-        waited for first, within the world's timeout: its own waits are bounded by it, and
-        tearing the store and transports down under it would turn its outcome into an
-        unrelated error.
+        Args:
+            wait: seconds to wait for a collective or refit running in another thread
+                (``refit.start()``); default the world's timeout + 5 s: its waits are
+                bounded by it, and closing under it would garble its outcome.
         """
         if self._closed:
             return
         self._closing = True        # refuses new collectives while we wait for a running one
-        held = self._lock.acquire(timeout=self._timeout + 5.0)
+        wait = self._timeout + 5.0 if wait is None else wait
+        held = self._lock.acquire(timeout=wait)
         if not held:
             logger.warning("world %r: a collective of another thread did not finish within "
-                           "%s; closing under it", self._world_id,
-                           format_seconds(self._timeout + 5.0))
+                           "%s; closing under it", self._world_id, format_seconds(wait))
         try:
             self._close()
         finally:
@@ -649,6 +665,7 @@ class World(WorldTransports, ElasticWorld):
         if self._closed:
             return
         self._closed = True
+        _OPEN.discard(self)
         self._close_transports()
         self._close_links()         # links parked at an epoch change, not taken up
         if self._joined is not None and self._store is not None and self._elastic is None:
