@@ -70,7 +70,7 @@ def test_a_delta_report_says_what_went_on_the_wire_and_that_it_was_delta():
                               "num_delta": 3}))
     assert "world moved" not in text, text
     assert ("delta: this process's senders put 203 KiB on the wire for 4.00 MiB dense "
-            "(3 buckets encoded); world planned 4.00 MiB dense") in text, text
+            "(buckets encoded: 3); world planned 4.00 MiB dense") in text, text
 
 
 def test_an_fp8_report_says_what_went_on_the_wire():

@@ -329,7 +329,7 @@ class RefitReport:
         if self.delta is not None:      # the world's wire bytes are not gathered: this process's
             return (f"delta: this process's senders put {size(self.delta.get('bytes_wire', 0))} "
                     f"on the wire for {size(self.delta.get('bytes_dense', 0))} dense "
-                    f"({self.delta.get('num_delta', 0)} buckets encoded); world planned {dense} "
+                    f"(buckets encoded: {self.delta.get('num_delta', 0)}); world planned {dense} "
                     f"dense")
         if self.quantized:
             q = self.quantized      # the quantized tensors' part, as FP8 + split blocks
