@@ -170,8 +170,9 @@ def main():
     engine.shutdown()
     shutil.rmtree(work, ignore_errors=True)
     if failures:
-        sys.exit(f"{failures} step(s) differ from vLLM's directory load")
-    print("every step: the in-memory adapter serves exactly what vLLM's directory load serves")
+        sys.exit(f"FAILED: {failures} step(s) differ from vLLM's directory load")
+    print("OK: every step, the in-memory adapter serves exactly what vLLM's directory load "
+          "serves (tokens and logprobs, bit-equal)")
 
 
 if __name__ == "__main__":

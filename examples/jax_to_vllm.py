@@ -309,11 +309,15 @@ def main():
     same = after == reference
     print(f"after refit == fresh engine loading the checkpoint: {same}")
     print(f"after refit == JAX greedy (fp32, other kernels; usually equal): {after == jax_tokens}")
-    engine.shutdown()
+    engine.shutdown()       # the workers leave the world first, then the store closes
     if args.workdir is None:
         shutil.rmtree(work, ignore_errors=True)
     if not same:
+        print("FAILED: the refit engine's tokens differ from a fresh engine loading the "
+              "trained checkpoint")
         sys.exit(1)
+    print(f"OK: the refit TP={args.tp} engine generates exactly what a fresh engine loading "
+          f"the trained checkpoint generates")
 
 
 if __name__ == "__main__":

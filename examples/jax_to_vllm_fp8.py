@@ -222,4 +222,6 @@ def main(steps: int = 60, workdir: str | None = None, quantization: str = "check
         print(f"serving after the refit (tokens, logprobs vs a fresh engine): skipped - {why}")
     else:
         print("serving after the refit: not run by this example yet (TODO(issue 20))")
+    print("OK: every vLLM rank's FP8 codes and scales equal vLLM's own load, byte for byte"
+          if ok else "FAILED: some vLLM rank's bytes differ from vLLM's own load (above)")
     return 0 if ok else 1
