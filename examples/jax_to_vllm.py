@@ -182,8 +182,18 @@ def save_checkpoint(params, path, rules):
     cfg.to_json_file(os.path.join(path, "config.json"))
 
 
+def quiet_chat_template_warmup():
+    """``LLM(...)`` warms its chat template up unconditionally; with skip_tokenizer_init
+    there is no tokenizer to render with, and vLLM logs that as a warning with a traceback.
+    Token ids in, token ids out here: drop that one record."""
+    import logging
+    logging.getLogger("vllm.renderers.base").addFilter(
+        lambda record: record.getMessage() != "Chat template warmup failed")
+
+
 def make_llm(model, tp, dtype, xreshard=True):
     from vllm import LLM
+    quiet_chat_template_warmup()
     # the worker extension only adds xreshard_transfer_report (bytes per rank) for printing
     kwargs = {"weight_transfer_config": {"backend": "xreshard"},
               "worker_extension_cls": "xreshard.adapters.vllm.WorkerExtension"} if xreshard else {}
