@@ -117,6 +117,7 @@ def main():
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     os.environ.setdefault("JAX_NUM_CPU_DEVICES", "4")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    os.environ.setdefault("VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS", "60")    # see below
     if args.tp == 1:
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     else:
@@ -170,7 +171,10 @@ def main():
         print(f"  tokens (in memory)   : {got_tokens}\n  tokens (PEFT dir)    : {ref_tokens}\n"
               f"  tokens + logprobs bit-equal: {same}"
               + ("" if k else f"   (B = 0: the base model {base_tokens})"))
-    engine.shutdown()
+    engine.shutdown()       # the workers leave the world first, then the store closes
+    core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
+    if core is not None:    # stop_llm in jax_to_vllm.py: vLLM's workers, waited for
+        core.shutdown(timeout=120)
     shutil.rmtree(work, ignore_errors=True)
     if failures:
         sys.exit(f"FAILED: {failures} step(s) differ from vLLM's directory load")

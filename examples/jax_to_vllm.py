@@ -211,10 +211,20 @@ def generate(llm):
 
 def engine_env(tp):
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    os.environ.setdefault("VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS", "60")    # see stop_llm
     if tp == 1:
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     else:
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(map(str, range(tp))))
+
+
+def stop_llm(llm):
+    """Stop the engine and its workers now, waiting for them: left to the interpreter's
+    exit, vLLM gives its workers 5 s (VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS), then kills them
+    (warnings after the verdict, leaked shared memory) on a loaded machine."""
+    core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
+    if core is not None:
+        core.shutdown(timeout=120)
 
 
 # ---------------------------------------------------------------------------- main
@@ -320,6 +330,7 @@ def main():
     print(f"after refit == fresh engine loading the checkpoint: {same}")
     print(f"after refit == JAX greedy (fp32, other kernels; usually equal): {after == jax_tokens}")
     engine.shutdown()       # the workers leave the world first, then the store closes
+    stop_llm(llm)
     if args.workdir is None:
         shutil.rmtree(work, ignore_errors=True)
     if not same:
