@@ -34,9 +34,8 @@ def test_an_example_ends_with_one_verdict_line_and_a_clean_teardown(argv, tmp_pa
     lines = [ln for ln in proc.stdout.splitlines() if ln.strip()]
     verdicts = [ln for ln in lines if ln.startswith(("OK: ", "FAILED: "))]
     said = f"exit {proc.returncode}\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}"
-    assert len(verdicts) <= 1 and lines and lines[-1] == (verdicts or [""])[0] or (
-        proc.returncode != 0 and "FAILED: " in proc.stderr), said
-    assert proc.returncode == 0 and lines[-1].startswith("OK: "), said
+    assert len(verdicts) == 1 and lines[-1] == verdicts[0], f"one verdict, last:\n{said}"
+    assert proc.returncode == 0 and verdicts[0].startswith("OK: "), said
     for noise in NOISE:
         assert noise not in proc.stdout + proc.stderr, f"{noise!r} after a success:\n{said}"
     left = sorted(p.name for p in tmp_path.iterdir())
