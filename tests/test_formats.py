@@ -148,6 +148,8 @@ def test_torch_declares_a_quantized_destination():
 
 
 def test_the_docs_fp8_example_runs_as_written(capsys):
+    """In this process (seconds), for the fast tier; test_docs runs it as a script of its
+    own (over a minute on 2 loaded cores: a fresh interpreter's torch) in the slow tier."""
     import re
     from pathlib import Path
 
