@@ -122,7 +122,9 @@ def rollout(ctx, work: str, steps: int, quantization: str = "checkpoint") -> dic
     _, cfg = _config(quantization)
     online = quantization != "checkpoint"
     tp_rank = ctx.role.index
-    vllm_config = xv.make_vllm_config(cfg, dtype="bfloat16", tp_size=TP,
+    config_dir = os.path.join(work, f"config-{tp_rank}")    # removed with the work dir (a
+    cfg.save_pretrained(config_dir)                          # launched process ends in
+    vllm_config = xv.make_vllm_config(config_dir, dtype="bfloat16", tp_size=TP,  # os._exit)
                                       quantization=quantization if online else None)
     specs = xv.hf_tensor_specs(cfg, "bfloat16")
     recs = [xv.record_from_config(vllm_config, r, TP, specs) for r in range(TP)]
