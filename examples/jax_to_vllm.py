@@ -182,8 +182,18 @@ def save_checkpoint(params, path, rules):
     cfg.to_json_file(os.path.join(path, "config.json"))
 
 
+def quiet_chat_template_warmup():
+    """``LLM(...)`` warms its chat template up unconditionally; with skip_tokenizer_init
+    there is no tokenizer to render with, and vLLM logs that as a warning with a traceback.
+    Token ids in, token ids out here: drop that one record."""
+    import logging
+    logging.getLogger("vllm.renderers.base").addFilter(
+        lambda record: record.getMessage() != "Chat template warmup failed")
+
+
 def make_llm(model, tp, dtype, xreshard=True):
     from vllm import LLM
+    quiet_chat_template_warmup()
     # the worker extension only adds xreshard_transfer_report (bytes per rank) for printing
     kwargs = {"weight_transfer_config": {"backend": "xreshard"},
               "worker_extension_cls": "xreshard.adapters.vllm.WorkerExtension"} if xreshard else {}
@@ -201,10 +211,20 @@ def generate(llm):
 
 def engine_env(tp):
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    os.environ.setdefault("VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS", "60")    # see stop_llm
     if tp == 1:
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     else:
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(map(str, range(tp))))
+
+
+def stop_llm(llm):
+    """Stop the engine and its workers now, waiting for them: left to the interpreter's
+    exit, vLLM gives its workers 5 s (VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS), then kills them
+    (warnings after the verdict, leaked shared memory) on a loaded machine."""
+    core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
+    if core is not None:
+        core.shutdown(timeout=120)
 
 
 # ---------------------------------------------------------------------------- main
@@ -309,11 +329,16 @@ def main():
     same = after == reference
     print(f"after refit == fresh engine loading the checkpoint: {same}")
     print(f"after refit == JAX greedy (fp32, other kernels; usually equal): {after == jax_tokens}")
-    engine.shutdown()
+    engine.shutdown()       # the workers leave the world first, then the store closes
+    stop_llm(llm)
     if args.workdir is None:
         shutil.rmtree(work, ignore_errors=True)
     if not same:
+        print("FAILED: the refit engine's tokens differ from a fresh engine loading the "
+              "trained checkpoint")
         sys.exit(1)
+    print(f"OK: the refit TP={args.tp} engine generates exactly what a fresh engine loading "
+          f"the trained checkpoint generates")
 
 
 if __name__ == "__main__":

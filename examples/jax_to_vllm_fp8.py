@@ -122,7 +122,9 @@ def rollout(ctx, work: str, steps: int, quantization: str = "checkpoint") -> dic
     _, cfg = _config(quantization)
     online = quantization != "checkpoint"
     tp_rank = ctx.role.index
-    vllm_config = xv.make_vllm_config(cfg, dtype="bfloat16", tp_size=TP,
+    config_dir = os.path.join(work, f"config-{tp_rank}")    # removed with the work dir (a
+    cfg.save_pretrained(config_dir)                          # launched process ends in
+    vllm_config = xv.make_vllm_config(config_dir, dtype="bfloat16", tp_size=TP,  # os._exit)
                                       quantization=quantization if online else None)
     specs = xv.hf_tensor_specs(cfg, "bfloat16")
     recs = [xv.record_from_config(vllm_config, r, TP, specs) for r in range(TP)]
@@ -222,4 +224,6 @@ def main(steps: int = 60, workdir: str | None = None, quantization: str = "check
         print(f"serving after the refit (tokens, logprobs vs a fresh engine): skipped - {why}")
     else:
         print("serving after the refit: not run by this example yet (TODO(issue 20))")
+    print("OK: every vLLM rank's FP8 codes and scales equal vLLM's own load, byte for byte"
+          if ok else "FAILED: some vLLM rank's bytes differ from vLLM's own load (above)")
     return 0 if ok else 1

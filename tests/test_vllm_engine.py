@@ -32,7 +32,7 @@ import pytest
 
 from . import vllm_cases as cases
 
-cases.importorskip_vllm()
+cases.requires_vllm()
 
 from xreshard.adapters.naming import NameMap  # noqa: E402
 from xreshard.tools.launch import Role, launch  # noqa: E402

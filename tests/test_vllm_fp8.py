@@ -26,11 +26,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from .vllm_cases import importorskip_vllm
+from .vllm_cases import LazyModule, requires_vllm
 
-importorskip_vllm()
+requires_vllm()
 torch = pytest.importorskip("torch")
-transformers = pytest.importorskip("transformers")
+transformers = LazyModule("transformers")
 ml_dtypes = pytest.importorskip("ml_dtypes")
 
 from xreshard.adapters import vllm as xv  # noqa: E402

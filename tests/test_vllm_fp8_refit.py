@@ -32,9 +32,9 @@ import pytest
 
 from xreshard.tools.launch import Role, launch
 
-from .vllm_cases import importorskip_vllm
+from .vllm_cases import requires_vllm
 
-importorskip_vllm()
+requires_vllm()
 pytestmark = pytest.mark.slow
 
 TP = 2

@@ -22,7 +22,7 @@ import pytest
 
 from . import vllm_cases as cases
 
-cases.importorskip_vllm()
+cases.requires_vllm()
 
 from xreshard.tools.launch import Role, launch  # noqa: E402
 

@@ -11,11 +11,11 @@ import math
 
 import pytest
 
-from .vllm_cases import importorskip_vllm  # noqa: E402
+from .vllm_cases import LazyModule, requires_vllm  # noqa: E402
 
-importorskip_vllm()     # XRESHARD_REQUIRE_VLLM set: a missing vLLM fails instead of skipping
+requires_vllm()     # XRESHARD_REQUIRE_VLLM set: a missing vLLM fails instead of skipping
 torch = pytest.importorskip("torch")
-transformers = pytest.importorskip("transformers")
+transformers = LazyModule("transformers")
 
 from xreshard.adapters import vllm as xv  # noqa: E402
 from xreshard.ir.layout import Layout, Mesh, Region  # noqa: E402

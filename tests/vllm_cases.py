@@ -46,6 +46,43 @@ RPC_TIMEOUT = 240.0
 REFIT_TIMEOUT = 120.0
 
 
+def requires_vllm() -> None:
+    """At a module's top: skip it where vLLM is not installed (fail it with
+    XRESHARD_REQUIRE_VLLM set), without importing vLLM: importing it takes ~10 s of every
+    collection, fast tier included; the tests import it when they run."""
+    import importlib.util
+
+    import pytest
+
+    if importlib.util.find_spec("vllm") is not None:
+        return
+    if os.environ.get("XRESHARD_REQUIRE_VLLM"):
+        from xreshard.adapters.vllm.record import INSTALL_HINT
+        raise ImportError(f"XRESHARD_REQUIRE_VLLM is set but vLLM is not installed; install "
+                          f"it ({INSTALL_HINT})")
+    pytest.skip("needs vllm", allow_module_level=True)
+
+
+class LazyModule:
+    """A module imported at its first attribute, for module-level names of test files
+    (``transformers = LazyModule("transformers")``): collection stays fast."""
+
+    def __init__(self, name: str):
+        import importlib.util
+
+        import pytest
+
+        if importlib.util.find_spec(name) is None:
+            pytest.skip(f"needs {name}", allow_module_level=True)
+        self._name = name
+
+    def __getattr__(self, attr: str) -> Any:
+        import importlib
+        if attr.startswith("_") or attr == "pytestmark":     # pytest inspecting the module
+            raise AttributeError(attr)
+        return getattr(importlib.import_module(self._name), attr)
+
+
 def importorskip_vllm() -> Any:
     """``pytest.importorskip("vllm")``, except that with XRESHARD_REQUIRE_VLLM set (CI) a
     missing vLLM fails the module instead of skipping it silently."""

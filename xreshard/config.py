@@ -233,7 +233,11 @@ class RefitReport:
     plan_seconds: float
     """From the call's start until the plan was ready: binding, the checks' metadata
     exchange (waiting for every process to arrive) and, on a first call or after a layout
-    changed, exchanging layouts and planning."""
+    changed, exchanging layouts and planning. A process's first call also imports what
+    its bindings need, and every process waits for the slowest: ``torch.distributed.tensor``
+    (it imports sympy) and, for bf16/float8 tensors in a torch process, ``ml_dtypes``
+    (its extension registers its dtypes with numpy); measured 2-4 s each on 2 loaded
+    cores, the "3-5 s planning" of a first bf16 call (a JAX process has both loaded)."""
     bytes_sent: int
     bytes_received: int
     bytes_local: int
@@ -303,9 +307,33 @@ class RefitReport:
         return (f"refit v{self.version}: sent {size(self.bytes_sent)}, received "
                 f"{size(self.bytes_received)}{forwarded} in {time(self.move_seconds)} moving "
                 f"({format_rate(moved, self.move_seconds or self.seconds)}); setup "
-                f"{time(self.setup_seconds)} ({'planning' if self.replanned else 'checks'} "
-                f"{time(self.plan_seconds)}); world moved {size(self.bytes_moved_world)} vs "
+                f"{time(self.setup_seconds)} ({self._setup_label()} "
+                f"{time(self.plan_seconds)}); {self._world_bytes(size)} vs "
                 f"{size(self.bytes_gather_broadcast_world)} gather+broadcast"
                 + ("; " + ", ".join(f"{k} {size(v)}" for k, v in
                                     sorted(self.bytes_by_transport.items()))
                    if self.bytes_by_transport else ""))
+
+    def _setup_label(self) -> str:
+        # a process's first call also imports what its bindings need (torch's DTensor
+        # module pulls sympy; a torch process's first bf16/float8 tensor loads ml_dtypes,
+        # whose extension registers its dtypes with numpy): 1-5 s on 2 loaded cores
+        if self.version == 1:
+            return "first call: planning and first-use imports"
+        return "planning" if self.replanned else "checks"
+
+    def _world_bytes(self, size: Any) -> str:
+        """What the world put on the wire, and the feature that shaped it: FP8 and delta
+        calls move fewer bytes than the dense plan (``bytes_moved_world``)."""
+        dense = size(self.bytes_moved_world)
+        if self.delta is not None:      # the world's wire bytes are not gathered: this process's
+            return (f"delta: this process's senders put {size(self.delta.get('bytes_wire', 0))} "
+                    f"on the wire for {size(self.delta.get('bytes_dense', 0))} dense "
+                    f"(buckets encoded: {self.delta.get('num_delta', 0)}); world planned {dense} "
+                    f"dense")
+        if self.quantized:
+            q = self.quantized      # the quantized tensors' part, as FP8 + split blocks
+            wire = (self.bytes_moved_world - q.get("unquantized_world", 0)
+                    + q.get("fp8_world", 0) + q.get("bf16_world", 0))
+            return f"world moved {size(wire)} (FP8 destinations; {dense} in the wire dtype)"
+        return f"world moved {dense}"

@@ -31,6 +31,7 @@ receiver) and its quota ranges (as a sender), so a rank pays for its own transfe
 
 from __future__ import annotations
 
+import difflib
 import logging
 import time
 from bisect import bisect_right
@@ -548,13 +549,18 @@ def _validate(src_layouts: Mapping[str, Layout], dst_layouts: Mapping[str, Layou
     if only_dst:
         problems.append(f"{len(only_dst)} tensor(s) only on the destination side: "
                         f"{listed(only_dst)}")
+    if only_src and only_dst:
+        problems.append(_nearest_names(only_src, only_dst))
     names = sorted(set(src_layouts) & set(dst_layouts))
     wire: dict[str, str] = {}
     shape_bad, dtype_bad = [], []
     for name in names:
         s, d = src_layouts[name], dst_layouts[name]
         if s.shape != d.shape:
-            shape_bad.append(f"{name!r} source {s.shape} vs destination {d.shape}")
+            shape_bad.append(f"{name!r} source {s.shape} vs destination {d.shape}"
+                             + (f" (reversed: pass transpose={{{name!r}}} to Refit, e.g. for a "
+                                f"JAX [in, out] kernel of an [out, in] weight)"
+                                if len(s.shape) == 2 and s.shape == d.shape[::-1] else ""))
         cast = wire_dtype.get(name) if isinstance(wire_dtype, Mapping) else wire_dtype
         if cast is None:
             if s.dtype != d.dtype:
@@ -576,6 +582,20 @@ def _validate(src_layouts: Mapping[str, Layout], dst_layouts: Mapping[str, Layou
     if problems:
         raise PlanError("cannot plan this refit:\n  " + "\n  ".join(problems))
     return names, wire
+
+
+def _nearest_names(only_src: list[str], only_dst: list[str]) -> str:
+    """A hint for names on one side only: the nearest name of the other side, and names=."""
+    pairs = []
+    for name in only_src:
+        near = (difflib.get_close_matches(name, only_dst, n=1, cutoff=0.5)
+                or [d for d in only_dst if name in d or d in name][:1])
+        if near:
+            pairs.append(f"{name!r}: {near[0]!r}")
+    guess = ("nearest names: {" + ", ".join(pairs[:MAX_LISTED])
+             + (", ..." if len(pairs) > MAX_LISTED else "") + "}; " if pairs else "")
+    return (f"{guess}map source names to destination names with Refit(..., names={{source: "
+            f"destination}}) (a dict or a callable) or rules= (xreshard.adapters.naming)")
 
 
 def _topology_of(topology: Any, world: Any) -> Topology | None:

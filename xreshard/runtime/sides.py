@@ -40,7 +40,13 @@ class Sides:
     """
 
     def __init__(self, send: Any, receive: Any, names: Any, transpose: Iterable[str],
-                 rules: Any, world: Any = None):
+                 rules: Any, world: Any):
+        if isinstance(world, (str, bytes)) or not hasattr(world, "allgather_json"):
+            raise RefitError(
+                f"Refit's first argument is the World every process joined, got "
+                f"{type(world).__name__} {world!r:.80}: join one first, world = xreshard.World"
+                f".join(address, group, devices, num_processes=N, index=i), with the address "
+                f"of xreshard.serve() (docs: README 'Use')")
         self.send, self.receive = Side("send"), Side("receive")
         self.send.obj, self.receive.obj = send, receive
         self._names = names

@@ -41,7 +41,7 @@ Threat model: what the world's token protects, from whom, and what each option c
   refit fails within its timeout; it never succeeds with another member or wrong metadata.
   The payload bytes on gloo, NCCL and shared memory are neither signed nor encrypted (as
   in torch.distributed): run refits on an isolated network, and count every process of
-  the user on the host inside the trust boundary (README, "Who can join").
+  the user on the host inside the trust boundary (docs/security.md).
 - **Without a token**, payloads are still checked for shape, step, kind, writer and
   instance, so garbage, out-of-step and stale writes raise a typed error, but any process
   that reaches the store can join or impersonate a member.
@@ -173,7 +173,8 @@ def _listen(host: str, port: int) -> socket.socket:
         sock.listen(1024)
     except OSError as e:
         sock.close()
-        raise RefitError(f"cannot listen on {host}:{port}: {e}") from e
+        # the machine's state, not the caller's input: an OSError (EADDRINUSE, EACCES, ...)
+        raise OSError(e.errno, f"cannot listen on {host}:{port}: {e.strerror}") from e
     sock.set_inheritable(False)
     return sock
 

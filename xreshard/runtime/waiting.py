@@ -47,7 +47,7 @@ import logging
 import time
 from typing import Any, Callable, Sequence
 
-from ..errors import CommunicationError, TransportError, error_from
+from ..errors import CollectiveMismatch, CommunicationError, TransportError, error_from
 from ..transport.base import TransportTimeout, format_seconds
 from . import store as store_module
 from .store import Seal, wait_keys
@@ -204,3 +204,29 @@ def _opened(seal: Seal, key: str, raw: Any) -> Exception | None:
             and isinstance(body.get("message"), str)):
         return None
     return error_from(body["error"], body["message"])
+
+
+def settled(world: Any, prefix: str, op: int, kind: str, readers: Sequence[int],
+            arrived: list[bool]) -> list[bool]:
+    """Which payloads of a partial collective count, the same for every process: the
+    first process to get here writes the set it saw (``compare_set``: first writer
+    wins), every other takes that set. Without it, a process whose grace ran out
+    before a slow survivor posted, and that survivor, would build their outcomes from
+    different payloads (and raise different messages, or one succeed)."""
+    me = world._process_index
+    mine = world._seal.seal(f"{kind}/settled", op, me,
+                           json.dumps([p for p, a in zip(readers, arrived) if a]))
+    raw = world._store.compare_set(f"{prefix}/settled", "",
+                                  json.dumps({"by": me, "payload": mine}))
+    try:
+        text = raw.decode() if isinstance(raw, bytes) else raw
+        env = json.loads(text)
+        writer, payload = int(env["by"]), env["payload"]
+    except (UnicodeDecodeError, ValueError, TypeError, KeyError) as e:
+        raise CollectiveMismatch(f"{kind} (collective #{op}): the settled arrivals at "
+                                 f"{prefix}/settled are not an xreshard payload ({e})") \
+            from None
+    counted = set(world._seal.open(payload, key=f"{prefix}/settled", kind=f"{kind}/settled",
+                                  op=op, process=writer,
+                                  what=f"settled by {world.describe_process(writer)}"))
+    return [p in counted for p in readers]

@@ -22,6 +22,7 @@ them will not come (:mod:`xreshard.runtime.waiting`).
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import json
 import logging
@@ -29,9 +30,10 @@ import os
 import socket
 import threading
 import time
+import weakref
 from typing import Any, Iterator, Sequence
 
-from ..errors import (CollectiveMismatch, CommunicationError, RefitError, TransportError,
+from ..errors import (CommunicationError, RefitError, TransportError,
                       WorldBroken, error_name)
 from . import epochs, waiting
 from .epochs import ElasticWorld
@@ -48,6 +50,18 @@ __all__ = ["StoreServer", "World", "RoutedTransport", "RenumberedTransport", "se
            "parse_address"]
 
 logger = logging.getLogger(__name__)
+
+# Open worlds (weakly), closed at interpreter exit: one left open (an exception on its way
+# out) has its store and gloo clients torn down by C++ destructors under their threads,
+# and the process aborts ("terminate called without an active exception", exit -6).
+_OPEN: weakref.WeakSet[World] = weakref.WeakSet()
+
+
+@atexit.register
+def _close_at_exit() -> None:
+    for world in list(_OPEN):
+        with contextlib.suppress(Exception):    # exiting: the others still close
+            world.close(wait=5.0)               # a daemon thread's collective: 5 s at most
 
 
 class World(WorldTransports, ElasticWorld):
@@ -109,6 +123,7 @@ class World(WorldTransports, ElasticWorld):
         self._depth = 0         # nesting of ``exclusive`` in the thread that holds it
         self._elastic = elastic     # an epochs.Membership, or None (a fixed world)
         self._set_members(infos, process_index)
+        _OPEN.add(self)
 
     def _set_members(self, infos: list[dict[str, Any]], process_index: int) -> None:
         """The rank tables of a member set (at the join, and at each new epoch)."""
@@ -492,7 +507,7 @@ class World(WorldTransports, ElasticWorld):
                                                f"{self._world_id!r} timed out {ran_out}: "
                                                f"never arrived: {names}") from e
                 if partial:
-                    arrived = self._settled(prefix, op, kind, readers, arrived)
+                    arrived = waiting.settled(self, prefix, op, kind, readers, arrived)
                 got = [k for k, a in zip(keys, arrived) if a]
                 values = iter(self._store.multi_get(got) if got else [])
                 raws = [next(values) if a else None for a in arrived]
@@ -549,31 +564,6 @@ class World(WorldTransports, ElasticWorld):
                 is not None):
             raise CommunicationError(f"{what}: the world was ended by another process")
 
-    def _settled(self, prefix: str, op: int, kind: str, readers: Sequence[int],
-                 arrived: list[bool]) -> list[bool]:
-        """Which payloads of a partial collective count, the same for every process: the
-        first process to get here writes the set it saw (``compare_set``: first writer
-        wins), every other takes that set. Without it, a process whose grace ran out
-        before a slow survivor posted, and that survivor, would build their outcomes from
-        different payloads (and raise different messages, or one succeed)."""
-        me = self._process_index
-        mine = self._seal.seal(f"{kind}/settled", op, me,
-                               json.dumps([p for p, a in zip(readers, arrived) if a]))
-        raw = self._store.compare_set(f"{prefix}/settled", "",
-                                      json.dumps({"by": me, "payload": mine}))
-        try:
-            text = raw.decode() if isinstance(raw, bytes) else raw
-            env = json.loads(text)
-            writer, payload = int(env["by"]), env["payload"]
-        except (UnicodeDecodeError, ValueError, TypeError, KeyError) as e:
-            raise CollectiveMismatch(f"{kind} (collective #{op}): the settled arrivals at "
-                                     f"{prefix}/settled are not an xreshard payload ({e})") \
-                from None
-        counted = set(self._seal.open(payload, key=f"{prefix}/settled", kind=f"{kind}/settled",
-                                      op=op, process=writer,
-                                      what=f"settled by {self.describe_process(writer)}"))
-        return [p in counted for p in readers]
-
     def allgather_json(self, obj: Any, *, timeout: float | None = None,
                        kind: str = "allgather", partial: bool = False) -> list[Any]:
         """Every process's ``obj``, in process order. JSON values only.
@@ -629,22 +619,23 @@ class World(WorldTransports, ElasticWorld):
                               f"collectives: {self._broken}; join a new world (another "
                               f"world_id) to continue")
 
-    def close(self) -> None:
-        """Close the transports and leave the store. Idempotent.
+    def close(self, wait: float | None = None) -> None:
+        """Close the transports and leave the store. Idempotent; also at ``with`` exit, and
+        at interpreter exit for a world still open then (``wait`` 5 s).
 
-        A collective or refit still running in another thread (``refit.start()``) is
-        waited for first, within the world's timeout: its own waits are bounded by it, and
-        tearing the store and transports down under it would turn its outcome into an
-        unrelated error.
+        Args:
+            wait: seconds to wait for a collective or refit running in another thread
+                (``refit.start()``); default the world's timeout + 5 s: its waits are
+                bounded by it, and closing under it would garble its outcome.
         """
         if self._closed:
             return
         self._closing = True        # refuses new collectives while we wait for a running one
-        held = self._lock.acquire(timeout=self._timeout + 5.0)
+        wait = self._timeout + 5.0 if wait is None else wait
+        held = self._lock.acquire(timeout=wait)
         if not held:
             logger.warning("world %r: a collective of another thread did not finish within "
-                           "%s; closing under it", self._world_id,
-                           format_seconds(self._timeout + 5.0))
+                           "%s; closing under it", self._world_id, format_seconds(wait))
         try:
             self._close()
         finally:
@@ -661,6 +652,7 @@ class World(WorldTransports, ElasticWorld):
                            f"{self.describe_process(self._process_index)} closed its world"
                            f"{self._why} and takes part in no further collective; close the "
                            f"world in every process (join a new one to go on)")
+        _OPEN.discard(self)
         self._close_transports()
         self._close_links()         # links parked at an epoch change, not taken up
         if self._joined is not None and self._store is not None and self._elastic is None:

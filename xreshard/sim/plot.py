@@ -8,8 +8,11 @@ axis:
   coloured by what the rank is doing then - network transfers (blue), NVLink transfers
   (green), relay forwards (orange) - with the share of the pixel's time it is busy as the
   colour's strength, so a round of microseconds in a refit of seconds still shows;
-* the bytes each source rank sends each destination rank (log scale), domains marked;
-* for a relay, the bytes destination ranks forward to each other, in a panel of its own.
+* the bytes each source rank sends each destination rank (log scale over at least two
+  decades, so pairs that differ by 30% look alike), domains marked;
+* for a relay, the bytes destination ranks forward to each other, in a panel of its own
+  and in the forwards' orange, captioned: forwards stay inside a domain (squares on the
+  diagonal) and no rank forwards to itself (the empty diagonal).
 
 matplotlib is an optional extra (``pip install 'xreshard[plot]'``), imported only here.
 """
@@ -101,11 +104,21 @@ def _domain_marks(ax: Any, domain: np.ndarray, axis: str, offset: int = 0) -> No
         (ax.axhline if axis == "y" else ax.axvline)(c - 0.5, color="0.55", lw=0.4)
 
 
+#: the least range of a heatmap's colour scale, in decades: the data's own min..max would
+#: stretch a 30% difference between pairs over the whole colour map
+MIN_DECADES = 2.0
+
+
 def _heat(ax: Any, fig: Any, data: np.ndarray, title: str, ylabel: str, xlabel: str,
-          ydom: np.ndarray, xdom: np.ndarray, extent: tuple) -> None:
+          ydom: np.ndarray, xdom: np.ndarray, extent: tuple, cmap: str = "viridis") -> None:
     shown = np.where(data > 0, np.log10(np.maximum(data, 1.0)), np.nan)
-    im = ax.imshow(shown, cmap="viridis", interpolation="nearest", aspect="auto",
-                   extent=extent)
+    top = float(np.nanmax(shown)) if np.isfinite(shown).any() else 1.0
+    low = min(float(np.nanmin(shown)) if np.isfinite(shown).any() else 0.0, top - MIN_DECADES)
+    im = ax.imshow(shown, cmap=cmap, interpolation="nearest", aspect="auto", extent=extent,
+                   vmin=low, vmax=top)
+    nonzero = data[data > 0]
+    if nonzero.size:            # the spread in words: colours over 2 decades hide a 30% one
+        title += f" (max/min {nonzero.max() / nonzero.min():.2g}x)"
     fig.colorbar(im, ax=ax, label="log10 bytes", fraction=0.05, pad=0.02)
     _domain_marks(ax, ydom, "y", int(extent[3] + 0.5))
     _domain_marks(ax, xdom, "x", int(extent[0] + 0.5))
@@ -163,7 +176,7 @@ def plot(path: str, result: Mapping[str, Any]) -> None:
     end = 1.04 * max(max(p.seconds for _, p in preds), result["lower_bound_seconds"])
     fig = plt.figure(figsize=(16, 1.2 + 3.6 * len(preds)))
     grid = fig.add_gridspec(len(preds), 3, width_ratios=(3.2, 1.3, 1.3), wspace=0.35,
-                            hspace=0.45, left=0.08, right=0.95, top=0.86, bottom=0.09)
+                            hspace=0.55, left=0.08, right=0.95, top=0.86, bottom=0.12)
     first = None
     for i, (name, pred) in enumerate(preds):
         ax = fig.add_subplot(grid[i, 0], sharex=first)
@@ -178,9 +191,13 @@ def plot(path: str, result: Mapping[str, Any]) -> None:
                                                    -0.5))
         ax3 = fig.add_subplot(grid[i, 2])
         if forwarded.any():
-            _heat(ax3, fig, forwarded[num_src:, num_src:], f"{name}: bytes forwarded",
-                  "destination rank (relay)", "destination rank", domain[num_src:],
-                  domain[num_src:], (num_src - 0.5, num - 0.5, num - 0.5, num_src - 0.5))
+            _heat(ax3, fig, forwarded[num_src:, num_src:], f"{name}: bytes forwarded (relay)",
+                  "forwarding destination rank", "destination rank", domain[num_src:],
+                  domain[num_src:], (num_src - 0.5, num - 0.5, num - 0.5, num_src - 0.5),
+                  cmap="Oranges")
+            ax3.text(0.5, -0.17, "forwards stay inside an NVLink domain (squares on the "
+                     "diagonal);\nthe diagonal itself is empty: no rank forwards to itself",
+                     transform=ax3.transAxes, ha="center", va="top", fontsize=7, color="0.3")
         else:
             ax3.axis("off")
             ax3.text(0.5, 0.5, "no forwards\n(every byte comes from a source rank)",

@@ -215,10 +215,15 @@ def make_vllm_config(model: str | Any, *, dtype: str = "bfloat16", tp_size: int 
         model.save_pretrained(path)
     model_config = ModelConfig(model=path, skip_tokenizer_init=True, dtype=dtype,
                                quantization=quantization)
-    return VllmConfig(model_config=model_config,
-                      parallel_config=ParallelConfig(
-                          tensor_parallel_size=tp_size, pipeline_parallel_size=pp_size,
-                          enable_expert_parallel=enable_expert_parallel))
+    config = VllmConfig(model_config=model_config,
+                        parallel_config=ParallelConfig(
+                            tensor_parallel_size=tp_size, pipeline_parallel_size=pp_size,
+                            enable_expert_parallel=enable_expert_parallel))
+    if path is not model:       # the folder lives as long as the config (or the process)
+        import shutil
+        import weakref
+        weakref.finalize(config, shutil.rmtree, path, True)
+    return config
 
 
 def hf_tensor_specs(hf_config: Any, dtype: Any = None) -> dict[str, tuple[tuple[int, ...], str]]:

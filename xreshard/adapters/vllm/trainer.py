@@ -541,6 +541,13 @@ class XreshardTrainerWeightTransferEngine(TrainerWeightTransferEngine[XreshardTr
         return report
 
     def shutdown(self) -> None:
+        """Close the world and the store, after the engines' workers left the world: a
+        store closed under their clients made each print C++ stack traces at exit."""
+        for client in self.clients if self.world is not None else ():
+            try:
+                client.shutdown_weight_transfer_engine()
+            except Exception:  # noqa: BLE001 - an engine gone already has let go
+                logger.debug("engine shutdown_weight_transfer_engine failed", exc_info=True)
         if self.world is not None:
             self.world.close()
             self.world = None
