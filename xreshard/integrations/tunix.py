@@ -491,9 +491,14 @@ class XreshardVllmRollout(_BaseRollout):
     def shutdown(self) -> None:
         """Leave the refit world and stop the engine this rollout started."""
         import shutil
-        self._engine.shutdown()
-        if self._tmp is not None:
+        if self._tmp is None:       # attached: the engine stays up, without this trainer
             try:
-                self.llm.llm_engine.engine_core.shutdown()
+                self.llm.shutdown_weight_transfer_engine()
             finally:
-                shutil.rmtree(self._tmp, ignore_errors=True)
+                self._engine.shutdown()
+            return
+        try:    # the engine's workers first: they would otherwise outlive the store
+            self.llm.llm_engine.engine_core.shutdown()
+        finally:
+            self._engine.shutdown()
+            shutil.rmtree(self._tmp, ignore_errors=True)
