@@ -195,5 +195,11 @@ def test_rl_cluster_sync_refits_a_vllm_engine_exactly_and_generate_answers():
         logps = np.asarray(rollout.get_per_token_logps(ref.left_padded_prompt_tokens, comps))
         for i, lp in enumerate(ref.logprobs):
             np.testing.assert_array_equal(logps[i, :len(lp)], lp)
+        # rows it did not sample (here: after a refit) are scored on the engine
+        rollout.update_params(nnx.state(actor, nnx.Param), (nnx.Param,))
+        scored = np.asarray(rollout.get_per_token_logps(ref.left_padded_prompt_tokens, comps))
+        for i, lp in enumerate(ref.logprobs):
+            np.testing.assert_allclose(scored[i, :len(lp)], lp, rtol=1e-3, atol=1e-4)
+            assert not scored[i, len(lp):].any()
     finally:
         rollout.shutdown()

@@ -32,8 +32,9 @@ Decision record.
   prompts to ``max_prompt_length`` (truncating from the left, as Tunix's samplers do),
   samples with one seed per request (``seed + i``: a GRPO group of identical prompts must
   not get identical samples) and returns the sampled tokens' logprobs.
-  ``get_per_token_logps`` answers from those (the rows Tunix asks about are the rows just
-  generated) and scores any other row on the engine (vLLM's prompt logprobs).
+  ``get_per_token_logps`` answers from those (kept from one refit to the next: the rows
+  Tunix asks about are the rows it just generated, in micro-batches) and scores any other
+  row on the engine (vLLM's prompt logprobs).
 * Options pass through: ``delta`` and ``atomic`` (:class:`~xreshard.config.RefitConfig`
   fields every worker gets at init), ``wire_dtype``, and ``engine_kwargs`` / ``hf_config``
   for the engine (an FP8 engine is refit through xreshard's quantize-on-the-way path).
@@ -386,6 +387,7 @@ class XreshardVllmRollout(_BaseRollout):
             self.last_report = self._engine.send_weights(tree)
         self.llm.reset_prefix_cache()
         self.refit_seconds.append(time.perf_counter() - t0)
+        self._last = {}         # sampled logprobs are the old policy's from here on
 
     def transfer_reports(self) -> list[dict[str, Any]]:
         """Every engine worker's report of the last refit (bytes received, its shard bytes),
@@ -427,7 +429,6 @@ class XreshardVllmRollout(_BaseRollout):
         outs = self.llm.generate(requests, params, use_tqdm=False)
         tokens, texts, logprobs = [], [], []
         padded = np.full((n, c.max_prompt_length), self.pad_id(), dtype=np.int32)
-        self._last = {}
         for i, (p, o) in enumerate(zip(ids, outs)):
             out = o.outputs[0]
             toks = np.asarray(list(out.token_ids), dtype=np.int32)
@@ -446,7 +447,8 @@ class XreshardVllmRollout(_BaseRollout):
     def get_per_token_logps(self, prompt_tokens: Any, completion_tokens: Any) -> Any:
         """Per-token logprobs ``[B, T]`` of ``completion_tokens`` given ``prompt_tokens``
         (both padded with ``pad_id``: prompts on the left, completions on the right; 0 at
-        padding): the sampled logprobs of the last ``generate`` for its rows, the engine's
+        padding): the sampled logprobs of the rows ``generate`` made since the last refit
+        (Tunix asks about the rows it just generated, in micro-batches), the engine's
         prompt logprobs for any other row."""
         import jax.numpy as jnp
         import numpy as np
