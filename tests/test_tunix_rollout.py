@@ -1,0 +1,205 @@
+"""XreshardVllmRollout: Tunix's rollout plug point on a real vLLM engine, refit by xreshard.
+
+Fast: the naming tables of Tunix's Qwen2, Qwen3 and Llama3 map every parameter of a tiny
+model built here onto exactly the tensors (names, shapes) of the HF model vLLM builds from
+the written config, and the HF model (transformers, torch) computes the same logits as the
+Tunix model from those views; a model or path no table maps is refused by name.
+
+Slow: an ``RLCluster`` built with ``rollout_engine=partial(XreshardVllmRollout, TP=2)``
+starts a vLLM CPU engine (``load_format="dummy"``) in its own processes; Tunix's own
+``sync_weights`` refits it from the actor mesh (fsdp=2 x tp=2): every tensor the engine
+holds then equals, byte for byte, vLLM's own load of the trainer's weights; nothing lands
+in the trainer process and each engine rank receives exactly its shard; ``generate``
+answers as Tunix's ``RolloutOutput`` expects.
+
+Tunix missing: skipped, unless XRESHARD_REQUIRE_RL=1 (the RL leg of CI), where it fails.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import os
+import tempfile
+
+import numpy as np
+import pytest
+
+REQUIRE = os.environ.get("XRESHARD_REQUIRE_RL") == "1"
+if not REQUIRE and importlib.util.find_spec("tunix") is None:
+    pytest.skip("needs google-tunix (the RL leg: .ci/rl_leg.sh)", allow_module_level=True)
+
+import jax  # noqa: E402
+from flax import nnx  # noqa: E402
+
+from xreshard.adapters.naming import NameMap, flatten_tree  # noqa: E402
+from xreshard.integrations import tunix as xt  # noqa: E402
+
+SIZES = dict(num_layers=2, vocab_size=64, embed_dim=32, hidden_dim=64, num_heads=4,
+             head_dim=8, num_kv_heads=2, rope_theta=10000, norm_eps=1e-6)
+
+
+def _family_model(name: str, tied: bool = False, seed: int = 0, sizes: dict = SIZES):
+    """A tiny Tunix model of family ``name``, every parameter random (Tunix zeroes MLPs)."""
+    mod = importlib.import_module(xt.FAMILIES[name].module)
+    tie = {"Llama3": "weight_tying"}.get(name, "use_tied_embedding")
+    model = getattr(mod, name)(mod.ModelConfig(**sizes, **{tie: tied}), rngs=nnx.Rngs(seed))
+    state = nnx.state(model, nnx.Param)
+    leaves, treedef = jax.tree_util.tree_flatten(state)
+    keys = jax.random.split(jax.random.key(seed + 1), len(leaves))
+    new = [0.2 * jax.random.normal(k, x.shape, x.dtype) + (1.0 if x.ndim == 1 else 0.0)
+           for x, k in zip(leaves, keys)]
+    nnx.update(model, jax.tree_util.tree_unflatten(treedef, new))
+    return model
+
+
+def _hf_model(model):
+    import torch
+    import transformers
+
+    cfg = xt.hf_config_of(model)
+    arch = cfg["architectures"][0]
+    config = transformers.AutoConfig.for_model(**{k: v for k, v in cfg.items()
+                                                  if k != "architectures"})
+    with torch.device("cpu"):
+        return getattr(transformers, arch)(config).float().eval()
+
+
+@pytest.mark.parametrize("name,tied", [("Qwen2", False), ("Qwen2", True), ("Qwen3", False),
+                                       ("Llama3", True)])
+def test_naming_table_maps_onto_the_hf_model_and_its_logits(name, tied):
+    import torch
+
+    model = _family_model(name, tied)
+    flat = {n: np.asarray(a) for n, a in
+            flatten_tree(xt.pure_tree(nnx.state(model, nnx.Param))).items()}
+    hf = NameMap(xt.tunix_rules(model)).apply({n: a.shape for n, a in flat.items()})
+    ref = _hf_model(model)
+    want = {n: tuple(t.shape) for n, t in ref.state_dict().items()
+            if not (tied and n == "lm_head.weight")}
+    assert {n: t.shape for n, t in hf.items()} == want
+    ref.load_state_dict({n: torch.from_numpy(np.ascontiguousarray(t.view(flat)))
+                         for n, t in hf.items()}, strict=not tied)
+    if tied:
+        ref.tie_weights()
+    tokens = np.array([[5, 9, 2, 33, 17, 60, 1, 8]])
+    positions = np.arange(tokens.shape[1])[None]
+    mask = np.tril(np.ones((1, 8, 8), bool))
+    tunix_logits, _ = model(tokens, positions, None, mask)
+    with torch.no_grad():
+        hf_logits = ref(torch.from_numpy(tokens)).logits.numpy()
+    np.testing.assert_allclose(np.asarray(tunix_logits), hf_logits, rtol=2e-4, atol=2e-4)
+
+
+def test_unknown_model_and_unmapped_path_are_refused_by_name():
+    class NotTunix(nnx.Module):
+        pass
+
+    with pytest.raises(xt.TunixNamingError, match="NotTunix.*tables exist for"):
+        xt.family_of(NotTunix())
+    model = _family_model("Qwen2")
+    names = list(flatten_tree(xt.pure_tree(nnx.state(model, nnx.Param))))
+    with pytest.raises(xt.TunixNamingError, match="'layers/0/attn/extra/w' matches no rule"):
+        xt.check_names(xt.tunix_rules(model), names[:3] + ["layers/0/attn/extra/w"] + names[3:],
+                       "Qwen2")
+
+
+class _Chars:
+    """A tokenizer Tunix accepts: one token per character of CHARS."""
+
+    CHARS = "0123456789abcdefghijklmnopqrstuvwxyz>"
+
+    def encode(self, text, **_):
+        return [3 + self.CHARS.index(c) for c in text]
+
+    def decode(self, ids, **_):
+        return "".join(self.CHARS[i - 3] for i in ids if 3 <= int(i) < 3 + len(self.CHARS))
+
+    def bos_id(self):
+        return 1
+
+    def eos_id(self):
+        return 2
+
+    def pad_id(self):
+        return 0
+
+
+@pytest.mark.slow
+def test_rl_cluster_sync_refits_a_vllm_engine_exactly_and_generate_answers():
+    from tunix.rl import reshard
+    from tunix.rl import rl_cluster as rl_cluster_lib
+    from tunix.rl.rollout import base_rollout
+
+    from xreshard.runtime.commcount import count_comm
+
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0|1")
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("fsdp", "tp"))
+    # head_dim 32: the smallest vLLM's CPU attention kernels take
+    sizes = dict(SIZES, embed_dim=64, num_heads=2, head_dim=32)
+    model = reshard.reshard_model_to_mesh(_family_model("Qwen2", sizes=sizes), mesh)
+    import optax
+    config = base_rollout.RolloutConfig(max_tokens_to_generate=6, max_prompt_length=8,
+                                        temperature=0.0, seed=0,
+                                        rollout_vllm_kwargs={"max_model_len": 16,
+                                                             "dtype": "float32"})
+    cluster = rl_cluster_lib.RLCluster(
+        actor=model, tokenizer=_Chars(),
+        cluster_config=rl_cluster_lib.ClusterConfig(
+            role_to_mesh={r: mesh for r in (rl_cluster_lib.Role.ACTOR,
+                                            rl_cluster_lib.Role.REFERENCE,
+                                            rl_cluster_lib.Role.ROLLOUT)},
+            rollout_engine=functools.partial(xt.XreshardVllmRollout, tensor_parallel_size=2),
+            training_config=rl_cluster_lib.RLTrainingConfig(
+                actor_optimizer=optax.sgd(0.0), eval_every_n_steps=10, max_steps=1),
+            rollout_config=config))
+    rollout = cluster.rollout
+    try:
+        assert isinstance(rollout, xt.XreshardVllmRollout) and rollout.model() is None
+        assert (rollout.pad_id(), rollout.eos_id()) == (0, 2)
+        # new weights in the actor, then Tunix's own sync (under its CPU transfer guard)
+        actor = cluster.actor_trainer.model
+        state = nnx.state(actor, nnx.Param)
+        nnx.update(actor, jax.tree_util.tree_map(lambda x: x * 1.5 - 0.01, state))
+        with count_comm() as counts:
+            cluster.sync_weights()
+        assert counts.total_received == 0          # nothing landed in the trainer process
+        reports = rollout.transfer_reports()
+        assert [w["bytes_received"] for w in reports] == [w["shard_bytes"] for w in reports]
+        model_bytes = sum(x.size * 4 for x in jax.tree_util.tree_leaves(state))
+        assert all(0 < w["shard_bytes"] < model_bytes for w in reports)
+
+        out = rollout.generate(["3141>", "27>"], config)
+        got = rollout.llm.collective_rpc("xreshard_weights_digest")
+        with tempfile.TemporaryDirectory() as ckpt:
+            with jax.transfer_guard("allow"):
+                flat = {n: np.asarray(a) for n, a in flatten_tree(
+                    xt.pure_tree(nnx.state(actor, nnx.Param))).items()}
+            from safetensors.numpy import save_file
+            hf = NameMap(rollout._rules).apply({n: a.shape for n, a in flat.items()})
+            save_file({n: np.ascontiguousarray(t.view(flat)) for n, t in hf.items()},
+                      os.path.join(ckpt, "model.safetensors"))
+            rollout.llm.collective_rpc("xreshard_load_checkpoint", args=(ckpt,))
+        assert got == rollout.llm.collective_rpc("xreshard_weights_digest")
+        ref = rollout.generate(["3141>", "27>"], config)
+        # greedy: the refit engine answers as vLLM's own load of the same weights
+        assert [t.tolist() for t in out.tokens] == [t.tolist() for t in ref.tokens]
+        assert out.left_padded_prompt_tokens.tolist() == [
+            [0, 0, 0, 6, 4, 7, 4, 39], [0, 0, 0, 0, 0, 5, 10, 39]]
+        assert [len(lp) for lp in out.logprobs] == [len(t) for t in out.tokens]
+        assert out.text == [_Chars().decode(t) for t in out.tokens]
+        comps = np.zeros((2, 6), np.int32)
+        for i, t in enumerate(ref.tokens):
+            comps[i, :len(t)] = t
+        logps = np.asarray(rollout.get_per_token_logps(ref.left_padded_prompt_tokens, comps))
+        for i, lp in enumerate(ref.logprobs):
+            np.testing.assert_array_equal(logps[i, :len(lp)], lp)
+        # rows it did not sample (here: after a refit) are scored on the engine
+        rollout.update_params(nnx.state(actor, nnx.Param), (nnx.Param,))
+        scored = np.asarray(rollout.get_per_token_logps(ref.left_padded_prompt_tokens, comps))
+        for i, lp in enumerate(ref.logprobs):
+            np.testing.assert_allclose(scored[i, :len(lp)], lp, rtol=1e-3, atol=1e-4)
+            assert not scored[i, len(lp):].any()
+    finally:
+        rollout.shutdown()

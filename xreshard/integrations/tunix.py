@@ -1,0 +1,506 @@
+"""A Tunix rollout on a real vLLM engine, refit shard to shard from the actor mesh.
+
+Tunix's own vLLM rollout (``VllmRollout``) drives tpu-inference: it builds ``vllm.LLM`` in
+the trainer process and reshards JAX arrays into the runner's JAX state, so on GPUs (or
+CPU) a Tunix user has no vLLM rollout. :class:`XreshardVllmRollout` is one, plugged in
+where Tunix takes a custom engine::
+
+    cluster_config = rl_cluster_lib.ClusterConfig(
+        rollout_engine=functools.partial(XreshardVllmRollout, tensor_parallel_size=2),
+        role_to_mesh={Role.ACTOR: mesh, Role.REFERENCE: mesh, Role.ROLLOUT: mesh}, ...)
+
+Decision record.
+
+* The engine runs in processes of its own, never in the trainer's: ``vllm.LLM`` with V1
+  multiprocessing (the engine core and, with TP > 1, every worker are child processes;
+  ``VLLM_ENABLE_V1_MULTIPROCESSING=0``, which Tunix's sampler sets, is refused), started
+  with ``load_format="dummy"`` and ``weight_transfer_config={"backend": "xreshard"}`` from
+  an HF config written from the Tunix model's config. Or attach to one (``llm=``): any
+  object with ``vllm.LLM``'s ``generate`` and weight-transfer methods.
+* ``update_params`` is xreshard's vLLM backend (``XreshardTrainerWeightTransferEngine``):
+  every JAX device of the actor mesh sends its own shards to the vLLM ranks that hold
+  them, through naming rules (a per-family table, chosen from the model class) that view
+  Tunix's ``[D, N, H]`` kernels as HF tensors without a copy. No array is gathered on the
+  trainer. RLCluster calls it under ``jax.transfer_guard(... "disallow_explicit")`` on
+  CPU; reading a shard's host buffer is no device transfer there, so the refit runs
+  under ``transfer_guard("allow")``.
+* The first sync happens at construction (Tunix's engines do the same: generation comes
+  before the first ``sync_weights``). ``model()`` is None: the rollout model lives in the
+  engine's processes, and a None model tells Tunix's learner to sync every step
+  (``is_sharing_weights`` is False).
+* ``generate`` tokenizes with Tunix's tokenizer (the engine skips its own), left-pads the
+  prompts to ``max_prompt_length`` (truncating from the left, as Tunix's samplers do),
+  samples with one seed per request (``seed + i``: a GRPO group of identical prompts must
+  not get identical samples) and returns the sampled tokens' logprobs.
+  ``get_per_token_logps`` answers from those (kept from one refit to the next: the rows
+  Tunix asks about are the rows it just generated, in micro-batches) and scores any other
+  row on the engine (vLLM's prompt logprobs).
+* Options pass through: ``delta`` and ``atomic`` (:class:`~xreshard.config.RefitConfig`
+  fields every worker gets at init), ``wire_dtype``, and ``engine_kwargs`` / ``hf_config``
+  for the engine (an FP8 engine is refit through xreshard's quantize-on-the-way path).
+* LoRA (``filter_types`` holding ``nnx.LoRAParam``) is refused with a typed error until
+  Tunix's qwix factors are mapped to PEFT modules (see docs/tunix.md); a silent full refit
+  of a LoRA model would be a wrong weight.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import tempfile
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping, Sequence
+
+from xreshard.adapters.naming_rules import Reshape, Rule, Transpose
+from xreshard.errors import RefitError
+from xreshard.extras import require
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["XreshardVllmRollout", "TunixNamingError", "Family", "FAMILIES", "family_of",
+           "tunix_rules", "hf_config_of", "write_model_dir"]
+
+base_rollout = require("tunix.rl.rollout.base_rollout", "tunix", "xreshard.integrations.tunix")
+
+
+class TunixNamingError(RefitError):
+    """A Tunix model that no naming table maps: the model class is not one of
+    :data:`FAMILIES`, or a parameter path is not in its family's table."""
+
+
+# ---------------------------------------------------------------------------- naming
+
+L = "model.layers.{l}"
+_T = (Transpose(),)
+_HEADS_IN = (Reshape(("@0", -1)), Transpose())        # [D, N, H] -> [D, N*H] -> [N*H, D]
+_HEADS_OUT = (Reshape((-1, "@2")), Transpose())       # [N, H, D] -> [N*H, D] -> [D, N*H]
+
+
+def _dense_rules(*, qkv_bias: bool, qk_norm: bool, tied: bool) -> tuple[Rule, ...]:
+    """Tunix's Llama-style decoder (Qwen2, Qwen3 dense, Llama3) as HF tensors.
+
+    Tunix paths (``nnx.state(model).to_pure_dict()``, ``/``-joined)::
+
+        # tunix path                          | shape       | HF tensor (P = model.layers.{l})
+        # embedder/input_embedding            | [V, D]      | model.embed_tokens.weight
+        # layers/{l}/attn/{q,k,v}_proj/w      | [D, N|K, H] | P.self_attn.{q,k,v}_proj.weight
+        # layers/{l}/attn/o_proj/w            | [N, H, D]   | P.self_attn.o_proj.weight
+        # layers/{l}/attn/{q,k,v}_bias        | [N*H|K*H]   | P.self_attn.{q,k,v}_proj.bias
+        # layers/{l}/attn/{q,k}_norm/w        | [H]         | P.self_attn.{q,k}_norm.weight
+        # layers/{l}/mlp/{gate,up,down}_proj/kernel | [in, out] | P.mlp.{...}_proj.weight (T)
+        # layers/{l}/{input,post_attention}_layernorm/w | [D] | P.{...}_layernorm.weight
+        # final_norm/w                        | [D]         | model.norm.weight
+        # lm_head/w                           | [D, V]      | lm_head.weight (T; not if tied)
+    """
+    rules = [
+        Rule("embedder/input_embedding", "model.embed_tokens.weight"),
+        Rule("layers/{l}/attn/{p:[qkv]}_proj/w", L + ".self_attn.{p}_proj.weight", _HEADS_IN),
+        Rule("layers/{l}/attn/o_proj/w", L + ".self_attn.o_proj.weight", _HEADS_OUT),
+        Rule("layers/{l}/mlp/{p:gate|up|down}_proj/kernel", L + ".mlp.{p}_proj.weight", _T),
+        Rule("layers/{l}/{p:input_layernorm|post_attention_layernorm}/w", L + ".{p}.weight"),
+        Rule("final_norm/w", "model.norm.weight"),
+    ]
+    if qkv_bias:
+        rules.append(Rule("layers/{l}/attn/{p:[qkv]}_bias", L + ".self_attn.{p}_proj.bias"))
+    if qk_norm:
+        rules.append(Rule("layers/{l}/attn/{p:[qk]}_norm/w", L + ".self_attn.{p}_norm.weight"))
+    if not tied:
+        rules.append(Rule("lm_head/w", "lm_head.weight", _T))
+    return tuple(rules)
+
+
+@dataclass(frozen=True)
+class Family:
+    """One Tunix model family: its naming table and HF config, from the model's config.
+
+    Attributes:
+        name: the Tunix model class's name (``Qwen2``).
+        module: the Tunix module defining it (``tunix.models.qwen2.model``).
+        architecture: the HF / vLLM architecture (``Qwen2ForCausalLM``).
+        hf_config: Tunix ``ModelConfig`` -> the HF config's fields.
+        rules: Tunix ``ModelConfig`` -> the naming table.
+    """
+
+    name: str
+    module: str
+    architecture: str
+    hf_config: Callable[[Any], dict[str, Any]]
+    rules: Callable[[Any], tuple[Rule, ...]]
+
+
+def _tied(c: Any) -> bool:
+    # Qwen2/Qwen3 call it use_tied_embedding, Llama3 weight_tying
+    return bool(getattr(c, "use_tied_embedding", False) or getattr(c, "weight_tying", False))
+
+
+def _common_hf(c: Any) -> dict[str, Any]:
+    return {"vocab_size": c.vocab_size, "hidden_size": c.embed_dim,
+            "intermediate_size": c.hidden_dim, "num_hidden_layers": c.num_layers,
+            "num_attention_heads": c.num_heads, "num_key_value_heads": c.num_kv_heads,
+            "head_dim": c.head_dim, "rms_norm_eps": float(c.norm_eps),
+            "rope_theta": float(c.rope_theta), "tie_word_embeddings": _tied(c),
+            "max_position_embeddings": 4096, "torch_dtype": "float32"}
+
+
+def _qwen2_hf(c: Any) -> dict[str, Any]:
+    if c.num_heads * c.head_dim != c.embed_dim:
+        # HF's (and vLLM's) Qwen2 derive head_dim = hidden_size // num_attention_heads
+        raise TunixNamingError(f"Tunix Qwen2 with num_heads*head_dim = {c.num_heads}*"
+                               f"{c.head_dim} != embed_dim {c.embed_dim}: HF's Qwen2 has no "
+                               "head_dim of its own; vLLM would build other shapes")
+    return {**_common_hf(c), "model_type": "qwen2", "use_sliding_window": False}
+
+
+def _qwen3_hf(c: Any) -> dict[str, Any]:
+    if getattr(c, "num_experts", None):
+        raise TunixNamingError("Tunix Qwen3 MoE (num_experts set): the MoE table is not "
+                               "built yet; dense Qwen3 only")
+    # Tunix 0.1.7's Qwen3 attention calls apply_rope without the config's rope_theta, so it
+    # always rotates with its default base 1e6 (every released Qwen3's): the engine must too
+    return {**_common_hf(c), "model_type": "qwen3", "rope_theta": 1_000_000.0}
+
+
+def _llama3_hf(c: Any) -> dict[str, Any]:
+    # Tunix's Llama3 applies plain RoPE (no llama3 rope_scaling): the engine must too
+    return {**_common_hf(c), "model_type": "llama", "attention_bias": False, "mlp_bias": False}
+
+
+#: Tunix's model families: the Llama-style decoders. Gemma (2, 3, 4) is not here: its
+#: ``q_einsum`` ``[N, D, H]`` needs a copy to become HF's ``[N*H, D]`` (no strided view
+#: makes it), and xreshard binds views of shards only.
+FAMILIES: dict[str, Family] = {
+    "Qwen2": Family("Qwen2", "tunix.models.qwen2.model", "Qwen2ForCausalLM", _qwen2_hf,
+                    lambda c: _dense_rules(qkv_bias=True, qk_norm=False, tied=_tied(c))),
+    "Qwen3": Family("Qwen3", "tunix.models.qwen3.model", "Qwen3ForCausalLM", _qwen3_hf,
+                    lambda c: _dense_rules(qkv_bias=False, qk_norm=True, tied=_tied(c))),
+    "Llama3": Family("Llama3", "tunix.models.llama3.model", "LlamaForCausalLM", _llama3_hf,
+                     lambda c: _dense_rules(qkv_bias=False, qk_norm=False, tied=_tied(c))),
+}
+
+
+def family_of(model: Any) -> Family:
+    """The :class:`Family` of a Tunix model instance (by class, subclasses included)."""
+    for cls in type(model).__mro__:
+        fam = FAMILIES.get(cls.__name__)
+        if fam is not None and cls.__module__ == fam.module:
+            return fam
+    raise TunixNamingError(f"no xreshard naming table for Tunix model class "
+                           f"{type(model).__module__}.{type(model).__name__}; tables exist "
+                           f"for {', '.join(f.module + '.' + n for n, f in FAMILIES.items())} "
+                           "(pass rules=... for another model)")
+
+
+def tunix_rules(model: Any) -> tuple[Rule, ...]:
+    """The naming table of a Tunix model (Qwen2, Qwen3 dense, Llama3)."""
+    return family_of(model).rules(model.config)
+
+
+def hf_config_of(model: Any) -> dict[str, Any]:
+    """The HF ``config.json`` fields of a Tunix model (what vLLM builds the engine from)."""
+    fam = family_of(model)
+    return {**fam.hf_config(model.config), "architectures": [fam.architecture]}
+
+
+def write_model_dir(model: Any, path: str, overrides: Mapping[str, Any] | None = None) -> str:
+    """Write ``config.json`` of a Tunix model into ``path`` (no weights: the engine starts
+    with ``load_format="dummy"`` and gets the trainer's weights by refit)."""
+    os.makedirs(path, exist_ok=True)
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump({**hf_config_of(model), **dict(overrides or {})}, f, indent=1)
+    return path
+
+
+def _flat_names(tree: Any) -> list[str]:
+    from xreshard.adapters.naming import flatten_tree
+    return list(flatten_tree(tree))
+
+
+def check_names(rules: Sequence[Any], names: Sequence[str], model_name: str) -> None:
+    """Raise :class:`TunixNamingError` naming the first path no rule maps."""
+    for name in names:
+        if not any(r.match(name) is not None for r in rules):
+            raise TunixNamingError(f"{model_name}: parameter path {name!r} matches no rule of "
+                                   f"its naming table ({len(names)} paths; the table maps "
+                                   f"{', '.join(r.src for r in rules)}); pass rules=... with a "
+                                   "rule for it")
+
+
+def pure_tree(params: Any) -> Any:
+    """An ``nnx.State`` (leaves ``nnx.Param``/``Variable``) as a plain nested dict of arrays."""
+    to_pure = getattr(params, "to_pure_dict", None)
+    return to_pure() if callable(to_pure) else params
+
+
+# ---------------------------------------------------------------------------- the rollout
+
+@dataclass
+class _InitInfo:
+    """Carries ``delta`` / ``atomic`` into the backend's :class:`RefitConfig` (the workers
+    build theirs from the trainer's ``config.to_dict()``)."""
+
+    delta: bool = False
+    atomic: bool = False
+
+
+def _init_info_cls() -> Any:
+    from xreshard.adapters.vllm import XreshardTrainerInitInfo
+
+    @dataclass
+    class TunixInitInfo(XreshardTrainerInitInfo):
+        delta: bool = False
+        atomic: bool = False
+
+        def refit_config(self) -> Any:
+            return dataclasses.replace(super().refit_config(), delta=self.delta,
+                                       atomic=self.atomic)
+    return TunixInitInfo
+
+
+_BaseRollout: Any = base_rollout.BaseRollout
+
+
+class XreshardVllmRollout(_BaseRollout):
+    """A Tunix ``BaseRollout`` on a real vLLM engine that xreshard refits shard to shard.
+
+    Tunix builds it as ``rollout_engine(rollout_actor=, tokenizer=, mesh=,
+    rollout_config=)``; bind the rest with ``functools.partial``.
+
+    Args:
+        rollout_actor: the Tunix model whose weights the engine serves (RLCluster passes
+            the actor for a custom engine); its class picks the naming table.
+        tokenizer: Tunix's tokenizer (HF, SentencePiece, or any object with ``encode``,
+            ``decode``, ``bos_id``, ``eos_id``, ``pad_id``).
+        mesh: the rollout mesh RLCluster passes (unused: the engine has its own devices).
+        rollout_config: Tunix's ``RolloutConfig`` (sampling knobs, lengths,
+            ``tensor_parallel_size`` when ``tensor_parallel_size`` is not given).
+        tensor_parallel_size: the engine's TP size (default ``rollout_config``'s, else 1).
+        llm: attach to this running engine (``vllm.LLM`` started with
+            ``weight_transfer_config={"backend": "xreshard"}``) instead of starting one.
+        model_dir: where the engine's ``config.json`` is written (default a temp dir).
+        engine_kwargs: more ``vllm.LLM`` arguments (``dtype``, ``max_model_len``,
+            ``quantization``, ...), over the defaults.
+        hf_config: fields over the written ``config.json`` (e.g. ``quantization_config``).
+        rules, rule_params: a naming table of your own (default the family's).
+        delta, atomic, wire_dtype, timeout, stream_bytes: refit options
+            (:class:`~xreshard.config.RefitConfig`, ``XreshardTrainerInitInfo``).
+    """
+
+    def __init__(self, rollout_actor: Any = None, tokenizer: Any = None, mesh: Any = None,
+                 rollout_config: Any = None, *, tensor_parallel_size: int | None = None,
+                 llm: Any = None, model_dir: str | None = None,
+                 engine_kwargs: Mapping[str, Any] | None = None,
+                 hf_config: Mapping[str, Any] | None = None,
+                 rules: Sequence[Any] | None = None, rule_params: Mapping[str, int] | None = None,
+                 delta: bool = False, atomic: bool = False, wire_dtype: str | None = None,
+                 timeout: float = 300.0, stream_bytes: int | None = None) -> None:
+        import jax
+        from flax import nnx
+        from tunix.generate import tokenizer_adapter
+
+        if rollout_actor is None:
+            raise RefitError("XreshardVllmRollout needs rollout_actor (the Tunix model whose "
+                             "weights the engine serves)")
+        if jax.process_count() > 1:
+            raise RefitError(f"XreshardVllmRollout runs in one controller process (Tunix's "
+                             f"RLCluster); this JAX has {jax.process_count()} processes")
+        self._config = rollout_config if rollout_config is not None \
+            else base_rollout.RolloutConfig()
+        self._tokenizer: Any = tokenizer if tokenizer is None or isinstance(
+            tokenizer, tokenizer_adapter.TokenizerAdapter) \
+            else tokenizer_adapter.TokenizerAdapter(tokenizer)
+        self._actor_name = type(rollout_actor).__name__
+        self._rules = tuple(rules) if rules is not None else tunix_rules(rollout_actor)
+        check_names(self._rules, _flat_names(pure_tree(nnx.state(rollout_actor, nnx.Param))),
+                    self._actor_name)
+        tp = tensor_parallel_size or (self._config.tensor_parallel_size
+                                      if self._config.tensor_parallel_size > 0 else 1)
+        self.tensor_parallel_size = tp
+        self._tmp = None
+        if llm is None:
+            if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0":
+                raise RefitError("VLLM_ENABLE_V1_MULTIPROCESSING=0 would build the vLLM "
+                                 "engine inside the trainer process (Tunix's own sampler sets "
+                                 "it); unset it: XreshardVllmRollout runs the engine in "
+                                 "processes of its own")
+            if model_dir is None:
+                model_dir = self._tmp = tempfile.mkdtemp(prefix="xreshard-tunix-")
+            write_model_dir(rollout_actor, model_dir, hf_config)
+            llm = self._start_engine(model_dir, tp, engine_kwargs or {})
+        self.llm = llm
+        from xreshard.adapters.vllm import LLMClient, XreshardTrainerWeightTransferEngine
+        info = _init_info_cls()(rank=0, engine_world_size=tp, rules=self._rules,
+                                rule_params=rule_params, timeout=timeout,
+                                wire_dtype=wire_dtype, stream_bytes=stream_bytes,
+                                delta=delta, atomic=atomic)
+        self._engine = XreshardTrainerWeightTransferEngine.trainer_init(
+            info, client=LLMClient(llm))
+        self.last_report: Any = None
+        self.refit_seconds: list[float] = []
+        self._calls = 0
+        self._last: dict[tuple[tuple[int, ...], tuple[int, ...]], Any] = {}
+        # the first sync: generation comes before RLCluster's first sync_weights
+        self.update_params(nnx.state(rollout_actor, nnx.Param), (nnx.Param,))
+
+    def _start_engine(self, model_dir: str, tp: int, engine_kwargs: Mapping[str, Any]) -> Any:
+        from vllm import LLM
+
+        from .worker import WORKER_EXTENSION
+        c = self._config
+        kwargs: dict[str, Any] = {
+            "model": model_dir, "skip_tokenizer_init": True, "tensor_parallel_size": tp,
+            "load_format": "dummy", "enforce_eager": True, "seed": 0,
+            "max_model_len": int(c.max_prompt_length + c.max_tokens_to_generate),
+            "logprobs_mode": c.rollout_vllm_logprobs_mode,
+            "worker_extension_cls": WORKER_EXTENSION,
+            "weight_transfer_config": {"backend": "xreshard"},
+        }
+        if c.rollout_vllm_max_num_seqs:
+            kwargs["max_num_seqs"] = c.rollout_vllm_max_num_seqs
+        kwargs.update(c.rollout_vllm_kwargs or {})
+        kwargs.update(engine_kwargs)
+        t0 = time.monotonic()
+        llm = LLM(**kwargs)
+        logger.info("xreshard: vLLM engine (TP=%d) started in %.1f s", tp, time.monotonic() - t0)
+        return llm
+
+    # ------------------------------------------------------------ weights
+
+    def update_params(self, params: Any, filter_types: tuple[Any, ...] | None = None) -> None:
+        """Refit the engine from ``params`` (an ``nnx.State`` on the actor mesh), shard to
+        shard: each JAX device sends its shards to the vLLM ranks that hold them."""
+        import jax
+        from flax import nnx
+
+        lora = any(isinstance(t, type) and issubclass(t, nnx.LoRAParam)
+                   for t in (filter_types or ()))
+        if lora:
+            raise RefitError("XreshardVllmRollout: LoRA (filter_types nnx.LoRAParam) is not "
+                             "mapped yet: Tunix's qwix factors have no PEFT module table; "
+                             "train without LoRA, or refit merged weights")
+        tree = pure_tree(params)
+        check_names(self._rules, _flat_names(tree), self._actor_name)
+        t0 = time.perf_counter()
+        with jax.transfer_guard("allow"):
+            self.last_report = self._engine.send_weights(tree)
+        self.llm.reset_prefix_cache()
+        self.refit_seconds.append(time.perf_counter() - t0)
+        self._last = {}         # sampled logprobs are the old policy's from here on
+
+    def transfer_reports(self) -> list[dict[str, Any]]:
+        """Every engine worker's report of the last refit (bytes received, its shard bytes),
+        in TP rank order."""
+        return sorted(self.llm.collective_rpc("xreshard_transfer_report"),
+                      key=lambda w: w["tp_rank"])
+
+    # ------------------------------------------------------------ sampling
+
+    def _encode(self, prompt: str, max_len: int) -> list[int]:
+        ids = [int(t) for t in self._tokenizer.encode(str(prompt))]
+        return ids[-max_len:] if len(ids) > max_len else ids
+
+    def _sampling(self, config: Any, seed: int | None, **extra: Any) -> Any:
+        from vllm import SamplingParams
+        stop = list(config.eos_tokens) if config.eos_tokens else [self.eos_id()]
+        return SamplingParams(
+            max_tokens=config.max_tokens_to_generate, temperature=float(config.temperature),
+            top_p=1.0 if config.top_p is None else float(config.top_p),
+            top_k=-1 if config.top_k in (None, 0) else int(config.top_k), seed=seed,
+            stop_token_ids=stop, detokenize=False, **(config.rollout_vllm_sampling_kwargs or {}),
+            **extra)
+
+    def generate(self, prompts: Sequence[str], rollout_config: Any = None,
+                 **kwargs: Any) -> Any:
+        """Sample one completion per prompt on the engine (Tunix's ``RolloutOutput``)."""
+        import numpy as np
+
+        c = rollout_config if rollout_config is not None else self._config
+        if isinstance(prompts, str):
+            prompts = [prompts]
+        ids = [self._encode(p, c.max_prompt_length) for p in prompts]
+        base = None if c.seed is None else int(np.asarray(c.seed).reshape(-1)[0])
+        n = len(ids)
+        requests = [{"prompt_token_ids": p} for p in ids]
+        params = [self._sampling(c, None if base is None else base + self._calls * n + i,
+                                 logprobs=0) for i in range(n)]
+        self._calls += 1
+        outs = self.llm.generate(requests, params, use_tqdm=False)
+        tokens, texts, logprobs = [], [], []
+        padded = np.full((n, c.max_prompt_length), self.pad_id(), dtype=np.int32)
+        for i, (p, o) in enumerate(zip(ids, outs)):
+            out = o.outputs[0]
+            toks = np.asarray(list(out.token_ids), dtype=np.int32)
+            lp = np.asarray([step[t].logprob for step, t in zip(out.logprobs or [], toks)],
+                            dtype=np.float32)
+            tokens.append(toks)
+            logprobs.append(lp)
+            stop = set(c.eos_tokens or [self.eos_id()])
+            texts.append(self._tokenizer.decode([int(t) for t in toks if int(t) not in stop]))
+            if p:
+                padded[i, -len(p):] = p
+            self._last[(tuple(p), tuple(int(t) for t in toks))] = lp
+        return base_rollout.RolloutOutput(text=texts, logits=None, tokens=tokens,
+                                          left_padded_prompt_tokens=padded, logprobs=logprobs)
+
+    def get_per_token_logps(self, prompt_tokens: Any, completion_tokens: Any) -> Any:
+        """Per-token logprobs ``[B, T]`` of ``completion_tokens`` given ``prompt_tokens``
+        (both padded with ``pad_id``: prompts on the left, completions on the right; 0 at
+        padding): the sampled logprobs of the rows ``generate`` made since the last refit
+        (Tunix asks about the rows it just generated, in micro-batches), the engine's
+        prompt logprobs for any other row."""
+        import jax.numpy as jnp
+        import numpy as np
+
+        pad = self.pad_id()
+        prompts, comps = np.asarray(prompt_tokens), np.asarray(completion_tokens)
+        out = np.zeros(comps.shape, dtype=np.float32)
+        missing = []
+        for i in range(comps.shape[0]):
+            p = tuple(int(t) for t in prompts[i] if t != pad)
+            row = [int(t) for t in comps[i]]
+            while row and row[-1] == pad:
+                row.pop()
+            key = (p, tuple(row))
+            if key in self._last:
+                lp = self._last[key]
+                out[i, :len(lp)] = lp
+            elif row:
+                missing.append((i, list(p), row))
+        if missing:
+            c = self._config
+            sp = self._sampling(dataclasses.replace(c, max_tokens_to_generate=1), None,
+                                prompt_logprobs=0)
+            outs = self.llm.generate([{"prompt_token_ids": q + c_ids} for _, q, c_ids in missing],
+                                     sp, use_tqdm=False)
+            for (i, q, c_ids), o in zip(missing, outs):
+                steps = o.prompt_logprobs[len(q):]
+                out[i, :len(c_ids)] = [step[t].logprob for step, t in zip(steps, c_ids)]
+        return jnp.asarray(out)
+
+    def pad_id(self) -> int:
+        return int(self._tokenizer.pad_id())
+
+    def eos_id(self) -> int:
+        return int(self._tokenizer.eos_id())
+
+    def model(self) -> Any:
+        """None: the rollout model lives in the engine's processes (so Tunix syncs weights
+        every step: it skips the sync only when the rollout shares the actor's weights)."""
+        return None
+
+    def shutdown(self) -> None:
+        """Leave the refit world and stop the engine this rollout started."""
+        import shutil
+        if self._tmp is None:       # attached: the engine stays up, without this trainer
+            try:
+                self.llm.shutdown_weight_transfer_engine()
+            finally:
+                self._engine.shutdown()
+            return
+        try:    # the engine's workers first: they would otherwise outlive the store
+            self.llm.llm_engine.engine_core.shutdown()
+        finally:
+            self._engine.shutdown()
+            shutil.rmtree(self._tmp, ignore_errors=True)
