@@ -164,8 +164,11 @@ def _qwen3_hf(c: Any) -> dict[str, Any]:
 
 
 def _llama3_hf(c: Any) -> dict[str, Any]:
-    # Tunix's Llama3 applies plain RoPE (no llama3 rope_scaling): the engine must too
-    return {**_common_hf(c), "model_type": "llama", "attention_bias": False, "mlp_bias": False}
+    # Tunix's Llama3 applies plain RoPE (no llama3 rope_scaling), and like its Qwen3 calls
+    # apply_rope without the config's rope_theta (0.1.7: the default base 1e6, whatever the
+    # config says): the engine must rotate the same way
+    return {**_common_hf(c), "model_type": "llama", "attention_bias": False, "mlp_bias": False,
+            "rope_theta": 1_000_000.0}
 
 
 #: Tunix's model families: the Llama-style decoders. Gemma (2, 3, 4) is not here: its
