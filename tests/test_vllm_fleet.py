@@ -156,9 +156,9 @@ def fleet_trainer(ctx: Any, tmp: str) -> dict:
         engine.add_engine(clients[1], engine=1)
         update("C", "C")
     finally:
+        engine.shutdown()       # the attached engines' workers leave the world first
         for e in range(1, NUM_ENGINES):
             clients[e].call("stop")
-        engine.shutdown()
     return {"rounds": rounds}
 
 
