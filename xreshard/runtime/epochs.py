@@ -23,7 +23,7 @@ change (members that left or died, processes that asked to join) makes the next 
 - **Dead or gone, decided together.** Partial collectives stop waiting for a member that
   left (its request is in the log) or whose process is gone (same host: its pid and
   start time no longer run); which members arrived is then settled once for everyone
-  (``World._settled``). A member on another host that stops answering is found at the
+  (``waiting.settled``). A member on another host that stops answering is found at the
   collective's timeout instead.
 - **Units fall together.** A process may join with a ``unit`` (``World.join(unit=...)``):
   the workers of one tensor-parallel engine, which cannot serve without any of them.

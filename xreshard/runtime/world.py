@@ -474,7 +474,7 @@ class World(WorldTransports, ElasticWorld):
                   timeout: float | None, partial: bool = False) -> list[Any]:
         """One collective step: write a sealed ``obj`` (when ``writes``), wait for the
         payloads of processes ``readers``, check and open them, clean up. With
-        ``partial``, the processes settle which payloads count (see ``_settled``) and a
+        ``partial``, the processes settle which payloads count (see ``waiting.settled``) and a
         timeout returns those (None for the rest) instead of raising; the caller must then
         mark the world broken (it knows the first cause)."""
         body = json.dumps(obj)      # TypeError before anything is posted
