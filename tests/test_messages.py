@@ -17,7 +17,7 @@ def _layout(shape: tuple[int, ...]) -> xr.Layout:
     return xr.Layout.replicated(shape, "float32", Mesh((1,), (0,), ("x",)))
 
 
-@pytest.mark.parametrize("world", ["127.0.0.1:29500", "tcp://127.0.0.1:29500", None])
+@pytest.mark.parametrize("world", ["127.0.0.1:7", "tcp://127.0.0.1:7", None])
 def test_a_refit_without_a_world_says_how_to_join_one(world):
     with pytest.raises(xr.RefitError, match=r"the World every process joined.*World\.join\("
                                             r".*xreshard\.serve\(\)"):
