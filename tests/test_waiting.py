@@ -19,16 +19,9 @@ from xreshard.runtime import waiting
 from xreshard.runtime.store import connect
 from xreshard.tools.launch import Context, Role, launch
 
+from .test_membership import _attempt
+
 PATIENT = 120       # every wait of these worlds; the launches end long before
-
-
-def _attempt(fn) -> dict:
-    t0 = time.monotonic()
-    try:
-        value = fn()
-    except Exception as e:      # noqa: BLE001 - the test compares what each process raised
-        return {"error": type(e).__name__, "message": str(e), "seconds": time.monotonic() - t0}
-    return {"ok": value, "seconds": time.monotonic() - t0}
 
 
 def _flag(ctx: Context, name: str, wait: bool = False) -> None:
