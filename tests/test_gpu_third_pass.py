@@ -26,17 +26,17 @@ class _Parked:
         pass
 
 
-class _Epochs:
-    """The few members ``WorldLinks._nccl_epoch`` reads, over a world of 3 processes (one
-    rank each) whose process c died; the other process's NCCL is ``theirs``."""
+class _World:
+    """The few members ``EpochLinks.nccl_epoch`` reads of its world, over a world of 3
+    processes (one rank each) whose process c died; the other process's NCCL is
+    ``theirs``."""
 
     def __init__(self, theirs):
         self.theirs = theirs
         self.num_ranks = 2
-        self._rank_ids = (0,)
+        self.rank_ids = (0,)
         self._store = None
-        self._world_id = "w"
-        self._parked_nccl = (_Parked(), ("a/0", "b/0", "c/0"))
+        self.world_id = "w"
 
     def allgather_json(self, payload, timeout, kind):
         other = {**payload, "can": self.theirs} if "can" in payload else dict(payload)
@@ -45,8 +45,12 @@ class _Epochs:
     def _wait_seconds(self):
         return 5.0
 
-    def _rank_members(self, ranks):
-        return tuple(("a/0", "b/0")[r] for r in ranks)
+
+def _links(theirs):
+    links = world_links.EpochLinks(_World(theirs))
+    links.parked_nccl = (_Parked(), ("a/0", "b/0", "c/0"))
+    links.rank_members = lambda ranks: tuple(("a/0", "b/0")[r] for r in ranks)
+    return links
 
 
 @pytest.mark.parametrize("theirs, action", [
@@ -71,7 +75,7 @@ def test_nccl_epoch_abilities_are_agreed_over_the_processes(monkeypatch, theirs,
     monkeypatch.setattr(world_links, "_resize", lambda *a: "resized")
     monkeypatch.setattr(nccl_module, "NcclTransport", lambda *a, **k: "made")
     monkeypatch.setattr(routed, "RenumberedTransport", lambda inner, index, kind: inner)
-    got = world_links.WorldLinks._nccl_epoch(_Epochs(theirs), "w/e1", (0, 1), {0: 0})
+    got = _links(theirs).nccl_epoch("w/e1", (0, 1), {0: 0})
     assert seen == [action]
     assert got == ("resized" if action == "shrink" else "made")
 

@@ -19,7 +19,7 @@ from typing import Any, Mapping
 from .dtypes import dtype_name
 from .errors import RefitError
 
-__all__ = ["EXECUTORS", "RefitConfig", "RefitReport", "Tuning"]
+__all__ = ["EXECUTORS", "RefitConfig", "RefitReport", "Tuning", "env_token"]
 
 #: the executors a refit may run (``Tuning.executor``)
 EXECUTORS = ("pipelined", "rounds")
@@ -183,6 +183,18 @@ class Tuning:
     FP8 quantizing): "jax", "torch" or "auto" (a sender: JAX in a process that loaded JAX,
     else torch; a receiver: torch where installed, else JAX)."""
 
+    shm: bool = True
+    """Offer shared memory to the processes of this host (``transport("auto")`` routes
+    same-host CPU pairs through it). False keeps this process off it: its pairs take gloo.
+    Read by the world this tuning is given to (``World.join(tuning=)``) when it first
+    makes its transports: they are the world's, shared by its refits, so a ``Refit``'s
+    own tuning does not change them. Environment: ``XRESHARD_SHM=0``."""
+    shm_pull: bool = True
+    """With ``shm``: let peers read this process's send buffers in place
+    (``process_vm_readv``); False moves every shared-memory message through shared
+    segments (a copy in and a copy out). Read as ``shm``. Environment:
+    ``XRESHARD_SHM_PULL=0``."""
+
     def __post_init__(self) -> None:
         if self.delta_baseline not in ("host", "device"):
             raise RefitError(f"Tuning.delta_baseline must be 'host' or 'device', got "
@@ -193,16 +205,18 @@ class Tuning:
         if self.executor not in EXECUTORS:
             raise RefitError(f"Tuning.executor must be one of {EXECUTORS}, got "
                              f"{self.executor!r}")
-        for name in ("relay_overlap", "pause_gc", "layout_memo"):
+        for name in ("relay_overlap", "pause_gc", "layout_memo", "shm", "shm_pull"):
             if not isinstance(getattr(self, name), bool):
                 raise RefitError(f"Tuning.{name} must be a bool, got {getattr(self, name)!r}")
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> Tuning:
         """The default tuning, from ``XRESHARD_EXECUTOR`` (``pipelined``, the default, or
-        ``rounds``), ``XRESHARD_DELTA_BASELINE`` (``host`` or ``device``) and
-        ``XRESHARD_DEVICE_KERNELS`` (``auto``, ``jax`` or ``torch``); the table of
-        variables is in docs/extending.md.
+        ``rounds``), ``XRESHARD_DELTA_BASELINE`` (``host`` or ``device``),
+        ``XRESHARD_DEVICE_KERNELS`` (``auto``, ``jax`` or ``torch``), ``XRESHARD_SHM`` and
+        ``XRESHARD_SHM_PULL`` (``0``, ``false`` or ``off`` turn ``shm`` / ``shm_pull``
+        off; anything else, or unset, leaves them on); the table of variables is in
+        docs/extending.md (``XRESHARD_TOKEN``, the world's secret, is :func:`env_token`).
 
         Raises:
             RefitError: an unknown value of one of them.
@@ -213,7 +227,19 @@ class Tuning:
             raise RefitError(f"XRESHARD_EXECUTOR={kind!r}: expected 'pipelined' or 'rounds'")
         baseline = env.get("XRESHARD_DELTA_BASELINE", "host").strip().lower()
         kernels = env.get("XRESHARD_DEVICE_KERNELS", "auto").strip().lower()
-        return cls(executor=kind, delta_baseline=baseline, device_kernels=kernels)
+        off = ("0", "false", "off")
+        shm = env.get("XRESHARD_SHM", "1").strip().lower() not in off
+        shm_pull = env.get("XRESHARD_SHM_PULL", "1").strip().lower() not in off
+        return cls(executor=kind, delta_baseline=baseline, device_kernels=kernels, shm=shm,
+                   shm_pull=shm_pull)
+
+
+def env_token(environ: Mapping[str, str] | None = None) -> str | None:
+    """The world token from ``XRESHARD_TOKEN`` (None when unset or empty): what
+    ``World.join`` signs with when it is given no ``token=`` (:mod:`xreshard.runtime.store`
+    says what a token protects). Read here, with the other variables, at each join."""
+    env = os.environ if environ is None else environ
+    return env.get("XRESHARD_TOKEN") or None
 
 
 @dataclass(frozen=True)

@@ -61,12 +61,12 @@ import hashlib
 import hmac
 import json
 import logging
-import os
 import secrets
 import socket
 import time
 from typing import Any, Sequence
 
+from ..config import env_token
 from ..extras import require
 from ..errors import (AuthenticationError, CollectiveMismatch, RefitError, TransportError,
                      TransportTimeout)
@@ -260,9 +260,10 @@ def wait_keys(store: Any, keys: Sequence[str], deadline: float) -> None:
 
 
 def token_from(token: str | bytes | None) -> bytes | None:
-    """The token as bytes: the argument, else ``XRESHARD_TOKEN``, else None (unsigned)."""
+    """The token as bytes: the argument, else ``XRESHARD_TOKEN`` (``config.env_token``),
+    else None (unsigned)."""
     if token is None:
-        token = os.environ.get("XRESHARD_TOKEN") or None
+        token = env_token()
     if token is None:
         return None
     if isinstance(token, str):

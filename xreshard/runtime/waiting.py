@@ -45,15 +45,18 @@ from __future__ import annotations
 import json
 import logging
 import time
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from ..errors import CollectiveMismatch, CommunicationError, TransportError, error_from
 from ..transport.base import TransportTimeout, format_seconds
 from . import store as store_module
 from .store import Seal, wait_keys
 
+if TYPE_CHECKING:
+    from .world import World
+
 __all__ = ["REPORT_SECONDS", "Reporter", "ended_key", "missing_labels", "post_end",
-           "read_end", "wait_for"]
+           "read_end", "settled", "wait_for", "wait_payloads"]
 
 logger = logging.getLogger("xreshard.runtime.world")
 
@@ -206,14 +209,14 @@ def _opened(seal: Seal, key: str, raw: Any) -> Exception | None:
     return error_from(body["error"], body["message"])
 
 
-def settled(world: Any, prefix: str, op: int, kind: str, readers: Sequence[int],
+def settled(world: World, prefix: str, op: int, kind: str, readers: Sequence[int],
             arrived: list[bool]) -> list[bool]:
     """Which payloads of a partial collective count, the same for every process: the
     first process to get here writes the set it saw (``compare_set``: first writer
     wins), every other takes that set. Without it, a process whose grace ran out
     before a slow survivor posted, and that survivor, would build their outcomes from
     different payloads (and raise different messages, or one succeed)."""
-    me = world._process_index
+    me = world.process_index
     mine = world._seal.seal(f"{kind}/settled", op, me,
                            json.dumps([p for p, a in zip(readers, arrived) if a]))
     raw = world._store.compare_set(f"{prefix}/settled", "",
@@ -230,3 +233,40 @@ def settled(world: Any, prefix: str, op: int, kind: str, readers: Sequence[int],
                                   op=op, process=writer,
                                   what=f"settled by {world.describe_process(writer)}"))
     return [p in counted for p in readers]
+
+
+def wait_payloads(world: World, keys: list[str], readers: Sequence[int], deadline: float,
+                  partial: bool, what: str = "a collective", begun: float = 0.0) -> None:
+    """Wait for the payloads of a collective step of ``world`` at ``keys``, naming the
+    missing readers every :data:`REPORT_SECONDS`. It stops before the deadline once a
+    reader still missing is known not to come: its process, on this node, no longer runs
+    (``epochs.gone``; a partial collective, a refit's outcome, stops only when every
+    missing one is, or in an elastic world left); or (not partial) the world's refusal or
+    end was posted (the world's failure path then raises that first cause)."""
+    if partial:
+        def stop(missing: list[int]) -> None:
+            if world.membership.all_gone(missing):
+                raise TransportTimeout(f"gone: {missing}")
+    else:
+        def stop(missing: list[int]) -> None:
+            _stop_if_over(world, missing, what, begun)
+    reporter = Reporter(f"world {world.world_id!r}: {what}")
+    wait_for(world._store, keys, readers, deadline, reporter, world.describe_process, stop)
+
+
+def _stop_if_over(world: World, missing: list[int], what: str, begun: float) -> None:
+    """Raise when a wait on the processes ``missing`` cannot end well: some of them no
+    longer run (this node), or a member posted the world's end (or, within the join
+    timeout, its refusal)."""
+    from .epochs import gone
+    dead = [p for p in missing if gone(world.membership.infos[p], ())]
+    if dead:
+        raise TransportError(
+            f"{what} in world {world.world_id!r}: "
+            f"{'; '.join(world.describe_process(p) for p in dead)} no longer "
+            f"run{'s' if len(dead) == 1 else ''} (exited on this node) and never "
+            f"arrived: it ends the world")
+    seal = world._seal
+    if world._refusal(begun) is not None or (not world.elastic and read_end(
+            world._store, seal, ended_key(world._root, seal.nonce)) is not None):
+        raise CommunicationError(f"{what}: the world was ended by another process")

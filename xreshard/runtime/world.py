@@ -26,24 +26,22 @@ import atexit
 import contextlib
 import json
 import logging
-import os
-import socket
 import threading
 import time
 import weakref
-from typing import Any, Iterator, Sequence
+from typing import Any, Iterable, Iterator, Sequence
 
-from ..errors import (CommunicationError, RefitError, TransportError,
-                      WorldBroken, error_name)
+from ..errors import (CommunicationError, RefitError, WorldBroken, error_name)
+from ..config import Tuning
 from . import epochs, waiting
-from .epochs import ElasticWorld
-from .joining import (KEY_ROOT, Joined, join_arguments, join_records, label, member_nonce,
-                      numbered, refusal, retire)
-from .store import Seal, StoreServer, connect, parse_address, serve, token_from
+from .epochs import Request
+from .joining import KEY_ROOT, Joined, refusal, retire
+from .store import Seal, StoreServer, parse_address, serve
 from ..ir.topology import Topology
 from ..transport.base import Transport, TransportTimeout, format_seconds
 from ..transport.routed import RenumberedTransport, RoutedTransport
-from .world_transports import WorldTransports, device_kind
+from .world_membership import Membership, join_world
+from .world_transports import WorldTransports
 from .commcount import count_collective
 
 __all__ = ["StoreServer", "World", "RoutedTransport", "RenumberedTransport", "serve",
@@ -64,7 +62,7 @@ def _close_at_exit() -> None:
             world.close(wait=5.0)               # a daemon thread's collective: 5 s at most
 
 
-class World(WorldTransports, ElasticWorld):
+class World:
     """The processes of one refit and the world ranks each one hosts.
 
     Build it with ``World.join`` in every process. Rank numbering (the same in every
@@ -88,14 +86,23 @@ class World(WorldTransports, ElasticWorld):
         # trainer[0]             | 4       | 0        | 0, 1, 2, 3
         # rollout[0]             | 1       | 1        | 4
         # rollout[1]             | 1       | 2        | 5
+
+    A world is composed of two components with their own state: ``membership``
+    (:class:`~xreshard.runtime.world_membership.Membership`: the processes and their
+    ranks, and an elastic world's epochs, admissions and exclusions) and ``transports``
+    (:class:`~xreshard.runtime.world_transports.WorldTransports`: the transports made,
+    their routes, the communicators kept across epochs). The world itself keeps the store
+    and its collectives (the step counter, the seal of this instance, the lock, whether
+    it is broken or closed); its methods below are the public face of both components.
     """
 
     def __init__(self, *, store: Any, server: StoreServer | None, address: str,
                  world_id: str, timeout: float, infos: list[dict[str, Any]],
                  process_index: int, devices: Sequence[Any], seal: Seal | None = None,
                  joined: Joined | None = None, instance_seal: Seal | None = None,
-                 elastic: Any = None):
-        self._store = store
+                 groups: Sequence[str] | None = None, elastic: bool = False, epoch: int = 0,
+                 consumed: Sequence[str] = (), tuning: Tuning | None = None):
+        self._store: Any = store
         self._seal = seal or Seal(None, world_id)
         # the join's instance, retired on close, and its refusal marker, read by every
         # collective for one join timeout (a disagreeing process may join after us)
@@ -111,35 +118,30 @@ class World(WorldTransports, ElasticWorld):
         self._world_id = world_id
         self._root = f"{KEY_ROOT}/{world_id}"
         self._timeout = float(timeout)
-        self._infos = infos
-        self._process_index = process_index
-        self._devices = tuple(devices)
         self._num_ops = 0
-        self._transports: dict[str, Transport] = {}
-        self._counted: dict[str, Transport] = {}
         self._closed = False
         self._closing = False
         self._why = ""          # what made this process close it (``__exit__``'s exception)
         self._depth = 0         # nesting of ``exclusive`` in the thread that holds it
-        self._elastic = elastic     # an epochs.Membership, or None (a fixed world)
-        self._set_members(infos, process_index)
+        self.membership = Membership(self, self._seal, groups, infos, process_index, devices,
+                                     elastic=elastic, epoch=epoch, consumed=consumed)
+        self.transports = WorldTransports(self, tuning or Tuning.from_env())
         _OPEN.add(self)
 
-    def _set_members(self, infos: list[dict[str, Any]], process_index: int) -> None:
-        """The rank tables of a member set (at the join, and at each new epoch)."""
-        self._infos = infos
-        self._process_index = process_index
-        rank_process: list[int] = []
-        kinds: list[str] = []
-        for pos, info in enumerate(infos):
-            rank_process.extend([pos] * info["num_ranks"])
-            kinds.extend(info["device_kinds"])
-        self._rank_process = tuple(rank_process)
-        self._rank_kind = tuple(kinds)
-        self._rank_ids = tuple(infos[process_index]["ranks"])
-        self._local = frozenset(self._rank_ids)
-        self._topology = Topology.of({r: (p, infos[p]["host"])
-                                      for r, p in enumerate(rank_process)})
+    def _enter_epoch(self, joined: Joined, nonce: str, infos: list[dict[str, Any]],
+                     position: int) -> None:
+        """This process's collectives move to the membership's new epoch (``joined``):
+        a new seal and key root, the step counter from 0, and the new member set."""
+        m = self.membership
+        wid = epochs.epoch_world_id(self._world_id, m.epoch)
+        self._seal = m.base.at_epoch(m.epoch, nonce)
+        self._joined = joined
+        self._instance_seal = Seal(m.base.token, wid).with_nonce(joined.instance)
+        self._refusal_until = time.monotonic() + self._timeout
+        self._root = f"{KEY_ROOT}/{wid}"
+        self._num_ops = 0
+        self._broken = None
+        m.set_members(infos, position)
 
     # ------------------------------------------------------------------ joining
 
@@ -149,7 +151,8 @@ class World(WorldTransports, ElasticWorld):
              groups: Sequence[str] | None = None, host: str | None = None,
              timeout: float = 300.0, world_id: str = "default",
              is_server: bool = False, token: str | bytes | None = None,
-             elastic: bool = False, wait: bool = True, unit: str | None = None) -> World:
+             elastic: bool = False, wait: bool = True, unit: str | None = None,
+             tuning: Tuning | None = None) -> World:
         """Join a world; returns once all ``num_processes`` processes have joined.
 
         Args:
@@ -184,7 +187,10 @@ class World(WorldTransports, ElasticWorld):
             wait: (elastic, a running world) False returns before the members admitted it,
                 for ``Refit.catch_up()``; its first refit (or ``admit()``) asks to join.
             unit: (elastic) a member excluded takes every member of its unit with it
-                (one tensor-parallel engine's workers; ``ElasticWorld.excluded``).
+                (one tensor-parallel engine's workers; ``Membership.excluded``).
+            tuning: this process's :class:`~xreshard.config.Tuning` for the world's
+                transports (``shm``, ``shm_pull``: which fast paths this process offers);
+                default ``Tuning.from_env()``, read once here.
 
         Returns:
             The joined world.
@@ -203,47 +209,10 @@ class World(WorldTransports, ElasticWorld):
                 too few with this process's token (at once when ``num_processes`` of them
                 exist), or the world's instance record was forged or replayed.
         """
-        seal = Seal(token_from(token), world_id)
-        groups, local_devices, index = join_arguments(
-            address, seal, group, devices, num_processes, groups, index, is_server)
-        deadline = time.monotonic() + timeout
-        server = None
-        if is_server:
-            host_name, port = parse_address(address)
-            server = StoreServer(host_name, port, timeout=timeout)
-            store, address = server.store, server.address
-        else:
-            store = connect(address, timeout)
-
-        me = {"group": group, "index": int(index), "host": host or socket.gethostname(),
-              "node": epochs.own_node(), "pid": os.getpid(), "start": epochs.own_start(),
-              "num_ranks": len(local_devices), "devices": [str(d) for d in local_devices],
-              "device_kinds": [device_kind(d) for d in local_devices]}
-        expect = {"num_processes": num_processes, "groups": groups}
-        if elastic:
-            me.update({} if unit is None else {"unit": unit})
-            running = epochs.read_epoch(store, seal)
-            if running is not None:
-                return cls._join_running(store, server, address, seal, me, groups,
-                                         local_devices, deadline, timeout, running, wait)
-        try:
-            joined = join_records(store, seal, me, expect, num_processes, deadline, address)
-            infos, position = numbered(joined.members, groups, world_id, (group, index))
-        except BaseException:
-            if server is not None:
-                server.close()
-            raise
-        nonce = member_nonce(joined)
-        world = cls(store=store, server=server, address=address, world_id=world_id,
-                    timeout=timeout, infos=infos, process_index=position,
-                    devices=local_devices, seal=seal.with_nonce(nonce), joined=joined,
-                    instance_seal=seal.with_nonce(joined.instance),
-                    elastic=epochs.Membership(seal, groups, 0) if elastic else None)
-        world._refuse_if_refused()
-        if elastic and world.process_index == 0:
-            epochs.publish_epoch(store, seal, world._epoch_record(0, [], []))
-        logger.debug("joined %r", world)
-        return world
+        return join_world(cls, address, group, devices, num_processes=num_processes,
+                          index=index, groups=groups, host=host, timeout=timeout,
+                          world_id=world_id, is_server=is_server, token=token,
+                          elastic=elastic, wait=wait, unit=unit, tuning=tuning)
 
     # ------------------------------------------------------------------ who is where
 
@@ -268,76 +237,167 @@ class World(WorldTransports, ElasticWorld):
         return self._timeout
 
     @property
+    def closed(self) -> bool:
+        return self._closed
+
+    # Membership's, for every caller: see ``world_membership.Membership`` for each.
+    @property
     def rank_ids(self) -> tuple[int, ...]:
         """This process's world ranks, in local device order."""
-        return self._rank_ids
+        return self.membership.rank_ids
 
     @property
     def num_ranks(self) -> int:
-        return len(self._rank_process)
+        return self.membership.num_ranks
 
     @property
     def num_processes(self) -> int:
-        return len(self._infos)
+        return self.membership.num_processes
 
     @property
     def process_index(self) -> int:
         """This process's position in the world's process order."""
-        return self._process_index
+        return self.membership.process_index
 
     @property
     def processes(self) -> list[dict[str, Any]]:
         """Per-process info in process order: group, index, host, pid, num_ranks,
         device_kinds, devices (strings) and ranks."""
-        return [json.loads(json.dumps(info)) for info in self._infos]
+        return self.membership.processes
 
     @property
     def topology(self) -> Topology:
         """Process (= process position) and host of every rank, for the planner."""
-        return self._topology
+        return self.membership.topology
 
     @property
     def groups(self) -> tuple[str, ...]:
         """Group names in rank order."""
-        return tuple(dict.fromkeys(info["group"] for info in self._infos))
+        return self.membership.groups_in_rank_order
+
+    @property
+    def local_devices(self) -> tuple[Any, ...]:
+        """This process's devices, as given to ``World.join``."""
+        return self.membership.devices
+
+    @property
+    def epoch(self) -> int:
+        """The membership epoch: 0 as the world formed, +1 at each change of members."""
+        return self.membership.epoch
+
+    @property
+    def elastic(self) -> bool:
+        """Whether this world's members may change (``World.join(elastic=True)``)."""
+        return self.membership.elastic
+
+    @property
+    def members(self) -> tuple[str, ...]:
+        """The members' labels (``"rollout[1]"``) in process order, this epoch."""
+        return self.membership.members
+
+    @property
+    def admitted(self) -> bool:
+        """False while a process that joined a running world with ``wait=False`` has not
+        been admitted (its first refit call, or ``admit()``, admits it)."""
+        return self.membership.admitted
 
     def group_ranks(self, name: str) -> tuple[int, ...]:
         """The ranks of group ``name``, ascending."""
-        ranks = tuple(r for info in self._infos if info["group"] == name for r in info["ranks"])
-        if not ranks:
-            raise RefitError(f"world {self._world_id!r} has no group {name!r}; "
-                             f"its groups are {list(self.groups)}")
-        return ranks
+        return self.membership.group_ranks(name)
 
     def process_of(self, rank: int) -> int:
         """The position of the process hosting ``rank``."""
-        return self._rank_process[self._check_rank(rank)]
+        return self.membership.rank_process[self.membership.check_rank(rank)]
 
     def device_kind(self, rank: int) -> str:
         """"cpu" or "cuda" (or another torch/JAX platform name) for ``rank``."""
-        return self._rank_kind[self._check_rank(rank)]
+        return self.membership.rank_kind[self.membership.check_rank(rank)]
 
     def is_local(self, rank: int) -> bool:
         """Whether ``rank`` lives in this process."""
-        return rank in self._local
+        return rank in self.membership.local
 
     def local_device(self, rank: int) -> Any:
         """The device object this process passed to ``join`` for its ``rank``."""
-        if rank not in self._local:
-            raise RefitError(f"rank {rank} is not local to process {self._process_index} "
-                             f"(its ranks are {list(self._rank_ids)})")
-        return self._devices[rank - self._rank_ids[0]]
-
-    def _check_rank(self, rank: int) -> int:
-        if not 0 <= rank < len(self._rank_process):
-            raise RefitError(f"rank {rank} is not in world {self._world_id!r} "
-                             f"(ranks 0..{len(self._rank_process) - 1})")
-        return rank
+        return self.membership.local_device(rank)
 
     def describe_process(self, position: int) -> str:
         """``"trainer[0] (process 2, pid 123 on host-a)"``, for error messages."""
-        info = self._infos[position]
-        return f"{label(info)} (process {position}, pid {info['pid']} on {info['host']})"
+        return self.membership.describe_process(position)
+
+    def excluded(self, missing: Iterable[int]) -> list[int]:
+        """The positions excluded with the lost ``missing`` (``Membership.excluded``)."""
+        return self.membership.excluded(missing)
+
+    def pending(self) -> list[Request]:
+        """Join and leave requests no epoch has acted on yet (one store read)."""
+        return self.membership.requests()
+
+    def publish(self, key: str, kind: str, body: Any, numbered: bool = False) -> None:
+        """``Membership.publish``: a signed entry every process of the world reads."""
+        self.membership.publish(key, kind, body, numbered)
+
+    def published(self, key: str, kind: str) -> Any:
+        """``Membership.published``: what ``publish`` wrote at ``key``, or None."""
+        return self.membership.published(key, kind)
+
+    def current_members(self) -> list[str]:
+        """The running world's members, from its epoch record (``Membership``'s)."""
+        return self.membership.current_members()
+
+    def admit(self) -> None:
+        """Ask to join the running world; wait until admitted (``Membership.admit``)."""
+        self.membership.admit()
+
+    def leave(self) -> None:
+        """Leave an elastic world: ask out, then close (``Membership.leave``)."""
+        self.membership.leave()
+
+    def confirm_joins(self, joins: Iterable[Request], lost: Iterable[int] = (),
+                      deadline: float | None = None) -> list[Request]:
+        """The confirmed ones of ``joins`` (collective: ``Membership.confirm_joins``)."""
+        return self.membership.confirm_joins(joins, lost, deadline)
+
+    def advance(self, lost: Iterable[int], joins: Iterable[Request], deadline: float,
+                renew: bool = False) -> bool:
+        """Move every survivor to the next epoch (collective: ``Membership.advance``)."""
+        return self.membership.advance(lost, joins, deadline, renew)
+
+    # The transports', for every caller: see ``world_transports.WorldTransports``.
+    def transport(self, kind: str = "auto") -> Transport:
+        """The transport of ``kind``, made once (``WorldTransports.transport``)."""
+        return self.transports.transport(kind)
+
+    def route(self, src_rank: int, dst_rank: int) -> str:
+        """The kind "auto" moves ``src_rank -> dst_rank`` with (``WorldTransports``)."""
+        return self.transports.route(src_rank, dst_rank)
+
+    def routes(self, requested: str = "auto") -> Any:
+        """The per-pair transport choice (``WorldTransports.routes``; a collective first)."""
+        return self.transports.routes(requested)
+
+    @property
+    def cross_kind(self) -> str:
+        """The transport that reaches every pair across processes ("gloo" or "nccl")."""
+        return self.transports.cross_kind
+
+    @property
+    def comm_steps(self) -> dict[str, str]:
+        """What happened to this process's communicators since the last epoch change."""
+        return self.transports.comm_steps
+
+    @property
+    def comm_counts(self) -> dict[str, int]:
+        """How many of this process's communicators each action touched, cumulative."""
+        return self.transports.comm_counts
+
+    def abort_transports(self, why: str) -> None:
+        """Fail the peers' waits on this process now (``WorldTransports.abort``)."""
+        self.transports.abort(why)
+
+    def renew_transports(self) -> None:
+        """Make the transports anew at the next use (``WorldTransports.renew``)."""
+        self.transports.renew()
 
     # ------------------------------------------------------------------ collectives
 
@@ -417,7 +477,7 @@ class World(WorldTransports, ElasticWorld):
         self._num_ops += 1
         return f"{self._root}/op{self._num_ops}", self._num_ops
 
-    def _fail(self, error: CommunicationError, since: float | None = None) -> Exception:
+    def _fail(self, error: Exception, since: float | None = None) -> Exception:
         """Mark the world broken by its first cause, and return it: the world's published
         refusal (a process that disagreed on the world joined after us), else the end a
         member posted first (``waiting``: a fixed world posts ``error`` unless one is
@@ -425,28 +485,28 @@ class World(WorldTransports, ElasticWorld):
         failed step began (the refusal counts for steps begun within the join timeout)."""
         cause = self._refusal(since) or self._post_end(
             error_name(error), f"{error} (raised first by "
-                               f"{self.describe_process(self._process_index)})") or error
+                               f"{self.describe_process(self.process_index)})") or error
         self.mark_broken(f"{type(cause).__name__}: {cause}")
         return cause
 
     def _post_end(self, error: str, message: str) -> Exception | None:
         """Post that this process ends the world (a fixed world's; an elastic one goes on
         without a lost member); the end that holds, or None."""
-        if self._elastic is not None or self._store is None or self.num_processes < 2:
+        if self.elastic or self._store is None or self.num_processes < 2:
             return None
         return waiting.post_end(self._store, self._seal,
                                 waiting.ended_key(self._root, self._seal.nonce),
-                                self._process_index, error, message)
+                                self.process_index, error, message)
 
     def _refusal(self, since: float | None = None) -> Exception | None:
         """The world's published refusal (``WorldMismatch``, or the error a join found),
         looked up (one store round trip) for steps begun (``since``, default now) within
         one join timeout of joining."""
-        joined = self._joined
+        joined, seal = self._joined, self._instance_seal
         begun = time.monotonic() if since is None else since
-        if joined is None or self._store is None or begun > self._refusal_until:
+        if joined is None or seal is None or self._store is None or begun > self._refusal_until:
             return None
-        return refusal(self._store, self._instance_seal, joined.refused_key)
+        return refusal(self._store, seal, joined.refused_key)
 
     def _refuse_if_refused(self) -> None:
         """At the end of a join: a process that disagreed came while we formed (this
@@ -464,7 +524,7 @@ class World(WorldTransports, ElasticWorld):
         """Raise ``refused`` from step ``op``: first write this process's payload of that
         step as a wake-up, so the members waiting on it fail now (their payload check
         fails and their failure path reads the same refusal), not at their timeout."""
-        me = self._process_index
+        me = self.process_index
         with contextlib.suppress(RuntimeError):
             self._store.set(f"{prefix}/{me}", self._seal.seal("world-mismatch", op, me,
                                                               json.dumps(None)))
@@ -482,7 +542,7 @@ class World(WorldTransports, ElasticWorld):
         count_collective(kind)      # for count_comm(); nothing when no counter is active
         with self.exclusive(kind):
             prefix, op = self._next_op(kind)
-            me = self._process_index
+            me = self.process_index
             timeout, ran_out = self._wait(timeout)
             keys = [f"{prefix}/{p}" for p in readers]
             try:
@@ -493,8 +553,8 @@ class World(WorldTransports, ElasticWorld):
                     self._store.set(f"{prefix}/{me}", self._seal.seal(kind, op, me, body))
                 arrived = [True] * len(keys)
                 try:
-                    self._wait_keys(keys, readers, time.monotonic() + timeout, partial,
-                                    f"{kind} (collective #{op})", begun)
+                    waiting.wait_payloads(self, keys, readers, time.monotonic() + timeout,
+                                          partial, f"{kind} (collective #{op})", begun)
                 except TransportTimeout as e:
                     try:
                         arrived = [bool(self._store.check([k])) for k in keys]
@@ -529,41 +589,6 @@ class World(WorldTransports, ElasticWorld):
             except CommunicationError as e:
                 raise self._fail(e, begun) from None
 
-    def _wait_keys(self, keys: list[str], readers: Sequence[int], deadline: float,
-                   partial: bool, what: str = "a collective", begun: float = 0.0) -> None:
-        """Wait for the payloads at ``keys``, naming the missing readers every
-        ``waiting.REPORT_SECONDS``. It stops before the deadline once a reader still
-        missing is known not to come: its process, on this node, no longer runs
-        (``epochs.gone``; a partial collective, a refit's outcome, stops only when every
-        missing one is, or in an elastic world left); or (not partial) the world's
-        refusal or end was posted (``_fail`` then raises it)."""
-        if partial:
-            def stop(missing: list[int]) -> None:
-                if self._all_gone(missing):
-                    raise TransportTimeout(f"gone: {missing}")
-        else:
-            def stop(missing: list[int]) -> None:
-                self._stop_if_over(missing, what, begun)
-        reporter = waiting.Reporter(f"world {self._world_id!r}: {what}")
-        waiting.wait_for(self._store, keys, readers, deadline, reporter,
-                         self.describe_process, stop)
-
-    def _stop_if_over(self, missing: list[int], what: str, begun: float) -> None:
-        """Raise when a wait on the processes ``missing`` cannot end well: some of them no
-        longer run (this node), or a member posted the world's end (or, within the join
-        timeout, its refusal): ``_fail`` turns the raise into that first cause."""
-        dead = [p for p in missing if epochs.gone(self._infos[p], ())]
-        if dead:
-            raise TransportError(
-                f"{what} in world {self._world_id!r}: "
-                f"{'; '.join(self.describe_process(p) for p in dead)} no longer "
-                f"run{'s' if len(dead) == 1 else ''} (exited on this node) and never "
-                f"arrived: it ends the world")
-        if self._refusal(begun) is not None or (self._elastic is None and waiting.read_end(
-                self._store, self._seal, waiting.ended_key(self._root, self._seal.nonce))
-                is not None):
-            raise CommunicationError(f"{what}: the world was ended by another process")
-
     def allgather_json(self, obj: Any, *, timeout: float | None = None,
                        kind: str = "allgather", partial: bool = False) -> list[Any]:
         """Every process's ``obj``, in process order. JSON values only.
@@ -597,8 +622,8 @@ class World(WorldTransports, ElasticWorld):
         if not 0 <= root_process < self.num_processes:
             raise RefitError(f"root_process {root_process} is not a process position "
                              f"(0..{self.num_processes - 1})")
-        (value,) = self._exchange(kind, obj if self._process_index == root_process else None,
-                                  self._process_index == root_process, [root_process],
+        (value,) = self._exchange(kind, obj if self.process_index == root_process else None,
+                                  self.process_index == root_process, [root_process],
                                   timeout)
         return value
 
@@ -649,31 +674,17 @@ class World(WorldTransports, ElasticWorld):
         if self._broken is None and self._store is not None:
             # peers waiting for this process (now or at their next collective) stop at once
             self._post_end("RefitError", f"world {self._world_id!r}: "
-                           f"{self.describe_process(self._process_index)} closed its world"
+                           f"{self.describe_process(self.process_index)} closed its world"
                            f"{self._why} and takes part in no further collective; close the "
                            f"world in every process (join a new one to go on)")
         _OPEN.discard(self)
-        self._close_transports()
-        self._close_links()         # links parked at an epoch change, not taken up
-        if self._joined is not None and self._store is not None and self._elastic is None:
+        self.transports.close()
+        self.transports.links.close()       # links parked at an epoch change, not taken up
+        if self._joined is not None and self._store is not None and not self.elastic:
             retire(self._store, self._joined)       # an elastic world outlives its members
         self._store = None
         if self._server is not None:
             self._server.close()
-
-    def _close_transports(self) -> None:
-        for kind, t in self._transports.items():
-            if kind == "auto":
-                continue        # a view of the others
-            try:
-                t.close()
-            except Exception:   # noqa: BLE001 - the others still close (and their threads end)
-                logger.warning("world %r: closing its %s transport failed", self._world_id,
-                               kind, exc_info=True)
-        self._transports.clear()
-        self._counted.clear()
-        for name in ("_caps", "_routes"):       # what routes gathered: per member set
-            self.__dict__.pop(name, None)
 
     def __enter__(self) -> World:
         return self
@@ -685,5 +696,5 @@ class World(WorldTransports, ElasticWorld):
 
     def __repr__(self) -> str:
         return (f"World(world_id={self._world_id!r}, address={self._address!r}, "
-                f"process_index={self._process_index}, num_processes={self.num_processes}, "
-                f"rank_ids={list(self._rank_ids)}, num_ranks={self.num_ranks})")
+                f"process_index={self.process_index}, num_processes={self.num_processes}, "
+                f"rank_ids={list(self.rank_ids)}, num_ranks={self.num_ranks})")

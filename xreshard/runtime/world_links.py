@@ -1,16 +1,17 @@
 """An elastic world's communicators across epochs: gloo links kept, made and dropped by
 ``xreshard.runtime.comm_epochs``, with counters that say which.
 
-``WorldTransports`` inherits these methods (a mixin over the world's members, store and
-collectives). In an elastic world the "gloo" transport is a ``LinkedTransport``: one
-two-process gloo group per pair of processes. At an epoch change the world *parks* its
-links instead of closing them (``_park_transports``); the next ``transport("gloo")`` (a
-collective, as every transport creation) gathers which links each process still holds
-usable, decides every link's step with ``comm_epochs.plan_epoch`` (the same in every
-process), keeps the links whose two members stay, closes those to members that left or
-died, and creates the new ones, each process in one global order (so two processes never
-wait on each other's other link). Every other kind (local, shm, cuda_ipc, nccl) is made
-again for the new member set.
+``EpochLinks`` is a part of the world's transports (``World.transports.links``), with its
+own state: the links parked at an epoch change, the NCCL communicator parked with its
+members, and the steps and counts of what happened to each. In an elastic world the
+"gloo" transport is a ``LinkedTransport``: one two-process gloo group per pair of
+processes. At an epoch change the world *parks* its links instead of closing them
+(``park``); the next ``transport("gloo")`` (a collective, as every transport creation)
+gathers which links each process still holds usable, decides every link's step with
+``comm_epochs.plan_epoch`` (the same in every process), keeps the links whose two members
+stay, closes those to members that left or died, and creates the new ones, each process in
+one global order (so two processes never wait on each other's other link). Every other
+kind (local, shm, cuda_ipc, nccl) is made again for the new member set.
 """
 
 from __future__ import annotations
@@ -19,88 +20,88 @@ import dataclasses
 import datetime
 import logging
 from collections import Counter
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .comm_epochs import GLOO, member_id, plan_epoch
 from .store import parse_address
+from ..transport.base import Transport
 from ..transport.links import Link, LinkedTransport
 
-__all__ = ["WorldLinks"]
+if TYPE_CHECKING:
+    from .world import World
+
+__all__ = ["EpochLinks"]
 
 logger = logging.getLogger("xreshard.runtime.world")
 
 
-class WorldLinks:
-    """The communicator half of an elastic ``World`` (a mixin)."""
+class EpochLinks:
+    """The communicators an elastic world keeps across epochs (its own state: what is
+    parked, and what happened to each communicator)."""
 
-    @property
-    def comm_steps(self) -> dict[str, str]:
-        """What happened to this process's communicators since the last epoch change
-        (or the join): gloo link key, or "nccl", -> the action taken ("keep", "shrink",
-        "create", "recreate", "drop"; see ``comm_epochs``)."""
-        return dict(self.__dict__.get("_comm_steps", {}))
+    def __init__(self, world: World):
+        self._world = world     # its members, store and collectives
+        self.parked: dict[str, Link] = {}
+        #: the last epoch's NCCL communicator (or None) and its members, until the next
+        self.parked_nccl: tuple[Any, tuple[str, ...]] | None = None
+        #: the members of the NCCL communicator of this epoch (an elastic world's)
+        self.nccl_members: tuple[str, ...] | None = None
+        self.steps: dict[str, str] = {}
+        self.counts: Counter[str] = Counter()
 
-    @property
-    def comm_counts(self) -> dict[str, int]:
-        """How many of this process's communicators each action touched since the world
-        formed (cumulative, e.g. ``{"create": 3, "keep": 2, "drop": 1}``)."""
-        return dict(self.__dict__.setdefault("_comm_counts", Counter()))
-
-    def _parked_links(self) -> dict[str, Link]:
-        return self.__dict__.setdefault("_links", {})
-
-    def _park_transports(self) -> None:
-        """At an epoch change: keep the gloo links aside (the next epoch decides which it
-        keeps), close every other transport."""
-        linked = self._transports.pop("gloo", None)
+    def park(self, transports: dict[str, Transport]) -> None:
+        """At an epoch change: take the gloo links out of ``transports`` and keep them
+        aside (the next epoch decides which it keeps), and the NCCL communicator of an
+        elastic world; the caller closes every other transport."""
+        linked = transports.pop("gloo", None)
         if isinstance(linked, LinkedTransport):
-            self._parked_links().update({link.key: link for link in linked.links.values()})
+            self.parked.update({link.key: link for link in linked.links.values()})
         elif linked is not None:
-            self._transports["gloo"] = linked       # a fixed world's group: closed below
-        nccl = self._transports.pop("nccl", None)
-        members = self.__dict__.pop("_nccl_members", None)
+            transports["gloo"] = linked       # a fixed world's group: closed by the caller
+        nccl = transports.pop("nccl", None)
+        members, self.nccl_members = self.nccl_members, None
         if nccl is not None and members is not None:    # a RenumberedTransport (elastic)
-            self.__dict__["_parked_nccl"] = (nccl.inner, members)
+            self.parked_nccl = (getattr(nccl, "inner", None), members)
         elif nccl is not None:
-            self._transports["nccl"] = nccl
-        self.__dict__["_comm_steps"] = {}       # the next epoch's steps from here
-        self._close_transports()
+            transports["nccl"] = nccl
+        self.steps = {}         # the next epoch's steps from here
 
-    def _close_links(self) -> None:
+    def close(self) -> None:
         """Close every parked link (the world closes)."""
-        for link in self._parked_links().values():
+        for link in self.parked.values():
             try:
                 link.close()
             except Exception:       # noqa: BLE001 - the others still close
                 logger.warning("closing link %s failed", link.key, exc_info=True)
-        self._parked_links().clear()
-        parked = self.__dict__.pop("_parked_nccl", None)
+        self.parked.clear()
+        parked, self.parked_nccl = self.parked_nccl, None
         if parked is not None and parked[0] is not None:
             parked[0].close()
 
-    def _make_links(self) -> LinkedTransport:
+    def make_links(self) -> LinkedTransport:
         """The gloo links of this epoch (collective: one all-gather, then the new links)."""
-        prefix = self._next_prefix()
-        parked = self._parked_links()
-        ids = [member_id(info) for info in self._infos]
-        me = self._process_index
+        world, ms = self._world, self._world.membership
+        prefix = world._next_prefix()
+        parked = self.parked
+        ids = [member_id(info) for info in ms.infos]
+        me = ms.process_index
         mine = {"held": sorted(k for k, link in parked.items() if link.usable)}
         # also the barrier gloo's own rendezvous lacks: it names who is missing
-        gathered = self.allgather_json(mine, timeout=self._wait_seconds(), kind="gloo/links")
+        gathered = world.allgather_json(mine, timeout=world._wait_seconds(), kind="gloo/links")
         held = [set(g["held"]) for g in gathered]
-        index = {m: p for p, m in enumerate(ids)}
+        index = {mid: p for p, mid in enumerate(ids)}
         old = {}
-        for key, link in parked.items():
-            a, b = link.members
+        for key, kept in parked.items():
+            a, b = kept.members
             if a in index and b in index and key in held[index[a]] and key in held[index[b]]:
-                old[key] = link.members
+                old[key] = kept.members
         new = {}
         for p in range(len(ids)):
             for q in range(p + 1, len(ids)):
                 new["|".join(sorted((ids[p], ids[q])))] = (ids[p], ids[q])
         steps = plan_epoch(old, new, ids, GLOO)
         links: dict[tuple[int, int], tuple[Link, dict[int, int]]] = {}
-        counts = self.__dict__.setdefault("_comm_counts", Counter())
+        counts = self.counts
         done: dict[str, str] = {}
         for key, step in steps.items():      # one global order: no two processes cross
             members = step.members or (step.old or ())
@@ -117,56 +118,57 @@ class WorldLinks:
                 continue
             if link is None:
                 link = self._new_link(prefix, key, step.members, ids)
-            p, q = sorted(index[m] for m in link.members)
-            ranks = {}
-            for m in link.members:
-                ranks.update(zip(self._infos[index[m]]["ranks"], link.inner_ranks(m)))
+            p, q = sorted(index[mid] for mid in link.members)
+            ranks: dict[int, int] = {}
+            for member in link.members:
+                ranks.update(zip(ms.infos[index[member]]["ranks"], link.inner_ranks(member)))
             links[(p, q)] = (link, ranks)
         for key in list(parked):            # links of members no longer here
             parked.pop(key).close()
             counts["drop"] += 1
             done[key] = "drop"
-        self.__dict__.setdefault("_comm_steps", {}).update(done)
-        logger.info("world %r epoch %d: gloo links %s", self._world_id, self.epoch,
+        self.steps.update(done)
+        logger.info("world %r epoch %d: gloo links %s", world.world_id, ms.epoch,
                     dict(Counter(done.values())))
-        return LinkedTransport(links, self._rank_process)
+        return LinkedTransport(links, ms.rank_process)
 
     def _new_link(self, prefix: str, key: str, members: tuple[str, ...],
                   ids: list[str]) -> Link:
         """Create the two-process gloo group of link ``key`` (collective between the two)."""
         from ..transport.gloo import GlooTransport, create_gloo_group
 
+        world, infos = self._world, self._world.membership.infos
         index = {m: p for p, m in enumerate(ids)}
-        me = self._process_index
-        pos = members.index(ids[me])
-        sizes = (self._infos[index[members[0]]]["num_ranks"],
-                 self._infos[index[members[1]]]["num_ranks"])
-        store_host, _ = parse_address(self._address)
-        seconds = self._wait_seconds()
-        self._store.set_timeout(datetime.timedelta(seconds=seconds))
+        pos = members.index(ids[world.process_index])
+        sizes = (infos[index[members[0]]]["num_ranks"], infos[index[members[1]]]["num_ranks"])
+        store_host, _ = parse_address(world.address)
+        seconds = world._wait_seconds()
+        store = world._store
+        store.set_timeout(datetime.timedelta(seconds=seconds))
         try:
-            pg = create_gloo_group(self._store, f"{prefix}/link/{key}/", rank=pos, size=2,
+            pg = create_gloo_group(store, f"{prefix}/link/{key}/", rank=pos, size=2,
                                    timeout=seconds, store_host=store_host)
         finally:
-            self._store.set_timeout(datetime.timedelta(seconds=self._timeout))
-        labels = [self.describe_process(index[m]) for m in members]
+            store.set_timeout(datetime.timedelta(seconds=world.timeout))
+        labels = [world.describe_process(index[m]) for m in members]
         inner = GlooTransport(pg, rank_process=[0] * sizes[0] + [1] * sizes[1],
                               process_index=pos, process_labels=labels)
         return Link(key, (members[0], members[1]), inner, sizes)
 
     # ------------------------------------------------------------------ nccl
 
-    def _rank_members(self, ranks: Any) -> tuple[str, ...]:
+    def rank_members(self, ranks: Any) -> tuple[str, ...]:
         """Communicator members of world ranks: ``"rollout[1]#4242/0"`` (the process
         instance, then the rank's position among its ranks)."""
+        m = self._world.membership
         out = []
         for r in ranks:
-            info = self._infos[self._rank_process[r]]
+            info = m.infos[m.rank_process[r]]
             out.append(f"{member_id(info)}/{r - info['ranks'][0]}")
         return tuple(out)
 
-    def _nccl_epoch(self, prefix: str, ranks: tuple[int, ...], devices: dict[int, int]
-                    ) -> Any:
+    def nccl_epoch(self, prefix: str, ranks: tuple[int, ...], devices: dict[int, int]
+                   ) -> Any:
         """An elastic world's NCCL communicator over world ranks ``ranks`` (collective):
         the last epoch's kept or shrunk where ``comm_epochs`` says so and the loaded NCCL
         can, else made anew. ``devices``: this process's world rank -> CUDA ordinal.
@@ -175,53 +177,53 @@ class WorldLinks:
         from ..transport.routed import RenumberedTransport
         from .comm_epochs import decide
 
-        parked = self.__dict__.pop("_parked_nccl", None)
+        world = self._world
+        parked, self.parked_nccl = self.parked_nccl, None
         before, old = (None, None) if parked is None else parked
         usable = before is None or before.usable
         mine_can = _nccl_abilities()
-        agreed = self.allgather_json({"usable": usable, "old": None if old is None else
-                                      list(old), "can": _ability_flags(mine_can)},
-                                     timeout=self._wait_seconds(), kind="nccl/epoch")
+        agreed = world.allgather_json({"usable": usable, "old": None if old is None else
+                                       list(old), "can": _ability_flags(mine_can)},
+                                      timeout=world._wait_seconds(), kind="nccl/epoch")
         # a new member has no last epoch of its own: the members that do say what it was
         olds = {tuple(a["old"]) for a in agreed if a["old"] is not None}
         old = olds.pop() if len(olds) == 1 else None
         if not all(a["usable"] for a in agreed):
             old = None      # a failed group may have left work behind: make it anew
-        new = self._rank_members(ranks)
+        new = self.rank_members(ranks)
         # what every process's NCCL can do: processes with different NCCLs (a trainer's
         # 2.29, an engine's 2.28) must take the same step, or one waits in a grow while the
         # other waits in a fresh rendezvous
-        step = decide("nccl", old, new, self._rank_members(range(self.num_ranks)),
+        step = decide("nccl", old, new, self.rank_members(range(world.num_ranks)),
                       _common_abilities(mine_can, [a.get("can") for a in agreed]))
-        mine = set(self._rank_members(self._rank_ids))
+        mine = set(self.rank_members(world.rank_ids))
         resized = ("shrink", "grow", "shrink+grow")
         members = step.members if step.action in ("keep",) + resized else new
         index = {r: members.index(m) for r, m in zip(ranks, new)}
-        local = {index[r]: devices[r] for r in self._rank_ids if r in index}
+        local = {index[r]: devices[r] for r in world.rank_ids if r in index}
         action, inner = step.action, None
         if action == "keep":
             inner = before
         elif action in resized and local:
-            inner = _resize(step, before, local, self._store, f"{prefix}/nccl",
-                            self._wait_seconds())
+            inner = _resize(step, before, local, world._store, f"{prefix}/nccl",
+                            world._wait_seconds())
         else:
             if before is not None:
                 before.close()
             if action == "split":
                 logger.info("world %r: NCCL could split the communicator; it is made anew "
-                            "(split is not executed)", self._world_id)
+                            "(split is not executed)", world.world_id)
             if action in resized or (action != "create" and not local):
                 action = "drop"             # this process has no rank in it any more
             elif action != "create":
                 action = "recreate"
             if local and action != "drop":
-                inner = NcclTransport(self._store, len(members), local, key=f"{prefix}/nccl",
-                                      timeout=self._wait_seconds())
+                inner = NcclTransport(world._store, len(members), local, key=f"{prefix}/nccl",
+                                      timeout=world._wait_seconds())
         if mine & set(step.old or ()) or mine & set(members):
-            counts = self.__dict__.setdefault("_comm_counts", Counter())
-            counts[action] += 1
-            self.__dict__.setdefault("_comm_steps", {})["nccl"] = action
-        self.__dict__["_nccl_members"] = members
+            self.counts[action] += 1
+            self.steps["nccl"] = action
+        self.nccl_members = members
         return RenumberedTransport(inner, index, "nccl")
 
 
