@@ -331,16 +331,19 @@ def test_auto_routes_same_host_processes_through_shm():
 
 
 def test_auto_keeps_gloo_when_a_process_turns_shm_off():
-    roles = [Role("plain", "g", 0, env={"XRESHARD_SHM": "0"}), Role("plain", "g", 1)]
-    results = launch(shm_exchange_hosts, roles, args=(False,), timeout=60)
+    roles = [Role("plain", "g", 0), Role("plain", "g", 1)]
+    # process 0 joins with Tuning(shm=False) (was XRESHARD_SHM=0, which from_env still reads)
+    results = launch(shm_exchange_hosts, roles, args=(False, 0), timeout=60)
     assert [r.value["name"] for r in results] == ["auto(local+gloo)"] * 2
     assert all(r.value["bad"] == [] for r in results)
     # (other hosts: see the mixed-world refit below)
 
 
-def shm_exchange_hosts(ctx: Context, two_hosts: bool) -> dict:
+def shm_exchange_hosts(ctx: Context, two_hosts: bool, shm_off: int | None = None) -> dict:
+    from xreshard.config import Tuning
     host = ("a" if ctx.role.index < 2 else "b") if two_hosts else None
-    with ctx.join(1, timeout=30, host=host) as w:
+    tuning = Tuning(shm=ctx.role.index != shm_off)
+    with ctx.join(1, timeout=30, host=host, tuning=tuning) as w:
         auto = w.transport("auto")
         got = {}
         with auto.group(timeout=30):
@@ -430,11 +433,12 @@ def test_torch_to_jax_over_shm_bit_exact():
 
 
 def shm_dies_mid_refit(ctx: Context, timeout: float, how: str) -> dict:
-    """rollout[1] dies (os._exit or SIGKILL) after its first unpack; the others raise."""
+    """rollout[1] dies (os._exit or SIGKILL) after its first unpack; the others raise.
+    Every message goes through shared segments (``Tuning(shm_pull=False)``)."""
     import xreshard as xr
 
     tensors = {"big": ((512, 256), ("a", "b"), ["S1"], "")}
-    world = ctx.join(groups=["trainer", "rollout"])
+    world = ctx.join(groups=["trainer", "rollout"], tuning=xr.Tuning(shm_pull=False))
     config = xr.RefitConfig(timeout=timeout, bucket_bytes=1 << 16, staging_bytes=1 << 17)
     if ctx.role.group == "trainer":
         refit = xr.Refit(world, send=cases._jax_params(tensors, "float32", 0), config=config)
@@ -467,11 +471,10 @@ def shm_dies_mid_refit(ctx: Context, timeout: float, how: str) -> dict:
 
 @pytest.mark.slow
 def test_peer_killed_mid_refit_raises_everywhere_and_leaves_no_segment():
-    # through shared segments (XRESHARD_SHM_PULL=0): the pull path creates none to leak
+    # through shared segments (Tuning(shm_pull=False)): the pull path creates none to leak
     how = "kill"
-    env = {"XRESHARD_SHM_PULL": "0"}
-    roles = [Role("jax", "trainer", 0, num_devices=4, env=env)] + [
-        Role("torch", "rollout", i, env=env) for i in range(2)]
+    roles = [Role("jax", "trainer", 0, num_devices=4)] + [
+        Role("torch", "rollout", i) for i in range(2)]
     timeout = 5.0
     results = launch(shm_dies_mid_refit, roles, args=(timeout, how), timeout=120,
                      check=False, fail_fast=False)
