@@ -20,7 +20,7 @@ Segment names, offsets and sizes (or the pid and address to read) travel through
 world's store as JSON, written after the bytes are in place (the store round trip orders
 the write before the receiver's read): one record per message to a peer that copies out of
 segments; to a peer that pulls, the records go in batches as the sends are posted (the
-first at 1 MiB of messages, each next at twice that, up to 16 MiB; the last, at the
+first at 1 MiB of messages, each next at four times that, up to 32 MiB; the last, at the
 group's exit, says that nothing more comes), so the receiver reads the first messages while
 the sender still packs the next ones, and a round of hundreds of messages costs a few store
 writes, not one each (nor one at the exit, after all the packing). That protocol (sealed
@@ -311,9 +311,10 @@ class _Round(Round):
 
 #: a pulling peer's records go out in batches (one store write each) as the sends are
 #: posted, so its reads overlap the sender's packing; the first batch is published at
-#: this many bytes and each next one at twice the last, up to ``_BATCH_MAX``
+#: this many bytes and each next one at four times the last, up to ``_BATCH_MAX`` (few
+#: batches: each costs the receiver a store round trip, which a loaded host makes slow)
 _BATCH_FIRST = 1 << 20
-_BATCH_MAX = 16 << 20
+_BATCH_MAX = 32 << 20
 
 
 class ShmTransport(PeerTransport):
@@ -492,7 +493,7 @@ class ShmTransport(PeerTransport):
         n = rnd.batch_bytes.get(peer, 0) + message[3]["n"]
         rnd.batch_bytes[peer] = n
         k = rnd.batches.get(peer, 0)
-        if n >= min(_BATCH_FIRST << k, _BATCH_MAX):
+        if n >= min(_BATCH_FIRST << (2 * k), _BATCH_MAX):
             key, value = self._batch_record(rnd, peer, seq, more=True)
             self._store.set(key, value)
 
