@@ -523,9 +523,10 @@ class ShmTransport(PeerTransport):
     # ------------------------------------------------------------------ the group
 
     def group(self, timeout: float) -> contextlib.AbstractContextManager[None]:
-        """Collect posts (sends are copied and published as they are posted); on exit copy
-        every receive out of its sender's segment, acknowledge, and wait for the acks of
-        this process's sends, all within ``timeout`` s of entering.
+        """Collect posts (sends are copied and published as they are posted; to a pulling
+        peer, in batches); on exit publish what is held, land every receive (read in place
+        or copied out of its sender's segment) as its record arrives, acknowledge, and wait
+        for the acks of this process's sends, all within ``timeout`` s of entering.
 
         Raises:
             TransportTimeout: a peer did not publish or acknowledge in time; names it, the
