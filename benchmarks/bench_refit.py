@@ -514,6 +514,7 @@ def child(ctx: Any, cfg: dict) -> dict:
     times: dict[str, list[float]] = {k: [] for k in ("p2p", "p2p_rev", "fanout", "refit",
                                                       "baseline", *(f"refit:{k}" for k in kinds))}
     reports = []
+    cpu: dict[str, list[float]] = {k: [] for k in kinds}     # CPU s of this process per refit
     by_kind_before = dict(auto.bytes_by_transport)
     for _ in range(cfg["reps"]):
         times["p2p"].append(timed(world, fwd))
@@ -521,7 +522,9 @@ def child(ctx: Any, cfg: dict) -> dict:
         times["fanout"].append(timed(world, fan))
         for k in kinds:
             box: list = []
+            cpu0 = time.process_time()
             times[f"refit:{k}"].append(timed(world, lambda: box.append(call(refits[k]))))
+            cpu[k].append(time.process_time() - cpu0)
             if k == kinds[0]:
                 times["refit"].append(times[f"refit:{k}"][-1])
                 reports.append(box[0])
@@ -568,7 +571,8 @@ def child(ctx: Any, cfg: dict) -> dict:
         "setup_s": setup_s, "profile": profile, "census": census, "top": top,
         "world_moved": last.bytes_moved_world, "world_gb": last.bytes_gather_broadcast_world,
         "kinds": kinds, "memcpy_bw": memcpy.bandwidth, "by_kind": by_kind, "shm": shm_info,
-        "arena": staging, "num_ranks": len(world.rank_ids), "auto": auto.name,
+        "arena": staging, "cpu": {k: statistics.median(v) for k, v in cpu.items()},
+        "num_ranks": len(world.rank_ids), "auto": auto.name,
     }
     everyone = world.allgather_json(mine, timeout=TIMEOUT)
     world.close()
@@ -641,6 +645,15 @@ def summarize(res: dict, cfg: dict, command: str) -> str:
                 else f"{k} (pipelined)")
         w(f"| {name} | {t:.3f} ({lo:.3f}-{hi:.3f}) | {busiest_bytes / t / 1e9:.2f} "
           f"| {bound / t:.2f} | **{memcpy_bound / t:.2f}** | {vs} | {speedup} |")
+    w("")
+    w("CPU seconds of each process per refit (medians; `time.process_time()`, all threads; "
+      "less sensitive to a loaded host than the wall times above):")
+    w("")
+    w("| refit over | " + " | ".join(p["label"] for p in procs) + " | all processes |")
+    w("|---|" + "---|" * (len(procs) + 1))
+    for k in kinds:
+        row = [p.get("cpu", {}).get(k, float("nan")) for p in procs]
+        w(f"| {k} | " + " | ".join(f"{c:.4f}" for c in row) + f" | {sum(row):.4f} |")
     w("")
     w("| process | bytes per refit by transport | shm segments MiB | shm staging copies "
       "(copied in / in place, MiB, all calls) | executor staging MiB | staging_bytes x ranks MiB |")

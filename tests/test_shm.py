@@ -197,6 +197,69 @@ def test_mismatched_size_and_misuse_raise_and_clean_up():
         t.close()
 
 
+def test_a_pulling_receiver_reads_while_the_sender_still_posts():
+    """Records to a pulling peer go out in batches as the sends are posted: the receiver
+    lands the first messages while the sender's group is still open (it used to see none
+    before the sender's group exit), and every byte is exact."""
+    big = [_data(0, 2, tag, 3 << 20) for tag in range(3)]
+    landed = threading.Event()
+    seen: list[int] = []
+    with _pair_cleaned(pulls=True) as (a, b, prefix):
+        def send():
+            with a.group(20):
+                a.send(big[0], 0, 2, 0)             # 3 MiB: past the first batch's size
+                # the group is still open: wait (bounded) until the receiver has bytes
+                seen.append(int(landed.wait(15)))
+                a.send(big[1], 0, 2, 1)
+                a.send(big[2], 0, 2, 2)
+
+        got = [np.zeros(3 << 20, np.uint8) for _ in range(3)]
+
+        def look() -> None:
+            deadline = time.monotonic() + 15
+            while not b.bytes_received and time.monotonic() < deadline:
+                time.sleep(0.01)
+            if b.bytes_received:
+                landed.set()
+
+        def recv():
+            watch = threading.Thread(target=look)
+            watch.start()
+            with b.group(20):
+                for tag in range(3):
+                    b.recv(got[tag], 0, 2, tag)
+            watch.join(20)
+        ra, rb = _both(send, recv)
+        assert ra is None and rb is None, (ra, rb)
+        assert seen == [1], "the receiver read nothing before the sender's group exit"
+        assert all(np.array_equal(g, d) for g, d in zip(got, big))
+        assert b.bytes_pulled == 3 * (3 << 20)
+
+
+def test_a_pulling_sender_that_sends_an_unposted_message_is_named_at_once():
+    """A pulling sender's last batch says that nothing more comes: a receiver whose posts
+    disagree names the message it did not expect, instead of waiting out its timeout."""
+    a, b, prefix = _pair(pulls=True)
+
+    def send():
+        with a.group(30):
+            a.send(np.ones(16, np.uint8), 0, 2, 0)
+            a.send(np.ones(16, np.uint8), 0, 2, 2)
+
+    def recv():
+        with b.group(30):
+            b.recv(np.zeros(16, np.uint8), 0, 2, 0)
+            b.recv(np.zeros(16, np.uint8), 0, 2, 1)
+    t0 = time.monotonic()
+    ra, rb = _both(send, recv)
+    assert isinstance(rb, TransportError) and not isinstance(rb, TransportTimeout), rb
+    assert "0->2 tag 2" in str(rb) and "did not post a receive" in str(rb), rb
+    assert time.monotonic() - t0 < 25       # not the 30 s timeout
+    a.close()
+    b.close()
+    assert shm_names(prefix) == []
+
+
 def test_pull_probe_reads_another_process_memory_or_says_no():
     from xreshard.transport.shm import can_pull, pull
     mark = np.frombuffer(b"token-123", np.uint8).copy()

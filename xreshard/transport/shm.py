@@ -17,8 +17,13 @@ the executor receives in place), one copy in all:
   for that peer (two copies: into the segment, out of it).
 
 Segment names, offsets and sizes (or the pid and address to read) travel through the
-world's store as JSON, one record per message, written after the bytes are in place (the
-store round trip orders the write before the receiver's read). That protocol (sealed
+world's store as JSON, written after the bytes are in place (the store round trip orders
+the write before the receiver's read): one record per message to a peer that copies out of
+segments; to a peer that pulls, the records go in batches as the sends are posted (the
+first at 1 MiB of messages, each next at four times that, up to 32 MiB; the last, at the
+group's exit, says that nothing more comes), so the receiver reads the first messages while
+the sender still packs the next ones, and a round of hundreds of messages costs a few store
+writes, not one each (nor one at the exit, after all the packing). That protocol (sealed
 records, round numbers, acks, bounded waits, the dead-peer watcher) is ``peers.py``'s,
 shared with cuda_ipc; this module decides only where the bytes are and how they move.
 
@@ -298,7 +303,18 @@ def _as_numpy(buf: Any) -> np.ndarray:
 @dataclass
 class _Round(Round):
     used: dict[int, int] = field(default_factory=dict)        # peer -> bytes put in its segment
-    fetched: dict[str, bytes] = field(default_factory=dict)   # records read ahead
+    # pulling peers: records not yet published, and how many batches went out already
+    batch: dict[int, list[list[Any]]] = field(default_factory=dict)
+    batch_bytes: dict[int, int] = field(default_factory=dict)
+    batches: dict[int, int] = field(default_factory=dict)
+
+
+#: a pulling peer's records go out in batches (one store write each) as the sends are
+#: posted, so its reads overlap the sender's packing; the first batch is published at
+#: this many bytes and each next one at four times the last, up to ``_BATCH_MAX`` (few
+#: batches: each costs the receiver a store round trip, which a loaded host makes slow)
+_BATCH_FIRST = 1 << 20
+_BATCH_MAX = 32 << 20
 
 
 class ShmTransport(PeerTransport):
@@ -445,24 +461,52 @@ class ShmTransport(PeerTransport):
             # buffer stays alive and unchanged until then
             rnd.keep.append(arr)
             self.bytes_in_place += arr.nbytes
-            record = {"addr": int(arr.ctypes.data), "n": arr.nbytes, "gen": self._gen,
-                      "drop": self._drop.pop(peer, [])}
-            # published together at the group's exit (one store round trip): there is no
-            # copy here for the receiver to overlap with
-            key = self._msg_key(seq, src_rank, dst_rank, tag)
-            rnd.pending[key] = self._records.pack("shm", key, seq, record)
-            return
-        if where is not None:
-            seg, off = where
-            seg.header[1] = self._gen
-            unlink = False
-            self.bytes_in_place += arr.nbytes
+            record: dict[str, Any] = {"addr": int(arr.ctypes.data), "n": arr.nbytes,
+                                      "gen": self._gen}
         else:
-            seg, off, unlink = self._place(peer, arr)
-        record = {"seg": seg.name, "size": seg.size, "off": off, "n": arr.nbytes,
-                  "gen": self._gen, "unlink": unlink, "drop": self._drop.pop(peer, [])}
+            if where is not None:
+                seg, off = where
+                seg.header[1] = self._gen
+                unlink = False
+                self.bytes_in_place += arr.nbytes
+            else:
+                seg, off, unlink = self._place(peer, arr)
+            record = {"seg": seg.name, "size": seg.size, "off": off, "n": arr.nbytes,
+                      "gen": self._gen, "unlink": unlink}
+        drop = self._drop.pop(peer, None)
+        if drop:
+            record["drop"] = drop
+        if peer in self._pull:
+            self._batch(rnd, peer, seq, [src_rank, dst_rank, tag, record])
+            return
         key = self._msg_key(seq, src_rank, dst_rank, tag)
         self._store.set(key, self._records.pack("shm", key, seq, record))
+
+    def _batch_key(self, sender: int, receiver: int, seq: int, batch: int) -> str:
+        return f"{self._key}/b/{sender}/{receiver}/{seq}/{batch}"
+
+    def _batch(self, rnd: _Round, peer: int, seq: int, message: list[Any]) -> None:
+        """Hold ``message`` (``[src, dst, tag, record]``) for a pulling ``peer``; publish the
+        held ones as one batch once they reach the batch's size (see ``_BATCH_FIRST``)."""
+        held = rnd.batch.setdefault(peer, [])
+        held.append(message)
+        n = rnd.batch_bytes.get(peer, 0) + message[3]["n"]
+        rnd.batch_bytes[peer] = n
+        k = rnd.batches.get(peer, 0)
+        if n >= min(_BATCH_FIRST << (2 * k), _BATCH_MAX):
+            key, value = self._batch_record(rnd, peer, seq, more=True)
+            self._store.set(key, value)
+
+    def _batch_record(self, rnd: _Round, peer: int, seq: int, more: bool) -> tuple[str, str]:
+        """The next batch of records held for ``peer`` (sealed), emptying what is held;
+        ``more`` says whether another batch of this round follows."""
+        k = rnd.batches.get(peer, 0)
+        rnd.batches[peer] = k + 1
+        key = self._batch_key(self._me, peer, seq, k)
+        value = self._records.pack("shm", key, seq, {"msgs": rnd.batch.pop(peer, []),
+                                                     "more": more})
+        rnd.batch_bytes[peer] = 0
+        return key, value
 
     def recv(self, buf: Any, src_rank: int, dst_rank: int, tag: int) -> None:
         rnd = self._open_round("recv", src_rank, dst_rank, tag)
@@ -479,9 +523,10 @@ class ShmTransport(PeerTransport):
     # ------------------------------------------------------------------ the group
 
     def group(self, timeout: float) -> contextlib.AbstractContextManager[None]:
-        """Collect posts (sends are copied and published as they are posted); on exit copy
-        every receive out of its sender's segment, acknowledge, and wait for the acks of
-        this process's sends, all within ``timeout`` s of entering.
+        """Collect posts (sends are copied and published as they are posted; to a pulling
+        peer, in batches); on exit publish what is held, land every receive (read in place
+        or copied out of its sender's segment) as its record arrives, acknowledge, and wait
+        for the acks of this process's sends, all within ``timeout`` s of entering.
 
         Raises:
             TransportTimeout: a peer did not publish or acknowledge in time; names it, the
@@ -496,35 +541,72 @@ class ShmTransport(PeerTransport):
         return _Round(deadline=deadline)
 
     def _complete(self, rnd: _Round, timeout: float) -> None:
+        # the last batch to every pulling peer this round sent to (an empty one says that
+        # nothing more comes), with the records held back, in one store round trip
+        for peer in rnd.send_seq:
+            if peer in self._pull:
+                key, value = self._batch_record(rnd, peer, rnd.send_seq[peer], more=False)
+                rnd.pending[key] = value
         self._publish(rnd)
-        remaining: dict[int, int] = {}
+        by_peer: dict[int, list[Recv]] = {}
         for r in rnd.recvs:
-            remaining[r.peer] = remaining.get(r.peer, 0) + 1
-        for r in rnd.recvs:
-            self._receive(r, rnd, timeout)
-            remaining[r.peer] -= 1
-            if remaining[r.peer] == 0:
-                self._ack(r.peer, rnd.recv_seq[r.peer])
+            by_peer.setdefault(r.peer, []).append(r)
+        for peer, recvs in by_peer.items():
+            if peer in self._pull:
+                self._receive_batches(peer, recvs, rnd, timeout)
+            else:
+                for r in recvs:
+                    self._receive(r, rnd, timeout)
+            self._ack(peer, rnd.recv_seq[peer])
         self._await_acks(rnd, timeout)
         self._resize(rnd)
+
+    def _receive_batches(self, peer: int, recvs: list[Recv], rnd: _Round,
+                         timeout: float) -> None:
+        """Every receive from pulling ``peer``: its batches in order, each message landed
+        as its batch arrives (while the sender still packs the next ones)."""
+        seq = rnd.recv_seq[peer]
+        want = {(r.src, r.dst, r.tag): r for r in recvs}
+        k = 0
+        while True:
+            key = self._batch_key(peer, self._me, seq, k)
+            self._wait([key], peer, rnd.deadline, timeout,
+                       f"batch {k} of the messages to this process (round {seq}) from")
+            raw = self._store.get(key)
+            self._watch.discard([key])
+            rec = self._records.unpack("shm", key, seq, peer, raw, self._watch.dead)
+            if "dead" in rec:     # the watcher's wake-up; _wait raised unless it raced
+                raise TransportError(f"shm: {self._labels[peer]} (pid {rec['dead']}) died")
+            for src, dst, tag, msg in rec["msgs"]:
+                r = want.pop((src, dst, tag), None)
+                if r is None:
+                    raise TransportError(f"shm recv from {self._labels[peer]}: it sent "
+                                         f"{src}->{dst} tag {tag} (round {seq}), which this "
+                                         f"process did not post a receive for")
+                self._land(r, msg)
+            if not rec["more"]:
+                break
+            k += 1
+        if want:
+            missing = ", ".join(f"{s}->{d} tag {t}" for s, d, t in sorted(want)[:5])
+            raise TransportError(f"shm recv from {self._labels[peer]}: its round {seq} ended "
+                                 f"without {len(want)} message(s) this process posted a "
+                                 f"receive for ({missing})")
 
     def _receive(self, r: Recv, rnd: _Round, timeout: float) -> None:
         seq = rnd.recv_seq[r.peer]
         key = self._msg_key(seq, r.src, r.dst, r.tag)
-        if r.peer in self._pull and key not in rnd.fetched:
-            # a pulling sender publishes its round at once: read all of it in two trips
-            keys = [self._msg_key(seq, x.src, x.dst, x.tag) for x in rnd.recvs
-                    if x.peer == r.peer]
-            rnd.fetched.update(zip(keys, self._fetch(keys, r.peer, seq, rnd, timeout)))
-        raw = rnd.fetched.pop(key, None)
-        if raw is None:
-            self._wait([key], r.peer, rnd.deadline, timeout,
-                       f"message {r.src}->{r.dst} tag {r.tag} (round {seq}) from")
-            raw = self._store.get(key)
+        self._wait([key], r.peer, rnd.deadline, timeout,
+                   f"message {r.src}->{r.dst} tag {r.tag} (round {seq}) from")
+        raw = self._store.get(key)
         self._watch.discard([key])
         rec = self._records.unpack("shm", key, seq, r.peer, raw, self._watch.dead)
         if "dead" in rec:     # the watcher's wake-up; _wait raised unless it raced a record
             raise TransportError(f"shm: {self._labels[r.peer]} (pid {rec['dead']}) died")
+        self._land(r, rec)
+
+    def _land(self, r: Recv, rec: Mapping[str, Any]) -> None:
+        """Copy message ``rec`` (its record) into receive ``r``'s buffer."""
         where = f"shm recv {r.src}->{r.dst} tag {r.tag} from {self._labels[r.peer]}"
         for name in rec.get("drop", ()):
             seg = self._mapped.pop(name, None)
