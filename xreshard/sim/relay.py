@@ -248,7 +248,7 @@ def relay_traffic(plan: Any, domain: Sequence[int], *, bucket_bytes: int,
     keys1 = WireKeys(plan1, wire)
     keys2 = WireKeys(plan1, wire, {n: lay.dtype for n, lay in plan.dst_layouts.items()})
     shape_ids = ShapeIds()
-    dst_ranks = sorted({r for lay in {id(v): v for v in plan1.dst.values()}.values()
+    dst_ranks = sorted({r for lay in {id(v): v for v in plan1.dst_layouts.values()}.values()
                         for r in lay.ranks})
     steps = len(dst_ranks) + len(fwd.relays)
     receives: dict[int, RankReceives] = {}

@@ -427,7 +427,7 @@ def pair_sequences(plan, progress: Callable[[int, int], None] | None = None, *,
     """:class:`PairSequences` of ``plan``, one destination rank at a time from
     ``Plan.receive_table`` (no ``Transfer`` objects; memory is the distinct sequences);
     transfers cost what ``wire`` says (default: the plan's dtypes)."""
-    dst_ranks = sorted({r for lay in {id(v): v for v in plan.dst.values()}.values()
+    dst_ranks = sorted({r for lay in {id(v): v for v in plan.dst_layouts.values()}.values()
                         for r in lay.ranks})
     keys = WireKeys(plan, wire)
     shape_ids = ShapeIds()
