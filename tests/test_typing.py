@@ -19,9 +19,12 @@ ROOT = Path(__file__).resolve().parent.parent
 PYPROJECT = ROOT / "pyproject.toml"
 
 #: The most modules the excuse list may hold. Lower it whenever a module comes off; never
-#: raise it. 24 on branch types (issue 32 item 5), 16 of them runtime modules the other
-#: branches of issue 32 take off; the lead sets this to what remains at merge (goal: <= 10).
-MAX_EXCUSED = 27
+#: raise it. 14 on branch types (issue 32 item 5), every one a module another branch of
+#: issue 32 takes off (codecs: delta.codec, delta.host, quant.host, runtime.copies, .devices,
+#: .programs, .wire; ext: runtime.refit; world: runtime.world, .world_links,
+#: .world_transports, .epochs; perf: runtime.binding, transport.shm): the lead lowers it
+#: to what remains at merge (issue 32: at most 10).
+MAX_EXCUSED = 18
 
 _EXCUSE = re.compile(r"\[\[tool\.mypy\.overrides\]\]\nmodule = \[([^\]]*)\]\n"
                      r"ignore_errors = true\n")
