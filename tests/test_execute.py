@@ -31,7 +31,7 @@ def _run(src_layouts, dst_layouts, *, wire=None, bucket=1 << 20, staging=1 << 22
     dst_b = {(r, n): np.zeros(l.local_shape(r), numpy_dtype(l.dtype))
              for n, l in dst_layouts.items() for r in l.ranks}
     transport = RecordingTransport(LocalTransport(ranks))
-    stats = Executor(sched, plan.src, plan.dst, plan.wire_dtypes, src_b, dst_b, transport,
+    stats = Executor(sched, plan.src_layouts, plan.dst_layouts, plan.wire_dtypes, src_b, dst_b, transport,
                      timeout=10).run()
     for (r, n), arr in dst_b.items():
         want = local_arrays_from_global(dst_layouts[n], r,
@@ -131,7 +131,7 @@ def test_many_small_items_bits_exact_whatever_the_binding_dtype():
         for a in dst_b.values():
             for x in (a if isinstance(a, list) else [a]):
                 x[...] = 0
-        Executor(sched, plan.src, plan.dst, plan.wire_dtypes, src_b, dst_b,
+        Executor(sched, plan.src_layouts, plan.dst_layouts, plan.wire_dtypes, src_b, dst_b,
                  RecordingTransport(LocalTransport(ranks)), timeout=10,
                  pipeline=pipeline).run()
         for (r, n), arr in dst_b.items():

@@ -76,7 +76,7 @@ def _run(src_layouts, dst_layouts, src_values, *, wire=None, raw_src=True, raw_d
             dst_typed[(r, n)] = typed
             dst_b[(r, n)] = _raw(typed, signed=r % 2 == 0) if raw_dst else typed
     rec = RecordingTransport(LocalTransport(ranks))
-    stats = Executor(sched, plan.src, plan.dst, plan.wire_dtypes, src_b, dst_b, rec,
+    stats = Executor(sched, plan.src_layouts, plan.dst_layouts, plan.wire_dtypes, src_b, dst_b, rec,
                      timeout=10).run()
     return plan, stats, rec, dst_typed
 
@@ -152,7 +152,7 @@ def test_mixed_dtype_buckets_keep_every_item_aligned():
     assert len(bucket.items) == 4
     src_b = {(0, n): np.asfortranarray(v).T.T for n, v in values.items()}
     dst_b = {(1, n): np.zeros(lay.shape, numpy_dtype(lay.dtype)) for n, lay in dst.items()}
-    ex = Executor(sched, plan.src, plan.dst, plan.wire_dtypes, src_b, dst_b,
+    ex = Executor(sched, plan.src_layouts, plan.dst_layouts, plan.wire_dtypes, src_b, dst_b,
                   LocalTransport([0, 1]), timeout=10)
     for it, off in ex._packed(bucket):
         assert off % numpy_dtype(ex.wire[it.name]).itemsize == 0, (it.name, off)
@@ -407,7 +407,7 @@ def _multi_gpu_run(wire=None, dst_dtype="bfloat16"):
              for r in (0, 1)}
     dst_b = {(r, "w"): _on_device(np.zeros(dst["w"].local_shape(r),
                                            numpy_dtype(dst_dtype)), r) for r in (1, 2)}
-    ex = Executor(sched, plan.src, plan.dst, plan.wire_dtypes, src_b, dst_b,
+    ex = Executor(sched, plan.src_layouts, plan.dst_layouts, plan.wire_dtypes, src_b, dst_b,
                   LocalTransport([0, 1, 2]), timeout=10)
     return ex, dst, value, dst_b
 
@@ -459,7 +459,7 @@ def test_float8_casts_on_gpu_are_refused_with_the_reason(fake_devices):
     plan = xr.plan(src, dst, wire_dtype="float8_e4m3fn")
     sched = schedule(plan, [0, 1], peer_counts(plan, [0, 1]), bucket_bytes=1 << 20,
                      staging_bytes=1 << 20)
-    ex = Executor(sched, plan.src, plan.dst, plan.wire_dtypes,
+    ex = Executor(sched, plan.src_layouts, plan.dst_layouts, plan.wire_dtypes,
                   {(0, "w"): _on_device(np.ones(shape, np.float32), 0)},
                   {(1, "w"): _on_device(np.zeros(shape, np.uint8), 1)},
                   LocalTransport([0, 1]), timeout=10)

@@ -195,7 +195,7 @@ def _move(env: Env, transport: PostLog, src_layouts, dst_layouts, src_b, dst_b, 
     sched = schedule(plan, [0, 1], peer_counts(plan, [0, 1]), bucket_bytes=bucket,
                      staging_bytes=staging)
     transport.posts.clear()
-    ex = Executor(sched, plan.src, plan.dst, plan.wire_dtypes, src_b, dst_b, transport,
+    ex = Executor(sched, plan.src_layouts, plan.dst_layouts, plan.wire_dtypes, src_b, dst_b, transport,
                   timeout=60)
     return ex, ex.run()
 

@@ -250,12 +250,12 @@ def test_flatten_tree_paths():
     assert flatten_tree({"a": {"b": [1, 2]}, "c": 3}) == {"a/b/0": 1, "a/b/1": 2, "c": 3}
 
 
-def test_concat_rule_axis_is_a_deprecated_alias_of_dim():
-    with pytest.warns(DeprecationWarning, match="pass dim="):
-        old = ConcatRule(("a", "b"), "ab", axis=1)
-    assert old == ConcatRule(("a", "b"), "ab", dim=1) and old.dim == 1
-    with pytest.raises(TypeError, match="not both"):
-        ConcatRule(("a",), "x", dim=0, axis=0)
+def test_concat_rule_takes_dim_only():
+    assert ConcatRule(("a", "b"), "ab", 1) == ConcatRule(("a", "b"), "ab", dim=1)
+    with pytest.raises(TypeError, match="axis"):
+        ConcatRule(("a", "b"), "ab", axis=1)        # the old spelling is gone (axis: mesh axis)
+    with pytest.raises(TypeError, match="dim"):
+        ConcatRule(("a", "b"), "ab")
 
 
 def _shards(layout: Layout, full: np.ndarray) -> dict:

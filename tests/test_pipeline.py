@@ -60,7 +60,7 @@ def test_pipelined_is_bit_exact_and_moves_what_rounds_move(data, shape, bucket, 
         plan, ranks, sched, values, src_b, dst_b = _setup(src, dst, bucket=bucket,
                                                           staging=4 * bucket, wire=wire)
         rec = RecordingTransport(LocalTransport(ranks))
-        stats = Executor(sched, plan.src, plan.dst, plan.wire_dtypes, src_b, dst_b, rec,
+        stats = Executor(sched, plan.src_layouts, plan.dst_layouts, plan.wire_dtypes, src_b, dst_b, rec,
                          timeout=10, pipeline=pipeline).run()
         assert stats.pipelined == (pipeline and sched.num_rounds > 0)
         for (r, n), arr in dst_b.items():
@@ -95,7 +95,7 @@ def test_double_buffered_staging_stays_within_the_budget():
         allocs.append(n)
         return np.empty(n, np.uint8)
 
-    ex = Executor(sched, plan.src, plan.dst, plan.wire_dtypes, src_b, dst_b,
+    ex = Executor(sched, plan.src_layouts, plan.dst_layouts, plan.wire_dtypes, src_b, dst_b,
                   LocalTransport(ranks), timeout=10, alloc=alloc, pipeline=True,
                   staging_bytes=budget)
     stats = ex.run()
@@ -106,7 +106,7 @@ def test_double_buffered_staging_stays_within_the_budget():
         assert arr.tobytes() == _expected(dst, values, r, n).tobytes()
     # full-budget rounds do not fit twice: round after round, never over the budget
     src, dst, plan, ranks, sched, values, src_b, dst_b = _many_rounds(budget)
-    tight = Executor(sched, plan.src, plan.dst, plan.wire_dtypes, src_b, dst_b,
+    tight = Executor(sched, plan.src_layouts, plan.dst_layouts, plan.wire_dtypes, src_b, dst_b,
                      LocalTransport(ranks), timeout=10, pipeline=True,
                      staging_bytes=sched.max_round_bytes // len(ranks) + 1)
     assert not tight.run().pipelined
@@ -146,7 +146,7 @@ def test_a_failing_round_mid_pipeline_raises_and_stops_the_wire(exc):
     src, dst, plan, ranks, sched, values, src_b, dst_b = _many_rounds(1 << 13)
     assert sched.num_rounds >= 4
     tr = _Failing(ranks, 2, exc)
-    ex = Executor(sched, plan.src, plan.dst, plan.wire_dtypes, src_b, dst_b, tr,
+    ex = Executor(sched, plan.src_layouts, plan.dst_layouts, plan.wire_dtypes, src_b, dst_b, tr,
                   timeout=10, pipeline=True)
     with pytest.raises(type(exc), match=str(exc)):
         ex.run()
@@ -157,7 +157,7 @@ def test_a_failing_round_mid_pipeline_raises_and_stops_the_wire(exc):
 def test_a_failing_pack_mid_pipeline_raises_and_closes_the_open_group():
     src, dst, plan, ranks, sched, values, src_b, dst_b = _many_rounds(1 << 13)
     tr = _Failing(ranks, -1, None)
-    ex = Executor(sched, plan.src, plan.dst, plan.wire_dtypes, src_b, dst_b, tr,
+    ex = Executor(sched, plan.src_layouts, plan.dst_layouts, plan.wire_dtypes, src_b, dst_b, tr,
                   timeout=10, pipeline=True)
     packs = []
     real = ex._pack
@@ -201,7 +201,7 @@ class _Silent(_Failing):
 
 def test_a_silent_peer_mid_pipeline_raises_the_transport_timeout():
     src, dst, plan, ranks, sched, values, src_b, dst_b = _many_rounds(1 << 13)
-    ex = Executor(sched, plan.src, plan.dst, plan.wire_dtypes, src_b, dst_b,
+    ex = Executor(sched, plan.src_layouts, plan.dst_layouts, plan.wire_dtypes, src_b, dst_b,
                   _Silent(ranks, -1, None), timeout=0.5, pipeline=True)
     with pytest.raises(TransportTimeout, match="silent peer"):
         ex.run()
@@ -220,7 +220,7 @@ class _BadPost(_Failing):
 def test_a_failing_post_mid_pipeline_raises_and_exits_its_group():
     src, dst, plan, ranks, sched, values, src_b, dst_b = _many_rounds(1 << 13)
     tr = _BadPost(ranks, -1, None)
-    ex = Executor(sched, plan.src, plan.dst, plan.wire_dtypes, src_b, dst_b, tr,
+    ex = Executor(sched, plan.src_layouts, plan.dst_layouts, plan.wire_dtypes, src_b, dst_b, tr,
                   timeout=10, pipeline=True)
     with pytest.raises(TransportError, match="post failed"):
         ex.run()

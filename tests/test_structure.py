@@ -11,8 +11,11 @@ run in .ci/run beside the tests."""
 from __future__ import annotations
 
 import ast
+import importlib
 import re
 from pathlib import Path
+
+import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "xreshard"
 EXEMPT = {PACKAGE / "tools" / "demo.py"}
@@ -182,13 +185,10 @@ class _Index:
     what each module binds at top level and what each class defines."""
 
     def __init__(self) -> None:
-        from xreshard import _moved
-        self.moved = {f"xreshard.{old}": new for old, new in _moved.MOVED.items()}
         self.trees = {_module_name(p): (p, tree) for p, tree, _ in _modules()}
         self._bindings: dict[str, dict[str, tuple]] = {}
 
     def module(self, name: str) -> str | None:
-        name = self.moved.get(name, name)
         return name if name in self.trees else None
 
     def bindings(self, mod: str) -> dict[str, tuple]:
@@ -335,8 +335,7 @@ def reference_breaks(checked: list[tuple[str, bool | None]] | None = None) -> li
     (``self.world``, ``cfg.timeout``) and file names are not. A class member is anything
     the class or an xreshard base defines, including dataclass fields and attributes its
     methods set; members of a builtin or framework base, and attributes of functions or
-    module values, are taken on trust. Old module paths (``xreshard.layout``) resolve
-    through ``xreshard._moved``."""
+    module values, are taken on trust."""
     index = _Index()
     top = {n: b for n, b in index.bindings("xreshard").items() if not n.startswith("_")}
     classes: dict[str, list[tuple]] = {}        # every class the package defines, by name
@@ -395,8 +394,8 @@ def test_docstring_and_docs_references_resolve():
 
 def test_the_reference_check_can_fail():
     """The check sees the references (well over a hundred resolve) and tells a stale one:
-    a missing module, function, class member or dataclass field, through re-exports, old
-    module paths and base classes."""
+    a missing module, function, class member or dataclass field, through re-exports and base
+    classes; a module path from before the folders (``xreshard.layout``) is gone."""
     checked: list[tuple[str, bool | None]] = []
     reference_breaks(checked)
     assert sum(ok is True for _, ok in checked) > 100
@@ -405,11 +404,15 @@ def test_the_reference_check_can_fail():
     assert _references(text, re.compile(r"``([^`]+?)``")) == [
         (0, "xreshard.runtime.refit.Refit"), (0, "RefitConfig.timeout"), (0, "jax.Array")]
     index = _Index()
-    good = ["runtime.refit.Refit", "Refit.start", "RefitConfig.timeout", "layout.Layout.from_spec",
-            "ir.layout.Mesh.ranks", "World.join", "transport.base.Transport"]
+    good = ["runtime.refit.Refit", "Refit.start", "RefitConfig.timeout",
+            "ir.layout.Layout.from_spec", "ir.layout.Mesh.ranks", "World.join",
+            "transport.base.Transport"]
     bad = ["runtime.no_such", "runtime.refit.Refit.no_such", "RefitConfig.no_such_field",
-           "layout.Layout.no_such", "no_such", "ir.layout.Mesh.ranks.no_such.x"]
+           "ir.layout.Layout.no_such", "no_such", "ir.layout.Mesh.ranks.no_such.x"]
     assert [index.resolve("xreshard", n.split(".")) for n in good] == [True] * len(good)
     assert [index.resolve("xreshard", n.split(".")) for n in bad] == [False] * (len(bad) - 1) + [None]
+    assert index.resolve("xreshard", ["layout", "Layout"]) is False
+    with pytest.raises(ModuleNotFoundError):
+        importlib.import_module("xreshard.layout")
     # taken on trust: a builtin base's member, an attribute of a value
     assert index.resolve("xreshard", ["RefitError", "args"]) is None

@@ -77,7 +77,7 @@ def _flip(dst_b, p, rank, name, index=0):
     """Flip the lowest bit of one element of the ``index``-th region ``rank`` receives of
     ``name``; returns that transfer."""
     t = [t for t in p.transfers_for(rank) if t.dst == rank and t.name == name][index]
-    _flip_first(view_of(dst_b[(rank, name)], p.dst[name], rank, t.region))
+    _flip_first(view_of(dst_b[(rank, name)], p.dst_layouts[name], rank, t.region))
     return t
 
 
@@ -210,7 +210,7 @@ def test_explicit_layouts_and_local_copies():
     assert local_keys and all(k in ds[0].send for k in local_keys)
     # a wrong byte in a local copy's destination is caught too
     t = p.local_copies_for(1)[0]
-    _flip_first(view_of(dst_b[(1, "e")], p.dst["e"], 1, t.region))
+    _flip_first(view_of(dst_b[(1, "e")], p.dst_layouts["e"], 1, t.region))
     bad = _compare(_digests(p, src_b, dst_b, procs=procs))
     assert [(m.src, m.dst, m.src_process, m.dst_process) for m in bad] == [(1, 1, 0, 0)]
 

@@ -4,7 +4,6 @@ Importing this package imports numpy only; framework bridges live in ``xreshard.
 and import their framework when used.
 """
 
-from . import _moved
 from .errors import (AuthenticationError, BindingError, CollectiveMismatch, CommunicationError,
                      LayoutError, PlanError, RefitError, TransportError, TransportTimeout,
                      VerificationError, WorldBroken, WorldMismatch, XreshardError)
@@ -26,13 +25,3 @@ __all__ = [
     "Topology", "Transfer", "Tuning", "World", "XreshardError", "count_comm", "plan", "serve",
 ]
 __version__ = "0.1.0"
-
-_moved.install()        # old module paths (xreshard.layout, xreshard.refit, ...) keep working
-
-
-def __getattr__(name: str):
-    """``xreshard.layout`` and the other old module names, as attributes too."""
-    if name in _moved.MOVED:
-        import importlib
-        return importlib.import_module(_moved.MOVED[name])
-    raise AttributeError(f"module 'xreshard' has no attribute {name!r}")

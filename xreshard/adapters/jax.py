@@ -480,6 +480,7 @@ def bind_named(tree: Any, namemap: NameMap, ranks: Mapping[int, int], *, memo: A
                               f"its HF tensor is made of several trainer arrays; map each "
                               f"part with a Rule of its own, or concatenate them in the "
                               f"trainer")
+        assert isinstance(fields, dict)         # a Rule's match (a ConcatRule's is refused)
         layout = _as_product(array_layout(arr, ranks, name, **memo_kw), name)
         local = {ranks[int(s.device.id)]: host_view(s.data) for s in arr.addressable_shards}
         for view, f in namemap.expand(ShardedView(layout, local), dict(fields), rule.transforms,
@@ -493,13 +494,14 @@ def bind_named(tree: Any, namemap: NameMap, ranks: Mapping[int, int], *, memo: A
 def _as_product(layout: Layout, name: str) -> Layout:
     """``layout`` in product form (what the naming rules' view algebra needs)."""
     from xreshard.adapters.naming_rules import NamingError
-    if layout.is_product:
+    explicit = layout.explicit
+    if explicit is None:                # product form
         if any(sp.split_factor != 1 for sp in layout.splits):
             raise NamingError(f"{name!r}: strided splits cannot go through naming rules")
         return layout
     full = (tuple(0 for _ in layout.shape), layout.shape)
-    if all(len(rs) == 1 and (rs[0].starts, rs[0].stops) == full for _, rs in layout.explicit):
-        ranks = tuple(r for r, _ in layout.explicit)
+    if all(len(rs) == 1 and (rs[0].starts, rs[0].stops) == full for _, rs in explicit):
+        ranks = tuple(r for r, _ in explicit)
         return Layout.replicated(layout.shape, layout.dtype, Mesh((len(ranks),), ranks))
     raise NamingError(f"{name!r}: only NamedSharding (or fully replicated) arrays can go "
                       "through naming rules")
@@ -611,8 +613,8 @@ def _bind(tree: Any, side: str, *, ranks: Mapping[int, int], names: Any, transpo
             product = layout.is_product
             shard_ranks = known_geo[1]
             arrays = getattr(leaf, "_arrays", None) if shard_ranks is not None else None
-            if arrays is not None and len(arrays) == len(shard_ranks) \
-                    and not leaf.is_deleted():
+            if arrays is not None and shard_ranks is not None \
+                    and len(arrays) == len(shard_ranks) and not leaf.is_deleted():
                 # the per-device arrays, in the sharding's addressable device order (JAX
                 # keeps them so: ArrayImpl._check_and_rearrange); no Shard objects built
                 for x, (rank, cpu) in zip(arrays, shard_ranks):

@@ -318,7 +318,7 @@ class HFTensor:
             src, _, v = pieces[0]
             return v.apply(arrays[src.name])
         first = np.asarray(arrays[pieces[0][0].name]) if pieces else np.zeros(0)
-        out = np.empty(region.shape, dtype=first.dtype)
+        out: np.ndarray = np.empty(region.shape, dtype=first.dtype)
         for src, inter, v in pieces:
             out[tuple(slice(a - r, b - r) for a, b, r in
                       zip(inter.starts, inter.stops, region.starts))] = v.apply(arrays[src.name])
@@ -360,6 +360,7 @@ class NameMap:
             rule, m = hits[0]
             shape = tuple(int(s) for s in shape)
             if isinstance(rule, Rule):
+                assert isinstance(m, dict)          # a Rule's match (a ConcatRule's: a pair)
                 for view, fields in self.expand(StridedView.identity(shape), m,
                                                 rule.transforms, name):
                     full = Region((0,) * len(view.shape), view.shape)
@@ -391,10 +392,10 @@ class NameMap:
                               "array maps exactly once")
         out = {}
         for hf, srcs in produced.items():
-            sources = tuple(s for _, s in srcs)
-            shape = tuple(max(s.region.stops[d] for s in sources)
-                          for d in range(sources[0].region.ndim))
-            out[hf] = HFTensor(hf, shape, sources)
+            parts = tuple(s for _, s in srcs)
+            shape = tuple(max(s.region.stops[d] for s in parts)
+                          for d in range(parts[0].region.ndim))
+            out[hf] = HFTensor(hf, shape, parts)
         return out
 
     def check(self, shapes: Mapping[str, Sequence[int]]) -> None:
@@ -440,7 +441,8 @@ class NameMap:
                    for i in indices for j in range(len(rule.srcs)) if (i, j) not in have]
         if missing:
             raise NamingError(f"{hf}: sources missing: {', '.join(missing)}")
-        sources, offset_by_i = [], {}
+        sources: list[Source] = []
+        offset_by_i: dict[int, int] = {}
         for i, j, name, shape in items:
             views = list(self.expand(StridedView.identity(shape), {}, rule.transforms, name))
             if len(views) != 1:
@@ -469,6 +471,7 @@ def flatten_tree(tree: Any, sep: str = "/") -> dict[str, Any]:
     out: dict[str, Any] = {}
 
     def walk(node: Any, prefix: str) -> None:
+        items: Iterable[tuple[Any, Any]]
         if isinstance(node, Mapping):
             items = node.items()
         elif isinstance(node, (list, tuple)):

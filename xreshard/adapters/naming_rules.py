@@ -46,7 +46,6 @@ with ``mlp/gate_up/kernel [D, 2*I]``. MoE layers (Qwen-MoE HF names) use
 from __future__ import annotations
 
 import re
-import warnings
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Mapping
 
@@ -224,7 +223,6 @@ class ConcatRule:
     matched arrays are also stacked along a new leading dim 0 in field order 0..n-1, and
     ``dim`` counts dims after stacking. Example, per-expert HF checkpoints to the stacked
     ``experts.gate_up_proj [E, 2I, H]``: ``srcs=(gate, up)``, ``dim=1``, ``stack_over="e"``.
-    ``axis=`` is a deprecated alias of ``dim=`` (an axis is a mesh axis).
     """
 
     srcs: tuple[str, ...]
@@ -234,18 +232,8 @@ class ConcatRule:
     stack_over: str | None = None
     _regexes: tuple = field(default=(), repr=False, compare=False)
 
-    def __init__(self, srcs: tuple[str, ...], dst: str, dim: int | None = None,
-                 transforms: tuple[Transform, ...] = (), stack_over: str | None = None, *,
-                 axis: int | None = None) -> None:
-        if axis is not None:
-            if dim is not None:
-                raise TypeError("ConcatRule takes dim=, or its deprecated alias axis=, not both")
-            warnings.warn("ConcatRule(axis=...) is deprecated: pass dim=... (the tensor dim to "
-                          "concatenate along; an axis is a mesh axis)", DeprecationWarning,
-                          stacklevel=2)
-            dim = axis
-        if dim is None:
-            raise TypeError("ConcatRule needs dim=, the HF dim to concatenate along")
+    def __init__(self, srcs: tuple[str, ...], dst: str, dim: int,
+                 transforms: tuple[Transform, ...] = (), stack_over: str | None = None) -> None:
         for name, value in (("srcs", srcs), ("dst", dst), ("dim", dim),
                             ("transforms", transforms), ("stack_over", stack_over),
                             ("_regexes", tuple(_compile(s) for s in srcs))):
@@ -288,7 +276,7 @@ def jax_llama_rules(*, scanned: bool = False, fused: bool = False, qkv_bias: boo
     pre = (Unstack(0, "l"),) if scanned else ()
     # [D, h, hd] -> [D, h*hd] -> [h*hd, D]
     heads_in = (Reshape(("@0", -1)), Transpose())
-    rows = [
+    rows: list[tuple[str, str, tuple[Transform, ...]]] = [
         (_per_layer(scanned, "attn/o/kernel"), f"{L}.self_attn.o_proj.weight",   # [H, hd, D]
          (Reshape((-1, "@2")), Transpose())),
         (_per_layer(scanned, "mlp/down/kernel"), f"{L}.mlp.down_proj.weight", _T),

@@ -190,6 +190,7 @@ def placements_of(layout: Layout, *, name: str | None = None) -> list[Any]:
         raise LayoutError(f"{where}{layout} is explicit form (rank -> regions); DTensor "
                           "placements can only express product-form layouts")
     mesh = layout.mesh
+    assert mesh is not None                     # product form
     out: list[Any] = [pt.Replicate() for _ in range(mesh.ndim)]
     converted = []
     for dim in range(layout.ndim):
@@ -212,6 +213,7 @@ def placements_of(layout: Layout, *, name: str | None = None) -> list[Any]:
         back = Layout.product(layout.shape, layout.dtype, mesh, splits)
         for rank in mesh.ranks:
             want, got = layout.dim_intervals(rank), back.dim_intervals(rank)
+            assert want is not None and got is not None     # rank is one of the mesh's
             if any(want[d] != got[d] for d in converted):
                 raise LayoutError(
                     f"{where}{layout}: dims {converted} are split out of mesh-axis order and "
@@ -600,7 +602,8 @@ def _bind(obj: Any, side: str, *, ranks: RankMap, local_ranks: Sequence[int], na
     quantized: list[tuple[Any, str, str]] = []
     # entries of the last call, valid for the same rank map (by value: a memo's ranks_id
     # numbers restart when it is new or full), rank, names and transposes
-    context = (dict(ranks) if rid is not None else None, me, transpose,
+    context = (dict(ranks) if rid is not None and isinstance(ranks, Mapping) else None, me,
+               transpose,
                names if names is None or callable(names) else dict(names))
     known: dict[str, _Known] = cache.get("known", {}) \
         if rid is not None and cache.get("context") == context else {}

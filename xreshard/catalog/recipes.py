@@ -522,6 +522,9 @@ class _Builder:
         reshape = None
         for axis, p in entry.items():
             if p == "expert":
+                if group is None:
+                    raise RecipeError(f"{self.recipe}: tensor {name!r} is placed by expert "
+                                      "but belongs to no expert group")
                 pins[axis] = (group,)
                 del placements[axis]
             elif p == "S0kv":                     # k/v rows by kv head (vLLM)
@@ -532,8 +535,10 @@ class _Builder:
                 elif kv and tp > kv:
                     reshape = (axis, kv)              # kv blocks, replicas on tp_rep (minor)
         mesh = self._mesh(pins, reshape)
+        axis_names = mesh.axis_names
+        assert axis_names is not None                 # _mesh names every axis
         splits = []                                   # (dim, mesh axis, split factor)
-        for a, axis in enumerate(mesh.axis_names):    # DTensor applies mesh axes in order
+        for a, axis in enumerate(axis_names):         # DTensor applies mesh axes in order
             p = placements.get(axis)
             if p is not None and mesh.shape[a] > 1:
                 dim, _, sf = p.removeprefix("SS").removeprefix("S").partition("/")
@@ -550,7 +555,7 @@ class _Builder:
                 if shape[d] % ways:
                     raise RecipeError(
                         f"{self.recipe}: tensor {name!r} dim {d} (size {shape[d]}) does not "
-                        f"split evenly {mesh.shape[a]} ways over {mesh.axis_names[a]!r}"
+                        f"split evenly {mesh.shape[a]} ways over {axis_names[a]!r}"
                         + (f" in {sf} strided pieces" if sf > 1 else "")
                         + f"; {fw.name} shards evenly - choose sizes that divide {shape[d]}")
         return Layout.product(shape, dtype, mesh, [Split(d, a, sf) for d, a, sf in splits])
@@ -586,7 +591,9 @@ def _vllm_vocab_layout(name: str, shape: tuple[int, ...], dtype: Any, mesh: Mesh
         return product                    # torch.chunk's rows are vLLM's rows
     regions: dict[int, list[Region]] = {}
     for rank in mesh.ranks:
-        t = mesh.coord(rank)[axis]
+        coord = mesh.coord(rank)
+        assert coord is not None                  # rank is one of the mesh's
+        t = coord[axis]
         lo, hi = min(t * per, vocab), min((t + 1) * per, vocab)
         regions[rank] = [Region(tuple(lo if d == dim else 0 for d in range(len(shape))),
                                 tuple(hi if d == dim else n for d, n in enumerate(shape)))]

@@ -224,7 +224,7 @@ class Plan:
     Build with :func:`plan`. ``transfers_for(rank)`` lists a rank's sends and receives;
     ``local_copies_for(rank)`` its same-rank copies (colocated layouts); ``describe(rank)``
     prints both as a table. ``src_layouts`` / ``dst_layouts`` are the ``{tensor name:
-    Layout}`` of the two sides (``src`` / ``dst`` are read-only aliases).
+    Layout}`` of the two sides.
     """
 
     def __init__(self, names: list[str], src_layouts: Mapping[str, Layout],
@@ -247,16 +247,6 @@ class Plan:
         self._bounds = quotas.bounds
         self._sender_classes = quotas.sender_classes
         self._memo: dict[int, tuple[Transfer, ...]] = {}
-
-    @property
-    def src(self) -> Mapping[str, Layout]:
-        """Alias of :attr:`src_layouts` (read-only)."""
-        return self.src_layouts
-
-    @property
-    def dst(self) -> Mapping[str, Layout]:
-        """Alias of :attr:`dst_layouts` (read-only)."""
-        return self.dst_layouts
 
     def __repr__(self) -> str:
         return (f"Plan({len(self.names)} tensors, {self.stats.num_transfers} transfers, "

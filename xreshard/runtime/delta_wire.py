@@ -634,11 +634,3 @@ class DeltaCall:
 
 def _host_bytes(n: int) -> np.ndarray:
     return np.empty(n, np.uint8)
-
-
-def __getattr__(name: str) -> Any:
-    # the executor moved to delta_exec (it imports this module); the old path still works
-    if name == "DeltaExecutor":
-        from .delta_exec import DeltaExecutor
-        return DeltaExecutor
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

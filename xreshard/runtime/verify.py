@@ -319,11 +319,11 @@ def digest_bindings(plan: Any, local_ranks: Iterable[int],
                 continue
             if quant is not None and t.name in quant.tensors:
                 out.nbytes += quantized.digest_transfer(
-                    out, quant, t, tkey, rank, src_bindings, dst_bindings, plan.src[t.name],
-                    stream_hex)
+                    out, quant, t, tkey, rank, src_bindings, dst_bindings,
+                    plan.src_layouts[t.name], stream_hex)
                 continue
-            src_layout: Layout = plan.src[t.name]
-            dst_layout: Layout = plan.dst[t.name]
+            src_layout: Layout = plan.src_layouts[t.name]
+            dst_layout: Layout = plan.dst_layouts[t.name]
             want = dst_layout.dtype
             if t.src == rank and (t.src, t.name) in src_bindings and tkey not in out.send:
                 ck = (t.name, t.region, t.src)       # one region sent to several receivers

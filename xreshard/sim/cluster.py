@@ -177,9 +177,10 @@ class Cluster:
 #   Per-peer cap: ~21 GB/s per network channel (one channel measured at ~21 of 42 GB/s,
 #     HF playbook; 18-24 GB/s, nccl#1272); 4 channels per peer halved for large
 #     communicators (paths.cc), p2pnChannels 32 [infer: the H100 collective channel count].
-_H100 = dict(gpus_per_node=8, domain_size=8, nvlink_bw=370 * GB, nic_bw=47 * GB,
-             nics_per_node=8, nvlink_latency=4e-6, network_latency=15e-6,
-             net_channel_bw=21 * GB, net_channels_min=4, p2p_channels=32)
+_H100: dict[str, Any] = dict(gpus_per_node=8, domain_size=8, nvlink_bw=370 * GB,
+                             nic_bw=47 * GB, nics_per_node=8, nvlink_latency=4e-6,
+                             network_latency=15e-6, net_channel_bw=21 * GB, net_channels_min=4,
+                             p2p_channels=32)
 
 #: the clusters ``--cluster NAME`` knows; sources in the comments above and below
 PRESETS: dict[str, Cluster] = {

@@ -92,7 +92,7 @@ class Network:
                          if peer_cap else np.inf)
         # GPU x rail: whether GPU g of a node is the PXN proxy of the rail (a network
         # message to that rail hops into g), or not (one from g to that rail hops out)
-        proxy = np.arange(rails) * g // rails
+        proxy: np.ndarray = np.arange(rails) * g // rails
         self.hop_in = (proxy[None, :] == np.arange(g)[:, None]).astype(float)
         self.hop_out = 1.0 - self.hop_in
 
@@ -107,7 +107,7 @@ class Network:
         kind = np.where(ps == pd, LOCAL, np.where(same_domain, NVLINK, NETWORK))
         far = self.rank_site[src] != self.rank_site[dst]
         kind[far] = SITE
-        links = np.full((len(src), 4), sentinel, np.int64)
+        links: np.ndarray = np.full((len(src), 4), sentinel, np.int64)
         nv = kind == NVLINK
         links[nv, 0] = ps[nv]
         links[nv, 1] = n_g + pd[nv]
@@ -182,7 +182,7 @@ def _waterfill(cols: np.ndarray, capacity: np.ndarray, cap: float | np.ndarray,
     treats identically, so one row each is exact."""
     k = cols.shape[0]
     rate = np.zeros(cols.shape[1])
-    rem = capacity.astype(float)
+    rem: np.ndarray = capacity.astype(float)
     num_links = len(capacity)
     sentinel = num_links - 1
     alive = np.arange(cols.shape[1])
@@ -207,7 +207,7 @@ def _waterfill(cols: np.ndarray, capacity: np.ndarray, cap: float | np.ndarray,
         if not np.isfinite(fmin).all():
             raise ValueError("a flow crosses no link with a finite capacity")
         # a link is not a bottleneck if one of its flows is held lower elsewhere
-        blocked = np.zeros(num_links, bool)
+        blocked: np.ndarray = np.zeros(num_links, bool)
         blocked[cols[fmin * (1 + 1e-12) < shares]] = True
         blocked[sentinel] = True
         frozen = ~np.logical_and.reduce(blocked[cols], axis=0)
@@ -225,7 +225,7 @@ def _waterfill(cols: np.ndarray, capacity: np.ndarray, cap: float | np.ndarray,
         keep = ~frozen
         alive = alive[keep]
         cols = np.compress(keep, cols, axis=1)   # stays C-ordered, unlike cols[:, keep]
-        if per_flow:
+        if per_flow and isinstance(cap, np.ndarray):     # (per_flow made it an array)
             cap = cap[keep]
         if mult is not None:
             mult = mult[keep]
@@ -259,7 +259,7 @@ def _fluid(cols: np.ndarray, capacity: np.ndarray, caps: np.ndarray, nbytes: np.
     without NVLink hops): None if a dropped hop turns out to bind (then solve per flow).
     """
     finish = np.zeros(len(nbytes))
-    remaining = nbytes.astype(float)
+    remaining: np.ndarray = nbytes.astype(float)
     t = 0.0
     solves = 0
     while len(moving):
@@ -371,7 +371,7 @@ def _factorize(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     round's message sizes) without sorting them all: look up, then add what was missed."""
     uniq = np.unique(values[:1024])
     while True:
-        idx = np.searchsorted(uniq, values)
+        idx = uniq.searchsorted(values)
         miss = uniq[np.minimum(idx, len(uniq) - 1)] != values
         if not miss.any():
             return uniq, idx
@@ -514,7 +514,8 @@ def replay(net: Network, traffic: Traffic | PairTraffic,
     num_rounds = traffic.num_rounds
     per_message = isinstance(traffic, Traffic)
     finish = np.zeros(len(traffic)) if per_message else None
-    rounds = _message_rounds(traffic) if per_message else _pair_rounds(net, traffic)
+    rounds = (_message_rounds(traffic) if isinstance(traffic, Traffic)
+              else _pair_rounds(net, traffic))
     grouped = grouped and not net.num_host    # classes drop every link but the NIC pair
     starts = np.zeros(num_rounds)
     secs = np.zeros(num_rounds)
@@ -538,7 +539,9 @@ def replay(net: Network, traffic: Traffic | PairTraffic,
             got = cache[key] = (res, used)
         res = got[0]
         if busy_of is not None:
-            busy_of.append(got[1])
+            held = got[1]
+            assert held is not None                 # kept for every round when busy
+            busy_of.append(held)
         starts[k] = t
         secs[k] = res.seconds
         if finish is not None:
@@ -548,7 +551,7 @@ def replay(net: Network, traffic: Traffic | PairTraffic,
         crit_time[ck] = crit_time.get(ck, 0.0) + res.seconds
         if progress is not None and (k % 16 == 15 or k + 1 == num_rounds):
             progress(k + 1, num_rounds)
-    link, kind = max(crit_time, key=crit_time.get) if crit_time else (-1, LOCAL)
+    link, kind = max(crit_time, key=lambda ck: crit_time[ck]) if crit_time else (-1, LOCAL)
     return Replay(t, starts, secs, finish, link, kind, len(cache), busy_of)
 
 

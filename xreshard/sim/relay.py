@@ -81,7 +81,7 @@ class _Forwards:
         self.target_sets = list(sets)
         self.regions = [piece for _, piece in flat]
         lens = np.diff(starts)[stages.choice]
-        tensor = np.repeat(np.arange(len(stages.names)), lens)
+        tensor: np.ndarray = np.repeat(np.arange(len(stages.names)), lens)
         within = np.arange(int(lens.sum())) - np.repeat(np.cumsum(lens) - lens, lens)
         fid = np.asarray(starts, np.int64)[stages.choice][tensor] + within
         taker = np.array([f.taker for f, _ in flat], np.int64)[fid]
@@ -92,10 +92,10 @@ class _Forwards:
         self.part = np.array([f.index for f, _ in flat], np.int64)[self.fid]
         self.targets = np.array([sets[f.targets] for f, _ in flat], np.int64)[self.fid]
         self.relays = np.unique(takers).tolist()
-        self._bounds = np.searchsorted(takers, np.array(self.relays + [len(takers) and
-                                                                       takers[-1] + 1]))
+        self._bounds = takers.searchsorted(np.array(self.relays + [len(takers) and
+                                                                   takers[-1] + 1]))
         self.pairs = sorted({(f.taker, x) for f, _ in flat for x in f.targets})
-        self.shape = np.zeros(len(self.fid), np.int64)
+        self.shape: np.ndarray = np.zeros(len(self.fid), np.int64)
 
     def name_shapes(self, shape_ids: ShapeIds, keys: WireKeys) -> None:
         """Give every row its (piece shape, wire cost) id; stage 2 moves the destination's
@@ -137,7 +137,7 @@ class _Arrivals:
         combo = choice * (len(rec.table.regions) + 1) + rec.region
         uniq, inverse = np.unique(combo, return_inverse=True)
         width = len(rec.table.regions) + 1
-        holder = np.empty(len(uniq), np.int64)
+        holder: np.ndarray = np.empty(len(uniq), np.int64)
         for u, c in enumerate(uniq.tolist()):
             holder[u] = _containing(stages.layouts[c // width].regions(relay),
                                     rec.table.regions[c % width], relay)
@@ -167,7 +167,9 @@ class _Arrivals:
         if got is not None:
             return got
         g = int(np.searchsorted(self.codes, code))
-        lo, hi, rnd = [], [], []
+        lo: list[tuple[int, ...]] = []
+        hi: list[tuple[int, ...]] = []
+        rnd: list[np.ndarray] = []
         for row in self.order[self.cut[g]:self.cut[g + 1]].tolist():
             p = self.patterns[int(self.pat[row])]
             k = int(self.pos[row])
@@ -181,7 +183,7 @@ class _Arrivals:
         q_hi = np.array([q.stops for q in pieces], np.int64)[:, None, :]
         a_lo, a_hi = np.array(lo, np.int64)[None], np.array(hi, np.int64)[None]
         landed = np.concatenate(rnd)
-        ready = np.empty(len(pieces), np.int64)
+        ready: np.ndarray = np.empty(len(pieces), np.int64)
         step = max(1, (1 << 22) // max(1, len(landed)))      # bound the Q x L block
         for i in range(0, len(pieces), step):
             meets = ((q_lo[i:i + step] < a_hi) & (a_lo < q_hi[i:i + step])).all(axis=2)
@@ -211,7 +213,8 @@ def _forward_pattern(fwd: _Forwards, rows: np.ndarray, arrived: _Arrivals, size:
     part_ready = ready[prow]
     uneven = np.flatnonzero(~uniform)
     if len(uneven):
-        at = np.searchsorted(prow, np.arange(len(rows) + 1))
+        # asarray: a no-op that mypy needs (numpy's stubs type searchsorted(v=array) a scalar)
+        at = np.asarray(prow.searchsorted(np.arange(len(rows) + 1)))
         for i in uneven.tolist():
             row = int(rows[i])
             part_ready[at[i]:at[i + 1]] = arrived.exact(
@@ -248,7 +251,7 @@ def relay_traffic(plan: Any, domain: Sequence[int], *, bucket_bytes: int,
     keys1 = WireKeys(plan1, wire)
     keys2 = WireKeys(plan1, wire, {n: lay.dtype for n, lay in plan.dst_layouts.items()})
     shape_ids = ShapeIds()
-    dst_ranks = sorted({r for lay in {id(v): v for v in plan1.dst.values()}.values()
+    dst_ranks = sorted({r for lay in {id(v): v for v in plan1.dst_layouts.values()}.values()
                         for r in lay.ranks})
     steps = len(dst_ranks) + len(fwd.relays)
     receives: dict[int, RankReceives] = {}
@@ -289,20 +292,20 @@ def relay_traffic(plan: Any, domain: Sequence[int], *, bucket_bytes: int,
         for t in targets:
             wanted = tuple(j for j in ids if t in fwd.target_sets[j])
             key = (size_of(relay, t), wanted)
-            k = memo2.get(key)
-            if k is None:
+            known = memo2.get(key)
+            if known is None:
                 sel = rows if len(wanted) == len(ids) else rows[np.isin(fwd.targets[rows],
                                                                         wanted)]
-                k = memo2[key] = len(patterns)
+                known = memo2[key] = len(patterns)
                 patterns.append(_forward_pattern(fwd, sel, arrived, key[0], parts, wire))
-            forward_of[(relay, t)] = k
+            forward_of[(relay, t)] = known
         if progress is not None:
             progress(len(dst_ranks) + i + 1, steps)
     keys = sorted(pair_of) + sorted(forward_of)
     ends = np.array(keys, np.int32).reshape(-1, 2)
     pattern = np.array([pair_of[p] for p in sorted(pair_of)]
                        + [forward_of[p] for p in sorted(forward_of)], np.int32)
-    forward = np.repeat([False, True], [len(pair_of), len(forward_of)])
+    forward: np.ndarray = np.repeat([False, True], [len(pair_of), len(forward_of)])
     traffic = PairTraffic(ends[:, 0].copy(), ends[:, 1].copy(), pattern,
                           [p.rounds for p in patterns], [p.sizes for p in patterns], forward)
     return RelayTraffic(traffic, stages, plan1)

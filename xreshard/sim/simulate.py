@@ -144,7 +144,7 @@ def lower_bound(plan: Any, net: Any, wire: Wire | None = None) -> dict[str, Any]
     cache: dict[int, list] = {}
     pairs: dict[tuple[int, int, float], list] = {}
     for name in plan.names:
-        s, d = plan.src[name], plan.dst[name]
+        s, d = plan.src_layouts[name], plan.dst_layouts[name]
         key = (id(s), id(d), bpe[name])
         got = pairs.get(key)
         if got is None:
@@ -249,8 +249,9 @@ def simulate_plan(plan: Any, cluster: Cluster, placement: Placement, *,
     wire = wire if wire is not None else Wire()
     t0 = time.process_time()
     num_ranks = placement.num_ranks
-    top = max((r for lay in {id(v): v for v in (*plan.src.values(), *plan.dst.values())}
-               .values() for r in lay.ranks), default=-1)
+    layouts = (*plan.src_layouts.values(), *plan.dst_layouts.values())
+    top = max((r for lay in {id(v): v for v in layouts}.values() for r in lay.ranks),
+              default=-1)
     if top >= num_ranks:
         raise ClusterError(f"the plan uses rank {top} but the placement places only "
                            f"{num_ranks} ranks")

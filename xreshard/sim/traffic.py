@@ -27,6 +27,7 @@ from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import numpy as np
 
+from ..planner.plan import ReceiveTable
 from ..planner.schedule import MIN_BUCKET_BYTES, OWN_MESSAGE_BYTES
 from .wire import Wire, wire_parts
 
@@ -81,7 +82,7 @@ class Traffic:
         """Per round, in order: ``(index, src, dst, nbytes)`` of its messages (``index``
         into this traffic's arrays; messages in traffic order)."""
         order = np.argsort(self.round, kind="stable")
-        bounds = np.searchsorted(self.round[order], np.arange(self.num_rounds + 1))
+        bounds = self.round[order].searchsorted(np.arange(self.num_rounds + 1))
         for k in range(self.num_rounds):
             sel = order[bounds[k]:bounds[k + 1]]
             yield sel, self.src[sel], self.dst[sel], self.nbytes[sel]
@@ -156,8 +157,8 @@ class PairTraffic:
         if len(c) == 0 or int(c.max()) == 1:    # one message per pair (the usual case)
             return idx, self.src[idx], self.dst[idx], flat[base[pat] + lo[pat]]
         total = int(c.sum())
-        first = np.repeat(base[pat] + lo[pat] - (np.cumsum(c) - c), c)
-        pair = np.repeat(idx, c)
+        first: np.ndarray = np.repeat(base[pat] + lo[pat] - (np.cumsum(c) - c), c)
+        pair: np.ndarray = np.repeat(idx, c)
         return pair, self.src[pair], self.dst[pair], flat[first + np.arange(total)]
 
     def rounds(self) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]]:
@@ -175,7 +176,7 @@ class PairTraffic:
         for k in range(self.num_rounds):
             lo, cnt = off[:, k], off[:, k + 1] - off[:, k]
             total = int(cnt.sum())
-            first = np.repeat(base + lo - (np.cumsum(cnt) - cnt), cnt)
+            first: np.ndarray = np.repeat(base + lo - (np.cumsum(cnt) - cnt), cnt)
             sizes = flat[first + np.arange(total)]
             yield hashlib.blake2b(cnt.tobytes() + sizes.tobytes(), digest_size=16).digest()
 
@@ -184,8 +185,8 @@ class PairTraffic:
         if not len(self.pattern):
             return Traffic.of()
         counts = np.array([len(r) for r in self.rounds_of], np.int64)[self.pattern]
-        fwd = (np.zeros(int(counts.sum()), bool) if self.forward is None
-               else np.repeat(self.forward, counts))
+        fwd: np.ndarray = (np.zeros(int(counts.sum()), bool) if self.forward is None
+                           else np.repeat(self.forward, counts))
         return Traffic(np.concatenate([self.rounds_of[p] for p in self.pattern.tolist()]),
                        np.repeat(self.src, counts), np.repeat(self.dst, counts),
                        np.concatenate([self.sizes_of[p] for p in self.pattern.tolist()]), fwd)
@@ -239,7 +240,7 @@ def cut_messages(part_bytes: np.ndarray, size: int) -> tuple[np.ndarray, np.ndar
     if n == 0:
         return np.zeros(0, np.int64), np.zeros(0, np.int64)
     own = part_bytes >= min(OWN_MESSAGE_BYTES, size)
-    opens = np.ones(n, bool)
+    opens: np.ndarray = np.ones(n, bool)
     small = np.flatnonzero(~own)
     if len(small):
         # a small part joins the message of the part before it when that one was small
@@ -275,7 +276,7 @@ def fill_rounds(msg_bytes: np.ndarray, size: int,
     order = (np.arange(n) if ready is None else np.argsort(ready, kind="stable"))
     cum = np.concatenate([[0], np.cumsum(np.asarray(msg_bytes, np.int64)[order])])
     # nxt[i]: where a round that starts at message i ends, by bytes alone (>= i + 1)
-    nxt_arr = np.maximum(np.searchsorted(cum, cum[:-1] + size, side="right") - 1,
+    nxt_arr = np.maximum(cum.searchsorted(cum[:-1] + size, side="right") - 1,
                          np.arange(1, n + 1))
     starts: list[int] = []
     values: list[int] = []
@@ -284,7 +285,7 @@ def fill_rounds(msg_bytes: np.ndarray, size: int,
         rd_arr = np.asarray(ready, np.int64)[order]
         top = int(rd_arr[-1])
         # upto[v]: messages ready by round v
-        upto = np.searchsorted(rd_arr, np.arange(top + 1), side="right").tolist()
+        upto = rd_arr.searchsorted(np.arange(top + 1), side="right").tolist()
         rd, nxt = rd_arr.tolist(), nxt_arr.tolist()
         # while some message is not yet ready, one step per round (over lists: a numpy
         # call per step would cost more than the step)
@@ -318,7 +319,7 @@ def _chain(nxt: np.ndarray, i: int, n: int) -> np.ndarray:
             p = int(jumps[k][p])
             steps += 1 << k
     k_of = np.arange(steps + 1)
-    pos = np.full(steps + 1, i, np.int64)
+    pos: np.ndarray = np.full(steps + 1, i, np.int64)
     for k, jump in enumerate(jumps):
         sel = (k_of >> k) & 1 == 1
         pos[sel] = jump[pos[sel]]
@@ -362,7 +363,7 @@ class RankReceives:
     shape: np.ndarray
     starts: np.ndarray
     stops: np.ndarray
-    table: object
+    table: ReceiveTable
 
 
 class ShapeIds:
@@ -401,12 +402,12 @@ def rank_receives(plan, rank: int, keys: WireKeys, shape_ids: ShapeIds) -> RankR
     keep = tb.src != rank
     src, tensor, region = tb.src[keep], tb.tensor[keep], tb.region[keep]
     if not len(src):
-        e = np.zeros(0, np.int64)
+        e: np.ndarray = np.zeros(0, np.int64)
         return RankReceives(e, e, e, e, e, e, tb)
     regs = tb.regions
     # canonical order within a pair: tensor (plan order), then region starts, stops
     by_bounds = sorted(range(len(regs)), key=lambda k: (regs[k].starts, regs[k].stops))
-    reg_rank = np.empty(len(regs), np.int64)
+    reg_rank: np.ndarray = np.empty(len(regs), np.int64)
     reg_rank[by_bounds] = np.arange(len(regs))
     width = len(keys.specs)
     combo = region.astype(np.int64) * width + keys.cls[tensor]
@@ -427,7 +428,7 @@ def pair_sequences(plan, progress: Callable[[int, int], None] | None = None, *,
     """:class:`PairSequences` of ``plan``, one destination rank at a time from
     ``Plan.receive_table`` (no ``Transfer`` objects; memory is the distinct sequences);
     transfers cost what ``wire`` says (default: the plan's dtypes)."""
-    dst_ranks = sorted({r for lay in {id(v): v for v in plan.dst.values()}.values()
+    dst_ranks = sorted({r for lay in {id(v): v for v in plan.dst_layouts.values()}.values()
                         for r in lay.ranks})
     keys = WireKeys(plan, wire)
     shape_ids = ShapeIds()
@@ -475,7 +476,7 @@ class PartTable:
         if len(c) == 0 or int(c.max()) == 1:
             at = first[shape]
             return nbytes[at], elems[at], np.arange(len(shape))
-        row = np.repeat(np.arange(len(shape)), c)
+        row: np.ndarray = np.repeat(np.arange(len(shape)), c)
         at = np.repeat(first[shape] - (np.cumsum(c) - c), c) + np.arange(int(c.sum()))
         return nbytes[at], elems[at], row
 
@@ -502,7 +503,8 @@ def pair_pattern(shape_seq: np.ndarray, size: int, parts: PartTable, wire: Wire)
     if wire.delta is not None:
         msg_bytes = wire.encode(msg_bytes, np.bincount(msg, weights=part_elems,
                                                        minlength=len(msg_bytes)))
-    starts = np.searchsorted(row, np.arange(len(shape_seq) + 1))
+    # asarray: a no-op that mypy needs (numpy's stubs type searchsorted(v=array) a scalar)
+    starts = np.asarray(row.searchsorted(np.arange(len(shape_seq) + 1)))
     return Pattern(rounds, msg_bytes, size, rounds[msg], starts)
 
 
@@ -528,7 +530,7 @@ def direct_traffic(plan, sequences: PairSequences | None = None, *, bucket_bytes
     rounds_of: list[np.ndarray] = []
     sizes_of: list[np.ndarray] = []
     order = sorted(range(len(sequences.pairs)), key=sequences.pairs.__getitem__)
-    pattern = np.empty(len(order), np.int32)
+    pattern: np.ndarray = np.empty(len(order), np.int32)
     for i, p in enumerate(order):
         src, dst = sequences.pairs[p]
         size = max(MIN_BUCKET_BYTES, min(bucket_bytes, staging_bytes

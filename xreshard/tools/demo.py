@@ -268,7 +268,7 @@ def _toy_language(cfg: DemoConfig) -> tuple[np.ndarray, int]:
 
 
 def _batch(cfg: DemoConfig, successor: np.ndarray, rng: np.random.Generator) -> np.ndarray:
-    seq = np.empty((cfg.batch, cfg.seq_len + 1), np.int32)
+    seq: np.ndarray = np.empty((cfg.batch, cfg.seq_len + 1), np.int32)
     seq[:, 0] = rng.integers(cfg.vocab, size=cfg.batch)
     for t in range(cfg.seq_len):
         seq[:, t + 1] = successor[seq[:, t]]
@@ -278,7 +278,7 @@ def _batch(cfg: DemoConfig, successor: np.ndarray, rng: np.random.Generator) -> 
 def _init_params(cfg: DemoConfig, specs: list[TensorSpec]) -> dict[str, np.ndarray]:
     """Host values of every stored JAX array, by path (norm scales start at one)."""
     rng = np.random.default_rng(cfg.seed)
-    out = {}
+    out: dict[str, np.ndarray] = {}
     for s in specs:
         if s.path.endswith("/scale"):
             out[s.path] = np.ones(s.stored_shape, np.float32)
@@ -332,7 +332,8 @@ def _trainer(ctx: Any, cfg: DemoConfig) -> dict:
     dtype = numpy_dtype(cfg.dtype)
     dst_dtype = numpy_dtype(cfg.dst_dtype)
     shardings = nest({s.path: NamedSharding(mesh, P(*s.jax_spec)) for s in specs})
-    host_params = {p: v.astype(dtype) for p, v in _init_params(cfg, specs).items()}
+    host_params: dict[str, np.ndarray] = {p: v.astype(dtype)
+                                          for p, v in _init_params(cfg, specs).items()}
     params = jax.device_put(nest(host_params), shardings)
 
     optimizer = optax.adam(cfg.learning_rate)

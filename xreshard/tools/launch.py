@@ -208,13 +208,13 @@ def _fn_ref(fn: Callable[..., Any] | str) -> dict[str, Any]:
         if not sep or not module or not qualname:
             raise ValueError(f"fn {fn!r} must be 'module:qualname'")
         return {"module": module, "qualname": qualname, "file": None}
-    module, qualname = getattr(fn, "__module__", None), getattr(fn, "__qualname__", "")
-    if not module or module == "__main__" or "<" in qualname:
+    name, qualname = getattr(fn, "__module__", None), getattr(fn, "__qualname__", "")
+    if not name or name == "__main__" or "<" in qualname:
         raise ValueError(f"launch needs a module-level function children can import by "
-                         f"'module:qualname'; got {fn!r} (module {module!r}). Move it to a "
+                         f"'module:qualname'; got {fn!r} (module {name!r}). Move it to a "
                          f"module, or pass 'module:qualname'")
-    file = getattr(sys.modules.get(module), "__file__", None)
-    return {"module": module, "qualname": qualname, "file": file}
+    file = getattr(sys.modules.get(name), "__file__", None)
+    return {"module": name, "qualname": qualname, "file": file}
 
 
 def _child_env(role: Role, env: Mapping[str, str] | None) -> dict[str, str]:
@@ -296,7 +296,7 @@ def launch(fn: Callable[..., Any] | str | Sequence[Callable[..., Any] | str],
     json_args = json.loads(json.dumps(list(args)))
     root = _package_root()
     results = [Result(role=r, launch_index=i) for i, r in enumerate(roles)]
-    procs: list[subprocess.Popen | None] = [None] * len(roles)
+    procs: list[subprocess.Popen] = []         # the children started so far, in role order
     with tempfile.TemporaryDirectory(prefix="xreshard-launch-") as tmp, serve(host) as server:
         try:
             for i, role in enumerate(roles):
@@ -308,15 +308,16 @@ def launch(fn: Callable[..., Any] | str | Sequence[Callable[..., Any] | str],
                 with open(spec_path, "w") as f:
                     json.dump(spec, f)
                 with open(os.path.join(tmp, f"out{i}.txt"), "wb") as out:
-                    procs[i] = subprocess.Popen(
+                    proc = subprocess.Popen(
                         [sys.executable, "-c", _CHILD, root, spec_path],
                         env=_child_env(role, env), stdout=out, stderr=subprocess.STDOUT,
                         stdin=subprocess.DEVNULL, start_new_session=True)
-                results[i].pid = procs[i].pid
+                procs.append(proc)
+                results[i].pid = proc.pid
             _supervise(procs, results, timeout, fail_fast, grace)
         finally:
             for proc in procs:
-                if proc is not None and proc.poll() is None:
+                if proc.poll() is None:
                     _kill(proc)
         for i, (proc, res) in enumerate(zip(procs, results)):
             res.returncode = proc.returncode
@@ -381,10 +382,12 @@ def _supervise(procs: Sequence[subprocess.Popen], results: list[Result], timeout
 def _load(ref: Mapping[str, Any]) -> Callable[..., Any]:
     try:
         module = importlib.import_module(ref["module"])
-    except ImportError:
+    except ImportError as e:
         if not ref.get("file"):
             raise
         spec = importlib.util.spec_from_file_location(ref["module"], ref["file"])
+        if spec is None or spec.loader is None:
+            raise ImportError(f"cannot load module {ref['module']!r} from {ref['file']!r}") from e
         module = importlib.util.module_from_spec(spec)
         sys.modules[ref["module"]] = module
         spec.loader.exec_module(module)

@@ -22,7 +22,7 @@ from typing import Any, Mapping
 import numpy as np
 
 from ..dtypes import numpy_dtype
-from ..ir.layout import Layout, LayoutMemo
+from ..ir.layout import Layout, LayoutMemo, Region
 from ..planner.plan import Plan
 from ..runtime.copies import view_of
 
@@ -79,22 +79,22 @@ def run_local(plan: Plan, sources: Mapping[int, Mapping[str, Any]],
     Returns:
         ``{dst rank: {name: local array}}`` for every destination rank.
     """
-    dst_ranks = sorted({r for name in plan.names for r in plan.dst[name].ranks})
+    dst_ranks = sorted({r for name in plan.names for r in plan.dst_layouts[name].ranks})
     out: dict[int, dict[str, Any]] = {}
     for rank in dst_ranks:
         out[rank] = {}
         for name in plan.names:
-            layout = plan.dst[name]
+            layout = plan.dst_layouts[name]
             if rank in layout.ranks:
                 out[rank][name] = _storage(layout, rank, numpy_dtype(layout.dtype))
-    received = Counter()
+    received: Counter[tuple[str, Region, int, int]] = Counter()
     for rank in dst_ranks:
         moves = [t for t in plan.transfers_for(rank) if t.dst == rank]
         moves += plan.local_copies_for(rank)
         for t in moves:
             assert t.src != t.dst or t in plan.local_copies_for(rank)
-            src_view = view_of(sources[t.src][t.name], plan.src[t.name], t.src, t.region)
-            dst_layout = plan.dst[t.name]
+            src_view = view_of(sources[t.src][t.name], plan.src_layouts[t.name], t.src, t.region)
+            dst_layout = plan.dst_layouts[t.name]
             wire = numpy_dtype(plan.wire_dtypes[t.name])
             data = src_view.astype(wire, copy=False).astype(numpy_dtype(dst_layout.dtype),
                                                             copy=False)
@@ -102,8 +102,8 @@ def run_local(plan: Plan, sources: Mapping[int, Mapping[str, Any]],
             if t.src != t.dst:
                 received[(t.name, t.region, t.src, t.dst)] += 1
     if check_senders:
-        sent = Counter()
-        src_ranks = sorted({r for name in plan.names for r in plan.src[name].ranks})
+        sent: Counter[tuple[str, Region, int, int]] = Counter()
+        src_ranks = sorted({r for name in plan.names for r in plan.src_layouts[name].ranks})
         for rank in src_ranks:
             for t in plan.transfers_for(rank):
                 if t.src == rank:

@@ -198,6 +198,9 @@ class GlooTransport:
         except RuntimeError as e:       # reported, with the others, when the group exits
             self._post_error = e
             return
+        if self._posts is None:         # _post checked; only a group exited meanwhile gets here
+            raise TransportError(f"gloo {'send' if post[0] else 'recv'} {post[4]}->{post[5]} tag "
+                                 f"{post[6]} started after its group exited")
         self._posts.append((post, work))
 
     @contextlib.contextmanager

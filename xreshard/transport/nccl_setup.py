@@ -120,8 +120,8 @@ def nccl_wheel_clash(torch_cuda: str | None, paths: Iterable[str] | None = None)
         return None
     import importlib.metadata as md
     want = int(str(torch_cuda).split(".")[0])
-    dists = {}
-    for d in md.distributions(**({} if paths is None else {"path": list(paths)})):
+    dists: dict[int, md.Distribution] = {}
+    for d in md.distributions() if paths is None else md.distributions(path=list(paths)):
         name = (d.metadata["Name"] or "").lower().replace("_", "-")
         if name in ("nvidia-nccl-cu12", "nvidia-nccl-cu13"):
             dists.setdefault(int(name[-2:]), d)

@@ -213,24 +213,29 @@ class Watch:
                 active = list(self._active.items())
                 trash, self._trash = self._trash, []
             client = self._client_or_none() if (trash or active) else None
-            for key in trash:
-                with contextlib.suppress(Exception):
-                    client.delete_key(key)
+            # without a client (the store did not answer) the trash is dropped and the
+            # waiters keep their timeout; a dead pid is still recorded
+            if client is not None:
+                for key in trash:
+                    with contextlib.suppress(Exception):
+                        client.delete_key(key)
             failures: dict[int, str | None] = {}
             for key, peer in active:
                 try:
                     pid = self._pids.get(peer)
                     if pid is not None and not alive(*pid):
                         self.dead[key] = pid[0]
-                        client.set(key, json.dumps({"dead": pid[0]}))
+                        if client is not None:
+                            client.set(key, json.dumps({"dead": pid[0]}))
                         continue
-                    if self._failed is None:
+                    if self._failed is None or client is None:
                         continue
                     if peer not in failures:        # one look per peer and interval
                         failures[peer] = self._failed(client, peer)
-                    if failures[peer] is not None:
-                        self.failed[key] = failures[peer]
-                        client.set(key, json.dumps({"failed": failures[peer]}))
+                    why = failures[peer]
+                    if why is not None:
+                        self.failed[key] = why
+                        client.set(key, json.dumps({"failed": why}))
                 except Exception:   # noqa: BLE001 - the waiter still has its timeout
                     logger.debug("%s watcher could not wake %s", self._name, key,
                                  exc_info=True)
@@ -243,9 +248,10 @@ class Watch:
         with self._lock:
             trash, self._trash = self._trash, []
         client = self._client_or_none() if trash else None
-        for key in trash:
-            with contextlib.suppress(Exception):
-                client.delete_key(key)
+        if client is not None:
+            for key in trash:
+                with contextlib.suppress(Exception):
+                    client.delete_key(key)
 
 
 @dataclass

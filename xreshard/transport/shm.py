@@ -71,10 +71,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import glob
 import logging
-import mmap
-import os
 import secrets
 import weakref
 from dataclasses import dataclass, field
@@ -84,221 +81,14 @@ import numpy as np
 
 from .base import TransportError
 from .peers import PeerTransport, Recv, Round, alive, process_start_time
+from .shm_memory import (ALIGN, HEADER_BYTES, MAGIC, SHM_DIR, Segment, as_numpy, can_pull,
+                         create_probe, probe_name, probe_path, pull, read_probe, remove_shm,
+                         shm_names)
 
 __all__ = ["ShmTransport", "shm_names", "remove_shm", "HEADER_BYTES", "probe_name", "probe_path",
            "create_probe", "read_probe", "process_start_time", "pull", "can_pull"]
 
 logger = logging.getLogger(__name__)
-
-HEADER_BYTES = 64          # magic, generation; keeps the data 64-byte aligned
-_MAGIC = 0x5852_5348_4D31  # "XRSHM1"
-_ALIGN = 64
-_SHM_DIR = "/dev/shm"
-
-
-def _posix() -> Any:
-    try:
-        import _posixshmem
-    except ImportError as e:   # pragma: no cover - every CPython on Linux/macOS has it
-        raise ImportError("the shm transport needs POSIX shared memory (_posixshmem)") from e
-    return _posixshmem
-
-
-def shm_names(prefix: str) -> list[str]:
-    """The ``/dev/shm`` entries whose name starts with ``prefix`` (no leading slash)."""
-    return sorted(os.path.basename(p) for p in glob.glob(os.path.join(_SHM_DIR, prefix + "*")))
-
-
-def remove_shm(prefix: str) -> int:
-    """Unlink every segment of this user whose name starts with ``prefix``; returns how
-    many. Names owned by another user are not ours (one who got to a name first): they are
-    left alone, and nothing here raises (a cleanup never hides the error that called it)."""
-    n = 0
-    uid = os.geteuid()
-    for name in shm_names(prefix):
-        try:
-            owner = os.stat(os.path.join(_SHM_DIR, name)).st_uid
-        except OSError:
-            continue
-        if owner != uid:
-            logger.debug("left %s in %s alone: uid %d owns it, not this user", name,
-                         _SHM_DIR, owner)
-            continue
-        if _unlink(name):
-            n += 1
-    return n
-
-
-def _unlink(name: str) -> bool:
-    try:
-        _posix().shm_unlink("/" + name)
-        return True
-    except FileNotFoundError:
-        return False
-    except OSError as e:        # PermissionError: not ours to remove
-        logger.debug("could not unlink %s: %s", name, e)
-        return False
-
-
-_CMA: Any = None
-
-
-def _process_vm_readv() -> Any:
-    """libc's ``process_vm_readv`` through ctypes (the call releases the GIL), or None."""
-    global _CMA
-    if _CMA is None:
-        import ctypes
-
-        class IoVec(ctypes.Structure):
-            _fields_ = [("iov_base", ctypes.c_void_p), ("iov_len", ctypes.c_size_t)]
-        try:
-            libc = ctypes.CDLL(None, use_errno=True)
-            fn = libc.process_vm_readv
-        except (OSError, AttributeError):
-            _CMA = False
-            return None
-        fn.restype = ctypes.c_ssize_t
-        fn.argtypes = [ctypes.c_int, ctypes.POINTER(IoVec), ctypes.c_ulong,
-                       ctypes.POINTER(IoVec), ctypes.c_ulong, ctypes.c_ulong]
-        _CMA = (fn, IoVec, ctypes)
-    return _CMA or None
-
-
-_PULL_CHUNK = 1 << 30
-
-
-def pull(pid: int, local_addr: int, remote_addr: int, nbytes: int) -> None:
-    """Copy ``nbytes`` at ``remote_addr`` in process ``pid`` to ``local_addr`` here.
-
-    Raises:
-        OSError: the kernel refused or the peer is gone (errno says which).
-    """
-    cma = _process_vm_readv()
-    if cma is None:
-        raise OSError("process_vm_readv is not available")
-    fn, iovec, ctypes = cma
-    done = 0
-    while done < nbytes:
-        n = min(nbytes - done, _PULL_CHUNK)
-        local = iovec(local_addr + done, n)
-        remote = iovec(remote_addr + done, n)
-        got = fn(pid, ctypes.byref(local), 1, ctypes.byref(remote), 1, 0)
-        if got <= 0:
-            err = ctypes.get_errno()
-            raise OSError(err, f"process_vm_readv from pid {pid}: {os.strerror(err)}")
-        done += got
-
-
-def can_pull(pid: int, remote_addr: int, expect: bytes) -> bool:
-    """Whether ``pull`` reads ``expect`` at ``remote_addr`` in process ``pid`` (the probe)."""
-    buf = np.zeros(len(expect), np.uint8)
-    try:
-        pull(pid, int(buf.ctypes.data), remote_addr, len(expect))
-    except OSError:
-        return False
-    return buf.tobytes() == expect
-
-
-class _Segment:
-    """One mapped POSIX shared-memory segment: a header, then data."""
-
-    __slots__ = ("name", "size", "mm", "arr", "linked", "created")
-
-    def __init__(self, name: str, size: int, *, create: bool):
-        posix = _posix()
-        flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
-        fd = posix.shm_open("/" + name, flags, mode=0o600)
-        try:
-            if create:
-                os.ftruncate(fd, size)
-            else:
-                have = os.fstat(fd).st_size
-                if have < size:
-                    raise TransportError(f"shm segment {name!r} has {have} bytes, the record "
-                                         f"says {size}")
-            self.mm = mmap.mmap(fd, size)
-        except BaseException:
-            os.close(fd)
-            if create:
-                _unlink(name)
-            raise
-        os.close(fd)
-        self.name, self.size, self.created, self.linked = name, size, create, True
-        self.arr = np.frombuffer(self.mm, np.uint8)
-        if create:
-            self.header[:] = (_MAGIC, 0)
-
-    @property
-    def header(self) -> np.ndarray:
-        return self.arr[:16].view(np.uint64)
-
-    @property
-    def address(self) -> int:
-        return int(self.arr.ctypes.data)
-
-    def unlink(self) -> None:
-        if self.linked:
-            self.linked = False
-            _unlink(self.name)
-
-    def close(self) -> None:
-        self.arr = None
-        with contextlib.suppress(BufferError):   # views still alive: freed with them
-            self.mm.close()
-
-
-def probe_name(token: str) -> str:
-    return f"xrp{token}"
-
-
-def probe_path(token: str) -> str:
-    """Where the probe of ``token`` shows in a process's maps."""
-    return os.path.join(_SHM_DIR, probe_name(token))
-
-
-def create_probe(token: str) -> _Segment | None:
-    """A tiny segment holding ``token``: a peer that can read it shares this host's shm."""
-    try:
-        seg = _Segment(probe_name(token), HEADER_BYTES + 64, create=True)
-    except (OSError, ImportError):
-        return None
-    raw = token.encode()
-    seg.arr[HEADER_BYTES:HEADER_BYTES + len(raw)] = np.frombuffer(raw, np.uint8)
-    return seg
-
-
-def read_probe(token: str) -> bool:
-    """Whether the probe of ``token`` is visible here and holds that token."""
-    try:
-        seg = _Segment(probe_name(token), HEADER_BYTES + 64, create=False)
-    except (OSError, ImportError, TransportError):
-        return False
-    try:
-        raw = token.encode()
-        return bytes(seg.arr[HEADER_BYTES:HEADER_BYTES + len(raw)]) == raw
-    finally:
-        seg.close()
-
-
-def _as_numpy(buf: Any) -> np.ndarray:
-    """A flat uint8 numpy view of a contiguous CPU buffer (numpy array or torch tensor)."""
-    if isinstance(buf, np.ndarray):
-        arr = buf
-    elif hasattr(buf, "numpy") and hasattr(buf, "device"):
-        if str(buf.device) != "cpu":
-            raise TransportError(f"the shm transport moves CPU buffers, got one on {buf.device}; "
-                                 f"GPU pairs go through cuda_ipc or nccl")
-        arr = buf.detach().numpy()
-    else:
-        arr = np.asarray(buf)
-    if not arr.flags.c_contiguous:
-        # reshape would copy, and a receive would land in the copy
-        raise TransportError(f"the shm transport moves contiguous buffers, got one of shape "
-                             f"{arr.shape} with strides {arr.strides}")
-    if arr.dtype != np.uint8 or arr.ndim != 1:
-        arr = arr.reshape(-1).view(np.uint8)
-    return arr
-
 
 @dataclass
 class _Round(Round):
@@ -341,13 +131,13 @@ class ShmTransport(PeerTransport):
         super().__init__(store, key, rank_process, process_index, peers, pids,
                          process_labels, connect, seal)
         self.prefix = f"xr{tag}_"
-        self._out: dict[int, _Segment] = {}             # peer -> its pair segment
+        self._out: dict[int, Segment] = {}             # peer -> its pair segment
         self._next_size: dict[int, int] = {}            # peer -> size of its next one
-        self._spill: dict[int, list[_Segment]] = {}     # this round's overflow segments
+        self._spill: dict[int, list[Segment]] = {}     # this round's overflow segments
         self._want: dict[int, int] = {}                 # peer -> bytes the next round needs
         self._drop: dict[int, list[str]] = {}           # names the peer may unmap
-        self._staging: list[_Segment] = []              # from alloc(), exposed in place
-        self._mapped: dict[str, _Segment] = {}          # peers' segments mapped here
+        self._staging: list[Segment] = []              # from alloc(), exposed in place
+        self._mapped: dict[str, Segment] = {}          # peers' segments mapped here
         self._num = 0
         self._pull = frozenset(p for p in pull_peers if p in self._pids)
         self.bytes_pulled = 0           # received straight from the sender's memory
@@ -357,18 +147,18 @@ class ShmTransport(PeerTransport):
 
     # ------------------------------------------------------------------ segments
 
-    def _new_segment(self, kind: str, size: int) -> _Segment:
+    def _new_segment(self, kind: str, size: int) -> Segment:
         self._num += 1
         _unlink_at_exit(self)       # if never closed (an exception on the way out, exit())
         taken = []
         for _ in range(_NAME_TRIES):
             name = f"{self.prefix}{self._me}_{kind}{self._num}_{_random_part()}"
             try:
-                return _Segment(name, HEADER_BYTES + size, create=True)
+                return Segment(name, HEADER_BYTES + size, create=True)
             except (FileExistsError, PermissionError) as e:
                 # another user (or container) created it first: never ours, draw again
                 taken.append(f"{name} ({e.strerror})")
-        raise TransportError(f"shm: {_NAME_TRIES} fresh segment names in {_SHM_DIR} were all "
+        raise TransportError(f"shm: {_NAME_TRIES} fresh segment names in {SHM_DIR} were all "
                              f"taken ({'; '.join(taken[:3])}, ...): another process is "
                              f"creating names there; set XRESHARD_SHM=0 to use gloo")
 
@@ -389,7 +179,7 @@ class ShmTransport(PeerTransport):
         segs = [*self._out.values(), *self._staging, *(s for v in self._spill.values() for s in v)]
         return sum(s.size for s in segs)
 
-    def _exposed(self, arr: np.ndarray) -> tuple[_Segment, int] | None:
+    def _exposed(self, arr: np.ndarray) -> tuple[Segment, int] | None:
         if not self._staging:
             return None
         start = int(arr.ctypes.data)
@@ -399,7 +189,7 @@ class ShmTransport(PeerTransport):
                 return seg, off
         return None
 
-    def _place(self, peer: int, arr: np.ndarray) -> tuple[_Segment, int, bool]:
+    def _place(self, peer: int, arr: np.ndarray) -> tuple[Segment, int, bool]:
         """Copy ``arr`` into this process's segment for ``peer``: (segment, offset, whether
         the receiver unlinks it)."""
         rnd = self._round
@@ -451,7 +241,7 @@ class ShmTransport(PeerTransport):
         rnd = self._open_round("send", src_rank, dst_rank, tag)
         peer = self._peer_of(src_rank, dst_rank, tag, "send")
         self._dup(rnd, ("s", src_rank, dst_rank, tag), "send")
-        arr = _as_numpy(buf)
+        arr = as_numpy(buf)
         if arr.nbytes == 0:
             return                      # both sides skip: the protocol gives equal lengths
         seq = self._send_seq(rnd, peer)
@@ -512,7 +302,7 @@ class ShmTransport(PeerTransport):
         rnd = self._open_round("recv", src_rank, dst_rank, tag)
         peer = self._peer_of(dst_rank, src_rank, tag, "recv")
         self._dup(rnd, ("r", src_rank, dst_rank, tag), "recv")
-        arr = _as_numpy(buf)
+        arr = as_numpy(buf)
         if not arr.flags.writeable:
             raise TransportError(f"shm recv {src_rank}->{dst_rank} tag {tag}: the receive "
                                  f"buffer is read-only")
@@ -630,7 +420,7 @@ class ShmTransport(PeerTransport):
         seg = self._mapped.get(rec["seg"])
         if seg is None or seg.size != rec["size"]:
             try:
-                seg = _Segment(rec["seg"], rec["size"], create=False)
+                seg = Segment(rec["seg"], rec["size"], create=False)
             except FileNotFoundError as e:
                 raise TransportError(f"{where}: segment {rec['seg']!r} is gone (the sender "
                                      f"closed or failed)") from e
@@ -644,9 +434,9 @@ class ShmTransport(PeerTransport):
         self.bytes_received += n
 
     @staticmethod
-    def _check_gen(seg: _Segment, rec: Mapping[str, Any], where: str, when: str) -> None:
+    def _check_gen(seg: Segment, rec: Mapping[str, Any], where: str, when: str) -> None:
         magic, gen = (int(x) for x in seg.header)
-        if magic != _MAGIC or gen != rec["gen"]:
+        if magic != MAGIC or gen != rec["gen"]:
             raise TransportError(f"{where}: segment {rec['seg']!r} holds sender round {gen} "
                                  f"{when} the copy, the record says {rec['gen']} (the sender "
                                  f"moved on; a protocol bug)")
@@ -736,4 +526,4 @@ def _random_part() -> str:
 
 
 def _aligned(n: int) -> int:
-    return (n + _ALIGN - 1) // _ALIGN * _ALIGN
+    return (n + ALIGN - 1) // ALIGN * ALIGN

@@ -134,13 +134,10 @@ _LAZY = {
 
 
 def __getattr__(name: str) -> Any:
-    if name == "bind_named":        # the backend exported it; it lives in the JAX adapter
-        from xreshard.adapters.jax import bind_named
-        return bind_named
     if name in _LAZY:
         return getattr(importlib.import_module(f"{__name__}.{_LAZY[name]}"), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_LAZY) | {"bind_named"})
+    return sorted(set(globals()) | set(_LAZY))

@@ -89,8 +89,10 @@ def replicate_layout(layout: Layout, rank_lists: Sequence[Sequence[int]]) -> Lay
     """``layout`` (over ranks 0..W-1 of one engine) held by every engine: rank r of engine
     e is ``rank_lists[e][r]``. Product form gains a major ``engine`` axis (kept as is for
     one engine); explicit form is the union of the engines' relabelled regions."""
-    if layout.is_product:
+    explicit = layout.explicit
+    if explicit is None:
         mesh = layout.mesh
+        assert mesh is not None                     # product form
         ranks = tuple(per[r] for per in rank_lists for r in mesh.ranks)
         if len(rank_lists) == 1:
             return Layout.product(layout.shape, layout.dtype,
@@ -100,7 +102,7 @@ def replicate_layout(layout: Layout, rank_lists: Sequence[Sequence[int]]) -> Lay
                               Mesh((len(rank_lists),) + mesh.shape, ranks, names),
                               [Split(sp.dim, sp.axis + 1, sp.split_factor) for sp in layout.splits])
     return Layout.explicit_form(layout.shape, layout.dtype, {
-        per[r]: regions for per in rank_lists for r, regions in layout.explicit})
+        per[r]: regions for per in rank_lists for r, regions in explicit})
 
 
 def _product_layout(shape: tuple[int, ...], dtype: Any, ranks: tuple[int, ...],

@@ -194,8 +194,9 @@ def install_hook() -> None:
             raise LoRAAdapterNotFoundError(lora_request.lora_name, path)
         return _build(self, committed)
 
-    _load_adapter.__xreshard__ = True
-    WorkerLoRAManager._load_adapter = _load_adapter
+    hooked: Any = _load_adapter     # a function takes the mark that getattr reads above
+    hooked.__xreshard__ = True
+    WorkerLoRAManager._load_adapter = hooked
 
 
 # ---------------------------------------------------------------------------- regions
@@ -431,12 +432,14 @@ class LoRAReceiver:
             except Exception as e:  # noqa: BLE001 - reported to every process
                 regions, errors = {}, [f"{type(e).__name__}: {e}"]
             everyone = self._gather_workers(regions)
+            found: dict[str, Layout] = {}
             if not errors:
                 try:
-                    layouts = self._layouts_of(adapters, everyone)
+                    found = self._layouts_of(adapters, everyone)
                 except Exception as e:  # noqa: BLE001 - deterministic: alike on every worker
                     errors.append(f"{type(e).__name__}: {e}")
-            agree_check(world, errors, timeout)
+            agree_check(world, errors, timeout)     # found is complete past here
+            layouts = found
             self._layouts = {key: layouts}
         else:
             agree_check(world, [], timeout)

@@ -70,6 +70,10 @@ class WorkerExtension:
     ``VLLM_ALLOW_INSECURE_SERIALIZATION=1``.
     """
 
+    # vLLM's worker, which this class is mixed into, sets these (annotations only: no default)
+    model_runner: Any
+    speculative_config: Any
+
     def init_worker_extension(self) -> None:
         """vLLM >= 0.33 calls this on every worker once its device is up: register the
         ``"xreshard"`` backend there too, so a worker finds it even where xreshard's

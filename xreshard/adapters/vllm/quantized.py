@@ -234,7 +234,7 @@ def engine_formats(model: Any, *, ue8m0: bool = False
     for mod_name, module in model.named_modules():
         method = getattr(module, "quant_method", None)
         kind_params = _METHODS.get(type(method).__name__)
-        if kind_params is None:
+        if kind_params is None or method is None:
             continue
         kind, params = kind_params
         if kind == CHECKPOINT and not getattr(method, "block_quant", False):
@@ -271,8 +271,8 @@ def _format_of(method: Any, ue8m0: bool) -> Any:
 
     from xreshard.dtypes import dtype_name
     block = getattr(method, "weight_block_size", None) or [128, 128]
-    return BlockFP8(tuple(int(b) for b in block), dtype_name(current_platform.fp8_dtype()),
-                    ue8m0)
+    rows, cols = block          # two entries: vLLM's Fp8Config refuses any other length
+    return BlockFP8((int(rows), int(cols)), dtype_name(current_platform.fp8_dtype()), ue8m0)
 
 
 def scale_fmt_ue8m0(vllm_config: Any) -> bool:
@@ -374,16 +374,17 @@ class OnlineQuantization:
         self.params = [{q.name: q for q in rec.quantized_params} for rec in recordings]
         feeds: dict[str, list[tuple[int, Piece]]] = {}
         for w, rec in enumerate(recordings):
-            for name, pieces in rec.pieces.items():
-                for p in pieces:
+            for name, recorded in rec.pieces.items():
+                for p in recorded:
                     feeds.setdefault(name, []).append((w, p))
         self.tensors: dict[str, QuantizedTensor] = {}
         self.shapes: dict[str, tuple[int, ...]] = {}
         for name, fed in feeds.items():
-            online = [self.params[w].get(p.param) for w, p in fed]
-            if not any(online):
+            found = [self.params[w].get(p.param) for w, p in fed]
+            online = [q for q in found if q is not None]
+            if not online:
                 continue
-            if not all(online):
+            if len(online) != len(found):
                 raise FormatError(f"HF tensor {name!r} loads into parameters vLLM quantizes "
                                   "online and into others; xreshard cannot send it both ways")
             fmts = {q.format for q in online}

@@ -321,7 +321,8 @@ class _Recorder:
                 "moves exactly the elements written, so both must have the same shape")
         if dest.numel() == 0:
             return
-        region = view_box(*src.geom, src.full_shape)
+        shape, stride, offset = src.geom
+        region = view_box(shape, stride, offset, src.full_shape)
         if region is None:
             raise RecordError(
                 f"tensor {name!r}: the slice the weight loader copies (shape {src.geom[0]}, "
@@ -382,8 +383,8 @@ class _Recorder:
 def _probe_class() -> type:
     torch = import_torch()
     from torch.utils._pytree import tree_flatten, tree_map  # torch has no public pytree module
-
-    class _Probe(torch.Tensor):
+    tensor_class: Any = torch.Tensor    # torch is imported on use: no class for mypy to see
+    class _Probe(tensor_class):
         """A full HF tensor that holds no data; records the views taken of it and copies."""
 
         @staticmethod

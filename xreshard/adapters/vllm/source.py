@@ -101,6 +101,8 @@ def source_tensors(source: Any, world: Any) -> tuple[dict[str, Any], dict[str, t
         if meta["placements"] is None or not meta["local"]:
             out[name] = tensor          # a whole copy: the refit unions the owners' copies
             continue
+        if owners is None:          # _meta refuses placements without owners
+            raise RefitError(f"parameter {name!r} declares placements without owners")
         from xreshard.adapters.torch import Sharded
         try:
             ranks = [trainers[r] for r in owners]

@@ -136,10 +136,10 @@ class Stream:
             self.on_epoch()
 
     def set_groups(self, groups: Sequence[Sequence[str]]) -> None:
-        groups = [list(g) for g in groups]
-        gid = _json_digest(groups)
+        lists = [list(g) for g in groups]
+        gid = _json_digest(lists)
         if gid != self.groups_id:
-            self.groups, self.groups_id, self._refits = groups, gid, {}
+            self.groups, self.groups_id, self._refits = lists, gid, {}
 
     def run(self, shapes: Mapping[str, Sequence[int]], errors: list[str],
             part: Callable[[int, list[str], list[str]], Any],
@@ -243,7 +243,7 @@ class Stream:
                 if world.elastic and self.config.on_member_loss == "fail" else None
             if lost is None and (g == 0 or not isinstance(e, XreshardError)):
                 raise
-            if g == 0:
+            if g == 0 and lost is not None:     # (g == 0 without a loss was raised above)
                 raise lost from e
             raise RefitError(f"{lost or e}\n(streamed round: groups 0..{g - 1} of "
                              f"{len(self.groups)} were already loaded, so the engine "

@@ -202,6 +202,7 @@ class XreshardTrainerWeightTransferEngine(TrainerWeightTransferEngine[XreshardTr
                                  "every trainer's XreshardTrainerInitInfo(address=...)")
             address = engine.serve_store(info.host, info.advertise_host, info.timeout)
         config = info.refit_config()
+        worker_info: dict[str, Any]         # what every worker's init is given
         worker_info = {"address": address,
                        "num_processes": info.num_trainer_processes
                        + info.num_engines * info.engine_world_size,
@@ -247,15 +248,22 @@ class XreshardTrainerWeightTransferEngine(TrainerWeightTransferEngine[XreshardTr
                 "(not built yet)"
             return
         mine = {"client": client_problem(self.clients)} if info.is_sender else {}
-        everyone = self.world.allgather_json(mine, kind="xreshard-vllm/draft",
-                                             timeout=info.timeout)
+        everyone = self._joined().allgather_json(mine, kind="xreshard-vllm/draft",
+                                                 timeout=info.timeout)
         self._draft_refusal = draft_verdict(everyone, info.num_engines)
         if self._draft_refusal is None:
             self.draft_sender = WeightSender(
-                self.world, rules=info.draft_rules if info.draft_rules is not None else
+                self._joined(), rules=info.draft_rules if info.draft_rules is not None else
                 info.rules, rule_params=info.draft_rule_params or info.rule_params,
                 names=info.names, transpose=info.transpose, config=config, subset=True)
             share_groups(self.draft_sender.stream, info.timeout)
+
+    def _joined(self) -> World:
+        """The refit world; raises when ``trainer_init`` did not join one (or after shutdown)."""
+        if self.world is None:
+            raise RefitError("trainer_init did not complete (or the engine was shut down): "
+                             "this trainer is in no refit world")
+        return self.world
 
     def serve_store(self, host: str, advertise_host: str | None, timeout: float) -> str:
         """Serve the world's rendezvous store on a free port of ``host`` (closed by
@@ -442,7 +450,7 @@ class XreshardTrainerWeightTransferEngine(TrainerWeightTransferEngine[XreshardTr
 
         if not self.is_sender:
             return [], {}, []
-        world, per = self.world, self._engine_world_size
+        world, per = self._joined(), self._engine_world_size
         leaving = [r for r in world.pending() if r["kind"] == "leave"]
         for e in list(self.engine_ids):
             procs = [p for p in world.processes
@@ -478,7 +486,7 @@ class XreshardTrainerWeightTransferEngine(TrainerWeightTransferEngine[XreshardTr
         deadline = time.monotonic() + self.timeout / 2
         while time.monotonic() < deadline:
             asked: dict[int, int] = {}
-            for r in self.world.pending():
+            for r in self._joined().pending():
                 if r["kind"] == "join" and r["info"].get("group") == "rollout":
                     e = int(r["info"]["index"]) // per
                     asked[e] = asked.get(e, 0) + 1
@@ -517,7 +525,7 @@ class XreshardTrainerWeightTransferEngine(TrainerWeightTransferEngine[XreshardTr
         if self.sender is None:
             raise RefitError("trainer_init did not complete; nothing to send through")
         if self._lora is None:
-            self._lora = LoRASender(self.world, self.sender.stream.config,
+            self._lora = LoRASender(self._joined(), self.sender.stream.config,
                                     self.sender.stream.jax_ranks)
         lora = self._lora
         for c in self.clients:

@@ -198,6 +198,10 @@ class XreshardUpdateInfo(WeightTransferUpdateInfo):
     draft: bool = False
 
 
+_NOT_INITIALIZED = ("the xreshard backend is not initialized: call "
+                    "init_weight_transfer_engine first")
+
+
 class XreshardWeightTransferEngine(WeightTransferEngine[XreshardInitInfo, XreshardUpdateInfo]):
     """vLLM worker side of the ``"xreshard"`` backend (see the module docstring)."""
 
@@ -315,7 +319,7 @@ class XreshardWeightTransferEngine(WeightTransferEngine[XreshardInitInfo, Xresha
         info = {"engine": init_info.engine, "worker": recording.worker,
                 "workers": recording.rec.num_workers, "model": members.model_digest(recording)}
         try:
-            self.stream = Stream(self.world, "receive", config=RefitConfig(**config),
+            self.stream = Stream(self._joined(), "receive", config=RefitConfig(**config),
                                  engine_info=info, on_epoch=self._place,
                                  serve=self._served if init_info.serve_catch_up else None)
             self.stream.set_groups(recording.offered_groups(self.budget))
@@ -330,22 +334,38 @@ class XreshardWeightTransferEngine(WeightTransferEngine[XreshardInitInfo, Xresha
                                "(not built yet)")
         logger.info("xreshard: engine %d worker %d joined %r at epoch %d as world rank %d "
                     "(%s, version %d)", init_info.engine, recording.worker, self.world,
-                    self.world.epoch, self._dest.rank, mode, self.stream.version)
+                    self._joined().epoch, self._destination().rank, mode, self.stream.version)
 
     def _place(self) -> None:
         """Place this worker's destination on the live engines of the world's epoch
         (ranks are renumbered per epoch; this engine's position among the live ones)."""
-        recording = self._recording
+        recording, world = self._recorded(), self._joined()
         workers = recording.rec.num_workers
-        live = sorted({int(p["index"]) // workers for p in self.world.processes
+        live = sorted({int(p["index"]) // workers for p in world.processes
                        if p["group"] == "rollout"})
-        self._dest = Destination.place(recording, self.world.group_ranks("rollout"),
+        self._dest = Destination.place(recording, world.group_ranks("rollout"),
                                        live.index(self._engine))
-        self._placed = self.world.epoch
+        self._placed = world.epoch
 
     def _served(self, g: int, names: list[str], received: Bound) -> Bound:
         """What this worker serves engines catching up between rounds (members.served)."""
         return members.served(self, g, received)
+
+    # the state init_weight_transfer_engine sets (shutdown clears the world again)
+    def _joined(self) -> World:
+        if self.world is None:
+            raise RefitError(_NOT_INITIALIZED)
+        return self.world
+
+    def _destination(self) -> Destination:
+        if self._dest is None:
+            raise RefitError(_NOT_INITIALIZED)
+        return self._dest
+
+    def _recorded(self) -> EngineRecording:
+        if self._recording is None:
+            raise RefitError(_NOT_INITIALIZED)
+        return self._recording
 
     def _choose_mode(self, recording: EngineRecording, mode: str) -> str:
         """``"inplace"`` or ``"reload"`` for the requested ``mode``. A refused
@@ -387,14 +407,16 @@ class XreshardWeightTransferEngine(WeightTransferEngine[XreshardInitInfo, Xresha
         """Collective with every process (the trainer's ``trainer_init``): every process's
         word on the draft, then, where every engine has one and the trainer can start a
         draft session, the draft's destination and its own stream."""
-        everyone = self.world.allgather_json(
+        everyone = self._joined().allgather_json(
             {"engine": init_info.engine, "problem": problem}, kind="xreshard-vllm/draft",
             timeout=init_info.timeout)
         self._draft_refusal = draft_verdict(everyone, init_info.num_engines)
         self._other, self.target, self._draft_mode = None, "policy", None
         if self._draft_refusal is not None:
             return
-        stream = Stream(self.world, "receive", config=config)
+        # no refusal: every engine recorded its draft (problem None); init set the budget
+        assert draft is not None and self.budget is not None
+        stream = Stream(self._joined(), "receive", config=config)
         stream.set_groups(draft.offered_groups(self.budget))
         share_groups(stream, init_info.timeout)
         self._other = {"_recording": draft, "_dest": Destination.place(draft, ranks,
@@ -412,10 +434,10 @@ class XreshardWeightTransferEngine(WeightTransferEngine[XreshardInitInfo, Xresha
             self._swap_target()
             if self._other is not None and self._draft_mode is None:
                 # the live draft is known only now: decide in place or reload for it
-                self._draft_mode = self._choose_mode(self._recording, self._mode)
+                self._draft_mode = self._choose_mode(self._recorded(), self._mode)
                 self._inplace = self._draft_mode == "inplace"
                 shared = shared_with_policy(model, self._default_model,
-                                            self._recording.touched())
+                                            self._recorded().touched())
                 if shared:
                     self._init_errors.append(shared)
 
@@ -456,8 +478,7 @@ class XreshardWeightTransferEngine(WeightTransferEngine[XreshardInitInfo, Xresha
             raise DraftError(f"no draft round: {self._draft_refusal or 'not initialized'}")
         if info.lora is not None:
             if self.stream is None or self._dest is None:
-                raise RefitError("the xreshard backend is not initialized: call "
-                                 "init_weight_transfer_engine first")
+                raise RefitError(_NOT_INITIALIZED)
             self.lora = self.lora or LoRAReceiver(self)
             self.lora.receive(info.lora)
         else:
@@ -470,12 +491,11 @@ class XreshardWeightTransferEngine(WeightTransferEngine[XreshardInitInfo, Xresha
         for that group only (in place: views of the live parameters), then vLLM loads them;
         so the extra memory stays within the budget, not the whole shard."""
         if self.stream is None or self._dest is None:
-            raise RefitError("the xreshard backend is not initialized: call "
-                             "init_weight_transfer_engine first")
+            raise RefitError(_NOT_INITIALIZED)
         dest, stream = self._dest, self.stream
         errors = list(self._init_errors) + self._target_errors(update_info)
         if update_info.version is not None and update_info.version != stream.version + 1 \
-                and self.world.admitted:    # caught up: it takes the members' version
+                and self._joined().admitted:    # caught up: it takes the members' version
             errors.append(f"the trainer sends version {update_info.version} but this worker "
                           f"holds version {stream.version}; a round was missed")
         held: dict[int, Any] = {}
@@ -490,12 +510,13 @@ class XreshardWeightTransferEngine(WeightTransferEngine[XreshardInitInfo, Xresha
                 held[g] = self._bind_group(names, errs)
             buffers, bound = held[g]
             bound.errors = errs + bound.errors
-            return self._placed_side(buffers, bound, names) if self.world.elastic else bound
+            elastic = self._joined().elastic
+            return self._placed_side(buffers, bound, names) if elastic else bound
 
         def done(g: int, names: list[str]) -> None:
             buffers, _ = held.pop(g)
-            self._dest.load(self.model, self.model_config, buffers, self._inplace,
-                      dest.with_scales(names))
+            self._destination().load(self.model, self.model_config, buffers, self._inplace,
+                                     dest.with_scales(names))
             if not self._inplace:
                 del buffers
                 _trim_heap()
@@ -535,13 +556,14 @@ class XreshardWeightTransferEngine(WeightTransferEngine[XreshardInitInfo, Xresha
         def rebind(world: Any) -> Bound:
             if self._placed != world.epoch:
                 self._place()
+            dest = self._destination()      # (placed again at the new epoch)
             errors = list(bound.errors)
             try:
-                return self._dest.bind(buffers, errors, self._dest.with_scales(names))
+                return dest.bind(buffers, errors, dest.with_scales(names))
             except Exception as e:  # noqa: BLE001 - reported to every rank
-                errors.append(f"worker {self._dest.rec.worker} could not bind its receive "
+                errors.append(f"worker {dest.rec.worker} could not bind its receive "
                               f"buffers again at epoch {world.epoch}: {type(e).__name__}: {e}")
-                return Bound({n: self._dest.layouts[n] for n in bound.layouts}, {},
+                return Bound({n: dest.layouts[n] for n in bound.layouts}, {},
                              errors=errors)
         return Placed(bound, self._placed, rebind)
 
@@ -549,6 +571,8 @@ class XreshardWeightTransferEngine(WeightTransferEngine[XreshardInitInfo, Xresha
         """(buffers, receive side) of one group; any failure becomes an error of the refit,
         raised on every rank by its error gather, never here on this rank alone."""
         dest = self._dest
+        if dest is None:
+            raise RefitError(_NOT_INITIALIZED)
         names = dest.with_scales(names)
         try:
             buffers = dest.buffers(self.model, self._inplace, self.device, names)
