@@ -182,6 +182,14 @@ class Tuning:
     """Which framework's ops run a refit's work on device memory (the delta diff and apply,
     FP8 quantizing): "jax", "torch" or "auto" (a sender: JAX in a process that loaded JAX,
     else torch; a receiver: torch where installed, else JAX)."""
+    host_device_ops: str | None = None
+    """Tests without a GPU: "jax" or "torch" runs host bindings through the device path
+    (delta diff and apply, FP8 quantizing) with that framework's CPU ops, the code a GPU
+    runs; None (the default): host bindings take the host path. Environment:
+    ``XRESHARD_TEST_DEVICE_OPS``."""
+    quant_threads: int | None = None
+    """Threads of the host FP8 quantizer (None: the CPUs this process may run on).
+    Environment: ``XRESHARD_QUANT_THREADS``."""
 
     def __post_init__(self) -> None:
         if self.delta_baseline not in ("host", "device"):
@@ -190,6 +198,14 @@ class Tuning:
         if self.device_kernels not in ("auto", "jax", "torch"):
             raise RefitError(f"Tuning.device_kernels must be 'auto', 'jax' or 'torch', got "
                              f"{self.device_kernels!r}")
+        if self.host_device_ops not in (None, "jax", "torch"):
+            raise RefitError(f"Tuning.host_device_ops must be None, 'jax' or 'torch', got "
+                             f"{self.host_device_ops!r}")
+        if self.quant_threads is not None and (
+                isinstance(self.quant_threads, bool) or not isinstance(self.quant_threads, int)
+                or self.quant_threads < 1):
+            raise RefitError(f"Tuning.quant_threads must be None or a positive int, got "
+                             f"{self.quant_threads!r}")
         if self.executor not in EXECUTORS:
             raise RefitError(f"Tuning.executor must be one of {EXECUTORS}, got "
                              f"{self.executor!r}")
@@ -201,8 +217,10 @@ class Tuning:
     def from_env(cls, environ: Mapping[str, str] | None = None) -> Tuning:
         """The default tuning, from ``XRESHARD_EXECUTOR`` (``pipelined``, the default, or
         ``rounds``), ``XRESHARD_DELTA_BASELINE`` (``host`` or ``device``) and
-        ``XRESHARD_DEVICE_KERNELS`` (``auto``, ``jax`` or ``torch``); the table of
-        variables is in docs/extending.md.
+        ``XRESHARD_DEVICE_KERNELS`` (``auto``, ``jax`` or ``torch``),
+        ``XRESHARD_TEST_DEVICE_OPS`` (``jax`` or ``torch``: :attr:`host_device_ops`, tests
+        only) and ``XRESHARD_QUANT_THREADS`` (a positive int: :attr:`quant_threads`); the
+        table of variables is in docs/extending.md.
 
         Raises:
             RefitError: an unknown value of one of them.
@@ -213,7 +231,18 @@ class Tuning:
             raise RefitError(f"XRESHARD_EXECUTOR={kind!r}: expected 'pipelined' or 'rounds'")
         baseline = env.get("XRESHARD_DELTA_BASELINE", "host").strip().lower()
         kernels = env.get("XRESHARD_DEVICE_KERNELS", "auto").strip().lower()
-        return cls(executor=kind, delta_baseline=baseline, device_kernels=kernels)
+        host_ops = env.get("XRESHARD_TEST_DEVICE_OPS", "").strip().lower() or None
+        if host_ops not in (None, "jax", "torch"):
+            raise RefitError(f"XRESHARD_TEST_DEVICE_OPS={host_ops!r}: expected 'jax' or "
+                             "'torch' (or unset)")
+        threads = env.get("XRESHARD_QUANT_THREADS", "").strip()
+        try:
+            quant_threads = max(1, int(threads)) if threads else None
+        except ValueError:
+            raise RefitError(f"XRESHARD_QUANT_THREADS={threads!r}: expected a positive "
+                             "int") from None
+        return cls(executor=kind, delta_baseline=baseline, device_kernels=kernels,
+                   host_device_ops=host_ops, quant_threads=quant_threads)
 
 
 @dataclass(frozen=True)

@@ -54,11 +54,8 @@ _CHUNK_ELEMENTS = 1 << 17          # per workspace array (512 KiB of uint32): fe
 
 
 def default_threads() -> int:
-    """Threads a host quantizer uses: ``XRESHARD_QUANT_THREADS``, else the CPUs this
-    process may run on."""
-    env = os.environ.get("XRESHARD_QUANT_THREADS")
-    if env:
-        return max(1, int(env))
+    """Threads a host quantizer uses unless told (``Tuning.quant_threads`` reaches it
+    through the executor's kernels): the CPUs this process may run on."""
     try:
         return max(1, len(os.sched_getaffinity(0)))
     except AttributeError:          # pragma: no cover - not Linux

@@ -32,8 +32,8 @@ of the baseline per call) or ``"device"`` (as many bytes of device memory, no tr
 message bytes are the host path's (tests compare them byte for byte).
 
 Tests without a GPU run this same code on host bindings, the arrays numpy instead of CuPy
-and the ops on the framework's CPU device (``XRESHARD_TEST_DEVICE_OPS``, see
-:mod:`.device_ops`).
+and the ops on the framework's CPU device (``Tuning.host_device_ops``, see
+:class:`.codecs.kernels.Kernels`).
 """
 
 from __future__ import annotations
@@ -53,29 +53,23 @@ from .delta_encode import Encoded, Encoder, delta_spans, delta_unit
 from .delta_exec import DeltaExecutor
 from .delta_land import binding_view
 from .devices import order_after_current
-from .device_ops import DeviceOps, is_host, ops_for, test_switch
+from .codecs.kernels import Kernels
+from .device_ops import DeviceOps, is_host
 
 __all__ = ["DeviceDeltaExecutor", "DeviceEncoder", "executor_for", "device_path",
            "device_delta_problems"]
 
 
-def device_path(*bindings: Mapping[Any, Any]) -> bool:
+def device_path(*bindings: Mapping[Any, Any], tuning: Tuning | None = None) -> bool:
     """Whether a delta call over these bindings takes the device path: some binding is
-    device memory, or the test switch asks for it."""
-    if test_switch() is not None:
-        return True
-    for side in bindings:
-        for b in side.values():
-            for arr in (b if isinstance(b, (list, tuple)) else (b,)):
-                if not is_host(arr):
-                    return True
-    return False
+    device memory, or ``tuning.host_device_ops`` asks for it (:class:`.codecs.kernels.Kernels`)."""
+    return Kernels.of(tuning).device_path(*bindings)
 
 
 def executor_for(bindings: Any, tuning: Tuning) -> tuple[type, dict[str, Any]]:
     """The delta executor class for a call's ``StageBindings`` and its extra arguments."""
     sides = [*bindings.src, *bindings.dst]
-    if not device_path(*sides):
+    if not device_path(*sides, tuning=tuning):
         return DeltaExecutor, {}
     return DeviceDeltaExecutor, {"tuning": tuning}
 
@@ -88,7 +82,7 @@ def device_delta_problems(tuning: Tuning, sends: bool, receives: bool) -> list[l
         if not holds:
             continue
         try:
-            ops_for(role, tuning.device_kernels)
+            Kernels.of(tuning).ops(role)
         except Exception as e:      # noqa: BLE001 - said on every process, before moving
             found.append(["RefitError", f"RefitConfig(delta=True) with device bindings: {e}"])
     return found
@@ -131,8 +125,8 @@ class DeviceDeltaExecutor(DeltaExecutor):
         super().__init__(*args, **kwargs)
         self.pipeline = False       # groups on the calling thread, as on a GPU (_group)
         self.baseline_on = tuning.delta_baseline
-        self.send_ops: DeviceOps = ops_for("send", tuning.device_kernels)
-        self.recv_ops: DeviceOps = ops_for("receive", tuning.device_kernels)
+        self.send_ops: DeviceOps = self.kernels.ops("send")
+        self.recv_ops: DeviceOps = self.kernels.ops("receive")
 
     def run(self) -> Any:
         self._device = self._devices()      # the encoder starts before the rounds

@@ -80,6 +80,7 @@ from . import quantized
 from .programs import Programs, Tables, packed
 from .wire import Wire
 from .gcpause import gc_paused
+from .codecs.kernels import HOST, Kernels
 
 logger = logging.getLogger(__name__)
 
@@ -158,6 +159,8 @@ class Executor:
             schedule and these layouts (its owner resets it when they change), or None.
         pause_gc: pause the cyclic garbage collector while running (``gc_paused``).
         quant: ``PreparedCall.quant`` (its scratch buffers among ``dst_bindings``).
+        kernels: which kernels the codecs run (:class:`.codecs.kernels.Kernels`, from the
+            call's ``Tuning``).
     """
 
     def __init__(self, schedule: Schedule, src_layouts: Mapping[str, Layout],
@@ -167,7 +170,7 @@ class Executor:
                  pipeline: bool = True, staging_bytes: int | None = None,
                  forwarded: frozenset[tuple[str, int]] = frozenset(), arena: Any = None, *,
                  later_stages: Sequence[Tables] = (), programs: dict | None = None,
-                 pause_gc: bool = True, quant: Any = None):
+                 pause_gc: bool = True, quant: Any = None, kernels: Kernels = HOST):
         self.schedule = schedule
         self.tables = (Tables(src_layouts, dst_layouts, wire_dtypes, src_bindings,
                               dst_bindings),) + tuple(later_stages)
@@ -177,6 +180,7 @@ class Executor:
         self.pipeline = bool(pipeline)
         self.programs = Programs(self.tables, programs, quant)
         self.quant = quant
+        self.kernels = kernels
         self.staging_bytes = staging_bytes
         #: staging per CUDA device ordinal (None: host memory), reused across runs
         self._arena: dict[int | None, Any] = {} if arena is None else arena
@@ -258,7 +262,7 @@ class Executor:
             return self._pack_runs(b, buf)
         for e in self.programs.program(b, 0):
             if e.quant is not None:
-                quantized.pack(e, buf, bindings, _item)
+                quantized.pack(e, buf, bindings, _item, self.kernels)
                 continue
             out = buf[e.lo:e.hi].view(e.bits).reshape(e.shape)
             copy_into(xp, out, e.wire, _item(bindings[e.key], e.index, e.slices), e.dtype)
@@ -284,7 +288,7 @@ class Executor:
                 continue
             for e in run.steps:
                 if e.quant is not None:
-                    quantized.pack(e, buf, bindings, _item)
+                    quantized.pack(e, buf, bindings, _item, self.kernels)
                     continue
                 out = buf[e.lo:e.hi].view(e.bits).reshape(e.shape)
                 copy_into(np, out, e.wire, _item(bindings[e.key], e.index, e.slices), e.dtype)
@@ -344,7 +348,7 @@ class Executor:
     def _local_copy(self, c: Copy) -> int:
         tables = self.tables[c.stage]
         if quantized.copies(self.quant, c):
-            return quantized.copy_local(c, self.quant, tables)
+            return quantized.copy_local(c, self.quant, tables, self.kernels)
         src_layout, dst_layout = tables.src_layouts[c.name], tables.dst_layouts[c.name]
         src = view_of(tables.src_bindings[(c.rank, c.name)], src_layout, c.rank, c.region)
         dst = view_of(tables.dst_bindings[(c.rank, c.name)], dst_layout, c.rank, c.region)
@@ -470,7 +474,7 @@ class Executor:
             quantized.refuse_devices(self.quant, any(self._device.get(r) is not None
                                                      for r in self._local_src),
                                      any(self._device.get(r) is not None
-                                         for r in self._local_dst))
+                                         for r in self._local_dst), self.kernels)
             for dev in gpus:
                 cuda_preflight(dev)
             _order_after_current(gpus)      # own streams after the bindings' producers
@@ -494,7 +498,7 @@ class Executor:
                     self._round(buckets, stats)
                 self._rounds_done(stats)
                 self._local_copies(stats, forwarded=True)
-            quantized.finish(self.quant, self.tables[0].dst_bindings)
+            quantized.finish(self.quant, self.tables[0].dst_bindings, self.kernels)
             ok = True
         finally:
             if gpus:    # also after a failure: no copy may still read or write afterwards
@@ -685,6 +689,6 @@ def run(prepared: PreparedCall, bindings: StageBindings, transport: Transport, *
                     staging_bytes=prepared.options.staging_bytes,
                     forwarded=prepared.forwarded, arena=arena,
                     later_stages=tables[1:], programs=programs, pause_gc=tuning.pause_gc,
-                    quant=prepared.quant, **extra)
+                    quant=prepared.quant, kernels=Kernels.of(tuning), **extra)
     stats = executor.run()
     return stats, executor.arena

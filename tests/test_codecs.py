@@ -1,0 +1,95 @@
+"""The wire features as codecs (issue 32 items 1-2): the kernels a call's codecs run come
+from ``Tuning`` and reach every codec (FP8 too), the executor has no subclass, and
+``xreshard/runtime/codecs`` holds the codecs."""
+
+from __future__ import annotations
+
+import pathlib
+
+import numpy as np
+import pytest
+
+import xreshard as xr
+from xreshard.planner.prepare import CallOptions, prepare
+
+ROOT = pathlib.Path(xr.__file__).parent
+
+
+def _fp8_call(tuning):
+    """One FP8 call in one process (local transport): a trainer's bf16 halves -> two
+    receivers' codes and scales, split blocks included; every destination compared with
+    vLLM's quantizer's bytes (xreshard.quant.host). Returns the device ops' counts it
+    added."""
+    from xreshard.dtypes import numpy_dtype
+    from xreshard.ir.formats import BlockFP8, QuantizedTensor
+    from xreshard.ir.topology import Topology
+    from xreshard.quant.host import quantize_block_fp8
+    from xreshard.runtime import device_ops
+    from xreshard.runtime.execute import run
+    from xreshard.runtime.metadata import stage_bindings
+    from xreshard.tools.testing import local_arrays_from_global
+    from xreshard.transport.local import LocalTransport
+
+    shape, fmt = (256, 300), BlockFP8()
+    src = {"w": xr.Layout.explicit_form(shape, "bfloat16", {     # columns cut at 150
+        r: [[(0, 256), (k * 150, (k + 1) * 150)]] for k, r in enumerate((0, 1))})}
+    qt = QuantizedTensor("w", "w.scale", fmt, shape)
+    dst = {key: xr.Layout.explicit_form(full, dtype, {
+        r: [[(t * full[0] // 2, (t + 1) * full[0] // 2), (0, full[1])]]
+        for t, r in enumerate((2, 3))})
+        for key, full, dtype in (("w", shape, fmt.dtype), ("w.scale", qt.scale_shape,
+                                                           fmt.scale_dtype))}
+    topo = Topology.of({r: (r, "h") for r in range(4)})
+    prepared = prepare(src, dst, topo, CallOptions(bucket_bytes=1 << 14), ranks=range(4),
+                       quantized={"w": qt})
+    rng = np.random.default_rng(0)
+    values = (rng.standard_normal(shape) * 0.02).astype(numpy_dtype("bfloat16"))
+    real = {(r, n): [np.zeros(lay.regions(r)[0].shape, numpy_dtype(lay.dtype))]
+            for n, lay in dst.items() for r in lay.ranks}
+    src_b = {(r, "w"): [local_arrays_from_global(src["w"], r, values)[0]] for r in (0, 1)}
+    before = dict(device_ops.COUNTS)
+    run(prepared, stage_bindings(prepared, src_b, real), LocalTransport(), timeout=60,
+        programs={}, tuning=tuning)
+    codes, scales = quantize_block_fp8(values, fmt, name="w")
+    for r in (2, 3):
+        for key, want in (("w", codes), ("w.scale", scales)):
+            region = dst[key].regions(r)[0]
+            part = want[tuple(slice(a, b) for a, b in zip(region.starts, region.stops))]
+            assert real[(r, key)][0].tobytes() == np.ascontiguousarray(part).tobytes(), key
+    return {k: v - before.get(k, 0) for k, v in device_ops.COUNTS.items()
+            if v != before.get(k, 0)}
+
+
+def test_tuning_device_kernels_reach_the_fp8_device_path():
+    """``Tuning(device_kernels="torch")`` runs the FP8 quantizers of the device path with
+    torch ops even where ``host_device_ops`` (the device path on host bindings) says JAX:
+    the tuning's choice wins, as it does for the delta diff. Before issue 32 the FP8
+    device path asked for "auto" whatever the tuning said (it quantized with the test
+    switch's framework). The bytes are vLLM's either way."""
+    pytest.importorskip("torch")
+    from xreshard.config import Tuning
+
+    counts = _fp8_call(Tuning(executor="rounds", host_device_ops="jax", device_kernels="torch"))
+    assert counts.get("quantize/torch", 0) > 0 and "quantize/jax" not in counts, counts
+    # host bindings without host_device_ops: the host quantizer, no device op at all
+    assert _fp8_call(Tuning(executor="rounds")) == {}
+
+
+def test_tuning_reads_the_switches_once():
+    """The switches that bypassed Tuning are fields, read by ``Tuning.from_env`` only."""
+    from xreshard.config import Tuning
+    from xreshard.errors import RefitError
+    from xreshard.runtime.codecs.kernels import Kernels
+
+    t = Tuning.from_env({"XRESHARD_TEST_DEVICE_OPS": "torch", "XRESHARD_QUANT_THREADS": "3",
+                         "XRESHARD_DEVICE_KERNELS": "jax"})
+    assert (t.host_device_ops, t.quant_threads, t.device_kernels) == ("torch", 3, "jax")
+    assert Kernels.of(t) == Kernels("jax", "torch", 3) and Kernels.of(t).prefer == "jax"
+    assert Kernels.of(Tuning(host_device_ops="torch")).prefer == "torch"
+    assert Tuning.from_env({}).host_device_ops is None
+    with pytest.raises(RefitError, match="XRESHARD_TEST_DEVICE_OPS='cupy'"):
+        Tuning.from_env({"XRESHARD_TEST_DEVICE_OPS": "cupy"})
+    with pytest.raises(RefitError, match="quant_threads"):
+        Tuning(quant_threads=0)
+    for path in ("runtime/device_ops.py", "runtime/quantize_device.py", "quant/host.py"):
+        assert "os.environ" not in (ROOT / path).read_text(), path
