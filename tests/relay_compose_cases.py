@@ -190,9 +190,9 @@ def _fail_before_last_landing() -> Any:
     in the call (after its last group: the others finish, then learn it at the outcome);
     returns the undo."""
     from xreshard.errors import RefitError
-    from xreshard.runtime.delta_exec import DeltaExecutor
+    from xreshard.runtime.codecs.delta import DeltaCodec
 
-    land = DeltaExecutor._land
+    land = DeltaCodec._land
 
     def failing(self, b, buf, how):
         last = [x for rnd in self.schedule.rounds for x in rnd if x.dst in self._local_dst]
@@ -201,10 +201,10 @@ def _fail_before_last_landing() -> Any:
                              f"(stage {b.stage}, {how}; pid {os.getpid()})")
         land(self, b, buf, how)
 
-    DeltaExecutor._land = failing
+    DeltaCodec._land = failing
 
     def undo() -> None:
-        DeltaExecutor._land = land
+        DeltaCodec._land = land
     return undo
 
 

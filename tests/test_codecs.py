@@ -4,6 +4,7 @@ from ``Tuning`` and reach every codec (FP8 too), the executor has no subclass, a
 
 from __future__ import annotations
 
+import ast
 import pathlib
 
 import numpy as np
@@ -93,3 +94,21 @@ def test_tuning_reads_the_switches_once():
         Tuning(quant_threads=0)
     for path in ("runtime/device_ops.py", "runtime/quantize_device.py", "quant/host.py"):
         assert "os.environ" not in (ROOT / path).read_text(), path
+def _subclasses_of_executor() -> list[str]:
+    found = []
+    for path in sorted(ROOT.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef):
+                for base in node.bases:
+                    name = base.attr if isinstance(base, ast.Attribute) else getattr(
+                        base, "id", None)
+                    if name is not None and name.endswith("Executor") and \
+                            name != "ThreadPoolExecutor":
+                        found.append(f"{path.relative_to(ROOT)}:{node.name}({name})")
+    return found
+
+
+def test_no_executor_subclass_and_the_codecs_package_exists():
+    """Wire features are codecs the one executor runs, not subclasses of it (issue 32)."""
+    assert (ROOT / "runtime" / "codecs" / "__init__.py").is_file()
+    assert _subclasses_of_executor() == []

@@ -6,7 +6,7 @@ wire (its *baseline*, host memory, after ``wire_dtype`` casts), compares the new
 with it bit by bit and sends whichever of dense, bitmask + values or runs + values is
 smallest (:mod:`xreshard.delta`). Its receiver's base is its destination memory itself:
 what the last confirmed call wrote there. How a call moves (headers one group ahead of
-their payloads, the diff on worker threads ahead of the wire): :mod:`.delta_exec`.
+their payloads, the diff on worker threads ahead of the wire): :mod:`.codecs.delta`.
 
 ```
  sender rank s                                      receiver rank r
@@ -70,7 +70,7 @@ old baseline then) and the delta messages it sent.
 
 **FP8 destinations quantized on the way** (:mod:`.quantized`): an FP8 item (whole blocks
 the sender holds, quantized at pack time) is diffed as what goes on the wire, its float32
-scales then its e4m3 codes, in bytes (:func:`.delta_exec.delta_spans`), against what was
+scales then its e4m3 codes, in bytes (:func:`.delta_encode.delta_spans`), against what was
 last sent for that bucket: its receiver's destination holds exactly those codes and
 scales, and the delta is applied to them in place. The sender requantizes every block of
 the bucket each call (a changed element changes its block's codes and maybe its scale:
@@ -633,11 +633,3 @@ class DeltaCall:
 
 def _host_bytes(n: int) -> np.ndarray:
     return np.empty(n, np.uint8)
-
-
-def __getattr__(name: str) -> Any:
-    # the executor moved to delta_exec (it imports this module); the old path still works
-    if name == "DeltaExecutor":
-        from .delta_exec import DeltaExecutor
-        return DeltaExecutor
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
