@@ -230,8 +230,8 @@ def _fail_last_apply() -> None:
 
     def failing(self, b, buf, how):
         land(self, b, buf, how)
-        last = self.schedule.rounds[-1]
-        if b is [x for x in last if x.dst in self._local_dst][-1]:
+        last = self.ex.schedule.rounds[-1]
+        if b is [x for x in last if x.dst in self.ex._local_dst][-1]:
             raise RefitError(f"injected failure after bucket {b.tag} (pid {os.getpid()})")
 
     DeltaCodec._land = failing

@@ -195,7 +195,8 @@ def _fail_before_last_landing() -> Any:
     land = DeltaCodec._land
 
     def failing(self, b, buf, how):
-        last = [x for rnd in self.schedule.rounds for x in rnd if x.dst in self._local_dst]
+        ex = self.ex
+        last = [x for rnd in ex.schedule.rounds for x in rnd if x.dst in ex._local_dst]
         if b is last[-1]:
             raise RefitError(f"injected failure before landing bucket {b.tag} "
                              f"(stage {b.stage}, {how}; pid {os.getpid()})")
