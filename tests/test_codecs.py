@@ -112,3 +112,42 @@ def test_no_executor_subclass_and_the_codecs_package_exists():
     """Wire features are codecs the one executor runs, not subclasses of it (issue 32)."""
     assert (ROOT / "runtime" / "codecs" / "__init__.py").is_file()
     assert _subclasses_of_executor() == []
+
+
+def test_formats_are_decided_once_by_the_planner():
+    """``prepare`` is one path (plan -> relay stages -> formats -> schedule): every
+    ``(name, stage)`` item has one format, FP8 ones sized by the schedule as scales +
+    codes; a relayed FP8 call forwards them as plain tensors in stage 1; a delta call's
+    framing is SIZED; and the second planner of FP8 calls is gone."""
+    from xreshard.ir.formats import BlockFP8, QuantizedTensor
+    from xreshard.ir.topology import Topology
+    from xreshard.planner import formats as F
+    from xreshard.planner import prepare as P
+
+    assert not hasattr(P, "_prepare_quantized") and not hasattr(P, "_relay_quantized")
+    shape, fmt = (256, 256), BlockFP8()
+    src = {"w": xr.Layout.explicit_form(shape, "bfloat16", {0: [[(0, 256), (0, 256)]]}),
+           "b": xr.Layout.explicit_form((256,), "float32", {0: [[(0, 256)]]})}
+    qt = QuantizedTensor("w", "w.scale", fmt, shape)
+    dst = {"w": xr.Layout.explicit_form(shape, fmt.dtype, {r: [[(0, 256), (0, 256)]]
+                                                          for r in (1, 2)}),
+           "w.scale": xr.Layout.explicit_form(qt.scale_shape, fmt.scale_dtype, {
+               r: [[(0, n) for n in qt.scale_shape]] for r in (1, 2)}),
+           "b": xr.Layout.explicit_form((256,), "float32", {r: [[(0, 256)]] for r in (1, 2)})}
+    topo = Topology.of({0: (0, "t"), 1: (1, "a"), 2: (2, "a")})
+    direct = prepare(src, dst, topo, CallOptions(wire_dtype={"b": "bfloat16"}),
+                     ranks=range(3), quantized={"w": qt})
+    assert direct.formats.item("w") == F.Fp8(fmt, "bfloat16", False)
+    assert direct.formats.item("b") == F.Cast("bfloat16")
+    assert direct.formats.framing == F.FIXED and direct.quant is direct.formats.quant
+    items = [it for rnd in direct.schedule.rounds for b in rnd for it in b.items
+             if it.name == "w"]
+    assert items and all(it.quantized for it in items)
+    assert sum(it.nbytes for it in items) == 2 * fmt.wire_bytes(shape)   # two receivers
+    relayed = prepare(src, dst, topo, CallOptions(relay="on", delta=True), ranks=range(3),
+                      quantized={"w": qt})
+    assert len(relayed.stages) == 2 and relayed.formats.framing == F.SIZED
+    assert relayed.formats.item("w", 0) == F.Fp8(fmt, "bfloat16", False)
+    assert relayed.formats.item("w", 1) == F.PLAIN
+    assert relayed.formats.item("w.scale", 1) == F.PLAIN
+    assert relayed.formats.item("b", 0) == F.PLAIN
