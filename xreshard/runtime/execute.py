@@ -75,6 +75,8 @@ from .programs import Programs, Tables, packed
 from .wire import Wire
 from .gcpause import gc_paused
 from .codecs.framing import FIXED
+from .codecs.items import ItemCodecs
+from .codecs.items import item as _item
 from .codecs.kernels import HOST, Kernels
 from .codecs.messages import message_codec
 
@@ -179,6 +181,7 @@ class Executor:
         self.quant = quant
         self.kernels = kernels
         self.codec = codec
+        self.items = ItemCodecs(kernels)
         self.staging_bytes = staging_bytes
         #: staging per CUDA device ordinal (None: host memory), reused across runs
         self._arena: dict[int | None, Any] = {} if arena is None else arena
@@ -258,12 +261,9 @@ class Executor:
         xp = array_module(buf)
         if xp is np and len(b.items) > 1:
             return self._pack_runs(b, buf)
+        codecs = self.items
         for e in self.programs.program(b, 0):
-            if e.quant is not None:
-                quantized.pack(e, buf, bindings, _item, self.kernels)
-                continue
-            out = buf[e.lo:e.hi].view(e.bits).reshape(e.shape)
-            copy_into(xp, out, e.wire, _item(bindings[e.key], e.index, e.slices), e.dtype)
+            codecs.of(e).pack(e, buf, bindings)
 
     def _pack_runs(self, b: Bucket, buf: np.ndarray) -> None:
         """Host packing of a bucket of many items: consecutive small items of one dtype that
@@ -285,23 +285,15 @@ class Executor:
                                    out=buf[run.lo:run.hi].view(run.bits), casting="no")
                 continue
             for e in run.steps:
-                if e.quant is not None:
-                    quantized.pack(e, buf, bindings, _item, self.kernels)
-                    continue
-                out = buf[e.lo:e.hi].view(e.bits).reshape(e.shape)
-                copy_into(np, out, e.wire, _item(bindings[e.key], e.index, e.slices), e.dtype)
+                self.items.of(e).pack(e, buf, bindings)
 
     def _unpack(self, b: Bucket, buf: Any) -> None:
         if isinstance(buf, np.ndarray):
             return self._unpack_host(b, buf)
         bindings = self.tables[b.stage].dst_bindings
+        codecs = self.items
         for e in self.programs.program(b, 1):
-            if e.quant is not None:
-                quantized.unpack(e, buf, bindings, _item)
-                continue
-            dst = _item(bindings[e.key], e.index, e.slices)
-            data = buf[e.lo:e.hi].view(e.bits).reshape(e.shape)
-            copy_into(array_module(dst), dst, e.dtype, data, e.wire)
+            codecs.of(e).unpack(e, buf, bindings)
 
     def _unpack_host(self, b: Bucket, buf: np.ndarray) -> None:
         """Unpacking from host staging: a small item that needs no cast into a host array is
@@ -325,7 +317,7 @@ class Executor:
         for run in self.programs.runs(b, 1):
             for e in run.steps:
                 if e.quant is not None:
-                    quantized.unpack(e, buf, bindings, _item)
+                    self.items.fp8.unpack(e, buf, bindings)
                     pairs = None
                     continue
                 arr = bindings[e.key]
@@ -638,12 +630,6 @@ class Executor:
             for k in sorted(pending):
                 finish(k)
             self._local_copies(stats, forwarded=True)
-
-
-def _item(binding: Any, i: int | None, slices: tuple) -> Any:
-    """The view a program entry names: buffer ``i`` of an explicit binding (None: the one
-    array of a product binding), sliced."""
-    return (binding if i is None else binding[i])[slices]
 
 
 _ALIGN = 256    # staging offsets: what cudaMalloc guarantees, enough for any element
