@@ -151,3 +151,51 @@ def test_formats_are_decided_once_by_the_planner():
     assert relayed.formats.item("w", 1) == F.PLAIN
     assert relayed.formats.item("w.scale", 1) == F.PLAIN
     assert relayed.formats.item("b", 0) == F.PLAIN
+
+
+def _runtime_imports() -> dict[str, set[str]]:
+    """Which runtime modules each runtime module imports (at its top or inside a function;
+    annotations under ``TYPE_CHECKING`` are not imports)."""
+    runtime = ROOT / "runtime"
+    graph: dict[str, set[str]] = {}
+    for path in sorted(runtime.rglob("*.py")):
+        mod = ".".join(path.relative_to(runtime).with_suffix("").parts)
+        package = mod.split(".")[:-1] if path.name != "__init__.py" else mod.split(".")
+        deps = graph.setdefault(mod, set())
+        tree = ast.parse(path.read_text())
+        typing_only = {id(n) for node in ast.walk(tree) if isinstance(node, ast.If)
+                       and "TYPE_CHECKING" in ast.unparse(node.test)
+                       for n in ast.walk(node)}
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.ImportFrom) or not node.level or id(node) in typing_only:
+                continue
+            base = package[:len(package) - (node.level - 1)] if node.level > 1 else package
+            if node.level > len(package) + 1:
+                continue            # above runtime/
+            target = ".".join(base + ([node.module] if node.module else []))
+            names = [target] if node.module else [
+                ".".join(base + [a.name]) for a in node.names]
+            deps.update(n for n in names if n)
+    return graph
+
+
+def test_no_import_circle_through_the_executor():
+    """Issue 32: execute, delta_device, the delta codec, delta_encode, quantized, verify,
+    metadata and binding imported each other in a circle (closed by re-exports through
+    execute and the executor choosing its subclass). No runtime module imported by the
+    executor imports it back, and none of those eight is on a cycle."""
+    graph = _runtime_imports()
+
+    def reach(start: str) -> set[str]:
+        seen, todo = set(), [start]
+        while todo:
+            for dep in graph.get(todo.pop(), ()):
+                if dep in graph and dep not in seen:
+                    seen.add(dep)
+                    todo.append(dep)
+        return seen
+    eight = ["execute", "delta_device", "codecs.delta", "delta_encode", "quantized", "verify",
+             "metadata", "binding"]
+    on_cycles = [m for m in eight if m in reach(m)]
+    assert on_cycles == []
+    assert "execute" not in reach("execute")

@@ -375,12 +375,12 @@ def digest_transfer(out: Any, quant: Any, t: Any, key: str, rank: int, src_bindi
 
 
 def digest_finished(out: Any, quant: Any, local: Any, dst_bindings: Mapping, stream_hex: Any,
-                    wanted: Any) -> int:
+                    wanted: Any, key_of: Any) -> int:
     """File the digests of the split blocks each of the ``local`` receivers quantized
     itself (:func:`finished_bytes`), both ways, as a transfer from the receiver to itself
-    (``wanted(key, elements)``: whether this call hashes it). Returns the bytes hashed."""
-    from .verify import key_of
-
+    (``wanted(key, elements)``: whether this call hashes it; ``key_of``: verify's key of a
+    transfer, handed in so that this module does not import verify, which imports it).
+    Returns the bytes hashed."""
     n = 0
     for rank in local:
         for name, region, expected, held in finished_bytes(quant, rank, dst_bindings):

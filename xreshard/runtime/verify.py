@@ -353,7 +353,8 @@ def digest_bindings(plan: Any, local_ranks: Iterable[int],
                     arrays.append(view)
     if quant is not None and dst_bindings:      # the split blocks receivers quantized
         out.nbytes += quantized.digest_finished(out, quant, local, dst_bindings, stream_hex,
-                                                lambda k, n: _wanted(mode, k, n, version))
+                                                lambda k, n: _wanted(mode, k, n, version),
+                                                key_of)
     if arrays:
         hexes = digest.device_digests(arrays, hash_key)
         for table, tkey, i in jobs:
