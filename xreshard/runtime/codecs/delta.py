@@ -355,7 +355,7 @@ class DeltaCodec:
             keep_landed_pieces(self.ex, self.delta, b, spans)
 
     # ------------------------------------------------------------ memory hooks
-    # host memory here; the device path (delta_device.DeviceDeltaExecutor) overrides them
+    # host memory here; the device path (delta_device.DeviceDeltaCodec) overrides them
 
     def _new_encoder(self, jobs: Sequence[tuple[Bucket, np.ndarray]], *,
                      forwards: bool = False) -> Encoder:
