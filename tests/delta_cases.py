@@ -212,8 +212,8 @@ def _before(scenario: str, call: int, me: int, refit: Any, state: dict) -> None:
 
 def _after(scenario: str, call: int, me: int) -> None:
     if scenario == "fences" and call == 6 and me == 1:
-        from xreshard.runtime.delta_exec import DeltaExecutor
-        DeltaExecutor._land = _LAND[0]
+        from xreshard.runtime.codecs.delta import DeltaCodec
+        DeltaCodec._land = _LAND[0]
 
 
 _LAND: list = []
@@ -223,18 +223,18 @@ def _fail_last_apply() -> None:
     """This process's delta executor raises at its last landing bucket of the call (after
     every group of the call: the others finish, then learn it at the outcome)."""
     from xreshard.errors import RefitError
-    from xreshard.runtime.delta_exec import DeltaExecutor
+    from xreshard.runtime.codecs.delta import DeltaCodec
 
-    land = DeltaExecutor._land
+    land = DeltaCodec._land
     _LAND[:] = [land]
 
     def failing(self, b, buf, how):
         land(self, b, buf, how)
-        last = self.schedule.rounds[-1]
-        if b is [x for x in last if x.dst in self._local_dst][-1]:
+        last = self.ex.schedule.rounds[-1]
+        if b is [x for x in last if x.dst in self.ex._local_dst][-1]:
             raise RefitError(f"injected failure after bucket {b.tag} (pid {os.getpid()})")
 
-    DeltaExecutor._land = failing
+    DeltaCodec._land = failing
 
 
 # ---------------------------------------------------------------------------- restarts
@@ -325,13 +325,13 @@ def _redistributed(local: dict | None, me: int) -> dict:
 
 
 def _die_at_first_apply() -> None:
-    from xreshard.runtime.delta_exec import DeltaExecutor
+    from xreshard.runtime.codecs.delta import DeltaCodec
 
-    land = DeltaExecutor._land
+    land = DeltaCodec._land
 
     def dying(self, b, buf, how):
         if how == "apply":
             os._exit(3)
         return land(self, b, buf, how)
 
-    DeltaExecutor._land = dying
+    DeltaCodec._land = dying

@@ -64,8 +64,8 @@ def atomic_rollout(ctx: Any) -> dict:
             dc._fail_last_apply()
         row = dc._row(dc.attempt(refit))
         if call == ATOMIC_FAILS and me == 1:
-            from xreshard.runtime.delta_exec import DeltaExecutor
-            DeltaExecutor._land = dc._LAND[0]
+            from xreshard.runtime.codecs.delta import DeltaCodec
+            DeltaCodec._land = dc._LAND[0]
         if "error" not in row:
             held = call
         row.update(version=refit.version, stale=refit.stale)
@@ -94,9 +94,9 @@ KILLED_CALL = 3
 
 
 def _die_after_first_payload() -> None:
-    from xreshard.runtime.delta_exec import DeltaExecutor
+    from xreshard.runtime.codecs.delta import DeltaCodec
 
-    send = DeltaExecutor._send_payload
+    send = DeltaCodec._send_payload
 
     def dying(self, b, enc, *args):
         out = send(self, b, enc, *args)
@@ -104,7 +104,7 @@ def _die_after_first_payload() -> None:
             os.kill(os.getpid(), signal.SIGKILL)
         return out
 
-    DeltaExecutor._send_payload = dying
+    DeltaCodec._send_payload = dying
 
 
 def kill_trainer(ctx: Any) -> dict:
@@ -382,8 +382,8 @@ def relay_rollout(ctx: Any) -> dict:
             with xr.count_comm() as counts:
                 report = dc.attempt(refit)
             if call == RELAY_FAILS and me == 1:
-                from xreshard.runtime.delta_exec import DeltaExecutor
-                DeltaExecutor._land = dc._LAND[0]
+                from xreshard.runtime.codecs.delta import DeltaCodec
+                DeltaCodec._land = dc._LAND[0]
             row = dc._row(report)
             if not isinstance(report, str):
                 row.update(forwarded=report.bytes_forwarded, posted=counts.total_sent)

@@ -47,7 +47,7 @@ def _fault_once(transport: str, what: str) -> Iterator[None]:
         what, error = "_recv_buffers", RefitError(f"{INJECTED}: a bad apply")
         skip = 1
     else:
-        from xreshard.runtime.delta_exec import DeltaExecutor as cls
+        from xreshard.runtime.codecs.delta import DeltaCodec as cls
         what, error = "_land", RefitError(f"{INJECTED}: a bad delta apply")
     original = getattr(cls, what)
     calls = []

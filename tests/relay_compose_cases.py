@@ -190,21 +190,22 @@ def _fail_before_last_landing() -> Any:
     in the call (after its last group: the others finish, then learn it at the outcome);
     returns the undo."""
     from xreshard.errors import RefitError
-    from xreshard.runtime.delta_exec import DeltaExecutor
+    from xreshard.runtime.codecs.delta import DeltaCodec
 
-    land = DeltaExecutor._land
+    land = DeltaCodec._land
 
     def failing(self, b, buf, how):
-        last = [x for rnd in self.schedule.rounds for x in rnd if x.dst in self._local_dst]
+        ex = self.ex
+        last = [x for rnd in ex.schedule.rounds for x in rnd if x.dst in ex._local_dst]
         if b is last[-1]:
             raise RefitError(f"injected failure before landing bucket {b.tag} "
                              f"(stage {b.stage}, {how}; pid {os.getpid()})")
         land(self, b, buf, how)
 
-    DeltaExecutor._land = failing
+    DeltaCodec._land = failing
 
     def undo() -> None:
-        DeltaExecutor._land = land
+        DeltaCodec._land = land
     return undo
 
 

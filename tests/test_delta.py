@@ -313,10 +313,8 @@ def test_delta_composes_with_relay_atomic_and_casts_on_both_kinds_of_bindings(mo
     from xreshard.runtime import device_ops
     from xreshard.runtime.delta_wire import delta_problems
 
-    monkeypatch.delenv(device_ops.ENV, raising=False)
-
-    def refused(config, on_device):
-        return [m for _, m in delta_problems(config, on_device, tuning=Tuning())]
+    def refused(config, on_device, tuning=Tuning()):
+        return [m for _, m in delta_problems(config, on_device, tuning=tuning)]
 
     relay = "auto"
     for config in (xr.RefitConfig(delta=True, atomic=True),
@@ -325,10 +323,10 @@ def test_delta_composes_with_relay_atomic_and_casts_on_both_kinds_of_bindings(mo
                    xr.RefitConfig(delta=True, wire_dtype="bfloat16")):
         assert refused(config, False) == []        # host bindings compose
         assert refused(config, True) == []         # and so do device bindings
-    monkeypatch.setenv(device_ops.ENV, "torch")     # the device path, run on the host
-    assert refused(xr.RefitConfig(delta=True, relay=relay, atomic=True), False) == []
+    # the device path, run on the host
+    assert refused(xr.RefitConfig(delta=True, relay=relay, atomic=True), False,
+                   Tuning(host_device_ops="torch")) == []
     # ... unless no framework can run the device ops
-    monkeypatch.delenv(device_ops.ENV)
     monkeypatch.setattr(device_ops, "_available", lambda kind: False)
     found = refused(xr.RefitConfig(delta=True, relay=relay), True)
     assert len(found) == 2 and all("neither is installed" in m for m in found), found

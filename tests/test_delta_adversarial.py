@@ -156,16 +156,16 @@ def _failing_land() -> list[bool]:
     """Make this process's delta executor raise at its first landing bucket while the
     returned flag is set."""
     from xreshard.errors import RefitError
-    from xreshard.runtime.delta_exec import DeltaExecutor
+    from xreshard.runtime.codecs.delta import DeltaCodec
 
-    flag, land = [False], DeltaExecutor._land
+    flag, land = [False], DeltaCodec._land
 
     def failing(self: Any, b: Any, buf: Any, how: str) -> None:
         land(self, b, buf, how)
         if flag[0]:
             raise RefitError("injected failure while landing")
 
-    DeltaExecutor._land = failing       # type: ignore[method-assign]
+    DeltaCodec._land = failing       # type: ignore[method-assign]
     return flag
 
 

@@ -24,7 +24,7 @@ from .delta_cases import attempt
 SHAPE, NAMES = (256, 256), ("a", "b")
 #: call -> (fraction of elements changed since the last call, the receiver writes "a"
 #: outside xreshard first)
-#: a bucket's sample (delta_exec.sample: 16 blocks of 2,048 bf16 elements)
+#: a bucket's sample (delta_encode.sample: 16 blocks of 2,048 bf16 elements)
 SAMPLE_BYTES = 16 * 2048 * 2
 CALLS = [(1.0, False), (1.0, False), (1.0, True), (0.01, False), (0.01, False), (0.01, True),
          (0.01, False), (0.01, False)]

@@ -94,7 +94,7 @@ def test_fence_checks_only_what_a_delta_may_write_and_a_local_failure_is_an_erro
 
 def test_amostly_changed_bucket_skips_the_diff():
     import numpy as np
-    from xreshard.runtime.delta_exec import mostly_changed
+    from xreshard.runtime.delta_encode import mostly_changed
 
     old = np.zeros(1 << 20, np.uint16)
     assert mostly_changed(old, [old + 1])

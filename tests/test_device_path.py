@@ -80,14 +80,10 @@ def test_switch_and_refusals(monkeypatch):
     import xreshard as xr
 
     host = {(0, "w"): np.zeros(4)}
-    monkeypatch.delenv(device_ops.ENV, raising=False)
     assert not device_path(host)
-    monkeypatch.setenv(device_ops.ENV, "torch")
-    assert device_path(host)
-    monkeypatch.setenv(device_ops.ENV, "cupy")
+    assert device_path(host, tuning=Tuning(host_device_ops="torch"))
     with pytest.raises(RefitError, match="XRESHARD_TEST_DEVICE_OPS='cupy'"):
-        device_ops.test_switch()
-    monkeypatch.delenv(device_ops.ENV)
+        Tuning.from_env({device_ops.ENV: "cupy"})
     with pytest.raises(RefitError, match="delta_baseline must be 'host' or 'device'"):
         Tuning(delta_baseline="gpu")
     assert Tuning.from_env({"XRESHARD_DELTA_BASELINE": "device"}).delta_baseline == "device"

@@ -485,7 +485,7 @@ def test_install_hints_name_both_cuda_majors():
 
 
 def test_widened_copies_move_fewer_larger_elements_only_when_aligned():
-    from xreshard.runtime.execute import widened
+    from xreshard.runtime.copies import widened
     ptr = lambda a: a.__array_interface__["data"][0]      # noqa: E731
     base = np.zeros((8, 128), np.uint16)
     out = np.zeros((8, 64), np.uint16)

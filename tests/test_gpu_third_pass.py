@@ -220,17 +220,17 @@ def test_device_delta_orders_its_streams_before_the_encoder_starts(monkeypatch, 
     executor's ``run`` starts them, so that stream must already wait for the bindings'
     producers (the caller's current stream: a JAX step still running)."""
     from xreshard.runtime import devices
-    from xreshard.runtime.delta_device import DeviceDeltaExecutor
-    from xreshard.runtime.delta_exec import DeltaExecutor
-    ex = object.__new__(DeviceDeltaExecutor)
-    ex._devices = lambda: {0: 1, 1: None}
+    from xreshard.runtime.codecs.delta import DeltaCodec
+    from xreshard.runtime.delta_device import DeviceDeltaCodec
+    codec = object.__new__(DeviceDeltaCodec)
+    ex = types.SimpleNamespace(_devices=lambda: {0: 1, 1: None})
     seen = []
-    monkeypatch.setattr(DeltaExecutor, "run", lambda self: seen.append(
+    monkeypatch.setattr(DeltaCodec, "start", lambda self, ex: seen.append(
         [e.recorded_on for e in devices.own_stream(1).waited]))
     with fake_cupy.Device(1):
         producer = cupy_streams.cuda.Stream(non_blocking=True)
         with producer:
-            ex.run()
+            codec.start(ex)
     assert seen == [[producer]]
 
 
@@ -243,10 +243,13 @@ def test_every_step_of_a_delta_group_enters_its_buckets_device():
     device 1 sends unfilled staging)."""
     import contextlib
 
-    from xreshard.runtime.delta_exec import DeltaExecutor
+    from xreshard.runtime.codecs.delta import DeltaCodec
+    from xreshard.runtime.execute import Executor
     dev = {0: 0, 1: 1, 2: 0, 3: 1}
-    ex = object.__new__(DeltaExecutor)
+    ex = object.__new__(Executor)
     ex._on = lambda rank: fake_cupy.Device(dev[rank])
+    codec = ex.codec = object.__new__(DeltaCodec)
+    codec.ex = ex
     seen = []
 
     def here():
@@ -254,7 +257,7 @@ def test_every_step_of_a_delta_group_enters_its_buckets_device():
     b_prev = types.SimpleNamespace(src=1, dst=2, tag=0)
     b_new = types.SimpleNamespace(src=3, dst=0, tag=1)
     b_in = types.SimpleNamespace(src=0, dst=3, tag=2)
-    ex._open = lambda buckets, offsets, stats: (
+    codec._open = lambda buckets, offsets, stats: (
         [(b_in, "buf", "unpack")], [("buf", b_in)], [(b_prev, None)], list(buckets))
 
     class Transport:
@@ -262,12 +265,12 @@ def test_every_step_of_a_delta_group_enters_its_buckets_device():
 
         def recv(self, buf, src, dst, tag):
             seen.append(("recv", dst, here()))
-    ex.transport, ex.timeout, ex._post = Transport(), 5.0, None
-    ex._send_payload = lambda b, enc, offsets, stats, send: (
+    ex.transport, ex.timeout = Transport(), 5.0
+    codec._send_payload = lambda b, enc, offsets, stats, send: (
         seen.append(("payload", b.src, here())), (None, None))[1]
-    ex._send_header = lambda b, stats, send: seen.append(("header", b.src, here()))
-    ex._land = lambda b, buf, how: seen.append(("land", b.dst, here()))
-    ex._group([b_new], types.SimpleNamespace(per_round_seconds=[]))
+    codec._send_header = lambda b, stats, send: seen.append(("header", b.src, here()))
+    codec._land = lambda b, buf, how: seen.append(("land", b.dst, here()))
+    ex._group(1, [b_new], types.SimpleNamespace(per_round_seconds=[]))
     assert [s[0] for s in seen] == ["recv", "payload", "header", "land"]
     assert all(d == dev[rank] for _, rank, d in seen), seen
 

@@ -81,7 +81,7 @@ def _values(src: dict, step: int) -> dict[str, np.ndarray]:
     return out
 
 
-def _relayed_delta_calls():
+def _relayed_delta_calls(tuning=None):
     """Every rank in one process (local transport), one DeltaState: call 1 seeds (dense),
     call 2 sends every pair, forwards included, as deltas; call 3 with receiver 2's claim
     wrong. Every destination is checked bit-exact after each call. Returns the prepared
@@ -110,7 +110,7 @@ def _relayed_delta_calls():
         call = state.begin([claims], prepared)
         bindings = stage_bindings(prepared, {(0, n): v for n, v in values.items()}, real)
         stats, _ = run(prepared, bindings, transport, timeout=20, programs=programs,
-                       delta=call)
+                       delta=call, **({} if tuning is None else {"tuning": tuning}))
         state.commit(call, None, None)
         for (r, n), arr in real.items():
             assert arr.tobytes() == values[n].tobytes(), (step, r, n)
@@ -147,9 +147,9 @@ def test_relayed_delta_device_path_forwards_as_the_host_path(monkeypatch, kind):
 
     pytest.importorskip(kind)
     _, _, host = _relayed_delta_calls()
-    monkeypatch.setenv(device_ops.ENV, kind)
+    from xreshard.config import Tuning
     before = device_ops.COUNTS[f"encode/{kind}"]
-    prepared, _, rows = _relayed_delta_calls()
+    prepared, _, rows = _relayed_delta_calls(Tuning(host_device_ops=kind))
     encoded = device_ops.COUNTS[f"encode/{kind}"] - before
     moved = [(c.pairs, c.bytes_wire, c.num_delta, s.bytes_sent, s.bytes_forwarded)
              for c, s in rows]
@@ -350,8 +350,8 @@ def test_relayed_fp8_deltas_forward_changed_codes_and_scales_only(monkeypatch, k
     real = {(r, n): [np.zeros(lay.regions(r)[0].shape, lay.dtype if lay.dtype == "float32"
                               else np.uint8)] for n, lay in dst.items() for r in lay.ranks}
     state, programs, forwarded, wire = DeltaState(), {}, [], []
-    if kind:
-        monkeypatch.setenv(device_ops.ENV, kind)
+    from xreshard.config import Tuning
+    tuning = Tuning(host_device_ops=kind or None)
     counts, pairs = dict(device_ops.COUNTS), []
     for k, step in enumerate((1, 2, 2, 1)):
         values = _fp8_values(1)
@@ -367,7 +367,7 @@ def test_relayed_fp8_deltas_forward_changed_codes_and_scales_only(monkeypatch, k
         src_b = {(r, n): [local_arrays_from_global(lay, r, values[n])[0]]
                  for n, lay in src.items() for r in lay.ranks}
         stats, _ = run(prepared, stage_bindings(prepared, src_b, real), LocalTransport(),
-                       timeout=30, programs=programs, delta=call)
+                       timeout=30, programs=programs, delta=call, tuning=tuning)
         state.commit(call, None, None)
         pairs.append(call.pairs)
         forwarded.append(stats.bytes_forwarded)

@@ -182,6 +182,14 @@ class Tuning:
     """Which framework's ops run a refit's work on device memory (the delta diff and apply,
     FP8 quantizing): "jax", "torch" or "auto" (a sender: JAX in a process that loaded JAX,
     else torch; a receiver: torch where installed, else JAX)."""
+    host_device_ops: str | None = None
+    """Tests without a GPU: "jax" or "torch" runs host bindings through the device path
+    (delta diff and apply, FP8 quantizing) with that framework's CPU ops, the code a GPU
+    runs; None (the default): host bindings take the host path. Environment:
+    ``XRESHARD_TEST_DEVICE_OPS``."""
+    quant_threads: int | None = None
+    """Threads of the host FP8 quantizer (None: the CPUs this process may run on).
+    Environment: ``XRESHARD_QUANT_THREADS``."""
 
     shm: bool = True
     """Offer shared memory to the processes of this host (``transport("auto")`` routes
@@ -202,6 +210,14 @@ class Tuning:
         if self.device_kernels not in ("auto", "jax", "torch"):
             raise RefitError(f"Tuning.device_kernels must be 'auto', 'jax' or 'torch', got "
                              f"{self.device_kernels!r}")
+        if self.host_device_ops not in (None, "jax", "torch"):
+            raise RefitError(f"Tuning.host_device_ops must be None, 'jax' or 'torch', got "
+                             f"{self.host_device_ops!r}")
+        if self.quant_threads is not None and (
+                isinstance(self.quant_threads, bool) or not isinstance(self.quant_threads, int)
+                or self.quant_threads < 1):
+            raise RefitError(f"Tuning.quant_threads must be None or a positive int, got "
+                             f"{self.quant_threads!r}")
         if self.executor not in EXECUTORS:
             raise RefitError(f"Tuning.executor must be one of {EXECUTORS}, got "
                              f"{self.executor!r}")
@@ -215,8 +231,11 @@ class Tuning:
         ``rounds``), ``XRESHARD_DELTA_BASELINE`` (``host`` or ``device``),
         ``XRESHARD_DEVICE_KERNELS`` (``auto``, ``jax`` or ``torch``), ``XRESHARD_SHM`` and
         ``XRESHARD_SHM_PULL`` (``0``, ``false`` or ``off`` turn ``shm`` / ``shm_pull``
-        off; anything else, or unset, leaves them on); the table of variables is in
-        docs/extending.md (``XRESHARD_TOKEN``, the world's secret, is :func:`env_token`).
+        off; anything else, or unset, leaves them on), ``XRESHARD_TEST_DEVICE_OPS``
+        (``jax`` or ``torch``: :attr:`host_device_ops`, tests only) and
+        ``XRESHARD_QUANT_THREADS`` (a positive int: :attr:`quant_threads`); the table of
+        variables is in docs/extending.md (``XRESHARD_TOKEN``, the world's secret, is
+        :func:`env_token`).
 
         Raises:
             RefitError: an unknown value of one of them.
@@ -230,7 +249,18 @@ class Tuning:
         off = ("0", "false", "off")
         shm = env.get("XRESHARD_SHM", "1").strip().lower() not in off
         shm_pull = env.get("XRESHARD_SHM_PULL", "1").strip().lower() not in off
-        return cls(executor=kind, delta_baseline=baseline, device_kernels=kernels, shm=shm,
+        host_ops = env.get("XRESHARD_TEST_DEVICE_OPS", "").strip().lower() or None
+        if host_ops not in (None, "jax", "torch"):
+            raise RefitError(f"XRESHARD_TEST_DEVICE_OPS={host_ops!r}: expected 'jax' or "
+                             "'torch' (or unset)")
+        threads = env.get("XRESHARD_QUANT_THREADS", "").strip()
+        try:
+            quant_threads = max(1, int(threads)) if threads else None
+        except ValueError:
+            raise RefitError(f"XRESHARD_QUANT_THREADS={threads!r}: expected a positive "
+                             "int") from None
+        return cls(executor=kind, delta_baseline=baseline, device_kernels=kernels,
+                   host_device_ops=host_ops, quant_threads=quant_threads, shm=shm,
                    shm_pull=shm_pull)
 
 

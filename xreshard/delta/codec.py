@@ -168,7 +168,7 @@ def section_bytes(header: Header) -> list[int]:
 
 def assemble(header: Header, sections: list[np.ndarray]) -> np.ndarray:
     """Header + sections (host uint8), each but the last padded to a multiple of 8 bytes."""
-    out = np.zeros(header.nbytes, np.uint8)
+    out: Any = np.zeros(header.nbytes, np.uint8)
     out[:HEADER_BYTES] = np.frombuffer(header.pack(), np.uint8)
     at = HEADER_BYTES
     sizes = section_bytes(header)
@@ -222,7 +222,8 @@ class Parsed:
 
     def indices(self) -> np.ndarray:
         """Runs messages: the changed elements' indices, ascending (``count`` of them)."""
-        lengths = self.lengths.astype(np.int64)
+        assert self.lengths is not None and self.starts is not None, "a runs message"
+        lengths: Any = self.lengths.astype(np.int64)
         offsets = np.cumsum(lengths) - lengths
         return np.arange(self.header.count, dtype=np.int64) + np.repeat(
             self.starts.astype(np.int64) - offsets, lengths)
@@ -302,7 +303,7 @@ def parse(message: Any, itemsize: int, n: int) -> Parsed:
                        f"{count}")
         at += align8(nb)
         return Parsed(header, buf[at:at + count * isz].view(wd), mask_bytes=mask)
-    ix = np.dtype("<u4") if width == 4 else np.dtype("<u8")
+    ix: Any = np.dtype("<u4") if width == 4 else np.dtype("<u8")
     starts = buf[at:at + nruns * width].view(ix)
     lengths = buf[at + nruns * width:at + 2 * nruns * width].view(ix)
     _check_runs(starts, lengths, n, count)
@@ -317,7 +318,8 @@ def _check_runs(starts: np.ndarray, lengths: np.ndarray, n: int, count: int) -> 
         raise _bad("a run of length 0")
     if int(starts.max()) >= n or int(lengths.max()) > n:
         raise _bad(f"a run starts or reaches past element {n}")
-    s, ln = starts.astype(np.uint64), lengths.astype(np.uint64)    # both <= n: no overflow
+    s: Any = starts.astype(np.uint64)       # both <= n: no overflow
+    ln: Any = lengths.astype(np.uint64)
     stops = s + ln
     if int(stops[-1]) > n:
         raise _bad(f"the last run ends at {int(stops[-1])}, past element {n}")

@@ -104,7 +104,7 @@ class _Pass:
     def _to_dense(self, upto: int) -> None:
         """Switch to element-wise masks: redo what the sparse chunks found as masks."""
         self.sparse = False
-        seen = np.zeros(upto, bool)
+        seen: Any = np.zeros(upto, bool)
         idx = np.concatenate(self.indices)
         seen[idx] = True
         self.count -= idx.size
@@ -114,7 +114,7 @@ class _Pass:
 
     def _dense_chunk(self, at: int, d: np.ndarray) -> None:
         prev_last = at > 0 and bool(self.last)
-        self.last = d[-1]
+        self.last = bool(d[-1])
         self.masks.append(np.packbits(d, bitorder="little"))
         k = int(np.count_nonzero(d))
         if not k:
@@ -150,6 +150,7 @@ class _Pass:
             breaks = np.flatnonzero(np.diff(idx) != 1)
             return (idx[np.concatenate(([0], breaks + 1))],
                     idx[np.concatenate((breaks, [idx.size - 1]))] + 1)
+        assert self.starts is not None and self.stops is not None
         return _cat(self.starts), _cat(self.stops)
 
     def mask(self) -> np.ndarray:
@@ -255,7 +256,8 @@ def apply_parts(message: Any, parts: Sequence[np.ndarray], itemsize: int, n: int
         return
     if not count:
         return
-    if kind == RUNS and msg.starts.size * 16 < count:       # long runs: copy them as slices
+    if kind == RUNS and msg.starts is not None and msg.lengths is not None \
+            and msg.starts.size * 16 < count:       # long runs: copy them as slices
         _apply_runs(msg.starts.tolist(), msg.lengths.tolist(), values, targets)
         return
     idx = msg.indices() if kind == RUNS else np.flatnonzero(msg.mask())

@@ -33,8 +33,11 @@ What it holds:
   renamed. Which schedule: full rounds (``rounds`` executor, or a process with device
   bindings), rounds of half of ``staging_bytes`` (``halved``: the pipelined host
   executor keeps two rounds in flight), or the overlapped relay schedule (either size).
-* ``quant``: the tensors quantized on the way in stage 0 and their receivers' scratch; a
-  relayed call forwards their finished codes and scales in stage 1 as plain tensors
+* ``formats`` (the formats phase, :mod:`xreshard.planner.formats`): every ``(name,
+  stage)`` item's format (``Plain``, ``Cast(wire)``, ``Fp8(format, split)``) and the call's
+  framing (``FIXED``, or ``SIZED`` for delta); ``quant``, its FP8 part: the tensors
+  quantized on the way in stage 0 and their receivers' scratch (the split blocks' stage);
+  a relayed call forwards their finished codes and scales in stage 1 as plain tensors
   (:mod:`xreshard.planner.relay`, "FP8 through a relay").
 * ``forwarded``: the ``(name, stage)`` whose sends read what this call received (a relay's
   stage 1): the executor sends them only once the rounds that wrote them landed.
@@ -42,14 +45,14 @@ What it holds:
 
 Extension points (how the next stages slot in; none is a branch in ``Refit``):
 
-* **Wire formats.** Today a tensor's wire format is a dtype (a cast on the sender at pack
-  time). A quantized format (FP8 blocks with scales, quantized on the sender or the
-  receiver) or a delta encoding becomes a per-``(name, stage)`` format value next to the
-  wire dtype: ``prepare`` decides it from the options, the schedule sizes items by its
-  wire bytes, and the runtime's pack/unpack programs dispatch on it (encode at pack,
-  decode at unpack). Where a format needs a pass of its own (a receiver-side dequantize
-  into the final memory), it is one more :class:`Stage` whose destination bindings come
-  from a new binding source (e.g. ``"scratch"``), run by the same executor.
+* **Wire formats** (built): ``prepare`` is one path, plan -> relay stages -> formats ->
+  schedule; the formats phase gives every ``(name, stage)`` one format value and the call
+  one framing, the schedule sizes items by it (FP8 items as scales + codes), and the
+  runtime runs each as a codec (``xreshard.runtime.codecs``: the item's pack/unpack, a
+  delta call's ``SIZED`` message codec). A new format is one more value here and one more
+  codec there. Not built yet: the receiver's finishing of split FP8 blocks is still the
+  executor's last step (``quantized.finish`` over ``Quantization.scratch``), not a
+  :class:`Stage` of its own with ``"scratch"`` destination bindings.
 * **Membership epochs.** A prepared call is valid for one membership of the world: an
   epoch field (the world's membership epoch it was prepared for) lets ``run`` refuse a
   stale call, and the ``Refit`` prepares again when the epoch moves, as it does today
@@ -67,6 +70,7 @@ from dataclasses import dataclass
 from typing import Any, Iterable, Mapping
 
 from ..ir.layout import Layout
+from .formats import Formats, formats
 from .plan import Plan, PlanCache, plan
 from .quantize import Quantization, quantization, value_layouts, with_scratch
 from .relay import (RelayLayouts, fp8_forwards, overlapped_schedule, relay_layouts,
@@ -153,9 +157,16 @@ class PreparedCall:
     """The relay's stage layouts (``options.relay`` not "off" and relaying), else None."""
     schedule: Schedule
     forwarded: frozenset[tuple[str, int]]
-    quant: Quantization | None = None
-    """The stage-0 tensors quantized on the way (:mod:`xreshard.planner.quantize`), with
-    this process's receivers' scratch buffers; None when nothing is."""
+    formats: Formats = Formats({})
+    """Every ``(name, stage)`` item's format and the call's framing (the formats phase,
+    :mod:`xreshard.planner.formats`)."""
+
+    @property
+    def quant(self) -> Quantization | None:
+        """The stage-0 tensors quantized on the way (:mod:`xreshard.planner.quantize`),
+        with this process's receivers' scratch buffers (the split blocks' stage); None
+        when nothing is: the FP8 part of :attr:`formats`."""
+        return self.formats.quant
 
     @property
     def plan(self) -> Plan:
@@ -176,7 +187,9 @@ def prepare(src_layouts: Mapping[str, Layout], dst_layouts: Mapping[str, Layout]
             topology: Any = None, options: CallOptions = CallOptions(), *,
             ranks: Iterable[int], cache: PlanCache | None = None,
             quantized: Mapping[str, Any] | None = None) -> PreparedCall:
-    """Prepare one refit call for the local ranks ``ranks``.
+    """Prepare one refit call for the local ranks ``ranks``: plan, relay stages, formats,
+    schedule (one path for every call: a quantized destination is planned as its values,
+    :mod:`xreshard.planner.quantize`, and its format is FP8).
 
     Args:
         src_layouts / dst_layouts: ``{tensor name: Layout}`` of each side (merged over
@@ -200,93 +213,82 @@ def prepare(src_layouts: Mapping[str, Layout], dst_layouts: Mapping[str, Layout]
     """
     ranks = tuple(sorted(set(ranks)))
     quant = quantization(src_layouts, dst_layouts, quantized or {}, options.wire_dtype)
-    if quant is not None:
-        return _prepare_quantized(src_layouts, dst_layouts, topology, options, ranks, cache,
-                                  quant)
-    direct = plan(src_layouts, dst_layouts, topology, wire_dtype=options.wire_dtype,
-                  cache=cache)
+    # plan: a quantized destination as the values its codes are quantized from
+    direct = plan(src_layouts, dst_layouts if quant is None else value_layouts(dst_layouts, quant),
+                  topology, wire_dtype=options.wire_dtype, cache=cache)
+    # relay stages
+    relayed = _relay_stages(direct, topology, options, cache, quant) \
+        if options.relay != "off" else None
+    layouts: RelayLayouts | None = None
+    stages: tuple[Stage, ...] = (Stage(0, direct, SOURCES, DESTINATIONS),)
+    src2: Mapping[str, Layout] = {}
+    if relayed is not None:
+        layouts, stages, src2 = relayed
+    # formats: every (name, stage) item's, the FP8 ones' scratch for this process
+    q = with_scratch(quant, stages[0].plan, ranks)
+    if q is not None and len(stages) > 1:
+        scales = {qt.scale for qt in q.tensors.values()}
+        forwarded_fp8 = sum(t.nbytes for t in stages[1].plan.iter_transfers()
+                            if t.name in q.tensors or t.name in scales)
+        q = Quantization(q.tensors, q.codes, q.scales, q.wire, q.scratch,
+                         {**q.totals, "fp8_forwarded_world": forwarded_fp8})
+    fmts = formats(stages, q, delta=options.delta)
+    # schedule: items sized by their format
     staging = max(1, options.staging_bytes // 2) if options.halved else options.staging_bytes
-    sizes: dict[str, Any] = dict(bucket_bytes=options.bucket_bytes, staging_bytes=staging)
-    layouts = None
-    if options.relay != "off":
+    sizes: dict[str, Any] = dict(bucket_bytes=options.bucket_bytes, staging_bytes=staging,
+                                 quantized=fmts.fp8() or None)
+    if len(stages) == 1:
+        plan1 = stages[0].plan
+        sched = schedule(plan1, ranks, paired_counts(plan1, ranks), **sizes)
+    else:
+        assert layouts is not None
+        logger.debug("refit relays %d bytes inside domains", layouts.bytes_relayed)
+        sched = overlapped_schedule(stages[0].plan, stages[1].plan, ranks,
+                                    overlap=options.relay_overlap,
+                                    lag=2 if options.delta else 1, **sizes)
+    return PreparedCall(options, ranks, direct, stages, layouts, sched,
+                        frozenset((name, 1) for name in src2), fmts)
+
+
+def _relay_stages(direct: Plan, topology: Any, options: CallOptions,
+                  cache: PlanCache | None, quant: Quantization | None
+                  ) -> tuple[RelayLayouts, tuple[Stage, ...], Mapping[str, Layout]] | None:
+    """A relayed call's stages (``options.relay`` "on" or "auto"), with stage 1's sources
+    (what is forwarded), or None when the call goes direct: "auto" with nothing to forward,
+    or a call with quantized destinations where nothing would be forwarded.
+
+    Stage 0 runs from the sources to views of the destination memory, across domains;
+    stage 1 forwards inside domains. Quantized destinations relay along whole blocks: stage
+    0 quantizes on the way into pieces cut along whole blocks, and stage 1 forwards the
+    forwarders' finished codes and scales as they are, as tensors of their own, so a
+    replica's bytes are its forwarder's, which are the quantizer's. A tensor whose
+    forwarded blocks a forwarder would receive split across senders (it quantizes those only
+    after every round) is not relayed: see :mod:`xreshard.planner.relay`, "FP8 through a
+    relay"."""
+    kw: dict[str, Any] = dict(wire_dtype=options.wire_dtype, cache=cache)
+    if quant is None:
         layouts = relay_layouts(direct.src_layouts, direct.dst_layouts, topology)
         if options.relay == "auto" and not layouts.forwards:
-            layouts = None
-    if layouts is None:
-        stages: tuple[Stage, ...] = (Stage(0, direct, SOURCES, DESTINATIONS),)
-        sched = schedule(direct, ranks, paired_counts(direct, ranks), **sizes)
-        return PreparedCall(options, ranks, direct, stages, None, sched, frozenset())
-    plan1 = plan(direct.src_layouts, layouts.stage1_dst, topology,
-                 wire_dtype=options.wire_dtype, cache=cache)
-    stages = (Stage(0, plan1, SOURCES, DESTINATION_VIEWS),)
-    if not layouts.forwards:
-        sched = schedule(plan1, ranks, paired_counts(plan1, ranks), **sizes)
-        return PreparedCall(options, ranks, direct, stages, layouts, sched, frozenset())
-    plan2 = plan(layouts.stage2_src, layouts.stage2_dst, topology, cache=cache)
-    stages += (Stage(1, plan2, DESTINATION_VIEWS, DESTINATION_VIEWS),)
-    logger.debug("refit relays %d bytes inside domains", layouts.bytes_relayed)
-    sched = overlapped_schedule(plan1, plan2, ranks, overlap=options.relay_overlap,
-                                lag=2 if options.delta else 1, **sizes)
-    forwarded = frozenset((name, 1) for name in layouts.stage2_src)
-    return PreparedCall(options, ranks, direct, stages, layouts, sched, forwarded)
-
-
-def _prepare_quantized(src_layouts: Mapping[str, Layout], dst_layouts: Mapping[str, Layout],
-                       topology: Any, options: CallOptions, ranks: tuple[int, ...],
-                       cache: PlanCache | None, quant: Quantization) -> PreparedCall:
-    """A call whose quantized destinations are planned as their values (see
-    :mod:`xreshard.planner.quantize`): the scheduler cuts their transfers into quantized
-    whole blocks and the rest. Relayed (``options.relay``) when some domain forwards."""
-    direct = plan(src_layouts, value_layouts(dst_layouts, quant), topology,
-                  wire_dtype=options.wire_dtype, cache=cache)
-    staging = max(1, options.staging_bytes // 2) if options.halved else options.staging_bytes
-    if options.relay != "off":
-        relayed = _relay_quantized(direct, topology, options, ranks, cache, quant, staging)
-        if relayed is not None:
-            return relayed
-    sched = schedule(direct, ranks, paired_counts(direct, ranks),
-                     bucket_bytes=options.bucket_bytes, staging_bytes=staging,
-                     quantized=quant.tensors)
-    return PreparedCall(options, ranks, direct, (Stage(0, direct, SOURCES, DESTINATIONS),),
-                        None, sched, frozenset(), with_scratch(quant, direct, ranks))
-
-
-def _relay_quantized(direct: Plan, topology: Any, options: CallOptions,
-                     ranks: tuple[int, ...], cache: PlanCache | None, quant: Quantization,
-                     staging: int) -> PreparedCall | None:
-    """The relayed call of a refit with quantized destinations, or None when nothing would
-    be forwarded (the direct call then). Stage 1 quantizes on the way as a direct call
-    does, into pieces cut along whole blocks; stage 2 forwards the forwarders' finished
-    codes and scales as they are, as tensors of their own (``quant.codes`` and
-    ``quant.scales`` dtypes), so a replica's bytes are its forwarder's, which are the
-    quantizer's. A tensor whose forwarded blocks a forwarder would receive split across
-    senders (it quantizes those only after every round) is not relayed: see
-    :mod:`xreshard.planner.relay`, "FP8 through a relay"."""
-    blocks = {n: qt.format.block_shape(len(qt.shape)) for n, qt in quant.tensors.items()}
-    kw: dict[str, Any] = dict(wire_dtype=options.wire_dtype, cache=cache)
-    layouts = relay_layouts(direct.src_layouts, direct.dst_layouts, topology, blocks=blocks)
-    plan1 = plan(direct.src_layouts, layouts.stage1_dst, topology, **kw)
-    split = split_at_forwarders(quant.tensors, plan1, layouts)
-    if split:
-        logger.debug("not relayed (blocks split at a forwarder): %s", sorted(split))
-        layouts = relay_layouts(direct.src_layouts, direct.dst_layouts, topology,
-                                blocks=blocks, direct=split)
+            return None
         plan1 = plan(direct.src_layouts, layouts.stage1_dst, topology, **kw)
-    if not layouts.forwards:
-        return None
-    src2, dst2 = fp8_forwards(layouts, quant.tensors)
+        stage0 = Stage(0, plan1, SOURCES, DESTINATION_VIEWS)
+        if not layouts.forwards:
+            return layouts, (stage0,), {}
+        src2, dst2 = layouts.stage2_src, layouts.stage2_dst
+    else:
+        blocks = {n: qt.format.block_shape(len(qt.shape)) for n, qt in quant.tensors.items()}
+        layouts = relay_layouts(direct.src_layouts, direct.dst_layouts, topology,
+                                blocks=blocks)
+        plan1 = plan(direct.src_layouts, layouts.stage1_dst, topology, **kw)
+        split = split_at_forwarders(quant.tensors, plan1, layouts)
+        if split:
+            logger.debug("not relayed (blocks split at a forwarder): %s", sorted(split))
+            layouts = relay_layouts(direct.src_layouts, direct.dst_layouts, topology,
+                                    blocks=blocks, direct=split)
+            plan1 = plan(direct.src_layouts, layouts.stage1_dst, topology, **kw)
+        if not layouts.forwards:
+            return None
+        stage0 = Stage(0, plan1, SOURCES, DESTINATION_VIEWS)
+        src2, dst2 = fp8_forwards(layouts, quant.tensors)
     plan2 = plan(src2, dst2, topology, cache=cache)
-    sched = overlapped_schedule(plan1, plan2, ranks, overlap=options.relay_overlap,
-                                lag=2 if options.delta else 1, quantized=quant.tensors,
-                                bucket_bytes=options.bucket_bytes, staging_bytes=staging)
-    q = with_scratch(quant, plan1, ranks)
-    assert q is not None        # quant is not None here, nor is its scratch
-    scales = {qt.scale for qt in quant.tensors.values()}
-    forwarded_fp8 = sum(t.nbytes for t in plan2.iter_transfers()
-                        if t.name in quant.tensors or t.name in scales)
-    q = Quantization(q.tensors, q.codes, q.scales, q.wire, q.scratch,
-                     {**q.totals, "fp8_forwarded_world": forwarded_fp8})
-    stages = (Stage(0, plan1, SOURCES, DESTINATION_VIEWS),
-              Stage(1, plan2, DESTINATION_VIEWS, DESTINATION_VIEWS))
-    return PreparedCall(options, ranks, direct, stages, layouts, sched,
-                        frozenset((name, 1) for name in src2), q)
+    return layouts, (stage0, Stage(1, plan2, DESTINATION_VIEWS, DESTINATION_VIEWS)), src2

@@ -54,11 +54,8 @@ _CHUNK_ELEMENTS = 1 << 17          # per workspace array (512 KiB of uint32): fe
 
 
 def default_threads() -> int:
-    """Threads a host quantizer uses: ``XRESHARD_QUANT_THREADS``, else the CPUs this
-    process may run on."""
-    env = os.environ.get("XRESHARD_QUANT_THREADS")
-    if env:
-        return max(1, int(env))
+    """Threads a host quantizer uses unless told (``Tuning.quant_threads`` reaches it
+    through the executor's kernels): the CPUs this process may run on."""
     try:
         return max(1, len(os.sched_getaffinity(0)))
     except AttributeError:          # pragma: no cover - not Linux
@@ -171,9 +168,9 @@ class _Workspace:
     """One thread's scratch arrays for chunks of up to ``rows`` x ``width`` elements."""
 
     def __init__(self, rows: int, width: int) -> None:
-        self.a = np.empty(rows * width, np.uint32)
-        self.n = np.empty(rows * width, np.uint32)
-        self.t = np.empty(rows * width, np.uint32)
+        self.a: Any = np.empty(rows * width, np.uint32)
+        self.n: Any = np.empty(rows * width, np.uint32)
+        self.t: Any = np.empty(rows * width, np.uint32)
 
     def views(self, rows: int, cols: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         k = rows * cols
@@ -296,7 +293,7 @@ def quantize_block_fp8(x: Any, fmt: BlockFP8 = BlockFP8(), *, name: str = "tenso
     """
     x, dtype = _as_input(x, fmt, name)
     codes = np.empty(x.shape, np.uint8)
-    scales = np.empty(fmt.scale_shape(x.shape), np.float32)
+    scales: Any = np.empty(fmt.scale_shape(x.shape), np.float32)
     mats = x.reshape((-1,) + x.shape[-2:])
     out3 = codes.reshape(mats.shape)
     sc3 = scales.reshape((-1,) + scales.shape[-2:])
@@ -387,7 +384,7 @@ def quantize_mxfp8(x: Any, fmt: MXFP8 = MXFP8(), *, name: str = "tensor",
     """
     x, dtype = _as_input(x, fmt, name)
     codes = np.empty(x.shape, np.uint8)
-    scales = np.empty(fmt.scale_shape(x.shape), np.uint8)
+    scales: Any = np.empty(fmt.scale_shape(x.shape), np.uint8)
     mat = x.reshape(-1, x.shape[-1])
     out2, sc2 = codes.reshape(mat.shape), scales.reshape(mat.shape[0], -1)
     rows = 128

@@ -324,7 +324,7 @@ def binding_problems(layouts: Mapping[str, Layout], bindings: Bindings, side: st
     Returns:
         Messages naming tensor and rank, at most a few per kind of problem.
     """
-    from .execute import gc_paused
+    from .gcpause import gc_paused
     with gc_paused():
         return _binding_problems(layouts, bindings, side, local_ranks)
 
@@ -412,7 +412,7 @@ def side_problems(sides: Mapping[str, Bound | None], local_ranks: Iterable[int],
     Returns:
         ``[error class name, message]`` entries, for the refit's error exchange.
     """
-    from .execute import device_problems
+    from .devices import device_problems
     local_ranks = list(local_ranks)
     out = []
     for side, bound in sides.items():

@@ -44,7 +44,7 @@ def copy_into(xp: Any, out: Any, out_dtype: str, src: Any, src_dtype: str) -> No
         out, src = bits(out), bits(src)
         if xp is not np:
             out, src = widened(out, src, _device_ptr)
-        casting = "no"
+        casting: Any = "no"
     else:
         out, src = as_dtype(out, out_dtype), as_dtype(src, src_dtype)
         casting = "unsafe"

@@ -1,6 +1,6 @@
 """Delta refit with device bindings (``RefitConfig(delta=True)`` on GPU memory).
 
-The host delta executor (:mod:`.delta_exec`) with its memory hooks pointed at the devices:
+The host delta codec (:mod:`.codecs.delta`) with its memory hooks pointed at the devices:
 
 ```
  sender rank s (device d)                          receiver rank r (device e)
@@ -16,7 +16,7 @@ The host delta executor (:mod:`.delta_exec`) with its memory hooks pointed at th
 FP8 destinations quantized on the way: the sender's pack quantizes the bucket's whole
 blocks with the device quantizer (:mod:`.quantize_device`) and the encoder diffs the packed
 bytes (scales, then codes, and split blocks' bf16 pieces; unit 1), as the host path does
-(:func:`.delta_exec.delta_spans`). The receiver gathers the bucket's base into scratch on
+(:func:`.delta_encode.delta_spans`). The receiver gathers the bucket's base into scratch on
 its device in message order (codes and scales read from the destination, split blocks'
 pieces uploaded from the bytes it kept of the last call, :mod:`.delta_land`), applies the
 delta there and writes it back: codes and scales in place, the pieces into the scratch it
@@ -32,8 +32,8 @@ of the baseline per call) or ``"device"`` (as many bytes of device memory, no tr
 message bytes are the host path's (tests compare them byte for byte).
 
 Tests without a GPU run this same code on host bindings, the arrays numpy instead of CuPy
-and the ops on the framework's CPU device (``XRESHARD_TEST_DEVICE_OPS``, see
-:mod:`.device_ops`).
+and the ops on the framework's CPU device (``Tuning.host_device_ops``, see
+:class:`.codecs.kernels.Kernels`).
 """
 
 from __future__ import annotations
@@ -49,35 +49,20 @@ from ..delta.host import apply_numpy
 from ..dtypes import bits_dtype
 from ..planner.schedule import Bucket
 from .copies import array_module, copy_into
+from .codecs.delta import DeltaCodec
 from .delta_encode import Encoded, Encoder, delta_spans, delta_unit
-from .delta_exec import DeltaExecutor
 from .delta_land import binding_view
 from .devices import order_after_current
-from .device_ops import DeviceOps, is_host, ops_for, test_switch
+from .codecs.kernels import Kernels
+from .device_ops import DeviceOps, is_host
 
-__all__ = ["DeviceDeltaExecutor", "DeviceEncoder", "executor_for", "device_path",
-           "device_delta_problems"]
+__all__ = ["DeviceDeltaCodec", "DeviceEncoder", "device_path", "device_delta_problems"]
 
 
-def device_path(*bindings: Mapping[Any, Any]) -> bool:
+def device_path(*bindings: Mapping[Any, Any], tuning: Tuning | None = None) -> bool:
     """Whether a delta call over these bindings takes the device path: some binding is
-    device memory, or the test switch asks for it."""
-    if test_switch() is not None:
-        return True
-    for side in bindings:
-        for b in side.values():
-            for arr in (b if isinstance(b, (list, tuple)) else (b,)):
-                if not is_host(arr):
-                    return True
-    return False
-
-
-def executor_for(bindings: Any, tuning: Tuning) -> tuple[type, dict[str, Any]]:
-    """The delta executor class for a call's ``StageBindings`` and its extra arguments."""
-    sides = [*bindings.src, *bindings.dst]
-    if not device_path(*sides):
-        return DeltaExecutor, {}
-    return DeviceDeltaExecutor, {"tuning": tuning}
+    device memory, or ``tuning.host_device_ops`` asks for it (:class:`.codecs.kernels.Kernels`)."""
+    return Kernels.of(tuning).device_path(*bindings)
 
 
 def device_delta_problems(tuning: Tuning, sends: bool, receives: bool) -> list[list[str]]:
@@ -88,7 +73,7 @@ def device_delta_problems(tuning: Tuning, sends: bool, receives: bool) -> list[l
         if not holds:
             continue
         try:
-            ops_for(role, tuning.device_kernels)
+            Kernels.of(tuning).ops(role)
         except Exception as e:      # noqa: BLE001 - said on every process, before moving
             found.append(["RefitError", f"RefitConfig(delta=True) with device bindings: {e}"])
     return found
@@ -99,50 +84,60 @@ class DeviceEncoder(Encoder):
     on its device; a thread keeps the host's waits for the counts off the calling thread,
     which meanwhile posts the previous round's payloads), buckets in schedule order."""
 
-    def __init__(self, reader: DeviceDeltaExecutor, jobs: Sequence[tuple[Bucket, Any]]):
-        super().__init__(reader, jobs, threads=1)
+    def __init__(self, codec: DeviceDeltaCodec, jobs: Sequence[tuple[Bucket, Any]]):
+        self.codec = codec          # before the base class starts encoding the jobs
+        super().__init__(codec.ex, jobs, threads=1)
 
     def _encode(self, b: Bucket, base: Any) -> Encoded | None:
         if self._stop.is_set():
             return None
         t0 = time.perf_counter()
-        ex: DeviceDeltaExecutor = self.reader      # type: ignore[assignment]
+        codec = self.codec
+        ex = codec.ex
         unit = delta_unit(ex, b)
         assert unit is not None, "a bucket that cannot go as a delta was given to encode"
         with ex._on(b.src):
-            new = ex._new_bytes(b, self._scratch)
-            old = ex._near(b.src, base, self._scratch)
-        header, message = ex.send_ops.encode(old, new, unit)
+            new = codec._new_bytes(b, self._scratch)
+            old = codec._near(b.src, base, self._scratch)
+        header, message = codec.send_ops.encode(old, new, unit)
         out = Encoded(message, header, time.perf_counter() - t0)
         with self._lock:
             self.finished = max(self.finished, time.perf_counter())
         return out
 
 
-class DeviceDeltaExecutor(DeltaExecutor):
-    """:class:`DeltaExecutor` on device memory (see the module docstring).
+class DeviceDeltaCodec(DeltaCodec):
+    """:class:`~.codecs.delta.DeltaCodec` on device memory (see the module docstring): its
+    memory hooks on the devices, its groups round after round (as on a GPU).
 
     Args:
-        tuning: ``delta_baseline`` (where baselines live) and ``device_kernels`` (which
-            framework's ops run the diff, the apply and the quantizers).
+        delta: the call's ``delta_wire.DeltaCall``.
+        tuning: ``delta_baseline`` (where baselines live).
+        kernels: which framework's ops run the diff and the apply (from ``Tuning``).
     """
 
-    def __init__(self, *args: Any, tuning: Tuning = Tuning(), **kwargs: Any):
-        super().__init__(*args, **kwargs)
-        self.pipeline = False       # groups on the calling thread, as on a GPU (_group)
+    def __init__(self, delta: Any, tuning: Tuning = Tuning(), kernels: Kernels | None = None):
+        super().__init__(delta)
+        kernels = Kernels.of(tuning) if kernels is None else kernels
         self.baseline_on = tuning.delta_baseline
-        self.send_ops: DeviceOps = ops_for("send", tuning.device_kernels)
-        self.recv_ops: DeviceOps = ops_for("receive", tuning.device_kernels)
+        self.send_ops: DeviceOps = kernels.ops("send")
+        self.recv_ops: DeviceOps = kernels.ops("receive")
 
-    def run(self) -> Any:
-        self._device = self._devices()      # the encoder starts before the rounds
-        gpus = sorted({d for d in self._device.values() if d is not None})
+    def pipelines(self, ex: Any) -> bool:
+        return False        # groups on the calling thread, as on a GPU
+
+    def start(self, ex: Any) -> None:
+        ex._device = ex._devices()      # the encoder starts before the rounds
+        gpus = sorted({d for d in ex._device.values() if d is not None})
         if gpus:
             # the encoder's threads pack on xreshard's own streams at once: those must wait
             # for the bindings' producers (a JAX step still running: async dispatch) before
             # any encoder starts, not only once the rounds begin (Executor._run)
             order_after_current(gpus)
-        return super().run()
+        super().start(ex)
+
+    def _takes(self, encoder: Encoder) -> bool:
+        return isinstance(encoder, DeviceEncoder)
 
     # ------------------------------------------------------------ sender
 
@@ -153,24 +148,24 @@ class DeviceDeltaExecutor(DeltaExecutor):
     def _new_bytes(self, b: Bucket, scratch: threading.local) -> Any:
         """Bucket ``b``'s new bytes on its sender's device: the bound view itself (one
         contiguous item) or packed into the encoder's scratch there."""
-        view = self._zero_copy_send(b)
+        view = self.ex._zero_copy_send(b)
         if view is not None:
             return view
         buf = self._scratch_of(scratch, "new", b.src, b.nbytes)
-        self._pack(b, buf)
+        self.ex._pack(b, buf)
         return buf
 
     def _near(self, rank: int, base: Any, scratch: threading.local) -> Any:
         """The baseline ``base`` where ``rank``'s bytes are: itself, or a host baseline
         uploaded into the encoder's scratch on the device."""
-        if is_host(base) == (self._device.get(rank) is None):
+        if is_host(base) == (self.ex._device.get(rank) is None):
             return base
         buf = self._scratch_of(scratch, "old", rank, base.nbytes)
         buf.set(base)       # host -> device, on the current (own) stream
         return buf
 
     def _scratch_of(self, scratch: threading.local, what: str, rank: int, nbytes: int) -> Any:
-        key = (what, self._device.get(rank))
+        key = (what, self.ex._device.get(rank))
         held = getattr(scratch, "bufs", None)
         if held is None:
             held = scratch.bufs = {}
@@ -213,19 +208,19 @@ class DeviceDeltaExecutor(DeltaExecutor):
     # ------------------------------------------------------------ memory
 
     def _buffer(self, rank: int, nbytes: int) -> Any:
-        dev = self._device.get(rank)
+        dev = self.ex._device.get(rank)
         if dev is None:
             return np.empty(nbytes, np.uint8)
         import cupy
-        with self._on(rank):
+        with self.ex._on(rank):
             return cupy.empty(nbytes, np.uint8)
 
     def _outgoing(self, rank: int, data: np.ndarray) -> Any:
-        device = self._device.get(rank)
+        device = self.ex._device.get(rank)
         if device is None:
             return data
         buf = self._buffer(rank, data.nbytes)
-        with self._on(rank):
+        with self.ex._on(rank):
             buf.set(data)
         from .devices import own_stream
         own_stream(device).synchronize()    # sent from the transport's stream
@@ -244,12 +239,12 @@ class DeviceDeltaExecutor(DeltaExecutor):
         kept of the last call: :mod:`.delta_land`), the delta applied to it, and written
         back (the pieces into their scratch, which the receiver quantizes after the rounds,
         and kept for the next call). Nothing is written when the message is malformed."""
-        spans = delta_spans(self, b)
+        spans = delta_spans(self.ex, b)
         assert spans is not None and spans.diffed == ((0, b.nbytes),), \
             "a bucket's message is its diffed bytes (programs.packed: no gaps)"
         unit = spans.unit
-        bindings = self.tables[b.stage].dst_bindings
-        steps = self.programs.program(b, 1)
+        bindings = self.ex.tables[b.stage].dst_bindings
+        steps = self.ex.programs.program(b, 1)
         views = [binding_view(bindings, e.key, e.index, e.slices) for e in steps]
         pieces = any(spans.rest)
         held = self.delta.pieces_base(b, sum(e.hi - e.lo for e, r in zip(steps, spans.rest)
@@ -266,7 +261,7 @@ class DeviceDeltaExecutor(DeltaExecutor):
             self.recv_ops.apply(message, views[0].reshape(-1).view(np.uint8), unit)
             return
         target = self._buffer(b.dst, b.nbytes)
-        with self._on(b.dst):
+        with self.ex._on(b.dst):
             xp = array_module(target)
             at = 0
             for e, rest, view in zip(steps, spans.rest, views):
@@ -280,7 +275,7 @@ class DeviceDeltaExecutor(DeltaExecutor):
                     copy_into(xp, target[e.lo:e.hi].view(e.bits).reshape(e.shape), e.wire,
                               view, e.dtype)
         self.recv_ops.apply(message, target, unit)
-        with self._on(b.dst):
+        with self.ex._on(b.dst):
             for e, rest, view in zip(steps, spans.rest, views):
                 if rest:
                     continue
@@ -300,7 +295,7 @@ class DeviceDeltaExecutor(DeltaExecutor):
         in message order) into their scratch on the device and keep their bytes (host
         memory: only pieces of split blocks) as the base of the next call's delta."""
         kept = []
-        with self._on(b.dst):
+        with self.ex._on(b.dst):
             items = [(e, view) for e, piece, view in zip(steps, rest, views) if piece]
             for (e, view), part in zip(items, parts):
                 if is_host(part) != is_host(view):

@@ -2,7 +2,7 @@
 what a bucket's message is diffed as (:class:`Spans`), the sample that says a bucket mostly
 changed (:func:`sample`), and the :class:`Encoder`, worker threads that diff buckets
 against their baselines ahead of the wire. The executor that moves the messages:
-:mod:`.delta_exec`; the state kept between calls and the fences: :mod:`.delta_wire`.
+:mod:`.codecs.delta`; the state kept between calls and the fences: :mod:`.delta_wire`.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
-from typing import Any, Callable, Collection, NamedTuple, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Collection, NamedTuple, Sequence
 
 import numpy as np
 
@@ -23,8 +23,10 @@ from ..delta.host import encode_parts
 from ..dtypes import bits_dtype, itemsize
 from ..errors import RefitError
 from ..planner.schedule import Bucket
-from .execute import Executor
 from .programs import packed
+
+if TYPE_CHECKING:       # an annotation only: the executor imports the codecs, not back
+    from .execute import Executor
 
 __all__ = ["Encoder", "Encoded", "ENCODE_THREADS", "mostly_changed", "delta_unit",
            "delta_spans", "Spans", "sample", "sample_of", "sampled_changed",

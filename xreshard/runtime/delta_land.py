@@ -1,4 +1,4 @@
-"""How a delta lands on host memory (the receiver's half of :mod:`.delta_exec`): applied
+"""How a delta lands on host memory (the receiver's half of :mod:`.codecs.delta`): applied
 in place to the destination items, and the bf16 pieces of FP8 blocks split across
 senders diffed against the bytes their receiver last received.
 
@@ -33,9 +33,9 @@ from .copies import copy_into
 __all__ = ["apply_host", "keep_landed_pieces", "binding_view", "gather"]
 
 
-def apply_host(ex: Any, b: Any, spans: Any, buf: np.ndarray | None) -> None:
+def apply_host(ex: Any, call: Any, b: Any, spans: Any, buf: np.ndarray | None) -> None:
     """Apply the delta ``buf`` (None: nothing changed) to bucket ``b``'s items on
-    executor ``ex``'s host memory (``spans``: the bucket's ``delta_exec.Spans``): the
+    executor ``ex``'s host memory (``spans``: the bucket's ``delta_encode.Spans``): the
     destination items in place, split blocks' pieces to the bytes kept of the last call,
     then written into their scratch and kept for this one."""
     bits = bits_dtype(spans.unit)
@@ -43,7 +43,7 @@ def apply_host(ex: Any, b: Any, spans: Any, buf: np.ndarray | None) -> None:
     steps = ex.programs.program(b, 1)
     held = None
     if any(spans.rest):
-        held = ex.delta.pieces_base(b, sum(e.hi - e.lo for e, r in zip(steps, spans.rest) if r))
+        held = call.pieces_base(b, sum(e.hi - e.lo for e, r in zip(steps, spans.rest) if r))
     parts, back, pieces, at = [], [], [], 0
     for e, rest in zip(steps, spans.rest):
         if rest:        # a piece of split blocks: its base is the bytes kept
@@ -74,10 +74,10 @@ def apply_host(ex: Any, b: Any, spans: Any, buf: np.ndarray | None) -> None:
         copy_into(np, binding_view(bindings, e.key, e.index, e.slices), e.dtype,
                   part.view(e.bits).reshape(e.shape), e.wire)
     if held is not None:
-        ex.delta.keep_pieces(b, held)
+        call.keep_pieces(b, held)
 
 
-def keep_landed_pieces(ex: Any, b: Any, spans: Any) -> None:
+def keep_landed_pieces(ex: Any, call: Any, b: Any, spans: Any) -> None:
     """Bucket ``b`` landed dense: keep its split blocks' pieces as they landed in their
     scratch (the wire dtype: the bytes sent; host bytes, copied from a device's scratch)
     for the next call's delta."""
@@ -85,7 +85,7 @@ def keep_landed_pieces(ex: Any, b: Any, spans: Any) -> None:
     bindings = ex.tables[b.stage].dst_bindings
     got = [host_bytes(binding_view(bindings, e.key, e.index, e.slices))
            for e, rest in zip(ex.programs.program(b, 1), spans.rest) if rest]
-    ex.delta.keep_pieces(b, np.concatenate(got))
+    call.keep_pieces(b, np.concatenate(got))
 
 
 def binding_view(bindings: Any, key: Any, index: int | None, slices: tuple) -> Any:

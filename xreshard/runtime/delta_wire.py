@@ -6,7 +6,7 @@ wire (its *baseline*, host memory, after ``wire_dtype`` casts), compares the new
 with it bit by bit and sends whichever of dense, bitmask + values or runs + values is
 smallest (:mod:`xreshard.delta`). Its receiver's base is its destination memory itself:
 what the last confirmed call wrote there. How a call moves (headers one group ahead of
-their payloads, the diff on worker threads ahead of the wire): :mod:`.delta_exec`.
+their payloads, the diff on worker threads ahead of the wire): :mod:`.codecs.delta`.
 
 ```
  sender rank s                                      receiver rank r
@@ -70,7 +70,7 @@ old baseline then) and the delta messages it sent.
 
 **FP8 destinations quantized on the way** (:mod:`.quantized`): an FP8 item (whole blocks
 the sender holds, quantized at pack time) is diffed as what goes on the wire, its float32
-scales then its e4m3 codes, in bytes (:func:`.delta_exec.delta_spans`), against what was
+scales then its e4m3 codes, in bytes (:func:`.delta_encode.delta_spans`), against what was
 last sent for that bucket: its receiver's destination holds exactly those codes and
 scales, and the delta is applied to them in place. The sender requantizes every block of
 the bucket each call (a changed element changes its block's codes and maybe its scale:
@@ -143,8 +143,7 @@ def delta_problems(config: Any, on_device: bool, *, tuning: Any = None,
     on both kinds of bindings (see the module docstring)."""
     if not getattr(config, "delta", False):
         return []
-    from .device_ops import test_switch
-    if not (on_device or test_switch() is not None):        # host bindings: everything
+    if not (on_device or getattr(tuning, "host_device_ops", None) is not None):  # host: all
         return []
     from ..config import Tuning
     from .delta_device import device_delta_problems

@@ -13,9 +13,10 @@ the process, on the device that holds the bytes, with no host round trip of the 
 
 A :class:`DeviceOps` sees the executor's arrays through DLPack (zero-copy, both ways), so
 the same code runs on a CuPy array on a GPU and on a numpy array on the host, which is how
-it is tested on machines without a GPU: ``XRESHARD_TEST_DEVICE_OPS=jax|torch`` (internal,
-for tests) makes a process take the device path for its host bindings too, with those
-ops on the framework's CPU device (:func:`test_switch`).
+it is tested on machines without a GPU: ``Tuning(host_device_ops="jax"|"torch")``
+(environment ``XRESHARD_TEST_DEVICE_OPS``, read by ``Tuning.from_env`` only; for tests)
+makes a process take the device path for its host bindings too, with those ops on the
+framework's CPU device (:class:`.codecs.kernels.Kernels`).
 
 Ordering. The executor's copies run on xreshard's own stream of each device
 (:func:`.devices.own_stream`), the framework's ops on the framework's stream; every entry
@@ -27,7 +28,6 @@ waits cost microseconds per bucket.
 from __future__ import annotations
 
 import collections
-import os
 import sys
 from typing import Any
 
@@ -37,25 +37,14 @@ from ..delta.codec import DENSE, Header, align8, section_bytes
 from ..dtypes import bits_dtype
 from ..errors import RefitError
 
-__all__ = ["DeviceOps", "ops_for", "test_switch", "ENV", "KINDS", "is_host", "COUNTS"]
+__all__ = ["DeviceOps", "ops_for", "ENV", "KINDS", "is_host", "COUNTS"]
 
-#: internal, tests only: take the device path for host bindings with these ops
+#: internal, tests only: ``Tuning.host_device_ops`` from the environment (``Tuning.from_env``)
 ENV = "XRESHARD_TEST_DEVICE_OPS"
 KINDS = ("jax", "torch")
 #: what this process ran on device memory, by "<work>/<framework>" (encode, apply,
 #: quantize): how tests see which path a call took
 COUNTS: collections.Counter = collections.Counter()
-
-
-def test_switch() -> str | None:
-    """``"jax"`` or ``"torch"`` when ``XRESHARD_TEST_DEVICE_OPS`` asks this process to run
-    host bindings through the device path (tests only), else None."""
-    kind = os.environ.get(ENV, "").strip().lower()
-    if not kind:
-        return None
-    if kind not in KINDS:
-        raise RefitError(f"{ENV}={kind!r}: expected one of {KINDS} (or unset)")
-    return kind
 
 
 def is_host(arr: Any) -> bool:
@@ -73,14 +62,15 @@ def ops_for(role: str, prefer: str = "auto") -> DeviceOps:
     """The ops this process runs for ``role``: ``"send"`` (diff, quantize) or
     ``"receive"`` (apply, quantize split blocks).
 
-    ``prefer``: ``"jax"`` or ``"torch"``, or ``"auto"``: the test switch when set; else a
-    sender uses JAX when this process loaded JAX (a JAX trainer) and torch otherwise; a
-    receiver uses torch when it can (in place), JAX otherwise.
+    ``prefer``: ``"jax"`` or ``"torch"`` (``Tuning.device_kernels``, or its
+    ``host_device_ops``: :class:`.codecs.kernels.Kernels`), or ``"auto"``: a sender uses
+    JAX when this process loaded JAX (a JAX trainer) and torch otherwise; a receiver uses
+    torch when it can (in place), JAX otherwise.
 
     Raises:
         RefitError: neither framework can be imported (naming what device work needed it).
     """
-    kind = test_switch() if prefer == "auto" else prefer
+    kind = None if prefer == "auto" else prefer
     if kind is None:
         order = ("jax", "torch") if role == "send" and "jax" in sys.modules else ("torch", "jax")
         kind = next((k for k in order if _available(k)), None)

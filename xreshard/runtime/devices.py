@@ -87,7 +87,7 @@ def capture_streams() -> Callable[[], Any]:
     ``Refit.start`` binds and orders in its own thread, where CuPy's current stream (per
     thread) would be the default one, not the caller's. Imports nothing: without CuPy
     loaded there is nothing to keep."""
-    cupy = sys.modules.get("cupy")
+    cupy: Any = sys.modules.get("cupy")
     streams: list[tuple[int, Any]] = []
     if cupy is not None:
         try:
@@ -326,7 +326,7 @@ def device_problems(sides: Mapping[str, tuple[Bindings, Mapping[str, Layout]]],
         return []
     problems = []
     for side, (bindings, layouts) in sides.items():
-        problems += cast_problems(bindings, layouts, lambda n, s=side: wire(s, n), devices,
+        problems += cast_problems(bindings, layouts, functools.partial(wire, side), devices,
                                   side)
     if problems:
         return ["casts this refit needs cannot run on the GPU: " + "; ".join(

@@ -14,35 +14,29 @@ groups one after another, while the calling thread packs and unpacks around it:
  wire thread          group 0 ........ | group 1 ............... | group 2 .........
 ```
 
-Each send is handed to the wire as soon as it is packed (a transport that starts posts at
-once, gloo or shm, moves message i while i+1 packs), round k+1 is packed while round k is
-in flight, and round k is unpacked while round k+1 is. Staging is double-buffered: round
-k and k+1 live in the arena side by side (round k at its bottom when k is even, at its
-top when odd), so the arena is the largest sum of two consecutive rounds' staging, which
-must fit ``staging_bytes`` x the ranks sharing it (the refit schedules with half the
-budget per round for that); a schedule whose consecutive rounds do not fit runs round
-after round. Only one thread ever touches the transport, so a transport needs nothing
-beyond the grouped protocol (and NCCL's groupStart/End semantics hold: the wire opens a
-group, posts, closes it). Device (CUDA) bindings run round after round: their copies and
-NCCL calls are queued asynchronously on xreshard's own stream of each device already.
+Each send goes to the wire as soon as it is packed (gloo or shm move message i while i+1
+packs). Staging is double-buffered (round k at the arena's bottom when k is even, at its
+top when odd): the arena, the largest sum of two consecutive rounds' staging, must fit
+``staging_bytes`` x the ranks sharing it (rounds of half the budget), else rounds run one
+after another. Only the wire thread touches the transport (NCCL's groupStart/End hold).
+Device (CUDA) bindings run round after round: their copies and NCCL calls are queued
+asynchronously on xreshard's own stream of each device already.
 
 Stages (a prepared call, see :mod:`xreshard.planner.prepare`): every bucket and same-rank
 copy names its stage, and each stage has its own layouts, wire dtypes and bindings
 (:class:`Tables`), so a tensor is keyed by ``(name, stage)``. Forwards (a relay, see
 :mod:`xreshard.planner.relay`): a send may read what an earlier round of the same run
 received. The pipelined path then waits for (and unpacks) the earlier rounds before
-packing it, after round k's other sends have gone to the wire:
+packing it, after round k's other sends have gone to the wire.
 
-```
- calling thread  ... | pack k (own sources) | wait + unpack k-1 | pack k (forwards) | ...
-```
-
-:func:`run` runs a whole prepared call (each stage's bindings cut by
-:func:`xreshard.runtime.metadata.stage_bindings`) in one executor.
-
-Modules: the wire thread is ``wire.py``, the pack/unpack programs ``programs.py``, device
-placement and CUDA checks ``devices.py``, the copy kernels ``copies.py``; this module
-re-exports the public names of the last two.
+Codecs (:mod:`.codecs`): the executor has ONE round loop (:meth:`Executor._rounds`) and
+ONE pipelined loop (:meth:`Executor._pipelined`), whatever changes the bytes. A message
+codec frames each group (``Fixed``: group k is round k; a delta call's ``Sized``: headers
+one group ahead of their payloads); the kernels of every codec (FP8 quantizers, delta
+diff) are one value from ``Tuning`` (:class:`.codecs.kernels.Kernels`). :func:`run` runs a
+whole prepared call (each stage's bindings cut by ``metadata.stage_bindings``). The wire
+thread is ``wire.py``, the programs ``programs.py``, devices ``devices.py``, copies
+``copies.py`` (import their names from there: nothing is re-exported here).
 
 A *binding* is what a rank holds of a tensor, in the tensor's canonical coordinates: an
 array (numpy on CPU, CuPy on GPU) for product layouts, a list of arrays (one per region)
@@ -59,10 +53,10 @@ from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
-from .copies import array_module, copy_into, view_of, widened
+from .copies import array_module, copy_into, view_of
 # the device hooks are looked up here at call time (tests replace them on this module)
 from .devices import (Bindings, binding_devices, cast_problems, cuda_preflight, cupy_knows,
-                      cupy_missing, device_of, device_problems)
+                      device_of)
 from .devices import device_alloc as _device_alloc
 from .devices import device_ctx as _device_ctx
 from .devices import host_alloc as _host_alloc
@@ -80,12 +74,15 @@ from . import quantized
 from .programs import Programs, Tables, packed
 from .wire import Wire
 from .gcpause import gc_paused
+from .codecs.framing import FIXED
+from .codecs.items import ItemCodecs
+from .codecs.items import item as _item
+from .codecs.kernels import HOST, Kernels
+from .codecs.messages import message_codec
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Bindings", "ExecStats", "Executor", "Tables", "binding_devices", "cast_problems",
-           "copy_into", "cuda_preflight", "cupy_knows", "cupy_missing", "device_of",
-           "device_problems", "gc_paused", "numpy_dtype", "run", "view_of", "widened"]
+__all__ = ["ExecStats", "Executor", "run"]
 
 
 @dataclass
@@ -158,6 +155,10 @@ class Executor:
             schedule and these layouts (its owner resets it when they change), or None.
         pause_gc: pause the cyclic garbage collector while running (``gc_paused``).
         quant: ``PreparedCall.quant`` (its scratch buffers among ``dst_bindings``).
+        kernels: which kernels the codecs run (:class:`.codecs.kernels.Kernels`, from the
+            call's ``Tuning``).
+        codec: the message codec (:mod:`.codecs.framing`): ``FIXED`` (plain messages), or
+            a delta call's (:class:`.codecs.delta.DeltaCodec`, ``Sized`` framing).
     """
 
     def __init__(self, schedule: Schedule, src_layouts: Mapping[str, Layout],
@@ -167,7 +168,8 @@ class Executor:
                  pipeline: bool = True, staging_bytes: int | None = None,
                  forwarded: frozenset[tuple[str, int]] = frozenset(), arena: Any = None, *,
                  later_stages: Sequence[Tables] = (), programs: dict | None = None,
-                 pause_gc: bool = True, quant: Any = None):
+                 pause_gc: bool = True, quant: Any = None, kernels: Kernels = HOST,
+                 codec: Any = FIXED):
         self.schedule = schedule
         self.tables = (Tables(src_layouts, dst_layouts, wire_dtypes, src_bindings,
                               dst_bindings),) + tuple(later_stages)
@@ -177,6 +179,9 @@ class Executor:
         self.pipeline = bool(pipeline)
         self.programs = Programs(self.tables, programs, quant)
         self.quant = quant
+        self.kernels = kernels
+        self.codec = codec
+        self.items = ItemCodecs(kernels)
         self.staging_bytes = staging_bytes
         #: staging per CUDA device ordinal (None: host memory), reused across runs
         self._arena: dict[int | None, Any] = {} if arena is None else arena
@@ -256,12 +261,9 @@ class Executor:
         xp = array_module(buf)
         if xp is np and len(b.items) > 1:
             return self._pack_runs(b, buf)
+        codecs = self.items
         for e in self.programs.program(b, 0):
-            if e.quant is not None:
-                quantized.pack(e, buf, bindings, _item)
-                continue
-            out = buf[e.lo:e.hi].view(e.bits).reshape(e.shape)
-            copy_into(xp, out, e.wire, _item(bindings[e.key], e.index, e.slices), e.dtype)
+            codecs.of(e).pack(e, buf, bindings)
 
     def _pack_runs(self, b: Bucket, buf: np.ndarray) -> None:
         """Host packing of a bucket of many items: consecutive small items of one dtype that
@@ -283,23 +285,15 @@ class Executor:
                                    out=buf[run.lo:run.hi].view(run.bits), casting="no")
                 continue
             for e in run.steps:
-                if e.quant is not None:
-                    quantized.pack(e, buf, bindings, _item)
-                    continue
-                out = buf[e.lo:e.hi].view(e.bits).reshape(e.shape)
-                copy_into(np, out, e.wire, _item(bindings[e.key], e.index, e.slices), e.dtype)
+                self.items.of(e).pack(e, buf, bindings)
 
     def _unpack(self, b: Bucket, buf: Any) -> None:
         if isinstance(buf, np.ndarray):
             return self._unpack_host(b, buf)
         bindings = self.tables[b.stage].dst_bindings
+        codecs = self.items
         for e in self.programs.program(b, 1):
-            if e.quant is not None:
-                quantized.unpack(e, buf, bindings, _item)
-                continue
-            dst = _item(bindings[e.key], e.index, e.slices)
-            data = buf[e.lo:e.hi].view(e.bits).reshape(e.shape)
-            copy_into(array_module(dst), dst, e.dtype, data, e.wire)
+            codecs.of(e).unpack(e, buf, bindings)
 
     def _unpack_host(self, b: Bucket, buf: np.ndarray) -> None:
         """Unpacking from host staging: a small item that needs no cast into a host array is
@@ -323,7 +317,7 @@ class Executor:
         for run in self.programs.runs(b, 1):
             for e in run.steps:
                 if e.quant is not None:
-                    quantized.unpack(e, buf, bindings, _item)
+                    self.items.fp8.unpack(e, buf, bindings)
                     pairs = None
                     continue
                 arr = bindings[e.key]
@@ -344,7 +338,7 @@ class Executor:
     def _local_copy(self, c: Copy) -> int:
         tables = self.tables[c.stage]
         if quantized.copies(self.quant, c):
-            return quantized.copy_local(c, self.quant, tables)
+            return quantized.copy_local(c, self.quant, tables, self.kernels)
         src_layout, dst_layout = tables.src_layouts[c.name], tables.dst_layouts[c.name]
         src = view_of(tables.src_bindings[(c.rank, c.name)], src_layout, c.rank, c.region)
         dst = view_of(tables.dst_bindings[(c.rank, c.name)], dst_layout, c.rank, c.region)
@@ -449,8 +443,12 @@ class Executor:
         When it returns, destinations are written and sources read, on every stream (see
         the class docstring).
         """
-        with gc_paused(self.pause_gc):
-            return self._run()
+        self.codec.start(self)
+        try:
+            with gc_paused(self.pause_gc):
+                return self._run()
+        finally:            # a codec's threads (a delta's encoders) end with the run
+            self.codec.stop(self)
 
     def _run(self) -> ExecStats:
         stats = ExecStats()
@@ -470,14 +468,15 @@ class Executor:
             quantized.refuse_devices(self.quant, any(self._device.get(r) is not None
                                                      for r in self._local_src),
                                      any(self._device.get(r) is not None
-                                         for r in self._local_dst))
+                                         for r in self._local_dst), self.kernels)
             for dev in gpus:
                 cuda_preflight(dev)
             _order_after_current(gpus)      # own streams after the bindings' producers
         ok = False
         try:
             arena = None
-            if self.pipeline and not gpus and len(self.schedule.rounds) > 0:
+            if self.pipeline and not gpus and len(self.schedule.rounds) > 0 \
+                    and self.codec.pipelines(self):
                 needs = self._round_needs()
                 arena = self._double_buffered(needs)
             if arena is not None:
@@ -490,11 +489,9 @@ class Executor:
                 need = self._staging_needed()
                 self._staging(need)
                 stats.staging_bytes = sum(need.values())
-                for buckets in self.schedule.rounds:
-                    self._round(buckets, stats)
-                self._rounds_done(stats)
+                self._rounds(stats)
                 self._local_copies(stats, forwarded=True)
-            quantized.finish(self.quant, self.tables[0].dst_bindings)
+            quantized.finish(self.quant, self.tables[0].dst_bindings, self.kernels)
             ok = True
         finally:
             if gpus:    # also after a failure: no copy may still read or write afterwards
@@ -546,94 +543,93 @@ class Executor:
         stats.num_messages += 1
         quantized.count(self.quant, b, stats, "sent")
 
-    def _round(self, buckets: Sequence[Bucket], stats: ExecStats) -> None:
+    def _post(self, buf: Any, b: Bucket) -> None:
+        self.transport.send(buf, b.src, b.dst, b.tag)
+
+    def _rounds(self, stats: ExecStats) -> None:
+        """The round loop: group after group on the calling thread (device bindings, the
+        ``rounds`` executor, and what does not fit two rounds of staging). Group ``k``
+        (the message codec's, :mod:`.codecs.framing`) is round ``k``, or for ``Sized``
+        framing round ``k - 1``'s payloads and round ``k``'s headers."""
+        rounds = self.schedule.rounds
+        for k in range(len(rounds) + (self.codec.lag if rounds else 0)):
+            self._group(k, rounds[k] if k < len(rounds) else (), stats)
+            if k < len(rounds):
+                self.codec.after_group(self, k)
+
+    def _group(self, k: int, buckets: Sequence[Bucket], stats: ExecStats) -> None:
         tr = time.perf_counter()
         offsets: dict[int | None, int] = {}
-        recvs, unpack = self._recv_buffers(buckets, offsets, stats)
-        with self.transport.group(self.timeout):
-            # receives first, so peers' sends can start while this process packs; posted
-            # on the rank's device and stream: transports order after what is queued there
-            for buf, b in recvs:
-                with self._on(b.dst):
-                    self.transport.recv(buf, b.src, b.dst, b.tag)
-            # transports that start posts at once (gloo) move message i while i+1 packs
-            for b in buckets:
-                if b.src in self._local_src:
-                    with self._on(b.src):
-                        buf = self._message(b, offsets, stats)
-                        self.transport.send(buf, b.src, b.dst, b.tag)
-                    self._count_send(b, stats)
-        for b, buf in unpack:
-            with self._on(b.dst):
-                self._unpack(b, buf)
+        group = self.codec.open(self, k, buckets, offsets, stats)
+        if group.idle:
+            return
+        if group.moves:
+            with self.transport.group(self.timeout):
+                # receives first, so peers' sends can start while this process packs;
+                # posted on the rank's device and stream: transports order after what is
+                # queued there
+                for buf, b in group.recvs:
+                    with self._on(b.dst):
+                        self.transport.recv(buf, b.src, b.dst, b.tag)
+                # transports that start posts at once (gloo) move message i while i+1 packs
+                self.codec.post(self, group, self._post, offsets, stats)
+        self.codec.land(self, group.landing)
         stats.per_round_seconds.append(time.perf_counter() - tr)
-
-    def _rounds_done(self, stats: ExecStats) -> None:
-        """After the last round, round after round (a subclass's hook: the delta executor
-        sends the last round's payloads there)."""
 
     # ------------------------------------------------------------ pipelined run
 
     def _pipelined(self, needs: list[dict[int | None, int]], arena: dict[int | None, int],
                    stats: ExecStats) -> None:
-        """Rounds overlapped: the wire thread runs round k's group while this thread packs
-        round k+1 and unpacks round k-1 (host bindings only).
-
-        A send of a ``forwarded`` tensor reads what an earlier round received: before the
-        first one of round k is packed (or posted in place), every earlier round is waited
-        for and unpacked. Round k's other sends go first, so they still leave early.
-        """
+        """Groups overlapped: the wire thread runs group k while this thread packs group
+        k+1 and lands group k-1 (host bindings only). Round ``j``'s staging half is free
+        once round ``j - 2`` landed. A ``Sized`` codec's group ``k`` opens once group
+        ``k - 1`` moved (its headers size group ``k``'s receives) and group ``k - 1`` lands
+        while group ``k`` moves. Forwards wait for earlier rounds (``Fixed.post``)."""
         rounds = self.schedule.rounds
-        pending: dict[int, list[tuple[Bucket, Any]]] = {}
+        codec, lag = self.codec, self.codec.lag
+        pending: dict[int, list] = {}
         started: dict[int, float] = {}
 
-        def finish(k: int) -> None:
-            if k not in pending:
-                return          # already finished for a forward
-            wire.wait(k)
-            for b, buf in pending.pop(k):
-                self._unpack(b, buf)
-            stats.per_round_seconds.append(time.perf_counter() - started.pop(k))
+        def finish(j: int) -> None:
+            if j not in pending:
+                return          # already landed (for a forward, or a sized group)
+            wire.wait(j)
+            landing = pending.pop(j)
+            if landing or not codec.sized:
+                codec.land(self, landing)
+                stats.per_round_seconds.append(time.perf_counter() - started.pop(j))
 
         with Wire(self.transport, self.timeout) as wire:
-            for k, buckets in enumerate(rounds):
-                if k >= 2:
-                    finish(k - 2)       # frees round k's half of the arena
+            groups = len(rounds) + (lag if rounds else 0)
+            for k in range(groups):
+                finish(k - 2)           # frees round k's half of the arena
+                if codec.sized and k:
+                    wire.wait(k - 1)    # its headers size this group's receives
                 started[k] = time.perf_counter()
-                # round k sits at the bottom of the arena when k is even, at its top when
-                # odd: two consecutive rounds never overlap (see _double_buffered)
-                offsets = {dev: 0 if k % 2 == 0 else arena[dev] - needs[k].get(dev, 0)
-                           for dev in arena}
-                recvs, unpack = self._recv_buffers(buckets, offsets, stats)
-                pending[k] = unpack
-                wire.open(k, recvs)
-                sends = [b for b in buckets if b.src in self._local_src]
-                if self.forwarded:
-                    sends.sort(key=self._is_forward)
-                landed = False
-                for b in sends:
-                    if not landed and self._is_forward(b):
-                        for j in sorted(pending):
-                            if j < k:
-                                finish(j)
-                        landed = True
-                    wire.send(self._message(b, offsets, stats), b)
-                    self._count_send(b, stats)
+                j = k - lag             # the round whose staging this group takes
+                offsets = {} if j < 0 else {
+                    dev: 0 if j % 2 == 0 else arena[dev] - needs[j].get(dev, 0)
+                    for dev in arena}
+                group = codec.open(self, k, rounds[k] if k < len(rounds) else (), offsets,
+                                   stats)
+                pending[k] = group.landing
+                wire.open(k, group.recvs)
+
+                def landed(k: int = k) -> None:
+                    for i in sorted(pending):
+                        if i < k:
+                            finish(i)
+                codec.post(self, group, wire.send, offsets, stats, landed)
                 wire.close(k)
-                if k == 0:      # same-rank copies overlap the first round's wire
+                if k == 0:      # same-rank copies overlap the first group's wire
                     self._local_copies(stats, forwarded=False)
-            if not rounds:
+                if codec.sized and k:
+                    finish(k - 1)       # moved already (waited above): lands while k moves
+            if not groups:
                 self._local_copies(stats, forwarded=False)
             for k in sorted(pending):
                 finish(k)
             self._local_copies(stats, forwarded=True)
-
-
-
-def _item(binding: Any, i: int | None, slices: tuple) -> Any:
-    """The view a program entry names: buffer ``i`` of an explicit binding (None: the one
-    array of a product binding), sliced."""
-    return (binding if i is None else binding[i])[slices]
 
 
 _ALIGN = 256    # staging offsets: what cudaMalloc guarantees, enough for any element
@@ -662,8 +658,9 @@ def run(prepared: PreparedCall, bindings: StageBindings, transport: Transport, *
             prepared call), or None.
         tuning: the executor kind and the GC pause (``Tuning``); the schedule's round size
             was decided when the call was prepared (``CallOptions.halved``).
-        delta: a ``delta_wire.DeltaCall`` (``RefitConfig(delta=True)``): run the delta
-            executor, which sends each bucket encoded against its baseline; None: plain.
+        delta: a ``delta_wire.DeltaCall`` (``RefitConfig(delta=True)``): the delta message
+            codec sends each bucket encoded against its baseline (host or device memory:
+            :func:`.codecs.messages.message_codec`); None: plain messages.
 
     Returns:
         ``(stats, arena)``: what this process moved, and the staging to keep.
@@ -674,17 +671,13 @@ def run(prepared: PreparedCall, bindings: StageBindings, transport: Transport, *
     dsts = quantized.with_scratch(prepared.quant, bindings.dst, programs)
     tables = [Tables(st.src_layouts, st.dst_layouts, st.wire_dtypes, bindings.src[k],
                      dsts[k]) for k, st in enumerate(prepared.stages)]
-    kind: Any = Executor
-    extra: dict[str, Any] = {}
-    if delta is not None:       # host or device memory: see delta_device
-        from .delta_device import executor_for
-        kind, extra = executor_for(bindings, tuning)
-        extra["delta"] = delta
-    executor = kind(prepared.schedule, *tables[0], transport, timeout,
+    kernels = Kernels.of(tuning)
+    executor = Executor(prepared.schedule, *tables[0], transport, timeout,
                     pipeline=tuning.executor == "pipelined",
                     staging_bytes=prepared.options.staging_bytes,
                     forwarded=prepared.forwarded, arena=arena,
                     later_stages=tables[1:], programs=programs, pause_gc=tuning.pause_gc,
-                    quant=prepared.quant, **extra)
+                    quant=prepared.quant, kernels=kernels,
+                    codec=message_codec(delta, bindings, tuning, kernels))
     stats = executor.run()
     return stats, executor.arena

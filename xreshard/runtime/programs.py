@@ -41,7 +41,7 @@ class Step(NamedTuple):
 
     key: tuple[int, str]
     """``(rank, name)`` in the stage's bindings of that side."""
-    index: int | None
+    index: int | None       # type: ignore[assignment]  # a field, not tuple.index
     """Which buffer of an explicit binding (a list); None: the product binding's array."""
     slices: tuple
     lo: int

@@ -12,47 +12,43 @@ What :mod:`.quantized` does per region runs where the region's bytes are:
 
 Every path gives the bytes of :mod:`xreshard.quant.host` (vLLM's functions, byte for
 byte; ``tests/test_quant.py``), so a call mixing host and device processes is consistent.
-Without a GPU, ``XRESHARD_TEST_DEVICE_OPS`` (tests only) runs host bindings through these
-same functions with the framework's CPU ops (:mod:`.device_ops`).
+Which framework runs them is the call's :class:`.codecs.kernels.Kernels` (from ``Tuning``:
+``device_kernels``; without a GPU, ``host_device_ops`` runs host bindings through these
+same functions with the framework's CPU ops, tests only).
 """
 
 from __future__ import annotations
 
-import functools
 from typing import Any, Mapping
 
 import numpy as np
 
 from ..dtypes import bits_dtype, dtype_name, itemsize
-from .device_ops import DeviceOps, is_host, ops_for, test_switch
+from .codecs.kernels import HOST, Kernels
+from .device_ops import is_host
 
 __all__ = ["quantize", "takes_device", "scratch_like", "host_bytes", "device_problems",
            "settle"]
 
 
-def takes_device(values: Any) -> bool:
-    """Whether ``values`` are quantized by the device path: device memory, or the test
-    switch is on."""
-    return not is_host(values) or test_switch() is not None
-
-
-@functools.cache
-def _ops(role: str, switch: str | None) -> DeviceOps:
-    return ops_for(role)
+def takes_device(values: Any, kernels: Kernels = HOST) -> bool:
+    """Whether ``values`` are quantized by the device path: device memory, or host memory
+    with ``kernels.on_host`` set."""
+    return kernels.takes_device(values)
 
 
 def quantize(values: Any, fmt: Any, name: str, dtype: str | None = None,
-             role: str = "send") -> tuple[Any, Any]:
+             role: str = "send", kernels: Kernels = HOST) -> tuple[Any, Any]:
     """``(codes, scales)`` of ``values`` (an executor array holding the canonical dtype
     ``dtype``, default its own) on its device, as arrays of bits in its memory: the
     bytes of :mod:`xreshard.quant.host`. ``role``: "send" (a sender's whole blocks) or
     "receive" (split blocks a receiver finishes), which picks the framework
-    (:func:`.device_ops.ops_for`)."""
+    with ``kernels`` (:meth:`.codecs.kernels.Kernels.ops`)."""
     dtype = dtype or dtype_name(values.dtype)
     if not values.flags.c_contiguous:
         xp = np if is_host(values) else __import__("cupy")
         values = xp.ascontiguousarray(values)
-    return _ops(role, test_switch()).quantize(values, dtype, fmt, name)
+    return kernels.ops(role).quantize(values, dtype, fmt, name)
 
 
 def scratch_like(dst_bindings: Mapping[Any, Any], rank: int, shape: tuple[int, ...],
@@ -80,7 +76,8 @@ def host_bytes(a: Any) -> np.ndarray:
     return np.ascontiguousarray(a).reshape(-1).view(np.uint8)
 
 
-def device_problems(quant: Any, sends: bool, receives: bool) -> list[str]:
+def device_problems(quant: Any, sends: bool, receives: bool,
+                    kernels: Kernels = HOST) -> list[str]:
     """What keeps a process with device bindings from quantizing on the way: no framework
     to run the quantizers on the device (named per side)."""
     if quant is None:
@@ -89,7 +86,7 @@ def device_problems(quant: Any, sends: bool, receives: bool) -> list[str]:
     for role, holds in (("send", sends), ("receive", receives)):
         if holds:
             try:
-                ops_for(role)
+                kernels.ops(role)
             except Exception as e:      # noqa: BLE001 - reported before any byte moves
                 names = ", ".join(sorted(quant.tensors)[:3])
                 found.append(f"tensors quantized on the way ({names}): {e}")

@@ -48,12 +48,13 @@ JAX_MIN_ELEMENTS = 1 << 16
 
 
 def quantize_values(values: Any, fmt: Any, name: str, dtype: str | None = None,
-                    role: str = "send") -> tuple[Any, Any]:
+                    role: str = "send", kernels: Any = None) -> tuple[Any, Any]:
     """``(codes, scales)`` of ``values`` (a dtype the format quantizes; ``dtype``: the
     canonical one, when ``values`` is a raw-bits view).
 
     Device memory is quantized on its device (:func:`.quantize_device.quantize`; ``role``:
-    "send" or "receive" picks the framework there).
+    "send" or "receive" picks the framework there, with ``kernels``, the call's
+    :class:`.codecs.kernels.Kernels`; None: the defaults).
 
     Identical bytes whichever runs (``tests/test_quant.py``): in a process that has JAX
     loaded (a JAX trainer, whose CPU arrays are host memory), large regions go through
@@ -61,8 +62,10 @@ def quantize_values(values: Any, fmt: Any, name: str, dtype: str | None = None,
     throughput per CPU-second (``benchmarks/RESULTS.md``); else :mod:`xreshard.quant.host`.
     """
     from . import quantize_device
-    if quantize_device.takes_device(values):
-        return quantize_device.quantize(values, fmt, name, dtype, role)
+    from .codecs.kernels import HOST
+    kernels = HOST if kernels is None else kernels
+    if kernels.takes_device(values):
+        return quantize_device.quantize(values, fmt, name, dtype, role, kernels)
     jax = sys.modules.get("jax")
     if jax is not None and values.size >= JAX_MIN_ELEMENTS:
         from ..quant import jax_ops
@@ -76,7 +79,7 @@ def quantize_values(values: Any, fmt: Any, name: str, dtype: str | None = None,
         return np.asarray(codes), np.asarray(scales)
     from ..quant import host
     fn = host.quantize_mxfp8 if isinstance(fmt, MXFP8) else host.quantize_block_fp8
-    return fn(values, fmt, name=name)
+    return fn(values, fmt, name=name, threads=kernels.quant_threads)
 
 
 def _jax_bits(jax: Any, bits: np.ndarray) -> Any:
@@ -134,24 +137,25 @@ def _region(binding: Any, i: int | None, slices: tuple) -> Any:
     return (binding if i is None else binding[i])[slices]
 
 
-def quantize_step(e: Any, bindings: Mapping, item: Any = _region
+def quantize_step(e: Any, bindings: Mapping, item: Any = _region, kernels: Any = None
                   ) -> tuple[np.ndarray, np.ndarray]:
     """``(codes, scales)`` of FP8 step ``e``'s region of its source binding (cast to the
     values the trainer exports first; ``item(binding, index, slices)`` cuts the region):
     what :func:`pack` writes."""
     q = e.quant
     src = item(bindings[e.key], e.index, e.slices)
-    return quantize_values(_values(src, e.dtype, q.values), q.format, e.key[1], q.values)
+    return quantize_values(_values(src, e.dtype, q.values), q.format, e.key[1], q.values,
+                           kernels=kernels)
 
 
-def pack(e: Any, buf: np.ndarray, bindings: Mapping, item: Any) -> None:
+def pack(e: Any, buf: np.ndarray, bindings: Mapping, item: Any, kernels: Any = None) -> None:
     """Write the scales, then the codes, of FP8 step ``e`` into ``buf``: as quantized
     ahead (:data:`AHEAD`: see :mod:`xreshard.runtime.quantize_ahead`), or quantized here
     from its source binding."""
     q = e.quant
     ahead = AHEAD.get()
     got = ahead.take(e) if ahead is not None else None
-    codes, scales = quantize_step(e, bindings, item) if got is None else got
+    codes, scales = quantize_step(e, bindings, item, kernels) if got is None else got
     buf[e.lo:e.lo + q.scale_bytes] = scales.reshape(-1).view(np.uint8)
     buf[e.lo + q.scale_bytes:e.hi] = codes.reshape(-1).view(np.uint8)
 
@@ -180,11 +184,11 @@ def _dst_views(quant: Any, rank: int, name: str, region: Any, dst_bindings: Mapp
 
 
 def _write(quant: Any, rank: int, name: str, region: Any, values: np.ndarray,
-           dst_bindings: Mapping) -> None:
+           dst_bindings: Mapping, kernels: Any = None) -> None:
     """Quantize ``values`` (the region ``region`` of ``name``, whole blocks) into the
     codes' and the scales' bindings of ``rank``."""
     codes, scales = quantize_values(values, quant.tensors[name].format, name,
-                                    quant.wire[name], "receive")
+                                    quant.wire[name], "receive", kernels)
     codes_view, scales_view = _dst_views(quant, rank, name, region, dst_bindings)
     _put(codes_view, codes)
     _put(scales_view, scales)
@@ -195,7 +199,7 @@ def copies(quant: Any, c: Any) -> bool:
     return quant is not None and c.stage == 0 and c.name in quant.tensors
 
 
-def copy_local(c: Any, quant: Any, tables: Any) -> int:
+def copy_local(c: Any, quant: Any, tables: Any, kernels: Any = None) -> int:
     """A same-rank copy of a tensor quantized on the way: whole blocks quantized into the
     destination, the rest into its scratch. Returns its bytes."""
     src_layout, src_bindings = tables.src_layouts[c.name], tables.src_bindings
@@ -205,7 +209,7 @@ def copy_local(c: Any, quant: Any, tables: Any) -> int:
     values = _values((b if src_layout.is_product else b[i])[slices], src_layout.dtype,
                      quant.wire[c.name])
     if c.quantized:
-        _write(quant, c.rank, c.name, c.region, values, dst_bindings)
+        _write(quant, c.rank, c.name, c.region, values, dst_bindings, kernels)
         return c.nbytes
     s = quant.scratch_for(c.rank, c.name, c.region)
     rel = tuple(slice(a - o, z - o) for a, z, o in zip(c.region.starts, c.region.stops,
@@ -214,11 +218,13 @@ def copy_local(c: Any, quant: Any, tables: Any) -> int:
     return c.nbytes
 
 
-def refuse_devices(quant: Any, sends: bool = True, receives: bool = True) -> None:
+def refuse_devices(quant: Any, sends: bool = True, receives: bool = True,
+                   kernels: Any = None) -> None:
     """Raise ``RefitError`` when a call that quantizes on the way has device bindings this
     process cannot quantize on their device (neither JAX nor torch installed)."""
     from .quantize_device import device_problems
-    found = device_problems(quant, sends, receives)
+    from .codecs.kernels import HOST
+    found = device_problems(quant, sends, receives, HOST if kernels is None else kernels)
     if found:
         from ..errors import RefitError
         raise RefitError("; ".join(found) + "; nothing was moved. Send these tensors from "
@@ -252,7 +258,7 @@ def scratch_bindings(quant: Any, cache: dict | None, dst_bindings: Mapping | Non
     return out
 
 
-def finish(quant: Any, dst_bindings: Mapping) -> int:
+def finish(quant: Any, dst_bindings: Mapping, kernels: Any = None) -> int:
     """Quantize every split block from its scratch into the destination (after every round
     and copy landed). Returns the bytes quantized (in the wire dtype)."""
     if quant is None:
@@ -273,7 +279,7 @@ def finish(quant: Any, dst_bindings: Mapping) -> int:
                     rel = tuple(slice(a - o, z - o) for a, z, o in zip(
                         region.starts, region.stops, s.region.starts))
                     values = array_module(buf).ascontiguousarray(buf[rel])
-                    _write(quant, s.rank, s.name, region, values, dst_bindings)
+                    _write(quant, s.rank, s.name, region, values, dst_bindings, kernels)
                     done += values.nbytes
     settle(dst_bindings)
     return done
@@ -369,12 +375,12 @@ def digest_transfer(out: Any, quant: Any, t: Any, key: str, rank: int, src_bindi
 
 
 def digest_finished(out: Any, quant: Any, local: Any, dst_bindings: Mapping, stream_hex: Any,
-                    wanted: Any) -> int:
+                    wanted: Any, key_of: Any) -> int:
     """File the digests of the split blocks each of the ``local`` receivers quantized
     itself (:func:`finished_bytes`), both ways, as a transfer from the receiver to itself
-    (``wanted(key, elements)``: whether this call hashes it). Returns the bytes hashed."""
-    from .verify import key_of
-
+    (``wanted(key, elements)``: whether this call hashes it; ``key_of``: verify's key of a
+    transfer, handed in so that this module does not import verify, which imports it).
+    Returns the bytes hashed."""
     n = 0
     for rank in local:
         for name, region, expected, held in finished_bytes(quant, rank, dst_bindings):

@@ -67,7 +67,7 @@ import numpy as np
 from ..dtypes import as_dtype, bits, numpy_dtype
 from ..errors import RefitError
 from . import digest, quantized
-from .execute import copy_into, view_of
+from .copies import copy_into, view_of
 from ..ir.layout import Layout, Region
 
 __all__ = ["Digests", "Mismatch", "call_key", "checksum", "compare",
@@ -159,7 +159,7 @@ def _cast_into(out: np.ndarray, src: np.ndarray, have: str | None, wire: str | N
 def _device_receiver_view(view: Any, have: str, wire: str, want: str, cast: bool) -> Any:
     """A CuPy source region as the receiver must hold it (cast like the executor)."""
     import cupy
-    from .execute import cupy_knows
+    from .devices import cupy_knows
 
     if not cast:
         return view
@@ -353,7 +353,8 @@ def digest_bindings(plan: Any, local_ranks: Iterable[int],
                     arrays.append(view)
     if quant is not None and dst_bindings:      # the split blocks receivers quantized
         out.nbytes += quantized.digest_finished(out, quant, local, dst_bindings, stream_hex,
-                                                lambda k, n: _wanted(mode, k, n, version))
+                                                lambda k, n: _wanted(mode, k, n, version),
+                                                key_of)
     if arrays:
         hexes = digest.device_digests(arrays, hash_key)
         for table, tkey, i in jobs:

@@ -90,7 +90,7 @@ class Wire:
         self._thread.join(2 * self.timeout + 5.0)
 
     def _loop(self) -> None:
-        group = None
+        group: Any = None
         k = -1
         while True:
             op, a, b = self._q.get()

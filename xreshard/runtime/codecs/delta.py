@@ -1,5 +1,5 @@
-"""The executor of a delta call (``RefitConfig(delta=True)``): encode on worker threads,
-ahead of the wire.
+"""The message codec of a delta call (``RefitConfig(delta=True)``): encode on worker
+threads, ahead of the wire.
 
 Message sizes depend on the data while transports need matching sizes, so a bucket of a
 pair that goes as a delta sends a 32-byte header (kind and exact length) one group before
@@ -48,50 +48,66 @@ after round, one round's staging is live at a time (round ``k - 1``'s, during gr
 
 from __future__ import annotations
 
-import time
 from collections import deque
 from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from ..delta.codec import DENSE, HEADER_BYTES, Header, read_header
-from ..delta.host import apply_numpy
-from ..dtypes import bits_dtype
-from ..planner.schedule import Bucket
-from . import quantized
-from .delta_encode import (ENCODE_THREADS, Encoded, Encoder, Spans, delta_spans, delta_unit,
-                           mostly_changed)
-from .delta_land import apply_host, gather, keep_landed_pieces
-from .execute import ExecStats, Executor
-from .wire import Wire
+from ...delta.codec import DENSE, HEADER_BYTES, Header, read_header
+from ...delta.host import apply_numpy
+from ...dtypes import bits_dtype
+from ...planner.schedule import Bucket
+from .. import quantized
+from ..delta_encode import Encoded, Encoder, delta_spans, delta_unit
+from ..delta_land import apply_host, gather, keep_landed_pieces
+from .framing import Group
 
-__all__ = ["DeltaExecutor", "Encoder", "Encoded", "ENCODE_THREADS", "mostly_changed",
-           "delta_unit", "delta_spans", "Spans"]
+__all__ = ["DeltaCodec"]
 
-class DeltaExecutor(Executor):
-    """The executor of a delta call (see the module docstring): its groups round after
-    round, or pipelined on the wire thread. Packing, unpacking and same-rank copies are
-    the plain executor's.
+
+class DeltaCodec:
+    """The message codec of a delta call (``Sized`` framing: see the module docstring).
+
+    The executor (:class:`~xreshard.runtime.execute.Executor`) runs it through its one
+    round loop and its one pipelined loop: each group is :meth:`open` (what it receives
+    and what it sends), :meth:`post` (the previous round's payloads, then this round's
+    headers) and, once the group moved, :meth:`land`. Packing, unpacking and same-rank
+    copies are the executor's (its item codecs). Host memory here; the device path
+    (:class:`xreshard.runtime.delta_device.DeviceDeltaCodec`) overrides the memory hooks.
 
     Args:
         delta: the call's decision and accounting (``delta_wire.DeltaCall``); its
             ``encoder`` (started ahead of the call) is used when it encodes this call.
     """
 
-    def __init__(self, *args: Any, delta: Any, **kwargs: Any):
-        super().__init__(*args, **kwargs)
-        self.delta = delta
+    #: headers go one group ahead of their payloads: group ``k`` carries round ``k - 1``'s
+    #: payloads and round ``k``'s headers (``lag`` 1), and its receives are sized by the
+    #: headers of group ``k - 1``
+    sized = True
+    lag = 1
 
-    def run(self) -> ExecStats:
-        """Move everything (see :meth:`Executor.run`); the encoder's threads are stopped
-        before this returns, whatever happened."""
+    def __init__(self, delta: Any):
+        self.delta = delta
+        self.ex: Any = None
+
+    def pipelines(self, ex: Any) -> bool:
+        """Whether the executor may run this call pipelined: not with a relay's forwards (a
+        forward is encoded from bytes that landed two rounds before it, and the pipelined
+        groups land after posting)."""
+        return not ex.forwarded
+
+    def start(self, ex: Any) -> None:
+        """Before the rounds: the encoder of this call's sends (the one started ahead of
+        the call when it covers them) and the forwards' bookkeeping."""
+        self.ex = ex
         call = self.delta
-        local = {r for t in self.tables for r, _ in t.src_bindings}
-        wanted = [(b, spans) for rnd in self.schedule.rounds for b in rnd
+        local = {r for t in ex.tables for r, _ in t.src_bindings}
+        wanted = [(b, spans) for rnd in ex.schedule.rounds for b in rnd
                   if b.src in local and (b.src, b.dst) in call.pairs and not call.promised(b)
-                  and (spans := delta_spans(self, b)) is not None and not self._is_forward(b)]
+                  and (spans := delta_spans(ex, b)) is not None and not ex._is_forward(b)]
         encoder = call.encoder
-        if encoder is None or not {b for b, _ in wanted} <= encoder.buckets:
+        if encoder is None or not {b for b, _ in wanted} <= encoder.buckets \
+                or not self._takes(encoder):
             if encoder is not None:
                 encoder.stop()
                 encoder.forget(call.state.sent)
@@ -106,21 +122,33 @@ class DeltaExecutor(Executor):
         self._sent: list[tuple[Bucket, Encoded | None]] = []    # headers sent, payloads next
         self._heads_in: dict[Bucket, np.ndarray] = {}
         self._landing: list[Bucket] = []        # received headers, payloads next
-        if self.forwarded:      # a forward's encode waits for its bytes to land: round by
-            self.pipeline = False       # round (the pipelined groups land after posting)
-        try:
-            self._relayed(local)
-            return super().run()
-        finally:
+        self._relayed(local)
+
+    def _takes(self, encoder: Encoder) -> bool:
+        """Whether an encoder started ahead of the call encodes as this codec does (the
+        host path takes the host encoder; the device path its own)."""
+        return type(encoder) is Encoder
+
+    def stop(self, ex: Any) -> None:
+        """After the rounds, whatever happened: the encoders' threads stopped, their time
+        in the call's accounting."""
+        call = self.delta
+        encoder = getattr(self, "_encoder", None)
+        if encoder is not None:
             encoder.stop()
-            forwards = self._forward_encoder
-            if forwards is not None:
-                forwards.stop()
-            used = [e for e in (encoder, forwards) if e is not None and e.buckets]
-            if used:
-                call.encode_seconds = max(e.finished for e in used) - min(e.started
-                                                                          for e in used)
-                call.encode_threads = max(e.threads for e in used)
+        forwards = getattr(self, "_forward_encoder", None)
+        if forwards is not None:
+            forwards.stop()
+        used = [e for e in (encoder, forwards) if e is not None and e.buckets]
+        if used:
+            call.encode_seconds = max(e.finished for e in used) - min(e.started
+                                                                      for e in used)
+            call.encode_threads = max(e.threads for e in used)
+
+    def after_group(self, ex: Any, k: int) -> None:
+        """Group ``k`` ran round after round: start encoding the forwards whose bytes
+        landed."""
+        self._encode_forwards(k + 1)
 
     # ------------------------------------------------------------ a relay's forwards
 
@@ -130,9 +158,9 @@ class DeltaExecutor(Executor):
         stage-1 bindings (views of the destination memory)."""
         call = self.delta
         self._forwards = deque(sorted(
-            (b for rnd in self.schedule.rounds for b in rnd
-             if b.src in local and self._is_forward(b) and (b.src, b.dst) in call.pairs
-             and delta_spans(self, b) is not None), key=lambda b: b.round))
+            (b for rnd in self.ex.schedule.rounds for b in rnd
+             if b.src in local and self.ex._is_forward(b) and (b.src, b.dst) in call.pairs
+             and delta_spans(self.ex, b) is not None), key=lambda b: b.round))
         self._rounds_run = 0
         self._encode_forwards(1)
 
@@ -143,7 +171,7 @@ class DeltaExecutor(Executor):
         jobs = []
         while self._forwards and self._forwards[0].round <= upto:
             b = self._forwards.popleft()
-            spans = delta_spans(self, b)
+            spans = delta_spans(self.ex, b)
             base = None if spans is None else self.delta.baseline(b, spans.nbytes)
             if base is not None:
                 jobs.append((b, base))
@@ -156,81 +184,38 @@ class DeltaExecutor(Executor):
 
     def _encoded(self, b: Bucket) -> Encoded | None:
         """Bucket ``b``'s encoding (waits for it), None when it was not encoded."""
-        encoder = self._forward_encoder if self._is_forward(b) else self._encoder
-        return None if encoder is None else encoder.result(b, self.timeout)
+        encoder = self._forward_encoder if self.ex._is_forward(b) else self._encoder
+        return None if encoder is None else encoder.result(b, self.ex.timeout)
 
-    def _count_wire(self, b: Bucket, nbytes: int, stats: ExecStats) -> None:
+    def _count_wire(self, b: Bucket, nbytes: int, stats: Any) -> None:
         """``nbytes`` of bucket ``b`` posted: forwarded (a relay's) or sent."""
-        if self._is_forward(b):
+        if self.ex._is_forward(b):
             stats.bytes_forwarded += nbytes
         else:
             stats.bytes_sent += nbytes
 
-    def _round(self, buckets: Sequence[Bucket], stats: ExecStats) -> None:
-        self._group(buckets, stats)
-        self._rounds_run += 1
-        self._encode_forwards(self._rounds_run)
-
-    def _rounds_done(self, stats: ExecStats) -> None:
-        self._group((), stats)          # the last round's payloads
-
-    def _group(self, buckets: Sequence[Bucket], stats: ExecStats) -> None:
-        """One group, round after round: the previous round's payloads and ``buckets``'
-        headers; then the previous round lands."""
-        tr = time.perf_counter()
-        offsets: dict[int | None, int] = {}
+    def open(self, ex: Any, k: int, buckets: Sequence[Bucket], offsets: dict,
+             stats: Any) -> Group:
+        """Group ``k`` (``buckets``: round ``k``'s, none for the last group): see
+        :meth:`_open`."""
         incoming, recvs, previous, sends = self._open(buckets, offsets, stats)
-        if not (recvs or previous or sends or incoming):
-            return
-        if recvs or previous or sends:      # else only buckets that did not change land
-            with self.transport.group(self.timeout):
-                for buf, b in recvs:
-                    with self._on(b.dst):   # transports order after the device's stream
-                        self.transport.recv(buf, b.src, b.dst, b.tag)
-                self._posts(self._post, previous, sends, offsets, stats)
-        for b, buf, how in incoming:
-            with self._on(b.dst):
+        return Group(recvs, (previous, sends), incoming,
+                     moves=bool(recvs or previous or sends),
+                     idle=not (recvs or previous or sends or incoming))
+
+    def post(self, ex: Any, group: Group, send: Callable[[Any, Bucket], None],
+             offsets: dict, stats: Any, landed: Callable[[], None] | None = None) -> None:
+        """Post group ``group``'s sends: the previous round's payloads, then the headers."""
+        previous, sends = group.sends
+        self._posts(send, previous, sends, offsets, stats)
+
+    def land(self, ex: Any, landing: list) -> None:
+        """The payloads of a group moved: unpack or apply each."""
+        for b, buf, how in landing:
+            with ex._on(b.dst):
                 self._land(b, buf, how)
-        stats.per_round_seconds.append(time.perf_counter() - tr)
 
-    def _pipelined(self, needs: list[dict[int | None, int]], arena: dict[int | None, int],
-                   stats: ExecStats) -> None:
-        """The groups on the wire thread (see the module docstring): group ``k`` is opened
-        once group ``k - 1`` exited (its headers size group ``k``'s payload receives), and
-        round ``k - 2`` lands while group ``k`` moves. Round ``j``'s payloads (the dense
-        ones' staging, send and receive) sit at the bottom of the arena when ``j`` is even,
-        at its top when odd: a round's half is free again once it landed."""
-        rounds = self.schedule.rounds
-        landing: list = []
-        started = 0.0
-        with Wire(self.transport, self.timeout) as wire:
-            for k in range(len(rounds) + 1):
-                if k:
-                    wire.wait(k - 1)
-                j = k - 1
-                offsets = {} if j < 0 else {dev: 0 if j % 2 == 0 else arena[dev] - needs[j].get(
-                    dev, 0) for dev in arena}
-                incoming, recvs, previous, sends = self._open(
-                    rounds[k] if k < len(rounds) else (), offsets, stats)
-                wire.open(k, recvs)
-                self._posts(wire.send, previous, sends, offsets, stats)
-                wire.close(k)
-                if k == 0:      # same-rank copies overlap the first group's wire
-                    self._local_copies(stats, forwarded=False)
-                self._land_all(landing, started, stats)
-                landing, started = incoming, time.perf_counter()
-            wire.wait(len(rounds))
-            self._land_all(landing, started, stats)
-            self._local_copies(stats, forwarded=True)
-
-    def _land_all(self, incoming: list, started: float, stats: ExecStats) -> None:
-        for b, buf, how in incoming:
-            with self._on(b.dst):
-                self._land(b, buf, how)
-        if incoming:
-            stats.per_round_seconds.append(time.perf_counter() - started)
-
-    def _open(self, buckets: Sequence[Bucket], offsets: dict, stats: ExecStats
+    def _open(self, buckets: Sequence[Bucket], offsets: dict, stats: Any
               ) -> tuple[list, list, list, list]:
         """What the next group moves: the previous round's landing buckets with where
         their payloads land (``incoming``), the receives to post (payloads, then
@@ -240,49 +225,46 @@ class DeltaExecutor(Executor):
         previous, self._sent = self._sent, []
         incoming = [(b, *self._incoming_on(b, self._heads_in.pop(b, None), offsets, stats))
                     for b in self._landing]
-        self._landing = [b for b in buckets if b.dst in self._local_dst]
+        self._landing = [b for b in buckets if b.dst in self.ex._local_dst]
         call.local_dst.update(b.dst for b in self._landing)
         self._heads_in = {b: self._buffer(b.dst, HEADER_BYTES) for b in self._landing
-                          if (b.src, b.dst) in call.pairs and delta_unit(self, b) is not None
+                          if (b.src, b.dst) in call.pairs and delta_unit(self.ex, b) is not None
                           and not call.promised(b)}
-        sends = [b for b in buckets if b.src in self._local_src]
+        sends = [b for b in buckets if b.src in self.ex._local_src]
         call.sent_pairs.update((b.src, b.dst) for b in sends)
         recvs = [(buf, b) for b, buf, _ in incoming if buf is not None]
         return incoming, recvs + [(h, b) for b, h in self._heads_in.items()], previous, sends
 
     def _posts(self, send: Callable[[Any, Bucket], None], previous: list, sends: list,
-               offsets: dict, stats: ExecStats) -> None:
+               offsets: dict, stats: Any) -> None:
         """Post the previous round's payloads, then ``sends``' headers: the payloads move
         while this thread updates their baselines and waits for the headers' encodes."""
         # each bucket's packs and posts on its sender's device and stream: a process with
         # several GPUs packs on the bucket's device, and NCCL there orders after the pack
         copies = []
         for b, enc in previous:
-            with self._on(b.src):
+            with self.ex._on(b.src):
                 copies.append((b, self._send_payload(b, enc, offsets, stats, send)))
         for b, (base, pieces) in copies:
             if base is not None:
-                with self._on(b.src):
+                with self.ex._on(b.src):
                     if len(pieces) == 1:        # the device path keeps its own memory
                         self._keep_dense(base, pieces[0])
                     else:
                         gather(base, pieces)
         for b in sends:
-            with self._on(b.src):
+            with self.ex._on(b.src):
                 self._send_header(b, stats, send)
 
-    def _post(self, buf: Any, b: Bucket) -> None:
-        self.transport.send(buf, b.src, b.dst, b.tag)
-
-    def _send_header(self, b: Bucket, stats: ExecStats,
+    def _send_header(self, b: Bucket, stats: Any,
                      send: Callable[[Any, Bucket], None]) -> None:
         """Bucket ``b``'s header, when its pair goes as a delta (waits for its encode)."""
         call = self.delta
         stats.num_messages += 1
         call.bytes_dense += b.nbytes
-        quantized.count(self.quant, b, stats, "sent")
+        quantized.count(self.ex.quant, b, stats, "sent")
         enc = None
-        spans = delta_spans(self, b)
+        spans = delta_spans(self.ex, b)
         if (b.src, b.dst) in call.pairs and spans is not None:
             enc = self._encoded(b)
             promised = call.promised(b)     # dense, said at refit/check: no header
@@ -295,7 +277,7 @@ class DeltaExecutor(Executor):
                 self._count_wire(b, HEADER_BYTES, stats)
         self._sent.append((b, enc))
 
-    def _send_payload(self, b: Bucket, enc: Encoded | None, offsets: dict, stats: ExecStats,
+    def _send_payload(self, b: Bucket, enc: Encoded | None, offsets: dict, stats: Any,
                       send: Callable[[Any, Bucket], None]) -> tuple[np.ndarray | None, Any]:
         """Post bucket ``b``'s payload (none when nothing changed)
         and update its baseline (through the call: in place, or held until the outcome):
@@ -320,30 +302,30 @@ class DeltaExecutor(Executor):
             if enc.header.count:
                 call.applied(b, enc, self._advance)
             return None, None
-        new = self._message(b, offsets, stats)
+        new = self.ex._message(b, offsets, stats)
         send(new, b)
         call.bytes_wire += b.nbytes
         self._count_wire(b, b.nbytes, stats)
-        spans = delta_spans(self, b)
+        spans = delta_spans(self.ex, b)
         if spans is None or call.dropped(b):    # no baseline kept
             return None, None
         return (call.target(b, spans.nbytes, self._baseline_alloc(b)),
                 [new[lo:hi] for lo, hi in spans.diffed])
 
-    def _incoming_on(self, b: Bucket, head: Any, offsets: dict, stats: ExecStats
+    def _incoming_on(self, b: Bucket, head: Any, offsets: dict, stats: Any
                      ) -> tuple[Any, str]:
-        with self._on(b.dst):       # the header is read on the receiver's device
+        with self.ex._on(b.dst):       # the header is read on the receiver's device
             return self._incoming(b, head, offsets, stats)
 
     def _incoming(self, b: Bucket, head: np.ndarray | None, offsets: dict,
-                  stats: ExecStats) -> tuple[Any, str]:
+                  stats: Any) -> tuple[Any, str]:
         """Where bucket ``b``'s payload lands and how it is then applied: ``"in place"``
         (the destination view itself), ``"unpack"`` (staging), ``"apply"`` (a delta), or
         ``(None, "unchanged")``: nothing follows the header."""
-        quantized.count(self.quant, b, stats, "received")
+        quantized.count(self.ex.quant, b, stats, "received")
         if head is not None:
             stats.bytes_received += HEADER_BYTES
-            spans = delta_spans(self, b)
+            spans = delta_spans(self.ex, b)
             assert spans is not None
             header = read_header(self._host(head), spans.unit, spans.nbytes // spans.unit)
             if header.kind != DENSE:
@@ -353,35 +335,35 @@ class DeltaExecutor(Executor):
                 stats.bytes_received += size
                 return self._buffer(b.dst, size), "apply"
         stats.bytes_received += b.nbytes
-        buf = self._zero_copy_recv(b)
+        buf = self.ex._zero_copy_recv(b)
         if buf is not None:
             stats.num_zero_copy += 1
             return buf, "in place"
-        return self._take(offsets, b.dst, b.nbytes), "unpack"
+        return self.ex._take(offsets, b.dst, b.nbytes), "unpack"
 
     def _land(self, b: Bucket, buf: Any, how: str) -> None:
         """Bucket ``b``'s payload arrived: unpack it, or apply the delta to its base (the
         destination items themselves, an FP8 item's scales and codes; a strided one read
         into scratch and written back; split blocks' pieces: see :mod:`.delta_land`)."""
         if how == "unpack":
-            self._unpack(b, buf)
-        spans = delta_spans(self, b)
+            self.ex._unpack(b, buf)
+        spans = delta_spans(self.ex, b)
         pieces = spans is not None and any(spans.rest)
         if how == "apply" or (how == "unchanged" and pieces):
             self._apply(b, buf)
         elif pieces:            # dense: the pieces as they landed, for the next delta
-            keep_landed_pieces(self, b, spans)
+            keep_landed_pieces(self.ex, self.delta, b, spans)
 
     # ------------------------------------------------------------ memory hooks
-    # host memory here; the device path (delta_device.DeviceDeltaExecutor) overrides them
+    # host memory here; the device path (delta_device.DeviceDeltaCodec) overrides them
 
     def _new_encoder(self, jobs: Sequence[tuple[Bucket, np.ndarray]], *,
                      forwards: bool = False) -> Encoder:
         """An encoder of ``jobs``: a relay's ``forwards`` (encoded once their bytes
         landed, never packed into their baselines ahead) or this call's own sends."""
         if forwards:
-            return Encoder(self, jobs)
-        return Encoder(self, jobs, keep="new" if self.delta.atomic else "in place")
+            return Encoder(self.ex, jobs)
+        return Encoder(self.ex, jobs, keep="new" if self.delta.atomic else "in place")
 
     def _buffer(self, rank: int, nbytes: int) -> Any:
         """An uninitialized message buffer of ``nbytes`` for ``rank``'s memory."""
@@ -410,6 +392,6 @@ class DeltaExecutor(Executor):
     def _apply(self, b: Bucket, buf: Any) -> None:
         """Apply the delta ``buf`` (None: nothing changed) to bucket ``b``'s items in place
         (:func:`.delta_land.apply_host`)."""
-        spans = delta_spans(self, b)
+        spans = delta_spans(self.ex, b)
         assert spans is not None
-        apply_host(self, b, spans, buf)
+        apply_host(self.ex, self.delta, b, spans, buf)

@@ -1,0 +1,116 @@
+"""The formats phase of a prepared call: what every item is on the wire, decided once.
+
+After planning and the relay's stages, :func:`formats` gives every ``(name, stage)`` of a
+call one :data:`Format` and the call one framing; the schedule sizes items by it and the
+runtime's codecs (``xreshard.runtime.codecs``) run it:
+
+```
+ plan -> relay stages -> formats -> schedule
+                         (name, stage) -> Plain | Cast(wire) | Fp8(format, split)
+                         framing: FIXED | SIZED
+```
+
+* :class:`Plain`: the source's bytes as they are (the wire dtype is the source's);
+* :class:`Cast`: cast to ``wire`` by the sender at pack time;
+* :class:`Fp8`: quantized on the way (:mod:`.quantize`): whole blocks quantized by their
+  sender and sent as scales + codes; ``split`` when some blocks are split across senders
+  and travel in the wire dtype into the receiver's scratch, finished by the receiver once
+  every round landed (the scratch stage: ``Quantization.scratch``). A relay forwards the
+  finished codes and scales in stage 1 as tensors of their own: :class:`Plain` there.
+
+Framing: :data:`FIXED` (a message is as long as the schedule says) or :data:`SIZED` (a
+delta call: a message's length depends on the data, so each is announced by a header one
+group ahead of its payload).
+
+Pure: imports only the IR and the planner (``tests/test_structure.py``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Sequence
+
+from .quantize import Quantization
+
+__all__ = ["Cast", "FIXED", "Format", "Formats", "Fp8", "Plain", "SIZED", "formats"]
+
+#: a message is as long as the schedule says
+FIXED = "fixed"
+#: a message's length is announced by a header one group ahead (a delta call)
+SIZED = "sized"
+
+
+@dataclass(frozen=True)
+class Plain:
+    """The source's bytes as they are."""
+
+
+@dataclass(frozen=True)
+class Cast:
+    """Cast to ``wire`` by the sender at pack time (the receiver casts back if needed)."""
+
+    wire: str
+
+
+@dataclass(frozen=True)
+class Fp8:
+    """Quantized on the way into ``format`` (``xreshard.ir.formats``), from values in the
+    dtype ``wire``; ``split``: some blocks finish on the receiver (its scratch stage)."""
+
+    format: Any
+    wire: str
+    split: bool = False
+
+
+Format = Plain | Cast | Fp8
+PLAIN = Plain()
+
+
+@dataclass(frozen=True)
+class Formats:
+    """Every item's format and the call's framing (see the module docstring)."""
+
+    items: Mapping[tuple[str, int], Format]
+    framing: str = FIXED
+    quant: Quantization | None = None
+    """The FP8 part: the tensors quantized on the way and this process's receivers'
+    scratch (the split blocks' stage), None when nothing is."""
+    counts: Mapping[str, int] = field(default_factory=dict)
+    """How many ``(name, stage)`` items have each format kind ("plain", "cast", "fp8")."""
+
+    def item(self, name: str, stage: int = 0) -> Format:
+        """The format of tensor ``name`` in ``stage``."""
+        return self.items[(name, stage)]
+
+    def fp8(self) -> dict[str, Any]:
+        """``name -> QuantizedTensor`` of the items sent as FP8 (what the schedule sizes
+        as scales + codes)."""
+        if self.quant is None:
+            return {}
+        return {n: self.quant.tensors[n] for (n, stage), f in self.items.items()
+                if isinstance(f, Fp8) and stage == 0}
+
+
+def formats(stages: Sequence[Any], quant: Quantization | None, *, delta: bool = False
+            ) -> Formats:
+    """The formats of a call's ``stages`` (each with a ``plan``): FP8 for stage 0's tensors
+    ``quant`` quantizes on the way, else a cast where the plan's wire dtype differs from
+    the source's, else plain; ``delta``: the call frames its messages :data:`SIZED`."""
+    items: dict[tuple[str, int], Format] = {}
+    split = {name for (_, name), ss in (quant.scratch.items() if quant else ()) if ss}
+    counts: dict[str, int] = {}
+    for st in stages:
+        plan = st.plan
+        for name, src in plan.src_layouts.items():
+            wire = plan.wire_dtypes[name]
+            f: Format
+            if quant is not None and st.index == 0 and name in quant.tensors:
+                f = Fp8(quant.tensors[name].format, quant.wire[name], name in split)
+            elif wire != src.dtype:
+                f = Cast(wire)
+            else:
+                f = PLAIN
+            items[(name, st.index)] = f
+            kind = type(f).__name__.lower()
+            counts[kind] = counts.get(kind, 0) + 1
+    return Formats(items, SIZED if delta else FIXED, quant, counts)
