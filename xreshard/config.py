@@ -182,6 +182,10 @@ class Tuning:
     """Which framework's ops run a refit's work on device memory (the delta diff and apply,
     FP8 quantizing): "jax", "torch" or "auto" (a sender: JAX in a process that loaded JAX,
     else torch; a receiver: torch where installed, else JAX)."""
+    fp8_ahead: bool = True
+    """Quantize a sender's FP8 items on worker threads while the call checks and plans
+    (:mod:`xreshard.runtime.quantize_ahead`); False packs them in the call (to measure
+    what working ahead saves). Environment: ``XRESHARD_FP8_AHEAD`` ("0" turns it off)."""
 
     def __post_init__(self) -> None:
         if self.delta_baseline not in ("host", "device"):
@@ -193,7 +197,7 @@ class Tuning:
         if self.executor not in EXECUTORS:
             raise RefitError(f"Tuning.executor must be one of {EXECUTORS}, got "
                              f"{self.executor!r}")
-        for name in ("relay_overlap", "pause_gc", "layout_memo"):
+        for name in ("relay_overlap", "pause_gc", "layout_memo", "fp8_ahead"):
             if not isinstance(getattr(self, name), bool):
                 raise RefitError(f"Tuning.{name} must be a bool, got {getattr(self, name)!r}")
 
@@ -201,8 +205,9 @@ class Tuning:
     def from_env(cls, environ: Mapping[str, str] | None = None) -> Tuning:
         """The default tuning, from ``XRESHARD_EXECUTOR`` (``pipelined``, the default, or
         ``rounds``), ``XRESHARD_DELTA_BASELINE`` (``host`` or ``device``) and
-        ``XRESHARD_DEVICE_KERNELS`` (``auto``, ``jax`` or ``torch``); the table of
-        variables is in docs/extending.md.
+        ``XRESHARD_DEVICE_KERNELS`` (``auto``, ``jax`` or ``torch``) and
+        ``XRESHARD_FP8_AHEAD`` (``0``, ``false``, ``no`` or ``off``: no FP8 work ahead);
+        the table of variables is in docs/extending.md.
 
         Raises:
             RefitError: an unknown value of one of them.
@@ -213,7 +218,10 @@ class Tuning:
             raise RefitError(f"XRESHARD_EXECUTOR={kind!r}: expected 'pipelined' or 'rounds'")
         baseline = env.get("XRESHARD_DELTA_BASELINE", "host").strip().lower()
         kernels = env.get("XRESHARD_DEVICE_KERNELS", "auto").strip().lower()
-        return cls(executor=kind, delta_baseline=baseline, device_kernels=kernels)
+        ahead = env.get("XRESHARD_FP8_AHEAD", "1").strip().lower() not in (
+            "0", "false", "no", "off")
+        return cls(executor=kind, delta_baseline=baseline, device_kernels=kernels,
+                   fp8_ahead=ahead)
 
 
 @dataclass(frozen=True)
