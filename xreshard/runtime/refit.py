@@ -187,8 +187,8 @@ class Refit:
         self.writing = threading.Lock()
         self.served: Bound | None = None
         world_state(world).refits.add(self)
-        for e in self.extensions:
-            e.made(self)
+        for ext in self.extensions:
+            ext.made(self)
 
     @property
     def plan(self) -> Plan | None:
@@ -236,7 +236,7 @@ class Refit:
     @property
     def keeps_destinations(self) -> bool:
         """A failed call leaves the destinations as they were (``atomic``)."""
-        return any(e.keeps_destinations for e in self.extensions)
+        return any(ext.keeps_destinations for ext in self.extensions)
 
     @property
     def refit_id(self) -> str:
@@ -308,13 +308,13 @@ class Refit:
             raise RefitError("this Refit is already running a call; wait() for it before "
                              "starting another")
         try:
-            for e in self.extensions:       # before the caller's next line (check_writes)
-                e.started(send if send is not None else self._sides.send.obj)
+            for ext in self.extensions:       # before the caller's next line (check_writes)
+                ext.started(send if send is not None else self._sides.send.obj)
             handle = RefitHandle(self, send, receive, self._run)
             handle.start()
         except BaseException:
-            for e in self.extensions:
-                e.end()
+            for ext in self.extensions:
+                ext.end()
             self._busy.release()
             raise
         return handle
@@ -325,8 +325,8 @@ class Refit:
         cyclic, and a collection mid-call traverses the whole heap). The version moves
         once the world is released."""
         try:
-            for e in self.extensions:
-                e.entered(self)
+            for ext in self.extensions:
+                ext.entered(self)
             self.world.admit()      # joined with wait=False: the members' next call admits it
             with self.writing:      # the version moves after the world is released
                 with self.world.exclusive("refit"), gc_paused(self.tuning.pause_gc):
@@ -336,17 +336,17 @@ class Refit:
                     self.received = finish()
                 self.stale = False
                 self.version = report.version
-                for e in self.extensions:
-                    e.finished(self)
-            for e in self.extensions:
-                e.released(self)
+                for ext in self.extensions:
+                    ext.finished(self)
+            for ext in self.extensions:
+                ext.released(self)
             logger.info("%s", report)
             return report
         except Failed as f:
             raise f.error from None
         finally:
-            for e in self.extensions:       # no thread reads the sources past the call
-                e.end()
+            for ext in self.extensions:       # no thread reads the sources past the call
+                ext.end()
             self._busy.release()
 
     def _call(self, send: Any, receive: Any) -> tuple[RefitReport, Callable[[], Any] | None]:
@@ -365,7 +365,7 @@ class Refit:
         replanned = self._prepare(call, self.version + 1)
         call.target = target = self.version + 1     # a process new to the world adopted it
         call.prepared, call.programs = self._prepared, self._programs
-        fences = [f for f in (e.fence(call) for e in self.extensions) if f is not None]
+        fences = [f for f in (ext.fence(call) for ext in self.extensions) if f is not None]
         if fences:      # the same decision on every process (from refit/check's parts)
             self._agree("refit/fence", {"errors": [x for f in fences for x in f]},
                         f"refit v{target} refused before moving anything")
@@ -385,11 +385,11 @@ class Refit:
         try:
             fields = self._commit(call, error)
         except BaseException:
-            for e in self.extensions:       # every extension's state stays as it was
-                e.abort()
+            for ext in self.extensions:       # every extension's state stays as it was
+                ext.abort()
             raise
-        for e in self.extensions:       # every process agreed the call succeeded
-            e.commit(call)
+        for ext in self.extensions:       # every process agreed the call succeeded
+            ext.commit(call)
         report = self._report(call, fields, time.perf_counter() - t0, plan_seconds,
                               replanned)
         return report, (call.dst.finish if call.dst is not None else None)
@@ -399,8 +399,8 @@ class Refit:
         prepared, stats = self._prepared, call.stats
         assert prepared is not None and stats is not None
         fields = {"verified": 0, "quantized": None, "delta": None, **fields}
-        for e in self.extensions:
-            e.report(call, fields)
+        for ext in self.extensions:
+            ext.report(call, fields)
         return RefitReport(
             version=call.target, seconds=seconds, plan_seconds=plan_seconds,
             bytes_sent=stats.bytes_sent, bytes_received=stats.bytes_received,
@@ -424,8 +424,8 @@ class Refit:
         with self.world.limited(timeout):     # creating it (first call) is collective
             transport = self.world.transport(self.config.transport)
         dst = call.dst
-        for e in self.extensions:
-            dst = e.destinations(call, dst)
+        for ext in self.extensions:
+            dst = ext.destinations(call, dst)
         dst_layouts = dict(prepared.direct.dst_layouts)
         if prepared.quant is not None:      # scales are bound beside their codes
             dst_layouts.update({qt.scale: prepared.quant.scales[n]
@@ -435,8 +435,8 @@ class Refit:
             prepared, fit(call.src, prepared.direct.src_layouts), fit(dst, dst_layouts))
         before = dict(getattr(transport, "bytes_by_transport", None) or {})
         with contextlib.ExitStack() as hooks:
-            for e in self.extensions:
-                hooks.enter_context(e.begin(call))
+            for ext in self.extensions:
+                hooks.enter_context(ext.begin(call))
             call.stats, self._arena = execute.run(
                 prepared, bindings, transport, timeout=timeout, arena=self._arena,
                 programs=self._programs, tuning=self.tuning, **call.run_args)
@@ -456,8 +456,8 @@ class Refit:
             maps = self._rank_maps()
             call.src = sides.bind(sides.send, maps, memo)
             call.dst = sides.bind(sides.receive, maps, memo)
-            for e in self.extensions:
-                e.bound(call)
+            for ext in self.extensions:
+                ext.bound(call)
             call.errors += side_problems({"send": call.src, "receive": call.dst},
                                          self.world.rank_ids, self.world.is_local,
                                          self.config.wire_dtype)
@@ -576,11 +576,11 @@ class Refit:
             self._generation += 1
         tuning = [self.tuning.executor, self.tuning.relay_overlap]
         parts: dict[str, Any] = {}
-        for e in self.extensions:       # their work ahead overlaps the gather
-            part, found = e.check(call)
+        for ext in self.extensions:       # their work ahead overlaps the gather
+            part, found = ext.check(call)
             errors += found
             if part is not None:
-                parts[e.name] = part
+                parts[ext.name] = part
         if self._id is None and self._name is None:
             errors = errors + unrun_unnamed(self)
         gathered = self._agree("refit/check", {
@@ -589,12 +589,13 @@ class Refit:
             "requests": fleet.check_body(self.world), "extensions": parts,
             "errors": errors}, refused)
         self._same_refit(gathered, refused)
-        for e in self.extensions:
-            e.checked(call, [(g.get("extensions") or {}).get(e.name) for g in gathered])
+        for ext in self.extensions:
+            ext.checked(call, [(g.get("extensions") or {}).get(ext.name) for g in gathered])
         describe = self.world.describe_process
         if any(g.get("tuning") != tuning for g in gathered):
-            where = ", ".join(f"{describe(p)}: executor {g.get('tuning')[0]!r}, relay_overlap "
-                              f"{g.get('tuning')[1]}" for p, g in enumerate(gathered))
+            seen = [g.get("tuning") or [None, None] for g in gathered]
+            where = ", ".join(f"{describe(p)}: executor {t[0]!r}, relay_overlap {t[1]}"
+                              for p, t in enumerate(seen))
             raise Failed(RefitError(f"{refused}: processes run different tunings ({where}); "
                                      f"pass the same Tuning (or set XRESHARD_EXECUTOR the "
                                      f"same) in every process"))
@@ -613,7 +614,7 @@ class Refit:
             # the pipelined host executor holds two rounds; device bindings run full ones
             "halved": self.tuning.executor == "pipelined" and not any(
                 g.get("devices") for g in gathered),
-            **{k: v for e in self.extensions for k, v in e.options.items()}})
+            **{k: v for ext in self.extensions for k, v in ext.options.items()}})
         return tuple(g.get("generation") for g in gathered), options
 
     def _proposal(self) -> str:
@@ -667,6 +668,6 @@ class Refit:
             self.world.mark_broken(f"refit v{target}: processes ended different Refits")
             raise Failed(crossed(self.world, outcomes, f"refit v{target} moved bytes, but"))
         fields: dict[str, Any] = {}
-        for e in self.extensions:
-            e.outcome(call, outcomes, fields)
+        for ext in self.extensions:
+            ext.outcome(call, outcomes, fields)
         return fields
