@@ -21,11 +21,19 @@ step and raises the same error (same class, same message):
  (re)prepare    refit/layouts            only when some process's layouts (or the call's
                                          options) changed
                 refit/schedule           preparing errors (planner.prepare runs between)
- fence          refit/fence              delta calls that may send deltas: destinations
-                                         written outside xreshard (DeltaState.fence)
+ fence          refit/fence              when an extension asks (delta: destinations
+                                         written outside xreshard, DeltaState.fence)
  move           (transport)              execute.run(prepared call)
- outcome        refit/outcome            each process's error, checksums (verify=)
+ outcome        refit/outcome            each process's error, extensions' parts
+                                         (verify=: checksums)
 ```
+
+The call-level features (``atomic`` staging, delta baselines and fences, ``verify``,
+``check_writes``, catch-up, FP8 work ahead) are extensions
+(:mod:`xreshard.runtime.extensions`): at each step the call runs every extension's hook
+(``refit/check`` carries their parts; ``refit/fence`` runs when one asks for it), and an
+extension's state kept across calls moves only when ``refit/outcome`` confirmed the call.
+A feature that is off is not in the list and costs nothing.
 
 Each metadata collective carries the Refit's identity, agreed by its processes at the
 first call that passes ``refit/check``: the name given (``Refit(world, name=...)``), else
@@ -176,8 +184,7 @@ class Refit:
         self._programs: dict = {}                   # pack programs of _prepared
         self._arena: Any = None                     # staging, reused across calls
         self._cache = PlanCache()
-        self._identity: list[dict] | None = None
-        self._maps: dict[str, Any] | None = None    # from _identity, once
+        self._maps: dict[str, Any] | None = None    # from the identity exchange, once
         self._epoch = 0                             # the world's epoch at the last call
         self._members: list[dict] | None = None     # the world's processes at the last call
         self._tensors = (0, 0)                      # (planned, reused) by the last prepare
@@ -480,7 +487,7 @@ class Refit:
         other devices: each JAX device publishes its id for its own rank.
         """
         if self._maps is None:
-            self._identity, self._maps = rank_maps(self.world, self.config.timeout)
+            _, self._maps = rank_maps(self.world, self.config.timeout)
         return self._maps
 
     def _agree(self, kind: str, body: dict[str, Any], what: str,
