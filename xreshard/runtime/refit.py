@@ -405,7 +405,6 @@ class Refit:
                 plan_seconds: float, replanned: bool) -> RefitReport:
         prepared, stats = self._prepared, call.stats
         assert prepared is not None and stats is not None
-        fields = {"verified": 0, "quantized": None, "delta": None, **fields}
         for ext in self.extensions:
             ext.report(call, fields)
         return RefitReport(
@@ -617,7 +616,7 @@ class Refit:
         options = CallOptions(**{
             "bucket_bytes": config.bucket_bytes, "staging_bytes": config.staging_bytes,
             "wire_dtype": config.wire_dtype, "relay": config.relay,
-            "relay_overlap": self.tuning.relay_overlap, "delta": False,
+            "relay_overlap": self.tuning.relay_overlap,
             # the pipelined host executor holds two rounds; device bindings run full ones
             "halved": self.tuning.executor == "pipelined" and not any(
                 g.get("devices") for g in gathered),
