@@ -26,12 +26,12 @@ sender's and the receiver's claims are the same call and both digests are the cu
 schedule's; otherwise (a new or restarted receiver, a receiver that failed or missed a
 call, a re-plan, a mismatched baseline) the pair's buckets go dense in the same call.
 The baselines are transactional (the ``delta`` extension,
-:mod:`xreshard.runtime.extensions.delta`): a dense bucket's new bytes go to new memory and
-a delta's message is kept, both applied to the baselines, and their call moved, only when
-the outcome exchange confirmed the call on every process (:meth:`DeltaState.commit`). A
-call that failed anywhere leaves every sender's baselines and claims as they were
-(:meth:`DeltaState.abort`); a receiver whose destinations were written in place may hold
-a mix, so its bases go and its pairs are dense next call.
+:class:`xreshard.runtime.extensions.features.Delta`): a dense bucket's new bytes go to
+new memory and a delta's message is kept, both applied to the baselines, and their call
+moved, only when the outcome exchange confirmed the call on every process
+(:meth:`DeltaState.commit`). A call that failed anywhere leaves every sender's baselines
+and claims as they were (:meth:`DeltaState.abort`); a receiver whose destinations were
+written in place may hold a mix, so its bases go and its pairs are dense next call.
 
 A receiver's destination memory is fingerprinted when a call commits: where it lives
 (buffer addresses) and what each destination tensor holds (a checksum of its bytes). New

@@ -158,11 +158,7 @@ def for_config(config: Any, tuning: Any) -> list[Extension]:
     features, but FP8 (the planner decides per tensor whether a call quantizes; its hooks
     return at once when the call does not) and the serving of catch-ups (an elastic
     world's, nothing in a fixed world)."""
-    from .delta import Delta
-    from .fp8 import Fp8
-    from .members import CatchUpServer, Joiner
-    from .staging import Atomic
-    from .checks import CheckWrites, Verify
+    from .features import Atomic, CatchUpServer, CheckWrites, Delta, Fp8, Joiner, Verify
     out: list[Extension] = [Joiner()]
     if config.atomic:
         out.append(Atomic())
@@ -182,9 +178,7 @@ def for_catch_up(config: Any, tuning: Any) -> list[Extension]:
     process's ranks, moves into the destinations in place (nothing to stage: the joiner
     was not admitted), keeps no delta baseline (a caught-up receiver's first member call
     is dense) and checks what its config asks."""
-    from .fp8 import Fp8
-    from .members import OwnRanks
-    from .checks import Verify
+    from .features import Fp8, OwnRanks, Verify
     out: list[Extension] = [OwnRanks(), Fp8(tuning.fp8_ahead)]
     if config.verify:
         out.append(Verify(config.verify))
