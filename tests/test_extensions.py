@@ -58,8 +58,8 @@ def test_the_list_holds_only_what_the_config_switches_on():
     everything = xr.RefitConfig(atomic=True, delta=True, verify=True, check_writes=True)
     caught = [e.name for e in for_catch_up(everything, xr.Tuning())]
     assert caught == ["own_ranks", "fp8", "verify"]     # no staging, no baselines
-    assert [e.name for e in for_config(everything, xr.Tuning(fp8_ahead=False))
-            if e.name == "fp8"] == ["fp8"]
+    fp8 = [e for e in for_config(everything, xr.Tuning(fp8_ahead=False)) if e.name == "fp8"]
+    assert len(fp8) == 1 and fp8[0].ahead.enabled is False     # Tuning.fp8_ahead reaches it
 
 
 def test_fp8_ahead_is_a_tuning_field_read_from_the_environment_once():
