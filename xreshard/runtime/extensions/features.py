@@ -204,8 +204,12 @@ class Fp8(Extension):
     def check(self, call: Any) -> tuple[Any, list[list[str]]]:
         """Start the work ahead (not on a call refused already, and not for the buckets
         a delta encoder quantizes as it diffs them: each FP8 item once)."""
-        if not call.errors and call.prepared is not None and call.prepared.quant is not None:
+        if call.errors:
+            return None, []
+        if call.prepared is not None and call.prepared.quant is not None:
             self.ahead.start(call.prepared, call.src, call.programs, skip=call.skip_ahead)
+        else:
+            self.ahead.last = {}        # none started for this call
         return None, []
 
     @contextlib.contextmanager
