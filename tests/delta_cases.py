@@ -151,14 +151,24 @@ def trainer(ctx: Any, scenario: str, cast: bool = False) -> dict:
     refit = xr.Refit(world, send=_jax_params(src, 0),
                      transpose={n for n, t in TENSORS.items() if "T" in t[3]},
                      config=_config(xr, cast, verify=scenario == "steady"))
-    rows, step = [], 0
+    rows, step, baselines = [], 0, []
     for call in range(1, _calls(scenario) + 1):
         row = _row(attempt(lambda: refit(send=_jax_params(src, call))))
         if "error" not in row:
             step = call
         rows.append(row)
+        baselines.append(_baselines(refit.delta_state))
     world.close()
-    return {"rows": rows, "baseline_bytes": refit.delta_state.baseline_bytes, "step": step}
+    return {"rows": rows, "baseline_bytes": refit.delta_state.baseline_bytes, "step": step,
+            "baselines": baselines}
+
+
+def _baselines(state: Any) -> list:
+    """What the senders' baselines hold after a call: per pair its claimed call and a
+    digest of its bytes."""
+    return [[f"{s}->{r}", b.call, hashlib.sha256(b"".join(
+        bytes(np.asarray(b.buffers[t]).view(np.uint8)) for t in sorted(b.buffers))).hexdigest()]
+            for (s, r), b in sorted(state.sent.items())]
 
 
 def _calls(scenario: str) -> int:

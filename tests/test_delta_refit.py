@@ -148,7 +148,10 @@ def test_fences_wrong_base_outside_write_failed_call():
     assert "written outside xreshard" in rows[3]["error"]
     assert _pairs(rows[4]) == 3                 # rollout[0] dense after its outside write
     assert "injected failure" in rows[5]["error"]
-    assert _pairs(rows[6]) == 0                 # the failed call: dense everywhere
+    # the failed call (no atomic) left the trainer's baselines and claims as they were
+    baselines = results[0].value["baselines"]
+    assert baselines[5] == baselines[4] and all(c is not None for _, c, _ in baselines[5])
+    assert _pairs(rows[6]) == 0                 # the receivers' in-place bases: dense
     assert _pairs(rows[7]) == 6
     for r in results[1:]:
         out = r.value["rows"]

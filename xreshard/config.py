@@ -202,6 +202,10 @@ class Tuning:
     (``process_vm_readv``); False moves every shared-memory message through shared
     segments (a copy in and a copy out). Read as ``shm``. Environment:
     ``XRESHARD_SHM_PULL=0``."""
+    fp8_ahead: bool = True
+    """Quantize a sender's FP8 items on worker threads while the call checks and plans
+    (:mod:`xreshard.runtime.quantize_ahead`); False packs them in the call (to measure
+    what working ahead saves). Environment: ``XRESHARD_FP8_AHEAD`` ("0" turns it off)."""
 
     def __post_init__(self) -> None:
         if self.delta_baseline not in ("host", "device"):
@@ -221,7 +225,8 @@ class Tuning:
         if self.executor not in EXECUTORS:
             raise RefitError(f"Tuning.executor must be one of {EXECUTORS}, got "
                              f"{self.executor!r}")
-        for name in ("relay_overlap", "pause_gc", "layout_memo", "shm", "shm_pull"):
+        for name in ("relay_overlap", "pause_gc", "layout_memo", "shm", "shm_pull",
+                     "fp8_ahead"):
             if not isinstance(getattr(self, name), bool):
                 raise RefitError(f"Tuning.{name} must be a bool, got {getattr(self, name)!r}")
 
@@ -232,10 +237,11 @@ class Tuning:
         ``XRESHARD_DEVICE_KERNELS`` (``auto``, ``jax`` or ``torch``), ``XRESHARD_SHM`` and
         ``XRESHARD_SHM_PULL`` (``0``, ``false`` or ``off`` turn ``shm`` / ``shm_pull``
         off; anything else, or unset, leaves them on), ``XRESHARD_TEST_DEVICE_OPS``
-        (``jax`` or ``torch``: :attr:`host_device_ops`, tests only) and
-        ``XRESHARD_QUANT_THREADS`` (a positive int: :attr:`quant_threads`); the table of
-        variables is in docs/extending.md (``XRESHARD_TOKEN``, the world's secret, is
-        :func:`env_token`).
+        (``jax`` or ``torch``: :attr:`host_device_ops`, tests only),
+        ``XRESHARD_QUANT_THREADS`` (a positive int: :attr:`quant_threads`) and
+        ``XRESHARD_FP8_AHEAD`` (``0``, ``false``, ``no`` or ``off``: no FP8 work ahead); the
+        table of variables is in docs/extending.md (``XRESHARD_TOKEN``, the world's secret,
+        is :func:`env_token`).
 
         Raises:
             RefitError: an unknown value of one of them.
@@ -259,9 +265,11 @@ class Tuning:
         except ValueError:
             raise RefitError(f"XRESHARD_QUANT_THREADS={threads!r}: expected a positive "
                              "int") from None
+        ahead = env.get("XRESHARD_FP8_AHEAD", "1").strip().lower() not in (
+            "0", "false", "no", "off")
         return cls(executor=kind, delta_baseline=baseline, device_kernels=kernels,
                    host_device_ops=host_ops, quant_threads=quant_threads, shm=shm,
-                   shm_pull=shm_pull)
+                   shm_pull=shm_pull, fp8_ahead=ahead)
 
 
 def env_token(environ: Mapping[str, str] | None = None) -> str | None:

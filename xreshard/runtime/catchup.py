@@ -77,6 +77,7 @@ import time
 import weakref
 from typing import Any
 
+from ..config import Tuning
 from ..errors import AuthenticationError, RefitError
 from ..ir.layout import Layout
 from .atomic import Staging
@@ -178,12 +179,15 @@ def _agreed_version(sub: Any, server: Any, timeout: float
 
 
 def _inner(sub: Any, config: Any, transport: str, **side: Any) -> Any:
+    """The catch-up's Refit: its extensions are an explicit list (it binds only this
+    process's ranks, stages nothing, keeps no delta baseline: ``for_catch_up``), not a
+    rewritten config."""
+    from .extensions import for_catch_up
     from .refit import Refit
-    inner = Refit(sub, config=dataclasses.replace(config, atomic=False, delta=False,
-                                                  transport=transport),
-                  name="catch-up", **side)
-    inner.own_only = True
-    return inner
+    tuning = Tuning.from_env()      # what a Refit made without one takes
+    return Refit(sub, config=dataclasses.replace(config, transport=transport),
+                 tuning=tuning, name="catch-up", extensions=for_catch_up(config, tuning),
+                 **side)
 
 
 def _op_key(world: Any, rid: str, n: int) -> str:

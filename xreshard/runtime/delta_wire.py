@@ -25,10 +25,13 @@ derives the same decision per pair (:meth:`DeltaState.begin`): delta only when t
 sender's and the receiver's claims are the same call and both digests are the current
 schedule's; otherwise (a new or restarted receiver, a receiver that failed or missed a
 call, a re-plan, a mismatched baseline) the pair's buckets go dense in the same call.
-The baseline memory is updated as buckets leave, but its call moves only when the
-outcome exchange confirmed the call on every process (:meth:`DeltaState.commit`); a call
-that failed anywhere invalidates every claim of every process (:meth:`DeltaState.abort`):
-every receiver may hold a mix, so the next call is dense.
+The baselines are transactional (the ``delta`` extension,
+:class:`xreshard.runtime.extensions.features.Delta`): a dense bucket's new bytes go to
+new memory and a delta's message is kept, both applied to the baselines, and their call
+moved, only when the outcome exchange confirmed the call on every process
+(:meth:`DeltaState.commit`). A call that failed anywhere leaves every sender's baselines
+and claims as they were (:meth:`DeltaState.abort`); a receiver whose destinations were
+written in place may hold a mix, so its bases go and its pairs are dense next call.
 
 A receiver's destination memory is fingerprinted when a call commits: where it lives
 (buffer addresses) and what each destination tensor holds (a checksum of its bytes). New
@@ -57,16 +60,13 @@ re-plans), nothing is encoded ahead, and the call goes on as without it.
 **With ``atomic=True``** (:mod:`.atomic`) a receiver's destinations are shadowed: the
 shadows are refreshed from the live destinations at the start of the call, so a delta
 applies onto the base its claim names, and the fingerprints are of the real destinations
-(checked at ``refit/fence``, taken after the staging is committed). The senders' baselines
-become transactional too: a dense bucket's new bytes go to new memory and a delta's
-message is kept, both applied to the baselines only at :meth:`DeltaState.commit`. So a
-call that fails anywhere leaves every staged destination and every baseline as the last
-confirmed call left them, and the claims stay valid: the next call sends deltas again
-(a restarted or new process still gets a dense refit of its pairs; a destination written
-in place, not staged, drops its claim). Memory, on top of ``atomic``'s shadow of the
-destinations: a sender holds, until the outcome, the new bytes of the buckets it sent
-dense (at most as many bytes again as its baselines, the first call excepted: there is no
-old baseline then) and the delta messages it sent.
+(checked at ``refit/fence``, taken after the staging is committed). A call that fails
+anywhere then leaves every staged destination and every baseline as the last confirmed
+call left them, and the claims stay valid: the next call sends deltas again (a restarted
+or new process still gets a dense refit of its pairs). Memory of the transactional
+baselines: a sender holds, until the outcome, the new bytes of the buckets it sent dense
+(at most as many bytes again as its baselines, the first call excepted: there is no old
+baseline then) and the delta messages it sent.
 
 **FP8 destinations quantized on the way** (:mod:`.quantized`): an FP8 item (whole blocks
 the sender holds, quantized at pack time) is diffed as what goes on the wire, its float32
@@ -273,7 +273,7 @@ class DeltaState:
     # ------------------------------------------------------------ encoding ahead
 
     def encode_ahead(self, prepared: Any, src: Any, threads: int | None = None,
-                     atomic: bool = False) -> None:
+                     atomic: bool = True) -> None:
         """Start encoding this process's buckets against its baselines now, with the last
         call's schedule ``prepared`` (None: none yet) and this call's bound sources ``src``,
         so the diff overlaps ``refit/check``: only pairs whose baseline holds a claim for
@@ -380,13 +380,13 @@ class DeltaState:
 
     # ------------------------------------------------------------ the call
 
-    def begin(self, gathered: Sequence[Any], prepared: Any, atomic: bool = False,
+    def begin(self, gathered: Sequence[Any], prepared: Any, atomic: bool = True,
               staged: bool = False) -> DeltaCall:
         """The call's decision, the same in every process, from every process's claims
-        (``refit/check``) and this process's schedule. ``atomic``: the call runs with
-        ``RefitConfig(atomic=True)`` (the baselines change only at :meth:`commit`);
-        ``staged``: this process's destinations receive into staging (its bases survive a
-        failed call)."""
+        (``refit/check``) and this process's schedule. ``atomic``: the baselines change
+        only at :meth:`commit` (what every call of a ``Refit`` does; False only for unit
+        tests of the executor); ``staged``: this process's destinations receive into
+        staging (its bases survive a failed call)."""
         call_id, pairs, dense = self._decide(gathered, prepared)
         dropped = {(int(s), int(r), int(t)) for g in gathered if isinstance(g, dict)
                    for s, r, t in g.get("drop") or ()}
@@ -491,13 +491,13 @@ class DeltaState:
             if self.base and dst is not None else None
 
     def abort(self) -> None:
-        """The call failed somewhere. Without ``atomic`` every destination may hold a mix
-        of two versions: every claim goes (the next call is dense). With ``atomic`` no
-        destination byte was written and no baseline changed: the claims stay, but for
-        destinations this process did not stage (they were written in place)."""
+        """The call failed somewhere (or was never confirmed). The senders' baselines
+        changed nothing (their changes were held by the call: :meth:`DeltaCall.settle`),
+        so their claims stay, with or without ``atomic``. A receiver whose destinations
+        were written in place (not staged) may hold a mix of two versions: its bases go
+        (its pairs are dense next call). A call that never began here wrote nothing here."""
         call, self._open = self._open, None
-        if call is None or not call.atomic:
-            self.reset()
+        if call is None:
             return
         call.pending.clear()
         if not call.staged:
@@ -530,9 +530,10 @@ class DeltaCall:
     encoder: Any = None
     """The ``delta_encode.Encoder`` at work on this call (started ahead, or by the executor)."""
 
-    atomic: bool = False
-    """``RefitConfig(atomic=True)``: baselines change at :meth:`settle` (the outcome
-    confirmed the call), not as buckets leave, so a failed call leaves them as they were."""
+    atomic: bool = True
+    """Baselines change at :meth:`settle` (the outcome confirmed the call), not as buckets
+    leave, so a failed call leaves them as they were (every call of a ``Refit``, with or
+    without ``RefitConfig.atomic``; False only for unit tests of the executor)."""
     staged: bool = False
     pending: list[tuple[tuple[int, int], int, str, Any]] = field(default_factory=list)
     """``atomic``: the baselines' changes until the outcome, ``(pair, tag, how, what)``."""

@@ -13,7 +13,7 @@ from . import registry
 from ..errors import (CollectiveMismatch, XreshardError, error_from, error_message, error_name,
                       short_name)
 
-__all__ = ["Failed", "Moved", "WORLDS", "WorldState", "crossed", "entry", "failure_lines",
+__all__ = ["Failed", "WORLDS", "WorldState", "crossed", "entry", "failure_lines",
            "failed_call", "first_cause", "rank_maps", "unrun_unnamed", "world_state"]
 
 
@@ -80,17 +80,6 @@ def entry(exc: BaseException, phase: str) -> list[str]:
     return [error_name(exc, phase), error_message(exc)]
 
 
-class Moved:
-    """What one call's move left: executor stats (every stage's), checksums, bytes per
-    transport kind."""
-
-    def __init__(self) -> None:
-        self.stats: Any = None
-        self.digests: Any = None
-        self.by_kind: dict[str, int] = {}
-        self.delta: Any = None          # the call's DeltaCall (RefitConfig(delta=True))
-
-
 def failure_lines(failed: list[tuple[int, list[str]]], world: Any, limit: int = 20) -> str:
     """One line per distinct error, naming the processes that reported it ("every
     process" for an error every process found in the same gathered metadata)."""
@@ -146,7 +135,7 @@ def failed_call(refit: Any, failed: list[tuple[int, list[str]]], missing: list[i
         world.mark_broken(f"refit v{target} failed while moving: {where}")
     else:
         world.renew_transports()
-    stale = left(refit.config.atomic, refit.version)
+    stale = left(refit.keeps_destinations, refit.version)
     return error_from(first_cause(failed),
                       f"refit v{target} failed while moving, {stale}:\n  {where}")
 

@@ -36,14 +36,14 @@ encodes are left out: its threads quantize their FP8 items as they diff them (th
 executor sends those buckets from the encoder's message, never packing them), so each
 item is quantized once (``benchmarks/RESULTS.md``).
 
-``XRESHARD_FP8_AHEAD=0`` turns this off (read once, when the ``Refit`` is made).
+``Tuning(fp8_ahead=False)`` turns this off (environment: ``XRESHARD_FP8_AHEAD=0``, read by
+``Tuning.from_env``).
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import threading
 import time
 from typing import Any, Collection, Iterator
@@ -54,12 +54,9 @@ from . import quantized
 from .metadata import fit
 from .programs import Programs, Tables
 
-__all__ = ["QuantAhead", "AheadRun", "ENV"]
+__all__ = ["QuantAhead", "AheadRun"]
 
 logger = logging.getLogger(__name__)
-
-#: the environment variable that turns quantizing ahead off ("0")
-ENV = "XRESHARD_FP8_AHEAD"
 
 _PENDING, _RUNNING, _DONE, _FAILED, _CLAIMED, _TAKEN = range(6)
 
@@ -199,14 +196,13 @@ class QuantAhead:
     """A ``Refit``'s quantizing ahead, across its calls (see the module docstring).
 
     Attributes:
-        enabled: whether it runs (``XRESHARD_FP8_AHEAD``, read when made).
+        enabled: whether it runs (``Tuning.fp8_ahead``).
         last: what the last call's work ahead did (:meth:`AheadRun.stop`, plus ``used``:
             whether the call took it; ``{}``: none started), for benchmarks and tests.
     """
 
-    def __init__(self, enabled: bool | None = None):
-        self.enabled = os.environ.get(ENV, "1").strip() not in ("0", "false", "no", "off") \
-            if enabled is None else enabled
+    def __init__(self, enabled: bool = True):
+        self.enabled = enabled
         self.last: dict[str, Any] = {}
         self._run: AheadRun | None = None
         self._used = False

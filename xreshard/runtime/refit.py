@@ -21,11 +21,19 @@ step and raises the same error (same class, same message):
  (re)prepare    refit/layouts            only when some process's layouts (or the call's
                                          options) changed
                 refit/schedule           preparing errors (planner.prepare runs between)
- fence          refit/fence              delta calls that may send deltas: destinations
-                                         written outside xreshard (DeltaState.fence)
+ fence          refit/fence              when an extension asks (delta: destinations
+                                         written outside xreshard, DeltaState.fence)
  move           (transport)              execute.run(prepared call)
- outcome        refit/outcome            each process's error, checksums (verify=)
+ outcome        refit/outcome            each process's error, extensions' parts
+                                         (verify=: checksums)
 ```
+
+The call-level features (``atomic`` staging, delta baselines and fences, ``verify``,
+``check_writes``, catch-up, FP8 work ahead) are extensions
+(:mod:`xreshard.runtime.extensions`): at each step the call runs every extension's hook
+(``refit/check`` carries their parts; ``refit/fence`` runs when one asks for it), and an
+extension's state kept across calls moves only when ``refit/outcome`` confirmed the call.
+A feature that is off is not in the list and costs nothing.
 
 Each metadata collective carries the Refit's identity, agreed by its processes at the
 first call that passes ``refit/check``: the name given (``Refit(world, name=...)``), else
@@ -65,31 +73,27 @@ sent JAX arrays after a call returns (so the trainer's next step can donate them
 
 from __future__ import annotations
 
-import functools
+import contextlib
 import logging
 import threading
 import time
-from typing import Any, Callable, Iterable, Mapping
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
-from . import writes
 from .binding import Bound, side_problems
 from ..config import RefitConfig, RefitReport, Tuning
-from ..errors import (CommunicationError, RefitError, VerificationError,
-                      XreshardError, error_from)
+from ..errors import CommunicationError, RefitError, XreshardError, error_from
 from . import execute
+from . import extensions as _extensions
 from .execute import gc_paused
+from .extensions import Call, Extension, exported
 from ..ir.layout import LayoutMemo
 from .metadata import fit, merged_layouts, merged_quantized, stage_bindings
-from .quantize_ahead import QuantAhead
-from .quantized import quantized_report
 from ..planner.plan import Plan, PlanCache
 from ..planner.prepare import CallOptions, PreparedCall, prepare
-from . import catchup, fleet, registry
-from .atomic import Staging, left
+from . import fleet, registry
 from .comm_epochs import renumbering
-from .delta_wire import DeltaState, delta_problems
-from .handle import Background, RefitHandle, caller_streams
-from .outcome import (Failed, Moved, crossed, entry, failed_call, failure_lines, rank_maps,
+from .handle import RefitHandle
+from .outcome import (Failed, crossed, entry, failed_call, failure_lines, rank_maps,
                       unrun_unnamed, world_state)
 from .sides import Sides, on_device
 
@@ -124,6 +128,9 @@ class Refit:
         tuning: a :class:`Tuning` (default: ``Tuning.from_env()``, read once here).
         name: this Refit's identity among the Refits of its world (the same in every
             process); default: its position among them (see the module docstring).
+        extensions: the call-level features this Refit runs
+            (:mod:`xreshard.runtime.extensions`); default: those ``config`` and ``tuning``
+            switch on (``extensions.for_config``).
 
     Attributes:
         tuning: the :class:`Tuning`; may be replaced between calls.
@@ -133,13 +140,24 @@ class Refit:
         version: calls that completed; moves after the call released the world.
         stale: a call failed while moving (or a started call failed with nobody waiting):
             the destinations may hold a mix of two versions.
+        extensions: its call-level features, in the order their hooks run.
+        served: the in-place destination of the last call (an elastic world's member
+            serves it to catch-ups), or None.
+        writing: held for a whole call (a catch-up server snapshots between calls).
     """
+
+    delta_state = exported("delta", "state", "``RefitConfig(delta=True)``: baselines and "
+                           "fences, kept across calls (may be handed to the Refit of a new "
+                           "world: see xreshard.runtime.delta_wire); None without delta.")
+    quant_ahead = exported("fp8", "ahead", "FP8 items quantized while the call checks and "
+                           "plans (see xreshard.runtime.quantize_ahead).")
+    _staging = exported("atomic", "staging", "``RefitConfig(atomic=True)``'s shadows.")
 
     def __init__(self, world: Any, *, send: Any = None, receive: Any = None,
                  names: Mapping[str, str] | Callable[[str], str] | None = None,
                  transpose: Iterable[str] = (), rules: Any = None,
                  config: RefitConfig | None = None, tuning: Tuning | None = None,
-                 name: str | None = None):
+                 name: str | None = None, extensions: Sequence[Extension] | None = None):
         if config is not None and not isinstance(config, RefitConfig):
             raise RefitError(f"config must be a RefitConfig, got {type(config).__name__}")
         if tuning is not None and not isinstance(tuning, Tuning):
@@ -166,26 +184,18 @@ class Refit:
         self._programs: dict = {}                   # pack programs of _prepared
         self._arena: Any = None                     # staging, reused across calls
         self._cache = PlanCache()
-        self._identity: list[dict] | None = None
-        self._maps: dict[str, Any] | None = None    # from _identity, once
-        self._staging: Staging | None = None        # RefitConfig.atomic's shadows
+        self._maps: dict[str, Any] | None = None    # from the identity exchange, once
         self._epoch = 0                             # the world's epoch at the last call
         self._members: list[dict] | None = None     # the world's processes at the last call
         self._tensors = (0, 0)                      # (planned, reused) by the last prepare
-        #: RefitConfig(delta=True): baselines and fences, kept across calls (may be handed
-        #: to the Refit of a new world: see xreshard.runtime.delta_wire)
-        self.delta_state = DeltaState()
-        #: FP8 items quantized while the call checks and plans (see quantize_ahead)
-        self.quant_ahead = QuantAhead()
-        self._claims: list[Any] = []                # every process's, this call
-        #: held for a whole call: a catch-up server snapshots between calls (catchup.py)
+        self.extensions: list[Extension] = list(
+            _extensions.for_config(self.config, self.tuning) if extensions is None
+            else extensions)
         self.writing = threading.Lock()
-        self.served: Bound | None = None    # the in-place destination of the last call
-        self._server: Any = None            # its catch-up server (an elastic world)
-        self.own_only = False               # bind only this process's ranks (catch-up)
+        self.served: Bound | None = None
         world_state(world).refits.add(self)
-        if receive is not None:     # a process joining with wait=False: forms its catch-up
-            catchup.ahead(self)     # world while it builds the rest
+        for ext in self.extensions:
+            ext.made(self)
 
     @property
     def plan(self) -> Plan | None:
@@ -211,6 +221,31 @@ class Refit:
         self._arena = value
 
     @property
+    def send_obj(self) -> Any:
+        """What this process sends (the last object passed), or None."""
+        return self._sides.send.obj
+
+    @property
+    def receive_obj(self) -> Any:
+        """What this process receives into (the last object passed), or None."""
+        return self._sides.receive.obj
+
+    @property
+    def receive_adapter(self) -> str | None:
+        """The adapter that bound the receiving side ("jax", "torch", ...), or None."""
+        return self._sides.receive.adapter
+
+    @property
+    def naming(self) -> dict[str, Any]:
+        """The naming this Refit was made with (``names``, ``transpose``, ``rules``)."""
+        return dict(self._naming)
+
+    @property
+    def keeps_destinations(self) -> bool:
+        """A failed call leaves the destinations as they were (``atomic``)."""
+        return any(ext.keeps_destinations for ext in self.extensions)
+
+    @property
     def refit_id(self) -> str:
         """This Refit's identity in its world (agreed at its first call; until then the
         one it proposes: its name, or its position)."""
@@ -226,7 +261,7 @@ class Refit:
             raise RefitError("this Refit is already running a call")
         previous, self.stale = self.stale, True
         try:
-            report = catchup.catch_up(self, self._sides.receive.obj, self._naming)
+            report = _extensions.catch_up(self)
             self.version, self.stale = report.version, False
             return report
         except XreshardError:       # refused before any byte moved
@@ -254,7 +289,7 @@ class Refit:
         if not self._busy.acquire(blocking=False):
             raise RefitError("this Refit is already running a call in another thread; a "
                              "refit is collective and runs one call at a time")
-        return self._run(send, receive, None)
+        return self._run(send, receive)
 
     def start(self, send: Any = None, receive: Any = None) -> RefitHandle:
         """Start one refit in the background and return at once (collective, like a call).
@@ -280,49 +315,48 @@ class Refit:
             raise RefitError("this Refit is already running a call; wait() for it before "
                              "starting another")
         try:
-            # the sent tensors' digests: before the caller's next line can write them
-            snapshot = writes.take(send if send is not None else self._sides.send.obj) \
-                if self.config.check_writes else None
-            handle = RefitHandle(self, send, receive,
-                                 lambda s, r: self._run(s, r, snapshot))
+            for ext in self.extensions:       # before the caller's next line (check_writes)
+                ext.started(send if send is not None else self._sides.send.obj)
+            handle = RefitHandle(self, send, receive, self._run)
             handle.start()
         except BaseException:
+            for ext in self.extensions:
+                ext.end()
             self._busy.release()
             raise
         return handle
 
-    def _run(self, send: Any, receive: Any,
-             snapshot: writes.Snapshot | None) -> RefitReport:
+    def _run(self, send: Any, receive: Any) -> RefitReport:
         """One call, on a Refit already acquired (``_busy``); releases it. The cyclic
         collector waits for the call's end (see ``gc_paused``: the call's objects are not
         cyclic, and a collection mid-call traverses the whole heap). The version moves
         once the world is released."""
         try:
-            catchup.finish(self)    # the catch-ups are over (if any): end their world
+            for ext in self.extensions:
+                ext.entered(self)
             self.world.admit()      # joined with wait=False: the members' next call admits it
             with self.writing:      # the version moves after the world is released
                 with self.world.exclusive("refit"), gc_paused(self.tuning.pause_gc):
                     report, finish = fleet.restarting(
-                        self.world, lambda: self._call(send, receive, snapshot))
+                        self.world, lambda: self._call(send, receive))
                 if finish is not None:
                     self.received = finish()
                 self.stale = False
                 self.version = report.version
-                if self._server is not None:        # serving a catch-up: snapshot it
-                    self._server.keep(self)
-            if self.served is not None and self.world.elastic:
-                self._server = catchup.serve(self, self._server)
+                for ext in self.extensions:
+                    ext.finished(self)
+            for ext in self.extensions:
+                ext.released(self)
             logger.info("%s", report)
             return report
         except Failed as f:
             raise f.error from None
         finally:
-            self.delta_state.stop_ahead()       # no thread reads the sources past the call
-            self.quant_ahead.stop()
+            for ext in self.extensions:       # no thread reads the sources past the call
+                ext.end()
             self._busy.release()
 
-    def _call(self, send: Any, receive: Any, snapshot: writes.Snapshot | None = None
-              ) -> tuple[RefitReport, Callable[[], Any] | None]:
+    def _call(self, send: Any, receive: Any) -> tuple[RefitReport, Callable[[], Any] | None]:
         """The call's steps; returns its report and the receiving side's ``finish``."""
         t0 = time.perf_counter()
         if self._epoch != self.world.epoch:      # other members: other ranks, a new plan
@@ -332,25 +366,21 @@ class Refit:
                 self._cache.renumber(renumbering(self._members, self.world.processes))
         if self.world.elastic:
             self._members = self.world.processes
-        src, dst, errors, snapshot = self._bind_sides(send, receive, snapshot)
-        if self.config.delta:       # the diff overlaps refit/check (see delta_wire)
-            self.delta_state.encode_ahead(self._prepared, src, atomic=self.config.atomic)
-        if not errors:          # quantizing overlaps refit/check (see quantize_ahead)
-            # but not what the delta encoder quantizes as it diffs: FP8 items once
-            self.quant_ahead.start(self._prepared, src, self._programs,
-                                   skip=self.delta_state.ahead_buckets)
-        replanned = self._prepare(src, dst, errors, self.version + 1)
-        target = self.version + 1       # a process new to the world adopted the version
-        if self.config.delta and self.delta_state.fence_needed(self._claims):
-            self._agree("refit/fence", {"errors": self.delta_state.fence(
-                self._claims, self._prepared, dst)},
-                f"refit v{target} refused before moving anything")
+        call = Call(self)
+        call.prepared, call.programs = self._prepared, self._programs
+        self._bind_sides(call, send, receive)
+        replanned = self._prepare(call, self.version + 1)
+        call.target = target = self.version + 1     # a process new to the world adopted it
+        call.prepared, call.programs = self._prepared, self._programs
+        fences = [f for f in (ext.fence(call) for ext in self.extensions) if f is not None]
+        if fences:      # the same decision on every process (from refit/check's parts)
+            self._agree("refit/fence", {"errors": [x for f in fences for x in f]},
+                        f"refit v{target} refused before moving anything")
         plan_seconds = time.perf_counter() - t0
         error: list[str] | None = None
-        moved = Moved()
-        self.stale = not self.config.atomic
+        self.stale = not self.keeps_destinations
         try:
-            moved = self._move(src, self._staged(dst), target, snapshot)
+            self._move(call)
         except Exception as e:      # noqa: BLE001 - reported to the others before raising
             error = entry(e, "move")
             logger.debug("refit v%d failed here while moving", target, exc_info=True)
@@ -360,128 +390,89 @@ class Refit:
             me = self.world.describe_process(self.world.process_index)
             self.world.abort_transports(f"{me} failed while moving: {error[0]}: {error[1]}")
         try:
-            verified = self._commit(error, moved.digests, target)
+            fields = self._commit(call, error)
         except BaseException:
-            if self._staging is not None:
-                self._staging.abandon()
-            if self.config.delta:       # every destination may hold a mix: dense next
-                self.delta_state.abort()
+            for ext in self.extensions:       # every extension's state stays as it was
+                ext.abort()
             raise
-        if self._staging is not None:       # every process agreed the call succeeded
-            self._staging.commit()
-        if moved.delta is not None:         # fingerprints of the destinations as committed
-            self.delta_state.commit(moved.delta, dst, self._sides.receive.obj)
-        self.served = dst if self.world.elastic and self._sides.receive.adapter != "jax" else None
-        report = self._report(moved, target, time.perf_counter() - t0, plan_seconds,
-                              replanned, verified)
-        return report, (dst.finish if dst is not None else None)
+        for ext in self.extensions:       # every process agreed the call succeeded
+            ext.commit(call)
+        report = self._report(call, fields, time.perf_counter() - t0, plan_seconds,
+                              replanned)
+        return report, (call.dst.finish if call.dst is not None else None)
 
-    def _staged(self, dst: Bound | None) -> Bound | None:
-        """``RefitConfig.atomic``: the destination to move into, its bindings replaced by
-        staging (committed by ``_call`` once every process agreed); else ``dst``. JAX
-        destinations are new arrays (atomic already) and are not shadowed."""
-        if not self.config.atomic or dst is None or self._sides.receive.adapter == "jax":
-            return dst
-        if self._staging is None:
-            self._staging = Staging()
-        return self._staging.stage(dst)
-
-    def _report(self, moved: Moved, target: int, seconds: float, plan_seconds: float,
-                replanned: bool, verified: int) -> RefitReport:
-        prepared, stats = self._prepared, moved.stats
+    def _report(self, call: Call, fields: dict[str, Any], seconds: float,
+                plan_seconds: float, replanned: bool) -> RefitReport:
+        prepared, stats = self._prepared, call.stats
         assert prepared is not None and stats is not None
+        for ext in self.extensions:
+            ext.report(call, fields)
         return RefitReport(
-            version=target, seconds=seconds, plan_seconds=plan_seconds,
+            version=call.target, seconds=seconds, plan_seconds=plan_seconds,
             bytes_sent=stats.bytes_sent, bytes_received=stats.bytes_received,
             bytes_local=stats.bytes_local, bytes_moved_world=prepared.bytes_moved,
             bytes_gather_broadcast_world=prepared.direct.stats.bytes_gather_broadcast,
             num_rounds=stats.num_rounds, num_messages=stats.num_messages,
             num_zero_copy=stats.num_zero_copy, staging_bytes=stats.staging_bytes,
-            replanned=replanned, bytes_by_transport=moved.by_kind or None,
+            replanned=replanned, bytes_by_transport=call.by_kind or None,
             tensors_planned=self._tensors[0] if replanned else 0,
             tensors_reused=self._tensors[1] if replanned else 0,
-            verified=verified, bytes_forwarded=stats.bytes_forwarded,
-            move_seconds=stats.seconds, quantized=quantized_report(prepared, stats),
-            delta=moved.delta.summary() if moved.delta is not None else None)
+            bytes_forwarded=stats.bytes_forwarded, move_seconds=stats.seconds, **fields)
 
     # ------------------------------------------------------------ moving
 
-    def _move(self, src: Bound | None, dst: Bound | None, target: int,
-              snapshot: writes.Snapshot | None) -> Moved:
-        """Run the prepared call and, with ``verify``, checksum both ends of every stage.
-        Raises whatever failed here (the caller reports it to the others)."""
+    def _move(self, call: Call) -> None:
+        """Run the prepared call into the destinations the extensions give, inside their
+        ``begin`` contexts. Raises whatever failed here (the caller reports it to the
+        others)."""
         prepared, timeout = self._prepared, self.config.timeout
         assert prepared is not None
         with self.world.limited(timeout):     # creating it (first call) is collective
             transport = self.world.transport(self.config.transport)
+        dst = call.dst
+        for ext in self.extensions:
+            dst = ext.destinations(call, dst)
         dst_layouts = dict(prepared.direct.dst_layouts)
         if prepared.quant is not None:      # scales are bound beside their codes
             dst_layouts.update({qt.scale: prepared.quant.scales[n]
                                 for n, qt in prepared.quant.tensors.items()
                                 if qt.scale not in dst_layouts})
-        bindings = stage_bindings(prepared, fit(src, prepared.direct.src_layouts),
-                                  fit(dst, dst_layouts))
-        moved = Moved()
+        call.bindings = bindings = stage_bindings(
+            prepared, fit(call.src, prepared.direct.src_layouts), fit(dst, dst_layouts))
         before = dict(getattr(transport, "bytes_by_transport", None) or {})
-        # sources do not change during a refit: their checksums overlap the move
-        # (read on this thread's CUDA streams: the producers were ordered onto those)
-        sent_half = digest = None
-        if self.config.verify:
-            from .verify import stage_digests
-            digest = functools.partial(stage_digests, prepared, self._programs, self.world,
-                                       self.config.verify, target)
-            sent_half = Background(lambda: digest(0, bindings.src[0], {}, "send"),
-                                   streams=caller_streams())
-        # atomic: baselines move at the outcome; staged bases survive a failed call
-        moved.delta = self.delta_state.begin(
-            self._claims, prepared, atomic=self.config.atomic,
-            staged=dst is not None and self._staging is not None) \
-            if self.config.delta else None
-        with self.quant_ahead.used(prepared, self._programs, timeout):
-            moved.stats, self._arena = execute.run(
+        with contextlib.ExitStack() as hooks:
+            for ext in self.extensions:
+                hooks.enter_context(ext.begin(call))
+            call.stats, self._arena = execute.run(
                 prepared, bindings, transport, timeout=timeout, arena=self._arena,
-                programs=self._programs, tuning=self.tuning, delta=moved.delta)
+                programs=self._programs, tuning=self.tuning, **call.run_args)
         after = getattr(transport, "bytes_by_transport", None) or {}
-        moved.by_kind = {k: v - before.get(k, 0) for k, v in after.items()
-                         if v - before.get(k, 0)}
-        if sent_half is not None and digest is not None:
-            merged = sent_half.result().merge(digest(0, {}, bindings.dst[0], "recv"))
-            for k in range(1, len(prepared.stages)):     # forwards: both ends, after moving
-                merged = merged.merge(digest(k, bindings.src[k], bindings.dst[k], "both"))
-            moved.digests = merged.summary
-        writes.check(snapshot)      # every source read: were they written meanwhile?
-        return moved
+        call.by_kind = {k: v - before.get(k, 0) for k, v in after.items()
+                        if v - before.get(k, 0)}
 
     # ------------------------------------------------------------ binding
 
-    def _bind_sides(self, send: Any, receive: Any, snapshot: writes.Snapshot | None
-                    ) -> tuple[Bound | None, Bound | None, list[list[str]],
-                               writes.Snapshot | None]:
-        """Bind both sides; every local failure is collected (for refit/check), not raised.
-        Returns (send side, receive side, errors, the sent tensors' write snapshot)."""
+    def _bind_sides(self, call: Call, send: Any, receive: Any) -> None:
+        """Bind both sides into ``call`` (``src``, ``dst``); every local failure is
+        collected in ``call.errors`` (for refit/check), not raised."""
         sides = self._sides
-        errors = sides.take(send, receive)
-        if snapshot is None and self.config.check_writes:
-            snapshot = writes.take(sides.send.obj)
-        if snapshot is not None and snapshot.error is not None:
-            errors.append(entry(snapshot.error, "check"))
-        src = dst = None
+        call.errors = sides.take(send, receive)
         memo = self.layout_memo if self.tuning.layout_memo else None
         try:
             maps = self._rank_maps()
-            src = sides.bind(sides.send, maps, memo)
-            dst = sides.bind(sides.receive, maps, memo)
-            if self.own_only:       # a catch-up world: what this process needs, no more
-                dst = catchup.restricted(dst, self.world.rank_ids)
-            errors += side_problems({"send": src, "receive": dst}, self.world.rank_ids,
-                                    self.world.is_local, self.config.wire_dtype)
+            call.src = sides.bind(sides.send, maps, memo)
+            call.dst = sides.bind(sides.receive, maps, memo)
+            for ext in self.extensions:
+                ext.bound(call)
+            call.errors += side_problems({"send": call.src, "receive": call.dst},
+                                         self.world.rank_ids, self.world.is_local,
+                                         self.config.wire_dtype)
         except Exception as e:      # noqa: BLE001 - every local failure reaches every rank
             if isinstance(e, CommunicationError) and self.world.broken:
                 raise       # a collective failed: nobody is in step to hear about it
-            errors.append(entry(e, "check"))
+            call.errors.append(entry(e, "check"))
         finally:
             sides.forget()
-        return src, dst, errors, snapshot
 
     def _rank_maps(self) -> dict[str, Any]:
         """Framework ids -> world ranks per adapter (``{"torch": {...}, "jax": {...}}``), plus
@@ -495,7 +486,7 @@ class Refit:
         other devices: each JAX device publishes its id for its own rank.
         """
         if self._maps is None:
-            self._identity, self._maps = rank_maps(self.world, self.config.timeout)
+            _, self._maps = rank_maps(self.world, self.config.timeout)
         return self._maps
 
     def _agree(self, kind: str, body: dict[str, Any], what: str,
@@ -524,13 +515,13 @@ class Refit:
 
     # ------------------------------------------------------------ metadata steps
 
-    def _prepare(self, src: Bound | None, dst: Bound | None, errors: list[list[str]],
-                 target: int) -> bool:
+    def _prepare(self, call: Call, target: int) -> bool:
         """Exchange errors and metadata; prepare the call again when any layout (or the
         call's options) changed. Every process takes the same steps. Returns whether it
         prepared."""
         refused = f"refit v{target} refused before moving anything"
-        key, options = self._check(src, dst, errors, refused)
+        key, options = self._check(call, refused)
+        src, dst = call.src, call.dst
         if (key == self._generations and self._prepared is not None
                 and self._prepared.options == options):
             return False
@@ -577,12 +568,12 @@ class Refit:
                         f"transport='auto' (or 'gloo', 'shm', 'nccl')")]]
         return []
 
-    def _check(self, src: Bound | None, dst: Bound | None, errors: list[list[str]],
-               refused: str) -> tuple[tuple, CallOptions]:
+    def _check(self, call: Call, refused: str) -> tuple[tuple, CallOptions]:
         """refit/check: every process's Refit identity, version, layout generation, tuning,
-        device bindings and errors, in one all-gather; raises (the same everywhere) on any
-        error or disagreement. Returns every process's layout generation and the options
-        the call is prepared with."""
+        device bindings, extensions' parts and errors, in one all-gather; raises (the same
+        everywhere) on any error or disagreement. Returns every process's layout generation
+        and the options the call is prepared with."""
+        src, dst, errors = call.src, call.dst, list(call.errors)
         # a process says only whether its layouts changed since its last call (comparing
         # Layout objects is cheap; serializing every layout on every refit is not)
         mine = tuple((b.layouts, frozenset(b.local_only)) if b else None for b in (src, dst))
@@ -590,25 +581,27 @@ class Refit:
             self._last_layouts = mine
             self._generation += 1
         tuning = [self.tuning.executor, self.tuning.relay_overlap]
-        claims = None
-        if self.config.delta:       # fences: see xreshard.runtime.delta_wire
-            claims, found = self.delta_state.claims(dst, self._sides.receive.obj)
-            errors = errors + found + delta_problems(
-                self.config, on_device(src, dst), tuning=self.tuning,
-                sides=(on_device(src), on_device(dst)))
+        parts: dict[str, Any] = {}
+        for ext in self.extensions:       # their work ahead overlaps the gather
+            part, found = ext.check(call)
+            errors += found
+            if part is not None:
+                parts[ext.name] = part
         if self._id is None and self._name is None:
             errors = errors + unrun_unnamed(self)
         gathered = self._agree("refit/check", {
             "version": self.version, "generation": self._generation, "tuning": tuning,
             "devices": on_device(src, dst), "propose": self._proposal(),
-            "requests": fleet.check_body(self.world), "delta": claims,
+            "requests": fleet.check_body(self.world), "extensions": parts,
             "errors": errors}, refused)
         self._same_refit(gathered, refused)
-        self._claims = [g.get("delta") for g in gathered]
+        for ext in self.extensions:
+            ext.checked(call, [(g.get("extensions") or {}).get(ext.name) for g in gathered])
         describe = self.world.describe_process
         if any(g.get("tuning") != tuning for g in gathered):
-            where = ", ".join(f"{describe(p)}: executor {g.get('tuning')[0]!r}, relay_overlap "
-                              f"{g.get('tuning')[1]}" for p, g in enumerate(gathered))
+            seen = [g.get("tuning") or [None, None] for g in gathered]
+            where = ", ".join(f"{describe(p)}: executor {t[0]!r}, relay_overlap {t[1]}"
+                              for p, t in enumerate(seen))
             raise Failed(RefitError(f"{refused}: processes run different tunings ({where}); "
                                      f"pass the same Tuning (or set XRESHARD_EXECUTOR the "
                                      f"same) in every process"))
@@ -620,13 +613,14 @@ class Refit:
                                      f"({where}); every process must call the same Refit "
                                      f"the same number of times"))
         config = self.config
-        options = CallOptions(
-            bucket_bytes=config.bucket_bytes, staging_bytes=config.staging_bytes,
-            wire_dtype=config.wire_dtype, relay=config.relay,
-            relay_overlap=self.tuning.relay_overlap, delta=config.delta,
+        options = CallOptions(**{
+            "bucket_bytes": config.bucket_bytes, "staging_bytes": config.staging_bytes,
+            "wire_dtype": config.wire_dtype, "relay": config.relay,
+            "relay_overlap": self.tuning.relay_overlap,
             # the pipelined host executor holds two rounds; device bindings run full ones
-            halved=self.tuning.executor == "pipelined" and not any(g.get("devices")
-                                                                  for g in gathered))
+            "halved": self.tuning.executor == "pipelined" and not any(
+                g.get("devices") for g in gathered),
+            **{k: v for ext in self.extensions for k, v in ext.options.items()}})
         return tuple(g.get("generation") for g in gathered), options
 
     def _proposal(self) -> str:
@@ -655,19 +649,21 @@ class Refit:
 
     # ------------------------------------------------------------ outcome
 
-    def _commit(self, error: list[str] | None, digests: Any, target: int) -> int:
+    def _commit(self, call: Call, error: list[str] | None) -> dict[str, Any]:
         """All-gather every process's outcome; raise the first cause if any failed (the
         version stays). A process that never reports within the timeout (or is gone) is
         named; every survivor builds its message from the same outcomes (the world settles
-        which arrived, see ``World.allgather_json(partial=True)``). Returns how many
-        checksums this process compared.
+        which arrived, see ``World.allgather_json(partial=True)``). Then each extension
+        judges the outcomes (``verify`` compares checksums; it may fail the call). Returns
+        the report fields they set.
 
         A process that failed here waits the full timeout like the others: it told its
         peers at once (``World.abort_transports``), so they arrive promptly, and it has no
         evidence that they are lost (settling after a shorter grace would leave out, and in
         an elastic world exclude, healthy peers still on their way)."""
+        target = call.target
         outcomes = self.world.allgather_json(
-            {"errors": [error] if error else [], "digests": digests, "refit": self._id},
+            {**call.told, "errors": [error] if error else [], "refit": self._id},
             timeout=self.config.timeout, kind="refit/outcome", partial=True)
         missing = [p for p, o in enumerate(outcomes) if o is None]
         failed = [(p, o["errors"][0]) for p, o in enumerate(outcomes)
@@ -677,16 +673,7 @@ class Refit:
         if len({o.get("refit") for o in outcomes}) > 1:
             self.world.mark_broken(f"refit v{target}: processes ended different Refits")
             raise Failed(crossed(self.world, outcomes, f"refit v{target} moved bytes, but"))
-        if not self.config.verify:
-            return 0
-        from . import verify
-        messages, compared = verify.compare([o.get("digests") for o in outcomes], self.world)
-        if messages:        # the same list on every process: it compared the same digests
-            raise Failed(VerificationError(
-                f"refit v{target}: {len(messages)} transfer(s) arrived with other bytes than "
-                f"were sent (checksums differ), {left(self.config.atomic, self.version)}:\n  "
-                + "\n  ".join(messages[:20])
-                + (f"\n  ... and {len(messages) - 20} more" if len(messages) > 20 else "")))
-        return compared
-
-
+        fields: dict[str, Any] = {}
+        for ext in self.extensions:
+            ext.outcome(call, outcomes, fields)
+        return fields
