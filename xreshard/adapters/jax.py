@@ -530,7 +530,7 @@ def bind(tree: Any, side: str, *, ranks: Mapping[int, int], names: Any = None,
         cache: a dict kept by the caller across calls of one side: the tree's names are
             computed once per tree structure.
     """
-    from xreshard.runtime.execute import gc_paused
+    from xreshard.runtime.gcpause import gc_paused
     with gc_paused():
         return _bind(tree, side, ranks=ranks, names=names, transpose=transpose,
                      memo=LayoutMemo() if memo is None else memo,

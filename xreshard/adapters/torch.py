@@ -554,7 +554,7 @@ def bind(obj: Any, side: str, *, ranks: RankMap, local_ranks: Sequence[int], nam
             an entry bound before whose tensor is unchanged is looked up, not bound anew
             (see ``_Known``).
     """
-    from xreshard.runtime.execute import gc_paused
+    from xreshard.runtime.gcpause import gc_paused
     with gc_paused():
         return _bind(obj, side, ranks=ranks, local_ranks=local_ranks, names=names,
                      transpose=transpose, memo=LayoutMemo() if memo is None else memo,

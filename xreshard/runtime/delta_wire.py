@@ -273,7 +273,7 @@ class DeltaState:
     # ------------------------------------------------------------ encoding ahead
 
     def encode_ahead(self, prepared: Any, src: Any, threads: int | None = None,
-                     atomic: bool = True) -> None:
+                     atomic: bool = True, tuning: Any = None) -> None:
         """Start encoding this process's buckets against its baselines now, with the last
         call's schedule ``prepared`` (None: none yet) and this call's bound sources ``src``,
         so the diff overlaps ``refit/check``: only pairs whose baseline holds a claim for
@@ -287,13 +287,15 @@ class DeltaState:
         byte besides. A bucket with no baseline goes dense, said too (its baseline is set
         as it is sent). The encoder packs a bucket it finds mostly changed into its
         baseline (``atomic``: new memory), and it is sent from there (see
-        :class:`~.delta_encode.Encoder`)."""
+        :class:`~.delta_encode.Encoder`). ``tuning`` (the Refit's) says whether these
+        sources take the device path (``Tuning.host_device_ops``): then nothing is
+        encoded ahead, as the call's device codec encodes them."""
         self.stop_ahead()
         self._promised, self._whole, self._dropped = frozenset(), frozenset(), {}
         if prepared is None or src is None or prepared.stages[0].src_from != SOURCES:
             return
         from .delta_device import device_path
-        if device_path(src.bindings):       # device memory: encoded in the call
+        if device_path(src.bindings, tuning=tuning):    # device memory: encoded in the call
             return
         from .delta_encode import ENCODE_THREADS, Encoder
         try:

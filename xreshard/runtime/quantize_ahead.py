@@ -81,12 +81,15 @@ class AheadRun:
         bindings: the call's stage-0 source bindings.
         steps: the FP8 steps to quantize, in pack order.
         budget: the most bytes of results (codes + scales) held before they are taken.
+        kernels: the call's :class:`~.codecs.kernels.Kernels` (threads, device framework;
+            None: the defaults), the ones its pack step would quantize with.
     """
 
     def __init__(self, prepared: Any, programs: dict, bindings: Any, steps: list,
-                 budget: int):
+                 budget: int, kernels: Any = None):
         self.prepared, self.programs = prepared, programs
         self._bindings = bindings
+        self._kernels = kernels
         self._entries = [_Entry(e) for e in steps]
         self._by_id = {id(en.step): en for en in self._entries}
         self._budget = max(1, budget)
@@ -121,7 +124,8 @@ class AheadRun:
                         continue
                     en.state = _RUNNING
                 try:
-                    result = quantized.quantize_step(en.step, self._bindings)
+                    result = quantized.quantize_step(en.step, self._bindings,
+                                                     kernels=self._kernels)
                 except BaseException as e:      # noqa: BLE001 - the pack step redoes it
                     with self._cond:
                         en.state, self.error = _FAILED, e
@@ -201,8 +205,9 @@ class QuantAhead:
             whether the call took it; ``{}``: none started), for benchmarks and tests.
     """
 
-    def __init__(self, enabled: bool = True):
+    def __init__(self, enabled: bool = True, kernels: Any = None):
         self.enabled = enabled
+        self.kernels = kernels      # the Refit's Kernels (Tuning): what the pack step uses
         self.last: dict[str, Any] = {}
         self._run: AheadRun | None = None
         self._used = False
@@ -235,7 +240,7 @@ class QuantAhead:
             return
         if steps:
             self._run = AheadRun(prepared, programs, bindings, steps,
-                                 prepared.options.staging_bytes)
+                                 prepared.options.staging_bytes, self.kernels)
 
     @contextlib.contextmanager
     def used(self, prepared: Any, programs: dict, timeout: float) -> Iterator[None]:

@@ -84,7 +84,7 @@ from ..config import RefitConfig, RefitReport, Tuning
 from ..errors import CommunicationError, RefitError, XreshardError, error_from
 from . import execute
 from . import extensions as _extensions
-from .execute import gc_paused
+from .gcpause import gc_paused
 from .extensions import Call, Extension, exported
 from ..ir.layout import LayoutMemo
 from .metadata import fit, merged_layouts, merged_quantized, stage_bindings

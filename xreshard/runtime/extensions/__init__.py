@@ -158,13 +158,14 @@ def for_config(config: Any, tuning: Any) -> list[Extension]:
     features, but FP8 (the planner decides per tensor whether a call quantizes; its hooks
     return at once when the call does not) and the serving of catch-ups (an elastic
     world's, nothing in a fixed world)."""
+    from ..codecs.kernels import Kernels
     from .features import Atomic, CatchUpServer, CheckWrites, Delta, Fp8, Joiner, Verify
     out: list[Extension] = [Joiner()]
     if config.atomic:
         out.append(Atomic())
     if config.delta:
         out.append(Delta())
-    out.append(Fp8(tuning.fp8_ahead))
+    out.append(Fp8(tuning.fp8_ahead, Kernels.of(tuning)))
     if config.verify:
         out.append(Verify(config.verify))
     if config.check_writes:
@@ -178,8 +179,9 @@ def for_catch_up(config: Any, tuning: Any) -> list[Extension]:
     process's ranks, moves into the destinations in place (nothing to stage: the joiner
     was not admitted), keeps no delta baseline (a caught-up receiver's first member call
     is dense) and checks what its config asks."""
+    from ..codecs.kernels import Kernels
     from .features import Fp8, OwnRanks, Verify
-    out: list[Extension] = [OwnRanks(), Fp8(tuning.fp8_ahead)]
+    out: list[Extension] = [OwnRanks(), Fp8(tuning.fp8_ahead, Kernels.of(tuning))]
     if config.verify:
         out.append(Verify(config.verify))
     return out

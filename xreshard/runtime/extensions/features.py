@@ -85,7 +85,7 @@ class Delta(Extension):
     def check(self, call: Any) -> tuple[Any, list[list[str]]]:
         """Start diffing ahead (with the last call's schedule), then say this process's
         claims and what it cannot run."""
-        self.state.encode_ahead(call.prepared, call.src, atomic=True)
+        self.state.encode_ahead(call.prepared, call.src, atomic=True, tuning=call.tuning)
         call.skip_ahead = self.state.ahead_buckets
         claims, found = self.state.claims(call.dst, call.receive_obj)
         src, dst = call.src, call.dst
@@ -198,8 +198,8 @@ class Fp8(Extension):
 
     name = "fp8"
 
-    def __init__(self, ahead: bool = True):
-        self.ahead = QuantAhead(enabled=ahead)
+    def __init__(self, ahead: bool = True, kernels: Any = None):
+        self.ahead = QuantAhead(enabled=ahead, kernels=kernels)
 
     def check(self, call: Any) -> tuple[Any, list[list[str]]]:
         """Start the work ahead (not on a call refused already, and not for the buckets
