@@ -7,15 +7,15 @@ rollout processes with DTensor destinations over gloo (tests/compose_matrix_case
 Each case is one ``Refit`` of that world and five calls: three with the weights changing
 (a few low bits; then signs of whole rows flipped), a fourth that fails mid-move (the
 trainer's transport raises once, between two rounds), and a fifth that must be exact
-again (a delta of the third call's weights). After every call
-that succeeded, each rollout's ``full_tensor()`` of every destination equals, byte for
-byte, vLLM's own quantizer on the whole new tensor (codes and scales; the bf16 values for
-bf16 destinations); after the failed call an atomic case still holds the third call's
-bytes. A combination the API refuses must be refused at the first call with the same
-typed error on every process, before any byte moved (none is today: ``REFUSED``).
+again (a delta of the third call's weights). After every call that succeeded, each
+rollout's ``full_tensor()`` of every destination equals, byte for byte, vLLM's own
+quantizer on the whole new tensor (codes and scales; the bf16 values for bf16
+destinations); after the failed call an atomic case still holds the third call's bytes.
+A combination the API refuses must be refused at the first call with the same typed error
+on every process, before any byte moved (none is today: ``REFUSED``).
 
-The whole matrix runs once per session (a module fixture), for the cases selected: ``-k
-delta-block`` runs the world for those cases only.
+The world runs once per session (a module fixture), for the cases selected only: ``-k
+"combination and delta and relay"`` runs those 48 cases.
 """
 
 from __future__ import annotations
