@@ -25,63 +25,6 @@ def _transposed() -> set[str]:
     return {n for n, t in dc.TENSORS.items() if "T" in t[3]}
 
 
-# ---------------------------------------------------------------------------- atomic
-# "atomic": calls 1 (seeds) and 2 (deltas); call 3: rollout[1] fails at its last apply
-# (every process raises; with atomic no destination was written and no baseline moved);
-# calls 4 and 5: deltas again to both (the bases stayed valid), bit-exact.
-
-ATOMIC_CALLS = 5
-ATOMIC_FAILS = 3
-
-
-def atomic_trainer(ctx: Any) -> dict:
-    import xreshard as xr
-
-    world = ctx.join(groups=["trainer", "rollout"])
-    refit = xr.Refit(world, send=dc._jax_params("bfloat16", 0), transpose=_transposed(),
-                     config=_config(xr, verify=True))
-    rows = []
-    for call in range(1, ATOMIC_CALLS + 1):
-        rows.append(dc._row(dc.attempt(lambda: refit(send=dc._jax_params("bfloat16", call)))))
-    world.close()
-    from xreshard.runtime.device_ops import COUNTS
-    return {"rows": rows, "baseline_bytes": refit.delta_state.baseline_bytes,
-            "counts": dict(COUNTS)}
-
-
-def atomic_rollout(ctx: Any) -> dict:
-    import torch.distributed as dist
-    import xreshard as xr
-
-    n, me = 2, ctx.role.index
-    dc._torch_group(ctx, n, me, "rollout")
-    world = ctx.join(groups=["trainer", "rollout"])
-    state = dc._dtensors("bfloat16", me, n)
-    refit = xr.Refit(world, receive=state, config=_config(xr, verify=True))
-    rows, checked, held = [], 0, 0
-    for call in range(1, ATOMIC_CALLS + 1):
-        if call == ATOMIC_FAILS and me == 1:
-            dc._fail_last_apply()
-        row = dc._row(dc.attempt(refit))
-        if call == ATOMIC_FAILS and me == 1:
-            from xreshard.runtime.codecs.delta import DeltaCodec
-            DeltaCodec._land = dc._LAND[0]
-        if "error" not in row:
-            held = call
-        row.update(version=refit.version, stale=refit.stale)
-        try:        # a failed call leaves the previous version, bit for bit
-            checked += dc.check(state, "bfloat16", "bfloat16", held, me, n)
-        except AssertionError as e:
-            row["wrong"] = str(e)
-        rows.append(row)
-    staging = refit._staging.nbytes if refit._staging is not None else 0
-    world.close()
-    dist.destroy_process_group()
-    from xreshard.runtime.device_ops import COUNTS
-    return {"rows": rows, "checked": checked, "staging_bytes": staging,
-            "counts": dict(COUNTS)}
-
-
 # ---------------------------------------------------------------------------- a killed sender
 # World 1 (trainer, rollout[0], rollout[1]): calls 1 (seeds) and 2 (deltas); call 3: the
 # trainer SIGKILLs itself after its first payload (some deltas landed in the receivers'

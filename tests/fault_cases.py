@@ -65,13 +65,20 @@ def _fault_once(transport: str, what: str) -> Iterator[None]:
         setattr(cls, what, original)
 
 
-def member(ctx: Any, scenario: str) -> dict:
+def members(ctx: Any, scenarios: list[str]) -> dict:
+    """:func:`member` for each of ``scenarios`` in turn, each in a world of its own, by the
+    same processes (one launch for the file): scenario -> what it returned."""
+    return {s: member(ctx, s, world_id=f"{ctx.world_id}-{s}") for s in scenarios}
+
+
+def member(ctx: Any, scenario: str, world_id: str | None = None) -> dict:
     """Calls 1 and 3 healthy; in call 2 the scenario's process faults once."""
     import xreshard as xr
 
     elastic, transport, delta, faulty, what = SCENARIOS[scenario]
     label = f"{ctx.role.group}[{ctx.role.index}]"
-    world = ctx.join(elastic=elastic, groups=["trainer", "rollout"], timeout=90)
+    world = ctx.join(elastic=elastic, groups=["trainer", "rollout"], timeout=90,
+                     world_id=world_id or ctx.world_id)
     trainer = ctx.role.group == "trainer"
     side = cases.Sender() if trainer else cases.Receiver()
     config = xr.RefitConfig(timeout=40 if elastic else 30, transport=transport, delta=delta,

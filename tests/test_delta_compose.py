@@ -1,5 +1,9 @@
 """Delta refit composed with transactional destinations (``RefitConfig(delta=True,
-atomic=True)``) and with FP8 destinations quantized on the way, between real processes:
+atomic=True)``) and with FP8 destinations quantized on the way, between real processes, in
+the cases the combination matrix (tests/test_compose_matrix.py: delta x atomic x FP8 x
+relay x verify x device kernels x executor, a failed call in each) does not reach: a
+sender killed mid-move and restarted, a receiver claiming a base it does not hold, the
+bytes a relayed delta forwards:
 a JAX trainer with NamedSharding arrays on a (2, 2) CPU mesh, torch DTensor receivers in
 two processes over gloo; every receiver bit-compares every byte it holds after every call
 (inside the children: tests/delta_compose_cases.py)."""
@@ -17,43 +21,6 @@ ROLES = [Role("jax", "trainer", 0, num_devices=4), Role("torch", "rollout", 0),
          Role("torch", "rollout", 1)]
 
 pytestmark = pytest.mark.slow
-
-
-@pytest.mark.parametrize("path", ["host", "device"])
-def test_atomic_deltas_and_a_failed_call_keeps_bases_valid(path):
-    """Deltas land in the staging (refreshed from the live destinations) and commit once
-    every process agreed. A call that fails (one receiver raises at its last apply)
-    leaves every destination at the previous version bit for bit, and, since nothing was
-    written and no baseline moved, the next call still goes as deltas to every receiver."""
-    # "device": the device path on host memory, the trainer's baselines "on the device"
-    # (advanced by the device ops at the outcome), the receivers' applies by torch ops
-    env = {"XRESHARD_TEST_DEVICE_OPS": "torch", "XRESHARD_DELTA_BASELINE": "device"} \
-        if path == "device" else None
-    results = launch([cases.atomic_trainer, cases.atomic_rollout, cases.atomic_rollout],
-                     ROLES, timeout=300, env=env)
-    rows = results[0].value["rows"]
-    assert ["error" in r for r in rows] == [False, False, True, False, False], rows
-    assert "injected failure" in rows[2]["error"]
-    first = rows[0]["delta"]
-    assert first["pairs"] == 0 and first["bytes_wire"] == first["bytes_dense"]
-    for r in (rows[1], rows[3], rows[4]):
-        d = r["delta"]
-        assert d["pairs"] == 6 and d["num_delta"] > 0, d
-        assert d["bytes_wire"] < 0.2 * d["bytes_dense"], d      # the deltas were sent
-        assert r["verified"] > 0                                 # full regions compared
-    for res in results[1:]:
-        out = res.value["rows"]
-        assert [("error" in x) for x in out] == [False, False, True, False, False]
-        assert out[2]["error"] == rows[2]["error"]               # the same everywhere
-        assert all("wrong" not in x for x in out), out          # bit-exact, call 3 too
-        assert out[2]["version"] == 2 and out[2]["stale"] is False
-        assert [x["version"] for x in out] == [1, 2, 2, 3, 4]
-        assert res.value["staging_bytes"] > 0 and res.value["checked"] > 0
-        assert (res.value["counts"].get("apply/torch", 0) > 0) == (path == "device")
-    # the device path's diffs, and its baselines advanced by its ops at the outcome
-    counts = results[0].value["counts"]
-    assert (counts.get("encode/torch", 0) >= 18) == (path == "device")     # 6 pairs x 3
-    assert (counts.get("apply/torch", 0) > 0) == (path == "device")
 
 
 def test_killed_sender_under_atomic_deltas_leaves_previous_version():

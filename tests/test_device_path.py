@@ -114,9 +114,17 @@ ROLES = [Role("jax", "trainer", 0, num_devices=4), Role("torch", "rollout", 0),
          Role("torch", "rollout", 1)]
 
 
+@pytest.fixture(scope="module")
+def host_steady() -> list:
+    """The host path's run of the "steady" scenario, which both device path runs compare
+    with (one launch for both)."""
+    return launch([cases.delta_trainer, cases.delta_rollout, cases.delta_rollout], ROLES,
+                  args=("steady", False), timeout=600)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("kind,baseline", [("torch", "host"), ("jax", "device")])
-def test_delta_device_path_between_processes(kind, baseline):
+def test_delta_device_path_between_processes(kind, baseline, host_steady):
     """JAX trainer -> two torch receivers, four calls (the first dense, then deltas with
     verify=True): every receiver bit-exact after every call, the trainer's diffs and the
     receivers' applies ran by the device path's ops, and the bytes on the wire are what the
@@ -124,8 +132,7 @@ def test_delta_device_path_between_processes(kind, baseline):
     env = {"XRESHARD_TEST_DEVICE_OPS": kind, "XRESHARD_DELTA_BASELINE": baseline}
     results = launch([cases.delta_trainer, cases.delta_rollout, cases.delta_rollout], ROLES,
                      args=("steady", False), timeout=600, env=env)
-    host = launch([cases.delta_trainer, cases.delta_rollout, cases.delta_rollout], ROLES,
-                  args=("steady", False), timeout=600)
+    host = host_steady
     rows, host_rows = results[0].value["rows"], host[0].value["rows"]
     assert [r.get("version") for r in rows] == [1, 2, 3, 4], rows
     for row, want in zip(rows, host_rows):

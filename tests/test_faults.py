@@ -19,12 +19,22 @@ ROLES = [Role("plain", "trainer", 0, num_devices=2), Role("plain", "rollout", 0)
 MEMBERS = ["trainer[0]", "rollout[0]", "rollout[1]"]
 
 
-def _run(scenario: str) -> list[dict]:
-    results = launch(cases.member, ROLES, args=(scenario,), timeout=300, check=False,
-                     fail_fast=False)
+@pytest.fixture(scope="module")
+def scenarios(request) -> list:
+    """Every selected scenario, one after another in the same three processes (each in a
+    world of its own): one launch for the file. Per process, scenario -> its calls."""
+    chosen = sorted({item.callspec.params["scenario"] for item in request.session.items
+                     if item.module is request.module and hasattr(item, "callspec")
+                     and "scenario" in item.callspec.params})
+    results = launch(cases.members, ROLES, args=(chosen,), timeout=120 + 150 * len(chosen),
+                     check=False, fail_fast=False)
     for r in results:
         assert r.ok, r.describe()
     return [r.value for r in results]
+
+
+def _run(scenarios: list, scenario: str) -> list[dict]:
+    return [v[scenario] for v in scenarios]
 
 
 def _one_failure(values: list[dict], scenario: str, cls: str) -> str:
@@ -43,11 +53,11 @@ def _one_failure(values: list[dict], scenario: str, cls: str) -> str:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("scenario", ["gloo-send", "gloo-recv", "shm-send", "shm-delta-apply"])
-def test_an_elastic_world_survives_one_local_fault(scenario):
+def test_an_elastic_world_survives_one_local_fault(scenario, scenarios):
     """Items 3 and 4: over gloo (a send or a recv raising once) and shm (a send raising
     once; an apply raising once with delta=True) every member stays, the world moves to a
     new epoch with the same members (transports made anew), and call 3 is exact."""
-    values = _run(scenario)
+    values = _run(scenarios, scenario)
     what = cases.SCENARIOS[scenario][4]
     _one_failure(values, scenario, "RemoteError" if what in ("send", "recv") else "RefitError")
     for v in values:
@@ -61,11 +71,11 @@ def test_an_elastic_world_survives_one_local_fault(scenario):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("scenario", ["fixed-gloo-apply", "fixed-shm-apply"])
-def test_a_fixed_world_names_the_process_whose_apply_failed(scenario):
+def test_a_fixed_world_names_the_process_whose_apply_failed(scenario, scenarios):
     """Item 5: the faulty process tells its peers at once (they do not wait out the 30 s
     timeout in the transport, then get settled out of the outcome by its grace), and
     the one message every process raises names it, not the healthy ones."""
-    values = _run(scenario)
+    values = _run(scenarios, scenario)
     _one_failure(values, scenario, "RefitError")
     for v in values:
         assert v["calls"][0].get("exact") is True, v["calls"][0]

@@ -174,9 +174,9 @@ def test_device_bindings_that_alias_are_refused_before_any_byte_moves(monkeypatc
     """Issue 18 item 5: destinations sharing device memory with each other or with a source
     (an in-place reshard of CuPy/torch CUDA memory) wrote wrong bytes and reported
     success; they are refused by address range like host arrays."""
-    from xreshard.runtime import execute
+    from xreshard.runtime import devices
     from xreshard.runtime.binding import side_problems
-    monkeypatch.setattr(execute, "device_problems", lambda sides, wire: [])
+    monkeypatch.setattr(devices, "device_problems", lambda sides, wire: [])
     mem = np.zeros(1 << 16, np.uint8)                     # one device allocation
     row = 64 * 2
     # a [32, 64] bf16 weight; the destination q is rows 0..15, k is rows 8..23: overlap
@@ -205,8 +205,8 @@ def test_device_bindings_that_alias_are_refused_before_any_byte_moves(monkeypatc
 def test_an_aliased_device_refit_fails_on_every_rank_before_moving(monkeypatch):
     """Through a Refit (one process, two ranks): refused at refit/check, nothing moves."""
     pytest.importorskip("torch")            # the rendezvous store is torch's TCPStore
-    from xreshard.runtime import execute
-    monkeypatch.setattr(execute, "device_problems", lambda sides, wire: [])
+    from xreshard.runtime import devices, execute
+    monkeypatch.setattr(devices, "device_problems", lambda sides, wire: [])
     ran = []
     monkeypatch.setattr(execute.Executor, "run", lambda self: ran.append(1))
     mem = np.zeros(1 << 14, np.uint8)
