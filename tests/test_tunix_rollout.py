@@ -91,6 +91,64 @@ def test_naming_table_maps_onto_the_hf_model_and_its_logits(name, tied):
     np.testing.assert_allclose(np.asarray(tunix_logits), hf_logits, rtol=2e-4, atol=2e-4)
 
 
+LORA_TARGETS = ".*q_proj|.*k_proj|.*v_proj|.*o_proj|.*gate_proj|.*up_proj|.*down_proj"
+
+
+def _lora_model(name: str = "Qwen2", rank: int = 4, alpha: float = 8.0, seed: int = 0,
+                sizes: dict = SIZES, mesh=None):
+    """A tiny Tunix model with qwix LoRA on every projection, every factor random (qwix
+    zeroes B), resharded onto ``mesh`` (qwix shards the factors as their weights)."""
+    import contextlib
+
+    import qwix
+    from tunix.rl import reshard
+
+    base = _family_model(name, seed=seed, sizes=sizes)
+    provider = qwix.LoraProvider(module_path=LORA_TARGETS, rank=rank, alpha=alpha)
+    with mesh if mesh is not None else contextlib.nullcontext():
+        model = qwix.apply_lora_to_model(base, provider, **base.get_model_input(),
+                                         rngs=nnx.Rngs(seed + 7))
+    state = nnx.state(model, nnx.LoRAParam)
+    leaves, treedef = jax.tree_util.tree_flatten(state)
+    keys = jax.random.split(jax.random.key(seed + 3), len(leaves))
+    nnx.update(model, jax.tree_util.tree_unflatten(
+        treedef, [0.1 * jax.random.normal(k, x.shape, x.dtype) for x, k in zip(leaves, keys)]))
+    return model if mesh is None else reshard.reshard_model_to_mesh(model, mesh)
+
+
+@pytest.mark.parametrize("name", ["Qwen2", "Llama3"])
+def test_lora_table_maps_qwix_factors_onto_peft_tensors_and_their_logits(name):
+    """Every qwix factor of every projection becomes PEFT's lora_A [r, in] / lora_B
+    [out, r] of the right module; the HF model with W + alpha/r * B @ A computes the
+    LoRA model's logits (the orientation of every factor is checked by the numbers)."""
+    import torch
+
+    model = _lora_model(name)
+    base, lora = xt.split_lora(nnx.state(model, nnx.Param))
+    assert len(lora) == 2 * 7 * SIZES["num_layers"] and not any("lora" in n for n in base)
+    rules = xt.tunix_lora_rules(model, "policy")
+    adapter = xt.lora_adapter(lora, rules, name="policy", lora_id=1, alpha=8.0, arrays=True)
+    assert adapter.r == 4 and len(adapter.weights) == 7 * SIZES["num_layers"]
+    assert set(adapter.peft_config()["target_modules"]) == {
+        "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
+    described = xt.lora_adapter(lora, rules, name="policy", lora_id=1, alpha=8.0)
+    assert described.spec() == adapter.spec()          # what the engine is told = the bytes
+    flat = {n: np.asarray(a) for n, a in base.items()}
+    hf = NameMap(xt.tunix_rules(model)).apply({n: a.shape for n, a in flat.items()})
+    weights = {n: torch.from_numpy(np.ascontiguousarray(t.view(flat))) for n, t in hf.items()}
+    for module, (a, b) in adapter.weights.items():
+        w = weights[module + ".weight"]
+        assert (b.shape[0], a.shape[1]) == tuple(w.shape), module
+        weights[module + ".weight"] = w + 2.0 * torch.from_numpy(b) @ torch.from_numpy(a)
+    ref = _hf_model(model)
+    ref.load_state_dict(weights)
+    tokens = np.array([[5, 9, 2, 33, 17, 60, 1, 8]])
+    lora_logits, _ = model(tokens, np.arange(8)[None], None, np.tril(np.ones((1, 8, 8), bool)))
+    with torch.no_grad():
+        hf_logits = ref(torch.from_numpy(tokens)).logits.numpy()
+    np.testing.assert_allclose(np.asarray(lora_logits), hf_logits, rtol=2e-4, atol=2e-4)
+
+
 def test_unknown_model_and_unmapped_path_are_refused_by_name():
     class NotTunix(nnx.Module):
         pass
@@ -201,5 +259,77 @@ def test_rl_cluster_sync_refits_a_vllm_engine_exactly_and_generate_answers():
         for i, lp in enumerate(ref.logprobs):
             np.testing.assert_allclose(scored[i, :len(lp)], lp, rtol=1e-3, atol=1e-4)
             assert not scored[i, len(lp):].any()
+    finally:
+        rollout.shutdown()
+
+
+def _greedy(llm, prompts, request=None):
+    """Greedy tokens and their logprobs as bytes (bit-exact) of ``prompts`` on ``llm``."""
+    from vllm import SamplingParams
+
+    sp = SamplingParams(max_tokens=6, temperature=0.0, logprobs=0, detokenize=False,
+                        stop_token_ids=[2])
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, lora_request=request,
+                        use_tqdm=False)
+    return [(list(o.outputs[0].token_ids),
+             np.array([s[t].logprob for s, t in zip(o.outputs[0].logprobs,
+                                                     o.outputs[0].token_ids)]).tobytes())
+            for o in outs]
+
+
+@pytest.mark.slow
+def test_lora_sync_refits_only_the_adapter_as_vllm_loads_it(tmp_path):
+    """A qwix LoRA model: the engine starts with a LoRA slot; Tunix's LoRA sync
+    (``update_params(nnx.state(actor, nnx.LoRAParam), (nnx.LoRAParam,))``, under RLCluster's
+    CPU transfer guard) refits only the adapter, shard to shard; the slot then serves what
+    vLLM's own load of the same adapter from a PEFT directory serves, bit for bit, and the
+    base model is untouched."""
+    from tunix.rl.rollout import base_rollout
+    from vllm.lora.request import LoRARequest
+
+    from xreshard.adapters.lora import write_peft_dir
+    from xreshard.runtime.commcount import count_comm
+
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0|1")
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("fsdp", "tp"))
+    sizes = dict(SIZES, embed_dim=64, num_heads=2, head_dim=32)
+    model = _lora_model("Qwen2", sizes=sizes, mesh=mesh)
+    config = base_rollout.RolloutConfig(max_tokens_to_generate=6, max_prompt_length=8,
+                                        temperature=0.0, seed=0,
+                                        rollout_vllm_kwargs={"max_model_len": 16,
+                                                             "dtype": "float32"})
+    rollout = xt.XreshardVllmRollout(rollout_actor=model, tokenizer=_Chars(),
+                                     rollout_config=config, tensor_parallel_size=2,
+                                     lora_alpha=8.0, lora_name="policy")
+    prompts = [[6, 4, 7, 4, 39], [5, 10, 39]]
+    try:
+        assert rollout.lora_request().lora_path == "xreshard://policy"
+        base_before = _greedy(rollout.llm, prompts)
+        versions = [w["version"] for w in rollout.transfer_reports()]
+        lora = nnx.state(model, nnx.LoRAParam)
+        nnx.update(model, jax.tree_util.tree_map(lambda x: x * 1.5 - 0.01, lora))
+        lora = nnx.state(model, nnx.LoRAParam)
+        with count_comm() as counts, jax.transfer_guard_device_to_host("disallow_explicit"), \
+                jax.transfer_guard_host_to_device("disallow_explicit"):
+            rollout.update_params(lora, (nnx.LoRAParam,))
+        assert counts.total_received == 0          # nothing landed in the trainer process
+        reports = rollout.lora_reports()
+        assert [w["bytes_received"] for w in reports] == [w["shard_bytes"] for w in reports]
+        assert all(w["adapters"] == {"policy": {"lora_id": 1, "version": 2}} for w in reports)
+        # the base weights did not move: same version, same answers without the adapter
+        assert [w["version"] for w in rollout.transfer_reports()] == versions
+        assert _greedy(rollout.llm, prompts) == base_before
+
+        out = rollout.generate(["3141>", "27>"], config)
+        got = _greedy(rollout.llm, prompts, rollout.lora_request())
+        with jax.transfer_guard("allow"):
+            write_peft_dir(rollout.reference_adapter(lora), str(tmp_path / "ref"))
+        ref = _greedy(rollout.llm, prompts, LoRARequest("ref", 2, str(tmp_path / "ref")))
+        assert got == ref                          # tokens and logprobs, bit for bit
+        assert [t.tolist() for t in out.tokens] == [t for t, _ in got]
+        assert [lp for _, lp in got] != [lp for _, lp in base_before]   # the adapter acts
+        # after vLLM's cache swapped the reference in, the slot is rebuilt from memory
+        assert _greedy(rollout.llm, prompts, rollout.lora_request()) == ref
     finally:
         rollout.shutdown()

@@ -493,7 +493,7 @@ class XreshardTrainerWeightTransferEngine(TrainerWeightTransferEngine[XreshardTr
                 self.engine_ids.append(e)
                 self.clients.append(c)
 
-    def send_loras(self, adapters: Sequence[Any]) -> RefitReport:
+    def send_loras(self, adapters: Sequence[Any], *, bound: Any = None) -> RefitReport:
         """One LoRA round: this process's part of ``adapters``
         (:class:`~xreshard.adapters.lora.LoRAAdapter`, one per slot) into every engine's
         LoRA slots, in memory, each TP rank receiving exactly what its LoRA layers read.
@@ -501,6 +501,12 @@ class XreshardTrainerWeightTransferEngine(TrainerWeightTransferEngine[XreshardTr
         0 drives the engines. Serve them with
         :func:`~xreshard.adapters.vllm.lora.lora_request`. See
         :mod:`xreshard.adapters.vllm.lora`.
+
+        Args:
+            adapters: this process's adapters.
+            bound: their factors already bound (``LoRASender.send``: views of the shards
+                of factors that are not 2-D, e.g. Tunix's ``[r, N, H]``); default the
+                adapters' own arrays.
 
         Raises:
             LoRAError: an adapter does not fit an engine (target modules, rank, shapes), on
@@ -525,7 +531,7 @@ class XreshardTrainerWeightTransferEngine(TrainerWeightTransferEngine[XreshardTr
         calls = [functools.partial(c.update_weights, {"lora": {"version": lora.version + 1}})
                  for c in self.clients]
         try:
-            report = _concurrently(calls, lambda: lora.send(list(adapters)), self.timeout,
+            report = _concurrently(calls, lambda: lora.send(list(adapters), bound), self.timeout,
                                    "update_weights")
         except BaseException as e:
             for c in self.clients:      # as send_weights: close the sessions still open
