@@ -333,3 +333,59 @@ def test_lora_sync_refits_only_the_adapter_as_vllm_loads_it(tmp_path):
         assert _greedy(rollout.llm, prompts, rollout.lora_request()) == ref
     finally:
         rollout.shutdown()
+
+
+def _engine_equals_vllms_own_load(rollout, model) -> bool:
+    """Every tensor the engine holds equals vLLM's own load of ``model``'s weights (a
+    safetensors checkpoint through the same naming table), byte for byte."""
+    from safetensors.numpy import save_file
+
+    got = rollout.llm.collective_rpc("xreshard_weights_digest")
+    with tempfile.TemporaryDirectory() as ckpt, jax.transfer_guard("allow"):
+        flat = {n: np.asarray(a) for n, a in xt.split_lora(nnx.state(model, nnx.Param))[0].items()}
+        hf = NameMap(rollout._rules).apply({n: a.shape for n, a in flat.items()})
+        save_file({n: np.ascontiguousarray(t.view(flat)) for n, t in hf.items()},
+                  os.path.join(ckpt, "model.safetensors"))
+        rollout.llm.collective_rpc("xreshard_load_checkpoint", args=(ckpt,))
+    return got == rollout.llm.collective_rpc("xreshard_weights_digest")
+
+
+@pytest.mark.slow
+def test_delta_and_atomic_pass_through_to_every_engine_worker():
+    """``delta=True, atomic=True`` reach the refit of the trainer and of every engine
+    worker (the round reports its delta accounting), and the engine equals vLLM's own load
+    of the trainer's weights, byte for byte, step after step. On a CPU engine the workers
+    reload through vLLM (mode "reload": fresh receive buffers every round), so the delta
+    fences find no destination that holds the last round and every pair goes dense: the
+    wire bytes equal the dense bytes (a GPU engine writing in place sends the changes)."""
+    from tunix.rl import reshard
+    from tunix.rl.rollout import base_rollout
+
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0|1")
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("fsdp", "tp"))
+    sizes = dict(SIZES, embed_dim=64, num_heads=2, head_dim=32)
+    model = reshard.reshard_model_to_mesh(_family_model("Qwen2", sizes=sizes), mesh)
+    config = base_rollout.RolloutConfig(max_tokens_to_generate=6, max_prompt_length=8,
+                                        temperature=0.0, seed=0,
+                                        rollout_vllm_kwargs={"max_model_len": 16,
+                                                             "dtype": "float32"})
+    rollout = xt.XreshardVllmRollout(rollout_actor=model, tokenizer=_Chars(),
+                                     rollout_config=config, tensor_parallel_size=2,
+                                     delta=True, atomic=True)
+    try:
+        stream_config = rollout._engine.sender.stream.config
+        assert stream_config.delta and stream_config.atomic
+        for step in range(2):
+            d = rollout.last_report.delta       # the stream's groups' delta accounting
+            assert d is not None and d["bytes_dense"] > 0, d
+            if all(w["mode"] == "reload" for w in rollout.transfer_reports()):
+                assert d["num_delta"] == 0 and d["bytes_wire"] == d["bytes_dense"], d
+            assert _engine_equals_vllms_own_load(rollout, model)
+            down = model.layers[0].mlp.down_proj.kernel     # a step that moved one tensor
+            down.value = down.value * 1.25 + 0.01 * (step + 1)
+            rollout.update_params(nnx.state(model, nnx.Param), (nnx.Param,))
+            assert [w["version"] for w in rollout.transfer_reports()] == [step + 2] * 2
+        assert _engine_equals_vllms_own_load(rollout, model)
+    finally:
+        rollout.shutdown()
