@@ -155,6 +155,10 @@ def test_unknown_model_and_unmapped_path_are_refused_by_name():
 
     with pytest.raises(xt.TunixNamingError, match="NotTunix.*tables exist for"):
         xt.family_of(NotTunix())
+    from tunix.models.gemma3 import model as gemma3
+    gemma = object.__new__(gemma3.Gemma3)           # the class is what picks the table
+    with pytest.raises(xt.TunixNamingError, match="Gemma3 yet: its q_einsum"):
+        xt.family_of(gemma)
     model = _family_model("Qwen2")
     names = list(flatten_tree(xt.pure_tree(nnx.state(model, nnx.Param))))
     with pytest.raises(xt.TunixNamingError, match="'layers/0/attn/extra/w' matches no rule"):
