@@ -61,7 +61,8 @@ class JaxTrainer:
         cases.save_checkpoint(flat, checkpoint)
         return {"version": report.version, "received_by_trainer": counts.total_received,
                 "sent": counts.total_sent, "lost": sorted(report.lost),
-                "engines": list(self.engine.engine_ids)}
+                "engines": list(self.engine.engine_ids),
+                "lost_engines": list(self.engine.lost_engines)}
 
     def shutdown(self) -> None:
         self.engine.shutdown()

@@ -5,12 +5,17 @@ model built here onto exactly the tensors (names, shapes) of the HF model vLLM b
 the written config, and the HF model (transformers, torch) computes the same logits as the
 Tunix model from those views; a model or path no table maps is refused by name.
 
-Slow: an ``RLCluster`` built with ``rollout_engine=partial(XreshardVllmRollout, TP=2)``
-starts a vLLM CPU engine (``load_format="dummy"``) in its own processes; Tunix's own
-``sync_weights`` refits it from the actor mesh (fsdp=2 x tp=2): every tensor the engine
-holds then equals, byte for byte, vLLM's own load of the trainer's weights; nothing lands
-in the trainer process and each engine rank receives exactly its shard; ``generate``
-answers as Tunix's ``RolloutOutput`` expects.
+Fast too: the LoRA table maps qwix's factors onto PEFT's lora_A / lora_B (the HF model
+with W + alpha/r B A computes the LoRA model's logits); Gemma is refused with its reason.
+
+Slow: an ``RLCluster`` built with ``rollout_engine=partial(XreshardVllmRollout, TP=2,
+delta=True, atomic=True)`` starts a vLLM CPU engine (``load_format="dummy"``) in its own
+processes; Tunix's own ``sync_weights`` refits it from the actor mesh (fsdp=2 x tp=2):
+every tensor the engine holds then equals, byte for byte, vLLM's own load of the trainer's
+weights; nothing lands in the trainer process and each engine rank receives exactly its
+shard; ``generate`` answers as Tunix's ``RolloutOutput`` expects; delta and atomic reached
+the refit. A qwix LoRA model: the LoRA sync refits only the adapter, into a vLLM LoRA slot
+that then serves what vLLM's own load of the same PEFT directory serves, bit for bit.
 
 Tunix missing: skipped, unless XRESHARD_REQUIRE_RL=1 (the RL leg of CI), where it fails.
 """
@@ -91,12 +96,74 @@ def test_naming_table_maps_onto_the_hf_model_and_its_logits(name, tied):
     np.testing.assert_allclose(np.asarray(tunix_logits), hf_logits, rtol=2e-4, atol=2e-4)
 
 
+LORA_TARGETS = ".*q_proj|.*k_proj|.*v_proj|.*o_proj|.*gate_proj|.*up_proj|.*down_proj"
+
+
+def _lora_model(name: str = "Qwen2", rank: int = 4, alpha: float = 8.0, seed: int = 0,
+                sizes: dict = SIZES, mesh=None):
+    """A tiny Tunix model with qwix LoRA on every projection, every factor random (qwix
+    zeroes B), resharded onto ``mesh`` (qwix shards the factors as their weights)."""
+    import contextlib
+
+    import qwix
+    from tunix.rl import reshard
+
+    base = _family_model(name, seed=seed, sizes=sizes)
+    provider = qwix.LoraProvider(module_path=LORA_TARGETS, rank=rank, alpha=alpha)
+    with mesh if mesh is not None else contextlib.nullcontext():
+        model = qwix.apply_lora_to_model(base, provider, **base.get_model_input(),
+                                         rngs=nnx.Rngs(seed + 7))
+    state = nnx.state(model, nnx.LoRAParam)
+    leaves, treedef = jax.tree_util.tree_flatten(state)
+    keys = jax.random.split(jax.random.key(seed + 3), len(leaves))
+    nnx.update(model, jax.tree_util.tree_unflatten(
+        treedef, [0.1 * jax.random.normal(k, x.shape, x.dtype) for x, k in zip(leaves, keys)]))
+    return model if mesh is None else reshard.reshard_model_to_mesh(model, mesh)
+
+
+@pytest.mark.parametrize("name", ["Qwen2", "Llama3"])
+def test_lora_table_maps_qwix_factors_onto_peft_tensors_and_their_logits(name):
+    """Every qwix factor of every projection becomes PEFT's lora_A [r, in] / lora_B
+    [out, r] of the right module; the HF model with W + alpha/r * B @ A computes the
+    LoRA model's logits (the orientation of every factor is checked by the numbers)."""
+    import torch
+
+    model = _lora_model(name)
+    base, lora = xt.split_lora(nnx.state(model, nnx.Param))
+    assert len(lora) == 2 * 7 * SIZES["num_layers"] and not any("lora" in n for n in base)
+    rules = xt.tunix_lora_rules(model, "policy")
+    adapter = xt.lora_adapter(lora, rules, name="policy", lora_id=1, alpha=8.0, arrays=True)
+    assert adapter.r == 4 and len(adapter.weights) == 7 * SIZES["num_layers"]
+    assert set(adapter.peft_config()["target_modules"]) == {
+        "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
+    described = xt.lora_adapter(lora, rules, name="policy", lora_id=1, alpha=8.0)
+    assert described.spec() == adapter.spec()          # what the engine is told = the bytes
+    flat = {n: np.asarray(a) for n, a in base.items()}
+    hf = NameMap(xt.tunix_rules(model)).apply({n: a.shape for n, a in flat.items()})
+    weights = {n: torch.from_numpy(np.ascontiguousarray(t.view(flat))) for n, t in hf.items()}
+    for module, (a, b) in adapter.weights.items():
+        w = weights[module + ".weight"]
+        assert (b.shape[0], a.shape[1]) == tuple(w.shape), module
+        weights[module + ".weight"] = w + 2.0 * torch.from_numpy(b) @ torch.from_numpy(a)
+    ref = _hf_model(model)
+    ref.load_state_dict(weights)
+    tokens = np.array([[5, 9, 2, 33, 17, 60, 1, 8]])
+    lora_logits, _ = model(tokens, np.arange(8)[None], None, np.tril(np.ones((1, 8, 8), bool)))
+    with torch.no_grad():
+        hf_logits = ref(torch.from_numpy(tokens)).logits.numpy()
+    np.testing.assert_allclose(np.asarray(lora_logits), hf_logits, rtol=2e-4, atol=2e-4)
+
+
 def test_unknown_model_and_unmapped_path_are_refused_by_name():
     class NotTunix(nnx.Module):
         pass
 
     with pytest.raises(xt.TunixNamingError, match="NotTunix.*tables exist for"):
         xt.family_of(NotTunix())
+    from tunix.models.gemma3 import model as gemma3
+    gemma = object.__new__(gemma3.Gemma3)           # the class is what picks the table
+    with pytest.raises(xt.TunixNamingError, match="Gemma3 yet: its q_einsum"):
+        xt.family_of(gemma)
     model = _family_model("Qwen2")
     names = list(flatten_tree(xt.pure_tree(nnx.state(model, nnx.Param))))
     with pytest.raises(xt.TunixNamingError, match="'layers/0/attn/extra/w' matches no rule"):
@@ -150,7 +217,10 @@ def test_rl_cluster_sync_refits_a_vllm_engine_exactly_and_generate_answers():
             role_to_mesh={r: mesh for r in (rl_cluster_lib.Role.ACTOR,
                                             rl_cluster_lib.Role.REFERENCE,
                                             rl_cluster_lib.Role.ROLLOUT)},
-            rollout_engine=functools.partial(xt.XreshardVllmRollout, tensor_parallel_size=2),
+            # delta and atomic pass through (checked below; in the same engine as the rest:
+            # one vLLM start less in the RL leg)
+            rollout_engine=functools.partial(xt.XreshardVllmRollout, tensor_parallel_size=2,
+                                             delta=True, atomic=True),
             training_config=rl_cluster_lib.RLTrainingConfig(
                 actor_optimizer=optax.sgd(0.0), eval_every_n_steps=10, max_steps=1),
             rollout_config=config))
@@ -165,6 +235,16 @@ def test_rl_cluster_sync_refits_a_vllm_engine_exactly_and_generate_answers():
         with count_comm() as counts:
             cluster.sync_weights()
         assert counts.total_received == 0          # nothing landed in the trainer process
+        # delta=True, atomic=True reached the refit (trainer and workers: one RefitConfig);
+        # the round reports its delta accounting. A CPU engine reloads through vLLM into
+        # fresh receive buffers every round, so the fences find no destination holding the
+        # last round and every pair goes dense (exact, no saving; GPU in place: changes only)
+        stream_config = rollout._engine.sender.stream.config
+        assert stream_config.delta and stream_config.atomic
+        d = rollout.last_report.delta
+        assert d is not None and d["bytes_dense"] > 0, d
+        if all(w["mode"] == "reload" for w in rollout.transfer_reports()):
+            assert d["num_delta"] == 0 and d["bytes_wire"] == d["bytes_dense"], d
         reports = rollout.transfer_reports()
         assert [w["bytes_received"] for w in reports] == [w["shard_bytes"] for w in reports]
         model_bytes = sum(x.size * 4 for x in jax.tree_util.tree_leaves(state))
@@ -203,3 +283,90 @@ def test_rl_cluster_sync_refits_a_vllm_engine_exactly_and_generate_answers():
             assert not scored[i, len(lp):].any()
     finally:
         rollout.shutdown()
+
+
+def _greedy(llm, prompts, request=None):
+    """Greedy tokens and their logprobs as bytes (bit-exact) of ``prompts`` on ``llm``."""
+    from vllm import SamplingParams
+
+    sp = SamplingParams(max_tokens=6, temperature=0.0, logprobs=0, detokenize=False,
+                        stop_token_ids=[2])
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, lora_request=request,
+                        use_tqdm=False)
+    return [(list(o.outputs[0].token_ids),
+             np.array([s[t].logprob for s, t in zip(o.outputs[0].logprobs,
+                                                     o.outputs[0].token_ids)]).tobytes())
+            for o in outs]
+
+
+@pytest.mark.slow
+def test_lora_sync_refits_only_the_adapter_as_vllm_loads_it(tmp_path):
+    """A qwix LoRA model: the engine starts with a LoRA slot; Tunix's LoRA sync
+    (``update_params(nnx.state(actor, nnx.LoRAParam), (nnx.LoRAParam,))``, under RLCluster's
+    CPU transfer guard) refits only the adapter, shard to shard; the slot then serves what
+    vLLM's own load of the same adapter from a PEFT directory serves, bit for bit, and the
+    base model is untouched."""
+    from tunix.rl.rollout import base_rollout
+    from vllm.lora.request import LoRARequest
+
+    from xreshard.adapters.lora import write_peft_dir
+    from xreshard.runtime.commcount import count_comm
+
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0|1")
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("fsdp", "tp"))
+    sizes = dict(SIZES, embed_dim=64, num_heads=2, head_dim=32)
+    model = _lora_model("Qwen2", sizes=sizes, mesh=mesh)
+    config = base_rollout.RolloutConfig(max_tokens_to_generate=6, max_prompt_length=8,
+                                        temperature=0.0, seed=0,
+                                        rollout_vllm_kwargs={"max_model_len": 16,
+                                                             "dtype": "float32"})
+    rollout = xt.XreshardVllmRollout(rollout_actor=model, tokenizer=_Chars(),
+                                     rollout_config=config, tensor_parallel_size=2,
+                                     lora_alpha=8.0, lora_name="policy")
+    prompts = [[6, 4, 7, 4, 39], [5, 10, 39]]
+    try:
+        assert rollout.lora_request().lora_path == "xreshard://policy"
+        base_before = _greedy(rollout.llm, prompts)
+        versions = [w["version"] for w in rollout.transfer_reports()]
+        lora = nnx.state(model, nnx.LoRAParam)
+        nnx.update(model, jax.tree_util.tree_map(lambda x: x * 1.5 - 0.01, lora))
+        lora = nnx.state(model, nnx.LoRAParam)
+        with count_comm() as counts, jax.transfer_guard_device_to_host("disallow_explicit"), \
+                jax.transfer_guard_host_to_device("disallow_explicit"):
+            rollout.update_params(lora, (nnx.LoRAParam,))
+        assert counts.total_received == 0          # nothing landed in the trainer process
+        reports = rollout.lora_reports()
+        assert [w["bytes_received"] for w in reports] == [w["shard_bytes"] for w in reports]
+        assert all(w["adapters"] == {"policy": {"lora_id": 1, "version": 2}} for w in reports)
+        # the base weights did not move: same version, same answers without the adapter
+        assert [w["version"] for w in rollout.transfer_reports()] == versions
+        assert _greedy(rollout.llm, prompts) == base_before
+
+        out = rollout.generate(["3141>", "27>"], config)
+        got = _greedy(rollout.llm, prompts, rollout.lora_request())
+        with jax.transfer_guard("allow"):
+            write_peft_dir(rollout.reference_adapter(lora), str(tmp_path / "ref"))
+        ref = _greedy(rollout.llm, prompts, LoRARequest("ref", 2, str(tmp_path / "ref")))
+        assert got == ref                          # tokens and logprobs, bit for bit
+        assert [t.tolist() for t in out.tokens] == [t for t, _ in got]
+        assert [lp for _, lp in got] != [lp for _, lp in base_before]   # the adapter acts
+        # after vLLM's cache swapped the reference in, the slot is rebuilt from memory
+        assert _greedy(rollout.llm, prompts, rollout.lora_request()) == ref
+    finally:
+        rollout.shutdown()
+
+
+def _engine_equals_vllms_own_load(rollout, model) -> bool:
+    """Every tensor the engine holds equals vLLM's own load of ``model``'s weights (a
+    safetensors checkpoint through the same naming table), byte for byte."""
+    from safetensors.numpy import save_file
+
+    got = rollout.llm.collective_rpc("xreshard_weights_digest")
+    with tempfile.TemporaryDirectory() as ckpt, jax.transfer_guard("allow"):
+        flat = {n: np.asarray(a) for n, a in xt.split_lora(nnx.state(model, nnx.Param))[0].items()}
+        hf = NameMap(rollout._rules).apply({n: a.shape for n, a in flat.items()})
+        save_file({n: np.ascontiguousarray(t.view(flat)) for n, t in hf.items()},
+                  os.path.join(ckpt, "model.safetensors"))
+        rollout.llm.collective_rpc("xreshard_load_checkpoint", args=(ckpt,))
+    return got == rollout.llm.collective_rpc("xreshard_weights_digest")

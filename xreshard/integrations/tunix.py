@@ -37,10 +37,19 @@ Decision record.
   row on the engine (vLLM's prompt logprobs).
 * Options pass through: ``delta`` and ``atomic`` (:class:`~xreshard.config.RefitConfig`
   fields every worker gets at init), ``wire_dtype``, and ``engine_kwargs`` / ``hf_config``
-  for the engine (an FP8 engine is refit through xreshard's quantize-on-the-way path).
-* LoRA (``filter_types`` holding ``nnx.LoRAParam``) is refused with a typed error until
-  Tunix's qwix factors are mapped to PEFT modules (see docs/tunix.md); a silent full refit
-  of a LoRA model would be a wrong weight.
+  for the engine (an FP8 engine goes through the backend's quantize-on-the-way path;
+  not yet tested through this rollout: no FP8 kernels on the CI's CPU).
+* LoRA (a model qwix's ``apply_lora_to_model`` gave ``nnx.LoRAParam`` factors): the engine
+  starts with ``enable_lora`` and serves the adapter from its LoRA slot
+  (``lora_request``); ``update_params`` with ``nnx.LoRAParam`` in ``filter_types`` (what
+  RLCluster passes for a LoRA actor) refits only the adapter, through xreshard's in-memory
+  LoRA refit (``send_loras``), and the base weights never move again after the first sync.
+  qwix's factors are kernels, ``A [in, r]`` and ``B [r, out]``, with heads kept as dims
+  (``q_proj`` ``B [r, N, H]``, ``o_proj`` ``A [N, H, r]``): a naming table per family views
+  them as PEFT's ``lora_A [r, in]`` / ``lora_B [out, r]`` through the same views of the
+  shards as the base weights, never a copy. qwix keeps ``alpha`` in its provider, not in
+  the model, so it is an argument (``lora_alpha``); qwix scales by ``alpha / rank`` as PEFT
+  does without rsLoRA.
 """
 
 from __future__ import annotations
@@ -61,7 +70,8 @@ from xreshard.extras import require
 logger = logging.getLogger(__name__)
 
 __all__ = ["XreshardVllmRollout", "TunixNamingError", "Family", "FAMILIES", "family_of",
-           "tunix_rules", "hf_config_of", "write_model_dir"]
+           "tunix_rules", "tunix_lora_rules", "hf_config_of", "write_model_dir", "split_lora",
+           "lora_adapter"]
 
 base_rollout = require("tunix.rl.rollout.base_rollout", "tunix", "xreshard.integrations.tunix")
 
@@ -184,12 +194,26 @@ FAMILIES: dict[str, Family] = {
 }
 
 
+#: Tunix's model classes with no table yet, and why (their error says so)
+UNMAPPED: dict[str, str] = {
+    f"tunix.models.{m}.model.{c}": (
+        "its q_einsum [N, D, H] and kv_einsum [2, K, D, H] become HF's q/k/v_proj [N*H, D] "
+        "only through a transposed copy of every shard (no strided view makes them), and "
+        "its HF config (query_pre_attn_scalar, sliding windows, the embedding normalizer) "
+        "is not derived yet")
+    for m, c in (("gemma", "Gemma"), ("gemma3", "Gemma3"), ("gemma4", "Gemma4"))}
+
+
 def family_of(model: Any) -> Family:
     """The :class:`Family` of a Tunix model instance (by class, subclasses included)."""
     for cls in type(model).__mro__:
         fam = FAMILIES.get(cls.__name__)
         if fam is not None and cls.__module__ == fam.module:
             return fam
+        why = UNMAPPED.get(f"{cls.__module__}.{cls.__name__}")
+        if why is not None:
+            raise TunixNamingError(f"no xreshard naming table for Tunix's {cls.__name__} yet: "
+                                   f"{why} (pass rules=... with a table of your own)")
     raise TunixNamingError(f"no xreshard naming table for Tunix model class "
                            f"{type(model).__module__}.{type(model).__name__}; tables exist "
                            f"for {', '.join(f.module + '.' + n for n, f in FAMILIES.items())} "
@@ -199,6 +223,41 @@ def family_of(model: Any) -> Family:
 def tunix_rules(model: Any) -> tuple[Rule, ...]:
     """The naming table of a Tunix model (Qwen2, Qwen3 dense, Llama3)."""
     return family_of(model).rules(model.config)
+
+
+def tunix_lora_rules(model: Any, adapter: str) -> tuple[Rule, ...]:
+    """The naming table of a Tunix model's qwix LoRA factors, onto the names adapter
+    ``adapter``'s PEFT tensors move under in a LoRA refit
+    (``<adapter>/base_model.model.<module>.lora_A.weight``).
+
+    qwix names a factor after the weight it adapts (``<weight>_lora_a``, ``_lora_b``) and
+    keeps the weight's non-contracted dims::
+
+        # tunix path                          | shape       | PEFT tensor (P = ...model.layers.{l})
+        # layers/{l}/attn/{q,k,v}_proj/w_lora_a | [D, r]    | P.self_attn.{q,k,v}_proj.lora_A (T)
+        # layers/{l}/attn/{q,k,v}_proj/w_lora_b | [r, N, H] | P.self_attn.{...}.lora_B [N*H, r]
+        # layers/{l}/attn/o_proj/w_lora_a       | [N, H, r] | P.self_attn.o_proj.lora_A [r, N*H]
+        # layers/{l}/attn/o_proj/w_lora_b       | [r, D]    | P.self_attn.o_proj.lora_B (T)
+        # layers/{l}/mlp/{p}_proj/kernel_lora_a | [in, r]  | P.mlp.{p}_proj.lora_A (T)
+        # layers/{l}/mlp/{p}_proj/kernel_lora_b | [r, out] | P.mlp.{p}_proj.lora_B (T)
+    """
+    from xreshard.adapters.lora import PEFT_PREFIX
+
+    family_of(model)        # the dense families share these paths; anything else is refused
+    if not adapter or any(c in adapter for c in "/{}"):
+        raise TunixNamingError(f"LoRA adapter name {adapter!r}: non-empty, without '/', "
+                               "'{' or '}'")
+    p = f"{adapter}/{PEFT_PREFIX}{L}"
+    a, b = "lora_A.weight", "lora_B.weight"
+    return (
+        Rule("layers/{l}/attn/{p:[qkv]}_proj/w_lora_a", f"{p}.self_attn.{{p}}_proj.{a}", _T),
+        Rule("layers/{l}/attn/{p:[qkv]}_proj/w_lora_b", f"{p}.self_attn.{{p}}_proj.{b}",
+             _HEADS_IN),
+        Rule("layers/{l}/attn/o_proj/w_lora_a", f"{p}.self_attn.o_proj.{a}", _HEADS_OUT),
+        Rule("layers/{l}/attn/o_proj/w_lora_b", f"{p}.self_attn.o_proj.{b}", _T),
+        Rule("layers/{l}/mlp/{p:gate|up|down}_proj/kernel_lora_a", f"{p}.mlp.{{p}}_proj.{a}", _T),
+        Rule("layers/{l}/mlp/{p:gate|up|down}_proj/kernel_lora_b", f"{p}.mlp.{{p}}_proj.{b}", _T),
+    )
 
 
 def hf_config_of(model: Any) -> dict[str, Any]:
@@ -216,11 +275,6 @@ def write_model_dir(model: Any, path: str, overrides: Mapping[str, Any] | None =
     return path
 
 
-def _flat_names(tree: Any) -> list[str]:
-    from xreshard.adapters.naming import flatten_tree
-    return list(flatten_tree(tree))
-
-
 def check_names(rules: Sequence[Any], names: Sequence[str], model_name: str) -> None:
     """Raise :class:`TunixNamingError` naming the first path no rule maps."""
     for name in names:
@@ -235,6 +289,59 @@ def pure_tree(params: Any) -> Any:
     """An ``nnx.State`` (leaves ``nnx.Param``/``Variable``) as a plain nested dict of arrays."""
     to_pure = getattr(params, "to_pure_dict", None)
     return to_pure() if callable(to_pure) else params
+
+
+def split_lora(params: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``(base, lora)``: the ``/``-joined leaves of ``params`` (an ``nnx.State`` or a
+    pytree), the qwix LoRA factors (``*_lora_a``, ``*_lora_b``) apart from the rest."""
+    flat = dict(_flat_items(pure_tree(params)))
+    lora = {n: a for n, a in flat.items() if n.endswith(("_lora_a", "_lora_b"))}
+    return {n: a for n, a in flat.items() if n not in lora}, lora
+
+
+def _flat_items(tree: Any) -> list[tuple[str, Any]]:
+    from xreshard.adapters.naming import flatten_tree
+    return list(flatten_tree(tree).items())
+
+
+@dataclass(frozen=True)
+class _Described:
+    """A factor as a :class:`~xreshard.adapters.lora.LoRAAdapter` describes it (its bytes
+    are bound elsewhere, as views of the shards)."""
+
+    shape: tuple[int, ...]
+    dtype: Any
+
+
+def lora_adapter(lora: Mapping[str, Any], rules: Sequence[Any], *, name: str, lora_id: int,
+                 alpha: float, arrays: bool = False) -> Any:
+    """The :class:`~xreshard.adapters.lora.LoRAAdapter` of qwix factors ``lora`` (``/``-joined
+    paths -> arrays) under ``rules`` (:func:`tunix_lora_rules`): PEFT-oriented shapes
+    (``arrays=False``: described only, the refit binds views of the shards), or numpy
+    copies of the factors (``arrays=True``: for ``write_peft_dir``, a reference load).
+
+    Raises:
+        LoRAError: the factors disagree on the rank.
+    """
+    import numpy as np
+
+    from xreshard.adapters.lora import LoRAAdapter, LoRAError, peft_module
+    from xreshard.adapters.naming import NameMap
+
+    views = NameMap(tuple(rules)).apply({n: tuple(a.shape) for n, a in lora.items()})
+    host = {n: np.asarray(a) for n, a in lora.items()} if arrays else {}
+    pairs: dict[str, dict[str, Any]] = {}
+    for refit_name, view in views.items():
+        module, ab = peft_module(refit_name.split("/", 1)[1])
+        src = lora[view.sources[0].name]
+        pairs.setdefault(module, {})[ab] = (np.ascontiguousarray(view.view(host)) if arrays
+                                            else _Described(tuple(view.shape), src.dtype))
+    ranks = {p["A"].shape[0] for p in pairs.values()} | {p["B"].shape[1] for p in pairs.values()}
+    if len(ranks) != 1:
+        raise LoRAError(f"qwix LoRA factors of ranks {sorted(ranks)}: one rank per adapter "
+                        "(vLLM's rank_pattern is not mapped yet)")
+    return LoRAAdapter(name, lora_id=lora_id, r=ranks.pop(), alpha=alpha,
+                       weights={m: (p["A"], p["B"]) for m, p in sorted(pairs.items())})
 
 
 # ---------------------------------------------------------------------------- the rollout
@@ -264,6 +371,9 @@ def _init_info_cls() -> Any:
 
 _BaseRollout: Any = base_rollout.BaseRollout
 
+#: vLLM's ``max_lora_rank`` choices (``vllm.config.lora.MaxLoRARanks``, 0.32)
+_VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+
 
 class XreshardVllmRollout(_BaseRollout):
     """A Tunix ``BaseRollout`` on a real vLLM engine that xreshard refits shard to shard.
@@ -289,6 +399,11 @@ class XreshardVllmRollout(_BaseRollout):
         rules, rule_params: a naming table of your own (default the family's).
         delta, atomic, wire_dtype, timeout, stream_bytes: refit options
             (:class:`~xreshard.config.RefitConfig`, ``XreshardTrainerInitInfo``).
+        lora_alpha: qwix's ``LoraProvider(alpha=...)``, for a model with LoRA factors
+            (required then: qwix keeps it in the provider, not in the model).
+        lora_name, lora_id: the adapter's name and slot in the engine (vLLM's
+            ``lora_name`` / ``lora_int_id``); ``generate`` serves it.
+        lora_rules: a LoRA naming table of your own (default :func:`tunix_lora_rules`).
     """
 
     def __init__(self, rollout_actor: Any = None, tokenizer: Any = None, mesh: Any = None,
@@ -298,7 +413,9 @@ class XreshardVllmRollout(_BaseRollout):
                  hf_config: Mapping[str, Any] | None = None,
                  rules: Sequence[Any] | None = None, rule_params: Mapping[str, int] | None = None,
                  delta: bool = False, atomic: bool = False, wire_dtype: str | None = None,
-                 timeout: float = 300.0, stream_bytes: int | None = None) -> None:
+                 timeout: float = 300.0, stream_bytes: int | None = None,
+                 lora_alpha: float | None = None, lora_name: str = "tunix", lora_id: int = 1,
+                 lora_rules: Sequence[Any] | None = None) -> None:
         import jax
         from flax import nnx
         from tunix.generate import tokenizer_adapter
@@ -316,8 +433,22 @@ class XreshardVllmRollout(_BaseRollout):
             else tokenizer_adapter.TokenizerAdapter(tokenizer)
         self._actor_name = type(rollout_actor).__name__
         self._rules = tuple(rules) if rules is not None else tunix_rules(rollout_actor)
-        check_names(self._rules, _flat_names(pure_tree(nnx.state(rollout_actor, nnx.Param))),
-                    self._actor_name)
+        base, lora = split_lora(nnx.state(rollout_actor, nnx.Param))
+        check_names(self._rules, list(base), self._actor_name)
+        self._lora: Any = None      # (rules, name, id, alpha) of a LoRA model
+        lora_kwargs: dict[str, Any] = {}
+        if lora:
+            if lora_alpha is None:
+                raise RefitError(f"{self._actor_name} has qwix LoRA factors ({len(lora)} "
+                                 "nnx.LoRAParam leaves): pass lora_alpha= (the alpha of qwix's "
+                                 "LoraProvider; the model does not keep it)")
+            lrules = tuple(lora_rules) if lora_rules is not None \
+                else tunix_lora_rules(rollout_actor, lora_name)
+            check_names(lrules, list(lora), self._actor_name)
+            self._lora = (lrules, lora_name, int(lora_id), float(lora_alpha))
+            rank = self._adapter(lora).r
+            lora_kwargs = {"enable_lora": True, "max_loras": 1,
+                           "max_lora_rank": min(x for x in _VLLM_LORA_RANKS if x >= rank)}
         tp = tensor_parallel_size or (self._config.tensor_parallel_size
                                       if self._config.tensor_parallel_size > 0 else 1)
         self.tensor_parallel_size = tp
@@ -331,7 +462,7 @@ class XreshardVllmRollout(_BaseRollout):
             if model_dir is None:
                 model_dir = self._tmp = tempfile.mkdtemp(prefix="xreshard-tunix-")
             write_model_dir(rollout_actor, model_dir, hf_config)
-            llm = self._start_engine(model_dir, tp, engine_kwargs or {})
+            llm = self._start_engine(model_dir, tp, {**lora_kwargs, **(engine_kwargs or {})})
         self.llm = llm
         from xreshard.adapters.vllm import LLMClient, XreshardTrainerWeightTransferEngine
         info = _init_info_cls()(rank=0, engine_world_size=tp, rules=self._rules,
@@ -341,6 +472,7 @@ class XreshardVllmRollout(_BaseRollout):
         self._engine = XreshardTrainerWeightTransferEngine.trainer_init(
             info, client=LLMClient(llm))
         self.last_report: Any = None
+        self.last_lora_report: Any = None
         self.refit_seconds: list[float] = []
         self._calls = 0
         self._last: dict[tuple[tuple[int, ...], tuple[int, ...]], Any] = {}
@@ -373,24 +505,75 @@ class XreshardVllmRollout(_BaseRollout):
 
     def update_params(self, params: Any, filter_types: tuple[Any, ...] | None = None) -> None:
         """Refit the engine from ``params`` (an ``nnx.State`` on the actor mesh), shard to
-        shard: each JAX device sends its shards to the vLLM ranks that hold them."""
+        shard: each JAX device sends its shards to the vLLM ranks that hold them.
+
+        With ``nnx.LoRAParam`` in ``filter_types`` (RLCluster's sync of a LoRA actor),
+        ``params`` holds the qwix factors only and only the adapter is refit, into the
+        engine's LoRA slot (xreshard's in-memory LoRA refit); the base weights stay as the
+        first sync left them. A state with both (``nnx.Param``) refits both.
+
+        Raises:
+            TunixNamingError: a path no naming table maps.
+            RefitError: LoRA factors for a rollout built without them, or a LoRA filter
+                with no factors in ``params``.
+        """
         import jax
         from flax import nnx
 
-        lora = any(isinstance(t, type) and issubclass(t, nnx.LoRAParam)
-                   for t in (filter_types or ()))
-        if lora:
-            raise RefitError("XreshardVllmRollout: LoRA (filter_types nnx.LoRAParam) is not "
-                             "mapped yet: Tunix's qwix factors have no PEFT module table; "
-                             "train without LoRA, or refit merged weights")
-        tree = pure_tree(params)
-        check_names(self._rules, _flat_names(tree), self._actor_name)
+        wants_lora = any(isinstance(t, type) and issubclass(t, nnx.LoRAParam)
+                         for t in (filter_types or ()))
+        base, lora = split_lora(params)
+        if lora and self._lora is None:
+            raise RefitError(f"update_params got {len(lora)} qwix LoRA factors (e.g. "
+                             f"{next(iter(lora))!r}) but this rollout was built from a model "
+                             "without them: its engine has no LoRA slot (build it from the "
+                             "LoRA model)")
+        if wants_lora and not lora:
+            raise RefitError("update_params: filter_types holds nnx.LoRAParam but params hold "
+                             "no qwix LoRA factors (*_lora_a, *_lora_b)")
+        check_names(self._rules, list(base), self._actor_name)
         t0 = time.perf_counter()
         with jax.transfer_guard("allow"):
-            self.last_report = self._engine.send_weights(tree)
+            if base:
+                self.last_report = self._engine.send_weights(base)
+            if lora:
+                self.last_lora_report = self._send_lora(lora)
         self.llm.reset_prefix_cache()
         self.refit_seconds.append(time.perf_counter() - t0)
         self._last = {}         # sampled logprobs are the old policy's from here on
+
+    def _adapter(self, lora: Mapping[str, Any], arrays: bool = False) -> Any:
+        rules, name, lora_id, alpha = self._lora
+        return lora_adapter(lora, rules, name=name, lora_id=lora_id, alpha=alpha, arrays=arrays)
+
+    def _send_lora(self, lora: Mapping[str, Any]) -> Any:
+        """The adapter's round: its factors bound as views of their shards through the LoRA
+        naming table (qwix's 3-D factors are no 2-D arrays to hand over)."""
+        from xreshard.adapters.jax import bind_named
+        from xreshard.adapters.naming import NameMap
+
+        check_names(self._lora[0], list(lora), self._actor_name)
+        bound = bind_named(lora, NameMap(self._lora[0]), self._engine.sender.stream.jax_ranks)
+        return self._engine.send_loras([self._adapter(lora)], bound=bound)
+
+    def lora_request(self) -> Any:
+        """The ``LoRARequest`` that serves the refit adapter (None without LoRA)."""
+        if self._lora is None:
+            return None
+        from xreshard.adapters.vllm import lora_request
+        return lora_request(self._lora[1], self._lora[2])
+
+    def reference_adapter(self, params: Any) -> Any:
+        """The :class:`~xreshard.adapters.lora.LoRAAdapter` of ``params``' LoRA factors as
+        numpy copies (gathered: for ``write_peft_dir`` and a reference load, not refits)."""
+        if self._lora is None:
+            raise RefitError("this rollout's model has no LoRA factors")
+        return self._adapter(split_lora(params)[1], arrays=True)
+
+    def lora_reports(self) -> list[dict[str, Any]]:
+        """Every engine worker's report of its LoRA rounds, in TP rank order."""
+        return sorted(self.llm.collective_rpc("xreshard_lora_report"),
+                      key=lambda w: w["tp_rank"])
 
     def transfer_reports(self) -> list[dict[str, Any]]:
         """Every engine worker's report of the last refit (bytes received, its shard bytes),
@@ -429,7 +612,8 @@ class XreshardVllmRollout(_BaseRollout):
         params = [self._sampling(c, None if base is None else base + self._calls * n + i,
                                  logprobs=0) for i in range(n)]
         self._calls += 1
-        outs = self.llm.generate(requests, params, use_tqdm=False)
+        outs = self.llm.generate(requests, params, use_tqdm=False,
+                                 lora_request=self.lora_request())
         tokens, texts, logprobs = [], [], []
         padded = np.full((n, c.max_prompt_length), self.pad_id(), dtype=np.int32)
         for i, (p, o) in enumerate(zip(ids, outs)):
@@ -476,7 +660,7 @@ class XreshardVllmRollout(_BaseRollout):
             sp = self._sampling(dataclasses.replace(c, max_tokens_to_generate=1), None,
                                 prompt_logprobs=0)
             outs = self.llm.generate([{"prompt_token_ids": q + c_ids} for _, q, c_ids in missing],
-                                     sp, use_tqdm=False)
+                                     sp, use_tqdm=False, lora_request=self.lora_request())
             for (i, q, c_ids), o in zip(missing, outs):
                 steps = o.prompt_logprobs[len(q):]
                 out[i, :len(c_ids)] = [step[t].logprob for step, t in zip(steps, c_ids)]

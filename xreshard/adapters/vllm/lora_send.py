@@ -58,10 +58,16 @@ class LoRASender:
         """LoRA rounds every process completed."""
         return 0 if self.stream is None else self.stream.version
 
-    def send(self, adapters: Sequence[LoRAAdapter]) -> RefitReport:
+    def send(self, adapters: Sequence[LoRAAdapter], bound: Bound | None = None) -> RefitReport:
         """One LoRA round (collective with every trainer process and every worker's
         ``update_weights({"lora": ...})``): this process's part of ``adapters`` (any
         shard of them; possibly none).
+
+        ``bound``: this process's factors already bound, named as the refit names them
+        (``<adapter>/<PEFT tensor name>``) and oriented as PEFT does (e.g. views of the
+        shards of 3-D Tunix factors through naming rules, ``jax.bind_named``); the
+        adapters then only describe the round (their factors need ``shape`` and ``dtype``
+        only). Default: the adapters' own factors, bound here.
 
         Raises:
             LoRAError: an adapter does not fit the engine, or trainer processes disagree;
@@ -86,7 +92,7 @@ class LoRASender:
         round_adapters = agree_specs(self.world, specs, errors, timeout)
         agree_check(self.world, [], timeout)
         try:
-            bound = self._bind(adapters)
+            bound = self._bind(adapters) if bound is None else _checked(bound, adapters)
         except Exception as e:  # noqa: BLE001 - raised on every rank by the refit's check
             bound = Bound({}, {}, errors=[f"{type(e).__name__}: {e}"])
         shapes = {n: s for n, (s, _) in refit_names(round_adapters).items()}
@@ -135,6 +141,19 @@ class LoRASender:
             out.errors.extend(b.errors)
             out.local_only.update(b.local_only)
         return out
+
+
+def _checked(bound: Bound, adapters: Sequence[LoRAAdapter]) -> Bound:
+    """``bound`` if it binds exactly the adapters' tensors, with their shapes as PEFT
+    orients them (a bound made elsewhere must not move other bytes than the round's)."""
+    want = {a.refit_name(n): tuple(s) for a in adapters for n, (s, _) in a.shapes().items()}
+    got = {n: tuple(lay.shape) for n, lay in bound.layouts.items()}
+    if got != want:
+        odd = sorted(n for n in set(got) | set(want) if got.get(n) != want.get(n))
+        raise LoRAError(f"the bound LoRA factors differ from the adapters' tensors at "
+                        f"{odd[:3]} (bound: {[got.get(n) for n in odd[:3]]}, adapters: "
+                        f"{[want.get(n) for n in odd[:3]]})")
+    return bound
 
 
 def _torch_of(arr: Any) -> Any:

@@ -372,4 +372,14 @@ def _combine(reports: Sequence[RefitReport], version: int) -> RefitReport:
         num_zero_copy=total("num_zero_copy"),
         staging_bytes=max((r.staging_bytes for r in reports), default=0),
         replanned=any(r.replanned for r in reports), move_seconds=total("move_seconds"),
-        bytes_forwarded=total("bytes_forwarded"), verified=total("verified"))
+        bytes_forwarded=total("bytes_forwarded"), verified=total("verified"),
+        delta=_combine_delta([r.delta for r in reports if r.delta is not None]))
+
+
+def _combine_delta(parts: Sequence[Mapping[str, Any]]) -> dict[str, Any] | None:
+    """One round's ``RefitReport.delta`` from its groups' (each group's refit keeps its own
+    baselines, so their bytes add up; the encoder's threads do not)."""
+    if not parts:
+        return None
+    return {k: (max if k == "encode_threads" else sum)(p.get(k, 0) for p in parts)
+            for k in dict.fromkeys(k for p in parts for k in p)}

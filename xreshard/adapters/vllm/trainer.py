@@ -324,11 +324,10 @@ class XreshardTrainerWeightTransferEngine(TrainerWeightTransferEngine[XreshardTr
         while this process sends, finish; the policy's rounds set the weight version."""
         version = sender.version + 1
         adding, failed, joined = self._before_round(sender) if self.elastic else ([], {}, [])
-        for c in self.clients:
-            if draft:
-                c.start_draft_weight_update()
-            else:
-                c.start_weight_update()
+        unreachable = self._each_client(
+            lambda c: c.start_draft_weight_update() if draft else c.start_weight_update())
+        if unreachable and sender.stream.engine_info:   # the round's sync expects them no more
+            sender.stream.engine_info["expect"] = self.engine_ids + [e for e, _ in adding]
         info = {"version": version, "draft": True} if draft else {"version": version}
         calls = [functools.partial(c.update_weights, info) for c in self.clients]
         calls += [functools.partial(self._join_engine, e, c, info, failed, joined)
@@ -348,7 +347,7 @@ class XreshardTrainerWeightTransferEngine(TrainerWeightTransferEngine[XreshardTr
                                    watch.lost if watch is not None else None)
         except BaseException:
             self._admit(adding, joined)
-            self._drop_lost(watch)
+            self._drop_lost(watch, None, unreachable)
             # close the update session on the workers that did not raise (see
             # XreshardWeightTransferEngine.receive_weights), without a new version
             for c in self.clients:
@@ -358,18 +357,45 @@ class XreshardTrainerWeightTransferEngine(TrainerWeightTransferEngine[XreshardTr
                     pass
             raise
         self._admit(adding, joined)
-        report = self._drop_lost(watch, report)
-        for c in self.clients:
-            c.finish_weight_update(None if draft else str(version))
+        report = self._drop_lost(watch, report, unreachable)
+        late = self._each_client(lambda c: c.finish_weight_update(None if draft else str(version)))
+        if late:
+            self.lost_engines += late
+            if watch is not None and report is not None:
+                report = dataclasses.replace(report, lost=tuple(dict.fromkeys(
+                    [*report.lost, *watch.labels(late)])))
         return report
 
-    def _drop_lost(self, watch: Watch | None, report: RefitReport | None = None) -> Any:
+    def _each_client(self, call: Any) -> list[int]:
+        """``call(client)`` for every engine rank 0 drives, in order. In an elastic world an
+        engine whose actor is unreachable (Ray's ``RayActorError``: ``ActorDiedError``, or
+        ``ActorUnavailableError`` while Ray restarts it) is lost, as a member the world
+        lost: it is driven no more, and the round's sync goes on without its workers (gone,
+        or excluded at the timeout: nobody drives them into the round). Returns those
+        engines; any other failure, or a fixed world, raises."""
+        dropped = []
+        for e, c in list(zip(self.engine_ids, self.clients)):
+            try:
+                call(c)
+            except Exception as err:
+                if not (self.elastic and _unreachable(err)):
+                    raise
+                logger.warning("xreshard: engine %d unreachable (%s: %s); going on without it",
+                               e, type(err).__name__, err)
+                i = self.engine_ids.index(e)
+                del self.clients[i], self.engine_ids[i]
+                dropped.append(e)
+        return dropped
+
+    def _drop_lost(self, watch: Watch | None, report: RefitReport | None = None,
+                   unreachable: Sequence[int] = ()) -> Any:
         """After an update of an elastic world: stop driving the engines it lost
-        (:class:`.control.Watch`), remember them (:attr:`lost_engines`), and name their
-        workers in ``report.lost``; returns the report."""
+        (:class:`.control.Watch`), remember them and those found ``unreachable`` at its
+        start (:attr:`lost_engines`), and name their workers in ``report.lost``; returns
+        the report."""
         if watch is None:
             return report
-        lost = watch.lost_engines()
+        lost = [*unreachable, *watch.lost_engines()]
         self.lost_engines = lost
         for e in lost:
             if e in self.engine_ids:
@@ -501,7 +527,7 @@ class XreshardTrainerWeightTransferEngine(TrainerWeightTransferEngine[XreshardTr
                 self.engine_ids.append(e)
                 self.clients.append(c)
 
-    def send_loras(self, adapters: Sequence[Any]) -> RefitReport:
+    def send_loras(self, adapters: Sequence[Any], *, bound: Any = None) -> RefitReport:
         """One LoRA round: this process's part of ``adapters``
         (:class:`~xreshard.adapters.lora.LoRAAdapter`, one per slot) into every engine's
         LoRA slots, in memory, each TP rank receiving exactly what its LoRA layers read.
@@ -509,6 +535,12 @@ class XreshardTrainerWeightTransferEngine(TrainerWeightTransferEngine[XreshardTr
         0 drives the engines. Serve them with
         :func:`~xreshard.adapters.vllm.lora.lora_request`. See
         :mod:`xreshard.adapters.vllm.lora`.
+
+        Args:
+            adapters: this process's adapters.
+            bound: their factors already bound (``LoRASender.send``: views of the shards
+                of factors that are not 2-D, e.g. Tunix's ``[r, N, H]``); default the
+                adapters' own arrays.
 
         Raises:
             LoRAError: an adapter does not fit an engine (target modules, rank, shapes), on
@@ -533,7 +565,7 @@ class XreshardTrainerWeightTransferEngine(TrainerWeightTransferEngine[XreshardTr
         calls = [functools.partial(c.update_weights, {"lora": {"version": lora.version + 1}})
                  for c in self.clients]
         try:
-            report = _concurrently(calls, lambda: lora.send(list(adapters)), self.timeout,
+            report = _concurrently(calls, lambda: lora.send(list(adapters), bound), self.timeout,
                                    "update_weights")
         except BaseException as e:
             for c in self.clients:      # as send_weights: close the sessions still open
@@ -562,6 +594,14 @@ class XreshardTrainerWeightTransferEngine(TrainerWeightTransferEngine[XreshardTr
         if self._server is not None:
             self._server.close()
             self._server = None
+
+
+def _unreachable(err: BaseException) -> bool:
+    """Whether ``err`` says an engine's actor is dead or restarting (Ray's
+    ``RayActorError`` and its subclasses), not that the call failed inside a live engine
+    (``RayTaskError``). Named, not imported: Ray is not a requirement here."""
+    return any(c.__name__ == "RayActorError" and c.__module__.startswith("ray")
+               for c in type(err).__mro__)
 
 
 class LLMClient:
