@@ -58,7 +58,7 @@ for p in (ROOT, ROOT / "benchmarks"):
     if str(p) not in sys.path:
         sys.path.insert(0, str(p))
 
-from xreshard.runtime.quantize_ahead import ENV  # noqa: E402
+ENV = "XRESHARD_FP8_AHEAD"     # Tuning.from_env reads it: Tuning.fp8_ahead
 from bench_refit import (GiB, MiB, ROLLOUT_TP, TIMEOUT, TRAINER_TP, bits,  # noqa: E402
                          dtensors, jax_params, local_box, pattern, timed, torch_group)
 
