@@ -53,10 +53,11 @@ Extension points (how the next stages slot in; none is a branch in ``Refit``):
   codec there. Not built yet: the receiver's finishing of split FP8 blocks is still the
   executor's last step (``quantized.finish`` over ``Quantization.scratch``), not a
   :class:`Stage` of its own with ``"scratch"`` destination bindings.
-* **Membership epochs.** A prepared call is valid for one membership of the world: an
-  epoch field (the world's membership epoch it was prepared for) lets ``run`` refuse a
-  stale call, and the ``Refit`` prepares again when the epoch moves, as it does today
-  when a layout changes.
+* **Membership epochs.** A prepared call is valid for one membership of the world. Built:
+  the ``Refit`` drops its prepared call (and its rank maps) when the world's epoch moves
+  and prepares again at the next call (``Refit._epoch``). Not built: an epoch field of
+  the prepared call itself that would let ``run`` refuse a call prepared for another
+  membership (today only the ``Refit`` that holds it guards this).
 * **New binding sources** go in :data:`BINDING_SOURCES` and in the runtime's
   ``stage_bindings`` (one function), nowhere else.
 
