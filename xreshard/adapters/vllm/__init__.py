@@ -67,14 +67,16 @@ The package, by concern::
     plugin.py       register_backend (the entry point), WorkerExtension (RPC by method name)
     stream.py       Stream: one process's side of streamed refits (both sides)
     worker.py       the backend's worker engine (XreshardWeightTransferEngine), its decisions
-    trainer.py      the backend's trainer engine, WeightSender, LLMClient
+    trainer.py      the backend's trainer engine
+    sender.py       WeightSender (a trainer process's rounds), LLMClient
     lora.py         in-memory LoRA refits: the engine side (regions, the vLLM hook, commits)
     lora_send.py    in-memory LoRA refits: the trainer side (LoRASender)
     draft.py        the speculative draft as a second target: how vLLM builds it, DraftError
 
-``worker`` and ``trainer`` import vLLM's weight-transfer base classes, so they load on first
-use of one of their names (``from xreshard.adapters.vllm import LLMClient``); the rest
-imports neither torch nor vLLM until called.
+``worker`` and ``trainer`` import vLLM's weight-transfer base classes (``sender``
+imports torch), so they load on first use of one of their names
+(``from xreshard.adapters.vllm import LLMClient``); the rest imports neither torch nor
+vLLM until called.
 
 Rank table, Qwen2 ``k_proj`` (2 kv heads of 32, 4 q heads, hidden 128) at TP=4, where
 each kv head is replicated on two consecutive ranks::
@@ -127,8 +129,8 @@ __all__ = [
 _LAZY = {
     "XreshardInitInfo": "worker", "XreshardUpdateInfo": "worker",
     "XreshardWeightTransferEngine": "worker", "XreshardTrainerInitInfo": "trainer",
-    "XreshardTrainerWeightTransferEngine": "trainer", "WeightSender": "trainer",
-    "LLMClient": "trainer", "Stream": "stream", "GROUPS": "stream",
+    "XreshardTrainerWeightTransferEngine": "trainer", "WeightSender": "sender",
+    "LLMClient": "sender", "Stream": "stream", "GROUPS": "stream",
     "DEFAULT_WORLD_ID": "stream", "LoRASender": "lora_send",
 }
 
