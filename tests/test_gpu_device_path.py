@@ -111,6 +111,13 @@ def _join(role: str, address: str, device: str, timeout: float) -> Any:
     return world, dev
 
 
+def _tuning(xr: Any, baseline: str) -> Any:
+    """This child's Tuning: the environment's (on CPU ``pair`` sets
+    ``XRESHARD_TEST_DEVICE_OPS``, read as ``Tuning.host_device_ops``) with ``baseline``."""
+    import dataclasses
+    return dataclasses.replace(xr.Tuning.from_env(), delta_baseline=baseline)
+
+
 def _counts() -> dict[str, int]:
     from xreshard.runtime.device_ops import COUNTS
     return dict(COUNTS)
@@ -140,7 +147,8 @@ def _delta_side(role: str, address: str, device: str, timeout: float, baseline: 
         import jax
         import jax.numpy as jnp
         return {n: jax.device_put(jnp.asarray(v), dev) for n, v in values(step).items()}
-    return world, dev, params, config, xr.Tuning(delta_baseline=baseline)
+    # from_env: the CPU run's XRESHARD_TEST_DEVICE_OPS (Tuning.host_device_ops) holds
+    return world, dev, params, config, _tuning(xr, baseline)
 
 
 def delta_child(role: str, address: str, device: str, timeout: float, baseline: str) -> dict:
@@ -226,7 +234,7 @@ def slow_producer_child(role: str, address: str, device: str, timeout: float,
     config = xr.RefitConfig(delta=True, verify=False, timeout=timeout,
                             transport="nccl" if device == "cuda" else "gloo")
     world, dev = _join(role, address, device, timeout)
-    tuning = xr.Tuning(delta_baseline=baseline)
+    tuning = _tuning(xr, baseline)
     out: dict[str, Any] = {"role": role, "calls": []}
     if role == "jax":
         import jax
