@@ -111,18 +111,23 @@ def first_cause(failed: list[tuple[int, list[str]]]) -> str:
     return failed[0][1][0] if failed else "TransportTimeout"
 
 
-def outcome_wait(timeout: float) -> float:
-    """How long ``refit/outcome`` waits for the others: the call's ``timeout`` plus a grace
-    (a quarter of it, 2 to 10 s).
+def outcome_wait(timeout: float, error: list[str] | None = None) -> float:
+    """How long ``refit/outcome`` waits for the others: the call's ``timeout``, plus a
+    grace (a quarter of it, 2 to 10 s) for a process that failed for a reason of its own
+    (``error``: [class, message], not a ``TransportError``).
 
-    A peer may still be inside its transport when this process arrives: its abort did not
-    reach that peer's wait, or the peer began a wait on a third process just before. That
-    peer fails at its own transport timeout, up to ``timeout`` after this process arrived,
-    and then takes its failure path (it aborts its transports and collects their works)
-    before it arrives. Waiting only ``timeout``, the first process to arrive settled the
-    outcome without it: a fixed world named a healthy peer as never reporting, and an
-    elastic world excluded it (and, when the faulty process arrived first, kept only that
-    one). Only a peer later than the grace, or gone, is settled out."""
+    Such a process aborted its transports and arrives at once; a peer's abort does not
+    always reach that peer's pending gloo wait, which then fails at its own transport
+    timeout, up to ``timeout`` after the faulty process arrived. Waiting only
+    ``timeout``, the faulty process settled the outcome without its healthy peers: a
+    fixed world named them as never reporting, an elastic world kept only the faulty
+    process. The healthy processes wait ``timeout`` as before (their failure stays
+    bounded by it); only the process that caused the failure waits longer."""
+    if error is None:
+        return timeout
+    from ..errors import TransportError
+    if isinstance(error_from(*error), TransportError):
+        return timeout
     return timeout + min(max(2.0, timeout / 4), 10.0)
 
 
