@@ -23,7 +23,15 @@ SCENARIOS = {
     "shm-delta-apply": (True, "shm", True, "rollout[1]", "land"),
     "fixed-gloo-apply": (False, "gloo", False, "rollout[1]", "apply"),
     "fixed-shm-apply": (False, "shm", False, "rollout[1]", "apply"),
+    "gloo-exit-unheard": (True, "gloo", False, "rollout[1]", "exit-unheard"),
+    "fixed-gloo-exit": (False, "gloo", False, "rollout[1]", "exit"),
 }
+#: the refit timeout of a scenario whose peers wait it out in their transport
+UNHEARD_TIMEOUT = 20
+#: seconds the trainer, healthy but slow, takes before its second round (in the call
+#: where rollout[1] fails unheard): it begins its wait on rollout[1]'s posts after
+#: rollout[1] failed, and ends it at its transport timeout, after rollout[1]'s
+SLOW_ROUND = 2.0
 
 INJECTED = "injected fault"
 
@@ -36,6 +44,10 @@ def _fault_once(transport: str, what: str) -> Iterator[None]:
     bucket (a RefitError: a bad apply)."""
     from xreshard.errors import RefitError
     skip = 0        # calls that go through before the one that raises
+    if what.startswith("exit"):
+        with _fault_at_group_exit(unheard=what == "exit-unheard"):
+            yield
+        return
     if what in ("send", "recv"):
         if transport == "gloo":
             from xreshard.transport.gloo import GlooTransport as cls
@@ -65,6 +77,63 @@ def _fault_once(transport: str, what: str) -> Iterator[None]:
         setattr(cls, what, original)
 
 
+@contextlib.contextmanager
+def _fault_at_group_exit(unheard: bool) -> Iterator[None]:
+    """A ``RefitError`` once, as a gloo group's context exits (its posts completed; the
+    later rounds' are never made), as tests/compose_matrix_cases.py's ``fault_mid_move``
+    patches ``GlooTransport.group``. ``unheard``: this process's gloo aborts reach nobody,
+    so its peers wait out their transport timeout and reach the outcome after it did (as
+    when an abort does not wake a peer's wait)."""
+    from xreshard.errors import RefitError
+    from xreshard.transport.gloo import GlooTransport
+
+    group, abort = GlooTransport.group, GlooTransport.abort
+    raised: list[int] = []
+
+    @contextlib.contextmanager
+    def failing(self: Any, *args: Any, **kwargs: Any) -> Iterator[None]:
+        with group(self, *args, **kwargs):
+            yield
+        if not raised:
+            raised.append(1)
+            raise RefitError(f"{INJECTED}: a group's exit")
+
+    GlooTransport.group = failing 
+    if unheard:
+        GlooTransport.abort = lambda self, why: None
+    try:
+        yield
+    finally:
+        GlooTransport.group, GlooTransport.abort = group, abort
+
+
+@contextlib.contextmanager
+def _slow_second_round() -> Iterator[None]:
+    """This process (healthy) pauses :data:`SLOW_ROUND` seconds once, as it enters its
+    first gloo group after one exited (its second round), as a loaded process packing a
+    round may."""
+    from xreshard.transport.gloo import GlooTransport
+
+    group = GlooTransport.group
+    exited: list[int] = []
+    slept: list[int] = []
+
+    @contextlib.contextmanager
+    def slow(self: Any, *args: Any, **kwargs: Any) -> Iterator[None]:
+        if exited and not slept:
+            slept.append(1)
+            time.sleep(SLOW_ROUND)
+        with group(self, *args, **kwargs):
+            yield
+        exited.append(1)
+
+    GlooTransport.group = slow
+    try:
+        yield
+    finally:
+        GlooTransport.group = group
+
+
 def members(ctx: Any, scenarios: list[str]) -> dict:
     """:func:`member` for each of ``scenarios`` in turn, each in a world of its own, by the
     same processes (one launch for the file): scenario -> what it returned."""
@@ -81,7 +150,8 @@ def member(ctx: Any, scenario: str, world_id: str | None = None) -> dict:
                      world_id=world_id or ctx.world_id)
     trainer = ctx.role.group == "trainer"
     side = cases.Sender() if trainer else cases.Receiver()
-    config = xr.RefitConfig(timeout=40 if elastic else 30, transport=transport, delta=delta,
+    timeout = UNHEARD_TIMEOUT if what == "exit-unheard" else 40 if elastic else 30
+    config = xr.RefitConfig(timeout=timeout, transport=transport, delta=delta,
                             bucket_bytes=1024, staging_bytes=2048)
     refit = xr.Refit(world, config=config, **{
         ("send" if trainer else "receive"): xr.Rebuilt(side.build)})
@@ -90,7 +160,8 @@ def member(ctx: Any, scenario: str, world_id: str | None = None) -> dict:
         if trainer:
             side.version = version + 10 * (version == 3)     # call 2 failed: v3 differs
         fault = _fault_once(transport, what) if version == 2 and label == faulty \
-            else contextlib.nullcontext()
+            else _slow_second_round() if version == 2 and what == "exit-unheard" \
+            and label == "trainer[0]" else contextlib.nullcontext()
         row: dict[str, Any] = {"epoch_before": world.epoch}
         t0 = time.monotonic()
         try:

@@ -82,6 +82,30 @@ def test_a_fixed_world_names_the_process_whose_apply_failed(scenario, scenarios)
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("scenario", ["gloo-exit-unheard", "fixed-gloo-exit"])
+def test_a_fault_at_a_group_exit_excludes_nobody_healthy(scenario, scenarios):
+    """Found by tests/test_compose_matrix.py: rollout[1] raises a ``RefitError`` as its
+    gloo group's context exits, after a round of posts completed. Elastic, with its aborts
+    reaching nobody and the trainer slow to begin its next round (so the peers wait out
+    their 20 s transport timeout and arrive after rollout[1]'s timeout at the outcome ran
+    out): the outcome waits for them past the timeout (``outcome_wait``), so the world does
+    not settle around the faulty process alone, excluding the healthy ones. Fixed:
+    the peers' ``TransportError`` only echoes its abort, so the world renews its transports
+    instead of breaking. Either way every process raises the one ``RefitError`` naming
+    rollout[1], and call 3 is exact with the same members."""
+    values = _run(scenarios, scenario)
+    _one_failure(values, scenario, "RefitError")
+    elastic = cases.SCENARIOS[scenario][0]
+    for v in values:
+        first, failed, last = v["calls"]
+        assert first.get("exact") is True, first
+        assert failed["members"] == MEMBERS and not failed["broken"], failed
+        assert (failed["epoch_after"] > failed["epoch_before"]) is elastic, failed
+        assert last.get("exact") is True, last
+        assert last["members"] == MEMBERS and not last["broken"], last
+
+
+@pytest.mark.slow
 def test_a_slow_import_does_not_fail_a_healthy_first_call():
     """Item 6: what binding imports (8 s more here) is imported at the join, within its
     wait, not between the first call's collectives, where the trainer waits against the

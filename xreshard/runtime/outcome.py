@@ -14,7 +14,8 @@ from ..errors import (CollectiveMismatch, XreshardError, error_from, error_messa
                       short_name)
 
 __all__ = ["Failed", "WORLDS", "WorldState", "crossed", "entry", "failure_lines",
-           "failed_call", "first_cause", "rank_maps", "unrun_unnamed", "world_state"]
+           "failed_call", "first_cause", "outcome_wait", "rank_maps", "unrun_unnamed",
+           "world_state"]
 
 
 class WorldState:
@@ -110,6 +111,35 @@ def first_cause(failed: list[tuple[int, list[str]]]) -> str:
     return failed[0][1][0] if failed else "TransportTimeout"
 
 
+def outcome_wait(timeout: float, error: list[str] | None = None) -> float:
+    """How long ``refit/outcome`` waits for the others: the call's ``timeout``, plus a
+    grace (a quarter of it, 2 to 10 s) for a process that failed for a reason of its own
+    (``error``: [class, message], not a ``TransportError``).
+
+    Such a process aborted its transports and arrives at once; a peer's abort does not
+    always reach that peer's pending gloo wait, which then fails at its own transport
+    timeout, up to ``timeout`` after the faulty process arrived. Waiting only
+    ``timeout``, the faulty process settled the outcome without its healthy peers: a
+    fixed world named them as never reporting, an elastic world kept only the faulty
+    process. The healthy processes wait ``timeout`` as before (their failure stays
+    bounded by it); only the process that caused the failure waits longer."""
+    if error is None:
+        return timeout
+    from ..errors import TransportError
+    if isinstance(error_from(*error), TransportError):
+        return timeout
+    return timeout + min(max(2.0, timeout / 4), 10.0)
+
+
+def own_failures(failed: list[tuple[int, list[str]]]) -> list[tuple[int, list[str]]]:
+    """The failures of processes that failed for a reason of their own: not a
+    ``TransportError``, which a process whose peer aborted its transports reports as an
+    echo (see :func:`first_cause`); all of them when every failure is one."""
+    from ..errors import TransportError
+    own = [(p, e) for p, e in failed if not isinstance(error_from(*e), TransportError)]
+    return own or failed
+
+
 def failed_call(refit: Any, failed: list[tuple[int, list[str]]], missing: list[int],
                 target: int) -> Exception:
     """A call whose outcome shows failures (``failed``: position, [class, message]) or
@@ -118,8 +148,10 @@ def failed_call(refit: Any, failed: list[tuple[int, list[str]]], missing: list[i
     one raises. An elastic world moves to a new epoch, without the missing, with
     transports made anew (``fleet.after_loss``; it may finish the call there instead:
     ``Restart``); a fixed world is broken when a process went missing or failed for a
-    reason that is not bad input, else its transports are made anew (a process that
-    failed aborted its own, ``World.abort_transports``)."""
+    reason of its own that is not xreshard's (``own_failures``: a peer's
+    ``TransportError`` that only echoes another process's abort does not count), else its
+    transports are made anew (a process that failed aborted its own,
+    ``World.abort_transports``)."""
     from . import fleet
     from .atomic import left
     world = refit.world
@@ -131,7 +163,8 @@ def failed_call(refit: Any, failed: list[tuple[int, list[str]]], missing: list[i
     where = "\n  ".join(x for x in lines if x)
     if world.elastic:
         fleet.after_loss(refit, missing)
-    elif missing or any(not isinstance(error_from(*e), XreshardError) for _, e in failed):
+    elif missing or any(not isinstance(error_from(*e), XreshardError)
+                        for _, e in own_failures(failed)):
         world.mark_broken(f"refit v{target} failed while moving: {where}")
     else:
         world.renew_transports()

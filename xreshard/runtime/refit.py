@@ -93,8 +93,8 @@ from ..planner.prepare import CallOptions, PreparedCall, prepare
 from . import fleet, registry
 from .comm_epochs import renumbering
 from .handle import RefitHandle
-from .outcome import (Failed, crossed, entry, failed_call, failure_lines, rank_maps,
-                      unrun_unnamed, world_state)
+from .outcome import (Failed, crossed, entry, failed_call, failure_lines, outcome_wait,
+                      rank_maps, unrun_unnamed, world_state)
 from .sides import Sides, on_device
 
 __all__ = ["Bound", "Refit", "RefitConfig", "RefitHandle", "RefitReport", "Tuning"]
@@ -657,14 +657,15 @@ class Refit:
         judges the outcomes (``verify`` compares checksums; it may fail the call). Returns
         the report fields they set.
 
-        A process that failed here waits the full timeout like the others: it told its
-        peers at once (``World.abort_transports``), so they arrive promptly, and it has no
-        evidence that they are lost (settling after a shorter grace would leave out, and in
-        an elastic world exclude, healthy peers still on their way)."""
+        A process that failed here told its peers at once (``World.abort_transports``), so
+        they arrive promptly, and it has no evidence that they are lost (settling after a
+        shorter wait would leave out, and in an elastic world exclude, healthy peers still
+        on their way): it waits the timeout plus a grace (``outcome_wait``), as a peer
+        still in a transport wait fails at that wait's timeout, after it arrived."""
         target = call.target
         outcomes = self.world.allgather_json(
             {**call.told, "errors": [error] if error else [], "refit": self._id},
-            timeout=self.config.timeout, kind="refit/outcome", partial=True)
+            timeout=outcome_wait(self.config.timeout, error), kind="refit/outcome", partial=True)
         missing = [p for p, o in enumerate(outcomes) if o is None]
         failed = [(p, o["errors"][0]) for p, o in enumerate(outcomes)
                   if o is not None and o.get("errors")]
