@@ -29,6 +29,8 @@ from typing import Any, Iterator
 
 import numpy as np
 
+from .delta_cases import attempt
+
 #: the axes of the matrix, in the order of a case's key
 AXES = {
     "delta": (False, True),
@@ -166,13 +168,6 @@ def _tuning(xr: Any, case: dict) -> Any:
     return xr.Tuning(executor=case["executor"], **device_kernels(case["device"]))
 
 
-def _attempt(fn: Any) -> Any:
-    try:
-        return fn()
-    except Exception as e:      # noqa: BLE001 - the test compares what every process raised
-        return f"{type(e).__name__}: {e}"
-
-
 def _row(report: Any) -> dict:
     if isinstance(report, str):
         return {"error": report}
@@ -244,7 +239,7 @@ def trainer(ctx: Any, keys: list[str] | None = None) -> dict:
         rows: list[dict] = []
         for call, step in enumerate(STEPS, 1):
             with fault_mid_move() if call == FAILS else contextlib.nullcontext():
-                rows.append(_row(_attempt(lambda r=refit, s=step: r(send=params(s)))))
+                rows.append(_row(attempt(lambda r=refit, s=step: r(send=params(s)))))
             rows[-1].update(version=refit.version, stale=refit.stale)
             if call == 1 and "error" in rows[0]:
                 break                   # refused: every process goes to the next case
@@ -336,7 +331,7 @@ def rollout(ctx: Any, keys: list[str] | None = None) -> dict:
                          tuning=tuning, name=key)
         rows = []
         for call in range(1, CALLS + 1):
-            row = _row(_attempt(refit))
+            row = _row(attempt(refit))
             row.update(version=refit.version, stale=refit.stale, held=held(pieces))
             rows.append(row)
             if call == 1 and "error" in row:
