@@ -10,8 +10,8 @@ import weakref
 from typing import Any
 
 from . import registry
-from ..errors import (CollectiveMismatch, XreshardError, error_from, error_message, error_name,
-                      short_name)
+from ..errors import (CollectiveMismatch, TransportError, XreshardError, error_from,
+                      error_message, error_name, short_name)
 
 __all__ = ["Failed", "WORLDS", "WorldState", "crossed", "entry", "failure_lines",
            "failed_call", "first_cause", "outcome_wait", "rank_maps", "unrun_unnamed",
@@ -104,11 +104,14 @@ def first_cause(failed: list[tuple[int, list[str]]]) -> str:
     error; a process whose transport failed because a peer aborted (or died) reports a
     ``TransportError`` that only echoes it. Only transport errors (or none: a process never
     reported): the first of them, else ``TransportTimeout``."""
-    from ..errors import TransportError
-    for _, (cls, msg) in failed:
-        if not isinstance(error_from(cls, msg), TransportError):
-            return cls
-    return failed[0][1][0] if failed else "TransportTimeout"
+    own = own_failures(failed)
+    return own[0][1][0] if own else "TransportTimeout"
+
+
+def _own(error: list[str]) -> bool:
+    """Whether ``error`` ([class, message]) is a failure of the process's own, not a
+    ``TransportError`` echoing a peer's abort or death."""
+    return not isinstance(error_from(*error), TransportError)
 
 
 def outcome_wait(timeout: float, error: list[str] | None = None) -> float:
@@ -123,10 +126,7 @@ def outcome_wait(timeout: float, error: list[str] | None = None) -> float:
     fixed world named them as never reporting, an elastic world kept only the faulty
     process. The healthy processes wait ``timeout`` as before (their failure stays
     bounded by it); only the process that caused the failure waits longer."""
-    if error is None:
-        return timeout
-    from ..errors import TransportError
-    if isinstance(error_from(*error), TransportError):
+    if error is None or not _own(error):
         return timeout
     return timeout + min(max(2.0, timeout / 4), 10.0)
 
@@ -135,8 +135,7 @@ def own_failures(failed: list[tuple[int, list[str]]]) -> list[tuple[int, list[st
     """The failures of processes that failed for a reason of their own: not a
     ``TransportError``, which a process whose peer aborted its transports reports as an
     echo (see :func:`first_cause`); all of them when every failure is one."""
-    from ..errors import TransportError
-    own = [(p, e) for p, e in failed if not isinstance(error_from(*e), TransportError)]
+    own = [(p, e) for p, e in failed if _own(e)]
     return own or failed
 
 

@@ -42,8 +42,7 @@ class Kernels:
         """The kernels a ``Tuning`` asks for (None: the defaults)."""
         if tuning is None:
             return HOST
-        return cls(tuning.device_kernels, getattr(tuning, "host_device_ops", None),
-                   getattr(tuning, "quant_threads", None))
+        return cls(tuning.device_kernels, tuning.host_device_ops, tuning.quant_threads)
 
     @property
     def prefer(self) -> str:
