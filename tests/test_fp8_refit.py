@@ -100,7 +100,7 @@ def test_every_receiver_holds_the_whole_tensors_quantization(pipeline):
         region = dst[name].regions(r)[0]
         assert arr.view(np.uint8).tobytes() == \
             want[name][region.slices()].view(np.uint8).tobytes(), (r, name)
-    q = prepared.quant
+    q = prepared.formats.quant
     assert sorted(q.tensors) == ["experts", "mx", "w"]
     # w: block column 1 (128:256) is cut at 150 by the senders: split, quantized at rank 4
     assert {s.region for s in q.scratch[(4, "w")]} == {Region((256, 128), (512, 256))}
@@ -216,12 +216,12 @@ def _digests(prepared, programs, src, values, dst_b):
 
     src_b = {(r, n): local_arrays_from_global(lay, r, values[n]) for n, lay in src.items()
              for r in lay.ranks}
-    dst_all = {**dst_b, **scratch_bindings(prepared.quant, programs)}
+    dst_all = {**dst_b, **scratch_bindings(prepared.formats.quant, programs)}
     out = []
     for ranks in ((0, 1, 2, 3), (4,)):
         mine = verify.digest_bindings(
             prepared.plan, ranks, {k: v for k, v in src_b.items() if k[0] in ranks},
-            {k: v for k, v in dst_all.items() if k[0] in ranks}, quant=prepared.quant)
+            {k: v for k, v in dst_all.items() if k[0] in ranks}, quant=prepared.formats.quant)
         out.append(json.loads(json.dumps(mine.summary)))
     return out
 
@@ -250,7 +250,7 @@ def test_verify_hashes_codes_scales_and_split_pieces_and_catches_a_flip(where):
         dst_b[(4, "w_scale")].view(np.uint8).reshape(-1)[0] ^= 0x40
     else:
         name = "w"
-        scratch = scratch_bindings(prepared.quant, programs)
+        scratch = scratch_bindings(prepared.formats.quant, programs)
         key = next(k for k in sorted(scratch) if k[0] == 4 and k[1].startswith("w\0"))
         scratch[key].view(np.uint8).reshape(-1)[-1] ^= 1
     bad = verify.mismatches(_digests(prepared, programs, src, values, dst_b))
@@ -271,7 +271,7 @@ def test_codes_and_scales_offered_by_the_sender_move_as_they_are():
         src_q[name] = lay.with_dtype(qt.format.dtype)
         src_q[qt.scale] = _sharded(qt.scale_shape, qt.format.scale_dtype, (0,), (1,), (0,))
     prepared = prepare(src_q, pre, None, CallOptions(), ranks=range(5), quantized=quantized)
-    assert prepared.quant is None
+    assert prepared.formats.quant is None
     with pytest.raises(FormatError, match="offers its scales 'w_scale' but bfloat16 values"):
         prepare(dict(src_q, w=src["w"]), pre, None, CallOptions(), ranks=range(5),
                 quantized=quantized)

@@ -218,7 +218,7 @@ def split_blocks(device: str) -> dict:
         if np.ascontiguousarray(got).view(np.uint8).tobytes() != \
                 want[name][region.slices()].view(np.uint8).tobytes():
             wrong.append(f"{name}@{r}")
-    groups = {f"{r}/{n}": len(s) for (r, n), s in prepared.quant.scratch.items()}
+    groups = {f"{r}/{n}": len(s) for (r, n), s in prepared.formats.quant.scratch.items()}
     return {"ok": not wrong, "wrong": wrong, "scratch_groups": groups,
             "seconds": round(seconds, 3),
             "figure": (f"split-block FP8 on {device}: {len(dst_b)} destinations, scratch "

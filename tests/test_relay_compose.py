@@ -312,7 +312,7 @@ def test_relayed_fp8_in_one_process_forwards_codes_and_scales_bit_exact(pipeline
     wire = {n: qt.format.wire_bytes(qt.shape) for n, qt in quantized.items()}
     relayed = wire["o"] + wire["e"] + wire["m"]
     assert stats.bytes_forwarded == relayed         # each host forwards half its need twice
-    assert prepared.quant.totals["fp8_forwarded_world"] == relayed
+    assert prepared.formats.quant.totals["fp8_forwarded_world"] == relayed
     # the trainer sends each relayed tensor once (half to each host) as codes + scales
     items = [it for rnd in prepared.schedule.rounds for b in rnd if b.stage == 0
              for it in b.items if it.name != "w"]

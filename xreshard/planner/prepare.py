@@ -35,7 +35,7 @@ What it holds:
   executor keeps two rounds in flight), or the overlapped relay schedule (either size).
 * ``formats`` (the formats phase, :mod:`xreshard.planner.formats`): every ``(name,
   stage)`` item's format (``Plain``, ``Cast(wire)``, ``Fp8(format, split)``) and the call's
-  framing (``FIXED``, or ``SIZED`` for delta); ``quant``, its FP8 part: the tensors
+  framing (``FIXED``, or ``SIZED`` for delta); ``formats.quant``, its FP8 part: the tensors
   quantized on the way in stage 0 and their receivers' scratch (the split blocks' stage);
   a relayed call forwards their finished codes and scales in stage 1 as plain tensors
   (:mod:`xreshard.planner.relay`, "FP8 through a relay").
@@ -161,13 +161,6 @@ class PreparedCall:
     formats: Formats = Formats({})
     """Every ``(name, stage)`` item's format and the call's framing (the formats phase,
     :mod:`xreshard.planner.formats`)."""
-
-    @property
-    def quant(self) -> Quantization | None:
-        """The stage-0 tensors quantized on the way (:mod:`xreshard.planner.quantize`),
-        with this process's receivers' scratch buffers (the split blocks' stage); None
-        when nothing is: the FP8 part of :attr:`formats`."""
-        return self.formats.quant
 
     @property
     def plan(self) -> Plan:

@@ -329,7 +329,7 @@ class DeltaState:
         reader = Executor(prepared.schedule, st.src_layouts, st.dst_layouts, st.wire_dtypes,
                           fit(src, prepared.direct.src_layouts), {},
                           None, 0.0,  # type: ignore[arg-type]  # reads sources only: no wire
-                          quant=prepared.quant)
+                          quant=prepared.formats.quant)
         local = {r for r, _ in reader.src_bindings}
         digests = self.pair_digests(prepared)
         jobs, said, scanned, dropped, sampled = [], set(), set(), {}, set()

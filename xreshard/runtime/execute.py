@@ -154,7 +154,7 @@ class Executor:
         programs: a dict that keeps the pack/unpack programs across runs of this
             schedule and these layouts (its owner resets it when they change), or None.
         pause_gc: pause the cyclic garbage collector while running (``gc_paused``).
-        quant: ``PreparedCall.quant`` (its scratch buffers among ``dst_bindings``).
+        quant: ``PreparedCall.formats.quant`` (its scratch buffers among ``dst_bindings``).
         kernels: which kernels the codecs run (:class:`.codecs.kernels.Kernels`, from the
             call's ``Tuning``).
         codec: the message codec (:mod:`.codecs.framing`): ``FIXED`` (plain messages), or
@@ -668,7 +668,7 @@ def run(prepared: PreparedCall, bindings: StageBindings, transport: Transport, *
     Raises:
         What the executor raises (see :meth:`Executor.run`).
     """
-    dsts = quantized.with_scratch(prepared.quant, bindings.dst, programs)
+    dsts = quantized.with_scratch(prepared.formats.quant, bindings.dst, programs)
     tables = [Tables(st.src_layouts, st.dst_layouts, st.wire_dtypes, bindings.src[k],
                      dsts[k]) for k, st in enumerate(prepared.stages)]
     kernels = Kernels.of(tuning)
@@ -677,7 +677,7 @@ def run(prepared: PreparedCall, bindings: StageBindings, transport: Transport, *
                     staging_bytes=prepared.options.staging_bytes,
                     forwarded=prepared.forwarded, arena=arena,
                     later_stages=tables[1:], programs=programs, pause_gc=tuning.pause_gc,
-                    quant=prepared.quant, kernels=kernels,
+                    quant=prepared.formats.quant, kernels=kernels,
                     codec=message_codec(delta, bindings, tuning, kernels))
     stats = executor.run()
     return stats, executor.arena

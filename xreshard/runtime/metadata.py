@@ -235,7 +235,7 @@ def stage_bindings(prepared: PreparedCall, src: Bindings, dst: Bindings) -> Stag
     ``dst_from``): the sides themselves, or views of the destination memory."""
     given = {SOURCES: src, DESTINATIONS: dst}
     real, whole = prepared.direct.dst_layouts, {}
-    quant = prepared.quant
+    quant = prepared.formats.quant
     if quant is not None and len(prepared.stages) > 1:
         # a relayed call forwards codes and scales (views of their own layouts); stage 0
         # quantizes into them whole: its FP8 steps locate regions in those layouts

@@ -219,7 +219,7 @@ class QuantAhead:
         buckets in ``skip`` (a delta call's encoder quantizes them as it diffs them)."""
         self.stop()
         self.last = {}          # this call's, once it ran
-        if not self.enabled or prepared is None or prepared.quant is None or src is None \
+        if not self.enabled or prepared is None or prepared.formats.quant is None or src is None \
                 or prepared.stages[0].src_from != SOURCES:
             return
         from .sides import on_device
@@ -229,7 +229,7 @@ class QuantAhead:
         try:
             bindings = fit(src, prepared.direct.src_layouts)
             progs = Programs((Tables(st.src_layouts, st.dst_layouts, st.wire_dtypes,
-                                     bindings, {}),), programs, prepared.quant)
+                                     bindings, {}),), programs, prepared.formats.quant)
             local = {r for r, _ in bindings}
             steps = [e for rnd in prepared.schedule.rounds for b in rnd
                      if b.stage == 0 and b.src in local and b not in skip

@@ -436,9 +436,9 @@ def _held_bytes(quant: Any, rank: int, name: str, region: Any, dst_bindings: Map
 def quantized_report(prepared: Any, stats: Any) -> dict[str, int] | None:
     """``RefitReport.quantized``: this process's FP8 and split-block bytes both ways, and
     the world totals (None when the call quantizes nothing on the way)."""
-    if prepared.quant is None:
+    if prepared.formats.quant is None:
         return None
     out = {k: 0 for k in ("fp8_sent", "bf16_sent", "fp8_received", "bf16_received")}
     out.update(stats.quantized)
-    out.update(prepared.quant.totals)
+    out.update(prepared.formats.quant.totals)
     return out

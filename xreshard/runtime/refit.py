@@ -433,9 +433,9 @@ class Refit:
         for ext in self.extensions:
             dst = ext.destinations(call, dst)
         dst_layouts = dict(prepared.direct.dst_layouts)
-        if prepared.quant is not None:      # scales are bound beside their codes
-            dst_layouts.update({qt.scale: prepared.quant.scales[n]
-                                for n, qt in prepared.quant.tensors.items()
+        if prepared.formats.quant is not None:      # scales are bound beside their codes
+            dst_layouts.update({qt.scale: prepared.formats.quant.scales[n]
+                                for n, qt in prepared.formats.quant.tensors.items()
                                 if qt.scale not in dst_layouts})
         call.bindings = bindings = stage_bindings(
             prepared, fit(call.src, prepared.direct.src_layouts), fit(dst, dst_layouts))

@@ -283,7 +283,7 @@ def digest_bindings(plan: Any, local_ranks: Iterable[int],
             "send" half may run in a thread while the executor moves bytes (numpy releases
             the GIL in the reductions) and be merged with the "recv" half afterwards
             (:meth:`Digests.merge`).
-        quant: ``PreparedCall.quant`` of the stage that quantizes on the way (see
+        quant: ``PreparedCall.formats.quant`` of the stage that quantizes on the way (see
             :func:`xreshard.runtime.quantized.digest_transfer`).
         key: the digest key (:func:`call_key`): the same in every process that compares.
 
@@ -522,7 +522,7 @@ def stage_digests(prepared: Any, programs: dict, world: Any, mode: bool | str, t
     """This process's digests of one stage of a prepared call (what ``Refit`` hashes with
     ``verify``): :func:`digest_bindings` under the call's key (:func:`call_key`), with the
     receivers' scratch of split FP8 blocks beside the destinations of the quantizing stage."""
-    quant = prepared.quant if stage == 0 else None
+    quant = prepared.formats.quant if stage == 0 else None
     if quant is not None and dst_bindings:     # split blocks' pieces landed there
         dst_bindings = {**dst_bindings, **quantized.scratch_bindings(quant, programs)}
     return digest_bindings(prepared.stages[stage].plan, world.rank_ids, src_bindings,

@@ -206,7 +206,7 @@ class Fp8(Extension):
         a delta encoder quantizes as it diffs them: each FP8 item once)."""
         if call.errors:
             return None, []
-        if call.prepared is not None and call.prepared.quant is not None:
+        if call.prepared is not None and call.prepared.formats.quant is not None:
             self.ahead.start(call.prepared, call.src, call.programs, skip=call.skip_ahead)
         else:
             self.ahead.last = {}        # none started for this call
@@ -214,14 +214,14 @@ class Fp8(Extension):
 
     @contextlib.contextmanager
     def begin(self, call: Any) -> Iterator[None]:
-        if call.prepared.quant is None:     # nothing quantized: any work ahead ends at end()
+        if call.prepared.formats.quant is None:     # nothing quantized: work ahead ends at end()
             yield
             return
         with self.ahead.used(call.prepared, call.programs, call.config.timeout):
             yield
 
     def report(self, call: Any, fields: dict[str, Any]) -> None:
-        if call.prepared.quant is not None:
+        if call.prepared.formats.quant is not None:
             from ..quantized import quantized_report
             fields["quantized"] = quantized_report(call.prepared, call.stats)
 
