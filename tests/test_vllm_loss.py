@@ -242,3 +242,63 @@ def test_rank0_waits_only_for_the_engines_the_world_still_holds():
             concurrently([lambda: None, dead], lambda: 7, 3600.0, "x", lambda: set(lost))
     finally:
         answer.set()
+
+
+def test_an_engine_found_crashed_before_a_round_is_named_lost():
+    """An engine whose worker process is gone when rank 0 starts the next round (a killed
+    Ray actor's worker may exit before the trainer's next call): it is driven no more and
+    named in ``lost_engines`` and ``report.lost``, as an engine found unreachable or lost
+    during the round is (found in the Ray leg, where the order is left to chance)."""
+    import dataclasses
+    import subprocess
+    import sys
+
+    from xreshard.adapters.vllm import XreshardTrainerWeightTransferEngine
+    from xreshard.adapters.vllm.members import UNIT
+    from xreshard.runtime.epochs import own_node
+    from xreshard.transport import peers
+
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    start = peers.process_start_time(child.pid)
+    child.kill()
+    child.wait()
+
+    def worker(e: int, pid: int, started: str) -> dict[str, Any]:
+        return {"group": "rollout", "index": e, "unit": f"{UNIT}{e}", "pid": pid,
+                "start": started, "node": own_node()}
+
+    class World:
+        processes = [worker(0, child.pid, start),
+                     worker(1, os.getpid(), peers.own_start_time())]
+        members = ["trainer[0]", "rollout[1]"]
+
+        def pending(self) -> list:
+            return []
+
+    @dataclasses.dataclass(frozen=True)
+    class Report:
+        version: int
+        lost: tuple = ()
+
+    class Sender:
+        version = 1
+        stream = type("Stream", (), {"engine_info": None})()
+
+        def send_weights(self, weights: Any) -> Report:
+            return Report(2)
+
+    calls: list[tuple[int, str]] = []
+
+    class Engine:
+        def __init__(self, e: int):
+            self.e = e
+
+        def __getattr__(self, name: str) -> Any:
+            return lambda *a: calls.append((self.e, name))
+
+    trainer = XreshardTrainerWeightTransferEngine(client=[Engine(0), Engine(1)])
+    trainer.elastic, trainer.engine_ids, trainer.world = True, [0, 1], World()
+    report = trainer._round(Sender(), {}, draft=False)
+    assert trainer.engine_ids == [1] and trainer.lost_engines == [0], trainer.lost_engines
+    assert report.lost == ("rollout[0]",), report
+    assert {e for e, _ in calls} == {1}, calls

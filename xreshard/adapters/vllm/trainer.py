@@ -319,8 +319,9 @@ class XreshardTrainerWeightTransferEngine(TrainerWeightTransferEngine[XreshardTr
         """Rank 0: start the session (the draft's or the policy's), update every engine
         while this process sends, finish; the policy's rounds set the weight version."""
         version = sender.version + 1
-        adding, failed, joined = self._before_round(sender) if self.elastic else ([], {}, [])
-        unreachable = self._each_client(
+        adding, failed, joined, crashed = self._before_round(sender) if self.elastic \
+            else ([], {}, [], [])
+        unreachable = crashed + self._each_client(
             lambda c: c.start_draft_weight_update() if draft else c.start_weight_update())
         if unreachable and sender.stream.engine_info:   # the round's sync expects them no more
             sender.stream.engine_info["expect"] = self.engine_ids + [e for e, _ in adding]
@@ -464,27 +465,30 @@ class XreshardTrainerWeightTransferEngine(TrainerWeightTransferEngine[XreshardTr
         if not self.is_sender:
             raise RefitError(f"{what}: only the trainer's rank 0 drives the engines")
 
-    def _before_round(self, sender: WeightSender) -> tuple[list, dict, list]:
-        """Rank 0 of an elastic world: drop the engines whose processes are gone (crashed),
-        take the engines added since the last round, and say which engines it drives (the
-        round's membership sync refuses any other, see :mod:`.members`)."""
+    def _before_round(self, sender: WeightSender) -> tuple[list, dict, list, list[int]]:
+        """Rank 0 of an elastic world: drop the engines whose processes are gone (crashed;
+        returned last, lost like the unreachable), take the engines added since the last
+        round, and say which engines it drives (the round's membership sync refuses any
+        other, see :mod:`.members`)."""
         from xreshard.runtime.epochs import gone
 
         if not self.is_sender:
-            return [], {}, []
+            return [], {}, [], []
         world, per = self._joined(), self._engine_world_size
         leaving = [r for r in world.pending() if r["kind"] == "leave"]
+        crashed = []
         for e in list(self.engine_ids):
             procs = [p for p in world.processes
                      if p["group"] == "rollout" and int(p["index"]) // per == e]
             if procs and all(gone(p, leaving) for p in procs):
                 i = self.engine_ids.index(e)
                 del self.clients[i], self.engine_ids[i]
+                crashed.append(e)
         adding, self._adding = self._adding, []
         failed: dict[str, str] = {}
         sender.stream.engine_info = {"expect": self.engine_ids + [e for e, _ in adding],
                                      "workers": per, "failed": failed}
-        return adding, failed, []
+        return adding, failed, [], crashed
 
     def _join_engine(self, engine: int, client: Any, info: dict[str, Any],
                      failed: dict[str, str], joined: list[int]) -> None:
