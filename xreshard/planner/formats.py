@@ -15,7 +15,9 @@ runtime's codecs (``xreshard.runtime.codecs``) run it:
 * :class:`Fp8`: quantized on the way (:mod:`.quantize`): whole blocks quantized by their
   sender and sent as scales + codes; ``split`` when some blocks are split across senders
   and travel in the wire dtype into the receiver's scratch, finished by the receiver once
-  every round landed (the scratch stage: ``Quantization.scratch``). A relay forwards the
+  every round landed: the call's *scratch stage* (``PreparedCall.scratch_stage``, sources
+  the receivers' scratch, ``Quantization.scratch``), where such a tensor is one more item,
+  ``Fp8(format, wire, split=True)``. A relay forwards the
   finished codes and scales in stage 1 as tensors of their own: :class:`Plain` there.
 
 Framing: :data:`FIXED` (a message is as long as the schedule says) or :data:`SIZED` (a
@@ -91,11 +93,14 @@ class Formats:
                 if isinstance(f, Fp8) and stage == 0}
 
 
-def formats(stages: Sequence[Any], quant: Quantization | None, *, delta: bool = False
-            ) -> Formats:
+def formats(stages: Sequence[Any], quant: Quantization | None, *, delta: bool = False,
+            scratch_stage: int | None = None) -> Formats:
     """The formats of a call's ``stages`` (each with a ``plan``): FP8 for stage 0's tensors
     ``quant`` quantizes on the way, else a cast where the plan's wire dtype differs from
-    the source's, else plain; ``delta``: the call frames its messages :data:`SIZED`."""
+    the source's, else plain; ``delta``: the call frames its messages :data:`SIZED`.
+    ``scratch_stage``: the index of the call's scratch stage (its receivers finish split
+    blocks there), where each tensor with split blocks is one more item,
+    ``Fp8(format, wire, split=True)``."""
     items: dict[tuple[str, int], Format] = {}
     split = {name for (_, name), ss in (quant.scratch.items() if quant else ()) if ss}
     counts: dict[str, int] = {}
@@ -113,4 +118,9 @@ def formats(stages: Sequence[Any], quant: Quantization | None, *, delta: bool = 
             items[(name, st.index)] = f
             kind = type(f).__name__.lower()
             counts[kind] = counts.get(kind, 0) + 1
+    if quant is not None and scratch_stage is not None:
+        for name in sorted(split):
+            items[(name, scratch_stage)] = Fp8(quant.tensors[name].format, quant.wire[name],
+                                               True)
+            counts["fp8"] = counts.get("fp8", 0) + 1
     return Formats(items, SIZED if delta else FIXED, quant, counts)

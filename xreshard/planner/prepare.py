@@ -67,7 +67,7 @@ Pure: imports only the IR and the rest of the planner (``tests/test_structure.py
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Iterable, Mapping
 
 from ..ir.layout import Layout
@@ -76,10 +76,10 @@ from .plan import Plan, PlanCache, plan
 from .quantize import Quantization, quantization, value_layouts, with_scratch
 from .relay import (RelayLayouts, fp8_forwards, overlapped_schedule, relay_layouts,
                     split_at_forwarders)
-from .schedule import Schedule, paired_counts, schedule
+from .schedule import Copy, Schedule, paired_counts, schedule
 
 __all__ = ["BINDING_SOURCES", "CallOptions", "DESTINATIONS", "DESTINATION_VIEWS",
-           "PreparedCall", "SOURCES", "Stage", "prepare"]
+           "PreparedCall", "SCRATCH", "SOURCES", "Stage", "prepare"]
 
 logger = logging.getLogger(__name__)
 
@@ -89,7 +89,10 @@ SOURCES = "sources"
 DESTINATIONS = "destinations"
 #: a stage side bound to views of the call's destination memory, cut to the stage's layout
 DESTINATION_VIEWS = "destination views"
-BINDING_SOURCES = (SOURCES, DESTINATIONS, DESTINATION_VIEWS)
+#: a stage side bound to the receivers' scratch buffers of split FP8 blocks
+#: (``Scratch.key`` -> a buffer in the wire dtype, kept with the call's program cache)
+SCRATCH = "scratch"
+BINDING_SOURCES = (SOURCES, DESTINATIONS, DESTINATION_VIEWS, SCRATCH)
 
 
 @dataclass(frozen=True)
@@ -161,6 +164,14 @@ class PreparedCall:
     formats: Formats = Formats({})
     """Every ``(name, stage)`` item's format and the call's framing (the formats phase,
     :mod:`xreshard.planner.formats`)."""
+    scratch_stage: Stage | None = None
+    """The receivers' finishing of split FP8 blocks (index ``len(stages)``; sources: their
+    :data:`SCRATCH`, destinations: the codes and scales), run as the schedule's same-rank
+    copies of that stage once every round landed; None when no local receiver has any."""
+    epoch: int | None = None
+    """The membership epoch of the world this call was prepared for (``World.epoch``):
+    ``run`` refuses it in a world at another epoch. None: not tied to one (a call prepared
+    outside a world, e.g. by a test or a simulation)."""
 
     @property
     def plan(self) -> Plan:
@@ -180,7 +191,8 @@ class PreparedCall:
 def prepare(src_layouts: Mapping[str, Layout], dst_layouts: Mapping[str, Layout],
             topology: Any = None, options: CallOptions = CallOptions(), *,
             ranks: Iterable[int], cache: PlanCache | None = None,
-            quantized: Mapping[str, Any] | None = None) -> PreparedCall:
+            quantized: Mapping[str, Any] | None = None, epoch: int | None = None
+            ) -> PreparedCall:
     """Prepare one refit call for the local ranks ``ranks``: plan, relay stages, formats,
     schedule (one path for every call: a quantized destination is planned as its values,
     :mod:`xreshard.planner.quantize`, and its format is FP8).
@@ -197,6 +209,8 @@ def prepare(src_layouts: Mapping[str, Layout], dst_layouts: Mapping[str, Layout]
         quantized: name -> ``QuantizedTensor`` of the destinations stored quantized (the
             codes under the name, the scales under its ``scale``); those a sender offers
             unquantized are quantized on the way (:mod:`xreshard.planner.quantize`).
+        epoch: the membership epoch of the world the call is for (``World.epoch``), kept
+            in :attr:`PreparedCall.epoch`; None: not tied to one.
 
     Returns:
         The :class:`PreparedCall`.
@@ -226,7 +240,12 @@ def prepare(src_layouts: Mapping[str, Layout], dst_layouts: Mapping[str, Layout]
                             if t.name in q.tensors or t.name in scales)
         q = Quantization(q.tensors, q.codes, q.scales, q.wire, q.scratch,
                          {**q.totals, "fp8_forwarded_world": forwarded_fp8})
-    fmts = formats(stages, q, delta=options.delta)
+    # the scratch stage: this process's receivers finish their split blocks
+    scratch_stage = None
+    if q is not None and any(q.scratch.values()):
+        scratch_stage = Stage(len(stages), stages[0].plan, SCRATCH, DESTINATIONS)
+    fmts = formats(stages, q, delta=options.delta,
+                   scratch_stage=None if scratch_stage is None else scratch_stage.index)
     # schedule: items sized by their format
     staging = max(1, options.staging_bytes // 2) if options.halved else options.staging_bytes
     sizes: dict[str, Any] = dict(bucket_bytes=options.bucket_bytes, staging_bytes=staging,
@@ -240,8 +259,26 @@ def prepare(src_layouts: Mapping[str, Layout], dst_layouts: Mapping[str, Layout]
         sched = overlapped_schedule(stages[0].plan, stages[1].plan, ranks,
                                     overlap=options.relay_overlap,
                                     lag=2 if options.delta else 1, **sizes)
+    if scratch_stage is not None:
+        assert q is not None
+        sched = replace(sched, local_copies=sched.local_copies
+                        + _finishing(q, scratch_stage.index))
     return PreparedCall(options, ranks, direct, stages, layouts, sched,
-                        frozenset((name, 1) for name in src2), fmts)
+                        frozenset((name, 1) for name in src2), fmts, scratch_stage, epoch)
+
+
+def _finishing(q: Quantization, stage: int) -> tuple[Copy, ...]:
+    """The scratch stage's work: per group of split blocks a receiver gathered in its
+    scratch, a same-rank copy of ``stage`` quantizing the group's whole blocks from the
+    scratch into the codes and scales (no wire bytes: ``nbytes`` 0)."""
+    out = []
+    for (rank, name), ss in q.scratch.items():
+        qt = q.tensors[name]
+        for s in ss:
+            for blocks in s.blocks:
+                out.append(Copy(name, qt.format.data_region(blocks, qt.shape), rank, 0,
+                                stage, True))
+    return tuple(out)
 
 
 def _relay_stages(direct: Plan, topology: Any, options: CallOptions,

@@ -159,6 +159,10 @@ class Executor:
             call's ``Tuning``).
         codec: the message codec (:mod:`.codecs.framing`): ``FIXED`` (plain messages), or
             a delta call's (:class:`.codecs.delta.DeltaCodec`, ``Sized`` framing).
+        scratch_stage: the index of the call's scratch stage (``PreparedCall.scratch_stage``:
+            its tables' sources are the receivers' scratch), or None. Its same-rank copies
+            quantize split blocks from the scratch, so they run after every round, like
+            the copies of ``forwarded`` tensors.
     """
 
     def __init__(self, schedule: Schedule, src_layouts: Mapping[str, Layout],
@@ -169,7 +173,7 @@ class Executor:
                  forwarded: frozenset[tuple[str, int]] = frozenset(), arena: Any = None, *,
                  later_stages: Sequence[Tables] = (), programs: dict | None = None,
                  pause_gc: bool = True, quant: Any = None, kernels: Kernels = HOST,
-                 codec: Any = FIXED):
+                 codec: Any = FIXED, scratch_stage: int | None = None):
         self.schedule = schedule
         self.tables = (Tables(src_layouts, dst_layouts, wire_dtypes, src_bindings,
                               dst_bindings),) + tuple(later_stages)
@@ -186,6 +190,7 @@ class Executor:
         #: staging per CUDA device ordinal (None: host memory), reused across runs
         self._arena: dict[int | None, Any] = {} if arena is None else arena
         self.forwarded = frozenset(forwarded)
+        self.scratch_stage = scratch_stage
         self.pause_gc = pause_gc
 
     @property
@@ -337,6 +342,8 @@ class Executor:
 
     def _local_copy(self, c: Copy) -> int:
         tables = self.tables[c.stage]
+        if c.stage == self.scratch_stage:
+            return quantized.finish_copy(c, self.quant, tables, self.kernels)
         if quantized.copies(self.quant, c):
             return quantized.copy_local(c, self.quant, tables, self.kernels)
         src_layout, dst_layout = tables.src_layouts[c.name], tables.dst_layouts[c.name]
@@ -491,7 +498,6 @@ class Executor:
                 stats.staging_bytes = sum(need.values())
                 self._rounds(stats)
                 self._local_copies(stats, forwarded=True)
-            quantized.finish(self.quant, self.tables[0].dst_bindings, self.kernels)
             ok = True
         finally:
             if gpus:    # also after a failure: no copy may still read or write afterwards
@@ -528,12 +534,18 @@ class Executor:
         return recvs, unpack
 
     def _local_copies(self, stats: ExecStats, forwarded: bool) -> None:
-        """Same-rank copies: those of ``forwarded`` tensors read what the rounds wrote, so
-        they run after every round (``forwarded=True``); the others before or beside."""
+        """Same-rank copies: those of ``forwarded`` tensors and of the scratch stage read
+        what the rounds wrote, so they run after every round (``forwarded=True``); the
+        others before or beside."""
         for c in self.schedule.local_copies:
-            if ((c.name, c.stage) in self.forwarded) == forwarded:
+            late = (c.name, c.stage) in self.forwarded or c.stage == self.scratch_stage
+            if late == forwarded:
                 with self._on(c.rank):
                     stats.bytes_local += self._local_copy(c)
+        if forwarded and self.scratch_stage is not None:
+            # a device quantizer may run on its framework's current stream, which the
+            # executor's end (own streams only) does not wait for
+            quantized.settle(self.tables[self.scratch_stage].dst_bindings)
 
     def _count_send(self, b: Bucket, stats: ExecStats) -> None:
         if self._is_forward(b):
@@ -668,9 +680,16 @@ def run(prepared: PreparedCall, bindings: StageBindings, transport: Transport, *
     Raises:
         What the executor raises (see :meth:`Executor.run`).
     """
-    dsts = quantized.with_scratch(prepared.formats.quant, bindings.dst, programs)
     tables = [Tables(st.src_layouts, st.dst_layouts, st.wire_dtypes, bindings.src[k],
-                     dsts[k]) for k, st in enumerate(prepared.stages)]
+                     bindings.dst[k]) for k, st in enumerate(prepared.stages)]
+    st = prepared.scratch_stage
+    if st is not None:
+        # the scratch stage's sources: the receivers' scratch (kept in the program cache);
+        # stage 0's split pieces land there, its destinations are stage 0's
+        scratch = quantized.scratch_bindings(prepared.formats.quant, programs, bindings.dst[0])
+        dst0 = tables[0].dst_bindings
+        tables[0] = tables[0]._replace(dst_bindings={**dst0, **scratch})
+        tables.append(Tables(st.src_layouts, st.dst_layouts, st.wire_dtypes, scratch, dst0))
     kernels = Kernels.of(tuning)
     executor = Executor(prepared.schedule, *tables[0], transport, timeout,
                     pipeline=tuning.executor == "pipelined",
@@ -678,6 +697,7 @@ def run(prepared: PreparedCall, bindings: StageBindings, transport: Transport, *
                     forwarded=prepared.forwarded, arena=arena,
                     later_stages=tables[1:], programs=programs, pause_gc=tuning.pause_gc,
                     quant=prepared.formats.quant, kernels=kernels,
-                    codec=message_codec(delta, bindings, tuning, kernels))
+                    codec=message_codec(delta, bindings, tuning, kernels),
+                    scratch_stage=None if st is None else st.index)
     stats = executor.run()
     return stats, executor.arena

@@ -11,7 +11,9 @@ inside its pipeline:
   the transport instead of adding to it;
 * **unpack** an FP8 item: codes into the codes' binding, scales into the scales';
 * rest items land in scratch buffers (ordinary unpacks: the scratch is a binding of its
-  own, :meth:`Scratch.key`), which :func:`finish` quantizes once every round has landed;
+  own, :meth:`Scratch.key`), which the call's scratch stage quantizes once every round has
+  landed (:func:`finish_copy`: the stage's same-rank copies, run by the executor like any
+  stage's; :func:`finish` runs them outside an executor);
 * same-rank copies (:func:`copy_local`) do both at once;
 * ``RefitConfig(verify=...)`` hashes, per transfer, what the sender quantizes and what the
   receiver holds (:func:`sent_bytes`, :func:`received_bytes`), and per group of split
@@ -36,8 +38,9 @@ from ..ir.formats import MXFP8
 from ..planner.quantize import core_of, rest_boxes
 from .copies import array_module, copy_into, view_of
 
-__all__ = ["pack", "unpack", "copy_local", "finish", "scratch_bindings", "quantize_values",
-           "count", "copies", "refuse_devices", "with_scratch", "sent_bytes",
+__all__ = ["pack", "unpack", "copy_local", "finish", "finish_copy", "settle",
+           "scratch_bindings", "quantize_values",
+           "count", "copies", "refuse_devices", "sent_bytes",
            "received_bytes", "finished_bytes", "transfer_streams", "digest_transfer",
            "digest_finished", "FINISHED", "quantized_report", "quantize_step", "AHEAD"]
 
@@ -232,14 +235,6 @@ def refuse_devices(quant: Any, sends: bool = True, receives: bool = True,
                          "quantize on the device) and offer the codes and scales")
 
 
-def with_scratch(quant: Any, dsts: Any, cache: dict | None) -> list:
-    """Each stage's destination bindings, stage 0's with the receivers' scratch buffers."""
-    dsts = list(dsts)
-    if quant is not None:
-        dsts[0] = {**dsts[0], **scratch_bindings(quant, cache, dsts[0])}
-    return dsts
-
-
 def scratch_bindings(quant: Any, cache: dict | None, dst_bindings: Mapping | None = None
                      ) -> dict:
     """``Scratch.key`` -> a buffer of the scratch's region in its wire dtype, kept in
@@ -258,29 +253,49 @@ def scratch_bindings(quant: Any, cache: dict | None, dst_bindings: Mapping | Non
     return out
 
 
+def finish_copy(c: Any, quant: Any, tables: Any, kernels: Any = None) -> int:
+    """A same-rank copy of the scratch stage (``PreparedCall.scratch_stage``): quantize the
+    whole blocks ``c.region`` of ``c.name`` from receiver ``c.rank``'s scratch (the stage's
+    sources) into its codes and scales (the stage's destinations), once every round and
+    copy that writes the scratch landed. Moves no wire bytes: returns ``c.nbytes`` (0)."""
+    s = quant.scratch_for(c.rank, c.name, c.region)
+    buf = tables.src_bindings[s.key]
+    values = array_module(buf).ascontiguousarray(buf[_relative(c.region, s.region)])
+    _write(quant, c.rank, c.name, c.region, values, tables.dst_bindings, kernels)
+    return c.nbytes
+
+
+def settle(dst_bindings: Mapping) -> None:
+    """Wait for the split blocks quantized into ``dst_bindings`` on a device (see
+    :func:`.quantize_device.settle`); nothing for host memory."""
+    from .quantize_device import settle as settle_device
+    settle_device(dst_bindings)
+
+
 def finish(quant: Any, dst_bindings: Mapping, kernels: Any = None) -> int:
-    """Quantize every split block from its scratch into the destination (after every round
-    and copy landed). Returns the bytes quantized (in the wire dtype)."""
+    """Quantize every split block from its scratch into the destination, outside an
+    executor (``dst_bindings`` holds the scratch buffers too): the scratch stage's copies
+    (:func:`finish_copy`) one after another, each on xreshard's own stream of the scratch's
+    device (the rounds' unpacks wrote the scratch there: a non-blocking stream, unordered
+    with the caller's). Returns the bytes quantized (in the wire dtype)."""
     if quant is None:
         return 0
     from .devices import device_ctx
     from .device_ops import is_host
-    from .quantize_device import settle
+    from .programs import Tables
+    from ..planner.schedule import Copy
+    tables = Tables({}, {}, {}, dst_bindings, dst_bindings)
     done = 0
     for ss in quant.scratch.values():
         for s in ss:
             qt = quant.tensors[s.name]
             buf = dst_bindings[s.key]
-            # on xreshard's own stream of the scratch's device: the rounds' unpacks wrote
-            # the scratch there (a non-blocking stream, unordered with the caller's)
             with device_ctx(None if is_host(buf) else buf.device.id):
                 for blocks in s.blocks:
                     region = qt.format.data_region(blocks, qt.shape)
-                    rel = tuple(slice(a - o, z - o) for a, z, o in zip(
-                        region.starts, region.stops, s.region.starts))
-                    values = array_module(buf).ascontiguousarray(buf[rel])
-                    _write(quant, s.rank, s.name, region, values, dst_bindings, kernels)
-                    done += values.nbytes
+                    finish_copy(Copy(s.name, region, s.rank, 0, quantized=True), quant,
+                                tables, kernels)
+                    done += region.size * itemsize(quant.wire[s.name])
     settle(dst_bindings)
     return done
 
