@@ -70,6 +70,7 @@ import logging
 from dataclasses import dataclass, replace
 from typing import Any, Iterable, Mapping
 
+from ..errors import RefitError
 from ..ir.layout import Layout
 from .formats import Formats, formats
 from .plan import Plan, PlanCache, plan
@@ -79,7 +80,7 @@ from .relay import (RelayLayouts, fp8_forwards, overlapped_schedule, relay_layou
 from .schedule import Copy, Schedule, paired_counts, schedule
 
 __all__ = ["BINDING_SOURCES", "CallOptions", "DESTINATIONS", "DESTINATION_VIEWS",
-           "PreparedCall", "SCRATCH", "SOURCES", "Stage", "prepare"]
+           "EpochMismatch", "PreparedCall", "SCRATCH", "SOURCES", "Stage", "prepare"]
 
 logger = logging.getLogger(__name__)
 
@@ -93,6 +94,13 @@ DESTINATION_VIEWS = "destination views"
 #: (``Scratch.key`` -> a buffer in the wire dtype, kept with the call's program cache)
 SCRATCH = "scratch"
 BINDING_SOURCES = (SOURCES, DESTINATIONS, DESTINATION_VIEWS, SCRATCH)
+
+
+class EpochMismatch(RefitError):
+    """A prepared call runs in a world at another membership epoch than the one it was
+    prepared for: its ranks, rank maps and schedule describe other members. Raised by
+    ``run`` before any byte moves; prepare the call again (a ``Refit`` does so itself at
+    its next call after the members changed)."""
 
 
 @dataclass(frozen=True)
@@ -186,6 +194,20 @@ class PreparedCall:
     def wire_dtype(self, name: str, stage: int = 0) -> str:
         """The dtype tensor ``name`` of ``stage`` has on the wire."""
         return self.stages[stage].plan.wire_dtypes[name]
+
+    def check_epoch(self, epoch: int | None) -> None:
+        """Refuse to run in a world at membership epoch ``epoch`` when this call was
+        prepared for another (either None: nothing to compare).
+
+        Raises:
+            EpochMismatch: the epochs differ.
+        """
+        if self.epoch is not None and epoch is not None and epoch != self.epoch:
+            raise EpochMismatch(
+                f"this call was prepared for membership epoch {self.epoch} of its world, "
+                f"which is now at epoch {epoch} (its members changed): its ranks and "
+                f"schedule describe the old members; nothing was moved. Prepare the call "
+                f"again for the current members")
 
 
 def prepare(src_layouts: Mapping[str, Layout], dst_layouts: Mapping[str, Layout],

@@ -22,12 +22,11 @@ after another. Only the wire thread touches the transport (NCCL's groupStart/End
 Device (CUDA) bindings run round after round: their copies and NCCL calls are queued
 asynchronously on xreshard's own stream of each device already.
 
-Stages (a prepared call, see :mod:`xreshard.planner.prepare`): every bucket and same-rank
-copy names its stage, and each stage has its own layouts, wire dtypes and bindings
-(:class:`Tables`), so a tensor is keyed by ``(name, stage)``. Forwards (a relay, see
-:mod:`xreshard.planner.relay`): a send may read what an earlier round of the same run
-received. The pipelined path then waits for (and unpacks) the earlier rounds before
-packing it, after round k's other sends have gone to the wire.
+Stages (:mod:`xreshard.planner.prepare`): every bucket and same-rank copy names its stage,
+each with its own layouts, wire dtypes and bindings (:class:`Tables`): a tensor is keyed by
+``(name, stage)``. Forwards (a relay, :mod:`xreshard.planner.relay`) may read what an
+earlier round received: the pipelined path waits for (and unpacks) those rounds before
+packing them. The scratch stage's copies (split FP8 blocks) run after every round.
 
 Codecs (:mod:`.codecs`): the executor has ONE round loop (:meth:`Executor._rounds`) and
 ONE pipelined loop (:meth:`Executor._pipelined`), whatever changes the bytes. A message
@@ -159,10 +158,8 @@ class Executor:
             call's ``Tuning``).
         codec: the message codec (:mod:`.codecs.framing`): ``FIXED`` (plain messages), or
             a delta call's (:class:`.codecs.delta.DeltaCodec`, ``Sized`` framing).
-        scratch_stage: the index of the call's scratch stage (``PreparedCall.scratch_stage``:
-            its tables' sources are the receivers' scratch), or None. Its same-rank copies
-            quantize split blocks from the scratch, so they run after every round, like
-            the copies of ``forwarded`` tensors.
+        scratch_stage: ``PreparedCall.scratch_stage``'s index, or None: its copies read
+            the receivers' scratch, so they run after every round, like forwards'.
     """
 
     def __init__(self, schedule: Schedule, src_layouts: Mapping[str, Layout],
@@ -210,8 +207,7 @@ class Executor:
 
     @property
     def arena(self) -> dict[int | None, Any]:
-        """The staging memory per CUDA device ordinal (None: host memory), kept across runs:
-        hand it to the next executor (``Executor(..., arena=previous.arena)``)."""
+        """Staging per CUDA device (None: host), for the next executor's ``arena=``."""
         if self._arena is None:
             self._arena = {}
         return self._arena
@@ -542,9 +538,7 @@ class Executor:
             if late == forwarded:
                 with self._on(c.rank):
                     stats.bytes_local += self._local_copy(c)
-        if forwarded and self.scratch_stage is not None:
-            # a device quantizer may run on its framework's current stream, which the
-            # executor's end (own streams only) does not wait for
+        if forwarded and self.scratch_stage is not None:    # a device quantizer's stream
             quantized.settle(self.tables[self.scratch_stage].dst_bindings)
 
     def _count_send(self, b: Bucket, stats: ExecStats) -> None:
@@ -656,7 +650,8 @@ def _aligned(n: int) -> int:
 
 def run(prepared: PreparedCall, bindings: StageBindings, transport: Transport, *,
         timeout: float, arena: dict | None = None, programs: dict | None = None,
-        tuning: Tuning = Tuning(), delta: Any = None) -> tuple[ExecStats, dict]:
+        tuning: Tuning = Tuning(), delta: Any = None, epoch: int | None = None
+        ) -> tuple[ExecStats, dict]:
     """Run a prepared call: every stage, in one executor, over ``transport``.
 
     Args:
@@ -673,19 +668,21 @@ def run(prepared: PreparedCall, bindings: StageBindings, transport: Transport, *
         delta: a ``delta_wire.DeltaCall`` (``RefitConfig(delta=True)``): the delta message
             codec sends each bucket encoded against its baseline (host or device memory:
             :func:`.codecs.messages.message_codec`); None: plain messages.
+        epoch: the world's membership epoch (``World.epoch``); None: not checked.
 
     Returns:
         ``(stats, arena)``: what this process moved, and the staging to keep.
 
     Raises:
+        EpochMismatch: ``prepared`` is for another membership epoch (before any byte moves).
         What the executor raises (see :meth:`Executor.run`).
     """
+    prepared.check_epoch(epoch)
     tables = [Tables(st.src_layouts, st.dst_layouts, st.wire_dtypes, bindings.src[k],
                      bindings.dst[k]) for k, st in enumerate(prepared.stages)]
     st = prepared.scratch_stage
     if st is not None:
-        # the scratch stage's sources: the receivers' scratch (kept in the program cache);
-        # stage 0's split pieces land there, its destinations are stage 0's
+        # sources: the receivers' scratch (in the program cache), where stage 0's pieces land
         scratch = quantized.scratch_bindings(prepared.formats.quant, programs, bindings.dst[0])
         dst0 = tables[0].dst_bindings
         tables[0] = tables[0]._replace(dst_bindings={**dst0, **scratch})

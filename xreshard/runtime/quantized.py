@@ -259,10 +259,17 @@ def finish_copy(c: Any, quant: Any, tables: Any, kernels: Any = None) -> int:
     sources) into its codes and scales (the stage's destinations), once every round and
     copy that writes the scratch landed. Moves no wire bytes: returns ``c.nbytes`` (0)."""
     s = quant.scratch_for(c.rank, c.name, c.region)
-    buf = tables.src_bindings[s.key]
-    values = array_module(buf).ascontiguousarray(buf[_relative(c.region, s.region)])
-    _write(quant, c.rank, c.name, c.region, values, tables.dst_bindings, kernels)
+    _finish(quant, s, c.region, tables.src_bindings[s.key], tables.dst_bindings, kernels)
     return c.nbytes
+
+
+def _finish(quant: Any, s: Any, region: Any, buf: Any, dst_bindings: Mapping,
+            kernels: Any) -> int:
+    """Quantize the whole blocks ``region`` of scratch ``s`` (held in ``buf``) into the
+    codes and scales of its receiver. Returns the bytes read (in the wire dtype)."""
+    values = array_module(buf).ascontiguousarray(buf[_relative(region, s.region)])
+    _write(quant, s.rank, s.name, region, values, dst_bindings, kernels)
+    return values.nbytes
 
 
 def settle(dst_bindings: Mapping) -> None:
@@ -282,9 +289,6 @@ def finish(quant: Any, dst_bindings: Mapping, kernels: Any = None) -> int:
         return 0
     from .devices import device_ctx
     from .device_ops import is_host
-    from .programs import Tables
-    from ..planner.schedule import Copy
-    tables = Tables({}, {}, {}, dst_bindings, dst_bindings)
     done = 0
     for ss in quant.scratch.values():
         for s in ss:
@@ -292,10 +296,8 @@ def finish(quant: Any, dst_bindings: Mapping, kernels: Any = None) -> int:
             buf = dst_bindings[s.key]
             with device_ctx(None if is_host(buf) else buf.device.id):
                 for blocks in s.blocks:
-                    region = qt.format.data_region(blocks, qt.shape)
-                    finish_copy(Copy(s.name, region, s.rank, 0, quantized=True), quant,
-                                tables, kernels)
-                    done += region.size * itemsize(quant.wire[s.name])
+                    done += _finish(quant, s, qt.format.data_region(blocks, qt.shape), buf,
+                                    dst_bindings, kernels)
     settle(dst_bindings)
     return done
 

@@ -445,7 +445,8 @@ class Refit:
                 hooks.enter_context(ext.begin(call))
             call.stats, self._arena = execute.run(
                 prepared, bindings, transport, timeout=timeout, arena=self._arena,
-                programs=self._programs, tuning=self.tuning, **call.run_args)
+                programs=self._programs, tuning=self.tuning, epoch=self.world.epoch,
+                **call.run_args)
         after = getattr(transport, "bytes_by_transport", None) or {}
         call.by_kind = {k: v - before.get(k, 0) for k, v in after.items()
                         if v - before.get(k, 0)}
@@ -537,7 +538,8 @@ class Refit:
             src_layouts, dst_layouts = merged_layouts(metas, src, dst, self.world)
             prepared = prepare(src_layouts, dst_layouts, self.world.topology, options,
                                ranks=self.world.rank_ids, cache=self._cache,
-                               quantized=merged_quantized(metas, self.world))
+                               quantized=merged_quantized(metas, self.world),
+                               epoch=self.world.epoch)
             errors += self._transport_problems(prepared)
         except Exception as e:      # noqa: BLE001 - every local failure reaches every rank
             errors.append(entry(e, "check"))
