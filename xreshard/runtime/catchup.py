@@ -200,7 +200,7 @@ def _op_key(world: Any, rid: str, n: int) -> str:
 def replicas(world: Any, refit_id: str, exclude: str) -> list[str]:
     """The current members (labels) that announced a replica of Refit ``refit_id``."""
     out = []
-    for who in world.current_members():
+    for who in world.membership.current_members():
         if who == exclude:
             continue
         body = world.published(REPLICA.format(refit_id, who), "member/replica")

@@ -89,7 +89,7 @@ def _excluded(world: Any, missing: list[int]) -> None:
 def after_check(refit: Any, gathered: list[Any]) -> None:
     """After the partial ``refit/check`` of an elastic world: raise :class:`Restart` once
     every survivor moved to the next epoch, when a member is missing or a join request
-    seen was confirmed by its process (``World.confirm_joins``); return when nothing
+    seen was confirmed by its process (``Membership.confirm_joins``); return when nothing
     changed (requests not confirmed are dropped, the epoch stays)."""
     world = refit.world
     missing = [p for p, g in enumerate(gathered) if g is None]
@@ -98,8 +98,8 @@ def after_check(refit: Any, gathered: list[Any]) -> None:
         return
     missing = excluded(world, missing)
     deadline = _deadline(refit)
-    joins = world.confirm_joins([r for r in world.pending() if r["id"] in seen],
-                                missing, deadline)
+    joins = world.membership.confirm_joins(
+        [r for r in world.pending() if r["id"] in seen], missing, deadline)
     if not missing and not joins:
         return
     lost = [world.members[p] for p in missing]

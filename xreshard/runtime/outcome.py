@@ -150,7 +150,7 @@ def failed_call(refit: Any, failed: list[tuple[int, list[str]]], missing: list[i
     reason of its own that is not xreshard's (``own_failures``: a peer's
     ``TransportError`` that only echoes another process's abort does not count), else its
     transports are made anew (a process that failed aborted its own,
-    ``World.abort_transports``)."""
+    ``WorldTransports.abort``)."""
     from . import fleet
     from .atomic import left
     world = refit.world

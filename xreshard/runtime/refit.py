@@ -388,7 +388,7 @@ class Refit:
             # peers may wait on posts this process will never make: fail them now, so they
             # reach the outcome at once, not at their timeout (and are not left out of it)
             me = self.world.describe_process(self.world.process_index)
-            self.world.abort_transports(f"{me} failed while moving: {error[0]}: {error[1]}")
+            self.world.transports.abort(f"{me} failed while moving: {error[0]}: {error[1]}")
         try:
             fields = self._commit(call, error)
         except BaseException:
@@ -659,7 +659,7 @@ class Refit:
         judges the outcomes (``verify`` compares checksums; it may fail the call). Returns
         the report fields they set.
 
-        A process that failed here told its peers at once (``World.abort_transports``), so
+        A process that failed here told its peers at once (``WorldTransports.abort``), so
         they arrive promptly, and it has no evidence that they are lost (settling after a
         shorter wait would leave out, and in an elastic world exclude, healthy peers still
         on their way): it waits the timeout plus a grace (``outcome_wait``), as a peer

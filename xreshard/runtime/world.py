@@ -240,7 +240,8 @@ class World:
     def closed(self) -> bool:
         return self._closed
 
-    # Membership's, for every caller: see ``world_membership.Membership`` for each.
+    # Membership's, kept where callers outside the library use them (README, docs/,
+    # tests); the library's own machinery calls ``world.membership`` directly.
     @property
     def rank_ids(self) -> tuple[int, ...]:
         """This process's world ranks, in local device order."""
@@ -341,10 +342,6 @@ class World:
         """``Membership.published``: what ``publish`` wrote at ``key``, or None."""
         return self.membership.published(key, kind)
 
-    def current_members(self) -> list[str]:
-        """The running world's members, from its epoch record (``Membership``'s)."""
-        return self.membership.current_members()
-
     def admit(self) -> None:
         """Ask to join the running world; wait until admitted (``Membership.admit``)."""
         self.membership.admit()
@@ -353,17 +350,13 @@ class World:
         """Leave an elastic world: ask out, then close (``Membership.leave``)."""
         self.membership.leave()
 
-    def confirm_joins(self, joins: Iterable[Request], lost: Iterable[int] = (),
-                      deadline: float | None = None) -> list[Request]:
-        """The confirmed ones of ``joins`` (collective: ``Membership.confirm_joins``)."""
-        return self.membership.confirm_joins(joins, lost, deadline)
-
     def advance(self, lost: Iterable[int], joins: Iterable[Request], deadline: float,
                 renew: bool = False) -> bool:
         """Move every survivor to the next epoch (collective: ``Membership.advance``)."""
         return self.membership.advance(lost, joins, deadline, renew)
 
-    # The transports', for every caller: see ``world_transports.WorldTransports``.
+    # The transports', kept where callers outside the library use them; the library's
+    # own machinery calls ``world.transports`` (``WorldTransports``) directly.
     def transport(self, kind: str = "auto") -> Transport:
         """The transport of ``kind``, made once (``WorldTransports.transport``)."""
         return self.transports.transport(kind)
@@ -371,15 +364,6 @@ class World:
     def route(self, src_rank: int, dst_rank: int) -> str:
         """The kind "auto" moves ``src_rank -> dst_rank`` with (``WorldTransports``)."""
         return self.transports.route(src_rank, dst_rank)
-
-    def routes(self, requested: str = "auto") -> Any:
-        """The per-pair transport choice (``WorldTransports.routes``; a collective first)."""
-        return self.transports.routes(requested)
-
-    @property
-    def cross_kind(self) -> str:
-        """The transport that reaches every pair across processes ("gloo" or "nccl")."""
-        return self.transports.cross_kind
 
     @property
     def comm_steps(self) -> dict[str, str]:
@@ -390,10 +374,6 @@ class World:
     def comm_counts(self) -> dict[str, int]:
         """How many of this process's communicators each action touched, cumulative."""
         return self.transports.comm_counts
-
-    def abort_transports(self, why: str) -> None:
-        """Fail the peers' waits on this process now (``WorldTransports.abort``)."""
-        self.transports.abort(why)
 
     def renew_transports(self) -> None:
         """Make the transports anew at the next use (``WorldTransports.renew``)."""

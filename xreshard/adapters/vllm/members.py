@@ -324,7 +324,7 @@ def sync(stream: Any) -> list[str]:
 
 def confirmed_joins(world: Any, seen: set[str], missing: list[int], timeout: float) -> list:
     """The join requests of ``seen`` whose processes are still there to confirm them
-    (``World.confirm_joins``): a worker that gave up or died before it was admitted is
+    (``Membership.confirm_joins``): a worker that gave up or died before it was admitted is
     never waited for, and an engine with such a worker is half-joined, not half-admitted."""
-    return world.confirm_joins([r for r in world.pending() if r["id"] in seen], missing,
-                               time.monotonic() + timeout)
+    return world.membership.confirm_joins(
+        [r for r in world.pending() if r["id"] in seen], missing, time.monotonic() + timeout)
