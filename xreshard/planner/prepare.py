@@ -12,9 +12,10 @@ every process, so no plan or schedule ever crosses processes.
  CallOptions, ranks         ┘     direct plan                  stage bindings: sources,
                                   stages: (plan, where its       destinations, or views
                                     bindings come from), ...     of the destinations
-                                  schedule: rounds of buckets,   one executor, one run
-                                    each naming its stage
-                                  forwarded: {(name, stage)}
+                                  schedule: rounds of buckets,   (or the receivers'
+                                    each naming its stage        scratch); refused at
+                                  forwarded: {(name, stage)}     another epoch; one
+                                  formats, scratch stage, epoch  executor, one run
 ```
 
 What it holds:
@@ -34,32 +35,43 @@ What it holds:
   bindings), rounds of half of ``staging_bytes`` (``halved``: the pipelined host
   executor keeps two rounds in flight), or the overlapped relay schedule (either size).
 * ``formats`` (the formats phase, :mod:`xreshard.planner.formats`): every ``(name,
-  stage)`` item's format (``Plain``, ``Cast(wire)``, ``Fp8(format, split)``) and the call's
-  framing (``FIXED``, or ``SIZED`` for delta); ``formats.quant``, its FP8 part: the tensors
-  quantized on the way in stage 0 and their receivers' scratch (the split blocks' stage);
-  a relayed call forwards their finished codes and scales in stage 1 as plain tensors
+  stage)`` item's format (``Plain``, ``Cast(wire)``, ``Fp8(format, wire, split)``) and the
+  call's framing (``FIXED``, or ``SIZED`` for delta); ``formats.quant``, its FP8 part: the
+  tensors quantized on the way in stage 0 and their receivers' scratch; a relayed call
+  forwards their finished codes and scales in stage 1 as plain tensors
   (:mod:`xreshard.planner.relay`, "FP8 through a relay").
+* ``scratch_stage``: the receivers' finishing of FP8 blocks split across senders (their
+  pieces travel in stage 0 in the wire dtype into the receiver's scratch). A
+  :class:`Stage` of index ``len(stages)`` whose sources are the receivers' scratch
+  (:data:`SCRATCH`) and whose destinations are the codes and scales
+  (:data:`DESTINATIONS`); the formats phase marks each split tensor as an item of it
+  (``Fp8(..., split=True)``) and the schedule holds its work as same-rank copies of that
+  stage (one per group of split blocks, no wire bytes), which the executor runs after
+  every round, like a relay's forwards. None for a process without such a receiver.
+  Kept apart from ``stages``, which are the plans that move bytes between ranks.
 * ``forwarded``: the ``(name, stage)`` whose sends read what this call received (a relay's
   stage 1): the executor sends them only once the rounds that wrote them landed.
+* ``epoch``: the membership epoch of the world the call was prepared for (``World.epoch``;
+  None outside a world).
 * wire dtypes per stage (``wire_dtype(name, stage)``): what a tensor is on the wire.
 
-Extension points (how the next stages slot in; none is a branch in ``Refit``):
+Extension points (how the next features slot in; none is a branch in ``Refit``):
 
-* **Wire formats** (built): ``prepare`` is one path, plan -> relay stages -> formats ->
-  schedule; the formats phase gives every ``(name, stage)`` one format value and the call
-  one framing, the schedule sizes items by it (FP8 items as scales + codes), and the
-  runtime runs each as a codec (``xreshard.runtime.codecs``: the item's pack/unpack, a
+* **Wire formats**: ``prepare`` is one path, plan -> relay stages -> formats -> scratch
+  stage -> schedule; the formats phase gives every ``(name, stage)`` one format value and
+  the call one framing, the schedule sizes items by it (FP8 items as scales + codes), and
+  the runtime runs each as a codec (``xreshard.runtime.codecs``: the item's pack/unpack, a
   delta call's ``SIZED`` message codec). A new format is one more value here and one more
-  codec there. Not built yet: the receiver's finishing of split FP8 blocks is still the
-  executor's last step (``quantized.finish`` over ``Quantization.scratch``), not a
-  :class:`Stage` of its own with ``"scratch"`` destination bindings.
-* **Membership epochs.** A prepared call is valid for one membership of the world. Built:
-  the ``Refit`` drops its prepared call (and its rank maps) when the world's epoch moves
-  and prepares again at the next call (``Refit._epoch``). Not built: an epoch field of
-  the prepared call itself that would let ``run`` refuse a call prepared for another
-  membership (today only the ``Refit`` that holds it guards this).
-* **New binding sources** go in :data:`BINDING_SOURCES` and in the runtime's
-  ``stage_bindings`` (one function), nowhere else.
+  codec there; a format whose receiver finishes what arrived (as split FP8 blocks) adds
+  its work as copies of the scratch stage.
+* **Membership epochs.** A prepared call is valid for one membership of the world: it
+  carries that epoch (``PreparedCall.epoch``), and ``run`` refuses it in a world at
+  another (:class:`EpochMismatch`, before any byte moves; every process of the world sees
+  the same epochs, so every process refuses). The ``Refit`` that holds a call drops it
+  (and its rank maps) when the world's epoch moves and prepares again at the next call.
+* **New binding sources** go in :data:`BINDING_SOURCES` and where the runtime binds
+  stages: ``metadata.stage_bindings`` for the call's two sides and views of them,
+  ``execute.run`` for :data:`SCRATCH` (buffers the call owns, kept in its program cache).
 
 Pure: imports only the IR and the rest of the planner (``tests/test_structure.py``).
 """
