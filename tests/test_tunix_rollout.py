@@ -521,3 +521,91 @@ def test_gemma_rollout_refits_a_vllm_engine_exactly(case):
     finally:
         rollout.shutdown()
 
+
+
+#: a block-FP8 checkpoint's quantization_config (DeepSeek-V3 style: e4m3, 128x128 blocks)
+FP8_BLOCK = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+             "weight_block_size": [128, 128]}
+
+
+def _bf16_torch(a):
+    import ml_dtypes
+    import torch
+
+    a = np.ascontiguousarray(a)
+    if a.dtype == ml_dtypes.bfloat16:
+        return torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)
+    return torch.from_numpy(a)
+
+
+@pytest.mark.slow
+def test_rollout_refits_a_block_fp8_engine_as_vllm_loads_its_checkpoint(tmp_path):
+    """An engine started block-FP8 (``quantization="fp8"``, the checkpoint config's
+    ``weight_block_size [128, 128]``) through the rollout's ``hf_config`` and
+    ``engine_kwargs``: the refit from the bf16 trainer quantizes on the way, and every
+    tensor the engine stores - e4m3 codes, ``weight_scale_inv`` scales, the unquantized
+    rest - equals, byte for byte, vLLM's own load of a checkpoint of the same weights
+    quantized by vLLM's own ``per_block_cast_to_fp8``; nothing lands in the trainer process.
+
+    vLLM has no FP8 GEMM kernel on a CPU without AMX and refuses to build FP8 layers, so
+    the engine's workers stand in for the kernel choice (``tests/tunix_fp8_worker.py``):
+    parameters, loaders and the block checks are vLLM's; the engine loads, it cannot
+    generate."""
+    import jax.numpy as jnp
+    from safetensors.torch import save_file
+    from tunix.rl.rollout import base_rollout
+    from vllm.utils.deep_gemm import per_block_cast_to_fp8
+
+    from xreshard.runtime.commcount import count_comm
+
+    from .tunix_fp8_worker import WORKER_EXTENSION
+
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0|1")
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("fsdp", "tp"))
+    # every TP-local projection a whole number of 128x128 blocks at TP=2
+    sizes = dict(SIZES, embed_dim=256, hidden_dim=512, num_heads=2, head_dim=128,
+                 num_kv_heads=2)
+    from tunix.rl import reshard
+    model = _family_model("Qwen2", sizes=sizes)
+    bf16 = jax.tree_util.tree_map(lambda x: x.astype(jnp.bfloat16), nnx.state(model, nnx.Param))
+    nnx.update(model, bf16)
+    model = reshard.reshard_model_to_mesh(model, mesh)
+    config = base_rollout.RolloutConfig(max_tokens_to_generate=4, max_prompt_length=8,
+                                        temperature=0.0, seed=0,
+                                        rollout_vllm_kwargs={"max_model_len": 16,
+                                                             "dtype": "bfloat16"})
+    rollout = xt.XreshardVllmRollout(
+        rollout_actor=model, tokenizer=_Chars(), rollout_config=config,
+        tensor_parallel_size=2, hf_config={"quantization_config": FP8_BLOCK},
+        engine_kwargs={"quantization": "fp8", "worker_extension_cls": WORKER_EXTENSION})
+    try:
+        state = nnx.state(model, nnx.Param)
+        nnx.update(model, jax.tree_util.tree_map(lambda x: x * 1.5 - 0.01, state))
+        with count_comm() as counts, jax.transfer_guard_device_to_host("disallow_explicit"), \
+                jax.transfer_guard_host_to_device("disallow_explicit"):
+            rollout.update_params(nnx.state(model, nnx.Param), (nnx.Param,))
+        assert counts.total_received == 0          # nothing landed in the trainer process
+        # quantized on the way: e4m3 codes (+ scales) on the wire, not bf16 values
+        q = rollout.last_report.quantized
+        assert q is not None and q["fp8_world"] > 0, q
+        bf16_bytes = sum(x.size * 2 for x in jax.tree_util.tree_leaves(state))
+        reports = rollout.transfer_reports()
+        assert [w["bytes_received"] for w in reports] == [w["shard_bytes"] for w in reports]
+        assert sum(w["bytes_received"] for w in reports) < 0.6 * bf16_bytes, reports
+        got = rollout.llm.collective_rpc("xreshard_weights_digest")
+        assert any(n.endswith("weight_scale_inv") for n in got[0])
+
+        with jax.transfer_guard("allow"):
+            flat = {n: np.asarray(a) for n, a in flatten_tree(
+                xt.pure_tree(nnx.state(model, nnx.Param))).items()}
+        hf = NameMap(rollout._rules).apply({n: a.shape for n, a in flat.items()})
+        ckpt = {n: _bf16_torch(t.view(flat)) for n, t in hf.items()}
+        for name in [n for n in ckpt if n.endswith("_proj.weight")]:
+            codes, scales = per_block_cast_to_fp8(ckpt[name], [128, 128])
+            ckpt[name], ckpt[name + "_scale_inv"] = codes.contiguous(), scales.contiguous()
+        save_file(ckpt, str(tmp_path / "model.safetensors"))
+        rollout.llm.collective_rpc("xreshard_load_checkpoint", args=(str(tmp_path),))
+        assert got == rollout.llm.collective_rpc("xreshard_weights_digest")
+    finally:
+        rollout.shutdown()

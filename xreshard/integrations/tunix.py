@@ -38,8 +38,9 @@ Decision record.
   row on the engine (vLLM's prompt logprobs).
 * Options pass through: ``delta`` and ``atomic`` (:class:`~xreshard.config.RefitConfig`
   fields every worker gets at init), ``wire_dtype``, and ``engine_kwargs`` / ``hf_config``
-  for the engine (an FP8 engine goes through the backend's quantize-on-the-way path;
-  not yet tested through this rollout: no FP8 kernels on the CI's CPU).
+  for the engine: a block-FP8 engine (``hf_config={"quantization_config": ...}``,
+  ``engine_kwargs={"quantization": "fp8"}``) is refit through the backend's
+  quantize-on-the-way path (codes and scales on the wire; docs/tunix.md).
 * LoRA (a model qwix's ``apply_lora_to_model`` gave ``nnx.LoRAParam`` factors): the engine
   starts with ``enable_lora`` and serves the adapter from its LoRA slot
   (``lora_request``); ``update_params`` with ``nnx.LoRAParam`` in ``filter_types`` (what
