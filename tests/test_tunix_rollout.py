@@ -482,10 +482,11 @@ def _engine_equals_vllms_own_load(rollout, model) -> bool:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("case", ["gemma2"])
+@pytest.mark.parametrize("case", ["gemma2", "gemma3"])
 def test_gemma_rollout_refits_a_vllm_engine_exactly(case):
-    """A tiny Tunix Gemma2 (softcaps, a sliding layer) on a (fsdp=2, tp=2) mesh: the
-    rollout starts a vLLM CPU engine at TP=2 from the written Gemma2 config and refits it
+    """A tiny Tunix Gemma2 (softcaps, a sliding layer) or Gemma3 (q/k norms, sliding and
+    global layers) on a (fsdp=2, tp=2) mesh: the rollout starts a vLLM CPU engine at TP=2
+    from the written config and refits it
     through the Gemma table (q/k/v: copies of the shards); after a step's new weights and
     update_params (under RLCluster's CPU transfer guard) every tensor the engine holds
     equals vLLM's own load of the trainer's weights, byte for byte, nothing landed in the
