@@ -170,7 +170,7 @@ class HeadsToRows(Transform):
             yield t.reshape(rows), {}                     # ShardedView: the shards copy
             return
         try:
-            yield t.reshape(rows), {}                     # a view where one exists (D == 1)
+            yield t.reshape(rows), {}                     # a view where one exists (N or D 1)
         except NamingError:
             yield _Copied(t, rows, (0,) * len(rows), rows), {}
 
@@ -201,7 +201,7 @@ class _Copied:
 _QKV = (("q", 1), ("k", 1), ("v", 1))
 
 
-def _gemma_rules(c: Any, *, version: int) -> tuple[Rule, ...]:
+def _gemma_rules(version: int) -> tuple[Rule, ...]:
     """Tunix's Gemma (``version`` 1 or 2) and Gemma3 as HF tensors.
 
     Tunix paths (``P = model.layers.{l}``; Gemma3's ``post_attn_norm`` is
@@ -337,9 +337,9 @@ FAMILIES: dict[str, Family] = {
     "Llama3": Family("Llama3", "tunix.models.llama3.model", "LlamaForCausalLM", _llama3_hf,
                      lambda c: _dense_rules(qkv_bias=False, qk_norm=False, tied=_tied(c))),
     "Gemma": Family("Gemma", "tunix.models.gemma.model", "Gemma2ForCausalLM", _gemma_hf,
-                    lambda c: _gemma_rules(c, version=_gemma_version(c)), lora=False),
+                    lambda c: _gemma_rules(_gemma_version(c)), lora=False),
     "Gemma3": Family("Gemma3", "tunix.models.gemma3.model", "Gemma3ForCausalLM", _gemma3_hf,
-                     lambda c: _gemma_rules(c, version=3), lora=False),
+                     lambda c: _gemma_rules(3), lora=False),
 }
 
 
