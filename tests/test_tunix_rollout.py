@@ -6,7 +6,10 @@ the written config, and the HF model (transformers, torch) computes the same log
 Tunix model from those views; a model or path no table maps is refused by name.
 
 Fast too: the LoRA table maps qwix's factors onto PEFT's lora_A / lora_B (the HF model
-with W + alpha/r B A computes the LoRA model's logits); Gemma is refused with its reason.
+with W + alpha/r B A computes the LoRA model's logits). The Gemma tables (Tunix's Gemma as
+HF's Gemma or Gemma2, and Gemma3) give the HF model's tensors and logits, and bind each
+shard of a (fsdp, tp) mesh as its HF region; Gemma4 (and LoRA on Gemma) is refused with
+its reason.
 
 Slow: an ``RLCluster`` built with ``rollout_engine=partial(XreshardVllmRollout, TP=2,
 delta=True, atomic=True)`` starts a vLLM CPU engine (``load_format="dummy"``) in its own
@@ -96,6 +99,110 @@ def test_naming_table_maps_onto_the_hf_model_and_its_logits(name, tied):
     np.testing.assert_allclose(np.asarray(tunix_logits), hf_logits, rtol=2e-4, atol=2e-4)
 
 
+def _gemma_model(case: str, seed: int = 0, mesh=None, **over):
+    """A tiny Tunix Gemma (``gemma1``: MQA; ``gemma1_fused``: N == K, qkv_einsum;
+    ``gemma2``: post norms, softcaps, a sliding layer with window 3 < the 8 tokens tested;
+    ``gemma3``: q/k norms, 5 sliding layers and a global one with linear RoPE, queries
+    scaled by embed_dim/num_heads), every parameter random (norm scales too: Tunix and HF
+    both add the 1 at run time, so a table that moved ``1 + w`` would change the logits)."""
+    import jax.numpy as jnp
+    from tunix.models.gemma import model as gemma
+    from tunix.models.gemma3 import model as gemma3
+
+    sizes = {**dict(num_layers=2, num_embed=64, embed_dim=32, hidden_dim=64, num_heads=4,
+                    head_dim=8), **over}
+    glob, local = gemma.AttentionType.GLOBAL, gemma.AttentionType.LOCAL_SLIDING
+    v1 = dict(final_logit_softcap=None, use_post_attn_norm=False, use_post_ffw_norm=False,
+              attention_types=(glob,) * sizes["num_layers"])
+    if case == "gemma1":
+        model = gemma.Gemma(gemma.ModelConfig(**sizes, num_kv_heads=1, **v1), rngs=nnx.Rngs(seed))
+    elif case == "gemma1_fused":
+        model = gemma.Gemma(gemma.ModelConfig(**sizes, num_kv_heads=sizes["num_heads"], **v1),
+                            rngs=nnx.Rngs(seed))
+    elif case == "gemma2":
+        model = gemma.Gemma(gemma.ModelConfig(
+            **sizes, num_kv_heads=2, final_logit_softcap=3.0, use_post_attn_norm=True,
+            use_post_ffw_norm=True, attention_types=(local, glob) * (sizes["num_layers"] // 2),
+            attn_logits_soft_cap=5.0, sliding_window_size=3), rngs=nnx.Rngs(seed))
+    else:
+        q_norm = gemma3.QueryPreAttentionNormalisation.BY_ONE_OVER_SQRT_EMBED_DIM_DIV_NUM_HEADS
+        model = gemma3.Gemma3(gemma3.ModelConfig(
+            **{**sizes, "num_layers": over.get("num_layers", 7)}, num_kv_heads=2,
+            sliding_window_size=3, local_base_frequency=100, global_base_frequency=10_000,
+            global_scale_factor=8.0, query_pre_attn_norm=q_norm, param_dtype=jnp.float32),
+            rngs=nnx.Rngs(seed))
+    state = nnx.state(model, nnx.Param)
+    leaves, treedef = jax.tree_util.tree_flatten(state)
+    keys = jax.random.split(jax.random.key(seed + 1), len(leaves))
+    nnx.update(model, jax.tree_util.tree_unflatten(
+        treedef, [0.2 * jax.random.normal(k, x.shape, x.dtype) for x, k in zip(leaves, keys)]))
+    if mesh is None:
+        return model
+    from tunix.rl import reshard
+    return reshard.reshard_model_to_mesh(model, mesh)
+
+
+@pytest.mark.parametrize("case,arch", [("gemma1", "GemmaForCausalLM"),
+                                       ("gemma1_fused", "GemmaForCausalLM"),
+                                       ("gemma2", "Gemma2ForCausalLM"),
+                                       ("gemma3", "Gemma3ForCausalLM")])
+def test_gemma_naming_tables_map_onto_the_hf_model_and_its_logits(case, arch):
+    """Tunix's Gemma (1 and 2 from its one class) and Gemma3: every parameter becomes
+    exactly the tensors of the HF model built from the written config (tied lm_head), and
+    that model (eager attention: HF's softcaps need it) computes the Tunix model's logits -
+    heads, RoPE bases and scaling, sliding windows, softcaps, q/k norms, the query scale."""
+    import torch
+    import transformers
+
+    model = _gemma_model(case)
+    flat = {n: np.asarray(a) for n, a in
+            flatten_tree(xt.pure_tree(nnx.state(model, nnx.Param))).items()}
+    hf = NameMap(xt.tunix_rules(model)).apply({n: a.shape for n, a in flat.items()})
+    cfg = xt.hf_config_of(model)
+    assert cfg["architectures"] == [arch]
+    config = transformers.AutoConfig.for_model(**{k: v for k, v in cfg.items()
+                                                  if k != "architectures"})
+    config._attn_implementation = "eager"
+    ref = getattr(transformers, arch)(config).float().eval()
+    want = {n: tuple(t.shape) for n, t in ref.state_dict().items() if n != "lm_head.weight"}
+    assert {n: t.shape for n, t in hf.items()} == want
+    ref.load_state_dict({n: torch.from_numpy(np.ascontiguousarray(t.view(flat)))
+                         for n, t in hf.items()}, strict=False)
+    ref.tie_weights()
+    tokens = np.array([[5, 9, 2, 33, 17, 60, 1, 8]])
+    tunix_logits, _ = model(tokens, np.arange(8)[None], None, np.tril(np.ones((1, 8, 8), bool)))
+    with torch.no_grad():
+        hf_logits = ref(torch.from_numpy(tokens)).logits.numpy()
+    np.testing.assert_allclose(np.asarray(tunix_logits), hf_logits, rtol=2e-4, atol=2e-4)
+
+
+@pytest.mark.parametrize("case", ["gemma1_fused", "gemma2", "gemma3"])
+def test_gemma_tables_bind_each_shard_of_the_mesh_as_its_hf_region(case):
+    """On Tunix's (fsdp=2, tp=2) sharding, the Gemma tables bind every device's part of
+    every HF tensor (q/k/v through a copy of the shard: no view makes them) equal to that
+    region of the HF tensor, and leave the trainer's arrays as they were."""
+    from xreshard.adapters.jax import bind_named
+
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("fsdp", "tp"))
+    model = _gemma_model(case, mesh=mesh, num_layers=6 if case == "gemma3" else 2)
+    state = xt.pure_tree(nnx.state(model, nnx.Param))
+    flat = {n: np.array(a) for n, a in flatten_tree(state).items()}
+    rules = xt.tunix_rules(model)
+    hf = NameMap(rules).apply({n: a.shape for n, a in flat.items()})
+    ranks = {int(d.id): i for i, d in enumerate(mesh.devices.flat)}
+    bound = bind_named(state, NameMap(rules), ranks)
+    assert sorted(bound.layouts) == sorted(hf)
+    q = "model.layers.0.self_attn.q_proj.weight"
+    assert str(bound.layouts[q]).endswith("d0<-tp d1<-fsdp)"), bound.layouts[q]
+    for (rank, name), local in bound.bindings.items():
+        (region,) = bound.layouts[name].regions(rank)
+        want = np.ascontiguousarray(hf[name].view(flat))[region.slices()]
+        assert np.array_equal(np.asarray(local), want), (rank, name)
+    assert {n for _, n in bound.bindings} == set(hf)
+    for n, a in flatten_tree(state).items():
+        assert np.array_equal(np.asarray(a), flat[n]), n
+
+
 LORA_TARGETS = ".*q_proj|.*k_proj|.*v_proj|.*o_proj|.*gate_proj|.*up_proj|.*down_proj"
 
 
@@ -160,10 +267,12 @@ def test_unknown_model_and_unmapped_path_are_refused_by_name():
 
     with pytest.raises(xt.TunixNamingError, match="NotTunix.*tables exist for"):
         xt.family_of(NotTunix())
-    from tunix.models.gemma3 import model as gemma3
-    gemma = object.__new__(gemma3.Gemma3)           # the class is what picks the table
-    with pytest.raises(xt.TunixNamingError, match="Gemma3 yet: its q_einsum"):
+    from tunix.models.gemma4 import model as gemma4
+    gemma = object.__new__(gemma4.Gemma4)           # the class is what picks the table
+    with pytest.raises(xt.TunixNamingError, match="Gemma4 yet: transformers and vLLM have"):
         xt.family_of(gemma)
+    with pytest.raises(xt.TunixNamingError, match="no LoRA naming table for Tunix's Gemma3"):
+        xt.tunix_lora_rules(_gemma_model("gemma3", num_layers=1), "policy")
     model = _family_model("Qwen2")
     names = list(flatten_tree(xt.pure_tree(nnx.state(model, nnx.Param))))
     with pytest.raises(xt.TunixNamingError, match="'layers/0/attn/extra/w' matches no rule"):
@@ -370,3 +479,134 @@ def _engine_equals_vllms_own_load(rollout, model) -> bool:
                   os.path.join(ckpt, "model.safetensors"))
         rollout.llm.collective_rpc("xreshard_load_checkpoint", args=(ckpt,))
     return got == rollout.llm.collective_rpc("xreshard_weights_digest")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", ["gemma2", "gemma3"])
+def test_gemma_rollout_refits_a_vllm_engine_exactly(case):
+    """A tiny Tunix Gemma2 (softcaps, a sliding layer) or Gemma3 (q/k norms, sliding and
+    global layers) on a (fsdp=2, tp=2) mesh: the rollout starts a vLLM CPU engine at TP=2
+    from the written config and refits it
+    through the Gemma table (q/k/v: copies of the shards); after a step's new weights and
+    update_params (under RLCluster's CPU transfer guard) every tensor the engine holds
+    equals vLLM's own load of the trainer's weights, byte for byte, nothing landed in the
+    trainer process, each rank received exactly its shard, and greedy answers are vLLM's."""
+    from tunix.rl.rollout import base_rollout
+
+    from xreshard.runtime.commcount import count_comm
+
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0|1")
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("fsdp", "tp"))
+    # head_dim 32: the smallest vLLM's CPU attention kernels take
+    model = _gemma_model(case, mesh=mesh, embed_dim=64, head_dim=32)
+    config = base_rollout.RolloutConfig(max_tokens_to_generate=6, max_prompt_length=8,
+                                        temperature=0.0, seed=0,
+                                        rollout_vllm_kwargs={"max_model_len": 16,
+                                                             "dtype": "float32"})
+    rollout = xt.XreshardVllmRollout(rollout_actor=model, tokenizer=_Chars(),
+                                     rollout_config=config, tensor_parallel_size=2)
+    prompts = [[6, 4, 7, 4, 39], [5, 10, 39, 3, 3, 8, 9]]
+    try:
+        state = nnx.state(model, nnx.Param)
+        nnx.update(model, jax.tree_util.tree_map(lambda x: x * 1.5 - 0.01, state))
+        with count_comm() as counts, jax.transfer_guard_device_to_host("disallow_explicit"), \
+                jax.transfer_guard_host_to_device("disallow_explicit"):
+            rollout.update_params(nnx.state(model, nnx.Param), (nnx.Param,))
+        assert counts.total_received == 0          # nothing landed in the trainer process
+        reports = rollout.transfer_reports()
+        assert [w["bytes_received"] for w in reports] == [w["shard_bytes"] for w in reports]
+        got = _greedy(rollout.llm, prompts)
+        assert _engine_equals_vllms_own_load(rollout, model)
+        assert _greedy(rollout.llm, prompts) == got    # tokens and logprobs, bit for bit
+    finally:
+        rollout.shutdown()
+
+
+
+#: a block-FP8 checkpoint's quantization_config (DeepSeek-V3 style: e4m3, 128x128 blocks)
+FP8_BLOCK = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+             "weight_block_size": [128, 128]}
+
+
+def _bf16_torch(a):
+    import ml_dtypes
+    import torch
+
+    a = np.ascontiguousarray(a)
+    if a.dtype == ml_dtypes.bfloat16:
+        return torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)
+    return torch.from_numpy(a)
+
+
+@pytest.mark.slow
+def test_rollout_refits_a_block_fp8_engine_as_vllm_loads_its_checkpoint(tmp_path):
+    """An engine started block-FP8 (``quantization="fp8"``, the checkpoint config's
+    ``weight_block_size [128, 128]``) through the rollout's ``hf_config`` and
+    ``engine_kwargs``: the refit from the bf16 trainer quantizes on the way, and every
+    tensor the engine stores - e4m3 codes, ``weight_scale_inv`` scales, the unquantized
+    rest - equals, byte for byte, vLLM's own load of a checkpoint of the same weights
+    quantized by vLLM's own ``per_block_cast_to_fp8``; nothing lands in the trainer process.
+
+    vLLM has no FP8 GEMM kernel on a CPU without AMX and refuses to build FP8 layers, so
+    the engine's workers stand in for the kernel choice (``tests/tunix_fp8_worker.py``):
+    parameters, loaders and the block checks are vLLM's; the engine loads, it cannot
+    generate."""
+    import jax.numpy as jnp
+    from safetensors.torch import save_file
+    from tunix.rl.rollout import base_rollout
+    from vllm.utils.deep_gemm import per_block_cast_to_fp8
+
+    from xreshard.runtime.commcount import count_comm
+
+    from .tunix_fp8_worker import WORKER_EXTENSION
+
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0|1")
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("fsdp", "tp"))
+    # every TP-local projection a whole number of 128x128 blocks at TP=2
+    sizes = dict(SIZES, embed_dim=256, hidden_dim=512, num_heads=2, head_dim=128,
+                 num_kv_heads=2)
+    from tunix.rl import reshard
+    model = _family_model("Qwen2", sizes=sizes)
+    bf16 = jax.tree_util.tree_map(lambda x: x.astype(jnp.bfloat16), nnx.state(model, nnx.Param))
+    nnx.update(model, bf16)
+    model = reshard.reshard_model_to_mesh(model, mesh)
+    config = base_rollout.RolloutConfig(max_tokens_to_generate=4, max_prompt_length=8,
+                                        temperature=0.0, seed=0,
+                                        rollout_vllm_kwargs={"max_model_len": 16,
+                                                             "dtype": "bfloat16"})
+    rollout = xt.XreshardVllmRollout(
+        rollout_actor=model, tokenizer=_Chars(), rollout_config=config,
+        tensor_parallel_size=2, hf_config={"quantization_config": FP8_BLOCK},
+        engine_kwargs={"quantization": "fp8", "worker_extension_cls": WORKER_EXTENSION})
+    try:
+        state = nnx.state(model, nnx.Param)
+        nnx.update(model, jax.tree_util.tree_map(lambda x: x * 1.5 - 0.01, state))
+        with count_comm() as counts, jax.transfer_guard_device_to_host("disallow_explicit"), \
+                jax.transfer_guard_host_to_device("disallow_explicit"):
+            rollout.update_params(nnx.state(model, nnx.Param), (nnx.Param,))
+        assert counts.total_received == 0          # nothing landed in the trainer process
+        # quantized on the way: e4m3 codes (+ scales) on the wire, not bf16 values
+        q = rollout.last_report.quantized
+        assert q is not None and q["fp8_world"] > 0, q
+        bf16_bytes = sum(x.size * 2 for x in jax.tree_util.tree_leaves(state))
+        reports = rollout.transfer_reports()
+        assert [w["bytes_received"] for w in reports] == [w["shard_bytes"] for w in reports]
+        assert sum(w["bytes_received"] for w in reports) < 0.6 * bf16_bytes, reports
+        got = rollout.llm.collective_rpc("xreshard_weights_digest")
+        assert any(n.endswith("weight_scale_inv") for n in got[0])
+
+        with jax.transfer_guard("allow"):
+            flat = {n: np.asarray(a) for n, a in flatten_tree(
+                xt.pure_tree(nnx.state(model, nnx.Param))).items()}
+        hf = NameMap(rollout._rules).apply({n: a.shape for n, a in flat.items()})
+        ckpt = {n: _bf16_torch(t.view(flat)) for n, t in hf.items()}
+        for name in [n for n in ckpt if n.endswith("_proj.weight")]:
+            codes, scales = per_block_cast_to_fp8(ckpt[name], [128, 128])
+            ckpt[name], ckpt[name + "_scale_inv"] = codes.contiguous(), scales.contiguous()
+        save_file(ckpt, str(tmp_path / "model.safetensors"))
+        rollout.llm.collective_rpc("xreshard_load_checkpoint", args=(str(tmp_path),))
+        assert got == rollout.llm.collective_rpc("xreshard_weights_digest")
+    finally:
+        rollout.shutdown()

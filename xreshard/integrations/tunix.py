@@ -19,11 +19,12 @@ Decision record.
   object with ``vllm.LLM``'s ``generate`` and weight-transfer methods.
 * ``update_params`` is xreshard's vLLM backend (``XreshardTrainerWeightTransferEngine``):
   every JAX device of the actor mesh sends its own shards to the vLLM ranks that hold
-  them, through naming rules (a per-family table, chosen from the model class) that view
-  Tunix's ``[D, N, H]`` kernels as HF tensors without a copy. No array is gathered on the
-  trainer. RLCluster calls it under ``jax.transfer_guard(... "disallow_explicit")`` on
-  CPU; reading a shard's host buffer is no device transfer there, so the refit runs
-  under ``transfer_guard("allow")``.
+  them, through naming rules (a per-family table, chosen from the model class:
+  :mod:`xreshard.integrations.tunix_tables`) that view Tunix's ``[D, N, H]`` kernels as
+  HF tensors without a copy (Gemma's ``[N, D, H]`` q/k/v kernels: a copy of each shard).
+  No array is gathered on the trainer. RLCluster calls it under
+  ``jax.transfer_guard(... "disallow_explicit")`` on CPU; reading a shard's host buffer is
+  no device transfer there, so the refit runs under ``transfer_guard("allow")``.
 * The first sync happens at construction (Tunix's engines do the same: generation comes
   before the first ``sync_weights``). ``model()`` is None: the rollout model lives in the
   engine's processes, and a None model tells Tunix's learner to sync every step
@@ -37,8 +38,9 @@ Decision record.
   row on the engine (vLLM's prompt logprobs).
 * Options pass through: ``delta`` and ``atomic`` (:class:`~xreshard.config.RefitConfig`
   fields every worker gets at init), ``wire_dtype``, and ``engine_kwargs`` / ``hf_config``
-  for the engine (an FP8 engine goes through the backend's quantize-on-the-way path;
-  not yet tested through this rollout: no FP8 kernels on the CI's CPU).
+  for the engine: a block-FP8 engine (``hf_config={"quantization_config": ...}``,
+  ``engine_kwargs={"quantization": "fp8"}``) is refit through the backend's
+  quantize-on-the-way path (codes and scales on the wire; docs/tunix.md).
 * LoRA (a model qwix's ``apply_lora_to_model`` gave ``nnx.LoRAParam`` factors): the engine
   starts with ``enable_lora`` and serves the adapter from its LoRA slot
   (``lora_request``); ``update_params`` with ``nnx.LoRAParam`` in ``filter_types`` (what
@@ -55,234 +57,27 @@ Decision record.
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import os
 import tempfile
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
-from xreshard.adapters.naming_rules import Reshape, Rule, Transpose
 from xreshard.errors import RefitError
 from xreshard.extras import require
 
+from .tunix_tables import (FAMILIES, UNMAPPED, Family, HeadsToRows, TunixNamingError,
+                           check_names, family_of, hf_config_of, tunix_lora_rules, tunix_rules,
+                           write_model_dir)
+
 logger = logging.getLogger(__name__)
 
-__all__ = ["XreshardVllmRollout", "TunixNamingError", "Family", "FAMILIES", "family_of",
-           "tunix_rules", "tunix_lora_rules", "hf_config_of", "write_model_dir", "split_lora",
-           "lora_adapter"]
+__all__ = ["XreshardVllmRollout", "TunixNamingError", "Family", "FAMILIES", "UNMAPPED",
+           "HeadsToRows", "family_of", "tunix_rules", "tunix_lora_rules", "hf_config_of",
+           "write_model_dir", "check_names", "split_lora", "lora_adapter"]
 
 base_rollout = require("tunix.rl.rollout.base_rollout", "tunix", "xreshard.integrations.tunix")
-
-
-class TunixNamingError(RefitError):
-    """A Tunix model that no naming table maps: the model class is not one of
-    :data:`FAMILIES`, or a parameter path is not in its family's table."""
-
-
-# ---------------------------------------------------------------------------- naming
-
-L = "model.layers.{l}"
-_T = (Transpose(),)
-_HEADS_IN = (Reshape(("@0", -1)), Transpose())        # [D, N, H] -> [D, N*H] -> [N*H, D]
-_HEADS_OUT = (Reshape((-1, "@2")), Transpose())       # [N, H, D] -> [N*H, D] -> [D, N*H]
-
-
-def _dense_rules(*, qkv_bias: bool, qk_norm: bool, tied: bool) -> tuple[Rule, ...]:
-    """Tunix's Llama-style decoder (Qwen2, Qwen3 dense, Llama3) as HF tensors.
-
-    Tunix paths (``nnx.state(model).to_pure_dict()``, ``/``-joined)::
-
-        # tunix path                          | shape       | HF tensor (P = model.layers.{l})
-        # embedder/input_embedding            | [V, D]      | model.embed_tokens.weight
-        # layers/{l}/attn/{q,k,v}_proj/w      | [D, N|K, H] | P.self_attn.{q,k,v}_proj.weight
-        # layers/{l}/attn/o_proj/w            | [N, H, D]   | P.self_attn.o_proj.weight
-        # layers/{l}/attn/{q,k,v}_bias        | [N*H|K*H]   | P.self_attn.{q,k,v}_proj.bias
-        # layers/{l}/attn/{q,k}_norm/w        | [H]         | P.self_attn.{q,k}_norm.weight
-        # layers/{l}/mlp/{gate,up,down}_proj/kernel | [in, out] | P.mlp.{...}_proj.weight (T)
-        # layers/{l}/{input,post_attention}_layernorm/w | [D] | P.{...}_layernorm.weight
-        # final_norm/w                        | [D]         | model.norm.weight
-        # lm_head/w                           | [D, V]      | lm_head.weight (T; not if tied)
-    """
-    rules = [
-        Rule("embedder/input_embedding", "model.embed_tokens.weight"),
-        Rule("layers/{l}/attn/{p:[qkv]}_proj/w", L + ".self_attn.{p}_proj.weight", _HEADS_IN),
-        Rule("layers/{l}/attn/o_proj/w", L + ".self_attn.o_proj.weight", _HEADS_OUT),
-        Rule("layers/{l}/mlp/{p:gate|up|down}_proj/kernel", L + ".mlp.{p}_proj.weight", _T),
-        Rule("layers/{l}/{p:input_layernorm|post_attention_layernorm}/w", L + ".{p}.weight"),
-        Rule("final_norm/w", "model.norm.weight"),
-    ]
-    if qkv_bias:
-        rules.append(Rule("layers/{l}/attn/{p:[qkv]}_bias", L + ".self_attn.{p}_proj.bias"))
-    if qk_norm:
-        rules.append(Rule("layers/{l}/attn/{p:[qk]}_norm/w", L + ".self_attn.{p}_norm.weight"))
-    if not tied:
-        rules.append(Rule("lm_head/w", "lm_head.weight", _T))
-    return tuple(rules)
-
-
-@dataclass(frozen=True)
-class Family:
-    """One Tunix model family: its naming table and HF config, from the model's config.
-
-    Attributes:
-        name: the Tunix model class's name (``Qwen2``).
-        module: the Tunix module defining it (``tunix.models.qwen2.model``).
-        architecture: the HF / vLLM architecture (``Qwen2ForCausalLM``).
-        hf_config: Tunix ``ModelConfig`` -> the HF config's fields.
-        rules: Tunix ``ModelConfig`` -> the naming table.
-    """
-
-    name: str
-    module: str
-    architecture: str
-    hf_config: Callable[[Any], dict[str, Any]]
-    rules: Callable[[Any], tuple[Rule, ...]]
-
-
-def _tied(c: Any) -> bool:
-    # Qwen2/Qwen3 call it use_tied_embedding, Llama3 weight_tying
-    return bool(getattr(c, "use_tied_embedding", False) or getattr(c, "weight_tying", False))
-
-
-def _common_hf(c: Any) -> dict[str, Any]:
-    return {"vocab_size": c.vocab_size, "hidden_size": c.embed_dim,
-            "intermediate_size": c.hidden_dim, "num_hidden_layers": c.num_layers,
-            "num_attention_heads": c.num_heads, "num_key_value_heads": c.num_kv_heads,
-            "head_dim": c.head_dim, "rms_norm_eps": float(c.norm_eps),
-            "rope_theta": float(c.rope_theta), "tie_word_embeddings": _tied(c),
-            "max_position_embeddings": 4096, "torch_dtype": "float32"}
-
-
-def _qwen2_hf(c: Any) -> dict[str, Any]:
-    if c.num_heads * c.head_dim != c.embed_dim:
-        # HF's (and vLLM's) Qwen2 derive head_dim = hidden_size // num_attention_heads
-        raise TunixNamingError(f"Tunix Qwen2 with num_heads*head_dim = {c.num_heads}*"
-                               f"{c.head_dim} != embed_dim {c.embed_dim}: HF's Qwen2 has no "
-                               "head_dim of its own; vLLM would build other shapes")
-    return {**_common_hf(c), "model_type": "qwen2", "use_sliding_window": False}
-
-
-def _qwen3_hf(c: Any) -> dict[str, Any]:
-    if getattr(c, "num_experts", None):
-        raise TunixNamingError("Tunix Qwen3 MoE (num_experts set): the MoE table is not "
-                               "built yet; dense Qwen3 only")
-    # Tunix 0.1.7's Qwen3 attention calls apply_rope without the config's rope_theta, so it
-    # always rotates with its default base 1e6 (every released Qwen3's): the engine must too
-    return {**_common_hf(c), "model_type": "qwen3", "rope_theta": 1_000_000.0}
-
-
-def _llama3_hf(c: Any) -> dict[str, Any]:
-    # Tunix's Llama3 applies plain RoPE (no llama3 rope_scaling), and like its Qwen3 calls
-    # apply_rope without the config's rope_theta (0.1.7: the default base 1e6, whatever the
-    # config says): the engine must rotate the same way
-    return {**_common_hf(c), "model_type": "llama", "attention_bias": False, "mlp_bias": False,
-            "rope_theta": 1_000_000.0}
-
-
-#: Tunix's model families: the Llama-style decoders. Gemma (2, 3, 4) is not here: its
-#: ``q_einsum`` ``[N, D, H]`` needs a copy to become HF's ``[N*H, D]`` (no strided view
-#: makes it), and xreshard binds views of shards only.
-FAMILIES: dict[str, Family] = {
-    "Qwen2": Family("Qwen2", "tunix.models.qwen2.model", "Qwen2ForCausalLM", _qwen2_hf,
-                    lambda c: _dense_rules(qkv_bias=True, qk_norm=False, tied=_tied(c))),
-    "Qwen3": Family("Qwen3", "tunix.models.qwen3.model", "Qwen3ForCausalLM", _qwen3_hf,
-                    lambda c: _dense_rules(qkv_bias=False, qk_norm=True, tied=_tied(c))),
-    "Llama3": Family("Llama3", "tunix.models.llama3.model", "LlamaForCausalLM", _llama3_hf,
-                     lambda c: _dense_rules(qkv_bias=False, qk_norm=False, tied=_tied(c))),
-}
-
-
-#: Tunix's model classes with no table yet, and why (their error says so)
-UNMAPPED: dict[str, str] = {
-    f"tunix.models.{m}.model.{c}": (
-        "its q_einsum [N, D, H] and kv_einsum [2, K, D, H] become HF's q/k/v_proj [N*H, D] "
-        "only through a transposed copy of every shard (no strided view makes them), and "
-        "its HF config (query_pre_attn_scalar, sliding windows, the embedding normalizer) "
-        "is not derived yet")
-    for m, c in (("gemma", "Gemma"), ("gemma3", "Gemma3"), ("gemma4", "Gemma4"))}
-
-
-def family_of(model: Any) -> Family:
-    """The :class:`Family` of a Tunix model instance (by class, subclasses included)."""
-    for cls in type(model).__mro__:
-        fam = FAMILIES.get(cls.__name__)
-        if fam is not None and cls.__module__ == fam.module:
-            return fam
-        why = UNMAPPED.get(f"{cls.__module__}.{cls.__name__}")
-        if why is not None:
-            raise TunixNamingError(f"no xreshard naming table for Tunix's {cls.__name__} yet: "
-                                   f"{why} (pass rules=... with a table of your own)")
-    raise TunixNamingError(f"no xreshard naming table for Tunix model class "
-                           f"{type(model).__module__}.{type(model).__name__}; tables exist "
-                           f"for {', '.join(f.module + '.' + n for n, f in FAMILIES.items())} "
-                           "(pass rules=... for another model)")
-
-
-def tunix_rules(model: Any) -> tuple[Rule, ...]:
-    """The naming table of a Tunix model (Qwen2, Qwen3 dense, Llama3)."""
-    return family_of(model).rules(model.config)
-
-
-def tunix_lora_rules(model: Any, adapter: str) -> tuple[Rule, ...]:
-    """The naming table of a Tunix model's qwix LoRA factors, onto the names adapter
-    ``adapter``'s PEFT tensors move under in a LoRA refit
-    (``<adapter>/base_model.model.<module>.lora_A.weight``).
-
-    qwix names a factor after the weight it adapts (``<weight>_lora_a``, ``_lora_b``) and
-    keeps the weight's non-contracted dims::
-
-        # tunix path                          | shape       | PEFT tensor (P = ...model.layers.{l})
-        # layers/{l}/attn/{q,k,v}_proj/w_lora_a | [D, r]    | P.self_attn.{q,k,v}_proj.lora_A (T)
-        # layers/{l}/attn/{q,k,v}_proj/w_lora_b | [r, N, H] | P.self_attn.{...}.lora_B [N*H, r]
-        # layers/{l}/attn/o_proj/w_lora_a       | [N, H, r] | P.self_attn.o_proj.lora_A [r, N*H]
-        # layers/{l}/attn/o_proj/w_lora_b       | [r, D]    | P.self_attn.o_proj.lora_B (T)
-        # layers/{l}/mlp/{p}_proj/kernel_lora_a | [in, r]  | P.mlp.{p}_proj.lora_A (T)
-        # layers/{l}/mlp/{p}_proj/kernel_lora_b | [r, out] | P.mlp.{p}_proj.lora_B (T)
-    """
-    from xreshard.adapters.lora import PEFT_PREFIX
-
-    family_of(model)        # the dense families share these paths; anything else is refused
-    if not adapter or any(c in adapter for c in "/{}"):
-        raise TunixNamingError(f"LoRA adapter name {adapter!r}: non-empty, without '/', "
-                               "'{' or '}'")
-    p = f"{adapter}/{PEFT_PREFIX}{L}"
-    a, b = "lora_A.weight", "lora_B.weight"
-    return (
-        Rule("layers/{l}/attn/{p:[qkv]}_proj/w_lora_a", f"{p}.self_attn.{{p}}_proj.{a}", _T),
-        Rule("layers/{l}/attn/{p:[qkv]}_proj/w_lora_b", f"{p}.self_attn.{{p}}_proj.{b}",
-             _HEADS_IN),
-        Rule("layers/{l}/attn/o_proj/w_lora_a", f"{p}.self_attn.o_proj.{a}", _HEADS_OUT),
-        Rule("layers/{l}/attn/o_proj/w_lora_b", f"{p}.self_attn.o_proj.{b}", _T),
-        Rule("layers/{l}/mlp/{p:gate|up|down}_proj/kernel_lora_a", f"{p}.mlp.{{p}}_proj.{a}", _T),
-        Rule("layers/{l}/mlp/{p:gate|up|down}_proj/kernel_lora_b", f"{p}.mlp.{{p}}_proj.{b}", _T),
-    )
-
-
-def hf_config_of(model: Any) -> dict[str, Any]:
-    """The HF ``config.json`` fields of a Tunix model (what vLLM builds the engine from)."""
-    fam = family_of(model)
-    return {**fam.hf_config(model.config), "architectures": [fam.architecture]}
-
-
-def write_model_dir(model: Any, path: str, overrides: Mapping[str, Any] | None = None) -> str:
-    """Write ``config.json`` of a Tunix model into ``path`` (no weights: the engine starts
-    with ``load_format="dummy"`` and gets the trainer's weights by refit)."""
-    os.makedirs(path, exist_ok=True)
-    with open(os.path.join(path, "config.json"), "w") as f:
-        json.dump({**hf_config_of(model), **dict(overrides or {})}, f, indent=1)
-    return path
-
-
-def check_names(rules: Sequence[Any], names: Sequence[str], model_name: str) -> None:
-    """Raise :class:`TunixNamingError` naming the first path no rule maps."""
-    for name in names:
-        if not any(r.match(name) is not None for r in rules):
-            raise TunixNamingError(f"{model_name}: parameter path {name!r} matches no rule of "
-                                   f"its naming table ({len(names)} paths; the table maps "
-                                   f"{', '.join(r.src for r in rules)}); pass rules=... with a "
-                                   "rule for it")
 
 
 def pure_tree(params: Any) -> Any:

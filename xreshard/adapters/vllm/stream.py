@@ -373,7 +373,16 @@ def _combine(reports: Sequence[RefitReport], version: int) -> RefitReport:
         staging_bytes=max((r.staging_bytes for r in reports), default=0),
         replanned=any(r.replanned for r in reports), move_seconds=total("move_seconds"),
         bytes_forwarded=total("bytes_forwarded"), verified=total("verified"),
-        delta=_combine_delta([r.delta for r in reports if r.delta is not None]))
+        delta=_combine_delta([r.delta for r in reports if r.delta is not None]),
+        quantized=_combine_quantized([r.quantized for r in reports if r.quantized is not None]))
+
+
+def _combine_quantized(parts: Sequence[Mapping[str, int]]) -> dict[str, int] | None:
+    """One round's ``RefitReport.quantized`` from its groups' (byte counts: they add up);
+    None when no group quantized."""
+    if not parts:
+        return None
+    return {k: sum(p.get(k, 0) for p in parts) for k in dict.fromkeys(k for p in parts for k in p)}
 
 
 def _combine_delta(parts: Sequence[Mapping[str, Any]]) -> dict[str, Any] | None:
