@@ -586,6 +586,9 @@ def _bind(tree: Any, side: str, *, ranks: Mapping[int, int], names: Any, transpo
         if kept is None or kept[0] != rank_map or len(kept[1]) > 4096:
             kept = cache["geometry"] = (rank_map, {})
         geometry = kept[1]
+    # whether every binding comes from a geometry already compared with its layout
+    # (``Bound.checked``): then the refit's check skips its per-binding walk
+    checked = side == "send"
     for name, leaf in zip(leaf_names, leaves):
         if name in layouts:
             errors.append(f"two leaves map to tensor {name!r}")
@@ -598,11 +601,13 @@ def _bind(tree: Any, side: str, *, ranks: Mapping[int, int], names: Any, transpo
         if known_geo is None:
             layout = memo.get(None if key is None else key + (rid,),
                               lambda: layout_of(leaf, ranks=rank_of, name=name))
-            known_geo = (layout, _shard_ranks(leaf.sharding, rank_of))
+            shard_ranks = _shard_ranks(leaf.sharding, rank_of)
+            known_geo = (layout, shard_ranks, _geometry_agrees(leaf, layout, shard_ranks))
             if key is not None:
                 geometry[key] = known_geo
         layout = known_geo[0]
         flip = name in transpose
+        checked = checked and known_geo[2] and not flip
         if flip:
             if layout.ndim != 2:
                 errors.append(f"{name!r} is in transpose but has {layout.ndim} dims (need 2)")
@@ -622,6 +627,7 @@ def _bind(tree: Any, side: str, *, ranks: Mapping[int, int], names: Any, transpo
                     arr = arr.T if flip else arr
                     bindings[(rank, name)] = arr if product else [arr]
                 continue
+            checked = False         # cut from the shards' own list: checked per call
             for shard in leaf.addressable_shards:
                 device = shard.device
                 known = per_device.get(device)
@@ -653,4 +659,27 @@ def _bind(tree: Any, side: str, *, ranks: Mapping[int, int], names: Any, transpo
                 tuple(leaf.shape), leaf.sharding, arrays))
         return jax.tree_util.tree_unflatten(treedef, out)
 
-    return Bound(layouts, bindings, finish if side == "receive" else None, errors)
+    return Bound(layouts, bindings, finish if side == "receive" else None, errors,
+                 checked=checked and not errors)
+
+
+def _geometry_agrees(leaf: Any, layout: Layout, shard_ranks: list | None) -> bool:
+    """Whether every array of ``leaf``'s (sharding, shape, dtype) binds exactly what
+    ``layout`` gives its ranks: JAX gives each per-device array of such an array the shape
+    ``sharding.shard_shape(shape)`` and the array's dtype, so comparing that once with the
+    layout's local shape of each addressable rank (and the dtypes) checks every later
+    array of the geometry. False (checked per call instead) when JAX does not list the
+    shards' devices, or for an explicit layout."""
+    import numpy as np
+    from xreshard.dtypes import numpy_dtype
+    if shard_ranks is None or not layout.is_product:
+        return False
+    try:
+        shard_shape = tuple(leaf.sharding.shard_shape(tuple(leaf.shape)))
+        same_dtype = numpy_dtype(layout.dtype) == np.dtype(leaf.dtype)
+    except Exception:   # noqa: BLE001 - anything odd: the refit's own check decides
+        return False
+    ranks = [rank for rank, _ in shard_ranks]
+    return (same_dtype and len(set(ranks)) == len(ranks) and set(ranks) <= layout.rank_set
+            and all(tuple(layout.local_shape(rank)) == shard_shape for rank in ranks))
+
