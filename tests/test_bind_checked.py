@@ -2,10 +2,11 @@
 
 The JAX adapter compares each (sharding, shape, dtype) it meets with its layout once: the
 shape JAX gives every per-device array of that geometry (``sharding.shard_shape``) against
-the layout's local shape of each addressable rank, and the dtypes. A side made only of such
-bindings is ``Bound.checked``, and ``side_problems`` does not walk its thousands of
-bindings again each call. Everything the adapter cannot vouch for (a transposed kernel, a
-receiving side, a side built by hand, a geometry that disagrees) is walked as before.
+the layout's local shape of each addressable rank, and the dtypes. A side the refit binds
+(``refit_bind``) made only of such bindings is ``Bound.checked``, and ``side_problems``
+does not walk its thousands of bindings again each call. Everything the adapter cannot
+vouch for (a transposed kernel, a receiving side, a side built by hand or handed to the
+caller by ``bind``, who may change it, a geometry that disagrees) is walked as before.
 
 Real JAX arrays on 4 CPU devices; the refits over them are in ``test_comm_count``,
 ``test_refit`` and ``test_bind_cache``.
@@ -50,6 +51,13 @@ def _tree(mesh) -> dict:
                                    NamedSharding(mesh, P(None, "b")))}
 
 
+def _refit_bind(tree: dict, ranks: dict, side: str = "send", **kw) -> Bound:
+    from xreshard.runtime.registry import BindContext
+    kw.setdefault("memo", LayoutMemo())
+    kw.setdefault("cache", {})
+    return xjax.refit_bind(tree, side, BindContext(ranks=ranks, **kw))
+
+
 def _problems(bound: Bound, ranks: dict) -> list:
     local = list(ranks.values())
     return side_problems({"send": bound, "receive": None}, local, lambda r: r in local, None)
@@ -62,7 +70,7 @@ def test_a_checked_jax_side_is_not_walked_and_the_walk_would_agree(monkeypatch):
     for step in range(3):       # the first call, the same arrays, a step's new arrays
         if step == 2:
             tree = jax.tree.map(lambda a: a + 1, tree)
-        bound = xjax.bind(tree, "send", ranks=ranks, memo=memo, cache=cache)
+        bound = _refit_bind(tree, ranks, memo=memo, cache=cache)
         assert bound.checked
         assert binding_problems(bound.layouts, bound.bindings, "send", ranks.values()) == []
         for name, arr in tree.items():        # and the bindings are the shards' own bytes
@@ -80,12 +88,17 @@ def test_a_checked_jax_side_is_not_walked_and_the_walk_would_agree(monkeypatch):
 def test_what_the_adapter_cannot_vouch_for_is_walked():
     mesh, ranks = _mesh4()
     tree = _tree(mesh)
-    flipped = xjax.bind(tree, "send", ranks=ranks, transpose=frozenset({"grid"}))
+    flipped = _refit_bind(tree, ranks, transpose=frozenset({"grid"}))
     assert not flipped.checked and _problems(flipped, ranks) == []
-    received = xjax.bind(tree, "receive", ranks=ranks)
+    received = _refit_bind(tree, ranks, "receive")
     assert not received.checked
+    # bind() hands its Bound to the caller, who may change it before passing it to a refit
+    handed = xjax.bind(tree, "send", ranks=ranks)
+    assert _refit_bind(tree, ranks).checked and not handed.checked
+    handed.bindings[(0, "rows")] = np.zeros((3, 8), np.float32)
+    assert any("'rows' on rank 0" in p[1] for p in _problems(handed, ranks))
     # a side built by hand with a wrong shape is refused, as ever
-    good = xjax.bind(tree, "send", ranks=ranks)
+    good = _refit_bind(tree, ranks)
     bad = dict(good.bindings)
     bad[(0, "rows")] = np.zeros((3, 8), np.float32)
     by_hand = Bound(dict(good.layouts), bad)

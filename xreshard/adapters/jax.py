@@ -418,8 +418,8 @@ def refit_bind(tree: Any, side: str, context: Any) -> Any:
                               "onto canonical tensors; a receiving JAX tree is bound by its "
                               "own paths (use names= to rename them)")
         return bind_rules(tree, context.rules, context.ranks, memo=context.memo)
-    return bind(tree, side, ranks=context.ranks, names=context.names,
-                transpose=context.transpose, memo=context.memo, cache=context.cache)
+    return _bind_paused(tree, side, ranks=context.ranks, names=context.names,
+                        transpose=context.transpose, memo=context.memo, cache=context.cache)
 
 
 def bind_rules(tree: Any, rules: Any, ranks: Mapping[int, int], *,
@@ -530,6 +530,17 @@ def bind(tree: Any, side: str, *, ranks: Mapping[int, int], names: Any = None,
         cache: a dict kept by the caller across calls of one side: the tree's names are
             computed once per tree structure.
     """
+    bound = _bind_paused(tree, side, ranks=ranks, names=names, transpose=transpose,
+                         memo=memo, cache=cache)
+    # a Bound handed to the caller may be changed before a refit gets it: walked in full
+    bound.checked = False
+    return bound
+
+
+def _bind_paused(tree: Any, side: str, *, ranks: Mapping[int, int], names: Any,
+                 transpose: frozenset[str], memo: LayoutMemo | None, cache: dict | None) -> Any:
+    """:func:`bind` with the collector paused; the refit's own path (``refit_bind``) keeps
+    the adapter's ``Bound.checked``."""
     from xreshard.runtime.gcpause import gc_paused
     with gc_paused():
         return _bind(tree, side, ranks=ranks, names=names, transpose=transpose,
