@@ -55,7 +55,8 @@ def _refit_bind(tree: dict, ranks: dict, side: str = "send", **kw) -> Bound:
     from xreshard.runtime.registry import BindContext
     kw.setdefault("memo", LayoutMemo())
     kw.setdefault("cache", {})
-    return xjax.refit_bind(tree, side, BindContext(ranks=ranks, **kw))
+    return xjax.refit_bind(tree, side, BindContext(ranks=ranks, local_ranks=tuple(
+        ranks.values()), **kw))
 
 
 def _problems(bound: Bound, ranks: dict) -> list:
@@ -115,10 +116,14 @@ def test_a_geometry_that_disagrees_with_its_layout_is_not_vouched_for():
     shard_ranks = xjax._shard_ranks(leaf.sharding, rank_of)
     assert shard_ranks is not None
     right = xjax.layout_of(leaf, ranks=ranks)
-    assert xjax._geometry_agrees(leaf, right, shard_ranks)
+    local = frozenset(ranks.values())
+    assert xjax._geometry_agrees(leaf, right, shard_ranks, local)
     for wrong in (xjax.layout_of(tree["grid"], ranks=ranks),           # other local shapes
                   xjax.layout_of(tree["bf16"], ranks=ranks),           # other dtype
                   xjax.layout_of(leaf, ranks={d: r + 4 for d, r in ranks.items()})):
-        assert not xjax._geometry_agrees(leaf, wrong, shard_ranks)
-    assert not xjax._geometry_agrees(leaf, right, None)    # JAX did not list the devices
-    assert not xjax._geometry_agrees(leaf, right, shard_ranks[:1] * 4)     # a rank twice
+        assert not xjax._geometry_agrees(leaf, wrong, shard_ranks, local)
+    assert not xjax._geometry_agrees(leaf, right, None, local)  # JAX did not list the devices
+    assert not xjax._geometry_agrees(leaf, right, shard_ranks[:1] * 4, local)  # a rank twice
+    # a rank of this process that the layout gives elements but no shard binds
+    assert not xjax._geometry_agrees(leaf, right, shard_ranks[:3], local)
+    assert xjax._geometry_agrees(leaf, right, shard_ranks[:3], local - {shard_ranks[3][0]})

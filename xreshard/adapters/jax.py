@@ -419,7 +419,8 @@ def refit_bind(tree: Any, side: str, context: Any) -> Any:
                               "own paths (use names= to rename them)")
         return bind_rules(tree, context.rules, context.ranks, memo=context.memo)
     return _bind_paused(tree, side, ranks=context.ranks, names=context.names,
-                        transpose=context.transpose, memo=context.memo, cache=context.cache)
+                        transpose=context.transpose, memo=context.memo, cache=context.cache,
+                        local_ranks=frozenset(context.local_ranks))
 
 
 def bind_rules(tree: Any, rules: Any, ranks: Mapping[int, int], *,
@@ -538,14 +539,14 @@ def bind(tree: Any, side: str, *, ranks: Mapping[int, int], names: Any = None,
 
 
 def _bind_paused(tree: Any, side: str, *, ranks: Mapping[int, int], names: Any,
-                 transpose: frozenset[str], memo: LayoutMemo | None, cache: dict | None) -> Any:
-    """:func:`bind` with the collector paused; the refit's own path (``refit_bind``) keeps
-    the adapter's ``Bound.checked``."""
+                 transpose: frozenset[str], memo: LayoutMemo | None, cache: dict | None,
+                 local_ranks: frozenset[int] = frozenset()) -> Any:
+    """:func:`bind`, collector paused; ``Bound.checked`` needs this process's ranks."""
     from xreshard.runtime.gcpause import gc_paused
     with gc_paused():
         return _bind(tree, side, ranks=ranks, names=names, transpose=transpose,
                      memo=LayoutMemo() if memo is None else memo,
-                     cache={} if cache is None else cache)
+                     cache={} if cache is None else cache, local_ranks=local_ranks)
 
 
 def _shard_ranks(sharding: Any, rank_of: Callable[[Any], int]) -> list[tuple[int, bool]] | None:
@@ -573,7 +574,7 @@ def _leaf_names(jax: Any, tree: Any, names: Any, cache: dict) -> tuple[list[str]
 
 
 def _bind(tree: Any, side: str, *, ranks: Mapping[int, int], names: Any, transpose: frozenset[str],
-          memo: LayoutMemo, cache: dict) -> Any:
+          memo: LayoutMemo, cache: dict, local_ranks: frozenset[int] = frozenset()) -> Any:
     jax = _import_jax()
     import numpy as np
     from xreshard.runtime.binding import Bound
@@ -597,9 +598,8 @@ def _bind(tree: Any, side: str, *, ranks: Mapping[int, int], names: Any, transpo
         if kept is None or kept[0] != rank_map or len(kept[1]) > 4096:
             kept = cache["geometry"] = (rank_map, {})
         geometry = kept[1]
-    # whether every binding comes from a geometry already compared with its layout
-    # (``Bound.checked``): then the refit's check skips its per-binding walk
-    checked = side == "send"
+    # every binding from a geometry compared with its layout: Bound.checked (no walk)
+    checked = side == "send" and bool(local_ranks)
     for name, leaf in zip(leaf_names, leaves):
         if name in layouts:
             errors.append(f"two leaves map to tensor {name!r}")
@@ -613,7 +613,8 @@ def _bind(tree: Any, side: str, *, ranks: Mapping[int, int], names: Any, transpo
             layout = memo.get(None if key is None else key + (rid,),
                               lambda: layout_of(leaf, ranks=rank_of, name=name))
             shard_ranks = _shard_ranks(leaf.sharding, rank_of)
-            known_geo = (layout, shard_ranks, _geometry_agrees(leaf, layout, shard_ranks))
+            known_geo = (layout, shard_ranks,
+                         _geometry_agrees(leaf, layout, shard_ranks, local_ranks))
             if key is not None:
                 geometry[key] = known_geo
         layout = known_geo[0]
@@ -674,23 +675,25 @@ def _bind(tree: Any, side: str, *, ranks: Mapping[int, int], names: Any, transpo
                  checked=checked and not errors)
 
 
-def _geometry_agrees(leaf: Any, layout: Layout, shard_ranks: list | None) -> bool:
+def _geometry_agrees(leaf: Any, layout: Layout, shard_ranks: list | None,
+                     local_ranks: frozenset[int]) -> bool:
     """Whether every array of ``leaf``'s (sharding, shape, dtype) binds exactly what
     ``layout`` gives its ranks: JAX gives each per-device array of such an array the shape
     ``sharding.shard_shape(shape)`` and the array's dtype, so comparing that once with the
     layout's local shape of each addressable rank (and the dtypes) checks every later
-    array of the geometry. False (checked per call instead) when JAX does not list the
-    shards' devices, or for an explicit layout."""
-    import numpy as np
+    array of the geometry; and every rank of this process (``local_ranks``) the layout
+    gives elements must be one of them. False (checked per call instead) when JAX does not
+    list the shards' devices, or for an explicit layout."""
     from xreshard.dtypes import numpy_dtype
     if shard_ranks is None or not layout.is_product:
         return False
     try:
         shard_shape = tuple(leaf.sharding.shard_shape(tuple(leaf.shape)))
-        same_dtype = numpy_dtype(layout.dtype) == np.dtype(leaf.dtype)
+        same_dtype = numpy_dtype(layout.dtype) == leaf.dtype    # leaf.dtype: a numpy dtype
     except Exception:   # noqa: BLE001 - anything odd: the refit's own check decides
         return False
     ranks = [rank for rank, _ in shard_ranks]
-    return (same_dtype and len(set(ranks)) == len(ranks) and set(ranks) <= layout.rank_set
+    held = {r for r in layout.rank_set if r in local_ranks and layout.num_elements(r)}
+    return (same_dtype and len(set(ranks)) == len(ranks) and held <= set(ranks) <= layout.rank_set
             and all(tuple(layout.local_shape(rank)) == shard_shape for rank in ranks))
 
