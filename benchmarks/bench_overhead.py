@@ -23,6 +23,14 @@ tensors; warm keeps the rule check, layout memo and geometry caches, cold clears
     python benchmarks/bench_overhead.py [--tensors 3000] [--reps 5] [--fresh]
     python benchmarks/bench_overhead.py --profile 30 --sort tottime
     python benchmarks/bench_overhead.py --naming      # needs vLLM (the backend module)
+    python benchmarks/bench_overhead.py --bind [--fresh]
+
+``--bind`` splits the trainer's share of a warm call, in this process (4 CPU devices, the
+same ``--tensors`` arrays): the JAX adapter's bind as the refit runs it (``refit_bind``),
+of which the per-shard ``np.asarray`` views alone; the refit's own check of the bound side
+(``side_problems``); and freeing the bound side (thousands of views of JAX buffers). CPU
+seconds (``time.process_time``), the least of ``--reps`` x 5 calls: on a shared machine
+CPU time and minima move least.
 """
 
 from __future__ import annotations
@@ -195,6 +203,48 @@ def naming(reps: int) -> None:
     print(f"| {warm:.3f} | {cold:.3f} | {cold / warm:.1f}x |")
 
 
+def bind_split(n: int, reps: int, fresh: bool) -> None:
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    import jax
+    jax.config.update("jax_num_cpu_devices", 4)
+    import numpy as np
+    from jax.sharding import NamedSharding, PartitionSpec as P
+    from xreshard.adapters import jax as xjax
+    from xreshard.ir.layout import LayoutMemo
+    from xreshard.runtime.binding import side_problems
+    from xreshard.runtime.registry import BindContext
+
+    mesh = jax.make_mesh((4,), ("tp",), devices=jax.local_devices())
+    value = np.arange(np.prod(SHAPE), dtype=np.float32).reshape(SHAPE)
+    tree = {f"t{i}": jax.device_put(value, NamedSharding(mesh, P("tp"))) for i in range(n)}
+    ranks = {d.id: i for i, d in enumerate(jax.local_devices())}
+    context = BindContext(ranks=ranks, local_ranks=(0, 1, 2, 3), memo=LayoutMemo(), cache={})
+    times: dict[str, list[float]] = {"bind": [], "views": [], "check": [], "free": []}
+    xjax.refit_bind(tree, "send", context)
+    for _ in range(reps * 5):
+        now = jax.block_until_ready(jax.tree.map(lambda a: a + 0, tree)) if fresh else tree
+        c0 = time.process_time()
+        bound = xjax.refit_bind(now, "send", context)
+        c1 = time.process_time()
+        problems = side_problems({"send": bound, "receive": None}, [0, 1, 2, 3],
+                                 lambda r: r < 4, None)
+        c2 = time.process_time()
+        del bound
+        c3 = time.process_time()
+        views = [np.asarray(x) for a in now.values() for x in a._arrays]
+        c4 = time.process_time()
+        assert not problems, problems
+        del views
+        for k, t in zip(times, (c1 - c0, c4 - c3, c2 - c1, c3 - c2)):
+            times[k].append(t)
+    print(f"{n} tensors of {SHAPE} float32 on 4 CPU devices, "
+          f"{'new arrays every call' if fresh else 'the same arrays'}: least CPU ms of "
+          f"{reps * 5} calls\n")
+    print("| bind (refit_bind) | of it: np.asarray views | check (side_problems) | free |")
+    print("|---|---|---|---|")
+    print("| " + " | ".join(f"{min(times[k]) * 1e3:.1f}" for k in times) + " |")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tensors", type=int, default=3000)
@@ -210,7 +260,11 @@ def main() -> None:
     ap.add_argument("--fresh", action="store_true",
                     help="send new JAX arrays every call (params + 0, made outside the timed "
                          "region, then a barrier), as a training loop does")
+    ap.add_argument("--bind", action="store_true",
+                    help="split the trainer's binding and check, in this process")
     args = ap.parse_args()
+    if args.bind:
+        return bind_split(args.tensors, args.reps, args.fresh)
     if args.naming:
         return naming(args.reps)
     from xreshard.tools.launch import Role, launch

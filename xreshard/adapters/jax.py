@@ -418,8 +418,9 @@ def refit_bind(tree: Any, side: str, context: Any) -> Any:
                               "onto canonical tensors; a receiving JAX tree is bound by its "
                               "own paths (use names= to rename them)")
         return bind_rules(tree, context.rules, context.ranks, memo=context.memo)
-    return bind(tree, side, ranks=context.ranks, names=context.names,
-                transpose=context.transpose, memo=context.memo, cache=context.cache)
+    return _bind_paused(tree, side, ranks=context.ranks, names=context.names,
+                        transpose=context.transpose, memo=context.memo, cache=context.cache,
+                        local_ranks=frozenset(context.local_ranks))
 
 
 def bind_rules(tree: Any, rules: Any, ranks: Mapping[int, int], *,
@@ -530,11 +531,22 @@ def bind(tree: Any, side: str, *, ranks: Mapping[int, int], names: Any = None,
         cache: a dict kept by the caller across calls of one side: the tree's names are
             computed once per tree structure.
     """
+    bound = _bind_paused(tree, side, ranks=ranks, names=names, transpose=transpose,
+                         memo=memo, cache=cache)
+    # a Bound handed to the caller may be changed before a refit gets it: walked in full
+    bound.checked = False
+    return bound
+
+
+def _bind_paused(tree: Any, side: str, *, ranks: Mapping[int, int], names: Any,
+                 transpose: frozenset[str], memo: LayoutMemo | None, cache: dict | None,
+                 local_ranks: frozenset[int] = frozenset()) -> Any:
+    """:func:`bind`, collector paused; ``Bound.checked`` needs this process's ranks."""
     from xreshard.runtime.gcpause import gc_paused
     with gc_paused():
         return _bind(tree, side, ranks=ranks, names=names, transpose=transpose,
                      memo=LayoutMemo() if memo is None else memo,
-                     cache={} if cache is None else cache)
+                     cache={} if cache is None else cache, local_ranks=local_ranks)
 
 
 def _shard_ranks(sharding: Any, rank_of: Callable[[Any], int]) -> list[tuple[int, bool]] | None:
@@ -562,7 +574,7 @@ def _leaf_names(jax: Any, tree: Any, names: Any, cache: dict) -> tuple[list[str]
 
 
 def _bind(tree: Any, side: str, *, ranks: Mapping[int, int], names: Any, transpose: frozenset[str],
-          memo: LayoutMemo, cache: dict) -> Any:
+          memo: LayoutMemo, cache: dict, local_ranks: frozenset[int] = frozenset()) -> Any:
     jax = _import_jax()
     import numpy as np
     from xreshard.runtime.binding import Bound
@@ -586,6 +598,8 @@ def _bind(tree: Any, side: str, *, ranks: Mapping[int, int], names: Any, transpo
         if kept is None or kept[0] != rank_map or len(kept[1]) > 4096:
             kept = cache["geometry"] = (rank_map, {})
         geometry = kept[1]
+    # every binding from a geometry compared with its layout: Bound.checked (no walk)
+    checked = side == "send" and bool(local_ranks)
     for name, leaf in zip(leaf_names, leaves):
         if name in layouts:
             errors.append(f"two leaves map to tensor {name!r}")
@@ -598,11 +612,14 @@ def _bind(tree: Any, side: str, *, ranks: Mapping[int, int], names: Any, transpo
         if known_geo is None:
             layout = memo.get(None if key is None else key + (rid,),
                               lambda: layout_of(leaf, ranks=rank_of, name=name))
-            known_geo = (layout, _shard_ranks(leaf.sharding, rank_of))
+            shard_ranks = _shard_ranks(leaf.sharding, rank_of)
+            known_geo = (layout, shard_ranks,
+                         _geometry_agrees(leaf, layout, shard_ranks, local_ranks))
             if key is not None:
                 geometry[key] = known_geo
         layout = known_geo[0]
         flip = name in transpose
+        checked = checked and known_geo[2] and not flip
         if flip:
             if layout.ndim != 2:
                 errors.append(f"{name!r} is in transpose but has {layout.ndim} dims (need 2)")
@@ -622,6 +639,7 @@ def _bind(tree: Any, side: str, *, ranks: Mapping[int, int], names: Any, transpo
                     arr = arr.T if flip else arr
                     bindings[(rank, name)] = arr if product else [arr]
                 continue
+            checked = False         # cut from the shards' own list: checked per call
             for shard in leaf.addressable_shards:
                 device = shard.device
                 known = per_device.get(device)
@@ -653,4 +671,29 @@ def _bind(tree: Any, side: str, *, ranks: Mapping[int, int], names: Any, transpo
                 tuple(leaf.shape), leaf.sharding, arrays))
         return jax.tree_util.tree_unflatten(treedef, out)
 
-    return Bound(layouts, bindings, finish if side == "receive" else None, errors)
+    return Bound(layouts, bindings, finish if side == "receive" else None, errors,
+                 checked=checked and not errors)
+
+
+def _geometry_agrees(leaf: Any, layout: Layout, shard_ranks: list | None,
+                     local_ranks: frozenset[int]) -> bool:
+    """Whether every array of ``leaf``'s (sharding, shape, dtype) binds exactly what
+    ``layout`` gives its ranks: JAX gives each per-device array of such an array the shape
+    ``sharding.shard_shape(shape)`` and the array's dtype, so comparing that once with the
+    layout's local shape of each addressable rank (and the dtypes) checks every later
+    array of the geometry; and every rank of this process (``local_ranks``) the layout
+    gives elements must be one of them. False (checked per call instead) when JAX does not
+    list the shards' devices, or for an explicit layout."""
+    from xreshard.dtypes import numpy_dtype
+    if shard_ranks is None or not layout.is_product:
+        return False
+    try:
+        shard_shape = tuple(leaf.sharding.shard_shape(tuple(leaf.shape)))
+        same_dtype = numpy_dtype(layout.dtype) == leaf.dtype    # leaf.dtype: a numpy dtype
+    except Exception:   # noqa: BLE001 - anything odd: the refit's own check decides
+        return False
+    ranks = [rank for rank, _ in shard_ranks]
+    held = {r for r in layout.rank_set if r in local_ranks and layout.num_elements(r)}
+    return (same_dtype and len(set(ranks)) == len(ranks) and held <= set(ranks) <= layout.rank_set
+            and all(tuple(layout.local_shape(rank)) == shard_shape for rank in ranks))
+

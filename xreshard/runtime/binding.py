@@ -51,6 +51,13 @@ class Bound:
         quantized: name -> :class:`~xreshard.ir.formats.QuantizedTensor` of the tensors
             this (receiving) side stores quantized: codes under the name, scales under its
             ``scale`` (a sender offering the values has them quantized on the way).
+        checked: (sending sides only) the adapter vouches that every binding is a host
+            array it cut from a geometry (sharding, shape, dtype) whose shard shapes and
+            dtype it already compared with the layout, one binding per local rank of each
+            layout: :func:`side_problems` then skips the per-binding shape and dtype walk
+            (a lookup, not a walk, for the same shardings call after call). False for
+            anything built by hand, and for every receiving side (writability and
+            overlaps are re-checked per call).
     """
 
     layouts: dict[str, Layout]
@@ -59,6 +66,7 @@ class Bound:
     errors: list[str] = field(default_factory=list)
     local_only: set[str] = field(default_factory=set)
     quantized: dict[str, Any] = field(default_factory=dict)
+    checked: bool = False
 
     def describe(self) -> dict[str, dict]:
         """JSON description of the layouts, for the metadata exchange."""
@@ -422,8 +430,8 @@ def side_problems(sides: Mapping[str, Bound | None], local_ranks: Iterable[int],
         for name in bound.layouts:
             if not isinstance(name, str):
                 out.append(["RefitError", f"{side} tensor name {name!r} is not a str"])
-        problems = binding_problems(bound.layouts, bound.bindings, side,
-                                    local_ranks=local_ranks)
+        problems = [] if bound.checked and side == "send" else binding_problems(
+            bound.layouts, bound.bindings, side, local_ranks=local_ranks)
         if problems:
             out.append(["BindingError", f"{side} bindings do not match their layouts: "
                         + "; ".join(problems[:20])])
