@@ -230,6 +230,10 @@ def trainer(ctx: Any, keys: list[str] | None = None) -> dict:
 
     out: dict[str, Any] = {}
     worlds = _Worlds(ctx, "t")
+    # everything alive now (jax, torch, the world) lives as long as the process: frozen,
+    # the full collection after each case walks only what the cases made (~0.2 s to ~0.03 s
+    # per case and process on 2 loaded cores)
+    gc.freeze()
     for case in _cases(keys):
         key = case_key(case)
         tuning = _tuning(xr, case)
@@ -322,6 +326,10 @@ def rollout(ctx: Any, keys: list[str] | None = None) -> dict:
                             world_size=n)
     out: dict[str, Any] = {}
     worlds = _Worlds(ctx, "a")
+    # everything alive now (jax, torch, the world) lives as long as the process: frozen,
+    # the full collection after each case walks only what the cases made (~0.2 s to ~0.03 s
+    # per case and process on 2 loaded cores)
+    gc.freeze()
     for case in _cases(keys):
         key = case_key(case)
         tuning = _tuning(xr, case)

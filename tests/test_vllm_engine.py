@@ -1,6 +1,7 @@
 """Refits from a JAX trainer into a real vLLM engine (CPU), through the "xreshard" backend.
 
-Each case launches two processes (tests/vllm_cases.py): a JAX trainer on 4 CPU devices
+Each case runs in two processes (tests/vllm_cases.py; the four cases of a JAX trainer and
+a TP=2-sized engine one after another in one launch of the two): a JAX trainer on 4 CPU devices
 (mesh fsdp=2 x tp=2; or a torch trainer holding a plain HF state dict) that serves the
 world and drives the engine, and an engine process with
 ``LLM(..., weight_transfer_config={"backend": "xreshard"})`` at TP=1 or TP=2. Three
@@ -60,6 +61,47 @@ def _expected_shard_bytes(tp: int, rank: int, itemsize: int, c: dict = cases.CON
     return (vocab_rows * D + c["num_hidden_layers"] * layer + D) * itemsize
 
 
+#: the cases of a JAX trainer (4 CPU devices) and one TP=2-sized engine process: run one after
+#: another in one launch (:func:`tp2_runs`), key -> (kind of ``cases.SERIES``, args)
+TP2_RUNS = {"2-float32-jax": ("checkpoint", (2, "float32")),
+            "2-bfloat16-jax": ("checkpoint", (2, "bfloat16")),
+            "moe-ep": ("digest", ("moe-ep",)), "pp": ("digest", ("pp",))}
+
+
+def _tp2_key(item: pytest.Item) -> str | None:
+    """The run of :data:`TP2_RUNS` a collected test of this module needs, if any."""
+    params = getattr(getattr(item, "callspec", None), "params", {})
+    if params.get("tp") == 2 and params.get("kind") == "jax":
+        return f"2-{params['dtype']}-jax"
+    return {"test_expert_parallel_engine_gets_each_expert_on_its_rank_only": "moe-ep",
+            "test_pipeline_parallel_engine_gets_each_stage_its_layers_only": "pp"}.get(
+        getattr(item, "originalname", item.name))
+
+
+@pytest.fixture(scope="module")
+def tp2_runs(request, tmp_path_factory) -> dict:
+    """The selected runs of :data:`TP2_RUNS` in ONE launch of the same two processes (each
+    its own world, store, model folder and ``LLM``; the engine process at TP=2 keeps its
+    engine core, its workers are processes): the trainer's JAX and the engine process's
+    vLLM start once, not once per case. key -> (trainer's value, engine's value); a case
+    that raised raises its traceback in its own test."""
+    keys = {_tp2_key(item) for item in request.session.items if item.module is request.module}
+    runs = [(key, *TP2_RUNS[key]) for key in TP2_RUNS if key in keys]
+    roles = [Role("jax", "trainer", 0, num_devices=4),
+             Role("plain", "engine", 0, env={"VLLM_CPU_KVCACHE_SPACE": "1", **ENGINE_ENV[2]})]
+    results = launch([cases.series, cases.series], roles,
+                     args=(runs, str(tmp_path_factory.mktemp("tp2"))), timeout=300 * len(runs))
+    return {key: tuple(r.value[key] for r in results) for key, _, _ in runs}
+
+
+def _tp2_run(request, key: str) -> tuple[dict, dict]:
+    """The trainer's and the engine's values of run ``key`` of the shared launch."""
+    values = request.getfixturevalue("tp2_runs")[key]
+    for v in values:
+        assert "error" not in v, v["error"]
+    return values[0]["value"], values[1]["value"]
+
+
 #: every pair of (TP, dtype, trainer) values is in some case: (1, bf16, jax) was dropped as
 #: a duplicate, its JAX sender's bf16 cast and refused rounds being (2, bf16, jax)'s and its
 #: in-process TP=1 engine loading a bf16 wire being (1, bf16, torch)'s (one engine launch
@@ -67,14 +109,17 @@ def _expected_shard_bytes(tp: int, rank: int, itemsize: int, c: dict = cases.CON
 @pytest.mark.slow
 @pytest.mark.parametrize("tp,dtype,kind", [(1, "float32", "jax-stream"), (2, "float32", "jax"),
                                            (2, "bfloat16", "jax"), (1, "bfloat16", "torch")])
-def test_trainer_refits_vllm_engine_like_a_checkpoint_load(tp, dtype, kind, tmp_path):
-    trainer_role = Role("jax", "trainer", 0, num_devices=4) if kind.startswith("jax") else \
-        Role("torch", "trainer", 0)
-    roles = [trainer_role,
-             Role("plain", "engine", 0, env={"VLLM_CPU_KVCACHE_SPACE": "1", **ENGINE_ENV[tp]})]
-    results = launch([cases.trainer, cases.engine], roles,
-                     args=(tp, dtype, str(tmp_path), kind), timeout=300)
-    trainer, engine = results[0].value, results[1].value
+def test_trainer_refits_vllm_engine_like_a_checkpoint_load(tp, dtype, kind, tmp_path, request):
+    if tp == 2 and kind == "jax":       # in the shared launch of the TP=2 cases
+        trainer, engine = _tp2_run(request, f"{tp}-{dtype}-{kind}")
+    else:
+        trainer_role = Role("jax", "trainer", 0, num_devices=4) if kind.startswith("jax") \
+            else Role("torch", "trainer", 0)
+        roles = [trainer_role, Role("plain", "engine", 0,
+                                    env={"VLLM_CPU_KVCACHE_SPACE": "1", **ENGINE_ENV[tp]})]
+        results = launch([cases.trainer, cases.engine], roles,
+                         args=(tp, dtype, str(tmp_path), kind), timeout=300)
+        trainer, engine = results[0].value, results[1].value
     assert engine["rounds"] == 4
     rounds = trainer["rounds"]
     assert [r["name"] for r in rounds] == ["A", "B", "A"]
@@ -322,11 +367,8 @@ def test_named_binding_refuses_a_shard_cut_by_a_reshape():
         bind_named({"q": kernel}, NameMap([rule]), ranks)
 
 
-def _digest_rounds(case: str, tmp_path) -> list[dict]:
-    roles = [Role("jax", "trainer", 0, num_devices=4),
-             Role("plain", "engine", 0, env={"VLLM_CPU_KVCACHE_SPACE": "1", **ENGINE_ENV[2]})]
-    rounds = launch([cases.digest_trainer, cases.digest_engine], roles,
-                    args=(case, str(tmp_path)), timeout=300)[0].value["rounds"]
+def _digest_rounds(case: str, request) -> list[dict]:
+    rounds = _tp2_run(request, case)[0]["rounds"]      # in the shared launch of TP=2 cases
     assert [r["name"] for r in rounds] == ["B", "A"]
     for r in rounds:
         # every processed weight of every worker equals vLLM loading the checkpoint itself
@@ -348,12 +390,12 @@ def _changed(rounds: list[dict], worker: int) -> set[str]:
 
 
 @pytest.mark.slow
-def test_expert_parallel_engine_gets_each_expert_on_its_rank_only(tmp_path):
+def test_expert_parallel_engine_gets_each_expert_on_its_rank_only(request):
     """Mixtral at TP=2 with ``enable_expert_parallel``, refit from a JAX trainer whose
     stacked experts ``[E, D, I]`` are split over "fsdp" and their I over "tp": each vLLM
     rank receives its two experts whole (gathered from the trainer's pieces of them) and
     its attention shards."""
-    rounds = _digest_rounds("moe-ep", tmp_path)
+    rounds = _digest_rounds("moe-ep", request)
     c = cases.MOE_CONFIG
     V, D, I, L = c["vocab_size"], c["hidden_size"], c["intermediate_size"], \
         c["num_hidden_layers"]
@@ -375,10 +417,10 @@ def test_expert_parallel_engine_gets_each_expert_on_its_rank_only(tmp_path):
 
 
 @pytest.mark.slow
-def test_pipeline_parallel_engine_gets_each_stage_its_layers_only(tmp_path):
+def test_pipeline_parallel_engine_gets_each_stage_its_layers_only(request):
     """Qwen2 over two pipeline stages, refit from the JAX trainer: stage 0 receives the
     embedding and layer 0, stage 1 layer 1, the final norm and the tied head."""
-    rounds = _digest_rounds("pp", tmp_path)
+    rounds = _digest_rounds("pp", request)
     c = cases.CONFIG
     V, D, I = c["vocab_size"], c["hidden_size"], c["intermediate_size"]
     H, KV = c["num_attention_heads"], c["num_key_value_heads"]

@@ -154,8 +154,10 @@ def loss_trainer(ctx: Any, tmp: str) -> dict:
         rounds["fail-B"] = update(engine, "B", "A", {})
         rounds["fail-C"] = update(engine, "C", "C", {0: clients[0]})
     finally:
-        clients[0].call("stop")
+        # engine 0's worker leaves the world first: stopped before, engine 0 would leave
+        # the shutdown's call unanswered for the client's whole RPC timeout (240 s)
         engine.shutdown()
+        clients[0].call("stop")
     return {"rounds": rounds}
 
 

@@ -262,9 +262,9 @@ class StoreClient:
     process (:func:`serve_requests`) answers. ``check``/``stop`` drive the test."""
 
     def __init__(self, address: str, engine: int = 0, timeout: float = RPC_TIMEOUT,
-                 start_timeout: float = ENGINE_START_TIMEOUT) -> None:
+                 start_timeout: float = ENGINE_START_TIMEOUT, run: str = "") -> None:
         self.store, self.timeout, self.n = _store(address, timeout), timeout, 0
-        self.prefix = f"engine{engine}/"
+        self.prefix = f"{run}engine{engine}/"
         _wait(self.store, self.prefix + "ready", start_timeout)
 
     def call(self, method: str, **kwargs: Any) -> Any:
@@ -292,11 +292,12 @@ class StoreClient:
         self.call("finish_weight_update", weight_version=weight_version)
 
 
-def serve_requests(ctx: Any, llm: Any, store: Any, handlers: dict) -> None:
-    """Say the engine is ready, then answer its trainer's calls until "stop"."""
+def serve_requests(ctx: Any, llm: Any, store: Any, handlers: dict, run: str = "") -> None:
+    """Say the engine is ready, then answer its trainer's calls until "stop" (``run``: the
+    keys' prefix of one case of :func:`series`)."""
     from xreshard.adapters.vllm import LLMClient
 
-    prefix = f"engine{ctx.role.index}/"
+    prefix = f"{run}engine{ctx.role.index}/"
     store.set(prefix + "ready", "1")
     client = LLMClient(llm)
     n = 0
@@ -350,7 +351,7 @@ def check_against_reload(llm: Any, weights_path: str) -> dict:
             "weight_version": llm.get_weight_version()}
 
 
-def engine(ctx: Any, tp: int, dtype: str, tmp: str, kind: str = "jax") -> dict:
+def engine(ctx: Any, tp: int, dtype: str, tmp: str, kind: str = "jax", run: str = "") -> dict:
     """Build the engine, then answer the trainer's requests until it says stop."""
     from vllm import LLM
 
@@ -389,13 +390,14 @@ def engine(ctx: Any, tp: int, dtype: str, tmp: str, kind: str = "jax") -> dict:
         return out
 
     try:
-        serve_requests(ctx, llm, control, {"check": check, "stop": lambda: None})
+        serve_requests(ctx, llm, control, {"check": check, "stop": lambda: None}, run)
     finally:    # launched children end with os._exit: stop the engine core and its workers
         llm.llm_engine.engine_core.shutdown()
     return {"start_seconds": start_seconds, "rounds": len(rounds)}
 
 
-def trainer(ctx: Any, tp: int, dtype: str, tmp: str, kind: str = "jax") -> dict:
+def trainer(ctx: Any, tp: int, dtype: str, tmp: str, kind: str = "jax",
+            run: str = "") -> dict:
     """Serve the world, hand it to the engine, refit A -> B -> A, check each round.
 
     ``kind`` "jax": a pytree sharded over 4 CPU devices, named by the JAX Llama rules;
@@ -426,7 +428,7 @@ def trainer(ctx: Any, tp: int, dtype: str, tmp: str, kind: str = "jax") -> dict:
 
         def make(flat: dict) -> Any:
             return {n: torch.from_numpy(a) for n, a in hf_tensors(flat).items()}
-    client = StoreClient(ctx.address)
+    client = StoreClient(ctx.address, run=run)
     info = XreshardTrainerInitInfo(rank=0, engine_world_size=tp, timeout=REFIT_TIMEOUT,
                                    wire_dtype=None if dtype == "float32" else dtype, **naming)
     t0 = time.monotonic()
@@ -571,7 +573,7 @@ def write_moe_dir(path: str, seed: int) -> None:
     save_checkpoint(init_params(seed, moe_tree_shapes()), path, moe_rules())
 
 
-def digest_engine(ctx: Any, case: str, tmp: str) -> dict:
+def digest_engine(ctx: Any, case: str, tmp: str, run: str = "") -> dict:
     """An engine vLLM's CPU kernels cannot run forward in: a TP=2 Mixtral with expert
     parallelism ("moe-ep": the CPU fused-MoE kernel crashes) or a Qwen2 over two pipeline
     stages ("pp": the CPU runner fails its first step). It loads, reloads and records all
@@ -600,13 +602,13 @@ def digest_engine(ctx: Any, case: str, tmp: str) -> dict:
                 "reports": reports}
 
     try:
-        serve_requests(ctx, llm, control, {"check": check, "stop": lambda: None})
+        serve_requests(ctx, llm, control, {"check": check, "stop": lambda: None}, run)
     finally:
         llm.llm_engine.engine_core.shutdown()
     return {}
 
 
-def digest_trainer(ctx: Any, case: str, tmp: str) -> dict:
+def digest_trainer(ctx: Any, case: str, tmp: str, run: str = "") -> dict:
     """Refit the engine B -> A from the JAX trainer (fp32 on 4 CPU devices, bf16 on the
     wire): the dense tree for "pp", the Mixtral tree with stacked experts for "moe-ep"."""
     import jax
@@ -623,7 +625,7 @@ def digest_trainer(ctx: Any, case: str, tmp: str) -> dict:
         return shard(init_params(seed, shapes), mesh, shapes)
     for name, seed in (("A", 0), ("B", 1)):
         save_checkpoint(init_params(seed, shapes), os.path.join(tmp, name), table)
-    client = StoreClient(ctx.address)
+    client = StoreClient(ctx.address, run=run)
     engine = XreshardTrainerWeightTransferEngine.trainer_init(
         XreshardTrainerInitInfo(rank=0, engine_world_size=2, timeout=REFIT_TIMEOUT, **naming),
         client=client)
@@ -637,6 +639,34 @@ def digest_trainer(ctx: Any, case: str, tmp: str) -> dict:
         client.call("stop")
         engine.shutdown()
     return {"rounds": rounds}
+
+
+# ---------------------------------------------------------------------------- cases in series
+
+#: a case kind of :func:`series` -> its (trainer, engine) functions
+SERIES = {"checkpoint": (trainer, engine), "digest": (digest_trainer, digest_engine)}
+
+
+def series(ctx: Any, runs: list, tmp: str) -> dict:
+    """Engine cases of the same two roles one after another in one launch (the trainer's
+    JAX and the engine process's vLLM imported once, not once per case): each ``(key,
+    kind, args)`` of ``runs`` is ``SERIES[kind]``'s function of this role with ``args``,
+    in a folder of its own, on control keys of its own; each trainer serves its own store
+    and world, each engine builds its own ``LLM`` and shuts it down before the next. A case
+    that raises is recorded (key -> ``{"error": traceback}``) and the next one runs, so a
+    failure fails its own test only. Returns key -> ``{"value": ...}`` or the error."""
+    import traceback
+
+    side = 0 if ctx.role.group == "trainer" else 1
+    out: dict[str, Any] = {}
+    for key, kind, args in runs:
+        folder = os.path.join(tmp, key)
+        os.makedirs(folder, exist_ok=True)
+        try:
+            out[key] = {"value": SERIES[kind][side](ctx, *args, folder, run=f"{key}/")}
+        except Exception:  # noqa: BLE001 - the test shows it
+            out[key] = {"error": traceback.format_exc()}
+    return out
 
 
 # ---------------------------------------------------------------------------- several engines
