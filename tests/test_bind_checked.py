@@ -29,15 +29,9 @@ try:
 except ImportError:  # pragma: no cover - the jax extra is not installed
     jax = None  # type: ignore[assignment]
 
+from .test_bind_cache import _mesh4
+
 pytestmark = pytest.mark.skipif(jax is None, reason="needs jax: pip install 'xreshard[jax]'")
-
-
-def _mesh4() -> tuple:
-    devices = jax.devices()
-    if len(devices) < 4:
-        pytest.skip(f"needs 4 JAX CPU devices (JAX_NUM_CPU_DEVICES=8), found {len(devices)}")
-    mesh = jax.sharding.Mesh(np.array(devices[:4]).reshape(2, 2), ("a", "b"))
-    return mesh, {d.id: i for i, d in enumerate(devices[:4])}
 
 
 def _tree(mesh) -> dict:

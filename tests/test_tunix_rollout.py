@@ -466,6 +466,19 @@ def test_lora_sync_refits_only_the_adapter_as_vllm_loads_it(tmp_path):
         rollout.shutdown()
 
 
+def _step_and_refit_unseen(rollout, model) -> None:
+    """A stand-in optimizer step on ``model``'s params, refit through ``rollout`` with every
+    host transfer of the trainer forbidden; nothing lands in the trainer process."""
+    from xreshard.runtime.commcount import count_comm
+
+    state = nnx.state(model, nnx.Param)
+    nnx.update(model, jax.tree_util.tree_map(lambda x: x * 1.5 - 0.01, state))
+    with count_comm() as counts, jax.transfer_guard_device_to_host("disallow_explicit"), \
+            jax.transfer_guard_host_to_device("disallow_explicit"):
+        rollout.update_params(nnx.state(model, nnx.Param), (nnx.Param,))
+    assert counts.total_received == 0
+
+
 def _engine_equals_vllms_own_load(rollout, model) -> bool:
     """Every tensor the engine holds equals vLLM's own load of ``model``'s weights (a
     safetensors checkpoint through the same naming table), byte for byte."""
@@ -493,8 +506,6 @@ def test_gemma_rollout_refits_a_vllm_engine_exactly(case):
     trainer process, each rank received exactly its shard, and greedy answers are vLLM's."""
     from tunix.rl.rollout import base_rollout
 
-    from xreshard.runtime.commcount import count_comm
-
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0|1")
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("fsdp", "tp"))
@@ -508,12 +519,7 @@ def test_gemma_rollout_refits_a_vllm_engine_exactly(case):
                                      rollout_config=config, tensor_parallel_size=2)
     prompts = [[6, 4, 7, 4, 39], [5, 10, 39, 3, 3, 8, 9]]
     try:
-        state = nnx.state(model, nnx.Param)
-        nnx.update(model, jax.tree_util.tree_map(lambda x: x * 1.5 - 0.01, state))
-        with count_comm() as counts, jax.transfer_guard_device_to_host("disallow_explicit"), \
-                jax.transfer_guard_host_to_device("disallow_explicit"):
-            rollout.update_params(nnx.state(model, nnx.Param), (nnx.Param,))
-        assert counts.total_received == 0          # nothing landed in the trainer process
+        _step_and_refit_unseen(rollout, model)
         reports = rollout.transfer_reports()
         assert [w["bytes_received"] for w in reports] == [w["shard_bytes"] for w in reports]
         got = _greedy(rollout.llm, prompts)
@@ -557,8 +563,6 @@ def test_rollout_refits_a_block_fp8_engine_as_vllm_loads_its_checkpoint(tmp_path
     from tunix.rl.rollout import base_rollout
     from vllm.utils.deep_gemm import per_block_cast_to_fp8
 
-    from xreshard.runtime.commcount import count_comm
-
     from .tunix_fp8_worker import WORKER_EXTENSION
 
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -581,12 +585,8 @@ def test_rollout_refits_a_block_fp8_engine_as_vllm_loads_its_checkpoint(tmp_path
         tensor_parallel_size=2, hf_config={"quantization_config": FP8_BLOCK},
         engine_kwargs={"quantization": "fp8", "worker_extension_cls": WORKER_EXTENSION})
     try:
+        _step_and_refit_unseen(rollout, model)
         state = nnx.state(model, nnx.Param)
-        nnx.update(model, jax.tree_util.tree_map(lambda x: x * 1.5 - 0.01, state))
-        with count_comm() as counts, jax.transfer_guard_device_to_host("disallow_explicit"), \
-                jax.transfer_guard_host_to_device("disallow_explicit"):
-            rollout.update_params(nnx.state(model, nnx.Param), (nnx.Param,))
-        assert counts.total_received == 0          # nothing landed in the trainer process
         # quantized on the way: e4m3 codes (+ scales) on the wire, not bf16 values
         q = rollout.last_report.quantized
         assert q is not None and q["fp8_world"] > 0, q
