@@ -37,8 +37,8 @@ def copy_into(xp: Any, out: Any, out_dtype: str, src: Any, src_dtype: str) -> No
     value-cast, on numpy and CuPy alike.
 
     A 2-D source or destination whose inner dim is the strided one (a transposed Flax
-    kernel) is copied in square tiles so both sides stay in cache: numpy's plain strided
-    copy of a transpose runs at a fraction of memory bandwidth.
+    kernel) is copied in tiles so both sides stay in cache (:func:`_transposed_into`):
+    numpy's plain strided copy of a transpose runs at a fraction of memory bandwidth.
     """
     if out_dtype == src_dtype:
         out, src = bits(out), bits(src)
@@ -50,14 +50,55 @@ def copy_into(xp: Any, out: Any, out_dtype: str, src: Any, src_dtype: str) -> No
         casting = "unsafe"
     if xp is np and out.ndim == 2 and out.size > _TILE * _TILE and (
             src.strides[0] < src.strides[1] or out.strides[0] < out.strides[1]):
-        # 512 x 512 two-byte tiles ran ~20% faster than 256 x 256 here (bf16 kernels)
-        t = 2 * _TILE if out.dtype.itemsize <= 2 else _TILE
-        rows, cols = out.shape
-        for i in range(0, rows, t):
-            for j in range(0, cols, t):
-                np.copyto(out[i:i + t, j:j + t], src[i:i + t, j:j + t], casting=casting)
+        _transposed_into(out, src, casting)
         return
     xp.copyto(out, src, casting=casting)
+
+
+# A transposing copy reads one side down its columns: each of a tile's columns is a run of
+# cache lines one row stride apart. When that stride is a multiple of 1 KiB (a kernel of
+# 512, 1024, 4096 or 14336 bf16 columns) those lines fall into a few cache sets and evict
+# each other before the tile is done with them (square tiles ran at 0.6 GB/s on a
+# 4096 x 4096 bf16 kernel against 2-4 GB/s on other widths). Such a copy goes through a
+# small scratch block whose row pitch is not a multiple of it: one copy of plain row runs
+# into it, then the transposing copy out of it, which stays in cache.
+_CONFLICT = 1024        # bytes: a column stride that is a multiple of it thrashes
+_STRIP = 128            # rows of the destination per scratch block
+_CHUNK = 512            # columns of the destination per scratch block
+_PAD = 8                # elements: the scratch's pitch is _STRIP + _PAD
+
+
+def _transposed_into(out: np.ndarray, src: np.ndarray, casting: Any) -> None:
+    """``out[...] = src`` for 2-D host arrays one of which walks its rows contiguously and
+    the other its columns (``benchmarks/bench_transpose.py`` times the tilings)."""
+    if out.strides[0] < out.strides[1]:
+        out, src = out.T, src.T         # the same copy, in the destination's row order
+    rows, cols = out.shape
+    if _through_scratch(out, src):
+        h = min(rows, _STRIP)
+        scratch = np.empty((min(cols, _CHUNK), h + _PAD), src.dtype)
+        columns = src.T                 # columns[j, i] == src[i, j], rows contiguous
+        for i in range(0, rows, h):
+            n = min(h, rows - i)
+            for j in range(0, cols, _CHUNK):
+                m = min(_CHUNK, cols - j)
+                block = scratch[:m, :n]
+                np.copyto(block, columns[j:j + m, i:i + n])
+                np.copyto(out[i:i + n, j:j + m], block.T, casting=casting)
+        return
+    # 512 x 512 two-byte tiles ran ~20% faster than 256 x 256 here (bf16 kernels)
+    t = 2 * _TILE if out.dtype.itemsize <= 2 else _TILE
+    for i in range(0, rows, t):
+        for j in range(0, cols, t):
+            np.copyto(out[i:i + t, j:j + t], src[i:i + t, j:j + t], casting=casting)
+
+
+def _through_scratch(out: np.ndarray, src: np.ndarray) -> bool:
+    """Whether :func:`_transposed_into` copies ``out[...] = src`` (``out`` in row order)
+    through a scratch block: ``out``'s rows and ``src``'s columns are contiguous and
+    ``src``'s column stride is a multiple of ``_CONFLICT`` bytes."""
+    return (out.strides[1] == out.dtype.itemsize and src.strides[0] == src.dtype.itemsize
+            and src.strides[1] % _CONFLICT == 0)
 
 
 def widened(out: Any, src: Any, ptr: Callable[[Any], int]) -> tuple[Any, Any]:
