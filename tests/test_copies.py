@@ -31,12 +31,14 @@ def _kernel(rng, shape, dtype):
 # (the row-major kernel's shape, the region of its transpose copied, dtype, whether packing
 # it / unpacking into it takes the scratch block: the pitch of the side read down its
 # columns (the kernel's when packing, the region's in staging when unpacking) is a multiple
-# of 1 KiB); every region exceeds 256 x 256 elements (smaller ones are one numpy copy)
+# of 1 KiB for bf16 tiles, 2 KiB for fp32 ones); every region exceeds 256 x 256 elements
+# (smaller ones are one numpy copy)
 CASES = [
     ((1024, 129), np.s_[:, :], "bfloat16", False, True),     # pitch 258 B / 2 KiB
     ((513, 300), np.s_[:, :], "float32", False, False),      # 1200 B / 2052 B
     ((513, 512), np.s_[:, :], "bfloat16", True, False),      # 512 x 513: one past a chunk
-    ((1000, 256), np.s_[:, :], "float32", True, False),      # 256 x 1000, fp32
+    ((1000, 512), np.s_[:, :], "float32", True, False),      # 512 x 1000, fp32, 2 KiB
+    ((700, 256), np.s_[:, :], "float32", False, False),      # 1 KiB pitch: fp32 tiles
     ((512, 640), np.s_[:, :], "bfloat16", False, True),      # 640 x 512
     ((1537, 4096), np.s_[10:139, 3:900], "bfloat16", True, False),  # 129 x 897, 8 KiB pitch
     ((1100, 4096), np.s_[7:300, 1:1025], "bfloat16", True, True),    # 293 x 1024, 2 B in
@@ -79,7 +81,7 @@ def test_a_transposed_destination_is_unpacked_bit_exact(kshape, region, dtype, _
     assert (kernel[untouched] == 7).all()
 
 
-@pytest.mark.parametrize("kshape, region", [((1000, 256), np.s_[:, :]),
+@pytest.mark.parametrize("kshape, region", [((1000, 512), np.s_[:, :]),
                                             ((1537, 1024), np.s_[10:139, 3:900]),
                                             ((300, 513), np.s_[:, :])])
 def test_a_transposing_copy_that_casts_gives_numpys_values(kshape, region):

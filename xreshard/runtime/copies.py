@@ -55,14 +55,16 @@ def copy_into(xp: Any, out: Any, out_dtype: str, src: Any, src_dtype: str) -> No
     xp.copyto(out, src, casting=casting)
 
 
-# A transposing copy reads one side down its columns: each of a tile's columns is a run of
-# cache lines one row stride apart. When that stride is a multiple of 1 KiB (a kernel of
-# 512, 1024, 4096 or 14336 bf16 columns) those lines fall into a few cache sets and evict
-# each other before the tile is done with them (square tiles ran at 0.6 GB/s on a
-# 4096 x 4096 bf16 kernel against 2-4 GB/s on other widths). Such a copy goes through a
-# small scratch block whose row pitch is not a multiple of it: one copy of plain row runs
-# into it, then the transposing copy out of it, which stays in cache.
-_CONFLICT = 1024        # bytes: a column stride that is a multiple of it thrashes
+# A transposing copy reads one side down its columns: each of a square tile's t columns
+# (t = 512 two-byte or 256 wider elements) is a run of cache lines one row stride apart.
+# When that stride is a multiple of a large power of two (a kernel of 512, 1024, 4096 or
+# 14336 bf16 columns) those lines fall into a few cache sets and evict each other before
+# the tile is done with them: square tiles ran at 0.6 GB/s on a 4096 x 4096 bf16 kernel
+# against 2-4 GB/s on other widths. Such a copy (the stride's power-of-two factor times t
+# reaches _CONFLICT) goes through a small scratch block whose row pitch is not a multiple
+# of it: one copy of plain row runs into it, then the transposing copy out of it, which
+# stays in cache. Below that (a stride of 19 x 1 KiB with fp32 tiles) the tiles ran as fast.
+_CONFLICT = 512 * 1024  # bytes: power-of-two factor of the column stride x tile columns
 _STRIP = 128            # rows of the destination per scratch block
 _CHUNK = 512            # columns of the destination per scratch block
 _PAD = 8                # elements: the scratch's pitch is _STRIP + _PAD
@@ -86,19 +88,25 @@ def _transposed_into(out: np.ndarray, src: np.ndarray, casting: Any) -> None:
                 np.copyto(block, columns[j:j + m, i:i + n])
                 np.copyto(out[i:i + n, j:j + m], block.T, casting=casting)
         return
-    # 512 x 512 two-byte tiles ran ~20% faster than 256 x 256 here (bf16 kernels)
-    t = 2 * _TILE if out.dtype.itemsize <= 2 else _TILE
+    t = _tile(out)
     for i in range(0, rows, t):
         for j in range(0, cols, t):
             np.copyto(out[i:i + t, j:j + t], src[i:i + t, j:j + t], casting=casting)
 
 
+def _tile(out: np.ndarray) -> int:
+    # 512 x 512 two-byte tiles ran ~20% faster than 256 x 256 here (bf16 kernels)
+    return 2 * _TILE if out.dtype.itemsize <= 2 else _TILE
+
+
 def _through_scratch(out: np.ndarray, src: np.ndarray) -> bool:
     """Whether :func:`_transposed_into` copies ``out[...] = src`` (``out`` in row order)
-    through a scratch block: ``out``'s rows and ``src``'s columns are contiguous and
-    ``src``'s column stride is a multiple of ``_CONFLICT`` bytes."""
+    through a scratch block: ``out``'s rows and ``src``'s columns are contiguous and the
+    largest power of two dividing ``src``'s column stride, times the tile's columns,
+    reaches ``_CONFLICT``."""
+    stride = abs(src.strides[1])
     return (out.strides[1] == out.dtype.itemsize and src.strides[0] == src.dtype.itemsize
-            and src.strides[1] % _CONFLICT == 0)
+            and (stride & -stride) * _tile(out) >= _CONFLICT)
 
 
 def widened(out: Any, src: Any, ptr: Callable[[Any], int]) -> tuple[Any, Any]:
