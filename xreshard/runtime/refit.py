@@ -389,6 +389,9 @@ class Refit:
             # reach the outcome at once, not at their timeout (and are not left out of it)
             me = self.world.describe_process(self.world.process_index)
             self.world.transports.abort(f"{me} failed while moving: {error[0]}: {error[1]}")
+        # nothing reads the sources after the move: free their views (thousands of views
+        # of JAX buffers) now, while the peers finish unpacking, not after the outcome
+        call.src = call.bindings = None
         try:
             fields = self._commit(call, error)
         except BaseException:
