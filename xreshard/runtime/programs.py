@@ -86,6 +86,9 @@ class Run(NamedTuple):
     bits: Any
     typed: Any
     """The numpy dtype of the run's items (None unless ``small``)."""
+    keys: tuple | None = None
+    """The steps' binding keys when every step is ``whole`` (its binding is the item as
+    it is: gathered by key, no slicing), else None."""
 
 
 def canonical_wire(wire_dtypes: Mapping[str, Any]) -> dict[str, str]:
@@ -196,8 +199,13 @@ class Programs:
         ``Executor._unpack_host``), or None."""
         return self._cache.get((id(b), "landing"))
 
-    def keep_landing(self, b: Bucket, landing: Any) -> None:
-        self._cache[(id(b), "landing")] = landing
+    def keep_landing(self, b: Bucket, base: Any, at: int, pairs: list | None) -> None:
+        """Keep bucket ``b``'s host unpack from staging ``base`` at address ``at``:
+        ``pairs`` of (key, binding, destination view, staging view) per item, or None:
+        as ``(base, at, [(destination, staging)], [key], [binding])``."""
+        self._cache[(id(b), "landing")] = None if not pairs else (
+            base, at, [(d, s) for _, _, d, s in pairs], [k for k, _, _, _ in pairs],
+            [a for _, a, _, _ in pairs])
 
     def runs(self, b: Bucket, side: int) -> tuple[Run, ...]:
         """Bucket ``b``'s program cut into :class:`Run` s (see there)."""
@@ -214,6 +222,7 @@ class Programs:
             else:
                 raw.append([small, [e], e.hi, e.bits, e.dtype])
         runs = self._cache[key] = tuple(
-            Run(small, tuple(es), es[0].lo, hi, bits, numpy_dtype(dtype) if small else None)
+            Run(small, tuple(es), es[0].lo, hi, bits, numpy_dtype(dtype) if small else None,
+                tuple(e.key for e in es) if all(e.whole for e in es) else None)
             for small, es, hi, bits, dtype in raw)
         return runs
