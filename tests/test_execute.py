@@ -174,3 +174,20 @@ def test_a_warm_unpack_lands_in_a_destination_replaced_between_runs():
             want = local_arrays_from_global(dst[n], r, values[n])
             assert arr.tobytes() == want.tobytes(), (run, r, n)
     assert not old.any()
+
+
+def test_programs_name_the_wire_dtypes_once_per_prepared_call():
+    """A warm call's programs find the wire dtypes named by the call before (the same
+    stage tables' objects), not renamed per tensor each call; other tables are named anew."""
+    import ml_dtypes
+    from xreshard.runtime.programs import Programs, Tables
+
+    lay = xr.Layout.from_placements((4, 4), "float32", xr.Mesh((2,)), ["S0"])
+    wire = {"a": "float32", "b": np.dtype(ml_dtypes.bfloat16)}
+    tables = (Tables({"a": lay, "b": lay}, {"a": lay, "b": lay}, wire, {}, {}),)
+    cache: dict = {}
+    first = Programs(tables, cache).wire(0)
+    assert first == {"a": "float32", "b": "bfloat16"}
+    assert Programs(tables, cache).wire(0) is first
+    other = (tables[0]._replace(wire_dtypes={"a": "bfloat16", "b": "float32"}),)
+    assert Programs(other, cache).wire(0) == {"a": "bfloat16", "b": "float32"}

@@ -128,8 +128,15 @@ class Programs:
                  quant: Any = None):
         self._tables = tables
         self._quant = quant
-        self._wire = tuple(canonical_wire(t.wire_dtypes) for t in tables)
         self._cache: dict = {} if cache is None else cache
+        # the wire dtypes of a prepared call are the same objects call after call: named
+        # once per call, not once per tensor and call
+        given = tuple(t.wire_dtypes for t in tables)
+        kept = self._cache.get("wire")
+        if kept is None or len(kept[0]) != len(given) or any(
+                a is not b for a, b in zip(kept[0], given)):
+            kept = self._cache["wire"] = (given, tuple(map(canonical_wire, given)))
+        self._wire = kept[1]
 
     def wire(self, stage: int) -> Mapping[str, str]:
         return self._wire[stage]
