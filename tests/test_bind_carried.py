@@ -135,3 +135,18 @@ def test_a_bound_handed_to_the_caller_is_never_vouched_for(gloo1):
         bound = xtorch.bind(state, "receive", ranks={0: 0}, local_ranks=[0], memo=memo,
                             cache=cache)
         assert not bound.checked and _check(bound) == []
+
+
+def test_a_side_with_any_problem_has_not_passed(gloo1):
+    """``Bound.passed`` means nothing at all was wrong with the side: an adapter's error or
+    a rank of another process counts, so the next call's side is walked."""
+    memo, cache = LayoutMemo(), {}
+    state = {"w": _dt(gloo1, torch.zeros(4, 3))}
+    good = _refit_bind(state, cache, memo)
+    assert _check(good) == [] and good.passed
+    good.errors.append("something the adapter found")
+    assert _check(good) != [] and not good.passed
+    assert not _refit_bind(state, cache, memo).checked       # the last one did not pass
+    other = _refit_bind(state, {}, memo)
+    assert side_problems({"receive": other}, [1], lambda r: r == 1, None) != []
+    assert not other.passed

@@ -429,11 +429,11 @@ def side_problems(sides: Mapping[str, Bound | None], local_ranks: Iterable[int],
     for side, bound in sides.items():
         if bound is None:
             continue
+        before = len(out)
         out += [["RefitError", e] for e in bound.errors]
         for name in bound.layouts:
             if not isinstance(name, str):
                 out.append(["RefitError", f"{side} tensor name {name!r} is not a str"])
-        before = len(out)
         problems = [] if bound.checked else binding_problems(
             bound.layouts, bound.bindings, side, local_ranks=local_ranks)
         if problems:

@@ -54,7 +54,7 @@ class Call:
         self.tuning = refit.tuning
         self.src: Any = None
         """This process's bound sending side (a ``Bound``), or None; None again once the
-        call moved (its views are freed before the outcome exchange)."""
+        call moved (its views are freed while the outcome is exchanged)."""
         self.dst: Any = None
         """Its bound receiving side (the real destinations, not their staging)."""
         self.errors: list[list[str]] = []
