@@ -107,8 +107,29 @@ def _calls(refit: Any, side: dict, reps: int, profile: int = 0, sort: str = "cum
     return out
 
 
+#: the steps of a call ``--phases`` times (methods of ``Refit``), in call order
+PHASES = ("_bind_sides", "_prepare", "_move", "_commit")
+
+
+def _time_phases(refit: Any) -> dict[str, list]:
+    """Wrap the refit's steps so each call appends (wall, CPU) seconds per step; the rest
+    of a call (freeing its objects, the world's entry and exit) is its total minus them."""
+    out: dict[str, list] = {p: [] for p in PHASES}
+    for phase in PHASES:
+        inner = getattr(refit, phase)
+
+        def timed(*args: Any, _inner: Any = inner, _phase: str = phase) -> Any:
+            t0, c0 = time.perf_counter(), time.process_time()
+            try:
+                return _inner(*args)
+            finally:
+                out[_phase].append((time.perf_counter() - t0, time.process_time() - c0))
+        setattr(refit, phase, timed)
+    return out
+
+
 def child(ctx: Any, n: int, reps: int, profile: int = 0, sort: str = "cumulative",
-          fresh: bool = False) -> dict[str, Any]:
+          fresh: bool = False, phases: bool = False) -> dict[str, Any]:
     import numpy as np
     import xreshard as xr
 
@@ -143,8 +164,12 @@ def child(ctx: Any, n: int, reps: int, profile: int = 0, sort: str = "cumulative
             return side
     refit = xr.Refit(world, config=xr.RefitConfig(timeout=300), **side)
     try:
+        steps = _time_phases(refit) if phases else None
         out = _calls(refit, side, reps, profile, sort, fresh=make,
                      barrier=(lambda: world.barrier(timeout=300)) if fresh else None)
+        if steps is not None:       # the warm calls': after the first (and --profile's
+            first = 3 if profile else 1     # two), calls alternate warm, cold
+            out["phases"] = {p: v[first::2] for p, v in steps.items()}
         # one metadata round trip (what refit/check and refit/outcome each cost)
         world.barrier(timeout=300)
         out["round_trip"] = []
@@ -260,6 +285,10 @@ def main() -> None:
     ap.add_argument("--fresh", action="store_true",
                     help="send new JAX arrays every call (params + 0, made outside the timed "
                          "region, then a barrier), as a training loop does")
+    ap.add_argument("--phases", action="store_true",
+                    help="also print each process's warm call step by step (bind, prepare "
+                         "with its check all-gather, move, commit with its outcome "
+                         "all-gather), wall and CPU ms, medians")
     ap.add_argument("--bind", action="store_true",
                     help="split the trainer's binding and check, in this process")
     args = ap.parse_args()
@@ -272,7 +301,8 @@ def main() -> None:
     roles = [Role("jax", "trainer", 0, num_devices=4),
              Role("torch", "rollout", 0), Role("torch", "rollout", 1)]
     results = launch("bench_overhead:child", roles,
-                     args=(args.tensors, args.reps, args.profile, args.sort, args.fresh),
+                     args=(args.tensors, args.reps, args.profile, args.sort, args.fresh,
+                           args.phases),
                      timeout=900)
     print(f"{args.tensors} tensors of {SHAPE} float32, JAX TP=4 -> torch TP=2, "
           f"{'new JAX arrays every call, ' if args.fresh else ''}"
@@ -288,6 +318,23 @@ def main() -> None:
     rtt = max(statistics.median(r.value["round_trip"]) for r in results)
     print(f"\nOne metadata all-gather (a store round trip, what refit/check and refit/outcome "
           f"each cost): {rtt * 1e3:.2f} ms (median of 20, slowest process)")
+    if args.phases:
+        print("\nThe warm call step by step, wall / CPU ms (medians; 'rest' is the call's "
+              "total minus the steps: freeing the call, entering and leaving the world)\n")
+        print("| process | " + " | ".join(PHASES) + " | rest |")
+        print("|---|" + "---|" * (len(PHASES) + 1))
+        for r in results:
+            ph, cells = r.value["phases"], []
+            for p in PHASES:
+                cells.append(f"{statistics.median(w for w, _ in ph[p]) * 1e3:.1f} / "
+                             f"{statistics.median(c for _, c in ph[p]) * 1e3:.1f}")
+            # the first warm call (index 1 of the sequence) is after the plan call
+            walls = [sum(ph[p][i][0] for p in PHASES) for i in range(len(ph[PHASES[0]]))]
+            cpus = [sum(ph[p][i][1] for p in PHASES) for i in range(len(ph[PHASES[0]]))]
+            rest_w = statistics.median(r.value["warm"]) - statistics.median(walls)
+            rest_c = statistics.median(r.value["warm_cpu"]) - statistics.median(cpus)
+            cells.append(f"{rest_w * 1e3:.1f} / {rest_c * 1e3:.1f}")
+            print(f"| {r.role.group}[{r.role.index}] | " + " | ".join(cells) + " |")
     for r in results:
         if r.value.get("profile"):
             print(f"\n{r.role.group}[{r.role.index}]:\n{r.value['profile']}")

@@ -139,3 +139,55 @@ def test_many_small_items_bits_exact_whatever_the_binding_dtype():
             got = arr if isinstance(arr, list) else [arr]
             want = want if isinstance(want, list) else [want]
             assert [g.tobytes() for g in got] == [w.tobytes() for w in want], (pipeline, r, n)
+
+
+def test_a_warm_unpack_lands_in_a_destination_replaced_between_runs():
+    """The host unpack keeps each small bucket's landing (destination and staging views)
+    for the next run of the same schedule; a destination array replaced in the bindings
+    since is written, not the old one, and the others still are."""
+    src_mesh, dst_mesh = xr.Mesh((2,), (0, 1)), xr.Mesh((2,), (2, 3))
+    src = {f"t{i}": xr.Layout.from_placements((4, 3), "float32", src_mesh, ["S0"])
+           for i in range(6)}
+    dst = {n: xr.Layout.from_placements((4, 3), "float32", dst_mesh, ["S1"]) for n in src}
+    plan = xr.plan(src, dst)
+    ranks = list(range(4))
+    sched = schedule(plan, ranks, peer_counts(plan, ranks), bucket_bytes=1 << 20,
+                     staging_bytes=1 << 22)
+    values = {n: np.arange(12, dtype=np.float32).reshape(4, 3) + 100 * i
+              for i, n in enumerate(src)}
+    src_b = {(r, n): local_arrays_from_global(lay, r, values[n]) for n, lay in src.items()
+             for r in lay.ranks}
+    dst_b = {(r, n): np.zeros(lay.local_shape(r), np.float32) for n, lay in dst.items()
+             for r in lay.ranks}
+    arena: dict = {}
+    programs: dict = {}
+    for run in range(3):
+        if run == 2:        # a new array for one destination, the old one zeroed
+            old = dst_b[(2, "t3")]
+            dst_b[(2, "t3")] = np.zeros_like(old)
+            old[...] = 0
+        for a in dst_b.values():
+            a[...] = 0
+        Executor(sched, plan.src_layouts, plan.dst_layouts, plan.wire_dtypes, src_b, dst_b,
+                 LocalTransport(ranks), timeout=10, arena=arena, programs=programs).run()
+        for (r, n), arr in dst_b.items():
+            want = local_arrays_from_global(dst[n], r, values[n])
+            assert arr.tobytes() == want.tobytes(), (run, r, n)
+    assert not old.any()
+
+
+def test_programs_name_the_wire_dtypes_once_per_prepared_call():
+    """A warm call's programs find the wire dtypes named by the call before (the same
+    stage tables' objects), not renamed per tensor each call; other tables are named anew."""
+    import ml_dtypes
+    from xreshard.runtime.programs import Programs, Tables
+
+    lay = xr.Layout.from_placements((4, 4), "float32", xr.Mesh((2,)), ["S0"])
+    wire = {"a": "float32", "b": np.dtype(ml_dtypes.bfloat16)}
+    tables = (Tables({"a": lay, "b": lay}, {"a": lay, "b": lay}, wire, {}, {}),)
+    cache: dict = {}
+    first = Programs(tables, cache).wire(0)
+    assert first == {"a": "float32", "b": "bfloat16"}
+    assert Programs(tables, cache).wire(0) is first
+    other = (tables[0]._replace(wire_dtypes={"a": "bfloat16", "b": "float32"}),)
+    assert Programs(other, cache).wire(0) == {"a": "bfloat16", "b": "float32"}

@@ -28,7 +28,7 @@ from xreshard.extras import require
 from xreshard.dtypes import as_dtype, dtype_name
 from xreshard.errors import LayoutError
 from xreshard.ir.layout import Layout, LayoutMemo, Mesh, Split, splits_of_placements
-from xreshard.runtime.binding import canonical_name
+from xreshard.runtime.binding import canonical_name, carried_over
 
 __all__ = ["Quantized", "Sharded", "bind", "layout_of", "placements_of", "quantized_layouts",
            "tensor_view"]
@@ -527,9 +527,11 @@ def refit_bind(obj: Any, side: str, context: Any) -> Any:
         raise LayoutError("naming rules (Refit(rules=...)) map a JAX pytree being sent; "
                           "torch state dicts are named by their keys (use names= to rename "
                           "them)")
-    return bind(obj, side, ranks=dict(context.ranks) or None, local_ranks=context.local_ranks,
-                names=context.names, transpose=context.transpose, memo=context.memo,
-                cache=context.cache)
+    known = context.cache.get("known")     # the last call's entries (a lookup: the same)
+    return carried_over(bind(obj, side, ranks=dict(context.ranks) or None,
+                             local_ranks=context.local_ranks, names=context.names,
+                             transpose=context.transpose, memo=context.memo,
+                             cache=context.cache), context.cache, known)
 
 
 def bind(obj: Any, side: str, *, ranks: RankMap, local_ranks: Sequence[int], names: Any = None,
@@ -669,11 +671,12 @@ def _bind(obj: Any, side: str, *, ranks: RankMap, local_ranks: Sequence[int], na
             spec, base = None, value
         now[key] = _Known(value, spec, base, _memory(base), name, layout, binding, only)
     cache["context"], cache["known"] = context, now
+    from xreshard.ir.formats import QuantizedTensor
     declared = {}
     for fmt, name, scale in quantized:
         if name in layouts and scale in layouts:
             try:
-                qt = _quantized_tensor(fmt, name, scale, layouts[name])
+                qt = QuantizedTensor(name, scale, fmt, layouts[name].shape)
                 qt.check_layouts(layouts[name], layouts[scale])
                 declared[name] = qt
             except LayoutError as e:
@@ -693,8 +696,3 @@ def _expand_quantized(items: Any, names: Any, quantized: list) -> Any:
         quantized.append((value.format, name, value.scale_of(name)))
         yield name, value.codes, True
         yield value.scale_of(name), value.scales, True
-
-
-def _quantized_tensor(fmt: Any, name: str, scale: str, layout: Layout) -> Any:
-    from xreshard.ir.formats import QuantizedTensor
-    return QuantizedTensor(name, scale, fmt, layout.shape)

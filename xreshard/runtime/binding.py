@@ -51,13 +51,15 @@ class Bound:
         quantized: name -> :class:`~xreshard.ir.formats.QuantizedTensor` of the tensors
             this (receiving) side stores quantized: codes under the name, scales under its
             ``scale`` (a sender offering the values has them quantized on the way).
-        checked: (sending sides only) the adapter vouches that every binding is a host
-            array it cut from a geometry (sharding, shape, dtype) whose shard shapes and
-            dtype it already compared with the layout, one binding per local rank of each
-            layout: :func:`side_problems` then skips the per-binding shape and dtype walk
-            (a lookup, not a walk, for the same shardings call after call). False for
-            anything built by hand, and for every receiving side (writability and
-            overlaps are re-checked per call).
+        checked: the adapter vouches for the bindings, so :func:`side_problems` skips
+            its per-binding walk (shapes, dtypes, coverage, and for a receiving side
+            writability and overlaps): a lookup, not a walk, call after call. A sending
+            side: every binding is a host array cut from a geometry (sharding, shape,
+            dtype) whose shard shapes and dtype the adapter already compared with the
+            layout, one binding per local rank of each layout. Either side: every entry is
+            the very one of the last call's side, which passed (:func:`carried_over`).
+            False for anything built by hand.
+        passed: set by :func:`side_problems`: nothing was wrong with this side.
     """
 
     layouts: dict[str, Layout]
@@ -67,6 +69,7 @@ class Bound:
     local_only: set[str] = field(default_factory=set)
     quantized: dict[str, Any] = field(default_factory=dict)
     checked: bool = False
+    passed: bool = False
 
     def describe(self) -> dict[str, dict]:
         """JSON description of the layouts, for the metadata exchange."""
@@ -426,11 +429,12 @@ def side_problems(sides: Mapping[str, Bound | None], local_ranks: Iterable[int],
     for side, bound in sides.items():
         if bound is None:
             continue
+        before = len(out)
         out += [["RefitError", e] for e in bound.errors]
         for name in bound.layouts:
             if not isinstance(name, str):
                 out.append(["RefitError", f"{side} tensor name {name!r} is not a str"])
-        problems = [] if bound.checked and side == "send" else binding_problems(
+        problems = [] if bound.checked else binding_problems(
             bound.layouts, bound.bindings, side, local_ranks=local_ranks)
         if problems:
             out.append(["BindingError", f"{side} bindings do not match their layouts: "
@@ -441,6 +445,7 @@ def side_problems(sides: Mapping[str, Bound | None], local_ranks: Iterable[int],
                 out.append(["BindingError", f"{side} binds world rank {rank}, which is not "
                             f"one of this process's ranks {local_ranks}"])
                 break
+        bound.passed = len(out) == before
     send, receive = sides.get("send"), sides.get("receive")
     if not out and send is not None and receive is not None:
         aliased = _overlaps(_bound_arrays(receive), _bound_arrays(send))
@@ -454,6 +459,30 @@ def side_problems(sides: Mapping[str, Bound | None], local_ranks: Iterable[int],
         out += [["RefitError", e] for e in device_problems(
             held, lambda side, name: _wire_of(name, held[side][1][name], wire_dtype))]
     return out
+
+
+def carried_over(bound: Bound, cache: dict, known: Mapping[Any, Any] | None) -> Bound:
+    """``bound`` marked ``checked`` when it is, entry for entry, the side the same adapter
+    bound on the last call and that side passed :func:`side_problems`: the same layout
+    and binding objects over the same memory, so the same answer (for a receiving side
+    too: its views' writability and overlaps are properties of those objects and that
+    memory). Kept in ``cache["bound"]`` for the next call.
+
+    Args:
+        bound: this call's side, from an adapter that keeps its entries across calls in
+            ``cache["known"]`` (``{entry key: record}``), each record carried over
+            unchanged (the same object) when its tensor, spec and memory are unchanged.
+        cache: the adapter's per-side cache.
+        known: ``cache["known"]`` as it was before this call's binding.
+    """
+    last, now = cache.get("bound"), cache.get("known")
+    bound.checked = bool(
+        last is not None and last.passed and known and now is not None and not bound.errors
+        and not bound.quantized and len(now) == len(known) == len(bound.layouts)
+        == len(last.layouts) and len(bound.bindings) == len(last.bindings)
+        and all(known.get(k) is entry for k, entry in now.items()))
+    cache["bound"] = bound
+    return bound
 
 
 def _wire_of(name: str, layout: Layout, wire: Any) -> str:

@@ -46,6 +46,7 @@ of vLLM's fused qkv); ``layout.locate(rank, region)`` says where a region sits i
 from __future__ import annotations
 
 import logging
+import operator
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
@@ -275,9 +276,9 @@ class Executor:
         bindings = self.tables[b.stage].src_bindings
         for run in self.programs.runs(b, 0):
             if run.small and len(run.steps) > 1:
-                parts = [bindings[e.key] if e.whole else _item(bindings[e.key], e.index,
-                                                               e.slices)
-                         for e in run.steps]
+                parts = list(map(bindings.__getitem__, run.keys)) if run.keys else [
+                    bindings[e.key] if e.whole else _item(bindings[e.key], e.index, e.slices)
+                    for e in run.steps]
                 try:
                     np.concatenate(parts, axis=None, out=buf[run.lo:run.hi].view(run.typed),
                                    casting="no")
@@ -306,11 +307,10 @@ class Executor:
         at = buf.__array_interface__["data"][0]
         landing = self.programs.landing(b)
         if landing is not None and landing[0] is base and landing[1] == at and all(
-                bindings.get(key) is arr for key, arr, _, _ in landing[2]):
-            # the call before unpacked this bucket from the same staging bytes into the
-            # same arrays (checked again this call by binding_problems): its views are
-            # these bytes' views, and each item is one assignment
-            for _, _, dst, src in landing[2]:
+                map(operator.is_, map(bindings.get, landing[3]), landing[4])):
+            # the call before unpacked this bucket from the same staging bytes into the same
+            # arrays (this call's check passed): its views stand, one assignment per item
+            for dst, src in landing[2]:
                 dst[...] = src
             return
         ndarray = np.ndarray
@@ -334,7 +334,7 @@ class Executor:
                 dst = _item(arr, e.index, e.slices)
                 data = buf[e.lo:e.hi].view(e.bits).reshape(e.shape)
                 copy_into(array_module(dst), dst, e.dtype, data, e.wire)
-        self.programs.keep_landing(b, (base, at, pairs) if pairs else None)
+        self.programs.keep_landing(b, base, at, pairs)
 
     def _local_copy(self, c: Copy) -> int:
         tables = self.tables[c.stage]

@@ -86,6 +86,9 @@ class Run(NamedTuple):
     bits: Any
     typed: Any
     """The numpy dtype of the run's items (None unless ``small``)."""
+    keys: tuple | None = None
+    """The steps' binding keys when every step is ``whole`` (its binding is the item as
+    it is: gathered by key, no slicing), else None."""
 
 
 def canonical_wire(wire_dtypes: Mapping[str, Any]) -> dict[str, str]:
@@ -125,8 +128,15 @@ class Programs:
                  quant: Any = None):
         self._tables = tables
         self._quant = quant
-        self._wire = tuple(canonical_wire(t.wire_dtypes) for t in tables)
         self._cache: dict = {} if cache is None else cache
+        # the wire dtypes of a prepared call are the same objects call after call: named
+        # once per call, not once per tensor and call
+        given = tuple(t.wire_dtypes for t in tables)
+        kept = self._cache.get("wire")
+        if kept is None or len(kept[0]) != len(given) or any(
+                a is not b for a, b in zip(kept[0], given)):
+            kept = self._cache["wire"] = (given, tuple(map(canonical_wire, given)))
+        self._wire = kept[1]
 
     def wire(self, stage: int) -> Mapping[str, str]:
         return self._wire[stage]
@@ -196,8 +206,13 @@ class Programs:
         ``Executor._unpack_host``), or None."""
         return self._cache.get((id(b), "landing"))
 
-    def keep_landing(self, b: Bucket, landing: Any) -> None:
-        self._cache[(id(b), "landing")] = landing
+    def keep_landing(self, b: Bucket, base: Any, at: int, pairs: list | None) -> None:
+        """Keep bucket ``b``'s host unpack from staging ``base`` at address ``at``:
+        ``pairs`` of (key, binding, destination view, staging view) per item, or None:
+        as ``(base, at, [(destination, staging)], [key], [binding])``."""
+        self._cache[(id(b), "landing")] = None if not pairs else (
+            base, at, [(d, s) for _, _, d, s in pairs], [k for k, _, _, _ in pairs],
+            [a for _, a, _, _ in pairs])
 
     def runs(self, b: Bucket, side: int) -> tuple[Run, ...]:
         """Bucket ``b``'s program cut into :class:`Run` s (see there)."""
@@ -214,6 +229,7 @@ class Programs:
             else:
                 raw.append([small, [e], e.hi, e.bits, e.dtype])
         runs = self._cache[key] = tuple(
-            Run(small, tuple(es), es[0].lo, hi, bits, numpy_dtype(dtype) if small else None)
+            Run(small, tuple(es), es[0].lo, hi, bits, numpy_dtype(dtype) if small else None,
+                tuple(e.key for e in es) if all(e.whole for e in es) else None)
             for small, es, hi, bits, dtype in raw)
         return runs

@@ -389,12 +389,20 @@ class Refit:
             # reach the outcome at once, not at their timeout (and are not left out of it)
             me = self.world.describe_process(self.world.process_index)
             self.world.transports.abort(f"{me} failed while moving: {error[0]}: {error[1]}")
+        # nothing reads the sources after the move: their views (thousands, of JAX
+        # buffers) are freed on a thread while this one exchanges the outcome
+        held = [call.src, call.bindings]
+        call.src = call.bindings = None
+        freeing = threading.Thread(target=held.clear, name="xreshard-free", daemon=True)
+        freeing.start()
         try:
             fields = self._commit(call, error)
         except BaseException:
             for ext in self.extensions:       # every extension's state stays as it was
                 ext.abort()
             raise
+        finally:        # none left when the call returns (the trainer may donate them)
+            freeing.join()
         for ext in self.extensions:       # every process agreed the call succeeded
             ext.commit(call)
         report = self._report(call, fields, time.perf_counter() - t0, plan_seconds,

@@ -53,7 +53,8 @@ class Call:
         self.config = refit.config
         self.tuning = refit.tuning
         self.src: Any = None
-        """This process's bound sending side (a ``Bound``), or None."""
+        """This process's bound sending side (a ``Bound``), or None; None again once the
+        call moved (its views are freed while the outcome is exchanged)."""
         self.dst: Any = None
         """Its bound receiving side (the real destinations, not their staging)."""
         self.errors: list[list[str]] = []
@@ -70,7 +71,8 @@ class Call:
         self.told: dict[str, Any] = {}
         """What this process adds to ``refit/outcome`` (``digests``)."""
         self.bindings: Any = None
-        """The stage bindings the executor runs (into the extensions' destinations)."""
+        """The stage bindings the executor runs (into the extensions' destinations),
+        during the move (``begin``); None after it."""
         self.stats: Any = None
         """The executor's stats, after moving."""
         self.by_kind: dict[str, int] = {}
