@@ -71,15 +71,19 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import json
 import logging
+import queue
 import secrets
+import threading
+import time
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Sequence
+from typing import Any, Iterator, Mapping, Sequence
 
 import numpy as np
 
-from .base import TransportError
+from .base import TransportError, TransportTimeout
 from .peers import PeerTransport, Recv, Round, alive, process_start_time
 from .shm_memory import (ALIGN, HEADER_BYTES, MAGIC, SHM_DIR, Segment, as_numpy, can_pull,
                          create_probe, probe_name, probe_path, pull, read_probe, remove_shm,
@@ -139,6 +143,7 @@ class ShmTransport(PeerTransport):
         self._staging: list[Segment] = []              # from alloc(), exposed in place
         self._mapped: dict[str, Segment] = {}          # peers' segments mapped here
         self._num = 0
+        self._reader: _BatchReader | None = None       # reads pull batches ahead
         self._pull = frozenset(p for p in pull_peers if p in self._pids)
         self.bytes_pulled = 0           # received straight from the sender's memory
         self.bytes_copied_in = 0        # sender-side copies into pair segments
@@ -354,34 +359,68 @@ class ShmTransport(PeerTransport):
     def _receive_batches(self, peer: int, recvs: list[Recv], rnd: _Round,
                          timeout: float) -> None:
         """Every receive from pulling ``peer``: its batches in order, each message landed
-        as its batch arrives (while the sender still packs the next ones)."""
+        as its batch arrives (while the sender still packs the next ones). The batches are
+        read ahead on the transport's reader thread (its own store client), so the store's
+        round trip for batch k+1 runs while this thread pulls batch k's bytes."""
         seq = rnd.recv_seq[peer]
         want = {(r.src, r.dst, r.tag): r for r in recvs}
-        k = 0
-        while True:
-            key = self._batch_key(peer, self._me, seq, k)
-            self._wait([key], peer, rnd.deadline, timeout,
-                       f"batch {k} of the messages to this process (round {seq}) from")
-            raw = self._store.get(key)
-            self._watch.discard([key])
-            rec = self._records.unpack("shm", key, seq, peer, raw, self._watch.dead)
-            if "dead" in rec:     # the watcher's wake-up; _wait raised unless it raced
-                raise TransportError(f"shm: {self._labels[peer]} (pid {rec['dead']}) died")
-            for src, dst, tag, msg in rec["msgs"]:
-                r = want.pop((src, dst, tag), None)
-                if r is None:
-                    raise TransportError(f"shm recv from {self._labels[peer]}: it sent "
-                                         f"{src}->{dst} tag {tag} (round {seq}), which this "
-                                         f"process did not post a receive for")
-                self._land(r, msg)
-            if not rec["more"]:
-                break
-            k += 1
+        with self._read_ahead(peer, seq, rnd, timeout) as batches:
+            for rec in batches:
+                for src, dst, tag, msg in rec["msgs"]:
+                    r = want.pop((src, dst, tag), None)
+                    if r is None:
+                        raise TransportError(f"shm recv from {self._labels[peer]}: it sent "
+                                             f"{src}->{dst} tag {tag} (round {seq}), which "
+                                             f"this process did not post a receive for")
+                    self._land(r, msg)
         if want:
             missing = ", ".join(f"{s}->{d} tag {t}" for s, d, t in sorted(want)[:5])
             raise TransportError(f"shm recv from {self._labels[peer]}: its round {seq} ended "
                                  f"without {len(want)} message(s) this process posted a "
                                  f"receive for ({missing})")
+
+    def _read_batch(self, store: Any, peer: int, seq: int, k: int, rnd: _Round,
+                    timeout: float, stop: threading.Event | None = None
+                    ) -> dict[str, Any] | None:
+        """Wait for batch ``k`` of ``peer``'s round ``seq`` on ``store`` and open it; None
+        when ``stop`` was set meanwhile (the reader's wake-up, see ``_BatchReader``)."""
+        key = self._batch_key(peer, self._me, seq, k)
+        self._wait([key], peer, rnd.deadline, timeout,
+                   f"batch {k} of the messages to this process (round {seq}) from", store)
+        if stop is not None and stop.is_set():
+            return None
+        raw = store.get(key)
+        self._watch.discard([key])
+        rec = self._records.unpack("shm", key, seq, peer, raw, self._watch.dead)
+        if "dead" in rec:     # the watcher's wake-up; _wait raised unless it raced
+            raise TransportError(f"shm: {self._labels[peer]} (pid {rec['dead']}) died")
+        return rec
+
+    def _read_ahead(self, peer: int, seq: int, rnd: _Round,
+                    timeout: float) -> contextlib.AbstractContextManager[Iterator[dict]]:
+        """``peer``'s batches of round ``seq`` in order, read on the reader thread; inline
+        (each one waited for when the last is landed) without a second store client."""
+        if self._reader is None and self._connect is not None:
+            try:
+                self._reader = _BatchReader(self._connect(), self.name)
+            except Exception:   # noqa: BLE001 - reading inline works, only later
+                logger.debug("shm: no second store client; batches read inline",
+                             exc_info=True)
+                self._connect = None
+        if self._reader is None:
+            return contextlib.nullcontext(self._inline_batches(peer, seq, rnd, timeout))
+        return self._reader.read(self, peer, seq, rnd, timeout)
+
+    def _inline_batches(self, peer: int, seq: int, rnd: _Round,
+                        timeout: float) -> Iterator[dict]:
+        k = 0
+        while True:
+            rec = self._read_batch(self._store, peer, seq, k, rnd, timeout)
+            assert rec is not None
+            yield rec
+            if not rec["more"]:
+                return
+            k += 1
 
     def _receive(self, r: Recv, rnd: _Round, timeout: float) -> None:
         seq = rnd.recv_seq[r.peer]
@@ -467,6 +506,9 @@ class ShmTransport(PeerTransport):
         remove_shm(self.prefix)
 
     def _release(self) -> None:
+        if self._reader is not None:
+            self._reader.stop()
+            self._reader = None
         segs = [*self._out.values(), *self._staging, *(s for v in self._spill.values() for s in v)]
         for s in segs:
             s.unlink()
@@ -495,6 +537,103 @@ class ShmTransport(PeerTransport):
     def __repr__(self) -> str:
         return (f"ShmTransport(prefix={self.prefix!r}, process={self._me}, "
                 f"peers={sorted(self._peers)})")
+
+
+#: how long past its round's deadline a receiving thread waits for the reader thread (whose
+#: every store wait is bounded by that deadline) before giving up on it
+_READER_GRACE_S = 5.0
+
+
+class _BatchReader:
+    """A thread that reads a pulling peer's record batches ahead of the receiving thread,
+    through its own store client (the transport's stays free for acks and failure records).
+
+    It runs one job at a time: the batches of one (peer, round), each put on the job's queue
+    as soon as it is opened, so the store round trip for batch k+1 overlaps the pulls of
+    batch k. It lives as long as the transport (a thread started per round waits for the
+    scheduler on a loaded host); ``stop`` ends it.
+    """
+
+    def __init__(self, client: Any, name: str):
+        self.client = client
+        self._jobs: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        threading.Thread(target=_serve, args=(self._jobs,), daemon=True,
+                         name=f"xreshard-{name}-read").start()
+
+    def stop(self) -> None:
+        self._jobs.put(None)
+
+    @contextlib.contextmanager
+    def read(self, t: ShmTransport, peer: int, seq: int, rnd: _Round,
+             timeout: float) -> Iterator[Iterator[dict]]:
+        """Read ``peer``'s batches of round ``seq`` on the thread; yields them in order.
+        Leaving early (the receiving side failed) stops the job: it is woken from its store
+        wait (its key set to a marker it never opens) and joined, within the grace."""
+        out: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        stop, finished = threading.Event(), threading.Event()
+        awaited: list[str] = []             # the key the job waits on now
+
+        def job() -> None:
+            try:
+                k = 0
+                while True:
+                    awaited[:] = [t._batch_key(peer, t._me, seq, k)]
+                    if stop.is_set():       # checked after naming the key: see the wake
+                        return
+                    rec = t._read_batch(self.client, peer, seq, k, rnd, timeout, stop)
+                    if rec is None:
+                        return
+                    out.put(rec)
+                    if not rec["more"]:
+                        return
+                    k += 1
+            except BaseException as e:      # noqa: BLE001 - raised by the receiving thread
+                out.put(e)
+            finally:
+                finished.set()
+
+        last = [False]
+        self._jobs.put(job)
+        try:
+            yield _drained(out, rnd.deadline, last,
+                           f"batches of round {seq} from {t._labels[peer]}")
+        finally:
+            if not last[0] and not finished.is_set():
+                stop.set()
+                key = awaited[0] if awaited else None
+                if key is not None:
+                    with contextlib.suppress(Exception):
+                        t._store.set(key, json.dumps({"stop": True}))
+                        t._watch.discard([key])
+            finished.wait(_READER_GRACE_S)
+
+
+def _drained(out: queue.SimpleQueue[Any], deadline: float, last: list[bool],
+             what: str) -> Iterator[dict]:
+    """The reader job's records from ``out`` until the last one (``more`` false); a failure
+    of the job is raised here."""
+    while True:
+        try:
+            item = out.get(timeout=max(deadline - time.monotonic(), 0.0) + _READER_GRACE_S)
+        except queue.Empty:
+            raise TransportTimeout(f"shm: the reader of {what} did not answer within the "
+                                   f"timeout") from None
+        if isinstance(item, BaseException):
+            raise item
+        if not item["more"]:
+            last[0] = True
+        yield item
+        if last[0]:
+            return
+
+
+def _serve(jobs: queue.SimpleQueue[Any]) -> None:
+    while True:
+        job = jobs.get()
+        if job is None:
+            return
+        job()
+        job = None      # holds no transport between jobs
 
 
 _LIVE: weakref.WeakSet[ShmTransport] = weakref.WeakSet()
