@@ -23,7 +23,11 @@ segments; to a peer that pulls, the records go in batches as the sends are poste
 first at 1 MiB of messages, each next at four times that, up to 32 MiB; the last, at the
 group's exit, says that nothing more comes), so the receiver reads the first messages while
 the sender still packs the next ones, and a round of hundreds of messages costs a few store
-writes, not one each (nor one at the exit, after all the packing). That protocol (sealed
+writes, not one each (nor one at the exit, after all the packing). The receiver reads those
+batches ahead on a thread with its own store client (``shm_reader.py``): batch k+1's round
+trip runs while it pulls batch k, and its ack is written while it goes on to unpack (on a
+loaded 2-core host a store round trip stalled for 4-7 ms while both receivers pulled; inline,
+every such stall sat between two pulls). That protocol (sealed
 records, round numbers, acks, bounded waits, the dead-peer watcher) is ``peers.py``'s,
 shared with cuda_ipc; this module decides only where the bytes are and how they move.
 
@@ -58,8 +62,12 @@ both ways), so the watcher never looks up a stranger: across pid namespaces (con
 sharing ``/dev/shm`` only) a pid names another process, or none, and such pairs take gloo.
 
 Rejected: copying every private buffer into a segment (measured: the sender's copy makes
-a one-sender refit 0.37 of the memcpy bound, the pull 1.0+); ``vmsplice`` through pipes
-(one copy too, but pipe-sized chunks and two syscalls per chunk);
+a one-sender refit 0.37 of the memcpy bound, the pull 1.0+; pipelined in chunks it still
+copies every byte twice, 224 MiB for a 112 MiB refit, with three processes on two cores);
+transparent huge pages on either side of the pull (measured no faster, often slower); one
+``process_vm_readv`` with an iovec per message of a batch instead of a call each (as
+fast); ``vmsplice`` through pipes (one copy too, but pipe-sized chunks and two syscalls per
+chunk);
 ``multiprocessing.shared_memory`` (its resource tracker unlinks and warns about
 segments another process created; ``track=False`` needs Python 3.13), so segments are made
 with ``_posixshmem`` + ``mmap`` as that module does underneath; readiness flags polled in
@@ -73,21 +81,20 @@ import atexit
 import contextlib
 import json
 import logging
-import queue
 import secrets
 import threading
-import time
 import weakref
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Mapping, Sequence
 
 import numpy as np
 
-from .base import TransportError, TransportTimeout
+from .base import TransportError
 from .peers import PeerTransport, Recv, Round, alive, process_start_time
 from .shm_memory import (ALIGN, HEADER_BYTES, MAGIC, SHM_DIR, Segment, as_numpy, can_pull,
                          create_probe, probe_name, probe_path, pull, read_probe, remove_shm,
                          shm_names)
+from .shm_reader import BatchReader
 
 __all__ = ["ShmTransport", "shm_names", "remove_shm", "HEADER_BYTES", "probe_name", "probe_path",
            "create_probe", "read_probe", "process_start_time", "pull", "can_pull"]
@@ -143,7 +150,7 @@ class ShmTransport(PeerTransport):
         self._staging: list[Segment] = []              # from alloc(), exposed in place
         self._mapped: dict[str, Segment] = {}          # peers' segments mapped here
         self._num = 0
-        self._reader: _BatchReader | None = None       # reads pull batches ahead
+        self._reader: BatchReader | None = None       # reads pull batches ahead
         self._pull = frozenset(p for p in pull_peers if p in self._pids)
         self.bytes_pulled = 0           # received straight from the sender's memory
         self.bytes_copied_in = 0        # sender-side copies into pair segments
@@ -356,6 +363,17 @@ class ShmTransport(PeerTransport):
         self._await_acks(rnd, timeout)
         self._resize(rnd)
 
+    def _ack(self, peer: int, seq: int) -> None:
+        """Tell ``peer`` that its round ``seq`` has landed here: written by the reader
+        thread when there is one, so that this process goes on (unpacking what it
+        received) while the store round trip runs; the sender's group exit waits for it."""
+        if self._reader is None:
+            super()._ack(peer, seq)
+            return
+        key = self._ack_key(peer, self._me, seq)
+        self._reader.write(key, self._records.pack(self._kind + "-ack", key, seq, {}))
+        self._seq_in[peer] = seq
+
     def _receive_batches(self, peer: int, recvs: list[Recv], rnd: _Round,
                          timeout: float) -> None:
         """Every receive from pulling ``peer``: its batches in order, each message landed
@@ -383,7 +401,7 @@ class ShmTransport(PeerTransport):
                     timeout: float, stop: threading.Event | None = None
                     ) -> dict[str, Any] | None:
         """Wait for batch ``k`` of ``peer``'s round ``seq`` on ``store`` and open it; None
-        when ``stop`` was set meanwhile (the reader's wake-up, see ``_BatchReader``)."""
+        when ``stop`` was set meanwhile (the reader's wake-up, see ``BatchReader``)."""
         key = self._batch_key(peer, self._me, seq, k)
         self._wait([key], peer, rnd.deadline, timeout,
                    f"batch {k} of the messages to this process (round {seq}) from", store)
@@ -402,14 +420,23 @@ class ShmTransport(PeerTransport):
         (each one waited for when the last is landed) without a second store client."""
         if self._reader is None and self._connect is not None:
             try:
-                self._reader = _BatchReader(self._connect(), self.name)
+                self._reader = BatchReader(self._connect(), self.name)
             except Exception:   # noqa: BLE001 - reading inline works, only later
                 logger.debug("shm: no second store client; batches read inline",
                              exc_info=True)
                 self._connect = None
         if self._reader is None:
             return contextlib.nullcontext(self._inline_batches(peer, seq, rnd, timeout))
-        return self._reader.read(self, peer, seq, rnd, timeout)
+        return self._reader.read(
+            lambda k: self._batch_key(peer, self._me, seq, k),
+            lambda client, k, stop: self._read_batch(client, peer, seq, k, rnd, timeout, stop),
+            self._wake, rnd.deadline, f"batches of round {seq} from {self._labels[peer]}")
+
+    def _wake(self, key: str) -> None:
+        """Wake the reader's wait on ``key`` (a marker it never opens), and drop the key."""
+        with contextlib.suppress(Exception):       # the store is gone: it waits its deadline
+            self._store.set(key, json.dumps({"stop": True}))
+            self._watch.discard([key])
 
     def _inline_batches(self, peer: int, seq: int, rnd: _Round,
                         timeout: float) -> Iterator[dict]:
@@ -537,103 +564,6 @@ class ShmTransport(PeerTransport):
     def __repr__(self) -> str:
         return (f"ShmTransport(prefix={self.prefix!r}, process={self._me}, "
                 f"peers={sorted(self._peers)})")
-
-
-#: how long past its round's deadline a receiving thread waits for the reader thread (whose
-#: every store wait is bounded by that deadline) before giving up on it
-_READER_GRACE_S = 5.0
-
-
-class _BatchReader:
-    """A thread that reads a pulling peer's record batches ahead of the receiving thread,
-    through its own store client (the transport's stays free for acks and failure records).
-
-    It runs one job at a time: the batches of one (peer, round), each put on the job's queue
-    as soon as it is opened, so the store round trip for batch k+1 overlaps the pulls of
-    batch k. It lives as long as the transport (a thread started per round waits for the
-    scheduler on a loaded host); ``stop`` ends it.
-    """
-
-    def __init__(self, client: Any, name: str):
-        self.client = client
-        self._jobs: queue.SimpleQueue[Any] = queue.SimpleQueue()
-        threading.Thread(target=_serve, args=(self._jobs,), daemon=True,
-                         name=f"xreshard-{name}-read").start()
-
-    def stop(self) -> None:
-        self._jobs.put(None)
-
-    @contextlib.contextmanager
-    def read(self, t: ShmTransport, peer: int, seq: int, rnd: _Round,
-             timeout: float) -> Iterator[Iterator[dict]]:
-        """Read ``peer``'s batches of round ``seq`` on the thread; yields them in order.
-        Leaving early (the receiving side failed) stops the job: it is woken from its store
-        wait (its key set to a marker it never opens) and joined, within the grace."""
-        out: queue.SimpleQueue[Any] = queue.SimpleQueue()
-        stop, finished = threading.Event(), threading.Event()
-        awaited: list[str] = []             # the key the job waits on now
-
-        def job() -> None:
-            try:
-                k = 0
-                while True:
-                    awaited[:] = [t._batch_key(peer, t._me, seq, k)]
-                    if stop.is_set():       # checked after naming the key: see the wake
-                        return
-                    rec = t._read_batch(self.client, peer, seq, k, rnd, timeout, stop)
-                    if rec is None:
-                        return
-                    out.put(rec)
-                    if not rec["more"]:
-                        return
-                    k += 1
-            except BaseException as e:      # noqa: BLE001 - raised by the receiving thread
-                out.put(e)
-            finally:
-                finished.set()
-
-        last = [False]
-        self._jobs.put(job)
-        try:
-            yield _drained(out, rnd.deadline, last,
-                           f"batches of round {seq} from {t._labels[peer]}")
-        finally:
-            if not last[0] and not finished.is_set():
-                stop.set()
-                key = awaited[0] if awaited else None
-                if key is not None:
-                    with contextlib.suppress(Exception):
-                        t._store.set(key, json.dumps({"stop": True}))
-                        t._watch.discard([key])
-            finished.wait(_READER_GRACE_S)
-
-
-def _drained(out: queue.SimpleQueue[Any], deadline: float, last: list[bool],
-             what: str) -> Iterator[dict]:
-    """The reader job's records from ``out`` until the last one (``more`` false); a failure
-    of the job is raised here."""
-    while True:
-        try:
-            item = out.get(timeout=max(deadline - time.monotonic(), 0.0) + _READER_GRACE_S)
-        except queue.Empty:
-            raise TransportTimeout(f"shm: the reader of {what} did not answer within the "
-                                   f"timeout") from None
-        if isinstance(item, BaseException):
-            raise item
-        if not item["more"]:
-            last[0] = True
-        yield item
-        if last[0]:
-            return
-
-
-def _serve(jobs: queue.SimpleQueue[Any]) -> None:
-    while True:
-        job = jobs.get()
-        if job is None:
-            return
-        job()
-        job = None      # holds no transport between jobs
 
 
 _LIVE: weakref.WeakSet[ShmTransport] = weakref.WeakSet()
