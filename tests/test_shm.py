@@ -309,59 +309,6 @@ def test_a_receiver_that_fails_mid_round_stops_its_batch_reader():
         assert time.monotonic() - t0 < 25       # not the 30 s timeout
 
 
-class _HeldAcks:
-    """A store client whose writes of ack keys wait (bounded) until ``gate`` opens; the
-    acks written are listed in ``acks``."""
-
-    def __init__(self, store: Any, gate: threading.Event, acks: list[str]):
-        self._store, self._gate, self.acks = store, gate, acks
-
-    def set(self, key: str, value: Any) -> None:
-        if "/a/" in key:
-            self._gate.wait(10)
-        self._store.set(key, value)
-        if "/a/" in key:
-            self.acks.append(key)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._store, name)
-
-
-def test_a_pulling_receiver_goes_on_while_its_ack_is_written():
-    """The ack of a pulled round is written behind the receiving thread (by the reader):
-    the receiver's group returns, so it can unpack, before the store round trip of its ack
-    (it used to wait for it), and the sender's group still waits for that ack."""
-    a, b0, prefix = _pair(pulls=True)
-    gate = threading.Event()
-    acks: list[str] = []
-    b = ShmTransport(_HeldAcks(b0._store, gate, acks), "t", b0.prefix[2:-1], (0, 0, 1), 1,
-                     [0], pids=b0._pids, connect=lambda: _HeldAcks(b0._connect(), gate, acks),
-                     pull_peers=[0])
-    data = _data(0, 2, 0, 2 << 20)
-    got = np.zeros(data.size, np.uint8)
-    early: list[bool] = []
-    try:
-        def send():
-            with a.group(30):
-                a.send(data, 0, 2, 0)
-
-        def recv():
-            with b.group(30):
-                b.recv(got, 0, 2, 0)
-            early.append(not acks)      # back before the ack was written?
-            gate.set()
-        ra, rb = _both(recv, send)
-        assert ra is None and rb is None, (ra, rb)
-    finally:
-        gate.set()
-        a.close()
-        b.close()
-        b0.close()
-    assert early == [True], "the receiver's group waited for its ack to be written"
-    assert np.array_equal(got, data)
-    assert shm_names(prefix) == []
-
-
 def test_a_pulling_sender_that_sends_an_unposted_message_is_named_at_once():
     """A pulling sender's last batch says that nothing more comes: a receiver whose posts
     disagree names the message it did not expect, instead of waiting out its timeout."""

@@ -1,12 +1,11 @@
-"""The reader thread of :mod:`.shm`'s receiving side: record batches read ahead, acks written
-behind.
+"""The reader thread of :mod:`.shm`'s receiving side: a pulling peer's record batches read
+ahead.
 
 A receiver that pulls from a peer reads that peer's records in batches (see the shm module).
 Read inline, each batch's store round trip comes after the last pull of the batch before,
 and on a loaded host a round trip can stall for milliseconds while both receivers pull (the
 store's server waits for a core). So a thread with its own store client waits for and opens
-batch k+1 while the receiving thread pulls batch k, and writes the round's ack while the
-receiving process goes on to unpack what it received.
+batch k+1 while the receiving thread pulls batch k.
 """
 
 from __future__ import annotations
@@ -35,9 +34,8 @@ class BatchReader:
 
     It runs one job at a time: the batches of one (peer, round), each put on the job's queue
     as soon as it is opened, so the store round trip for batch k+1 overlaps the pulls of
-    batch k; or an ack, written while the receiving process unpacks. It lives as long as
-    the transport (a thread started per round waits for the scheduler on a loaded host);
-    ``stop`` ends it.
+    batch k. It lives as long as the transport (a thread started per round waits for the
+    scheduler on a loaded host); ``stop`` ends it.
     """
 
     def __init__(self, client: Any, name: str):
@@ -47,18 +45,8 @@ class BatchReader:
                                         name=f"xreshard-{name}-read")
         self._thread.start()
 
-    def write(self, key: str, value: str) -> None:
-        """Set ``key`` after the jobs before it (an ack: nobody waits for it here; if the
-        store fails, the peer waiting for it times out)."""
-        def job() -> None:
-            try:
-                self.client.set(key, value)
-            except Exception:   # noqa: BLE001 - the waiting peer still has its timeout
-                logger.warning("shm: writing %s failed", key, exc_info=True)
-        self._jobs.put(job)
-
     def stop(self) -> None:
-        """End the thread after the jobs queued (acks still go out), waiting a bounded time."""
+        """End the thread after the jobs queued, waiting a bounded time."""
         self._jobs.put(None)
         self._thread.join(GRACE_S)
 
