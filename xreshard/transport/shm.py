@@ -31,8 +31,8 @@ stays on the receiving thread: written behind it by the reader (so the receiver 
 during the round trip) it reached the sender no sooner (3.6-4.7 ms after the last pull,
 inline 0.6-4.9, load 8-10), and the sender's group exit and outcome wait for it. That
 protocol (sealed records, round numbers, acks, bounded waits, the dead-peer watcher) is
-``peers.py``'s,
-shared with cuda_ipc; this module decides only where the bytes are and how they move.
+``peers.py``'s, shared with cuda_ipc; this module decides only where the bytes are and how
+they move.
 
 Segments: one per (sender process, receiver process), sized by the largest round and
 reused across refits while the sizes stay; a round that needs more spills into a new
@@ -70,8 +70,7 @@ copies every byte twice, 224 MiB for a 112 MiB refit, with three processes on tw
 transparent huge pages on either side of the pull (measured no faster, often slower); one
 ``process_vm_readv`` with an iovec per message of a batch instead of a call each (as
 fast); ``vmsplice`` through pipes (one copy too, but pipe-sized chunks and two syscalls per
-chunk);
-``multiprocessing.shared_memory`` (its resource tracker unlinks and warns about
+chunk); ``multiprocessing.shared_memory`` (its resource tracker unlinks and warns about
 segments another process created; ``track=False`` needs Python 3.13), so segments are made
 with ``_posixshmem`` + ``mmap`` as that module does underneath; readiness flags polled in
 the segment itself (faster for tiny messages, but a busy loop on two shared cores, and the
