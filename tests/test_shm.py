@@ -236,6 +236,79 @@ def test_a_pulling_receiver_reads_while_the_sender_still_posts():
         assert b.bytes_pulled == 3 * (3 << 20)
 
 
+def test_a_pulling_receiver_reads_the_next_batch_while_it_pulls(monkeypatch):
+    """The record batches of a pulling peer are read ahead: while the receiving thread
+    pulls batch 0's bytes, batch 1 is fetched from the store already (the store's round
+    trip used to start only after the last pull of batch 0), and every byte is exact."""
+    import xreshard.transport.shm as shm_mod
+    big = [_data(0, 2, tag, 3 << 20) for tag in range(2)]
+    got = [np.zeros(3 << 20, np.uint8) for _ in range(2)]
+    read: list[str] = []
+    early: list[bool] = []
+    real_pull = shm_mod.pull
+
+    def pull(*args: Any) -> None:
+        if not early:       # the first pull (batch 0): has batch 1 been read meanwhile?
+            deadline = time.monotonic() + 10
+            while not any(k.endswith("/1") for k in read) and time.monotonic() < deadline:
+                time.sleep(0.01)
+            early.append(any(k.endswith("/1") for k in read))
+        real_pull(*args)
+
+    monkeypatch.setattr(shm_mod, "pull", pull)
+    with _pair_cleaned(pulls=True) as (a, b, prefix):
+        discard = b._watch.discard      # noqa: SLF001 - called once per record read
+
+        def seen(keys: list[str]) -> None:
+            read.extend(keys)
+            discard(keys)
+        b._watch.discard = seen         # type: ignore[method-assign]  # noqa: SLF001
+
+        def send():
+            with a.group(30):
+                a.send(big[0], 0, 2, 0)         # batch 0 (past 1 MiB)
+                a.send(big[1], 0, 2, 1)         # batch 1, the last, at the group's exit
+
+        def recv():
+            with b.group(30):
+                for tag in range(2):
+                    b.recv(got[tag], 0, 2, tag)
+        ra, rb = _both(send, recv)
+        assert ra is None and rb is None, (ra, rb)
+    assert early == [True], "batch 1 was read only after batch 0's pulls"
+    assert all(np.array_equal(g, d) for g, d in zip(got, big))
+
+
+def test_a_receiver_that_fails_mid_round_stops_its_batch_reader():
+    """A receiver that raises on batch 0 while its reader waits for batch 1 (the sender's
+    group still open) wakes and ends that reader at once: no thread is left waiting on the
+    store until the timeout, and the sender hears of the failure."""
+    release = threading.Event()
+    with _pair_cleaned(pulls=True) as (a, b, prefix):
+        def send():
+            with a.group(30):
+                a.send(_data(0, 2, 0, 2 << 20), 0, 2, 0)    # batch 0
+                release.wait(20)        # the group stays open: batch 1 is not out yet
+                a.send(np.ones(16, np.uint8), 0, 2, 1)
+
+        def recv():
+            try:
+                with b.group(30):
+                    b.recv(np.zeros(16, np.uint8), 0, 2, 1)     # tag 0 was never posted
+            finally:
+                release.set()
+        t0 = time.monotonic()
+        ra, rb = _both(recv, send)
+        assert isinstance(ra, TransportError) and "did not post a receive" in str(ra), ra
+        assert isinstance(rb, TransportError), rb
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and any(
+                t.name == "xreshard-shm-read" for t in threading.enumerate()):
+            time.sleep(0.02)
+        assert not any(t.name == "xreshard-shm-read" for t in threading.enumerate())
+        assert time.monotonic() - t0 < 25       # not the 30 s timeout
+
+
 def test_a_pulling_sender_that_sends_an_unposted_message_is_named_at_once():
     """A pulling sender's last batch says that nothing more comes: a receiver whose posts
     disagree names the message it did not expect, instead of waiting out its timeout."""

@@ -288,8 +288,9 @@ class PeerTransport:
         pids: ``{process: (pid, start time or None)}`` for the liveness checks; a process
             missing here is only waited for until the timeout.
         process_labels: a name per process position, for error messages.
-        connect: makes a second client of the store, for the thread that wakes a wait on
-            a peer that died. Without it a dead peer is noticed at the timeout.
+        connect: makes another client of the store, for the thread that wakes a wait on
+            a peer that died (and for a transport's own reader threads). Without it a dead
+            peer is noticed at the timeout.
         seal: the world's ``xreshard.runtime.store.Seal``: records are signed and bound to their
             key, round and writer (None: plain JSON, for tests).
     """
@@ -309,6 +310,7 @@ class PeerTransport:
         self._pids = dict(pids or {})
         n = max(self._rank_process, default=0) + 1
         self._labels = tuple(process_labels or (f"process {p}" for p in range(n)))
+        self._connect = connect
         self._watch = Watch(connect, self._pids, self.name, self._published_failure)
         self._gen = 0                                   # groups this process ran
         self._seq_out: dict[int, int] = {}              # peer -> rounds it acknowledged
@@ -504,13 +506,14 @@ class PeerTransport:
             self._seq_out[peer] = seq
 
     def _wait(self, keys: list[str], peer: int, deadline: float, timeout: float,
-              what: str) -> None:
-        """Wait for ``keys`` until ``deadline``; the watcher wakes us if ``peer`` dies."""
+              what: str, store: Any = None) -> None:
+        """Wait for ``keys`` until ``deadline``; the watcher wakes us if ``peer`` dies.
+        ``store``: the client to wait on (a reader thread's own; default the transport's)."""
         left = deadline - time.monotonic()
         if left > 0:
             with self._watch.waiting(keys, peer):
                 try:
-                    self._store.wait(keys, datetime.timedelta(seconds=left))
+                    (store or self._store).wait(keys, datetime.timedelta(seconds=left))
                     ok = True
                 except RuntimeError as e:
                     msg = str(e).lower()

@@ -23,9 +23,16 @@ segments; to a peer that pulls, the records go in batches as the sends are poste
 first at 1 MiB of messages, each next at four times that, up to 32 MiB; the last, at the
 group's exit, says that nothing more comes), so the receiver reads the first messages while
 the sender still packs the next ones, and a round of hundreds of messages costs a few store
-writes, not one each (nor one at the exit, after all the packing). That protocol (sealed
-records, round numbers, acks, bounded waits, the dead-peer watcher) is ``peers.py``'s,
-shared with cuda_ipc; this module decides only where the bytes are and how they move.
+writes, not one each (nor one at the exit, after all the packing). The receiver reads those
+batches ahead on a thread with its own store client (``shm_reader.py``): batch k+1's round
+trip runs while it pulls batch k (on a loaded 2-core host a store round trip stalled for 4-7
+ms while both receivers pulled; inline, every such stall sat between two pulls). Its ack
+stays on the receiving thread: written behind it by the reader (so the receiver unpacks
+during the round trip) it reached the sender no sooner (3.6-4.7 ms after the last pull,
+inline 0.6-4.9, load 8-10), and the sender's group exit and outcome wait for it. That
+protocol (sealed records, round numbers, acks, bounded waits, the dead-peer watcher) is
+``peers.py``'s, shared with cuda_ipc; this module decides only where the bytes are and how
+they move.
 
 Segments: one per (sender process, receiver process), sized by the largest round and
 reused across refits while the sizes stay; a round that needs more spills into a new
@@ -58,9 +65,12 @@ both ways), so the watcher never looks up a stranger: across pid namespaces (con
 sharing ``/dev/shm`` only) a pid names another process, or none, and such pairs take gloo.
 
 Rejected: copying every private buffer into a segment (measured: the sender's copy makes
-a one-sender refit 0.37 of the memcpy bound, the pull 1.0+); ``vmsplice`` through pipes
-(one copy too, but pipe-sized chunks and two syscalls per chunk);
-``multiprocessing.shared_memory`` (its resource tracker unlinks and warns about
+a one-sender refit 0.37 of the memcpy bound, the pull 1.0+; pipelined in chunks it still
+copies every byte twice, 224 MiB for a 112 MiB refit, with three processes on two cores);
+transparent huge pages on either side of the pull (measured no faster, often slower); one
+``process_vm_readv`` with an iovec per message of a batch instead of a call each (as
+fast); ``vmsplice`` through pipes (one copy too, but pipe-sized chunks and two syscalls per
+chunk); ``multiprocessing.shared_memory`` (its resource tracker unlinks and warns about
 segments another process created; ``track=False`` needs Python 3.13), so segments are made
 with ``_posixshmem`` + ``mmap`` as that module does underneath; readiness flags polled in
 the segment itself (faster for tiny messages, but a busy loop on two shared cores, and the
@@ -71,11 +81,13 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import json
 import logging
 import secrets
+import threading
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Sequence
+from typing import Any, Iterator, Mapping, Sequence
 
 import numpy as np
 
@@ -84,6 +96,7 @@ from .peers import PeerTransport, Recv, Round, alive, process_start_time
 from .shm_memory import (ALIGN, HEADER_BYTES, MAGIC, SHM_DIR, Segment, as_numpy, can_pull,
                          create_probe, probe_name, probe_path, pull, read_probe, remove_shm,
                          shm_names)
+from .shm_reader import BatchReader
 
 __all__ = ["ShmTransport", "shm_names", "remove_shm", "HEADER_BYTES", "probe_name", "probe_path",
            "create_probe", "read_probe", "process_start_time", "pull", "can_pull"]
@@ -139,6 +152,7 @@ class ShmTransport(PeerTransport):
         self._staging: list[Segment] = []              # from alloc(), exposed in place
         self._mapped: dict[str, Segment] = {}          # peers' segments mapped here
         self._num = 0
+        self._reader: BatchReader | None = None       # reads pull batches ahead
         self._pull = frozenset(p for p in pull_peers if p in self._pids)
         self.bytes_pulled = 0           # received straight from the sender's memory
         self.bytes_copied_in = 0        # sender-side copies into pair segments
@@ -354,34 +368,77 @@ class ShmTransport(PeerTransport):
     def _receive_batches(self, peer: int, recvs: list[Recv], rnd: _Round,
                          timeout: float) -> None:
         """Every receive from pulling ``peer``: its batches in order, each message landed
-        as its batch arrives (while the sender still packs the next ones)."""
+        as its batch arrives (while the sender still packs the next ones). The batches are
+        read ahead on the transport's reader thread (its own store client), so the store's
+        round trip for batch k+1 runs while this thread pulls batch k's bytes."""
         seq = rnd.recv_seq[peer]
         want = {(r.src, r.dst, r.tag): r for r in recvs}
-        k = 0
-        while True:
-            key = self._batch_key(peer, self._me, seq, k)
-            self._wait([key], peer, rnd.deadline, timeout,
-                       f"batch {k} of the messages to this process (round {seq}) from")
-            raw = self._store.get(key)
-            self._watch.discard([key])
-            rec = self._records.unpack("shm", key, seq, peer, raw, self._watch.dead)
-            if "dead" in rec:     # the watcher's wake-up; _wait raised unless it raced
-                raise TransportError(f"shm: {self._labels[peer]} (pid {rec['dead']}) died")
-            for src, dst, tag, msg in rec["msgs"]:
-                r = want.pop((src, dst, tag), None)
-                if r is None:
-                    raise TransportError(f"shm recv from {self._labels[peer]}: it sent "
-                                         f"{src}->{dst} tag {tag} (round {seq}), which this "
-                                         f"process did not post a receive for")
-                self._land(r, msg)
-            if not rec["more"]:
-                break
-            k += 1
+        with self._read_ahead(peer, seq, rnd, timeout) as batches:
+            for rec in batches:
+                for src, dst, tag, msg in rec["msgs"]:
+                    r = want.pop((src, dst, tag), None)
+                    if r is None:
+                        raise TransportError(f"shm recv from {self._labels[peer]}: it sent "
+                                             f"{src}->{dst} tag {tag} (round {seq}), which "
+                                             f"this process did not post a receive for")
+                    self._land(r, msg)
         if want:
             missing = ", ".join(f"{s}->{d} tag {t}" for s, d, t in sorted(want)[:5])
             raise TransportError(f"shm recv from {self._labels[peer]}: its round {seq} ended "
                                  f"without {len(want)} message(s) this process posted a "
                                  f"receive for ({missing})")
+
+    def _read_batch(self, store: Any, peer: int, seq: int, k: int, rnd: _Round,
+                    timeout: float, stop: threading.Event | None = None
+                    ) -> dict[str, Any] | None:
+        """Wait for batch ``k`` of ``peer``'s round ``seq`` on ``store`` and open it; None
+        when ``stop`` was set meanwhile (the reader's wake-up, see ``BatchReader``)."""
+        key = self._batch_key(peer, self._me, seq, k)
+        self._wait([key], peer, rnd.deadline, timeout,
+                   f"batch {k} of the messages to this process (round {seq}) from", store)
+        if stop is not None and stop.is_set():
+            return None
+        raw = store.get(key)
+        self._watch.discard([key])
+        rec = self._records.unpack("shm", key, seq, peer, raw, self._watch.dead)
+        if "dead" in rec:     # the watcher's wake-up; _wait raised unless it raced
+            raise TransportError(f"shm: {self._labels[peer]} (pid {rec['dead']}) died")
+        return rec
+
+    def _read_ahead(self, peer: int, seq: int, rnd: _Round,
+                    timeout: float) -> contextlib.AbstractContextManager[Iterator[dict]]:
+        """``peer``'s batches of round ``seq`` in order, read on the reader thread; inline
+        (each one waited for when the last is landed) without a second store client."""
+        if self._reader is None and self._connect is not None:
+            try:
+                self._reader = BatchReader(self._connect(), self.name)
+            except Exception:   # noqa: BLE001 - reading inline works, only later
+                logger.debug("shm: no second store client; batches read inline",
+                             exc_info=True)
+                self._connect = None
+        if self._reader is None:
+            return contextlib.nullcontext(self._inline_batches(peer, seq, rnd, timeout))
+        return self._reader.read(
+            lambda k: self._batch_key(peer, self._me, seq, k),
+            lambda client, k, stop: self._read_batch(client, peer, seq, k, rnd, timeout, stop),
+            self._wake, rnd.deadline, f"batches of round {seq} from {self._labels[peer]}")
+
+    def _wake(self, key: str) -> None:
+        """Wake the reader's wait on ``key`` (a marker it never opens), and drop the key."""
+        with contextlib.suppress(Exception):       # the store is gone: it waits its deadline
+            self._store.set(key, json.dumps({"stop": True}))
+            self._watch.discard([key])
+
+    def _inline_batches(self, peer: int, seq: int, rnd: _Round,
+                        timeout: float) -> Iterator[dict]:
+        k = 0
+        while True:
+            rec = self._read_batch(self._store, peer, seq, k, rnd, timeout)
+            assert rec is not None
+            yield rec
+            if not rec["more"]:
+                return
+            k += 1
 
     def _receive(self, r: Recv, rnd: _Round, timeout: float) -> None:
         seq = rnd.recv_seq[r.peer]
@@ -467,6 +524,9 @@ class ShmTransport(PeerTransport):
         remove_shm(self.prefix)
 
     def _release(self) -> None:
+        if self._reader is not None:
+            self._reader.stop()
+            self._reader = None
         segs = [*self._out.values(), *self._staging, *(s for v in self._spill.values() for s in v)]
         for s in segs:
             s.unlink()
