@@ -25,6 +25,7 @@ Tunix missing: skipped, unless XRESHARD_REQUIRE_RL=1 (the RL leg of CI), where i
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib.util
 import os
@@ -203,6 +204,139 @@ def test_gemma_tables_bind_each_shard_of_the_mesh_as_its_hf_region(case):
         assert np.array_equal(np.asarray(a), flat[n]), n
 
 
+def _gemma4_model(case: str, seed: int = 0, mesh=None, default_sharding=False, **over):
+    """A tiny Tunix Gemma4 (text), every parameter random (norm scales around 1: Gemma4
+    scales by ``w``, not ``1 + w``). Layers sliding, sliding, global (x2), window 3 < the 8
+    tokens tested. ``ple``: per-layer input embeddings, the last 3 layers reading the K/V
+    of layers 1 (sliding) and 2 (global) with double-wide MLPs, ``k_eq_v`` global layers
+    (``k_einsum`` only) with their own KV heads and head dim, partial RoPE (1/4) on them;
+    ``plain``: every layer its own K/V (``kv_einsum`` on global layers too), partial RoPE
+    1/2, linear RoPE (factor 2) on sliding layers; ``moe``: a MoE block beside each MLP
+    (4 experts, top 2) and ``k_eq_v``. On ``mesh``: Tunix's sharding, the per-layer tables
+    split on ``L`` (unless ``default_sharding``)."""
+    from tunix.models.gemma4 import model as gemma4
+
+    local, glob = gemma4.AttentionType.LOCAL_SLIDING, gemma4.AttentionType.GLOBAL
+    sizes = {**dict(num_layers=6, num_embed=64, embed_dim=32, hidden_dim=64, num_heads=4,
+                    head_dim=8, num_kv_heads=2, global_key_size=16, sliding_window_size=3,
+                    attention_pattern=(local, local, glob), local_base_frequency=100,
+                    global_base_frequency=10_000), **over}
+    extra = {"ple": dict(per_layer_input_dim=8, frac_shared_layers=0.5, k_eq_v_global=True,
+                         num_global_kv_heads=1 if mesh is None else 2,
+                         override_kv_shared_ffw_hidden=2 * sizes["hidden_dim"]),
+             "plain": dict(global_rope_proportion=0.5, local_scale_factor=2.0),
+             "moe": dict(enable_moe=True, num_experts=4, num_experts_per_tok=2, expert_dim=16,
+                         k_eq_v_global=True)}[case]
+    if mesh is not None and not default_sharding:
+        # Tunix's default splits the per-layer dim P, minor in HF's merged [.., L*P]: a
+        # shard would be no box of the HF tensor (refused, docs/tunix.md); split L instead
+        extra["shd_config"] = dataclasses.replace(
+            gemma4.ShardingConfig.get_default_sharding(),
+            per_layer_input_embedding=("tp", "fsdp", None),
+            per_layer_model_projection=("fsdp", "tp", None))
+    model = gemma4.Gemma4(gemma4.ModelConfig(**sizes, **extra), rngs=nnx.Rngs(seed))
+    state = nnx.state(model, nnx.Param)
+    leaves, treedef = jax.tree_util.tree_flatten(state)
+    keys = jax.random.split(jax.random.key(seed + 1), len(leaves))
+    nnx.update(model, jax.tree_util.tree_unflatten(treedef, [
+        0.2 * jax.random.normal(k, x.shape, x.dtype) + (1.0 if x.ndim == 1 else 0.0)
+        for x, k in zip(leaves, keys)]))
+    for layer in model.layers if case == "moe" else ():
+        # Tunix's router reads RMSNorm(moe_pre_ffw_norm(x)), HF's and vLLM's RMSNorm(x):
+        # the same only for a uniform scale (docs/tunix.md)
+        layer.moe_pre_ffw_norm.scale.value = jax.numpy.full((sizes["embed_dim"],), 1.3)
+    if mesh is None:
+        return model
+    from tunix.rl import reshard
+    return reshard.reshard_model_to_mesh(model, mesh)
+
+
+@pytest.mark.parametrize("case", ["ple", "plain", "moe"])
+def test_gemma4_table_maps_onto_the_hf_model_and_its_logits(case):
+    """Tunix's Gemma4: every parameter a KV-shared layer reads becomes exactly the tensors
+    of HF's ``Gemma4ForCausalLM`` built from the written config (the K/V kernels of the
+    KV-shared layers, which nothing reads, become none), and that model computes the Tunix
+    model's logits - per-layer inputs, KV sharing, ``k_eq_v``, partial and linear RoPE,
+    global head dims, double-wide MLPs, the MoE block."""
+    import torch
+    import transformers
+
+    model = _gemma4_model(case)
+    flat = {n: np.asarray(a) for n, a in
+            flatten_tree(xt.pure_tree(nnx.state(model, nnx.Param))).items()}
+    hf = NameMap(xt.tunix_rules(model)).apply({n: a.shape for n, a in flat.items()})
+    cfg = xt.hf_config_of(model)
+    assert cfg["architectures"] == ["Gemma4ForCausalLM"]
+    config = transformers.AutoConfig.for_model(**{k: v for k, v in cfg.items()
+                                                  if k != "architectures"})
+    config._attn_implementation = "eager"
+    ref = transformers.Gemma4ForCausalLM(config).float().eval()
+    want = {n: tuple(t.shape) for n, t in ref.state_dict().items() if n != "lm_head.weight"}
+    assert {n: t.shape for n, t in hf.items()} == want
+    if case == "ple":       # the KV-shared layers' unread kernels map to nothing
+        assert "layers/4/attn/kv_einsum/w" in flat
+        assert not any(n.startswith("model.layers.4.self_attn.k") for n in hf)
+    ref.load_state_dict({n: torch.from_numpy(np.ascontiguousarray(t.view(flat)))
+                         for n, t in hf.items()}, strict=False)
+    ref.tie_weights()
+    tokens = np.array([[5, 9, 2, 33, 17, 60, 1, 8]])
+    tunix_logits, _ = model(tokens, np.arange(8)[None], None, np.tril(np.ones((1, 8, 8), bool)))
+    with torch.no_grad():
+        hf_logits = ref(torch.from_numpy(tokens)).logits.numpy()
+    np.testing.assert_allclose(np.asarray(tunix_logits), hf_logits, rtol=2e-4, atol=2e-4)
+
+
+@pytest.mark.parametrize("case", ["ple", "moe"])
+def test_gemma4_table_binds_each_shard_of_the_mesh_as_its_hf_region(case):
+    """On Tunix's (fsdp=2, tp=2) sharding of Gemma4, every device's part of every HF tensor
+    (the per-layer embeddings and projections, stacked experts) binds equal to that region
+    of the HF tensor; nothing is bound for the unread K/V kernels."""
+    from xreshard.adapters.jax import bind_named
+
+    from xreshard.adapters.naming_rules import NamingError
+
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("fsdp", "tp"))
+    ranks = {int(d.id): i for i, d in enumerate(mesh.devices.flat)}
+    if case == "ple":       # Tunix's default sharding of the per-layer tables: refused by name
+        model = _gemma4_model(case, mesh=mesh, default_sharding=True)
+        with pytest.raises(NamingError, match="per_layer_input_embedding.*non-boxes"):
+            bind_named(xt.pure_tree(nnx.state(model, nnx.Param)),
+                       NameMap(xt.tunix_rules(model)), ranks)
+    model = _gemma4_model(case, mesh=mesh)
+    state = xt.pure_tree(nnx.state(model, nnx.Param))
+    flat = {n: np.array(a) for n, a in flatten_tree(state).items()}
+    rules = xt.tunix_rules(model)
+    hf = NameMap(rules).apply({n: a.shape for n, a in flat.items()})
+    bound = bind_named(state, NameMap(rules), ranks)
+    assert sorted(bound.layouts) == sorted(hf)
+    for (rank, name), local in bound.bindings.items():
+        (region,) = bound.layouts[name].regions(rank)
+        want = np.ascontiguousarray(hf[name].view(flat))[region.slices()]
+        assert np.array_equal(np.asarray(local), want), (rank, name)
+    assert {n for _, n in bound.bindings} == set(hf)
+
+
+def test_gemma4_configs_hf_does_not_compute_are_refused_by_field():
+    """A Tunix Gemma4 config that HF's and vLLM's Gemma4 would compute differently is
+    refused naming what differs, before any engine starts."""
+    from tunix.models.gemma4 import model as gemma4
+
+    local, glob = gemma4.AttentionType.LOCAL_SLIDING, gemma4.AttentionType.GLOBAL
+    cases = {"reads layer 2's K/V in Tunix, layer 3's": dict(
+                 attention_pattern=(local, local, glob, local), num_layers=8,
+                 frac_shared_layers=0.5),
+             "the last layer is not global": dict(attention_pattern=(local, glob, local)),
+             "override_kv_shared_ffw_hidden 100": dict(frac_shared_layers=0.5,
+                                                       override_kv_shared_ffw_hidden=100),
+             "vLLM's proportional RoPE ignores the factor": dict(global_scale_factor=8.0)}
+    for why, over in cases.items():
+        model = _gemma4_model("plain", num_layers=over.pop("num_layers", 6), **over)
+        with pytest.raises(xt.TunixNamingError, match=why):
+            xt.hf_config_of(model)
+        with pytest.raises(xt.TunixNamingError, match=why):
+            xt.tunix_rules(model)
+
+
 LORA_TARGETS = ".*q_proj|.*k_proj|.*v_proj|.*o_proj|.*gate_proj|.*up_proj|.*down_proj"
 
 
@@ -267,10 +401,6 @@ def test_unknown_model_and_unmapped_path_are_refused_by_name():
 
     with pytest.raises(xt.TunixNamingError, match="NotTunix.*tables exist for"):
         xt.family_of(NotTunix())
-    from tunix.models.gemma4 import model as gemma4
-    gemma = object.__new__(gemma4.Gemma4)           # the class is what picks the table
-    with pytest.raises(xt.TunixNamingError, match="Gemma4 yet: transformers and vLLM have"):
-        xt.family_of(gemma)
     with pytest.raises(xt.TunixNamingError, match="no LoRA naming table for Tunix's Gemma3"):
         xt.tunix_lora_rules(_gemma_model("gemma3", num_layers=1), "policy")
     model = _family_model("Qwen2")
