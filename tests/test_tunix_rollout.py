@@ -217,10 +217,10 @@ def _gemma4_model(case: str, seed: int = 0, mesh=None, default_sharding=False, *
     from tunix.models.gemma4 import model as gemma4
 
     local, glob = gemma4.AttentionType.LOCAL_SLIDING, gemma4.AttentionType.GLOBAL
-    sizes = {**dict(num_layers=6, num_embed=64, embed_dim=32, hidden_dim=64, num_heads=4,
-                    head_dim=8, num_kv_heads=2, global_key_size=16, sliding_window_size=3,
-                    attention_pattern=(local, local, glob), local_base_frequency=100,
-                    global_base_frequency=10_000), **over}
+    sizes = dict(num_layers=6, num_embed=64, embed_dim=32, hidden_dim=64, num_heads=4,
+                 head_dim=8, num_kv_heads=2, global_key_size=16, sliding_window_size=3,
+                 attention_pattern=(local, local, glob), local_base_frequency=100,
+                 global_base_frequency=10_000)
     extra = {"ple": dict(per_layer_input_dim=8, frac_shared_layers=0.5, k_eq_v_global=True,
                          num_global_kv_heads=1 if mesh is None else 2,
                          override_kv_shared_ffw_hidden=2 * sizes["hidden_dim"]),
@@ -234,7 +234,7 @@ def _gemma4_model(case: str, seed: int = 0, mesh=None, default_sharding=False, *
             gemma4.ShardingConfig.get_default_sharding(),
             per_layer_input_embedding=("tp", "fsdp", None),
             per_layer_model_projection=("fsdp", "tp", None))
-    model = gemma4.Gemma4(gemma4.ModelConfig(**sizes, **extra), rngs=nnx.Rngs(seed))
+    model = gemma4.Gemma4(gemma4.ModelConfig(**{**sizes, **extra, **over}), rngs=nnx.Rngs(seed))
     state = nnx.state(model, nnx.Param)
     leaves, treedef = jax.tree_util.tree_flatten(state)
     keys = jax.random.split(jax.random.key(seed + 1), len(leaves))
@@ -244,7 +244,8 @@ def _gemma4_model(case: str, seed: int = 0, mesh=None, default_sharding=False, *
     for layer in model.layers if case == "moe" else ():
         # Tunix's router reads RMSNorm(moe_pre_ffw_norm(x)), HF's and vLLM's RMSNorm(x):
         # the same only for a uniform scale (docs/tunix.md)
-        layer.moe_pre_ffw_norm.scale.value = jax.numpy.full((sizes["embed_dim"],), 1.3)
+        scale = layer.moe_pre_ffw_norm.scale
+        scale.value = jax.numpy.full_like(scale.value, 1.3)
     if mesh is None:
         return model
     from tunix.rl import reshard
@@ -641,6 +642,48 @@ def test_gemma_rollout_refits_a_vllm_engine_exactly(case):
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("fsdp", "tp"))
     # head_dim 32: the smallest vLLM's CPU attention kernels take
     model = _gemma_model(case, mesh=mesh, embed_dim=64, head_dim=32)
+    config = base_rollout.RolloutConfig(max_tokens_to_generate=6, max_prompt_length=8,
+                                        temperature=0.0, seed=0,
+                                        rollout_vllm_kwargs={"max_model_len": 16,
+                                                             "dtype": "float32"})
+    rollout = xt.XreshardVllmRollout(rollout_actor=model, tokenizer=_Chars(),
+                                     rollout_config=config, tensor_parallel_size=2)
+    prompts = [[6, 4, 7, 4, 39], [5, 10, 39, 3, 3, 8, 9]]
+    try:
+        _step_and_refit_unseen(rollout, model)
+        reports = rollout.transfer_reports()
+        assert [w["bytes_received"] for w in reports] == [w["shard_bytes"] for w in reports]
+        got = _greedy(rollout.llm, prompts)
+        assert _engine_equals_vllms_own_load(rollout, model)
+        assert _greedy(rollout.llm, prompts) == got    # tokens and logprobs, bit for bit
+    finally:
+        rollout.shutdown()
+
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", ["ple", "moe"])
+def test_gemma4_rollout_refits_a_vllm_engine_exactly(case):
+    """A tiny Tunix Gemma4 on a (fsdp=2, tp=2) mesh (``ple``: per-layer inputs, KV-shared
+    layers, ``k_eq_v`` global layers with their own head dim; ``moe``: a MoE block in every
+    layer): the rollout starts vLLM's ``Gemma4ForCausalLM`` on CPU at TP=2 from the written
+    config and refits it through the Gemma4 table (the unread K/V kernels of KV-shared
+    layers are not sent); after a step's new weights and update_params (under RLCluster's
+    CPU transfer guard) every tensor the engine holds equals vLLM's own load of the
+    trainer's weights, byte for byte, nothing landed in the trainer process, each rank
+    received exactly its shard, and greedy answers are vLLM's."""
+    from tunix.rl.rollout import base_rollout
+
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0|1")
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("fsdp", "tp"))
+    # head dims 32 and 64: vLLM's CPU attention kernels take them
+    # expert width 64: 32 per TP rank, which vLLM's CPU MoE kernel takes unpadded (it pads
+    # narrower experts to 32 after loading, and its layerwise reload then cannot copy the
+    # reloaded expert weights into the padded ones)
+    over = dict(expert_dim=64) if case == "moe" else {}
+    model = _gemma4_model(case, mesh=mesh, embed_dim=64, num_heads=2, head_dim=32,
+                          global_key_size=64, **over)
     config = base_rollout.RolloutConfig(max_tokens_to_generate=6, max_prompt_length=8,
                                         temperature=0.0, seed=0,
                                         rollout_vllm_kwargs={"max_model_len": 16,

@@ -29,12 +29,17 @@ Decision record.
   HF and vLLM have none: :class:`Unused` maps them to nothing, so they are never sent. A
   config whose computation HF or vLLM cannot express (:func:`_gemma4_checks`: a different
   KV-sharing origin, a MLP width HF cannot state, scaled partial RoPE, ...) is refused
-  naming the field, before the engine starts.
+  naming the field, before the engine starts. Tunix 0.1.7's MoE router reads
+  ``RMSNorm(moe_pre_ffw_norm(x))`` where HF's and vLLM's read ``RMSNorm(x)``: the same
+  routing only while that scale is uniform. The weights move exactly; HF's config is
+  written with a warning (refusing would leave a Tunix Gemma4 MoE with no vLLM rollout,
+  and no table can make one function the other).
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Mapping, Sequence
@@ -46,6 +51,9 @@ from xreshard.errors import RefitError
 __all__ = ["TunixNamingError", "Family", "FAMILIES", "UNMAPPED", "HeadsToRows", "Unused",
            "family_of",
            "tunix_rules", "tunix_lora_rules", "hf_config_of", "write_model_dir", "check_names"]
+
+
+logger = logging.getLogger(__name__)
 
 
 class TunixNamingError(RefitError):
@@ -505,6 +513,11 @@ def _gemma4_hf(c: Any) -> dict[str, Any]:
     import numpy as np
 
     kinds, owners = _gemma4_checked(c)
+    if c.enable_moe:
+        logger.warning(
+            "Tunix Gemma4 MoE: Tunix 0.1.7's router reads RMSNorm(moe_pre_ffw_norm(x)), HF's "
+            "and vLLM's RMSNorm(x); they route alike only while moe_pre_ffw_norm's scale is "
+            "uniform, so the engine samples from HF's Gemma4 with the trainer's exact weights")
     moe = ({"enable_moe_block": True, "num_experts": c.num_experts,
             "top_k_experts": c.num_experts_per_tok, "moe_intermediate_size": c.expert_dim}
            if c.enable_moe else {"enable_moe_block": False})
