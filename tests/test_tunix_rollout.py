@@ -329,7 +329,7 @@ def test_gemma4_configs_hf_does_not_compute_are_refused_by_field():
              "the last layer is not global": dict(attention_pattern=(local, glob, local)),
              "override_kv_shared_ffw_hidden 100": dict(frac_shared_layers=0.5,
                                                        override_kv_shared_ffw_hidden=100),
-             "vLLM's proportional RoPE ignores the factor": dict(global_scale_factor=8.0)}
+             "global RoPE proportion 0.5 with scale factor 8.0": dict(global_scale_factor=8.0)}
     for why, over in cases.items():
         model = _gemma4_model("plain", num_layers=over.pop("num_layers", 6), **over)
         with pytest.raises(xt.TunixNamingError, match=why):
@@ -341,17 +341,23 @@ def test_gemma4_configs_hf_does_not_compute_are_refused_by_field():
 LORA_TARGETS = ".*q_proj|.*k_proj|.*v_proj|.*o_proj|.*gate_proj|.*up_proj|.*down_proj"
 
 
+#: Gemma's projections: the attention einsums and the MLP
+GEMMA_LORA_TARGETS = ".*_einsum|.*gate_proj|.*up_proj|.*down_proj"
+
+
 def _lora_model(name: str = "Qwen2", rank: int = 4, alpha: float = 8.0, seed: int = 0,
-                sizes: dict = SIZES, mesh=None):
-    """A tiny Tunix model with qwix LoRA on every projection, every factor random (qwix
-    zeroes B), resharded onto ``mesh`` (qwix shards the factors as their weights)."""
+                sizes: dict = SIZES, mesh=None, base=None):
+    """A tiny Tunix model (family ``name``, or ``base``: a Gemma) with qwix LoRA on every
+    projection, every factor random (qwix zeroes B), resharded onto ``mesh`` (qwix shards
+    the factors as their weights)."""
     import contextlib
 
     import qwix
     from tunix.rl import reshard
 
-    base = _family_model(name, seed=seed, sizes=sizes)
-    provider = qwix.LoraProvider(module_path=LORA_TARGETS, rank=rank, alpha=alpha)
+    targets = LORA_TARGETS if base is None else GEMMA_LORA_TARGETS
+    base = _family_model(name, seed=seed, sizes=sizes) if base is None else base
+    provider = qwix.LoraProvider(module_path=targets, rank=rank, alpha=alpha)
     with mesh if mesh is not None else contextlib.nullcontext():
         model = qwix.apply_lora_to_model(base, provider, **base.get_model_input(),
                                          rngs=nnx.Rngs(seed + 7))
@@ -396,14 +402,54 @@ def test_lora_table_maps_qwix_factors_onto_peft_tensors_and_their_logits(name):
     np.testing.assert_allclose(np.asarray(lora_logits), hf_logits, rtol=2e-4, atol=2e-4)
 
 
+@pytest.mark.parametrize("case", ["gemma1_fused", "gemma2", "gemma3"])
+def test_gemma_lora_table_maps_qwix_factors_onto_peft_tensors_and_their_logits(case):
+    """qwix LoRA on Gemma's einsums (``q_einsum``/``kv_einsum``, or the fused
+    ``qkv_einsum``, ``attn_vec_einsum``) and MLP: every factor becomes PEFT's lora_A /
+    lora_B of the right module (a fused einsum's ``A`` is each of its modules' lora_A), and
+    HF's Gemma with W + alpha/r * B @ A computes the LoRA model's logits."""
+    import torch
+    import transformers
+
+    model = _lora_model(base=_gemma_model(case, **({"num_layers": 2} if case == "gemma3" else {})))
+    base, lora = xt.split_lora(nnx.state(model, nnx.Param))
+    assert lora and not any("lora" in n for n in base)
+    rules = xt.tunix_lora_rules(model, "policy")
+    adapter = xt.lora_adapter(lora, rules, name="policy", lora_id=1, alpha=8.0, arrays=True)
+    assert adapter.r == 4 and len(adapter.weights) == 7 * 2
+    assert set(adapter.peft_config()["target_modules"]) == {
+        "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
+    assert xt.lora_adapter(lora, rules, name="policy", lora_id=1, alpha=8.0).spec() == \
+        adapter.spec()
+    flat = {n: np.asarray(a) for n, a in base.items()}
+    hf = NameMap(xt.tunix_rules(model)).apply({n: a.shape for n, a in flat.items()})
+    weights = {n: torch.from_numpy(np.ascontiguousarray(t.view(flat))) for n, t in hf.items()}
+    for module, (a, b) in adapter.weights.items():
+        w = weights[module + ".weight"]
+        assert (b.shape[0], a.shape[1]) == tuple(w.shape), module
+        weights[module + ".weight"] = w + 2.0 * torch.from_numpy(b) @ torch.from_numpy(a)
+    cfg = xt.hf_config_of(model)
+    config = transformers.AutoConfig.for_model(**{k: v for k, v in cfg.items()
+                                                  if k != "architectures"})
+    config._attn_implementation = "eager"
+    ref = getattr(transformers, cfg["architectures"][0])(config).float().eval()
+    ref.load_state_dict(weights, strict=False)
+    ref.tie_weights()
+    tokens = np.array([[5, 9, 2, 33, 17, 60, 1, 8]])
+    lora_logits, _ = model(tokens, np.arange(8)[None], None, np.tril(np.ones((1, 8, 8), bool)))
+    with torch.no_grad():
+        hf_logits = ref(torch.from_numpy(tokens)).logits.numpy()
+    np.testing.assert_allclose(np.asarray(lora_logits), hf_logits, rtol=2e-4, atol=2e-4)
+
+
 def test_unknown_model_and_unmapped_path_are_refused_by_name():
     class NotTunix(nnx.Module):
         pass
 
     with pytest.raises(xt.TunixNamingError, match="NotTunix.*tables exist for"):
         xt.family_of(NotTunix())
-    with pytest.raises(xt.TunixNamingError, match="no LoRA naming table for Tunix's Gemma3"):
-        xt.tunix_lora_rules(_gemma_model("gemma3", num_layers=1), "policy")
+    with pytest.raises(xt.TunixNamingError, match="no LoRA naming table for Tunix's Gemma4"):
+        xt.tunix_lora_rules(_gemma4_model("plain"), "policy")
     model = _family_model("Qwen2")
     names = list(flatten_tree(xt.pure_tree(nnx.state(model, nnx.Param))))
     with pytest.raises(xt.TunixNamingError, match="'layers/0/attn/extra/w' matches no rule"):
