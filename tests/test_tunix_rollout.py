@@ -7,9 +7,10 @@ Tunix model from those views; a model or path no table maps is refused by name.
 
 Fast too: the LoRA table maps qwix's factors onto PEFT's lora_A / lora_B (the HF model
 with W + alpha/r B A computes the LoRA model's logits). The Gemma tables (Tunix's Gemma as
-HF's Gemma or Gemma2, and Gemma3) give the HF model's tensors and logits, and bind each
-shard of a (fsdp, tp) mesh as its HF region; Gemma4 (and LoRA on Gemma) is refused with
-its reason.
+HF's Gemma or Gemma2, Gemma3, Gemma4 with per-layer inputs, KV sharing, k_eq_v and MoE)
+give the HF model's tensors and logits, and bind each shard of a (fsdp, tp) mesh as its HF
+region; a Gemma4 config HF computes differently (and LoRA on Gemma4) is refused with its
+reason. qwix LoRA on Gemma's einsums maps onto PEFT tensors (the logits of W + BA).
 
 Slow: an ``RLCluster`` built with ``rollout_engine=partial(XreshardVllmRollout, TP=2,
 delta=True, atomic=True)`` starts a vLLM CPU engine (``load_format="dummy"``) in its own
@@ -18,7 +19,9 @@ every tensor the engine holds then equals, byte for byte, vLLM's own load of the
 weights; nothing lands in the trainer process and each engine rank receives exactly its
 shard; ``generate`` answers as Tunix's ``RolloutOutput`` expects; delta and atomic reached
 the refit. A qwix LoRA model: the LoRA sync refits only the adapter, into a vLLM LoRA slot
-that then serves what vLLM's own load of the same PEFT directory serves, bit for bit.
+that then serves what vLLM's own load of the same PEFT directory serves, bit for bit
+(Qwen2 and Gemma2). Gemma2, Gemma3 and Gemma4 (dense with per-layer inputs, and MoE)
+engines refit through the rollout hold what vLLM's own load holds, byte for byte.
 
 Tunix missing: skipped, unless XRESHARD_REQUIRE_RL=1 (the RL leg of CI), where it fails.
 """
@@ -586,8 +589,10 @@ def _greedy(llm, prompts, request=None):
 
 
 @pytest.mark.slow
-def test_lora_sync_refits_only_the_adapter_as_vllm_loads_it(tmp_path):
-    """A qwix LoRA model: the engine starts with a LoRA slot; Tunix's LoRA sync
+@pytest.mark.parametrize("case", ["qwen2", "gemma2"])
+def test_lora_sync_refits_only_the_adapter_as_vllm_loads_it(tmp_path, case):
+    """A qwix LoRA model (Qwen2; Gemma2: LoRA on its einsums, a fused ``kv_einsum``'s one
+    ``A`` both k's and v's): the engine starts with a LoRA slot; Tunix's LoRA sync
     (``update_params(nnx.state(actor, nnx.LoRAParam), (nnx.LoRAParam,))``, under RLCluster's
     CPU transfer guard) refits only the adapter, shard to shard; the slot then serves what
     vLLM's own load of the same adapter from a PEFT directory serves, bit for bit, and the
@@ -602,7 +607,8 @@ def test_lora_sync_refits_only_the_adapter_as_vllm_loads_it(tmp_path):
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0|1")
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("fsdp", "tp"))
     sizes = dict(SIZES, embed_dim=64, num_heads=2, head_dim=32)
-    model = _lora_model("Qwen2", sizes=sizes, mesh=mesh)
+    model = _lora_model("Qwen2", sizes=sizes, mesh=mesh) if case == "qwen2" else \
+        _lora_model(mesh=mesh, base=_gemma_model(case, embed_dim=64, head_dim=32))
     config = base_rollout.RolloutConfig(max_tokens_to_generate=6, max_prompt_length=8,
                                         temperature=0.0, seed=0,
                                         rollout_vllm_kwargs={"max_model_len": 16,
