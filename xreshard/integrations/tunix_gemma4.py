@@ -27,10 +27,13 @@ from typing import Any
 
 from xreshard.adapters.naming_rules import Index, Reshape, Rule, Split, Transpose
 
-from .tunix_tables import (_HEADS_OUT, _QKV, _T, HeadsToRows, L, TunixNamingError, Unused,
-                           _layer_types)
+from .tunix_tables import HeadsToRows, L, TunixNamingError, Unused
 
 logger = logging.getLogger(__name__)
+
+_T = (Transpose(),)
+_HEADS_OUT = (Reshape((-1, "@2")), Transpose())       # [N, H, D] -> [N*H, D] -> [D, N*H]
+_KV = (("k", 1), ("v", 1))
 
 __all__ = ["gemma4_rules", "gemma4_hf", "gemma4_checks"]
 
@@ -88,7 +91,7 @@ def gemma4_rules(c: Any) -> tuple[Rule, ...]:
         Rule("embedder/input_embedding", "model.embed_tokens.weight"),
         Rule("layers/{l}/attn/q_einsum/w", L + ".self_attn.q_proj.weight", (HeadsToRows(),)),
         Rule(f"layers/{{l:{own}}}/attn/kv_einsum/w", L + ".self_attn.{p}_proj.weight",
-             (Split(0, "p", _QKV[1:]), Index(0, 0), HeadsToRows())),
+             (Split(0, "p", _KV), Index(0, 0), HeadsToRows())),
         Rule(f"layers/{{l:{own}}}/attn/k_einsum/w", L + ".self_attn.k_proj.weight",
              (HeadsToRows(),)),
         Rule(f"layers/{{l:{own}}}/attn/_key_norm/scale", L + ".self_attn.k_norm.weight"),
@@ -207,7 +210,9 @@ def gemma4_hf(c: Any) -> dict[str, Any]:
             "attention_k_eq_v": bool(c.k_eq_v_global), "rms_norm_eps": 1e-6,
             "hidden_activation": "gelu_pytorch_tanh", "tie_word_embeddings": True,
             "attention_bias": False, "max_position_embeddings": 4096,
-            "torch_dtype": np.dtype(c.param_dtype).name, "layer_types": _layer_types(kinds),
+            "torch_dtype": np.dtype(c.param_dtype).name,
+            "layer_types": ["sliding_attention" if k.name == "LOCAL_SLIDING" else
+                            "full_attention" for k in kinds],
             "sliding_window": c.sliding_window_size or 4096,
             "final_logit_softcapping": c.final_logit_softcap,
             "hidden_size_per_layer_input": c.per_layer_input_dim,
