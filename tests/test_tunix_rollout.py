@@ -7,9 +7,10 @@ Tunix model from those views; a model or path no table maps is refused by name.
 
 Fast too: the LoRA table maps qwix's factors onto PEFT's lora_A / lora_B (the HF model
 with W + alpha/r B A computes the LoRA model's logits). The Gemma tables (Tunix's Gemma as
-HF's Gemma or Gemma2, and Gemma3) give the HF model's tensors and logits, and bind each
-shard of a (fsdp, tp) mesh as its HF region; Gemma4 (and LoRA on Gemma) is refused with
-its reason.
+HF's Gemma or Gemma2, Gemma3, Gemma4 with per-layer inputs, KV sharing, k_eq_v and MoE)
+give the HF model's tensors and logits, and bind each shard of a (fsdp, tp) mesh as its HF
+region; a Gemma4 config HF computes differently (and LoRA on Gemma4) is refused with its
+reason. qwix LoRA on Gemma's einsums maps onto PEFT tensors (the logits of W + BA).
 
 Slow: an ``RLCluster`` built with ``rollout_engine=partial(XreshardVllmRollout, TP=2,
 delta=True, atomic=True)`` starts a vLLM CPU engine (``load_format="dummy"``) in its own
@@ -18,13 +19,16 @@ every tensor the engine holds then equals, byte for byte, vLLM's own load of the
 weights; nothing lands in the trainer process and each engine rank receives exactly its
 shard; ``generate`` answers as Tunix's ``RolloutOutput`` expects; delta and atomic reached
 the refit. A qwix LoRA model: the LoRA sync refits only the adapter, into a vLLM LoRA slot
-that then serves what vLLM's own load of the same PEFT directory serves, bit for bit.
+that then serves what vLLM's own load of the same PEFT directory serves, bit for bit
+(Qwen2 and Gemma2). Gemma2, Gemma3 and Gemma4 (dense with per-layer inputs, and MoE)
+engines refit through the rollout hold what vLLM's own load holds, byte for byte.
 
 Tunix missing: skipped, unless XRESHARD_REQUIRE_RL=1 (the RL leg of CI), where it fails.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib.util
 import os
@@ -203,20 +207,160 @@ def test_gemma_tables_bind_each_shard_of_the_mesh_as_its_hf_region(case):
         assert np.array_equal(np.asarray(a), flat[n]), n
 
 
+def _gemma4_model(case: str, seed: int = 0, mesh=None, default_sharding=False, **over):
+    """A tiny Tunix Gemma4 (text), every parameter random (norm scales around 1: Gemma4
+    scales by ``w``, not ``1 + w``). Layers sliding, sliding, global (x2), window 3 < the 8
+    tokens tested. ``ple``: per-layer input embeddings, the last 3 layers reading the K/V
+    of layers 1 (sliding) and 2 (global) with double-wide MLPs, ``k_eq_v`` global layers
+    (``k_einsum`` only) with their own KV heads and head dim, partial RoPE (1/4) on them;
+    ``plain``: every layer its own K/V (``kv_einsum`` on global layers too), partial RoPE
+    1/2, linear RoPE (factor 2) on sliding layers; ``moe``: a MoE block beside each MLP
+    (4 experts, top 2) and ``k_eq_v``. On ``mesh``: Tunix's sharding, the per-layer tables
+    split on ``L`` (unless ``default_sharding``)."""
+    from tunix.models.gemma4 import model as gemma4
+
+    local, glob = gemma4.AttentionType.LOCAL_SLIDING, gemma4.AttentionType.GLOBAL
+    sizes = dict(num_layers=6, num_embed=64, embed_dim=32, hidden_dim=64, num_heads=4,
+                 head_dim=8, num_kv_heads=2, global_key_size=16, sliding_window_size=3,
+                 attention_pattern=(local, local, glob), local_base_frequency=100,
+                 global_base_frequency=10_000)
+    extra = {"ple": dict(per_layer_input_dim=8, frac_shared_layers=0.5, k_eq_v_global=True,
+                         num_global_kv_heads=1 if mesh is None else 2,
+                         override_kv_shared_ffw_hidden=2 * sizes["hidden_dim"]),
+             "plain": dict(global_rope_proportion=0.5, local_scale_factor=2.0),
+             "moe": dict(enable_moe=True, num_experts=4, num_experts_per_tok=2, expert_dim=16,
+                         k_eq_v_global=True)}[case]
+    if mesh is not None and not default_sharding:
+        # Tunix's default splits the per-layer dim P, minor in HF's merged [.., L*P]: a
+        # shard would be no box of the HF tensor (refused, docs/tunix.md); split L instead
+        extra["shd_config"] = dataclasses.replace(
+            gemma4.ShardingConfig.get_default_sharding(),
+            per_layer_input_embedding=("tp", "fsdp", None),
+            per_layer_model_projection=("fsdp", "tp", None))
+    model = gemma4.Gemma4(gemma4.ModelConfig(**{**sizes, **extra, **over}), rngs=nnx.Rngs(seed))
+    state = nnx.state(model, nnx.Param)
+    leaves, treedef = jax.tree_util.tree_flatten(state)
+    keys = jax.random.split(jax.random.key(seed + 1), len(leaves))
+    nnx.update(model, jax.tree_util.tree_unflatten(treedef, [
+        0.2 * jax.random.normal(k, x.shape, x.dtype) + (1.0 if x.ndim == 1 else 0.0)
+        for x, k in zip(leaves, keys)]))
+    for layer in model.layers if case == "moe" else ():
+        # Tunix's router reads RMSNorm(moe_pre_ffw_norm(x)), HF's and vLLM's RMSNorm(x):
+        # the same only for a uniform scale (docs/tunix.md)
+        scale = layer.moe_pre_ffw_norm.scale
+        scale.value = jax.numpy.full_like(scale.value, 1.3)
+    if mesh is None:
+        return model
+    from tunix.rl import reshard
+    return reshard.reshard_model_to_mesh(model, mesh)
+
+
+@pytest.mark.parametrize("case", ["ple", "plain", "moe"])
+def test_gemma4_table_maps_onto_the_hf_model_and_its_logits(case):
+    """Tunix's Gemma4: every parameter a KV-shared layer reads becomes exactly the tensors
+    of HF's ``Gemma4ForCausalLM`` built from the written config (the K/V kernels of the
+    KV-shared layers, which nothing reads, become none), and that model computes the Tunix
+    model's logits - per-layer inputs, KV sharing, ``k_eq_v``, partial and linear RoPE,
+    global head dims, double-wide MLPs, the MoE block."""
+    import torch
+    import transformers
+
+    model = _gemma4_model(case)
+    flat = {n: np.asarray(a) for n, a in
+            flatten_tree(xt.pure_tree(nnx.state(model, nnx.Param))).items()}
+    hf = NameMap(xt.tunix_rules(model)).apply({n: a.shape for n, a in flat.items()})
+    cfg = xt.hf_config_of(model)
+    assert cfg["architectures"] == ["Gemma4ForCausalLM"]
+    config = transformers.AutoConfig.for_model(**{k: v for k, v in cfg.items()
+                                                  if k != "architectures"})
+    config._attn_implementation = "eager"
+    ref = transformers.Gemma4ForCausalLM(config).float().eval()
+    want = {n: tuple(t.shape) for n, t in ref.state_dict().items() if n != "lm_head.weight"}
+    assert {n: t.shape for n, t in hf.items()} == want
+    if case == "ple":       # the KV-shared layers' unread kernels map to nothing
+        assert "layers/4/attn/kv_einsum/w" in flat
+        assert not any(n.startswith("model.layers.4.self_attn.k") for n in hf)
+    ref.load_state_dict({n: torch.from_numpy(np.ascontiguousarray(t.view(flat)))
+                         for n, t in hf.items()}, strict=False)
+    ref.tie_weights()
+    tokens = np.array([[5, 9, 2, 33, 17, 60, 1, 8]])
+    tunix_logits, _ = model(tokens, np.arange(8)[None], None, np.tril(np.ones((1, 8, 8), bool)))
+    with torch.no_grad():
+        hf_logits = ref(torch.from_numpy(tokens)).logits.numpy()
+    np.testing.assert_allclose(np.asarray(tunix_logits), hf_logits, rtol=2e-4, atol=2e-4)
+
+
+@pytest.mark.parametrize("case", ["ple", "moe"])
+def test_gemma4_table_binds_each_shard_of_the_mesh_as_its_hf_region(case):
+    """On Tunix's (fsdp=2, tp=2) sharding of Gemma4, every device's part of every HF tensor
+    (the per-layer embeddings and projections, stacked experts) binds equal to that region
+    of the HF tensor; nothing is bound for the unread K/V kernels."""
+    from xreshard.adapters.jax import bind_named
+
+    from xreshard.adapters.naming_rules import NamingError
+
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("fsdp", "tp"))
+    ranks = {int(d.id): i for i, d in enumerate(mesh.devices.flat)}
+    if case == "ple":       # Tunix's default sharding of the per-layer tables: refused by name
+        model = _gemma4_model(case, mesh=mesh, default_sharding=True)
+        with pytest.raises(NamingError, match="per_layer_input_embedding.*non-boxes"):
+            bind_named(xt.pure_tree(nnx.state(model, nnx.Param)),
+                       NameMap(xt.tunix_rules(model)), ranks)
+    model = _gemma4_model(case, mesh=mesh)
+    state = xt.pure_tree(nnx.state(model, nnx.Param))
+    flat = {n: np.array(a) for n, a in flatten_tree(state).items()}
+    rules = xt.tunix_rules(model)
+    hf = NameMap(rules).apply({n: a.shape for n, a in flat.items()})
+    bound = bind_named(state, NameMap(rules), ranks)
+    assert sorted(bound.layouts) == sorted(hf)
+    for (rank, name), local in bound.bindings.items():
+        (region,) = bound.layouts[name].regions(rank)
+        want = np.ascontiguousarray(hf[name].view(flat))[region.slices()]
+        assert np.array_equal(np.asarray(local), want), (rank, name)
+    assert {n for _, n in bound.bindings} == set(hf)
+
+
+def test_gemma4_configs_hf_does_not_compute_are_refused_by_field():
+    """A Tunix Gemma4 config that HF's and vLLM's Gemma4 would compute differently is
+    refused naming what differs, before any engine starts."""
+    from tunix.models.gemma4 import model as gemma4
+
+    local, glob = gemma4.AttentionType.LOCAL_SLIDING, gemma4.AttentionType.GLOBAL
+    cases = {"reads layer 2's K/V in Tunix, layer 3's": dict(
+                 attention_pattern=(local, local, glob, local), num_layers=8,
+                 frac_shared_layers=0.5),
+             "the last layer is not global": dict(attention_pattern=(local, glob, local)),
+             "override_kv_shared_ffw_hidden 100": dict(frac_shared_layers=0.5,
+                                                       override_kv_shared_ffw_hidden=100),
+             "global RoPE proportion 0.5 with scale factor 8.0": dict(global_scale_factor=8.0)}
+    for why, over in cases.items():
+        model = _gemma4_model("plain", num_layers=over.pop("num_layers", 6), **over)
+        with pytest.raises(xt.TunixNamingError, match=why):
+            xt.hf_config_of(model)
+        with pytest.raises(xt.TunixNamingError, match=why):
+            xt.tunix_rules(model)
+
+
 LORA_TARGETS = ".*q_proj|.*k_proj|.*v_proj|.*o_proj|.*gate_proj|.*up_proj|.*down_proj"
 
 
+#: Gemma's projections: the attention einsums and the MLP
+GEMMA_LORA_TARGETS = ".*_einsum|.*gate_proj|.*up_proj|.*down_proj"
+
+
 def _lora_model(name: str = "Qwen2", rank: int = 4, alpha: float = 8.0, seed: int = 0,
-                sizes: dict = SIZES, mesh=None):
-    """A tiny Tunix model with qwix LoRA on every projection, every factor random (qwix
-    zeroes B), resharded onto ``mesh`` (qwix shards the factors as their weights)."""
+                sizes: dict = SIZES, mesh=None, base=None):
+    """A tiny Tunix model (family ``name``, or ``base``: a Gemma) with qwix LoRA on every
+    projection, every factor random (qwix zeroes B), resharded onto ``mesh`` (qwix shards
+    the factors as their weights)."""
     import contextlib
 
     import qwix
     from tunix.rl import reshard
 
-    base = _family_model(name, seed=seed, sizes=sizes)
-    provider = qwix.LoraProvider(module_path=LORA_TARGETS, rank=rank, alpha=alpha)
+    targets = LORA_TARGETS if base is None else GEMMA_LORA_TARGETS
+    base = _family_model(name, seed=seed, sizes=sizes) if base is None else base
+    provider = qwix.LoraProvider(module_path=targets, rank=rank, alpha=alpha)
     with mesh if mesh is not None else contextlib.nullcontext():
         model = qwix.apply_lora_to_model(base, provider, **base.get_model_input(),
                                          rngs=nnx.Rngs(seed + 7))
@@ -261,18 +405,54 @@ def test_lora_table_maps_qwix_factors_onto_peft_tensors_and_their_logits(name):
     np.testing.assert_allclose(np.asarray(lora_logits), hf_logits, rtol=2e-4, atol=2e-4)
 
 
+@pytest.mark.parametrize("case", ["gemma1_fused", "gemma2", "gemma3"])
+def test_gemma_lora_table_maps_qwix_factors_onto_peft_tensors_and_their_logits(case):
+    """qwix LoRA on Gemma's einsums (``q_einsum``/``kv_einsum``, or the fused
+    ``qkv_einsum``, ``attn_vec_einsum``) and MLP: every factor becomes PEFT's lora_A /
+    lora_B of the right module (a fused einsum's ``A`` is each of its modules' lora_A), and
+    HF's Gemma with W + alpha/r * B @ A computes the LoRA model's logits."""
+    import torch
+    import transformers
+
+    model = _lora_model(base=_gemma_model(case, **({"num_layers": 2} if case == "gemma3" else {})))
+    base, lora = xt.split_lora(nnx.state(model, nnx.Param))
+    assert lora and not any("lora" in n for n in base)
+    rules = xt.tunix_lora_rules(model, "policy")
+    adapter = xt.lora_adapter(lora, rules, name="policy", lora_id=1, alpha=8.0, arrays=True)
+    assert adapter.r == 4 and len(adapter.weights) == 7 * 2
+    assert set(adapter.peft_config()["target_modules"]) == {
+        "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
+    assert xt.lora_adapter(lora, rules, name="policy", lora_id=1, alpha=8.0).spec() == \
+        adapter.spec()
+    flat = {n: np.asarray(a) for n, a in base.items()}
+    hf = NameMap(xt.tunix_rules(model)).apply({n: a.shape for n, a in flat.items()})
+    weights = {n: torch.from_numpy(np.ascontiguousarray(t.view(flat))) for n, t in hf.items()}
+    for module, (a, b) in adapter.weights.items():
+        w = weights[module + ".weight"]
+        assert (b.shape[0], a.shape[1]) == tuple(w.shape), module
+        weights[module + ".weight"] = w + 2.0 * torch.from_numpy(b) @ torch.from_numpy(a)
+    cfg = xt.hf_config_of(model)
+    config = transformers.AutoConfig.for_model(**{k: v for k, v in cfg.items()
+                                                  if k != "architectures"})
+    config._attn_implementation = "eager"
+    ref = getattr(transformers, cfg["architectures"][0])(config).float().eval()
+    ref.load_state_dict(weights, strict=False)
+    ref.tie_weights()
+    tokens = np.array([[5, 9, 2, 33, 17, 60, 1, 8]])
+    lora_logits, _ = model(tokens, np.arange(8)[None], None, np.tril(np.ones((1, 8, 8), bool)))
+    with torch.no_grad():
+        hf_logits = ref(torch.from_numpy(tokens)).logits.numpy()
+    np.testing.assert_allclose(np.asarray(lora_logits), hf_logits, rtol=2e-4, atol=2e-4)
+
+
 def test_unknown_model_and_unmapped_path_are_refused_by_name():
     class NotTunix(nnx.Module):
         pass
 
     with pytest.raises(xt.TunixNamingError, match="NotTunix.*tables exist for"):
         xt.family_of(NotTunix())
-    from tunix.models.gemma4 import model as gemma4
-    gemma = object.__new__(gemma4.Gemma4)           # the class is what picks the table
-    with pytest.raises(xt.TunixNamingError, match="Gemma4 yet: transformers and vLLM have"):
-        xt.family_of(gemma)
-    with pytest.raises(xt.TunixNamingError, match="no LoRA naming table for Tunix's Gemma3"):
-        xt.tunix_lora_rules(_gemma_model("gemma3", num_layers=1), "policy")
+    with pytest.raises(xt.TunixNamingError, match="no LoRA naming table for Tunix's Gemma4"):
+        xt.tunix_lora_rules(_gemma4_model("plain"), "policy")
     model = _family_model("Qwen2")
     names = list(flatten_tree(xt.pure_tree(nnx.state(model, nnx.Param))))
     with pytest.raises(xt.TunixNamingError, match="'layers/0/attn/extra/w' matches no rule"):
@@ -409,8 +589,10 @@ def _greedy(llm, prompts, request=None):
 
 
 @pytest.mark.slow
-def test_lora_sync_refits_only_the_adapter_as_vllm_loads_it(tmp_path):
-    """A qwix LoRA model: the engine starts with a LoRA slot; Tunix's LoRA sync
+@pytest.mark.parametrize("case", ["qwen2", "gemma2"])
+def test_lora_sync_refits_only_the_adapter_as_vllm_loads_it(tmp_path, case):
+    """A qwix LoRA model (Qwen2; Gemma2: LoRA on its einsums, a fused ``kv_einsum``'s one
+    ``A`` both k's and v's): the engine starts with a LoRA slot; Tunix's LoRA sync
     (``update_params(nnx.state(actor, nnx.LoRAParam), (nnx.LoRAParam,))``, under RLCluster's
     CPU transfer guard) refits only the adapter, shard to shard; the slot then serves what
     vLLM's own load of the same adapter from a PEFT directory serves, bit for bit, and the
@@ -425,7 +607,8 @@ def test_lora_sync_refits_only_the_adapter_as_vllm_loads_it(tmp_path):
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0|1")
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("fsdp", "tp"))
     sizes = dict(SIZES, embed_dim=64, num_heads=2, head_dim=32)
-    model = _lora_model("Qwen2", sizes=sizes, mesh=mesh)
+    model = _lora_model("Qwen2", sizes=sizes, mesh=mesh) if case == "qwen2" else \
+        _lora_model(mesh=mesh, base=_gemma_model(case, embed_dim=64, head_dim=32))
     config = base_rollout.RolloutConfig(max_tokens_to_generate=6, max_prompt_length=8,
                                         temperature=0.0, seed=0,
                                         rollout_vllm_kwargs={"max_model_len": 16,
@@ -511,6 +694,48 @@ def test_gemma_rollout_refits_a_vllm_engine_exactly(case):
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("fsdp", "tp"))
     # head_dim 32: the smallest vLLM's CPU attention kernels take
     model = _gemma_model(case, mesh=mesh, embed_dim=64, head_dim=32)
+    config = base_rollout.RolloutConfig(max_tokens_to_generate=6, max_prompt_length=8,
+                                        temperature=0.0, seed=0,
+                                        rollout_vllm_kwargs={"max_model_len": 16,
+                                                             "dtype": "float32"})
+    rollout = xt.XreshardVllmRollout(rollout_actor=model, tokenizer=_Chars(),
+                                     rollout_config=config, tensor_parallel_size=2)
+    prompts = [[6, 4, 7, 4, 39], [5, 10, 39, 3, 3, 8, 9]]
+    try:
+        _step_and_refit_unseen(rollout, model)
+        reports = rollout.transfer_reports()
+        assert [w["bytes_received"] for w in reports] == [w["shard_bytes"] for w in reports]
+        got = _greedy(rollout.llm, prompts)
+        assert _engine_equals_vllms_own_load(rollout, model)
+        assert _greedy(rollout.llm, prompts) == got    # tokens and logprobs, bit for bit
+    finally:
+        rollout.shutdown()
+
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", ["ple", "moe"])
+def test_gemma4_rollout_refits_a_vllm_engine_exactly(case):
+    """A tiny Tunix Gemma4 on a (fsdp=2, tp=2) mesh (``ple``: per-layer inputs, KV-shared
+    layers, ``k_eq_v`` global layers with their own head dim; ``moe``: a MoE block in every
+    layer): the rollout starts vLLM's ``Gemma4ForCausalLM`` on CPU at TP=2 from the written
+    config and refits it through the Gemma4 table (the unread K/V kernels of KV-shared
+    layers are not sent); after a step's new weights and update_params (under RLCluster's
+    CPU transfer guard) every tensor the engine holds equals vLLM's own load of the
+    trainer's weights, byte for byte, nothing landed in the trainer process, each rank
+    received exactly its shard, and greedy answers are vLLM's."""
+    from tunix.rl.rollout import base_rollout
+
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0|1")
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("fsdp", "tp"))
+    # head dims 32 and 64: vLLM's CPU attention kernels take them
+    # expert width 64: 32 per TP rank, which vLLM's CPU MoE kernel takes unpadded (it pads
+    # narrower experts to 32 after loading, and its layerwise reload then cannot copy the
+    # reloaded expert weights into the padded ones)
+    over = dict(expert_dim=64) if case == "moe" else {}
+    model = _gemma4_model(case, mesh=mesh, embed_dim=64, num_heads=2, head_dim=32,
+                          global_key_size=64, **over)
     config = base_rollout.RolloutConfig(max_tokens_to_generate=6, max_prompt_length=8,
                                         temperature=0.0, seed=0,
                                         rollout_vllm_kwargs={"max_model_len": 16,

@@ -20,9 +20,21 @@ Decision record.
 * Gemma's RMSNorm stores ``w`` and scales by ``1 + w`` at run time; HF's and vLLM's Gemma
   norms do the same, so the scales move unchanged (no ``+1`` on the way). The embedding is
   tied (Tunix decodes with ``input_embedding.T``) and scaled by ``sqrt(D)`` in all three.
-* Gemma4 is refused by name: transformers and vLLM have it, but its tree (per-layer input
-  embeddings, KV shared across layers, partial RoPE on global layers, ``k_eq_v``, MoE) is
-  not mapped yet.
+* Gemma4 (text; HF and vLLM ``Gemma4ForCausalLM``): the Gemma3 attention kernels plus
+  per-layer input embeddings (``[V, L, P]`` and ``[D, L, P]``: reshapes, views), ``k_eq_v``
+  global layers (``k_einsum`` only: HF ships ``k_proj`` and vLLM loads it into both K and V),
+  partial RoPE (HF's ``proportional``), MoE (stacked experts onto HF's stacked
+  ``experts.gate_up_proj [E, 2F, D]`` / ``down_proj [E, D, F]``, views; vLLM's loader takes
+  them as they are). KV-shared layers keep K/V kernels in Tunix's tree that nothing reads;
+  HF and vLLM have none: :class:`Unused` maps them to nothing, so they are never sent. A
+  config whose computation HF or vLLM cannot express (a different
+  KV-sharing origin, a MLP width HF cannot state, scaled partial RoPE, ...) is refused
+  naming the field, before the engine starts (:mod:`~xreshard.integrations.tunix_gemma4`).
+  Tunix 0.1.7's MoE router reads
+  ``RMSNorm(moe_pre_ffw_norm(x))`` where HF's and vLLM's read ``RMSNorm(x)``: the same
+  routing only while that scale is uniform. The weights move exactly; HF's config is
+  written with a warning (refusing would leave a Tunix Gemma4 MoE with no vLLM rollout,
+  and no table can make one function the other).
 """
 
 from __future__ import annotations
@@ -36,7 +48,8 @@ from xreshard.adapters.naming_rules import (Index, NamingError, Reshape, Rule, S
                                             Transform, Transpose)
 from xreshard.errors import RefitError
 
-__all__ = ["TunixNamingError", "Family", "FAMILIES", "UNMAPPED", "HeadsToRows", "family_of",
+__all__ = ["TunixNamingError", "Family", "FAMILIES", "UNMAPPED", "HeadsToRows", "Unused", "Copies",
+           "family_of",
            "tunix_rules", "tunix_lora_rules", "hf_config_of", "write_model_dir", "check_names"]
 
 
@@ -328,7 +341,28 @@ def _gemma3_hf(c: Any) -> dict[str, Any]:
             "final_logit_softcapping": None, "attn_logit_softcapping": None}
 
 
-#: Tunix's model families. Gemma4 is not here (:data:`UNMAPPED` says why).
+# ---------------------------------------------------------------------------- Gemma4
+
+@dataclass(frozen=True)
+class Unused(Transform):
+    """A Tunix parameter with no HF tensor: it maps to nothing and is never sent.
+
+    Gemma4's KV-shared layers keep ``kv_einsum`` (or ``k_einsum``) and ``_key_norm`` in
+    Tunix's tree but never read them (the layer attends with the K/V of its origin layer,
+    so they get no gradient either); HF's and vLLM's Gemma4 build no such tensors.
+    """
+
+    def apply(self, view: Any, fields: Mapping[str, Any], params: Mapping[str, int]
+              ) -> Iterator[tuple[Any, dict]]:
+        return iter(())
+
+
+def _gemma4() -> Any:
+    from . import tunix_gemma4      # imports this module: loaded on first use
+    return tunix_gemma4
+
+
+#: Tunix's model families, by model class name.
 FAMILIES: dict[str, Family] = {
     "Qwen2": Family("Qwen2", "tunix.models.qwen2.model", "Qwen2ForCausalLM", _qwen2_hf,
                     lambda c: _dense_rules(qkv_bias=True, qk_norm=False, tied=_tied(c))),
@@ -337,19 +371,19 @@ FAMILIES: dict[str, Family] = {
     "Llama3": Family("Llama3", "tunix.models.llama3.model", "LlamaForCausalLM", _llama3_hf,
                      lambda c: _dense_rules(qkv_bias=False, qk_norm=False, tied=_tied(c))),
     "Gemma": Family("Gemma", "tunix.models.gemma.model", "Gemma2ForCausalLM", _gemma_hf,
-                    lambda c: _gemma_rules(_gemma_version(c)), lora=False),
+                    lambda c: _gemma_rules(_gemma_version(c))),
     "Gemma3": Family("Gemma3", "tunix.models.gemma3.model", "Gemma3ForCausalLM", _gemma3_hf,
-                     lambda c: _gemma_rules(3), lora=False),
+                     lambda c: _gemma_rules(3)),
+    "Gemma4": Family("Gemma4", "tunix.models.gemma4.model", "Gemma4ForCausalLM",
+                     lambda c: _gemma4().gemma4_hf(c), lambda c: _gemma4().gemma4_rules(c),
+                     lora=False),
 }
 
 
-#: Tunix's model classes with no table yet, and why (their error says so)
-UNMAPPED: dict[str, str] = {
-    "tunix.models.gemma4.model.Gemma4": (
-        "transformers and vLLM have Gemma4, but its tree (per-layer input embeddings, KV "
-        "shared across layers, partial RoPE on global layers, k_eq_v, MoE layers) has no "
-        "table yet"),
-}
+#: Tunix's model classes with no table yet, and why (their error says so). Empty in Tunix
+#: 0.1.7: every model class has a table; what a table cannot express is refused by config
+#: (Gemma4: :mod:`~xreshard.integrations.tunix_gemma4`; Qwen3 MoE; Gemma3 vision)
+UNMAPPED: dict[str, str] = {}
 
 
 def family_of(model: Any) -> Family:
@@ -369,7 +403,8 @@ def family_of(model: Any) -> Family:
 
 
 def tunix_rules(model: Any) -> tuple[Rule, ...]:
-    """The naming table of a Tunix model (Qwen2, Qwen3 dense, Llama3, Gemma 1/2, Gemma3)."""
+    """The naming table of a Tunix model (Qwen2, Qwen3 dense, Llama3, Gemma 1/2, Gemma3,
+    Gemma4)."""
     return family_of(model).rules(model.config)
 
 
@@ -388,28 +423,78 @@ def tunix_lora_rules(model: Any, adapter: str) -> tuple[Rule, ...]:
         # layers/{l}/attn/o_proj/w_lora_b       | [r, D]    | P.self_attn.o_proj.lora_B (T)
         # layers/{l}/mlp/{p}_proj/kernel_lora_a | [in, r]  | P.mlp.{p}_proj.lora_A (T)
         # layers/{l}/mlp/{p}_proj/kernel_lora_b | [r, out] | P.mlp.{p}_proj.lora_B (T)
+
+    Gemma (1, 2) and Gemma3: the MLP likewise, the attention einsums by
+    :func:`_gemma_lora_rules`. Gemma4: refused (its ``k_eq_v`` layers have no V of their own
+    for a PEFT ``v_proj``; per-layer projections).
     """
     from xreshard.adapters.lora import PEFT_PREFIX
 
     fam = family_of(model)      # the dense families share these paths
     if not fam.lora:
-        raise TunixNamingError(f"no LoRA naming table for Tunix's {fam.name} yet (qwix's "
-                               "factors of its einsum kernels are not mapped); LoRA on Qwen2, "
-                               "Qwen3 and Llama3 only")
+        raise TunixNamingError(f"no LoRA naming table for Tunix's {fam.name} yet (its k_eq_v "
+                               "layers' V is K, and per-layer projections: not mapped); LoRA "
+                               "on Qwen2, Qwen3, Llama3, Gemma and Gemma3")
     if not adapter or any(c in adapter for c in "/{}"):
         raise TunixNamingError(f"LoRA adapter name {adapter!r}: non-empty, without '/', "
                                "'{' or '}'")
     p = f"{adapter}/{PEFT_PREFIX}{L}"
     a, b = "lora_A.weight", "lora_B.weight"
+    mlp = tuple(Rule(f"layers/{{l}}/mlp/{{p:gate|up|down}}_proj/kernel_lora_{x}",
+                     f"{p}.mlp.{{p}}_proj.lora_{x.upper()}.weight", _T) for x in "ab")
+    if fam.name in ("Gemma", "Gemma3"):
+        return _gemma_lora_rules(p) + mlp
     return (
         Rule("layers/{l}/attn/{p:[qkv]}_proj/w_lora_a", f"{p}.self_attn.{{p}}_proj.{a}", _T),
         Rule("layers/{l}/attn/{p:[qkv]}_proj/w_lora_b", f"{p}.self_attn.{{p}}_proj.{b}",
              _HEADS_IN),
         Rule("layers/{l}/attn/o_proj/w_lora_a", f"{p}.self_attn.o_proj.{a}", _HEADS_OUT),
         Rule("layers/{l}/attn/o_proj/w_lora_b", f"{p}.self_attn.o_proj.{b}", _T),
-        Rule("layers/{l}/mlp/{p:gate|up|down}_proj/kernel_lora_a", f"{p}.mlp.{{p}}_proj.{a}", _T),
-        Rule("layers/{l}/mlp/{p:gate|up|down}_proj/kernel_lora_b", f"{p}.mlp.{{p}}_proj.{b}", _T),
+        *mlp,
     )
+
+
+@dataclass(frozen=True)
+class Copies(Transform):
+    """The same view under each of ``values`` of field ``name``: one factor that several HF
+    tensors hold (qwix's ``A`` of a fused ``kv_einsum`` is k's and v's ``lora_A``)."""
+
+    name: str
+    values: tuple[str, ...]
+
+    def apply(self, view: Any, fields: Mapping[str, Any], params: Mapping[str, int]
+              ) -> Iterator[tuple[Any, dict]]:
+        for v in self.values:
+            yield view, {self.name: v}
+
+
+def _gemma_lora_rules(prefix: str) -> tuple[Rule, ...]:
+    """qwix's factors of Gemma's (1, 2, 3) attention einsums as PEFT tensors. qwix gives
+    an einsum's weight ``A`` over its contracted dims and ``B`` over the rest::
+
+        # tunix path (P = prefix.self_attn)      | shape         | PEFT tensor
+        # layers/{l}/attn/q_einsum/w_lora_a      | [D, r]        | P.q_proj.lora_A (T)
+        # layers/{l}/attn/q_einsum/w_lora_b      | [r, N, H]     | P.q_proj.lora_B [N*H, r]
+        # layers/{l}/attn/kv_einsum/w_lora_a     | [D, r]        | P.{k,v}_proj.lora_A (T, both)
+        # layers/{l}/attn/kv_einsum/w_lora_b     | [r, 2, K, H]  | P.{k,v}_proj.lora_B [K*H, r]
+        # layers/{l}/attn/qkv_einsum/w_lora_{a,b} | [D, r], [r, 3, N, H] | q, k, v likewise
+        # layers/{l}/attn/attn_vec_einsum/w_lora_a | [N, H, r]   | P.o_proj.lora_A [r, N*H]
+        # layers/{l}/attn/attn_vec_einsum/w_lora_b | [r, D]      | P.o_proj.lora_B (T)
+
+    All views of the shards (heads stay a dim in ``B``; no copy, unlike the base kernels).
+    """
+    p = f"{prefix}.self_attn"
+    a, b = "lora_A.weight", "lora_B.weight"
+    rules = [Rule("layers/{l}/attn/q_einsum/w_lora_a", f"{p}.q_proj.{a}", _T),
+             Rule("layers/{l}/attn/q_einsum/w_lora_b", f"{p}.q_proj.{b}", _HEADS_IN),
+             Rule("layers/{l}/attn/attn_vec_einsum/w_lora_a", f"{p}.o_proj.{a}", _HEADS_OUT),
+             Rule("layers/{l}/attn/attn_vec_einsum/w_lora_b", f"{p}.o_proj.{b}", _T)]
+    for fused, parts in (("kv", _QKV[1:]), ("qkv", _QKV)):
+        rules += [Rule(f"layers/{{l}}/attn/{fused}_einsum/w_lora_a", f"{p}.{{p}}_proj.{a}",
+                       (Copies("p", tuple(n for n, _ in parts)), Transpose())),
+                  Rule(f"layers/{{l}}/attn/{fused}_einsum/w_lora_b", f"{p}.{{p}}_proj.{b}",
+                       (Split(1, "p", parts), Index(1, 0), *_HEADS_IN))]
+    return tuple(rules)
 
 
 def hf_config_of(model: Any) -> dict[str, Any]:
