@@ -8,6 +8,8 @@ explicit setting in the caller's environment wins.
 
 import os
 
+import pytest
+
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("JAX_NUM_CPU_DEVICES", "8")
 
@@ -23,3 +25,20 @@ else:
     _settings.register_profile("explore", derandomize=False)
     _settings.load_profile("explore" if os.environ.get("XRESHARD_HYPOTHESIS") == "explore"
                            else "ci")
+
+
+@pytest.fixture
+def gloo1(tmp_path):
+    """A one-process gloo default group and a 1-rank CPU DeviceMesh."""
+    torch = pytest.importorskip("torch")
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+
+    if dist.is_initialized():  # pragma: no cover - someone else owns the default group
+        pytest.skip("a default process group already exists")
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rendezvous'}",
+                            rank=0, world_size=1)
+    try:
+        yield DeviceMesh("cpu", torch.arange(1))
+    finally:
+        dist.destroy_process_group()

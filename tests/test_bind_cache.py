@@ -128,22 +128,6 @@ def test_jax_warm_bind_sees_a_changed_sharding_shape_or_dtype():
 
 # ------------------------------------------------------------------------------------ torch
 
-@pytest.fixture
-def gloo1(tmp_path):
-    """A one-process gloo default group and a 1-rank CPU DeviceMesh."""
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import DeviceMesh
-
-    if dist.is_initialized():  # pragma: no cover - someone else owns the default group
-        pytest.skip("a default process group already exists")
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rendezvous'}",
-                            rank=0, world_size=1)
-    try:
-        yield DeviceMesh("cpu", torch.arange(1))
-    finally:
-        dist.destroy_process_group()
-
-
 def _dt(mesh, local, placements=None):
     from torch.distributed.tensor import DTensor, Shard
     return DTensor.from_local(local, mesh, placements or [Shard(0)], run_check=False)

@@ -29,22 +29,6 @@ from xreshard.adapters import torch as xtorch  # noqa: E402
 from .test_bind_cache import _dt  # noqa: E402
 
 
-@pytest.fixture
-def gloo1(tmp_path):
-    """A one-process gloo default group and a 1-rank CPU DeviceMesh."""
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import DeviceMesh
-
-    if dist.is_initialized():  # pragma: no cover - someone else owns the default group
-        pytest.skip("a default process group already exists")
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rendezvous'}",
-                            rank=0, world_size=1)
-    try:
-        yield DeviceMesh("cpu", torch.arange(1))
-    finally:
-        dist.destroy_process_group()
-
-
 def _refit_bind(state: dict, cache: dict, memo: LayoutMemo, side: str = "receive"):
     return xtorch.refit_bind(state, side, BindContext(ranks={0: 0}, local_ranks=(0,),
                                                       memo=memo, cache=cache))
