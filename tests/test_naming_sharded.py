@@ -129,3 +129,33 @@ def test_merged_layout_boxes_and_what_stays_refused():
     assert not view.layout.is_product and view.transpose().shape == (L * P, V)
     with pytest.raises(NamingError, match="only a transpose may follow"):
         view.index(0, 0)
+
+
+def test_merged_reads_the_numpy_reshape_on_every_rank():
+    """``Layout.merged`` on every layout of tests/test_layout_ops.py (and ``[V, L, P]`` with
+    ``P`` or ``L`` and ``P`` split, torch.chunk's uneven and DTensor's strided splits among
+    them) and every merge, split and flatten: refused as non-boxes, or each rank's boxes are
+    exactly the elements it holds, each read from its local array by its index."""
+    from .test_layout_ops import LAYOUTS, _full, _local, _reshapes
+
+    mesh = Mesh((2, 2), axis_names=("fsdp", "tp"))
+    layouts = {**LAYOUTS, "ple": Layout.product((V, L, P), "float32", mesh, [(0, 1), (2, 0)]),
+               "l-and-p": Layout.product((V, L, P), "float32", mesh, [(1, 0), (2, 1)])}
+    merges = 0
+    for name, lay in layouts.items():
+        full = _full(lay.shape)
+        for shape in _reshapes(lay.shape) + [(full.size,)]:
+            try:
+                out, index = lay.merged(shape)
+            except LayoutError as e:
+                assert "non-boxes" in str(e), (name, shape)
+                continue
+            want = full.reshape(shape)
+            for r in lay.mesh.ranks:
+                local, boxes = _local(lay, full, r), out.regions(r)
+                assert sum(b.size for b in boxes) == lay.num_elements(r), (name, shape, r)
+                for ix, box in zip(index[r], boxes, strict=True):
+                    got = local[ix].reshape(box.shape)
+                    assert np.array_equal(got, want[box.slices()]), (name, shape, r, box)
+            merges += len(out.regions(0)) > 1
+    assert merges >= 4
