@@ -11,7 +11,8 @@ interpreter of transforms (:meth:`NameMap.expand`) for two kinds of view:
   :class:`HFTensor` s of such views.
 * :class:`ShardedView`, a sharded JAX array: its :class:`~xreshard.ir.layout.Layout`, carried
   through the transforms by the layout's view algebra (``permuted``, ``reshaped``,
-  ``selected``, ``sliced``), and each local shard viewed alongside. The JAX adapter's
+  ``selected``, ``sliced``; ``merged`` where a reshape merges a split minor dim, each shard
+  then several boxes), and each local shard viewed alongside. The JAX adapter's
   ``bind_named`` (:mod:`xreshard.adapters.jax`) binds a JAX pytree this way, so the HF
   tensors are sent from the devices that hold them.
 
