@@ -207,7 +207,7 @@ def test_gemma_tables_bind_each_shard_of_the_mesh_as_its_hf_region(case):
         assert np.array_equal(np.asarray(a), flat[n]), n
 
 
-def _gemma4_model(case: str, seed: int = 0, mesh=None, default_sharding=False, **over):
+def _gemma4_model(case: str, seed: int = 0, mesh=None, split_l=False, **over):
     """A tiny Tunix Gemma4 (text), every parameter random (norm scales around 1: Gemma4
     scales by ``w``, not ``1 + w``). Layers sliding, sliding, global (x2), window 3 < the 8
     tokens tested. ``ple``: per-layer input embeddings, the last 3 layers reading the K/V
@@ -215,8 +215,9 @@ def _gemma4_model(case: str, seed: int = 0, mesh=None, default_sharding=False, *
     (``k_einsum`` only) with their own KV heads and head dim, partial RoPE (1/4) on them;
     ``plain``: every layer its own K/V (``kv_einsum`` on global layers too), partial RoPE
     1/2, linear RoPE (factor 2) on sliding layers; ``moe``: a MoE block beside each MLP
-    (4 experts, top 2) and ``k_eq_v``. On ``mesh``: Tunix's sharding, the per-layer tables
-    split on ``L`` (unless ``default_sharding``)."""
+    (4 experts, top 2) and ``k_eq_v``. On ``mesh``: Tunix's default sharding (the per-layer
+    tables split on ``P``, the minor part of HF's merged ``L*P``: each shard is ``L`` boxes
+    of the HF tensor), or with ``split_l`` on ``L`` (each shard one box)."""
     from tunix.models.gemma4 import model as gemma4
 
     local, glob = gemma4.AttentionType.LOCAL_SLIDING, gemma4.AttentionType.GLOBAL
@@ -230,9 +231,7 @@ def _gemma4_model(case: str, seed: int = 0, mesh=None, default_sharding=False, *
              "plain": dict(global_rope_proportion=0.5, local_scale_factor=2.0),
              "moe": dict(enable_moe=True, num_experts=4, num_experts_per_tok=2, expert_dim=16,
                          k_eq_v_global=True)}[case]
-    if mesh is not None and not default_sharding:
-        # Tunix's default splits the per-layer dim P, minor in HF's merged [.., L*P]: a
-        # shard would be no box of the HF tensor (refused, docs/tunix.md); split L instead
+    if mesh is not None and split_l:
         extra["shd_config"] = dataclasses.replace(
             gemma4.ShardingConfig.get_default_sharding(),
             per_layer_input_embedding=("tp", "fsdp", None),
@@ -290,23 +289,19 @@ def test_gemma4_table_maps_onto_the_hf_model_and_its_logits(case):
     np.testing.assert_allclose(np.asarray(tunix_logits), hf_logits, rtol=2e-4, atol=2e-4)
 
 
-@pytest.mark.parametrize("case", ["ple", "moe"])
-def test_gemma4_table_binds_each_shard_of_the_mesh_as_its_hf_region(case):
-    """On Tunix's (fsdp=2, tp=2) sharding of Gemma4, every device's part of every HF tensor
-    (the per-layer embeddings and projections, stacked experts) binds equal to that region
-    of the HF tensor; nothing is bound for the unread K/V kernels."""
+@pytest.mark.parametrize("case,split_l", [("ple", False), ("ple", True), ("moe", False)])
+def test_gemma4_table_binds_each_shard_of_the_mesh_as_its_hf_region(case, split_l):
+    """On Tunix's (fsdp=2, tp=2) sharding of Gemma4 - its default, which splits the
+    per-layer dim ``P``, or the per-layer tables split on ``L`` - every device's part of
+    every HF tensor (the per-layer embeddings and projections, stacked experts) binds equal
+    to that region of the HF tensor, bytes compared; under the default each device's shard
+    of a per-layer table is ``L`` boxes of HF's merged ``L*P``, each bound as a view of the
+    shard; nothing is bound for the unread K/V kernels."""
     from xreshard.adapters.jax import bind_named
-
-    from xreshard.adapters.naming_rules import NamingError
 
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("fsdp", "tp"))
     ranks = {int(d.id): i for i, d in enumerate(mesh.devices.flat)}
-    if case == "ple":       # Tunix's default sharding of the per-layer tables: refused by name
-        model = _gemma4_model(case, mesh=mesh, default_sharding=True)
-        with pytest.raises(NamingError, match="per_layer_input_embedding.*non-boxes"):
-            bind_named(xt.pure_tree(nnx.state(model, nnx.Param)),
-                       NameMap(xt.tunix_rules(model)), ranks)
-    model = _gemma4_model(case, mesh=mesh)
+    model = _gemma4_model(case, mesh=mesh, split_l=split_l)
     state = xt.pure_tree(nnx.state(model, nnx.Param))
     flat = {n: np.array(a) for n, a in flatten_tree(state).items()}
     rules = xt.tunix_rules(model)
@@ -314,9 +309,15 @@ def test_gemma4_table_binds_each_shard_of_the_mesh_as_its_hf_region(case):
     bound = bind_named(state, NameMap(rules), ranks)
     assert sorted(bound.layouts) == sorted(hf)
     for (rank, name), local in bound.bindings.items():
-        (region,) = bound.layouts[name].regions(rank)
-        want = np.ascontiguousarray(hf[name].view(flat))[region.slices()]
-        assert np.array_equal(np.asarray(local), want), (rank, name)
+        layout = bound.layouts[name]
+        regions, pieces = layout.regions(rank), local if isinstance(local, list) else [local]
+        merged = name in ("model.embed_tokens_per_layer.weight",
+                          "model.per_layer_model_projection.weight")
+        boxes = model.config.num_layers if merged and not split_l else 1
+        assert len(regions) == len(pieces) == boxes, (rank, name, layout)
+        want = np.ascontiguousarray(hf[name].view(flat))
+        for region, piece in zip(regions, pieces):
+            assert np.asarray(piece).tobytes() == want[region.slices()].tobytes(), (rank, name)
     assert {n for _, n in bound.bindings} == set(hf)
 
 

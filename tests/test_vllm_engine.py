@@ -358,10 +358,10 @@ def test_named_binding_refuses_a_shard_cut_by_a_reshape():
     from xreshard.adapters.jax import bind_named
 
     mesh = _mesh()
-    # heads whole, head_dim split: merging [H, hd] -> [H*hd] would interleave the shards
-    kernel = jax.device_put(np.zeros((8, 4, 6), np.float32),
-                            NamedSharding(mesh, P(None, None, "tp")))
-    rule = Rule("q", "q_proj.weight", (Reshape(("@0", -1)), Transpose()))
+    # [D, H*hd] split on tp into 6 of 12 columns, reshaped to [D, 3, 4]: a shard is no box
+    # (merging a split minor dim, [H, hd] -> [H*hd], is boxes: tests/test_naming_sharded.py)
+    kernel = jax.device_put(np.zeros((8, 12), np.float32), NamedSharding(mesh, P(None, "tp")))
+    rule = Rule("q", "q_proj.weight", (Reshape(("@0", 3, 4)), Transpose()))
     ranks = {int(d.id): i for i, d in enumerate(mesh.devices.flat)}
     with pytest.raises(NamingError, match="'q': reshape .* non-boxes"):
         bind_named({"q": kernel}, NameMap([rule]), ranks)

@@ -11,7 +11,8 @@ interpreter of transforms (:meth:`NameMap.expand`) for two kinds of view:
   :class:`HFTensor` s of such views.
 * :class:`ShardedView`, a sharded JAX array: its :class:`~xreshard.ir.layout.Layout`, carried
   through the transforms by the layout's view algebra (``permuted``, ``reshaped``,
-  ``selected``, ``sliced``), and each local shard viewed alongside. The JAX adapter's
+  ``selected``, ``sliced``; ``merged`` where a reshape merges a split minor dim, each shard
+  then several boxes), and each local shard viewed alongside. The JAX adapter's
   ``bind_named`` (:mod:`xreshard.adapters.jax`) binds a JAX pytree this way, so the HF
   tensors are sent from the devices that hold them.
 
@@ -219,18 +220,23 @@ def _nocopy_reshape(shape: Sequence[int], strides: Sequence[int],
 
 @dataclass(frozen=True)
 class ShardedView:
-    """A sharded trainer array seen through naming transforms: its product-form ``layout``
-    and, per world rank of this process, its local shard (a host array) viewed alongside.
+    """A sharded trainer array seen through naming transforms: its ``layout`` and, per world
+    rank of this process, its local shard (a host array) viewed alongside.
 
     The view ops of :class:`StridedView`, on layouts: a transpose permutes, a reshape may
-    merge or split dims (a split dim must be its run's major one and stay an even split),
+    merge or split dims (a split dim that is its run's major one stays an even split),
     indexing a split dim (experts over an expert axis) keeps the ranks that hold the index,
-    slicing a split dim keeps the ranks of its blocks (see ``Layout.sliced``). Local views
-    never copy except where a reshape of a shard cannot be a view.
+    slicing a split dim keeps the ranks of its blocks (see ``Layout.sliced``). A reshape that
+    merges a split dim into the dims before it (Tunix's Gemma4 per-layer tables, ``P``
+    split, to HF's ``[.., L*P]``) makes the layout explicit form (``Layout.merged``): each
+    rank's shard is several boxes of the result, each bound as a strided view of the shard
+    (``arrays[rank]`` is then a list, one per region); only transposes may follow. Local
+    views never copy except where a reshape of a shard cannot be a view.
 
     Attributes:
         layout: the layout of the (transformed) array over world ranks.
-        arrays: world rank -> this process's local array of it (ranks that hold it only).
+        arrays: world rank -> this process's local array of it (ranks that hold it only),
+            or its list of arrays, one per region, where the layout is explicit form.
     """
 
     layout: Layout
@@ -242,6 +248,9 @@ class ShardedView:
 
     def transpose(self, perm: Sequence[int] | None = None) -> ShardedView:
         perm = tuple(reversed(range(self.layout.ndim))) if perm is None else tuple(perm)
+        if not self.layout.is_product:
+            return ShardedView(self.layout.permuted(perm), {
+                r: [x.transpose(perm) for x in a] for r, a in self.arrays.items()})
         return ShardedView(self.layout.permuted(perm),
                            {r: a.transpose(perm) for r, a in self.arrays.items()})
 
@@ -250,16 +259,31 @@ class ShardedView:
         if -1 in new:
             known = math.prod(n for n in new if n != -1)
             new[new.index(-1)] = math.prod(self.shape) // max(known, 1)
-        return self._with(self.layout.reshaped(new))
+        try:
+            return self._with(self._product("reshape").reshaped(new))
+        except LayoutError:
+            layout, index = self.layout.merged(new)     # or its LayoutError: no box form
+        return ShardedView(layout, {
+            r: [a[ix].reshape(box.shape) for ix, box in zip(index[r], layout.regions(r))]
+            for r, a in self.arrays.items()})
 
     def unsqueeze(self, dim: int) -> ShardedView:
-        return self._with(self.layout.reshaped(self.shape[:dim] + (1,) + self.shape[dim:]))
+        return self._with(self._product("unsqueeze").reshaped(
+            self.shape[:dim] + (1,) + self.shape[dim:]))
 
     def index(self, dim: int, i: int) -> ShardedView:
-        return self._cut(dim, *self.layout.selected(dim, i))
+        return self._cut(dim, *self._product("index").selected(dim, i))
 
     def slice(self, dim: int, start: int, stop: int) -> ShardedView:
-        return self._cut(dim, *self.layout.sliced(dim, start, stop))
+        return self._cut(dim, *self._product("slice").sliced(dim, start, stop))
+
+    def _product(self, op: str) -> Layout:
+        """The layout, product form: after a reshape that cut shards into several boxes
+        (explicit form) only transposes are views of every box."""
+        if not self.layout.is_product:
+            raise NamingError(f"{op} after a reshape that cut each shard into boxes "
+                              f"({self.layout}); only a transpose may follow it")
+        return self.layout
 
     def _with(self, layout: Layout) -> ShardedView:
         return ShardedView(layout, {r: a.reshape(layout.local_shape(r))
@@ -270,8 +294,6 @@ class ShardedView:
         lead = (slice(None),) * dim
         return ShardedView(layout, {r: a[lead + (local[r],)] for r, a in self.arrays.items()
                                     if r in local})
-
-
 
 
 # ---------------------------------------------------------------------------- applying rules

@@ -32,7 +32,7 @@ from typing import Any, Callable, Iterable, Mapping, Sequence, TypeVar
 from ..dtypes import dtype_name
 from ..errors import LayoutError
 from .geometry import SLOTS, Mesh, Region, Split, interned, new_table
-from .intervals import Interval, chunk, split_intervals
+from .intervals import Interval, chunk, dim_runs, run_boxes, split_intervals
 from .placements import is_unconstrained, parse_placement, splits_of_placements
 
 __all__ = ["Interval", "Layout", "LayoutMemo", "Mesh", "Region", "Split", "chunk",
@@ -365,23 +365,8 @@ class Layout:
         return self._view("reshape", ("reshaped", new), lambda: self._reshaped(new))
 
     def _reshaped(self, new: tuple[int, ...]) -> Layout:
-        old, runs, i, j = self.shape, [], 0, 0
-        while i < len(old) and j < len(new):
-            od, nd, po, pn = [i], [j], old[i], new[j]
-            i, j = i + 1, j + 1
-            while po != pn:
-                if po < pn:
-                    po, i = po * old[i], i + 1
-                    od.append(i - 1)
-                else:
-                    pn, j = pn * new[j], j + 1
-                    nd.append(j - 1)
-            runs.append((od, nd))
-        if runs:                                 # trailing size-1 dims join the last run
-            runs[-1][0].extend(range(i, len(old)))
-            runs[-1][1].extend(range(j, len(new)))
-        splits = []
-        for od, nd in runs:
+        old, splits = self.shape, []
+        for od, nd in dim_runs(old, new):
             split_dims = [d for d in od if self.dim_axes(d)]
             if not split_dims:
                 continue
@@ -400,6 +385,53 @@ class Layout:
                     "split run of dims may be split, evenly")
             splits += [Split(major_new, sp.axis, sp.split_factor) for sp in moved]
         return Layout(new, self.dtype, self.mesh, tuple(splits))
+
+    def merged(self, shape: Sequence[int], limit: int = 512
+               ) -> tuple[Layout, Mapping[int, tuple[tuple[Any, ...], ...]]]:
+        """``x.reshape(shape)`` where ``reshaped`` refuses because a merged run's split dim
+        is not its major one: explicit form, each rank's block cut into the boxes it makes
+        of the merged dim, and per rank the index of each box in its local array (``local
+        [index].reshape(box.shape)``, in ``regions(rank)`` order: a view of a C-contiguous
+        shard). ``[V, L, P]``, ``P`` split on tp=2, to ``[V, L*P]`` (Gemma4's per-layer
+        tables)::
+
+            # rank | holds          | boxes (l = 0..L-1)     | index
+            #    0 | [:, :, 0:P/2]  | [:, l*P : l*P + P/2]   | [:, l, :]
+
+        Raises:
+            LayoutError: explicit form, another size, a split dim split into several dims
+                (not its run's major one, evenly), or more than ``limit`` boxes per rank.
+        """
+        old, new = self.shape, tuple(int(n) for n in shape)
+        if math.prod(old) != math.prod(new) or 0 in old:
+            raise LayoutError(f"cannot reshape {old} to {new}: the sizes differ (or are 0)")
+        return self._view("reshape", ("merged", new, limit), lambda: self._merged(new, limit))
+
+    def _merged(self, new: tuple[int, ...], limit: int
+                ) -> tuple[Layout, Mapping[int, tuple[tuple[Any, ...], ...]]]:
+        runs, explicit, index = dim_runs(self.shape, new), [], {}
+        for rank in self._mesh.ranks:
+            held = self.dim_intervals(rank) or tuple(() for _ in self.shape)
+            boxes: list[tuple[tuple[Any, ...], tuple[Interval, ...]]] = [((), ())]
+            for od, nd in runs:
+                got = run_boxes([self.shape[d] for d in od], [held[d] for d in od],
+                                 [new[d] for d in nd])
+                if got is None:
+                    axes = [self._mesh.axis_label(a) for d in od for a in self.dim_axes(d)]
+                    raise LayoutError(
+                        f"reshape {self.shape} -> {new} would cut the shards of dims {od} "
+                        f"(split by mesh axes {axes}) into non-boxes; a split dim may be "
+                        "merged with the dims before it, or split into several dims if it "
+                        "is its run's major dim, evenly")
+                boxes = [(ix + jx, iv + jv) for ix, iv in boxes for jx, jv in got]
+            boxes = [(ix, iv) for ix, iv in boxes if all(b > a for a, b in iv)]
+            if len(boxes) > limit:
+                raise LayoutError(f"reshape {self.shape} -> {new} cuts rank {rank}'s shard "
+                                  f"into {len(boxes)} boxes (more than {limit})")
+            explicit.append((rank, tuple(Region(tuple(a for a, _ in iv), tuple(b for _, b in iv))
+                                         for _, iv in boxes)))
+            index[rank] = tuple(ix for ix, _ in boxes)
+        return Layout(new, self.dtype, None, (), tuple(explicit)), MappingProxyType(index)
 
     def with_dtype(self, dtype: object) -> Layout:
         return Layout(self.shape, dtype, self.mesh, self.splits, self.explicit)
