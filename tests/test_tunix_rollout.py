@@ -348,8 +348,13 @@ LORA_TARGETS = ".*q_proj|.*k_proj|.*v_proj|.*o_proj|.*gate_proj|.*up_proj|.*down
 GEMMA_LORA_TARGETS = ".*_einsum|.*gate_proj|.*up_proj|.*down_proj"
 
 
+#: Gemma4's: Gemma's and each layer's two per-layer projections (the embedder's
+#: per_layer_model_projection is refused: test_gemma4_lora_refusals_name_the_path)
+GEMMA4_LORA_TARGETS = GEMMA_LORA_TARGETS + "|.*per_layer_input_gate|.*per_layer_projection"
+
+
 def _lora_model(name: str = "Qwen2", rank: int = 4, alpha: float = 8.0, seed: int = 0,
-                sizes: dict = SIZES, mesh=None, base=None):
+                sizes: dict = SIZES, mesh=None, base=None, targets=None):
     """A tiny Tunix model (family ``name``, or ``base``: a Gemma) with qwix LoRA on every
     projection, every factor random (qwix zeroes B), resharded onto ``mesh`` (qwix shards
     the factors as their weights)."""
@@ -358,7 +363,7 @@ def _lora_model(name: str = "Qwen2", rank: int = 4, alpha: float = 8.0, seed: in
     import qwix
     from tunix.rl import reshard
 
-    targets = LORA_TARGETS if base is None else GEMMA_LORA_TARGETS
+    targets = targets or (LORA_TARGETS if base is None else GEMMA_LORA_TARGETS)
     base = _family_model(name, seed=seed, sizes=sizes) if base is None else base
     provider = qwix.LoraProvider(module_path=targets, rank=rank, alpha=alpha)
     with mesh if mesh is not None else contextlib.nullcontext():
@@ -445,14 +450,106 @@ def test_gemma_lora_table_maps_qwix_factors_onto_peft_tensors_and_their_logits(c
     np.testing.assert_allclose(np.asarray(lora_logits), hf_logits, rtol=2e-4, atol=2e-4)
 
 
+@pytest.mark.parametrize("case", ["ple", "plain"])
+def test_gemma4_lora_table_maps_qwix_factors_onto_peft_tensors_and_their_logits(case):
+    """qwix LoRA on Gemma4's attention einsums, MLP and per-layer projections (``ple``:
+    ``k_eq_v`` global layers, KV-shared layers, per-layer inputs; ``plain``: ``kv_einsum``
+    everywhere): every factor becomes PEFT's lora_A / lora_B of the right module, and HF's
+    Gemma4 with W + alpha/r * B @ A computes the LoRA model's logits. A ``k_eq_v`` layer's
+    ``k_einsum`` factors are also its ``v_proj``'s (vLLM builds its V slot's LoRA from
+    ``v_proj``; HF's layer has no ``v_proj``: V is K); KV-shared layers send no K/V factors
+    (qwix makes none: Tunix never reads those kernels)."""
+    import torch
+    import transformers
+
+    model = _lora_model(base=_gemma4_model(case), targets=GEMMA4_LORA_TARGETS)
+    base, lora = xt.split_lora(nnx.state(model, nnx.Param))
+    assert not any("lora" in n for n in base)
+    rules = xt.tunix_lora_rules(model, "policy")
+    adapter = xt.lora_adapter(lora, rules, name="policy", lora_id=1, alpha=8.0, arrays=True)
+    assert adapter.r == 4
+    assert xt.lora_adapter(lora, rules, name="policy", lora_id=1, alpha=8.0).spec() == \
+        adapter.spec()
+    flat = {n: np.asarray(a) for n, a in base.items()}
+    hf = NameMap(xt.tunix_rules(model)).apply({n: a.shape for n, a in flat.items()})
+    weights = {n: torch.from_numpy(np.ascontiguousarray(t.view(flat))) for n, t in hf.items()}
+    att = "model.layers.{}.self_attn.{}_proj"
+    k_eq_v = [2] if case == "ple" else []           # the global layer owning its K/V
+    modules = {"q", "o", "k", "v"} if case == "plain" else {"q", "o"}
+    want = {att.format(i, p) for i in range(6) for p in modules}
+    want |= {att.format(i, p) for i in range(3) for p in "kv"} if case == "ple" else set()
+    want |= {f"model.layers.{i}.mlp.{p}_proj" for i in range(6)
+             for p in ("gate", "up", "down")}
+    if case == "ple":
+        want |= {f"model.layers.{i}.{p}" for i in range(6)
+                 for p in ("per_layer_input_gate", "per_layer_projection")}
+    assert set(adapter.weights) == want
+    for i in k_eq_v:                # the K factors, sent again as V's
+        k, v = adapter.weights[att.format(i, "k")], adapter.weights[att.format(i, "v")]
+        assert all(np.array_equal(x, y) for x, y in zip(k, v))
+        assert f"model.layers.{i}.self_attn.v_proj.weight" not in weights
+    for module, (a, b) in adapter.weights.items():
+        name = module + ".weight"
+        if name in {f"model.layers.{i}.self_attn.v_proj.weight" for i in k_eq_v}:
+            continue                # HF's k_eq_v layer: V = K (its merged k_proj)
+        w = weights[name]
+        assert (b.shape[0], a.shape[1]) == tuple(w.shape), module
+        weights[name] = w + 2.0 * torch.from_numpy(b) @ torch.from_numpy(a)
+    cfg = xt.hf_config_of(model)
+    config = transformers.AutoConfig.for_model(**{k: v for k, v in cfg.items()
+                                                  if k != "architectures"})
+    config._attn_implementation = "eager"
+    ref = transformers.Gemma4ForCausalLM(config).float().eval()
+    ref.load_state_dict(weights, strict=False)
+    ref.tie_weights()
+    tokens = np.array([[5, 9, 2, 33, 17, 60, 1, 8]])
+    lora_logits, _ = model(tokens, np.arange(8)[None], None, np.tril(np.ones((1, 8, 8), bool)))
+    base_logits, _ = _gemma4_model(case)(tokens, np.arange(8)[None], None,
+                                         np.tril(np.ones((1, 8, 8), bool)))
+    assert not np.allclose(np.asarray(lora_logits), np.asarray(base_logits), atol=1e-3)
+    with torch.no_grad():
+        hf_logits = ref(torch.from_numpy(tokens)).logits.numpy()
+    np.testing.assert_allclose(np.asarray(lora_logits), hf_logits, rtol=2e-4, atol=2e-4)
+
+
+def test_gemma4_lora_refusals_name_the_path():
+    """qwix factors no PEFT tensor is a view of are refused naming the path and why, before
+    any byte moves: the embedder's ``per_layer_model_projection`` (Tunix scales its weight
+    inside the einsum, not its LoRA term; HF and vLLM scale both) and the MoE block."""
+    import qwix
+
+    base = _gemma4_model("ple")
+    provider = qwix.LoraProvider(module_path=".*per_layer_model_projection", rank=4, alpha=8.0)
+    model = qwix.apply_lora_to_model(base, provider, **base.get_model_input(),
+                                     rngs=nnx.Rngs(7))
+    _, lora = xt.split_lora(nnx.state(model, nnx.Param))
+    assert sorted(lora) == ["embedder/per_layer_model_projection/w_lora_a",
+                            "embedder/per_layer_model_projection/w_lora_b"]
+    rules = xt.tunix_lora_rules(model, "policy")
+    with pytest.raises(xt.TunixNamingError, match="'embedder/per_layer_model_projection/"
+                       "w_lora_a'.*embed_dim\\*\\*-0.5"):
+        xt.check_names(rules, list(lora), "Gemma4")
+    with pytest.raises(xt.TunixNamingError, match="per_layer_model_projection/w_lora_a'"):
+        xt.lora_adapter(lora, rules, name="policy", lora_id=1, alpha=8.0)
+    moe = _lora_model(base=_gemma4_model("moe"))
+    _, lora = xt.split_lora(nnx.state(moe, nnx.Param))
+    rules = xt.tunix_lora_rules(moe, "policy")
+    names = list(lora) + ["layers/1/moe/gating_einsum_lora_a"]
+    with pytest.raises(xt.TunixNamingError, match="'layers/1/moe/gating_einsum_lora_a'.*MoE"):
+        xt.check_names(rules, names, "Gemma4")
+    with pytest.raises(xt.TunixNamingError, match="'layers/1/moe/gating_einsum_lora_a'.*MoE"):
+        xt.lora_adapter({**lora, names[-1]: np.zeros((32, 4), np.float32)}, rules,
+                        name="policy", lora_id=1, alpha=8.0)
+
+
 def test_unknown_model_and_unmapped_path_are_refused_by_name():
     class NotTunix(nnx.Module):
         pass
 
     with pytest.raises(xt.TunixNamingError, match="NotTunix.*tables exist for"):
         xt.family_of(NotTunix())
-    with pytest.raises(xt.TunixNamingError, match="no LoRA naming table for Tunix's Gemma4"):
-        xt.tunix_lora_rules(_gemma4_model("plain"), "policy")
+    with pytest.raises(xt.TunixNamingError, match="LoRA adapter name 'a/b'"):
+        xt.tunix_lora_rules(_gemma4_model("plain"), "a/b")
     model = _family_model("Qwen2")
     names = list(flatten_tree(xt.pure_tree(nnx.state(model, nnx.Param))))
     with pytest.raises(xt.TunixNamingError, match="'layers/0/attn/extra/w' matches no rule"):
