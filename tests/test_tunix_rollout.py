@@ -9,8 +9,10 @@ Fast too: the LoRA table maps qwix's factors onto PEFT's lora_A / lora_B (the HF
 with W + alpha/r B A computes the LoRA model's logits). The Gemma tables (Tunix's Gemma as
 HF's Gemma or Gemma2, Gemma3, Gemma4 with per-layer inputs, KV sharing, k_eq_v and MoE)
 give the HF model's tensors and logits, and bind each shard of a (fsdp, tp) mesh as its HF
-region; a Gemma4 config HF computes differently (and LoRA on Gemma4) is refused with its
-reason. qwix LoRA on Gemma's einsums maps onto PEFT tensors (the logits of W + BA).
+region; a Gemma4 config HF computes differently is refused with its reason. qwix LoRA on
+Gemma's einsums maps onto PEFT tensors (the logits of W + BA), and on Gemma4's (a
+``k_eq_v`` layer's K factors also its ``v_proj``'s) and per-layer projections; LoRA on
+Gemma4's embedder projection and MoE block is refused naming the path.
 
 Slow: an ``RLCluster`` built with ``rollout_engine=partial(XreshardVllmRollout, TP=2,
 delta=True, atomic=True)`` starts a vLLM CPU engine (``load_format="dummy"``) in its own
@@ -20,7 +22,7 @@ weights; nothing lands in the trainer process and each engine rank receives exac
 shard; ``generate`` answers as Tunix's ``RolloutOutput`` expects; delta and atomic reached
 the refit. A qwix LoRA model: the LoRA sync refits only the adapter, into a vLLM LoRA slot
 that then serves what vLLM's own load of the same PEFT directory serves, bit for bit
-(Qwen2 and Gemma2). Gemma2, Gemma3 and Gemma4 (dense with per-layer inputs, and MoE)
+(Qwen2, Gemma2 and Gemma4). Gemma2, Gemma3 and Gemma4 (dense with per-layer inputs, and MoE)
 engines refit through the rollout hold what vLLM's own load holds, byte for byte.
 
 Tunix missing: skipped, unless XRESHARD_REQUIRE_RL=1 (the RL leg of CI), where it fails.
@@ -686,10 +688,13 @@ def _greedy(llm, prompts, request=None):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("case", ["qwen2", "gemma2"])
+@pytest.mark.parametrize("case", ["qwen2", "gemma2", "gemma4"])
 def test_lora_sync_refits_only_the_adapter_as_vllm_loads_it(tmp_path, case):
     """A qwix LoRA model (Qwen2; Gemma2: LoRA on its einsums, a fused ``kv_einsum``'s one
-    ``A`` both k's and v's): the engine starts with a LoRA slot; Tunix's LoRA sync
+    ``A`` both k's and v's; Gemma4 ``ple``: a ``k_eq_v`` layer's ``k_einsum`` factors sent
+    as its ``k_proj``'s and ``v_proj``'s - without the ``v_proj`` copy vLLM serves other
+    logprobs, so its V slot reads them -, KV-shared layers, the per-layer projections): the
+    engine starts with a LoRA slot; Tunix's LoRA sync
     (``update_params(nnx.state(actor, nnx.LoRAParam), (nnx.LoRAParam,))``, under RLCluster's
     CPU transfer guard) refits only the adapter, shard to shard; the slot then serves what
     vLLM's own load of the same adapter from a PEFT directory serves, bit for bit, and the
@@ -704,8 +709,13 @@ def test_lora_sync_refits_only_the_adapter_as_vllm_loads_it(tmp_path, case):
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0|1")
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("fsdp", "tp"))
     sizes = dict(SIZES, embed_dim=64, num_heads=2, head_dim=32)
-    model = _lora_model("Qwen2", sizes=sizes, mesh=mesh) if case == "qwen2" else \
-        _lora_model(mesh=mesh, base=_gemma_model(case, embed_dim=64, head_dim=32))
+    if case == "qwen2":
+        model = _lora_model("Qwen2", sizes=sizes, mesh=mesh)
+    elif case == "gemma4":      # head dims 32 and 64: vLLM's CPU attention kernels take them
+        model = _lora_model(mesh=mesh, targets=GEMMA4_LORA_TARGETS, base=_gemma4_model(
+            "ple", mesh=mesh, embed_dim=64, num_heads=2, head_dim=32, global_key_size=64))
+    else:
+        model = _lora_model(mesh=mesh, base=_gemma_model(case, embed_dim=64, head_dim=32))
     config = base_rollout.RolloutConfig(max_tokens_to_generate=6, max_prompt_length=8,
                                         temperature=0.0, seed=0,
                                         rollout_vllm_kwargs={"max_model_len": 16,
@@ -742,6 +752,16 @@ def test_lora_sync_refits_only_the_adapter_as_vllm_loads_it(tmp_path, case):
         assert [lp for _, lp in got] != [lp for _, lp in base_before]   # the adapter acts
         # after vLLM's cache swapped the reference in, the slot is rebuilt from memory
         assert _greedy(rollout.llm, prompts, rollout.lora_request()) == ref
+        if case == "gemma4":    # vLLM's V slot of the k_eq_v layer 2 reads v_proj's LoRA
+            with jax.transfer_guard("allow"):
+                full = rollout.reference_adapter(lora)
+                k_only = dataclasses.replace(full, weights={
+                    m: w for m, w in full.weights.items()
+                    if m != "model.layers.2.self_attn.v_proj"})
+                write_peft_dir(k_only, str(tmp_path / "k_only"))
+            assert len(k_only.weights) == len(full.weights) - 1
+            assert _greedy(rollout.llm, prompts,
+                           LoRARequest("k_only", 3, str(tmp_path / "k_only"))) != ref
     finally:
         rollout.shutdown()
 
