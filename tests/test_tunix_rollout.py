@@ -486,6 +486,9 @@ def test_gemma4_lora_table_maps_qwix_factors_onto_peft_tensors_and_their_logits(
         want |= {f"model.layers.{i}.{p}" for i in range(6)
                  for p in ("per_layer_input_gate", "per_layer_projection")}
     assert set(adapter.weights) == want
+    if case == "ple":               # K/V factors of a KV-shared layer (if any): not sent
+        assert NameMap(rules).apply({"layers/4/attn/kv_einsum/w_lora_a": (32, 4),
+                                     "layers/5/attn/k_einsum/w_lora_b": (4, 1, 16)}) == {}
     for i in k_eq_v:                # the K factors, sent again as V's
         k, v = adapter.weights[att.format(i, "k")], adapter.weights[att.format(i, "v")]
         assert all(np.array_equal(x, y) for x, y in zip(k, v))
