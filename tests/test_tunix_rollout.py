@@ -9,8 +9,10 @@ Fast too: the LoRA table maps qwix's factors onto PEFT's lora_A / lora_B (the HF
 with W + alpha/r B A computes the LoRA model's logits). The Gemma tables (Tunix's Gemma as
 HF's Gemma or Gemma2, Gemma3, Gemma4 with per-layer inputs, KV sharing, k_eq_v and MoE)
 give the HF model's tensors and logits, and bind each shard of a (fsdp, tp) mesh as its HF
-region; a Gemma4 config HF computes differently (and LoRA on Gemma4) is refused with its
-reason. qwix LoRA on Gemma's einsums maps onto PEFT tensors (the logits of W + BA).
+region; a Gemma4 config HF computes differently is refused with its reason. qwix LoRA on
+Gemma's einsums maps onto PEFT tensors (the logits of W + BA), and on Gemma4's (a
+``k_eq_v`` layer's K factors also its ``v_proj``'s) and per-layer projections; LoRA on
+Gemma4's embedder projection and MoE block is refused naming the path.
 
 Slow: an ``RLCluster`` built with ``rollout_engine=partial(XreshardVllmRollout, TP=2,
 delta=True, atomic=True)`` starts a vLLM CPU engine (``load_format="dummy"``) in its own
@@ -20,7 +22,7 @@ weights; nothing lands in the trainer process and each engine rank receives exac
 shard; ``generate`` answers as Tunix's ``RolloutOutput`` expects; delta and atomic reached
 the refit. A qwix LoRA model: the LoRA sync refits only the adapter, into a vLLM LoRA slot
 that then serves what vLLM's own load of the same PEFT directory serves, bit for bit
-(Qwen2 and Gemma2). Gemma2, Gemma3 and Gemma4 (dense with per-layer inputs, and MoE)
+(Qwen2, Gemma2 and Gemma4). Gemma2, Gemma3 and Gemma4 (dense with per-layer inputs, and MoE)
 engines refit through the rollout hold what vLLM's own load holds, byte for byte.
 
 Tunix missing: skipped, unless XRESHARD_REQUIRE_RL=1 (the RL leg of CI), where it fails.
@@ -349,8 +351,13 @@ LORA_TARGETS = ".*q_proj|.*k_proj|.*v_proj|.*o_proj|.*gate_proj|.*up_proj|.*down
 GEMMA_LORA_TARGETS = ".*_einsum|.*gate_proj|.*up_proj|.*down_proj"
 
 
+#: Gemma4's: Gemma's and each layer's two per-layer projections (the embedder's
+#: per_layer_model_projection is refused: test_gemma4_lora_refusals_name_the_path)
+GEMMA4_LORA_TARGETS = GEMMA_LORA_TARGETS + "|.*per_layer_input_gate|.*per_layer_projection"
+
+
 def _lora_model(name: str = "Qwen2", rank: int = 4, alpha: float = 8.0, seed: int = 0,
-                sizes: dict = SIZES, mesh=None, base=None):
+                sizes: dict = SIZES, mesh=None, base=None, targets=None):
     """A tiny Tunix model (family ``name``, or ``base``: a Gemma) with qwix LoRA on every
     projection, every factor random (qwix zeroes B), resharded onto ``mesh`` (qwix shards
     the factors as their weights)."""
@@ -359,7 +366,7 @@ def _lora_model(name: str = "Qwen2", rank: int = 4, alpha: float = 8.0, seed: in
     import qwix
     from tunix.rl import reshard
 
-    targets = LORA_TARGETS if base is None else GEMMA_LORA_TARGETS
+    targets = targets or (LORA_TARGETS if base is None else GEMMA_LORA_TARGETS)
     base = _family_model(name, seed=seed, sizes=sizes) if base is None else base
     provider = qwix.LoraProvider(module_path=targets, rank=rank, alpha=alpha)
     with mesh if mesh is not None else contextlib.nullcontext():
@@ -446,14 +453,109 @@ def test_gemma_lora_table_maps_qwix_factors_onto_peft_tensors_and_their_logits(c
     np.testing.assert_allclose(np.asarray(lora_logits), hf_logits, rtol=2e-4, atol=2e-4)
 
 
+@pytest.mark.parametrize("case", ["ple", "plain"])
+def test_gemma4_lora_table_maps_qwix_factors_onto_peft_tensors_and_their_logits(case):
+    """qwix LoRA on Gemma4's attention einsums, MLP and per-layer projections (``ple``:
+    ``k_eq_v`` global layers, KV-shared layers, per-layer inputs; ``plain``: ``kv_einsum``
+    everywhere): every factor becomes PEFT's lora_A / lora_B of the right module, and HF's
+    Gemma4 with W + alpha/r * B @ A computes the LoRA model's logits. A ``k_eq_v`` layer's
+    ``k_einsum`` factors are also its ``v_proj``'s (vLLM builds its V slot's LoRA from
+    ``v_proj``; HF's layer has no ``v_proj``: V is K); KV-shared layers send no K/V factors
+    (qwix makes none: Tunix never reads those kernels)."""
+    import torch
+    import transformers
+
+    model = _lora_model(base=_gemma4_model(case), targets=GEMMA4_LORA_TARGETS)
+    base, lora = xt.split_lora(nnx.state(model, nnx.Param))
+    assert not any("lora" in n for n in base)
+    rules = xt.tunix_lora_rules(model, "policy")
+    adapter = xt.lora_adapter(lora, rules, name="policy", lora_id=1, alpha=8.0, arrays=True)
+    assert adapter.r == 4
+    assert xt.lora_adapter(lora, rules, name="policy", lora_id=1, alpha=8.0).spec() == \
+        adapter.spec()
+    flat = {n: np.asarray(a) for n, a in base.items()}
+    hf = NameMap(xt.tunix_rules(model)).apply({n: a.shape for n, a in flat.items()})
+    weights = {n: torch.from_numpy(np.ascontiguousarray(t.view(flat))) for n, t in hf.items()}
+    att = "model.layers.{}.self_attn.{}_proj"
+    k_eq_v = [2] if case == "ple" else []           # the global layer owning its K/V
+    modules = {"q", "o", "k", "v"} if case == "plain" else {"q", "o"}
+    want = {att.format(i, p) for i in range(6) for p in modules}
+    want |= {att.format(i, p) for i in range(3) for p in "kv"} if case == "ple" else set()
+    want |= {f"model.layers.{i}.mlp.{p}_proj" for i in range(6)
+             for p in ("gate", "up", "down")}
+    if case == "ple":
+        want |= {f"model.layers.{i}.{p}" for i in range(6)
+                 for p in ("per_layer_input_gate", "per_layer_projection")}
+    assert set(adapter.weights) == want
+    if case == "ple":               # K/V factors of a KV-shared layer (if any): not sent
+        assert NameMap(rules).apply({"layers/4/attn/kv_einsum/w_lora_a": (32, 4),
+                                     "layers/5/attn/k_einsum/w_lora_b": (4, 1, 16)}) == {}
+    for i in k_eq_v:                # the K factors, sent again as V's
+        k, v = adapter.weights[att.format(i, "k")], adapter.weights[att.format(i, "v")]
+        assert all(np.array_equal(x, y) for x, y in zip(k, v))
+        assert f"model.layers.{i}.self_attn.v_proj.weight" not in weights
+    for module, (a, b) in adapter.weights.items():
+        name = module + ".weight"
+        if name in {f"model.layers.{i}.self_attn.v_proj.weight" for i in k_eq_v}:
+            continue                # HF's k_eq_v layer: V = K (its merged k_proj)
+        w = weights[name]
+        assert (b.shape[0], a.shape[1]) == tuple(w.shape), module
+        weights[name] = w + 2.0 * torch.from_numpy(b) @ torch.from_numpy(a)
+    cfg = xt.hf_config_of(model)
+    config = transformers.AutoConfig.for_model(**{k: v for k, v in cfg.items()
+                                                  if k != "architectures"})
+    config._attn_implementation = "eager"
+    ref = transformers.Gemma4ForCausalLM(config).float().eval()
+    ref.load_state_dict(weights, strict=False)
+    ref.tie_weights()
+    tokens = np.array([[5, 9, 2, 33, 17, 60, 1, 8]])
+    lora_logits, _ = model(tokens, np.arange(8)[None], None, np.tril(np.ones((1, 8, 8), bool)))
+    base_logits, _ = _gemma4_model(case)(tokens, np.arange(8)[None], None,
+                                         np.tril(np.ones((1, 8, 8), bool)))
+    assert not np.allclose(np.asarray(lora_logits), np.asarray(base_logits), atol=1e-3)
+    with torch.no_grad():
+        hf_logits = ref(torch.from_numpy(tokens)).logits.numpy()
+    np.testing.assert_allclose(np.asarray(lora_logits), hf_logits, rtol=2e-4, atol=2e-4)
+
+
+def test_gemma4_lora_refusals_name_the_path():
+    """qwix factors no PEFT tensor is a view of are refused naming the path and why, before
+    any byte moves: the embedder's ``per_layer_model_projection`` (Tunix scales its weight
+    inside the einsum, not its LoRA term; HF and vLLM scale both) and the MoE block."""
+    import qwix
+
+    base = _gemma4_model("ple")
+    provider = qwix.LoraProvider(module_path=".*per_layer_model_projection", rank=4, alpha=8.0)
+    model = qwix.apply_lora_to_model(base, provider, **base.get_model_input(),
+                                     rngs=nnx.Rngs(7))
+    _, lora = xt.split_lora(nnx.state(model, nnx.Param))
+    assert sorted(lora) == ["embedder/per_layer_model_projection/w_lora_a",
+                            "embedder/per_layer_model_projection/w_lora_b"]
+    rules = xt.tunix_lora_rules(model, "policy")
+    with pytest.raises(xt.TunixNamingError, match="'embedder/per_layer_model_projection/"
+                       "w_lora_a'.*embed_dim\\*\\*-0.5"):
+        xt.check_names(rules, list(lora), "Gemma4")
+    with pytest.raises(xt.TunixNamingError, match="per_layer_model_projection/w_lora_a'"):
+        xt.lora_adapter(lora, rules, name="policy", lora_id=1, alpha=8.0)
+    moe = _lora_model(base=_gemma4_model("moe"))
+    _, lora = xt.split_lora(nnx.state(moe, nnx.Param))
+    rules = xt.tunix_lora_rules(moe, "policy")
+    names = list(lora) + ["layers/1/moe/gating_einsum_lora_a"]
+    with pytest.raises(xt.TunixNamingError, match="'layers/1/moe/gating_einsum_lora_a'.*MoE"):
+        xt.check_names(rules, names, "Gemma4")
+    with pytest.raises(xt.TunixNamingError, match="'layers/1/moe/gating_einsum_lora_a'.*MoE"):
+        xt.lora_adapter({**lora, names[-1]: np.zeros((32, 4), np.float32)}, rules,
+                        name="policy", lora_id=1, alpha=8.0)
+
+
 def test_unknown_model_and_unmapped_path_are_refused_by_name():
     class NotTunix(nnx.Module):
         pass
 
     with pytest.raises(xt.TunixNamingError, match="NotTunix.*tables exist for"):
         xt.family_of(NotTunix())
-    with pytest.raises(xt.TunixNamingError, match="no LoRA naming table for Tunix's Gemma4"):
-        xt.tunix_lora_rules(_gemma4_model("plain"), "policy")
+    with pytest.raises(xt.TunixNamingError, match="LoRA adapter name 'a/b'"):
+        xt.tunix_lora_rules(_gemma4_model("plain"), "a/b")
     model = _family_model("Qwen2")
     names = list(flatten_tree(xt.pure_tree(nnx.state(model, nnx.Param))))
     with pytest.raises(xt.TunixNamingError, match="'layers/0/attn/extra/w' matches no rule"):
@@ -590,10 +692,13 @@ def _greedy(llm, prompts, request=None):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("case", ["qwen2", "gemma2"])
+@pytest.mark.parametrize("case", ["qwen2", "gemma2", "gemma4"])
 def test_lora_sync_refits_only_the_adapter_as_vllm_loads_it(tmp_path, case):
     """A qwix LoRA model (Qwen2; Gemma2: LoRA on its einsums, a fused ``kv_einsum``'s one
-    ``A`` both k's and v's): the engine starts with a LoRA slot; Tunix's LoRA sync
+    ``A`` both k's and v's; Gemma4 ``ple``: a ``k_eq_v`` layer's ``k_einsum`` factors sent
+    as its ``k_proj``'s and ``v_proj``'s - without the ``v_proj`` copy vLLM serves other
+    logprobs, so its V slot reads them -, KV-shared layers, the per-layer projections): the
+    engine starts with a LoRA slot; Tunix's LoRA sync
     (``update_params(nnx.state(actor, nnx.LoRAParam), (nnx.LoRAParam,))``, under RLCluster's
     CPU transfer guard) refits only the adapter, shard to shard; the slot then serves what
     vLLM's own load of the same adapter from a PEFT directory serves, bit for bit, and the
@@ -608,8 +713,13 @@ def test_lora_sync_refits_only_the_adapter_as_vllm_loads_it(tmp_path, case):
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0|1")
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("fsdp", "tp"))
     sizes = dict(SIZES, embed_dim=64, num_heads=2, head_dim=32)
-    model = _lora_model("Qwen2", sizes=sizes, mesh=mesh) if case == "qwen2" else \
-        _lora_model(mesh=mesh, base=_gemma_model(case, embed_dim=64, head_dim=32))
+    if case == "qwen2":
+        model = _lora_model("Qwen2", sizes=sizes, mesh=mesh)
+    elif case == "gemma4":      # head dims 32 and 64: vLLM's CPU attention kernels take them
+        model = _lora_model(mesh=mesh, targets=GEMMA4_LORA_TARGETS, base=_gemma4_model(
+            "ple", mesh=mesh, embed_dim=64, num_heads=2, head_dim=32, global_key_size=64))
+    else:
+        model = _lora_model(mesh=mesh, base=_gemma_model(case, embed_dim=64, head_dim=32))
     config = base_rollout.RolloutConfig(max_tokens_to_generate=6, max_prompt_length=8,
                                         temperature=0.0, seed=0,
                                         rollout_vllm_kwargs={"max_model_len": 16,
@@ -646,6 +756,16 @@ def test_lora_sync_refits_only_the_adapter_as_vllm_loads_it(tmp_path, case):
         assert [lp for _, lp in got] != [lp for _, lp in base_before]   # the adapter acts
         # after vLLM's cache swapped the reference in, the slot is rebuilt from memory
         assert _greedy(rollout.llm, prompts, rollout.lora_request()) == ref
+        if case == "gemma4":    # vLLM's V slot of the k_eq_v layer 2 reads v_proj's LoRA
+            with jax.transfer_guard("allow"):
+                full = rollout.reference_adapter(lora)
+                k_only = dataclasses.replace(full, weights={
+                    m: w for m, w in full.weights.items()
+                    if m != "model.layers.2.self_attn.v_proj"})
+                write_peft_dir(k_only, str(tmp_path / "k_only"))
+            assert len(k_only.weights) == len(full.weights) - 1
+            assert _greedy(rollout.llm, prompts,
+                           LoRARequest("k_only", 3, str(tmp_path / "k_only"))) != ref
     finally:
         rollout.shutdown()
 

@@ -226,3 +226,80 @@ def gemma4_hf(c: Any) -> dict[str, Any]:
                 "full_attention": _gemma4_rope(c.global_base_frequency,
                                                c.global_scale_factor, c.global_rope_proportion)},
             **moe}
+
+
+_PLE_LORA = "embedder/per_layer_model_projection/w_lora_{x:[ab]}"
+_PLE_LORA_WHY = ("LoRA on Tunix Gemma4's embedder per_layer_model_projection is refused: "
+                 "Tunix scales that einsum's weight by embed_dim**-0.5 and qwix adds its LoRA "
+                 "term unscaled, while HF and vLLM scale the whole output (their LoRA "
+                 "included) by hidden_size**-0.5, so no view of qwix's factors is the PEFT "
+                 "adapter (B would need rescaling by sqrt(embed_dim)); leave it out of "
+                 "qwix's module_path")
+_MOE_LORA = "layers/{l}/moe/{w:.+}_lora_{x:[ab]}"
+_MOE_LORA_WHY = ("LoRA on Tunix Gemma4's MoE block is not mapped (qwix's factors of Tunix's "
+                 "stacked expert weights onto vLLM's per-expert LoRA: not built or tested); "
+                 "LoRA maps on the attention einsums, the MLP and the per-layer projections")
+
+
+def gemma4_lora_rules(c: Any, root: str) -> tuple[Rule, ...]:
+    """qwix's factors of Tunix's Gemma4 attention einsums and per-layer projections as PEFT
+    tensors under ``root`` (``<adapter>/base_model.model.``; the MLP's are the other
+    families' rules, :func:`~xreshard.integrations.tunix_tables.tunix_lora_rules`)::
+
+        # tunix path (P = root + model.layers.{l}) | shape       | PEFT tensor
+        # layers/{l}/attn/q_einsum/w_lora_{a,b}     | [D, r], [r, N, H] | P.self_attn.q_proj
+        # layers/{O}/attn/kv_einsum/w_lora_{a,b}    | [D, r], [r, 2, K, H] | P.self_attn.{k,v}_proj
+        # layers/{O}/attn/k_einsum/w_lora_{a,b}     | [D, r], [r, K, H] | P.self_attn.{k,v}_proj
+        #                                           |              |   (k_eq_v: both the same)
+        # layers/{S}/attn/{kv,k}_einsum/w_lora_*    |              | none (unread; not sent)
+        # layers/{l}/attn/attn_vec_einsum/w_lora_{a,b} | [N, H, r], [r, D] | P.self_attn.o_proj
+        # layers/{l}/per_layer_input_gate/w_lora_{a,b} | [D, r], [r, P] | P.per_layer_input_gate (T)
+        # layers/{l}/per_layer_projection/w_lora_{a,b} | [P, r], [r, D] | P.per_layer_projection (T)
+        # embedder/per_layer_model_projection/w_lora_* |           | refused (TunixNamingError)
+        # layers/{l}/moe/*_lora_*                   |              | refused (TunixNamingError)
+
+    A ``k_eq_v`` layer's V is its (LoRA-adapted) K projection in Tunix. vLLM loads the base
+    ``k_proj`` into both the K and V slots of its ``qkv_proj``, but builds that packed
+    module's LoRA from the PEFT modules ``q_proj``, ``k_proj`` and ``v_proj`` by name (a
+    missing one: no LoRA on that slot). So ``k_einsum``'s factors are sent as both
+    ``k_proj``'s and ``v_proj``'s: the engine's V is then ``(W_k + s B_k A_k) x``, as Tunix's.
+    HF's Gemma4 has no ``v_proj`` in those layers (V = K): HF's PEFT skips that module.
+
+    Refused: the embedder's ``per_layer_model_projection`` (Tunix scales that einsum's
+    weight by ``embed_dim**-0.5`` inside the module and qwix adds its LoRA term unscaled;
+    HF and vLLM scale the whole output, LoRA included, by ``hidden_size**-0.5``: PEFT's
+    ``B`` would be qwix's times ``sqrt(D)``, a rescaled copy, not a view of the shard) and
+    the MoE block (not mapped).
+    """
+    from .tunix_tables import Copies, Refused
+
+    owners = _gemma4_checked(c)[1]
+    own = "|".join(str(i) for i in range(owners))
+    p = f"{root}{L}"
+    a, b = "lora_A.weight", "lora_B.weight"
+    att = f"{p}.self_attn"
+    heads_in = (Reshape(("@0", -1)), Transpose())     # [r, N, H] -> [r, N*H] -> [N*H, r]
+    kv = tuple(n for n, _ in _KV)
+    rules = [
+        Rule("layers/{l}/attn/q_einsum/w_lora_a", f"{att}.q_proj.{a}", _T),
+        Rule("layers/{l}/attn/q_einsum/w_lora_b", f"{att}.q_proj.{b}", heads_in),
+        Rule("layers/{l}/attn/attn_vec_einsum/w_lora_a", f"{att}.o_proj.{a}", _HEADS_OUT),
+        Rule("layers/{l}/attn/attn_vec_einsum/w_lora_b", f"{att}.o_proj.{b}", _T),
+        Rule(f"layers/{{l:{own}}}/attn/kv_einsum/w_lora_a", f"{att}.{{p}}_proj.{a}",
+             (Copies("p", kv), Transpose())),
+        Rule(f"layers/{{l:{own}}}/attn/kv_einsum/w_lora_b", f"{att}.{{p}}_proj.{b}",
+             (Split(1, "p", _KV), Index(1, 0), *heads_in)),
+        Rule(f"layers/{{l:{own}}}/attn/k_einsum/w_lora_a", f"{att}.{{p}}_proj.{a}",
+             (Copies("p", kv), Transpose())),
+        Rule(f"layers/{{l:{own}}}/attn/k_einsum/w_lora_b", f"{att}.{{p}}_proj.{b}",
+             (Copies("p", kv), *heads_in)),
+        *(Rule(f"layers/{{l}}/{{m:per_layer_input_gate|per_layer_projection}}/w_lora_{x}",
+               f"{p}.{{m}}.lora_{x.upper()}.weight", _T) for x in "ab"),
+        Rule(_PLE_LORA, "", (Refused(_PLE_LORA, _PLE_LORA_WHY),)),
+        Rule(_MOE_LORA, "", (Refused(_MOE_LORA, _MOE_LORA_WHY),)),
+    ]
+    if owners < c.num_layers:
+        shared = "|".join(str(i) for i in range(owners, c.num_layers))
+        rules.append(Rule(f"layers/{{l:{shared}}}/attn/{{p:kv_einsum|k_einsum}}/w_lora_{{x:[ab]}}",
+                          "", (Unused(),)))
+    return tuple(rules)

@@ -49,6 +49,7 @@ from xreshard.adapters.naming_rules import (Index, NamingError, Reshape, Rule, S
 from xreshard.errors import RefitError
 
 __all__ = ["TunixNamingError", "Family", "FAMILIES", "UNMAPPED", "HeadsToRows", "Unused", "Copies",
+           "Refused",
            "family_of",
            "tunix_rules", "tunix_lora_rules", "hf_config_of", "write_model_dir", "check_names"]
 
@@ -357,6 +358,22 @@ class Unused(Transform):
         return iter(())
 
 
+@dataclass(frozen=True)
+class Refused(Transform):
+    """A Tunix parameter that no engine tensor takes: mapping it raises
+    :class:`TunixNamingError` naming the path (``src``, the rule's pattern, filled with the
+    match) and ``why``; :func:`check_names` raises the same before any byte moves."""
+
+    src: str
+    why: str
+
+    def apply(self, view: Any, fields: Mapping[str, Any], params: Mapping[str, int]
+              ) -> Iterator[tuple[Any, dict]]:
+        import re
+        path = re.sub(r"\{(\w+)(?::[^{}]+)?\}", lambda m: str(fields[m.group(1)]), self.src)
+        raise TunixNamingError(f"parameter path {path!r}: {self.why}")
+
+
 def _gemma4() -> Any:
     from . import tunix_gemma4      # imports this module: loaded on first use
     return tunix_gemma4
@@ -375,8 +392,7 @@ FAMILIES: dict[str, Family] = {
     "Gemma3": Family("Gemma3", "tunix.models.gemma3.model", "Gemma3ForCausalLM", _gemma3_hf,
                      lambda c: _gemma_rules(3)),
     "Gemma4": Family("Gemma4", "tunix.models.gemma4.model", "Gemma4ForCausalLM",
-                     lambda c: _gemma4().gemma4_hf(c), lambda c: _gemma4().gemma4_rules(c),
-                     lora=False),
+                     lambda c: _gemma4().gemma4_hf(c), lambda c: _gemma4().gemma4_rules(c)),
 }
 
 
@@ -425,16 +441,16 @@ def tunix_lora_rules(model: Any, adapter: str) -> tuple[Rule, ...]:
         # layers/{l}/mlp/{p}_proj/kernel_lora_b | [r, out] | P.mlp.{p}_proj.lora_B (T)
 
     Gemma (1, 2) and Gemma3: the MLP likewise, the attention einsums by
-    :func:`_gemma_lora_rules`. Gemma4: refused (its ``k_eq_v`` layers have no V of their own
-    for a PEFT ``v_proj``; per-layer projections).
+    :func:`_gemma_lora_rules`; Gemma4 by
+    :func:`~xreshard.integrations.tunix_gemma4.gemma4_lora_rules` (a ``k_eq_v`` layer's K
+    factors also as its ``v_proj``'s, the per-layer projections; MoE refused).
     """
     from xreshard.adapters.lora import PEFT_PREFIX
 
     fam = family_of(model)      # the dense families share these paths
     if not fam.lora:
-        raise TunixNamingError(f"no LoRA naming table for Tunix's {fam.name} yet (its k_eq_v "
-                               "layers' V is K, and per-layer projections: not mapped); LoRA "
-                               "on Qwen2, Qwen3, Llama3, Gemma and Gemma3")
+        raise TunixNamingError(f"no LoRA naming table for Tunix's {fam.name} yet; LoRA on "
+                               + ", ".join(n for n, f in FAMILIES.items() if f.lora))
     if not adapter or any(c in adapter for c in "/{}"):
         raise TunixNamingError(f"LoRA adapter name {adapter!r}: non-empty, without '/', "
                                "'{' or '}'")
@@ -444,6 +460,8 @@ def tunix_lora_rules(model: Any, adapter: str) -> tuple[Rule, ...]:
                      f"{p}.mlp.{{p}}_proj.lora_{x.upper()}.weight", _T) for x in "ab")
     if fam.name in ("Gemma", "Gemma3"):
         return _gemma_lora_rules(p) + mlp
+    if fam.name == "Gemma4":
+        return _gemma4().gemma4_lora_rules(model.config, f"{adapter}/{PEFT_PREFIX}") + mlp
     return (
         Rule("layers/{l}/attn/{p:[qkv]}_proj/w_lora_a", f"{p}.self_attn.{{p}}_proj.{a}", _T),
         Rule("layers/{l}/attn/{p:[qkv]}_proj/w_lora_b", f"{p}.self_attn.{{p}}_proj.{b}",
@@ -515,6 +533,11 @@ def write_model_dir(model: Any, path: str, overrides: Mapping[str, Any] | None =
 def check_names(rules: Sequence[Any], names: Sequence[str], model_name: str) -> None:
     """Raise :class:`TunixNamingError` naming the first path no rule maps."""
     for name in names:
+        for r in rules:
+            refused = [t for t in getattr(r, "transforms", ()) if isinstance(t, Refused)]
+            if refused and r.match(name) is not None:
+                raise TunixNamingError(f"{model_name}: parameter path {name!r}: "
+                                       f"{refused[0].why}")
         if not any(r.match(name) is not None for r in rules):
             raise TunixNamingError(f"{model_name}: parameter path {name!r} matches no rule of "
                                    f"its naming table ({len(names)} paths; the table maps "

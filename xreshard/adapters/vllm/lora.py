@@ -314,6 +314,25 @@ class _Modules:
         return module, is_a, layer, index
 
 
+    def base_shape(self, module: str, layer: Any, index: int | None,
+                   hf: Mapping[str, Sequence[int]]) -> Sequence[int]:
+        """The ``[out, in]`` of the weight a PEFT module's factors adapt: its checkpoint
+        tensor, or, for a packed slot the checkpoint fills from a sibling (Gemma4's
+        ``k_eq_v`` layers: vLLM loads ``k_proj`` into the K and the V slot of ``qkv_proj``,
+        and packs the V slot's LoRA from ``v_proj``), that sibling's where the two slots
+        are alike on every rank."""
+        base = hf.get(module + ".weight")
+        if base is not None:
+            return base
+        slices: Sequence[int] = getattr(layer, "output_slices", ())
+        if index is not None and index < len(slices):
+            for sub, (other, j, _) in self.by_name.items():
+                if other is layer and j is not None and j != index and j < len(slices) \
+                        and slices[j] == slices[index] and sub + ".weight" in hf:
+                    return hf[sub + ".weight"]
+        raise LoRAError(f"the engine's checkpoint has no {module}.weight to size the factor by")
+
+
 def _digest(obj: Any) -> str:
     return hashlib.sha256(json.dumps(obj, sort_keys=True, separators=(",", ":")).encode()
                           ).hexdigest()
@@ -475,10 +494,7 @@ class LoRAReceiver:
                     module, is_a, layer, index = self._modules.find(tname)
                     factors.setdefault(module, set()).add(is_a)
                     rank = peft.get_rank_and_scaling(parse_fine_tuned_lora_name(tname)[0])[0]
-                    base = hf.get(module + ".weight")
-                    if base is None:
-                        raise LoRAError(f"the engine's checkpoint has no {module}.weight to "
-                                        "size the factor by")
+                    base = self._modules.base_shape(module, layer, index, hf)
                     want = [rank, base[1]] if is_a else [base[0], rank]
                     if list(shape) != want:
                         raise LoRAError(f"{tname!r} is {list(shape)} but {module}.weight is "
