@@ -148,6 +148,62 @@ def _gemma_model(case: str, seed: int = 0, mesh=None, **over):
     return reshard.reshard_model_to_mesh(model, mesh)
 
 
+def _assert_logits_equal_hfs(model, arch, flat, hf):
+    """transformers' ``arch``, configured by ``hf_config_of(model)`` and loaded with the
+    mapped tensors ``hf`` (views of the trainer arrays ``flat``), has exactly the HF
+    tensors the table makes and computes Tunix's logits."""
+    import torch
+
+    assert xt.hf_config_of(model)["architectures"] == [arch]
+    weights = {n: torch.from_numpy(np.ascontiguousarray(t.view(flat))) for n, t in hf.items()}
+    ref = _hf_of_config(model, weights)
+    want = {n: tuple(t.shape) for n, t in ref.state_dict().items() if n != "lm_head.weight"}
+    assert {n: tuple(t.shape) for n, t in weights.items()} == want
+    _assert_tunix_logits_are_hfs(model, ref)
+
+
+def _hf_of_config(model, weights):
+    """transformers' model of ``hf_config_of(model)`` (eager attention: HF's softcaps need
+    it) with ``weights`` loaded (the lm_head tied)."""
+    import transformers
+
+    cfg = xt.hf_config_of(model)
+    config = transformers.AutoConfig.for_model(**{k: v for k, v in cfg.items()
+                                                  if k != "architectures"})
+    config._attn_implementation = "eager"
+    ref = getattr(transformers, cfg["architectures"][0])(config).float().eval()
+    ref.load_state_dict(weights, strict=False)
+    ref.tie_weights()
+    return ref
+
+
+def _assert_tunix_logits_are_hfs(model, ref):
+    import torch
+
+    tokens = np.array([[5, 9, 2, 33, 17, 60, 1, 8]])
+    tunix_logits, _ = model(tokens, np.arange(8)[None], None, np.tril(np.ones((1, 8, 8), bool)))
+    with torch.no_grad():
+        hf_logits = ref(torch.from_numpy(tokens)).logits.numpy()
+    np.testing.assert_allclose(np.asarray(tunix_logits), hf_logits, rtol=2e-4, atol=2e-4)
+
+
+def _merged_weights(model, base, adapter, skip=frozenset()):
+    """HF's tensors of the LoRA model's ``base`` with ``W + alpha/r * B @ A`` of every
+    factor of ``adapter`` (alpha 8, r 4) but the weights in ``skip``."""
+    import torch
+
+    flat = {n: np.asarray(a) for n, a in base.items()}
+    hf = NameMap(xt.tunix_rules(model)).apply({n: a.shape for n, a in flat.items()})
+    weights = {n: torch.from_numpy(np.ascontiguousarray(t.view(flat))) for n, t in hf.items()}
+    for module, (a, b) in adapter.weights.items():
+        if module + ".weight" in skip:
+            continue
+        w = weights[module + ".weight"]
+        assert (b.shape[0], a.shape[1]) == tuple(w.shape), module
+        weights[module + ".weight"] = w + 2.0 * torch.from_numpy(b) @ torch.from_numpy(a)
+    return weights
+
+
 @pytest.mark.parametrize("case,arch", [("gemma1", "GemmaForCausalLM"),
                                        ("gemma1_fused", "GemmaForCausalLM"),
                                        ("gemma2", "Gemma2ForCausalLM"),
@@ -157,29 +213,11 @@ def test_gemma_naming_tables_map_onto_the_hf_model_and_its_logits(case, arch):
     exactly the tensors of the HF model built from the written config (tied lm_head), and
     that model (eager attention: HF's softcaps need it) computes the Tunix model's logits -
     heads, RoPE bases and scaling, sliding windows, softcaps, q/k norms, the query scale."""
-    import torch
-    import transformers
-
     model = _gemma_model(case)
     flat = {n: np.asarray(a) for n, a in
             flatten_tree(xt.pure_tree(nnx.state(model, nnx.Param))).items()}
     hf = NameMap(xt.tunix_rules(model)).apply({n: a.shape for n, a in flat.items()})
-    cfg = xt.hf_config_of(model)
-    assert cfg["architectures"] == [arch]
-    config = transformers.AutoConfig.for_model(**{k: v for k, v in cfg.items()
-                                                  if k != "architectures"})
-    config._attn_implementation = "eager"
-    ref = getattr(transformers, arch)(config).float().eval()
-    want = {n: tuple(t.shape) for n, t in ref.state_dict().items() if n != "lm_head.weight"}
-    assert {n: t.shape for n, t in hf.items()} == want
-    ref.load_state_dict({n: torch.from_numpy(np.ascontiguousarray(t.view(flat)))
-                         for n, t in hf.items()}, strict=False)
-    ref.tie_weights()
-    tokens = np.array([[5, 9, 2, 33, 17, 60, 1, 8]])
-    tunix_logits, _ = model(tokens, np.arange(8)[None], None, np.tril(np.ones((1, 8, 8), bool)))
-    with torch.no_grad():
-        hf_logits = ref(torch.from_numpy(tokens)).logits.numpy()
-    np.testing.assert_allclose(np.asarray(tunix_logits), hf_logits, rtol=2e-4, atol=2e-4)
+    _assert_logits_equal_hfs(model, arch, flat, hf)
 
 
 @pytest.mark.parametrize("case", ["gemma1_fused", "gemma2", "gemma3"])
@@ -263,32 +301,14 @@ def test_gemma4_table_maps_onto_the_hf_model_and_its_logits(case):
     KV-shared layers, which nothing reads, become none), and that model computes the Tunix
     model's logits - per-layer inputs, KV sharing, ``k_eq_v``, partial and linear RoPE,
     global head dims, double-wide MLPs, the MoE block."""
-    import torch
-    import transformers
-
     model = _gemma4_model(case)
     flat = {n: np.asarray(a) for n, a in
             flatten_tree(xt.pure_tree(nnx.state(model, nnx.Param))).items()}
     hf = NameMap(xt.tunix_rules(model)).apply({n: a.shape for n, a in flat.items()})
-    cfg = xt.hf_config_of(model)
-    assert cfg["architectures"] == ["Gemma4ForCausalLM"]
-    config = transformers.AutoConfig.for_model(**{k: v for k, v in cfg.items()
-                                                  if k != "architectures"})
-    config._attn_implementation = "eager"
-    ref = transformers.Gemma4ForCausalLM(config).float().eval()
-    want = {n: tuple(t.shape) for n, t in ref.state_dict().items() if n != "lm_head.weight"}
-    assert {n: t.shape for n, t in hf.items()} == want
     if case == "ple":       # the KV-shared layers' unread kernels map to nothing
         assert "layers/4/attn/kv_einsum/w" in flat
         assert not any(n.startswith("model.layers.4.self_attn.k") for n in hf)
-    ref.load_state_dict({n: torch.from_numpy(np.ascontiguousarray(t.view(flat)))
-                         for n, t in hf.items()}, strict=False)
-    ref.tie_weights()
-    tokens = np.array([[5, 9, 2, 33, 17, 60, 1, 8]])
-    tunix_logits, _ = model(tokens, np.arange(8)[None], None, np.tril(np.ones((1, 8, 8), bool)))
-    with torch.no_grad():
-        hf_logits = ref(torch.from_numpy(tokens)).logits.numpy()
-    np.testing.assert_allclose(np.asarray(tunix_logits), hf_logits, rtol=2e-4, atol=2e-4)
+    _assert_logits_equal_hfs(model, "Gemma4ForCausalLM", flat, hf)
 
 
 @pytest.mark.parametrize("case,split_l", [("ple", False), ("ple", True), ("moe", False)])
@@ -385,7 +405,6 @@ def test_lora_table_maps_qwix_factors_onto_peft_tensors_and_their_logits(name):
     """Every qwix factor of every projection becomes PEFT's lora_A [r, in] / lora_B
     [out, r] of the right module; the HF model with W + alpha/r * B @ A computes the
     LoRA model's logits (the orientation of every factor is checked by the numbers)."""
-    import torch
 
     model = _lora_model(name)
     base, lora = xt.split_lora(nnx.state(model, nnx.Param))
@@ -397,20 +416,9 @@ def test_lora_table_maps_qwix_factors_onto_peft_tensors_and_their_logits(name):
         "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
     described = xt.lora_adapter(lora, rules, name="policy", lora_id=1, alpha=8.0)
     assert described.spec() == adapter.spec()          # what the engine is told = the bytes
-    flat = {n: np.asarray(a) for n, a in base.items()}
-    hf = NameMap(xt.tunix_rules(model)).apply({n: a.shape for n, a in flat.items()})
-    weights = {n: torch.from_numpy(np.ascontiguousarray(t.view(flat))) for n, t in hf.items()}
-    for module, (a, b) in adapter.weights.items():
-        w = weights[module + ".weight"]
-        assert (b.shape[0], a.shape[1]) == tuple(w.shape), module
-        weights[module + ".weight"] = w + 2.0 * torch.from_numpy(b) @ torch.from_numpy(a)
     ref = _hf_model(model)
-    ref.load_state_dict(weights)
-    tokens = np.array([[5, 9, 2, 33, 17, 60, 1, 8]])
-    lora_logits, _ = model(tokens, np.arange(8)[None], None, np.tril(np.ones((1, 8, 8), bool)))
-    with torch.no_grad():
-        hf_logits = ref(torch.from_numpy(tokens)).logits.numpy()
-    np.testing.assert_allclose(np.asarray(lora_logits), hf_logits, rtol=2e-4, atol=2e-4)
+    ref.load_state_dict(_merged_weights(model, base, adapter))
+    _assert_tunix_logits_are_hfs(model, ref)
 
 
 @pytest.mark.parametrize("case", ["gemma1_fused", "gemma2", "gemma3"])
@@ -419,8 +427,6 @@ def test_gemma_lora_table_maps_qwix_factors_onto_peft_tensors_and_their_logits(c
     ``qkv_einsum``, ``attn_vec_einsum``) and MLP: every factor becomes PEFT's lora_A /
     lora_B of the right module (a fused einsum's ``A`` is each of its modules' lora_A), and
     HF's Gemma with W + alpha/r * B @ A computes the LoRA model's logits."""
-    import torch
-    import transformers
 
     model = _lora_model(base=_gemma_model(case, **({"num_layers": 2} if case == "gemma3" else {})))
     base, lora = xt.split_lora(nnx.state(model, nnx.Param))
@@ -432,25 +438,8 @@ def test_gemma_lora_table_maps_qwix_factors_onto_peft_tensors_and_their_logits(c
         "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
     assert xt.lora_adapter(lora, rules, name="policy", lora_id=1, alpha=8.0).spec() == \
         adapter.spec()
-    flat = {n: np.asarray(a) for n, a in base.items()}
-    hf = NameMap(xt.tunix_rules(model)).apply({n: a.shape for n, a in flat.items()})
-    weights = {n: torch.from_numpy(np.ascontiguousarray(t.view(flat))) for n, t in hf.items()}
-    for module, (a, b) in adapter.weights.items():
-        w = weights[module + ".weight"]
-        assert (b.shape[0], a.shape[1]) == tuple(w.shape), module
-        weights[module + ".weight"] = w + 2.0 * torch.from_numpy(b) @ torch.from_numpy(a)
-    cfg = xt.hf_config_of(model)
-    config = transformers.AutoConfig.for_model(**{k: v for k, v in cfg.items()
-                                                  if k != "architectures"})
-    config._attn_implementation = "eager"
-    ref = getattr(transformers, cfg["architectures"][0])(config).float().eval()
-    ref.load_state_dict(weights, strict=False)
-    ref.tie_weights()
-    tokens = np.array([[5, 9, 2, 33, 17, 60, 1, 8]])
-    lora_logits, _ = model(tokens, np.arange(8)[None], None, np.tril(np.ones((1, 8, 8), bool)))
-    with torch.no_grad():
-        hf_logits = ref(torch.from_numpy(tokens)).logits.numpy()
-    np.testing.assert_allclose(np.asarray(lora_logits), hf_logits, rtol=2e-4, atol=2e-4)
+    _assert_tunix_logits_are_hfs(model, _hf_of_config(model, _merged_weights(model, base,
+                                                                              adapter)))
 
 
 @pytest.mark.parametrize("case", ["ple", "plain"])
@@ -462,8 +451,6 @@ def test_gemma4_lora_table_maps_qwix_factors_onto_peft_tensors_and_their_logits(
     ``k_einsum`` factors are also its ``v_proj``'s (vLLM builds its V slot's LoRA from
     ``v_proj``; HF's layer has no ``v_proj``: V is K); KV-shared layers send no K/V factors
     (qwix makes none: Tunix never reads those kernels)."""
-    import torch
-    import transformers
 
     model = _lora_model(base=_gemma4_model(case), targets=GEMMA4_LORA_TARGETS)
     base, lora = xt.split_lora(nnx.state(model, nnx.Param))
@@ -473,11 +460,11 @@ def test_gemma4_lora_table_maps_qwix_factors_onto_peft_tensors_and_their_logits(
     assert adapter.r == 4
     assert xt.lora_adapter(lora, rules, name="policy", lora_id=1, alpha=8.0).spec() == \
         adapter.spec()
-    flat = {n: np.asarray(a) for n, a in base.items()}
-    hf = NameMap(xt.tunix_rules(model)).apply({n: a.shape for n, a in flat.items()})
-    weights = {n: torch.from_numpy(np.ascontiguousarray(t.view(flat))) for n, t in hf.items()}
     att = "model.layers.{}.self_attn.{}_proj"
     k_eq_v = [2] if case == "ple" else []           # the global layer owning its K/V
+    # HF's k_eq_v layer has no v_proj: V = K (its merged k_proj)
+    weights = _merged_weights(model, base, adapter,
+                              skip={f"{att.format(i, 'v')}.weight" for i in k_eq_v})
     modules = {"q", "o", "k", "v"} if case == "plain" else {"q", "o"}
     want = {att.format(i, p) for i in range(6) for p in modules}
     want |= {att.format(i, p) for i in range(3) for p in "kv"} if case == "ple" else set()
@@ -494,28 +481,12 @@ def test_gemma4_lora_table_maps_qwix_factors_onto_peft_tensors_and_their_logits(
         k, v = adapter.weights[att.format(i, "k")], adapter.weights[att.format(i, "v")]
         assert all(np.array_equal(x, y) for x, y in zip(k, v))
         assert f"model.layers.{i}.self_attn.v_proj.weight" not in weights
-    for module, (a, b) in adapter.weights.items():
-        name = module + ".weight"
-        if name in {f"model.layers.{i}.self_attn.v_proj.weight" for i in k_eq_v}:
-            continue                # HF's k_eq_v layer: V = K (its merged k_proj)
-        w = weights[name]
-        assert (b.shape[0], a.shape[1]) == tuple(w.shape), module
-        weights[name] = w + 2.0 * torch.from_numpy(b) @ torch.from_numpy(a)
-    cfg = xt.hf_config_of(model)
-    config = transformers.AutoConfig.for_model(**{k: v for k, v in cfg.items()
-                                                  if k != "architectures"})
-    config._attn_implementation = "eager"
-    ref = transformers.Gemma4ForCausalLM(config).float().eval()
-    ref.load_state_dict(weights, strict=False)
-    ref.tie_weights()
     tokens = np.array([[5, 9, 2, 33, 17, 60, 1, 8]])
     lora_logits, _ = model(tokens, np.arange(8)[None], None, np.tril(np.ones((1, 8, 8), bool)))
     base_logits, _ = _gemma4_model(case)(tokens, np.arange(8)[None], None,
                                          np.tril(np.ones((1, 8, 8), bool)))
     assert not np.allclose(np.asarray(lora_logits), np.asarray(base_logits), atol=1e-3)
-    with torch.no_grad():
-        hf_logits = ref(torch.from_numpy(tokens)).logits.numpy()
-    np.testing.assert_allclose(np.asarray(lora_logits), hf_logits, rtol=2e-4, atol=2e-4)
+    _assert_tunix_logits_are_hfs(model, _hf_of_config(model, weights))
 
 
 def test_gemma4_lora_refusals_name_the_path():
@@ -798,23 +769,13 @@ def _engine_equals_vllms_own_load(rollout, model) -> bool:
     return got == rollout.llm.collective_rpc("xreshard_weights_digest")
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("case", ["gemma2", "gemma3"])
-def test_gemma_rollout_refits_a_vllm_engine_exactly(case):
-    """A tiny Tunix Gemma2 (softcaps, a sliding layer) or Gemma3 (q/k norms, sliding and
-    global layers) on a (fsdp=2, tp=2) mesh: the rollout starts a vLLM CPU engine at TP=2
-    from the written config and refits it
-    through the Gemma table (q/k/v: copies of the shards); after a step's new weights and
-    update_params (under RLCluster's CPU transfer guard) every tensor the engine holds
-    equals vLLM's own load of the trainer's weights, byte for byte, nothing landed in the
-    trainer process, each rank received exactly its shard, and greedy answers are vLLM's."""
+def _assert_a_tp2_engine_refits_exactly(model):
+    """A vLLM CPU engine at TP=2 started by the rollout from ``model``'s written config:
+    after a step's new weights and ``update_params`` each rank received exactly its shard,
+    every tensor equals vLLM's own load of the trainer's weights, and greedy tokens and
+    logprobs stay what they were, bit for bit."""
     from tunix.rl.rollout import base_rollout
 
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0|1")
-    mesh = jax.sharding.Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("fsdp", "tp"))
-    # head_dim 32: the smallest vLLM's CPU attention kernels take
-    model = _gemma_model(case, mesh=mesh, embed_dim=64, head_dim=32)
     config = base_rollout.RolloutConfig(max_tokens_to_generate=6, max_prompt_length=8,
                                         temperature=0.0, seed=0,
                                         rollout_vllm_kwargs={"max_model_len": 16,
@@ -832,6 +793,23 @@ def test_gemma_rollout_refits_a_vllm_engine_exactly(case):
     finally:
         rollout.shutdown()
 
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", ["gemma2", "gemma3"])
+def test_gemma_rollout_refits_a_vllm_engine_exactly(case):
+    """A tiny Tunix Gemma2 (softcaps, a sliding layer) or Gemma3 (q/k norms, sliding and
+    global layers) on a (fsdp=2, tp=2) mesh: the rollout starts a vLLM CPU engine at TP=2
+    from the written config and refits it
+    through the Gemma table (q/k/v: copies of the shards); after a step's new weights and
+    update_params (under RLCluster's CPU transfer guard) every tensor the engine holds
+    equals vLLM's own load of the trainer's weights, byte for byte, nothing landed in the
+    trainer process, each rank received exactly its shard, and greedy answers are vLLM's."""
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0|1")
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("fsdp", "tp"))
+    # head_dim 32: the smallest vLLM's CPU attention kernels take
+    model = _gemma_model(case, mesh=mesh, embed_dim=64, head_dim=32)
+    _assert_a_tp2_engine_refits_exactly(model)
 
 
 @pytest.mark.slow
@@ -845,8 +823,6 @@ def test_gemma4_rollout_refits_a_vllm_engine_exactly(case):
     CPU transfer guard) every tensor the engine holds equals vLLM's own load of the
     trainer's weights, byte for byte, nothing landed in the trainer process, each rank
     received exactly its shard, and greedy answers are vLLM's."""
-    from tunix.rl.rollout import base_rollout
-
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0|1")
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("fsdp", "tp"))
@@ -857,23 +833,7 @@ def test_gemma4_rollout_refits_a_vllm_engine_exactly(case):
     over = dict(expert_dim=64) if case == "moe" else {}
     model = _gemma4_model(case, mesh=mesh, embed_dim=64, num_heads=2, head_dim=32,
                           global_key_size=64, **over)
-    config = base_rollout.RolloutConfig(max_tokens_to_generate=6, max_prompt_length=8,
-                                        temperature=0.0, seed=0,
-                                        rollout_vllm_kwargs={"max_model_len": 16,
-                                                             "dtype": "float32"})
-    rollout = xt.XreshardVllmRollout(rollout_actor=model, tokenizer=_Chars(),
-                                     rollout_config=config, tensor_parallel_size=2)
-    prompts = [[6, 4, 7, 4, 39], [5, 10, 39, 3, 3, 8, 9]]
-    try:
-        _step_and_refit_unseen(rollout, model)
-        reports = rollout.transfer_reports()
-        assert [w["bytes_received"] for w in reports] == [w["shard_bytes"] for w in reports]
-        got = _greedy(rollout.llm, prompts)
-        assert _engine_equals_vllms_own_load(rollout, model)
-        assert _greedy(rollout.llm, prompts) == got    # tokens and logprobs, bit for bit
-    finally:
-        rollout.shutdown()
-
+    _assert_a_tp2_engine_refits_exactly(model)
 
 
 #: a block-FP8 checkpoint's quantization_config (DeepSeek-V3 style: e4m3, 128x128 blocks)
