@@ -162,9 +162,7 @@ def test_trainer_refits_vllm_engine_like_a_checkpoint_load(tp, dtype, kind, tmp_
     # keeps A (tokens, logprobs, version) and the versions stay in step
     refused = trainer["refused"]
     assert "only on the destination side: 'model.norm.weight'" in refused["errors"][0]
-    if kind.startswith("jax"):
-        assert re.search("refit (v4 )?refused before moving anything", refused["errors"][1])
-        assert "'layers/0/attn/q/kernel': reshape" in refused["errors"][1]
+    assert len(refused["errors"]) == 1
     assert refused["version"] == 3 and refused["weight_version"] == "3"
     assert [x["version"] for x in refused["reports"]] == [3] * tp
     assert refused["tokens"] == refused["ref_tokens"] == rounds[2]["tokens"]
