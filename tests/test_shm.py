@@ -286,14 +286,14 @@ def test_a_receiver_that_fails_mid_round_stops_its_batch_reader():
     release = threading.Event()
     with _pair_cleaned(pulls=True) as (a, b, prefix):
         def send():
-            with a.group(30):
+            with a.group(120):
                 a.send(_data(0, 2, 0, 2 << 20), 0, 2, 0)    # batch 0
                 release.wait(20)        # the group stays open: batch 1 is not out yet
                 a.send(np.ones(16, np.uint8), 0, 2, 1)
 
         def recv():
             try:
-                with b.group(30):
+                with b.group(120):
                     b.recv(np.zeros(16, np.uint8), 0, 2, 1)     # tag 0 was never posted
             finally:
                 release.set()
@@ -306,7 +306,7 @@ def test_a_receiver_that_fails_mid_round_stops_its_batch_reader():
                 t.name == "xreshard-shm-read" for t in threading.enumerate()):
             time.sleep(0.02)
         assert not any(t.name == "xreshard-shm-read" for t in threading.enumerate())
-        assert time.monotonic() - t0 < 25       # not the 30 s timeout
+        assert time.monotonic() - t0 < 60       # not the 120 s timeout
 
 
 def test_a_pulling_sender_that_sends_an_unposted_message_is_named_at_once():
@@ -315,19 +315,19 @@ def test_a_pulling_sender_that_sends_an_unposted_message_is_named_at_once():
     a, b, prefix = _pair(pulls=True)
 
     def send():
-        with a.group(30):
+        with a.group(120):
             a.send(np.ones(16, np.uint8), 0, 2, 0)
             a.send(np.ones(16, np.uint8), 0, 2, 2)
 
     def recv():
-        with b.group(30):
+        with b.group(120):
             b.recv(np.zeros(16, np.uint8), 0, 2, 0)
             b.recv(np.zeros(16, np.uint8), 0, 2, 1)
     t0 = time.monotonic()
     ra, rb = _both(send, recv)
     assert isinstance(rb, TransportError) and not isinstance(rb, TransportTimeout), rb
     assert "0->2 tag 2" in str(rb) and "did not post a receive" in str(rb), rb
-    assert time.monotonic() - t0 < 25       # not the 30 s timeout
+    assert time.monotonic() - t0 < 60       # not the 120 s timeout
     a.close()
     b.close()
     assert shm_names(prefix) == []
