@@ -12,8 +12,12 @@ import weakref
 from typing import Any
 
 import numpy as np
+import pytest
 
 from xreshard.tools.launch import Role, launch
+
+pytest.importorskip("jax")
+pytest.importorskip("torch")      # the world's store is torch's TCPStore
 
 
 def one_process(ctx: Any) -> dict:
