@@ -240,3 +240,29 @@ def test_gloo_peer_killed_mid_group_fails_fast():
     v = results[0].value
     assert v["type"] == "TransportError" and v["elapsed"] < 10
     assert "recv from rank 1" in v["error"] and "tag 2" in v["error"]
+
+
+@pytest.mark.parametrize("dtype", ["uint8", "int8", "float16", "float32", "complex128"])
+def test_local_receive_into_a_strided_region_copies_its_bytes_in_c_order(dtype):
+    """A receive posted as a strided view (a row range of a wider array, as the executor
+    posts a same-process destination region: ``takes_views``) gets the message's bytes in
+    the view's C order, bit for bit; the rest of the array is untouched."""
+    rng = np.random.default_rng(1)
+    region = rng.integers(0, 256, (6, 5 * np.dtype(dtype).itemsize), dtype=np.uint8)
+    wide = np.zeros((6, 9), dtype)
+    view = wide[:, 2:7]
+    assert not view.flags.c_contiguous
+    t = LocalTransport([0, 1])
+    assert t.takes_views(0, 1) and not t.takes_views(0, 2)
+    with t.group(timeout=5):
+        t.recv(view, 0, 1, 3)
+        t.send(region.reshape(-1), 0, 1, 3)
+    assert view.tobytes() == region.tobytes()
+    assert not wide[:, :2].any() and not wide[:, 7:].any()
+
+
+def test_routed_transport_takes_views_only_for_pairs_routed_to_local():
+    from xreshard.transport.routed import RoutedTransport
+    routed = RoutedTransport({"local": LocalTransport([0, 1]), "gloo": object()},
+                             lambda s, d: "local" if {s, d} <= {0, 1} else "gloo", [0, 1])
+    assert routed.takes_views(1, 0) and not routed.takes_views(0, 2)

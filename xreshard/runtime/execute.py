@@ -68,7 +68,7 @@ from ..errors import RefitError
 from ..ir.layout import Layout
 from ..planner.prepare import PreparedCall
 from ..planner.schedule import Bucket, Copy, Schedule
-from ..transport.base import Transport
+from ..transport.base import Transport, takes_view
 from .metadata import StageBindings
 from . import quantized
 from .programs import Programs, Tables, packed
@@ -230,10 +230,10 @@ class Executor:
         tables = self.tables[b.stage]
         arr = (tables.src_bindings if side == 0 else tables.dst_bindings)[step.key]
         view = _item(arr, step.index, step.slices)
-        if not view.flags.c_contiguous or (side == 1 and not getattr(view.flags, "writeable",
-                                                                      True)):
-            return None
-        return view.reshape(-1).view(np.uint8)
+        if view.flags.c_contiguous and (side == 0 or getattr(view.flags, "writeable", True)):
+            return view.reshape(-1).view(np.uint8)
+        lands = side == 1 and self.codec is FIXED and takes_view(self.transport, b, view)
+        return view if lands else None      # the strided region itself (transport/local.py)
 
     def _zero_copy_send(self, b: Bucket) -> Any:
         return self._zero_copy(b, 0)
@@ -689,9 +689,8 @@ def run(prepared: PreparedCall, bindings: StageBindings, transport: Transport, *
         tables.append(Tables(st.src_layouts, st.dst_layouts, st.wire_dtypes, scratch, dst0))
     kernels = Kernels.of(tuning)
     executor = Executor(prepared.schedule, *tables[0], transport, timeout,
-                    pipeline=tuning.executor == "pipelined",
-                    staging_bytes=prepared.options.staging_bytes,
-                    forwarded=prepared.forwarded, arena=arena,
+                    pipeline=tuning.executor == "pipelined", arena=arena,
+                    staging_bytes=prepared.options.staging_bytes, forwarded=prepared.forwarded,
                     later_stages=tables[1:], programs=programs, pause_gc=tuning.pause_gc,
                     quant=prepared.formats.quant, kernels=kernels,
                     codec=message_codec(delta, bindings, tuning, kernels),

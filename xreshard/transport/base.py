@@ -15,6 +15,8 @@ from __future__ import annotations
 import contextlib
 from typing import Any, Iterator, Protocol, runtime_checkable
 
+import numpy as np
+
 from ..errors import TransportError, TransportTimeout
 
 __all__ = ["CudaError", "RecordingTransport", "Transport", "TransportError", "TransportTimeout",
@@ -121,6 +123,16 @@ class RecordingTransport:
 
     def close(self) -> None:
         self.inner.close()
+
+
+def takes_view(transport: Any, bucket: Any, view: Any) -> bool:
+    """Whether ``transport`` takes ``view`` (a strided host array, a destination's own
+    region) as the receive buffer of ``bucket`` instead of staging: its ``takes_views(src,
+    dst)`` says so for the pair (``LocalTransport``: both ranks in this process). The
+    executor asks before it takes staging to unpack from."""
+    takes = getattr(transport, "takes_views", None)
+    return (takes is not None and isinstance(view, np.ndarray) and view.flags.writeable
+            and bool(takes(bucket.src, bucket.dst)))
 
 
 def nbytes_of(buf: Any) -> int:

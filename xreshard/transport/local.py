@@ -16,6 +16,12 @@ would run on whichever device the thread has current, which is not always the re
 Rejected: aliasing the receive buffer to the send buffer (the executor owns both and unpacks
 from the receive buffer, so a copy is the contract), and matching posts in post order
 (order-dependent, and it would hide the tag mistakes the other transports punish).
+
+A receive may be a strided host view (:meth:`LocalTransport.takes_views`): the executor then
+posts the destination's own region (a row range of a wider shard) instead of staging, and
+the group's exit copies the message's bytes into it in the region's C order. In one
+process that is the only copy of a byte between two ranks, where staging made it two (the
+copy into staging, then the executor's unpack).
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ from typing import Any, Iterable, Iterator
 
 import numpy as np
 
+from ..dtypes import bits
 from .base import TransportError, nbytes_of
 
 __all__ = ["LocalTransport", "copy_bytes"]
@@ -69,7 +76,9 @@ def copy_bytes(dst: Any, src: Any) -> None:
     ``torch.from_numpy`` so it is still a single copy.
     """
     if isinstance(dst, np.ndarray):
-        if isinstance(src, np.ndarray):
+        if not dst.flags.c_contiguous:
+            _into_view(dst, src.get() if _on_cuda(src) else src)   # a region (takes_views)
+        elif isinstance(src, np.ndarray):
             np.copyto(dst, src, casting="no")
         elif _on_cuda(src):
             src.get(out=dst)                                 # device -> host
@@ -84,6 +93,14 @@ def copy_bytes(dst: Any, src: Any) -> None:
             dst[...] = src
     else:                                                    # other array types
         dst[...] = src
+
+
+def _into_view(dst: np.ndarray, src: np.ndarray) -> None:
+    """A message's bytes (``src``, contiguous) into a strided view ``dst`` of as many bytes,
+    in ``dst``'s C order: one copy of the bits, rows at a time."""
+    out = bits(dst)
+    np.copyto(out, src.reshape(-1).view(np.uint8).view(out.dtype).reshape(out.shape),
+              casting="no")
 
 
 class LocalTransport:
@@ -156,6 +173,11 @@ class LocalTransport:
             raise TransportError(f"local {what} {src_rank}->{dst_rank} tag {tag} posted twice "
                                  f"in one group")
         posts[key] = (buf, _posting_stream(buf))
+
+    def takes_views(self, src_rank: int, dst_rank: int) -> bool:
+        """Whether a receive ``src_rank -> dst_rank`` may be a strided host view (see the
+        module): always, as long as both are this transport's ranks."""
+        return self._ranks is None or (src_rank in self._ranks and dst_rank in self._ranks)
 
     def send(self, buf: Any, src_rank: int, dst_rank: int, tag: int) -> None:
         self._post(self._sends, "send", buf, src_rank, dst_rank, tag)

@@ -118,6 +118,12 @@ class RoutedTransport:
                                  f"this world did not create ({self.name})")
         return kind, part
 
+    def takes_views(self, src_rank: int, dst_rank: int) -> bool:
+        """Whether the pair's transport takes a strided host view as a receive buffer
+        (``LocalTransport.takes_views``)."""
+        takes = getattr(self.parts.get(self._route(src_rank, dst_rank)), "takes_views", None)
+        return bool(takes is not None and takes(src_rank, dst_rank))
+
     def send(self, buf: Any, src_rank: int, dst_rank: int, tag: int) -> None:
         kind, part = self._part(src_rank, dst_rank, "send")
         self.bytes_sent_by_transport[kind] += nbytes_of(buf)
