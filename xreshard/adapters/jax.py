@@ -25,6 +25,7 @@ import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
+from xreshard.adapters.jax_landing import Landing, adopted, aligned_empty
 from xreshard.errors import LayoutError
 from xreshard.extras import require
 from xreshard.ir.layout import Layout, LayoutMemo, Mesh, Region
@@ -338,16 +339,6 @@ def _capsule_data(capsule: Any) -> int:
     return data + ctypes.c_uint64.from_address(tensor + 40).value        # + byte_offset
 
 
-def _aligned_empty(shape: Sequence[int], dtype: Any, align: int = 64) -> Any:
-    """A numpy array whose data is ``align``-byte aligned (what XLA's CPU views require)."""
-    import numpy as np
-    dtype = np.dtype(dtype)
-    nbytes = max(math.prod(shape) * dtype.itemsize, 1)
-    raw = np.empty(nbytes + align, np.uint8)
-    off = (-raw.ctypes.data) % align
-    return raw[off:off + math.prod(shape) * dtype.itemsize].view(dtype).reshape(shape)
-
-
 def _rank_of(ranks: Mapping[int, int]) -> Callable[[Any], int]:
     def rank_of(device: Any) -> int:
         try:
@@ -418,9 +409,10 @@ def refit_bind(tree: Any, side: str, context: Any) -> Any:
                               "onto canonical tensors; a receiving JAX tree is bound by its "
                               "own paths (use names= to rename them)")
         return bind_rules(tree, context.rules, context.ranks, memo=context.memo)
+    landing = context.cache.setdefault("landing", Landing()) if side == "receive" else None
     return _bind_paused(tree, side, ranks=context.ranks, names=context.names,
                         transpose=context.transpose, memo=context.memo, cache=context.cache,
-                        local_ranks=frozenset(context.local_ranks))
+                        local_ranks=frozenset(context.local_ranks), landing=landing)
 
 
 def bind_rules(tree: Any, rules: Any, ranks: Mapping[int, int], *,
@@ -540,13 +532,16 @@ def bind(tree: Any, side: str, *, ranks: Mapping[int, int], names: Any = None,
 
 def _bind_paused(tree: Any, side: str, *, ranks: Mapping[int, int], names: Any,
                  transpose: frozenset[str], memo: LayoutMemo | None, cache: dict | None,
-                 local_ranks: frozenset[int] = frozenset()) -> Any:
-    """:func:`bind`, collector paused; ``Bound.checked`` needs this process's ranks."""
+                 local_ranks: frozenset[int] = frozenset(), landing: Landing | None = None
+                 ) -> Any:
+    """:func:`bind`, collector paused; ``Bound.checked`` needs this process's ranks;
+    ``landing``: where received shards land (None: new buffers)."""
     from xreshard.runtime.gcpause import gc_paused
     with gc_paused():
         return _bind(tree, side, ranks=ranks, names=names, transpose=transpose,
                      memo=LayoutMemo() if memo is None else memo,
-                     cache={} if cache is None else cache, local_ranks=local_ranks)
+                     cache={} if cache is None else cache, local_ranks=local_ranks,
+                     landing=landing)
 
 
 def _shard_ranks(sharding: Any, rank_of: Callable[[Any], int]) -> list[tuple[int, bool]] | None:
@@ -574,7 +569,8 @@ def _leaf_names(jax: Any, tree: Any, names: Any, cache: dict) -> tuple[list[str]
 
 
 def _bind(tree: Any, side: str, *, ranks: Mapping[int, int], names: Any, transpose: frozenset[str],
-          memo: LayoutMemo, cache: dict, local_ranks: frozenset[int] = frozenset()) -> Any:
+          memo: LayoutMemo, cache: dict, local_ranks: frozenset[int] = frozenset(),
+          landing: Landing | None = None) -> Any:
     jax = _import_jax()
     import numpy as np
     from xreshard.runtime.binding import Bound
@@ -600,6 +596,7 @@ def _bind(tree: Any, side: str, *, ranks: Mapping[int, int], names: Any, transpo
         geometry = kept[1]
     # every binding from a geometry compared with its layout: Bound.checked (no walk)
     checked = side == "send" and bool(local_ranks)
+    new_buffer = aligned_empty if landing is None else landing.begin()    # jax_landing.py
     for name, leaf in zip(leaf_names, leaves):
         if name in layouts:
             errors.append(f"two leaves map to tensor {name!r}")
@@ -657,19 +654,14 @@ def _bind(tree: Any, side: str, *, ranks: Mapping[int, int], names: Any, transpo
                 if device.platform != "cpu":
                     raise LayoutError(f"{name!r}: receiving into GPU JAX arrays is not supported "
                                       "yet; receive into CPU arrays or torch tensors")
-                buf = _aligned_empty(shard_shape, numpy_dtype(str(np.dtype(leaf.dtype))))
+                buf = new_buffer(shard_shape, numpy_dtype(str(np.dtype(leaf.dtype))))
                 buffers.append((device, buf))
                 view = buf.T if flip else buf
                 bindings[(rank_of(device), name)] = view if layout.is_product else [view]
             pending.append((leaf, buffers))
 
     def finish() -> Any:
-        out = []
-        for leaf, buffers in pending:
-            arrays = [jax.device_put(buf, device) for device, buf in buffers]
-            out.append(jax.make_array_from_single_device_arrays(
-                tuple(leaf.shape), leaf.sharding, arrays))
-        return jax.tree_util.tree_unflatten(treedef, out)
+        return jax.tree_util.tree_unflatten(treedef, adopted(jax, pending, landing))
 
     return Bound(layouts, bindings, finish if side == "receive" else None, errors,
                  checked=checked and not errors)
