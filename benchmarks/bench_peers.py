@@ -96,18 +96,23 @@ def jax_child(ctx: Any, cfg: dict) -> dict:
             y = jax.device_put(x, dst)
             y.block_until_ready()
             times: dict[str, list[float]] = {"xreshard": [], "device_put": []}
+            # CPU seconds of the whole process (every thread: XLA's pool, the wire)
+            cpu: dict[str, list[float]] = {"xreshard": [], "device_put": []}
             for _ in range(cfg["reps"]):
-                t0 = time.perf_counter()
+                t0, c0 = time.perf_counter(), time.process_time()
                 y = jax.device_put(x, dst)
                 y.block_until_ready()
                 times["device_put"].append(time.perf_counter() - t0)
+                cpu["device_put"].append(time.process_time() - c0)
                 del y
-                t0 = time.perf_counter()
+                t0, c0 = time.perf_counter(), time.process_time()
                 refit(send={"w": x})
                 jax.block_until_ready(refit.received)
                 times["xreshard"].append(time.perf_counter() - t0)
+                cpu["xreshard"].append(time.process_time() - c0)
             out["orders"][order] = {"bit_exact": bool(ok),
-                                    **{k: _summary(v) for k, v in times.items()}}
+                                    **{k: _summary(v) for k, v in times.items()},
+                                    "cpu": {k: _summary(v) for k, v in cpu.items()}}
     finally:
         world.close()
     return out
@@ -201,7 +206,9 @@ def main() -> None:
             lines.append(f"| {order} | {_cell(d)} | {_cell(x)}, slow {x['slow']}/{args.reps} "
                          f"| **{o['ratio']['median']:.2f}x** ({o['ratio']['q1']:.2f}-"
                          f"{o['ratio']['q3']:.2f}) | {o['bit_exact']} |")
-        lines.append("")
+        lines += ["", "CPU s of the process per rep, median (min-max): " + "; ".join(
+            f"{order}: device_put {_cell(o['cpu']['device_put'])}, xreshard "
+            f"{_cell(o['cpu']['xreshard'])}" for order, o in r["orders"].items()), ""]
     if args.only in (None, "torch"):
         rs = launch("bench_peers:torch_child", [Role("torch", "torch", i) for i in range(4)],
                     args=(cfg,), timeout=900)
