@@ -75,6 +75,17 @@ def _released() -> None:
         collect()
 
 
+def _references(kept: list[Any], i: int) -> int:
+    """References on ``kept[i]``: the list's and the call's argument when nothing else holds
+    it (:data:`_ALONE`); JAX's adopted buffer (any array, view or capsule of it) adds one.
+    No local name binds the object (an interpreter may or may not count one)."""
+    return sys.getrefcount(kept[i])
+
+
+#: what :func:`_references` reads for an object only a list holds, on this interpreter
+_ALONE = _references([object()], 0)
+
+
 class Landing:
     """The host buffers a receiving JAX refit hands to JAX, kept to land a later call in
     (see the module). One per refit side; a refit's calls do not overlap (its lock)."""
@@ -100,12 +111,8 @@ class Landing:
         need = max(math.prod(shape) * dtype.itemsize, 1) + ALIGN
         for kept in self._recent:
             for i in range(len(kept)):
-                raw = kept[i]
-                # references: the list's, ``raw`` and getrefcount's argument (no enumerate:
-                # its reused result tuple holds one more); JAX's adopted buffer (any array,
-                # view or capsule of it) adds one
-                if raw.nbytes == need and sys.getrefcount(raw) <= 3:
-                    del kept[i]
+                if kept[i].nbytes == need and _references(kept, i) <= _ALONE:
+                    raw = kept.pop(i)
                     self._taken.append(raw)
                     return _view(raw, shape, dtype)
         raw = _owner(shape, dtype)
