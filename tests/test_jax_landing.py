@@ -84,6 +84,10 @@ def test_bytes_between_ranks_of_one_process_land_in_the_destination_once(reverse
 def test_a_warm_call_lands_in_the_buffers_of_dropped_arrays():
     """The third call on lands in the host memory of the call before last (its arrays
     were dropped): it allocates no destination memory, and every call is bit-exact."""
+    import jax._src.lib as jax_lib
+    if getattr(getattr(jax_lib, "_jax", None), "collect_garbage", None) is None:
+        pytest.skip("this JAX has no _jax.collect_garbage: dropped arrays' memory is only "
+                    "recycled after a garbage collection")
     devices = _devices()
     server, world = _solo(devices)
     shape = (512, 1024)             # 1 MiB: far above the call's own allocations
