@@ -266,3 +266,21 @@ def test_routed_transport_takes_views_only_for_pairs_routed_to_local():
     routed = RoutedTransport({"local": LocalTransport([0, 1]), "gloo": object()},
                              lambda s, d: "local" if {s, d} <= {0, 1} else "gloo", [0, 1])
     assert routed.takes_views(1, 0) and not routed.takes_views(0, 2)
+
+
+def test_only_row_ranges_are_taken_as_views():
+    """A region whose rows are contiguous is received in place; a transposed one (a Flax
+    kernel) keeps staging and the executor's tiled unpack; device-like or read-only
+    buffers too."""
+    from types import SimpleNamespace
+
+    from xreshard.transport.base import takes_view
+    t, pair = LocalTransport([0, 1]), SimpleNamespace(src=0, dst=1)
+    wide = np.zeros((8, 12), np.float32)
+    assert takes_view(t, pair, wide[:, 2:6])
+    assert not takes_view(t, pair, wide.T[2:6])             # columns: transposed
+    assert not takes_view(t, SimpleNamespace(src=0, dst=2), wide[:, 2:6])
+    assert not takes_view(object(), pair, wide[:, 2:6])     # a transport without it
+    frozen = wide[:, 2:6]
+    frozen.flags.writeable = False
+    assert not takes_view(t, pair, frozen)

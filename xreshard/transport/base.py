@@ -129,9 +129,12 @@ def takes_view(transport: Any, bucket: Any, view: Any) -> bool:
     """Whether ``transport`` takes ``view`` (a strided host array, a destination's own
     region) as the receive buffer of ``bucket`` instead of staging: its ``takes_views(src,
     dst)`` says so for the pair (``LocalTransport``: both ranks in this process). The
-    executor asks before it takes staging to unpack from."""
+    executor asks before it takes staging to unpack from. Only views whose last dim is
+    contiguous (rows of a wider array): a transposed one is unpacked by the executor's
+    tiled copy (``runtime/copies.py``), which a plain strided copy would not match."""
     takes = getattr(transport, "takes_views", None)
     return (takes is not None and isinstance(view, np.ndarray) and view.flags.writeable
+            and view.ndim > 0 and view.strides[-1] == view.itemsize
             and bool(takes(bucket.src, bucket.dst)))
 
 
