@@ -203,7 +203,7 @@ class Programs:
 
     def landing(self, b: Bucket) -> Any:
         """What the executor kept of bucket ``b``'s last host unpack (see
-        ``Executor._unpack_host``), or None."""
+        ``hostcopy.unpack_host``), or None."""
         return self._cache.get((id(b), "landing"))
 
     def keep_landing(self, b: Bucket, base: Any, at: int, pairs: list | None) -> None:
