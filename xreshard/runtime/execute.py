@@ -162,6 +162,9 @@ class Executor:
             a delta call's (:class:`.codecs.delta.DeltaCodec`, ``Sized`` framing).
         scratch_stage: ``PreparedCall.scratch_stage``'s index, or None: its copies read
             the receivers' scratch, so they run after every round, like forwards'.
+        transposed: the ``(name, stage)`` whose 2-D items travel in their senders' storage
+            order, ``region.T`` row-major (``Formats.transposed``): a sender posts such a
+            whole ``[in, out]`` shard as it is, the receivers transpose while unpacking.
     """
 
     def __init__(self, schedule: Schedule, src_layouts: Mapping[str, Layout],
@@ -172,7 +175,8 @@ class Executor:
                  forwarded: frozenset[tuple[str, int]] = frozenset(), arena: Any = None, *,
                  later_stages: Sequence[Tables] = (), programs: dict | None = None,
                  pause_gc: bool = True, quant: Any = None, kernels: Kernels = HOST,
-                 codec: Any = FIXED, scratch_stage: int | None = None):
+                 codec: Any = FIXED, scratch_stage: int | None = None,
+                 transposed: frozenset[tuple[str, int]] = frozenset()):
         self.schedule = schedule
         self.tables = (Tables(src_layouts, dst_layouts, wire_dtypes, src_bindings,
                               dst_bindings),) + tuple(later_stages)
@@ -180,7 +184,7 @@ class Executor:
         self.timeout = timeout
         self._alloc = alloc
         self.pipeline = bool(pipeline)
-        self.programs = Programs(self.tables, programs, quant)
+        self.programs = Programs(self.tables, programs, quant, transposed)
         self.quant = quant
         self.kernels = kernels
         self.codec = codec
@@ -222,7 +226,8 @@ class Executor:
 
     def _zero_copy(self, b: Bucket, side: int) -> Any:
         """The bound view itself as the message (a bucket of one item, no cast, one
-        contiguous run; writeable to receive into), or None."""
+        contiguous run in the message's order: row-major, or for a transposed step its
+        transpose; writeable to receive into), or None."""
         if len(b.items) != 1:
             return None
         step = self.programs.program(b, side)[0]
@@ -231,6 +236,8 @@ class Executor:
         tables = self.tables[b.stage]
         arr = (tables.src_bindings if side == 0 else tables.dst_bindings)[step.key]
         view = _item(arr, step.index, step.slices)
+        if step.transposed:     # the message holds region.T row-major
+            view = view.T
         if not view.flags.c_contiguous or (side == 1 and not getattr(view.flags, "writeable",
                                                                       True)):
             return None
@@ -643,6 +650,7 @@ def run(prepared: PreparedCall, bindings: StageBindings, transport: Transport, *
                     later_stages=tables[1:], programs=programs, pause_gc=tuning.pause_gc,
                     quant=prepared.formats.quant, kernels=kernels,
                     codec=message_codec(delta, bindings, tuning, kernels),
-                    scratch_stage=None if st is None else st.index)
+                    scratch_stage=None if st is None else st.index,
+                    transposed=prepared.formats.transposed)
     stats = executor.run()
     return stats, executor.arena

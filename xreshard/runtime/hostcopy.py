@@ -17,6 +17,7 @@ import numpy as np
 from ..planner.schedule import Bucket
 from .codecs.items import ItemCodecs
 from .codecs.items import item as _item
+from .codecs.items import message_view
 from .copies import array_module, copy_into
 from .programs import Programs
 
@@ -81,6 +82,6 @@ def unpack_host(programs: Programs, items: ItemCodecs, bindings: Mapping, b: Buc
                 continue
             pairs = None
             dst = _item(arr, e.index, e.slices)
-            data = buf[e.lo:e.hi].view(e.bits).reshape(e.shape)
-            copy_into(array_module(dst), dst, e.dtype, data, e.wire)
+            # a transposed step's message view is column-major: copy_into transposes
+            copy_into(array_module(dst), dst, e.dtype, message_view(buf, e), e.wire)
     programs.keep_landing(b, base, at, pairs)
