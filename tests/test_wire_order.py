@@ -28,15 +28,19 @@ def _lay(shape, dtype, ranks, placements):
                                      placements)
 
 
-def _call(stored, options=None, ranks=range(6), **kw):
-    """Two sender processes (ranks 0-1 and 2-3, four shards), two receivers (4, 5)."""
+#: two sender processes (ranks 0-1 and 2-3), two receiver processes (ranks 4 and 5)
+PROCESSES = {0: 0, 1: 0, 2: 1, 3: 1, 4: 2, 5: 3}
+
+
+def _call(stored, options=None, ranks=range(6), processes=PROCESSES, **kw):
+    """Two sender processes (four shards), two receivers (``processes``: rank -> process)."""
     src = {"k": _lay((1024, 384), "float32", (0, 1, 2, 3), ["S0"]),     # whole shards
            "p": _lay((600, 256), "float32", (0, 1, 2, 3), ["S1"]),      # partial regions
            "mixed": _lay((64, 48), "float32", (0, 1, 2, 3), ["S0"]),
            "b": _lay((600,), "float32", (0, 1, 2, 3), ["R"])}
     dst = {n: _lay(lay.shape, lay.dtype, (4, 5), ["S0"] if lay.ndim == 2 else ["R"])
            for n, lay in src.items()}
-    topo = Topology.of({r: (r // 2, "h") for r in range(6)})
+    topo = Topology.of({r: (p, "h") for r, p in processes.items()})
     return src, dst, prepare(src, dst, topo, options or CallOptions(), ranks=ranks,
                              stored_transposed=stored,
                              **kw)
@@ -50,9 +54,24 @@ CLAIMS = {"k": [0, 1, 2, 3], "p": [2, 3, 0, 1], "mixed": [0, 1], "b": [0, 1, 2, 
 def test_the_plan_sends_a_tensor_in_storage_order_only_where_every_sender_agrees():
     per_process = [_call(CLAIMS, ranks=ranks)[2] for ranks in ((0, 1), (2, 3), (4,), (5,))]
     assert {p.formats.transposed for p in per_process} == {frozenset({("k", 0), ("p", 0)})}
-    assert F.wire_orders(CLAIMS, per_process[0].direct.src_layouts) == {"k", "p"}
-    assert F.wire_orders({"k": [0, 1, 2]}, per_process[0].direct.src_layouts) == set()
+    plan, topo = per_process[0].direct, Topology.of({r: (p, "h") for r, p in PROCESSES.items()})
+    assert F.wire_orders(CLAIMS, plan, topo) == {"k", "p"}
+    assert F.wire_orders({"k": [0, 1, 2]}, plan, topo) == set()        # rank 3 did not say
+    assert F.wire_orders(CLAIMS, plan, topo, canonical=True) == set()
     assert _call({})[2].formats.transposed == frozenset()
+
+
+def test_the_receivers_take_the_transposing_only_where_it_spreads():
+    """Two sender processes into ONE receiving process would gather on it what the two
+    senders split: every process keeps canonical order; one sender process into two
+    receiving ones (the bench's trainer and rollouts) moves it."""
+    fan_in = {**PROCESSES, 5: 2}
+    for ranks in ((0, 1), (2, 3), (4, 5)):
+        assert _call(CLAIMS, ranks=ranks, processes=fan_in)[2].formats.transposed == set()
+    fan_out = {0: 0, 1: 0, 2: 0, 3: 0, 4: 1, 5: 2}
+    for ranks in ((0, 1, 2, 3), (4,), (5,)):
+        assert _call(CLAIMS, ranks=ranks, processes=fan_out)[2].formats.transposed == {
+            ("k", 0), ("p", 0)}
 
 
 @pytest.mark.parametrize("options", [CallOptions(canonical_wire=True), CallOptions(delta=True),
@@ -60,7 +79,7 @@ def test_the_plan_sends_a_tensor_in_storage_order_only_where_every_sender_agrees
 def test_a_feature_that_reads_the_wire_keeps_canonical_order_on_every_process(options):
     """verify and check_writes (``canonical_wire``), delta (``SIZED`` framing) and a relay
     (stages through forwarders): every process prepares the call with no transposed item."""
-    topo = {r: (r // 2, "h" if r < 4 else "g") for r in range(6)}
+    topo = {r: (p, "h" if r < 4 else "g") for r, p in PROCESSES.items()}
     for ranks in ((0, 1), (2, 3), (4,), (5,)):
         src, dst, _ = _call(CLAIMS)
         prepared = prepare(src, dst, Topology.of(topo), options, ranks=ranks,

@@ -40,7 +40,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping, Sequence
 
-from ..ir.layout import Layout
 from .quantize import Quantization
 
 __all__ = ["Cast", "FIXED", "Format", "Formats", "Fp8", "Plain", "SIZED", "formats",
@@ -146,23 +145,30 @@ def formats(stages: Sequence[Any], quant: Quantization | None, *, delta: bool = 
     return Formats(items, SIZED if delta else FIXED, quant, counts, flipped)
 
 
-def wire_orders(claims: Mapping[str, Iterable[int]], src_layouts: Mapping[str, Layout],
+def wire_orders(claims: Mapping[str, Iterable[int]], plan: Any, topology: Any = None,
                 canonical: bool = False) -> frozenset[str]:
-    """The tensors a call may send in their senders' storage order: 2-D tensors every
+    """The tensors a call sends in their senders' storage order: 2-D tensors every
     sending rank of which (every rank the source layout gives elements) holds its part
     transposed, ``[in, out]`` row-major (``claims``: name -> the ranks that say so, from
-    every process's metadata: the same in every process, so is this).
+    every process's metadata: the same in every process, so is this), and whose
+    receiving processes take no more of its wire bytes each than its busiest sending
+    process sends (``plan``'s transfers between processes of ``topology``; None: every
+    rank its own process).
 
     The wire order is a sender's choice the receivers follow, so it must be one order per
     tensor: a tensor some sender holds row-major keeps canonical row-major bytes, as does
-    everything when ``canonical`` (a feature of the call reads or writes the wire bytes in
-    canonical order: ``CallOptions.canonical_wire``). :func:`formats` keeps it further
-    only for plain and cast items of a direct call: FP8 blocks, delta encoding (a
-    ``SIZED`` call) and a relay's stages keep row-major bytes.
+    everything when ``canonical`` (a feature of the call checks the wire's bytes:
+    ``CallOptions.canonical_wire``). The transposing copy moves to the receivers, so it
+    is moved only where that spreads it (two receivers of one trainer process halve it)
+    and never where it would gather it (eight trainer processes into one engine process
+    keep it on the eight). :func:`formats` keeps it further only for plain and cast items
+    of a direct call: FP8 blocks, delta encoding (a ``SIZED`` call) and a relay's stages
+    keep row-major bytes.
     """
-    if canonical:
+    if canonical or not claims:
         return frozenset()
-    out = set()
+    src_layouts = plan.src_layouts
+    agreed = set()
     for name, ranks in claims.items():
         lay = src_layouts.get(name)
         if lay is None or lay.ndim != 2:
@@ -170,5 +176,23 @@ def wire_orders(claims: Mapping[str, Iterable[int]], src_layouts: Mapping[str, L
         said = set(ranks)
         holders = [r for r in lay.ranks if lay.num_elements(r)]
         if holders and all(r in said for r in holders):
-            out.add(name)
-    return frozenset(out)
+            agreed.add(name)
+    if not agreed:
+        return frozenset()
+
+    def process(rank: int) -> Any:
+        p = None if topology is None else topology.process_of(rank)
+        return ("rank", rank) if p is None else p
+
+    sent: dict[str, dict[Any, int]] = {}
+    received: dict[str, dict[Any, int]] = {}
+    for t in plan.iter_transfers():
+        if t.name in agreed:
+            ps, pd = process(t.src), process(t.dst)
+            if ps != pd:        # a copy inside a process has no wire order
+                by = sent.setdefault(t.name, {})
+                by[ps] = by.get(ps, 0) + t.nbytes
+                by = received.setdefault(t.name, {})
+                by[pd] = by.get(pd, 0) + t.nbytes
+    return frozenset(n for n in agreed
+                     if n in sent and max(received[n].values()) <= max(sent[n].values()))

@@ -251,7 +251,8 @@ def prepare(src_layouts: Mapping[str, Layout], dst_layouts: Mapping[str, Layout]
             in :attr:`PreparedCall.epoch`; None: not tied to one.
         stored_transposed: name -> the sending ranks that hold their part of the 2-D
             tensor transposed (``[in, out]`` row-major), from every process's metadata:
-            where all its senders do, its plain and cast items travel in that order
+            where all its senders do (and its receivers spread the transposing), its plain
+            and cast items travel in that order
             (:func:`xreshard.planner.formats.wire_orders`); None: every item row-major.
 
     Returns:
@@ -286,7 +287,7 @@ def prepare(src_layouts: Mapping[str, Layout], dst_layouts: Mapping[str, Layout]
     scratch_stage = None
     if q is not None and any(q.scratch.values()):
         scratch_stage = Stage(len(stages), stages[0].plan, SCRATCH, DESTINATIONS)
-    orders = wire_orders(stored_transposed or {}, direct.src_layouts,
+    orders = wire_orders(stored_transposed or {}, direct, topology,
                          options.canonical_wire or relayed is not None)
     fmts = formats(stages, q, delta=options.delta,
                    scratch_stage=None if scratch_stage is None else scratch_stage.index,
