@@ -175,17 +175,24 @@ def test_jax_in_out_kernels_to_torch_bit_exact_with_each_feature():
     two torch receivers: each case its own world and Refit, 2-3 calls, every destination
     byte compared on its receiver; the trainer reports which tensors its prepared call
     sends in storage order (all the kernels, or none where a feature needs canonical
-    bytes)."""
+    bytes). Last, FP8: a kernel the receivers store block-FP8 (codes and scales compared
+    with the host quantizer's, vLLM's bytes) beside one they store bf16."""
     programs = [[name, "jax_sender", "torch_receiver", [cfg, wire, dst]]
                 for name, (cfg, wire, dst, _) in FEATURES.items()]
+    programs.append(["fp8", "jax_fp8_sender", "torch_fp8_receiver", []])
     roles = [Role("jax", "trainer", 0, num_devices=4)] + [
         Role("torch", "rollout", i) for i in range(2)]
     results = launch(cases.series, roles, args=(programs,), timeout=600)
     runs = [r.value for r in results]
-    for name, (_, _, _, flips) in FEATURES.items():
+    for name in [*FEATURES, "fp8"]:
         for res, run in zip(results, runs):
             if "error" in run[name]:
                 pytest.fail(f"{name} on {res.role.label}:\n{run[name]['error']}")
+    for name, (_, _, _, flips) in FEATURES.items():
         sender, *receivers = [run[name]["value"] for run in runs]
         assert all(r["checked"] > 0 and r["version"] == cases.STEPS for r in receivers), name
         assert sender["transposed"] == (sorted(cases.KERNELS) if flips else []), name
+    # an FP8 destination's kernel is quantized in canonical order, its bf16 neighbour not
+    sender, *receivers = [run["fp8"]["value"] for run in runs]
+    assert sender["transposed"] == ["k8"]
+    assert all(r["checked"] == 6 and r["version"] == 2 for r in receivers)
