@@ -162,6 +162,7 @@ def test_transposed_messages_land_bit_exact_in_one_process(wire, bucket_bytes, h
 # ---------------------------------------------------------------------------- processes
 
 FEATURES = {
+    "default_tuning": ({}, None, "float32", False),      # Tuning.send_stored off: canonical
     "plain": ({}, None, "float32", True),
     "bf16_wire": ({}, "bfloat16", "bfloat16", True),
     "small_buckets": ({"bucket_bytes": 1 << 15, "staging_bytes": 1 << 17}, None, "float32",
@@ -174,13 +175,15 @@ FEATURES = {
 
 @pytest.mark.slow
 def test_jax_in_out_kernels_to_torch_bit_exact_with_each_feature():
-    """One JAX trainer (4 CPU devices, ``[in, out]`` kernels bound with ``transpose=``) and
-    two torch receivers: each case its own world and Refit, 2-3 calls, every destination
+    """One JAX trainer (4 CPU devices, ``[in, out]`` kernels bound with ``transpose=``,
+    ``Tuning(send_stored=True)`` but in the first case) and two torch receivers: each case
+    its own world and Refit, 3 calls (FP8: 2), every destination
     byte compared on its receiver; the trainer reports which tensors its prepared call
     sends in storage order (all the kernels, or none where a feature needs canonical
-    bytes). Last, FP8: a kernel the receivers store block-FP8 (codes and scales compared
+    bytes, or the default tuning). Last, FP8: a kernel the receivers store block-FP8 (codes and scales compared
     with the host quantizer's, vLLM's bytes) beside one they store bf16."""
-    programs = [[name, "jax_sender", "torch_receiver", [cfg, wire, dst]]
+    programs = [[name, "jax_sender", "torch_receiver",
+                 [cfg, wire, dst, name != "default_tuning"]]
                 for name, (cfg, wire, dst, _) in FEATURES.items()]
     programs.append(["fp8", "jax_fp8_sender", "torch_fp8_receiver", []])
     roles = [Role("jax", "trainer", 0, num_devices=4)] + [

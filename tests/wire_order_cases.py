@@ -44,12 +44,14 @@ def series(ctx: Any, programs: list) -> dict:
     return out
 
 
-def jax_sender(ctx: Any, config: dict, wire: str | None, dst_dtype: str) -> dict:
+def jax_sender(ctx: Any, config: dict, wire: str | None, dst_dtype: str,
+               stored: bool = True) -> dict:
     import xreshard as xr
 
     world = ctx.join(groups=["trainer", "rollout"])
     refit = xr.Refit(world, send=_jax_params(TENSORS, "float32", 0), transpose=set(KERNELS),
-                     config=xr.RefitConfig(wire_dtype=wire, timeout=60, **config))
+                     config=xr.RefitConfig(wire_dtype=wire, timeout=60, **config),
+                     tuning=xr.Tuning(send_stored=stored))
     for step in range(STEPS):
         refit(send=_jax_params(TENSORS, "float32", step))
     transposed = sorted(n for n, _ in refit._prepared.formats.transposed)
@@ -57,7 +59,8 @@ def jax_sender(ctx: Any, config: dict, wire: str | None, dst_dtype: str) -> dict
     return {"transposed": transposed}
 
 
-def torch_receiver(ctx: Any, config: dict, wire: str | None, dst_dtype: str) -> dict:
+def torch_receiver(ctx: Any, config: dict, wire: str | None, dst_dtype: str,
+                   stored: bool = True) -> dict:
     import torch.distributed as dist
     import xreshard as xr
 
@@ -103,7 +106,7 @@ def jax_fp8_sender(ctx: Any) -> dict:
         return {n: jax.device_put(np.ascontiguousarray(v.T), NamedSharding(
             mesh, P(None, ("a", "b")))) for n, v in _fp8_values(step).items()}
     refit = xr.Refit(world, send=params(0), transpose={"q8", "k8"},
-                     config=xr.RefitConfig(timeout=60))
+                     config=xr.RefitConfig(timeout=60), tuning=xr.Tuning(send_stored=True))
     for step in range(2):
         refit(send=params(step))
     transposed = sorted(n for n, _ in refit._prepared.formats.transposed)

@@ -84,9 +84,9 @@ class Bound:
     def stored_transposed(self) -> list[str]:
         """The 2-D tensors whose every binding in this process is stored transposed
         (column-major: a JAX ``[in, out]`` kernel bound as its ``[out, in]`` view), for the
-        metadata exchange: where every sender says so, the call sends them in that order
-        (``xreshard.planner.formats.wire_orders``). Only a speed hint: the executor reads
-        any strides, whatever is declared."""
+        metadata exchange (with ``Tuning.send_stored``): where every sender says so, the
+        call sends them in that order (``xreshard.planner.formats.wire_orders``). Only a
+        speed hint: the executor reads any strides, whatever is declared."""
         flat: dict[str, bool] = {}
         for (_, name), b in self.bindings.items():
             if flat.get(name, True):

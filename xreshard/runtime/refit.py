@@ -536,7 +536,8 @@ class Refit:
             return False
         errors = []
         meta = {"send": src.describe() if src else {},
-                "transposed": src.stored_transposed() if src else [],
+                "transposed": src.stored_transposed()
+                if src and self.tuning.send_stored else [],
                 "receive": dst.describe() if dst else {},
                 "quantized": dst.describe_quantized() if dst else {},
                 "config": self.config.to_dict(), "errors": []}
