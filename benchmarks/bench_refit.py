@@ -20,7 +20,8 @@ default): column-parallel weights (q, k, v, gate, up, embed, lm_head, qkv biases
 ``P("tp", None)`` in JAX and ``Shard(0)`` in torch, row-parallel ones (o, down) are
 ``P(None, "tp")`` / ``Shard(1)``, norms are replicated. ``--kernels in_out`` stores the
 linear weights as Flax ``[in, out]`` kernels instead (same canonical layouts; the JAX side
-binds transposed views, so the trainer packs them through staging).
+binds transposed views, so the trainer packs them through staging; with ``--send-stored``
+it posts them as they are and the receivers transpose, ``Tuning.send_stored``).
 
 ``--transport both`` (the default) runs two refits of the same model in the same
 processes, interleaved: one with ``transport="auto"`` (all processes share a host, so every
@@ -449,7 +450,8 @@ def child(ctx: Any, cfg: dict) -> dict:
                                  staging_bytes=cfg["staging_mib"] * MiB, timeout=TIMEOUT,
                                  transport="auto" if k.startswith("shm") else "gloo")
                for k in kinds}
-    tunings = {k: xr.Tuning(executor="rounds" if k.endswith("+rounds") else "pipelined")
+    tunings = {k: xr.Tuning(executor="rounds" if k.endswith("+rounds") else "pipelined",
+                            **({"send_stored": True} if cfg.get("send_stored") else {}))
                for k in kinds}
     t_setup = time.perf_counter()
     refits = {}
@@ -772,6 +774,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--executor", choices=("both", "pipelined", "rounds"), default="both",
                     help="the pipelined executor, the old round-by-round one (rounds), or "
                          "both side by side in the same processes")
+    ap.add_argument("--send-stored", action="store_true",
+                    help="Tuning(send_stored=True): the trainer offers its [in, out] kernels "
+                         "in storage order (the receivers transpose; with --kernels in_out)")
     ap.add_argument("--json", action="store_true",
                     help="print the headline numbers as one JSON object (after the tables)")
     ap.add_argument("--profile-top", type=int, default=0,
@@ -784,7 +789,8 @@ def main(argv: list[str] | None = None) -> None:
     cfg = {"gib": args.gib, "reps": args.reps, "kernels": args.kernels,
            "bucket_mib": args.bucket_mib, "staging_mib": args.staging_mib,
            "p2p_mib": args.p2p_mib, "profile_top": args.profile_top,
-           "transport": args.transport, "executor": args.executor}
+           "transport": args.transport, "executor": args.executor,
+           "send_stored": args.send_stored}
     command = "python " + " ".join(["benchmarks/bench_refit.py", *argv])
     from xreshard.tools.launch import Role, launch
 

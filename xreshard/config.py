@@ -206,6 +206,14 @@ class Tuning:
     """Quantize a sender's FP8 items on worker threads while the call checks and plans
     (:mod:`xreshard.runtime.quantize_ahead`); False packs them in the call (to measure
     what working ahead saves). Environment: ``XRESHARD_FP8_AHEAD`` ("0" turns it off)."""
+    send_stored: bool = False
+    """Offer the tensors this process sends from transposed storage (JAX ``[in, out]``
+    kernels bound with ``transpose=``) in that order: where every sender of a tensor
+    offers it and its receivers spread the work, whole shards are posted as they are and
+    the receivers transpose while unpacking (``xreshard.planner.formats.wire_orders``);
+    the bytes that land are the same either way. Off by default: on a 2-core host it
+    moved 0.03 s of the trainer's CPU per 128 MiB refit to the receivers but did not make
+    the refit faster (benchmarks/RESULTS.md, "fifth: rxt"). This process's alone."""
 
     def __post_init__(self) -> None:
         if self.delta_baseline not in ("host", "device"):
@@ -226,7 +234,7 @@ class Tuning:
             raise RefitError(f"Tuning.executor must be one of {EXECUTORS}, got "
                              f"{self.executor!r}")
         for name in ("relay_overlap", "pause_gc", "layout_memo", "shm", "shm_pull",
-                     "fp8_ahead"):
+                     "fp8_ahead", "send_stored"):
             if not isinstance(getattr(self, name), bool):
                 raise RefitError(f"Tuning.{name} must be a bool, got {getattr(self, name)!r}")
 

@@ -84,7 +84,7 @@ from typing import Any, Iterable, Mapping
 
 from ..errors import RefitError
 from ..ir.layout import Layout
-from .formats import Formats, formats
+from .formats import Formats, formats, wire_orders
 from .plan import Plan, PlanCache, plan
 from .quantize import Quantization, quantization, value_layouts, with_scratch
 from .relay import (RelayLayouts, fp8_forwards, overlapped_schedule, relay_layouts,
@@ -137,6 +137,10 @@ class CallOptions:
     delta: bool = False
     """``RefitConfig.delta``: a relay's forwards run two rounds after their bytes arrive,
     not one (a forwarder encodes them from landed bytes, see :mod:`xreshard.planner.relay`)."""
+    canonical_wire: bool = False
+    """Every item's wire bytes row-major in canonical coordinates, whatever the senders'
+    storage order (set by the extensions that check what crossed: verify, check_writes):
+    no ``Formats.transposed`` (:func:`xreshard.planner.formats.wire_orders`)."""
 
 
 @dataclass(frozen=True)
@@ -225,8 +229,8 @@ class PreparedCall:
 def prepare(src_layouts: Mapping[str, Layout], dst_layouts: Mapping[str, Layout],
             topology: Any = None, options: CallOptions = CallOptions(), *,
             ranks: Iterable[int], cache: PlanCache | None = None,
-            quantized: Mapping[str, Any] | None = None, epoch: int | None = None
-            ) -> PreparedCall:
+            quantized: Mapping[str, Any] | None = None, epoch: int | None = None,
+            stored_transposed: Mapping[str, Iterable[int]] | None = None) -> PreparedCall:
     """Prepare one refit call for the local ranks ``ranks``: plan, relay stages, formats,
     schedule (one path for every call: a quantized destination is planned as its values,
     :mod:`xreshard.planner.quantize`, and its format is FP8).
@@ -245,6 +249,11 @@ def prepare(src_layouts: Mapping[str, Layout], dst_layouts: Mapping[str, Layout]
             unquantized are quantized on the way (:mod:`xreshard.planner.quantize`).
         epoch: the membership epoch of the world the call is for (``World.epoch``), kept
             in :attr:`PreparedCall.epoch`; None: not tied to one.
+        stored_transposed: name -> the sending ranks that hold their part of the 2-D
+            tensor transposed (``[in, out]`` row-major), from every process's metadata:
+            where all its senders do (and its receivers spread the transposing), its plain
+            and cast items travel in that order
+            (:func:`xreshard.planner.formats.wire_orders`); None: every item row-major.
 
     Returns:
         The :class:`PreparedCall`.
@@ -278,8 +287,11 @@ def prepare(src_layouts: Mapping[str, Layout], dst_layouts: Mapping[str, Layout]
     scratch_stage = None
     if q is not None and any(q.scratch.values()):
         scratch_stage = Stage(len(stages), stages[0].plan, SCRATCH, DESTINATIONS)
+    orders = wire_orders(stored_transposed or {}, direct, topology,
+                         options.canonical_wire or relayed is not None)
     fmts = formats(stages, q, delta=options.delta,
-                   scratch_stage=None if scratch_stage is None else scratch_stage.index)
+                   scratch_stage=None if scratch_stage is None else scratch_stage.index,
+                   transposed=orders)
     # schedule: items sized by their format
     staging = max(1, options.staging_bytes // 2) if options.halved else options.staging_bytes
     sizes: dict[str, Any] = dict(bucket_bytes=options.bucket_bytes, staging_bytes=staging,

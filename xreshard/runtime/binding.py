@@ -81,9 +81,29 @@ class Bound:
             out[name] = d
         return out
 
+    def stored_transposed(self) -> list[str]:
+        """The 2-D tensors whose every binding in this process is stored transposed
+        (column-major: a JAX ``[in, out]`` kernel bound as its ``[out, in]`` view), for the
+        metadata exchange (with ``Tuning.send_stored``): where every sender says so, the
+        call sends them in that order (``xreshard.planner.formats.wire_orders``). Only a
+        speed hint: the executor reads any strides, whatever is declared."""
+        flat: dict[str, bool] = {}
+        for (_, name), b in self.bindings.items():
+            if flat.get(name, True):
+                flat[name] = all(_column_major(a) for a in (b if isinstance(b, list) else [b]))
+        return sorted(n for n, t in flat.items()
+                      if t and n in self.layouts and self.layouts[n].ndim == 2)
+
     def describe_quantized(self) -> dict[str, dict]:
         """JSON description of :attr:`quantized`, for the metadata exchange."""
         return {name: q.to_dict() for name, q in sorted(self.quantized.items())}
+
+
+def _column_major(a: Any) -> bool:
+    """A 2-D array whose columns are contiguous and rows are not (a transposed kernel)."""
+    strides = getattr(a, "strides", None)
+    return (getattr(a, "ndim", 0) == 2 and strides is not None and a.shape[0] > 1
+            and strides[0] == a.itemsize and strides[1] > strides[0])
 
 
 class Rebuilt:

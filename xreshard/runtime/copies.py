@@ -36,9 +36,10 @@ def copy_into(xp: Any, out: Any, out_dtype: str, src: Any, src_dtype: str) -> No
     ``uint16``), so an equal pair is copied as same-size unsigned ints and never
     value-cast, on numpy and CuPy alike.
 
-    A 2-D source or destination whose inner dim is the strided one (a transposed Flax
-    kernel) is copied in tiles so both sides stay in cache (:func:`_transposed_into`):
-    numpy's plain strided copy of a transpose runs at a fraction of memory bandwidth.
+    A 2-D source or destination (not both) whose inner dim is the strided one (a
+    transposed Flax kernel) is copied in tiles so both sides stay in cache
+    (:func:`_transposed_into`): numpy's plain strided copy of a transpose runs at a
+    fraction of memory bandwidth.
     """
     if out_dtype == src_dtype:
         out, src = bits(out), bits(src)
@@ -49,7 +50,9 @@ def copy_into(xp: Any, out: Any, out_dtype: str, src: Any, src_dtype: str) -> No
         out, src = as_dtype(out, out_dtype), as_dtype(src, src_dtype)
         casting = "unsafe"
     if xp is np and out.ndim == 2 and out.size > _TILE * _TILE and (
-            src.strides[0] < src.strides[1] or out.strides[0] < out.strides[1]):
+            src.strides[0] < src.strides[1]) != (out.strides[0] < out.strides[1]):
+        # one side column-major, the other not; both column-major (a transposed message
+        # of a transposed kernel) is a plain copy, which numpy walks in memory order
         _transposed_into(out, src, casting)
         return
     xp.copyto(out, src, casting=casting)

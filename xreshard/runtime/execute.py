@@ -35,7 +35,8 @@ one group ahead of their payloads); the kernels of every codec (FP8 quantizers, 
 diff) are one value from ``Tuning`` (:class:`.codecs.kernels.Kernels`). :func:`run` runs a
 whole prepared call (each stage's bindings cut by ``metadata.stage_bindings``). The wire
 thread is ``wire.py``, the programs ``programs.py``, devices ``devices.py``, copies
-``copies.py`` (import their names from there: nothing is re-exported here).
+``copies.py``, the host pack of runs and unpack ``hostcopy.py`` (import their names from
+there: nothing is re-exported here).
 
 A *binding* is what a rank holds of a tensor, in the tensor's canonical coordinates: an
 array (numpy on CPU, CuPy on GPU) for product layouts, a list of arrays (one per region)
@@ -46,7 +47,6 @@ of vLLM's fused qkv); ``layout.locate(rank, region)`` says where a region sits i
 from __future__ import annotations
 
 import logging
-import operator
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
@@ -74,6 +74,7 @@ from . import quantized
 from .programs import Programs, Tables, packed
 from .wire import Wire
 from .gcpause import gc_paused
+from .hostcopy import pack_runs, unpack_host
 from .codecs.framing import FIXED
 from .codecs.items import ItemCodecs
 from .codecs.items import item as _item
@@ -161,6 +162,9 @@ class Executor:
             a delta call's (:class:`.codecs.delta.DeltaCodec`, ``Sized`` framing).
         scratch_stage: ``PreparedCall.scratch_stage``'s index, or None: its copies read
             the receivers' scratch, so they run after every round, like forwards'.
+        transposed: the ``(name, stage)`` whose 2-D items travel in their senders' storage
+            order, ``region.T`` row-major (``Formats.transposed``): a sender posts such a
+            whole ``[in, out]`` shard as it is, the receivers transpose while unpacking.
     """
 
     def __init__(self, schedule: Schedule, src_layouts: Mapping[str, Layout],
@@ -171,7 +175,8 @@ class Executor:
                  forwarded: frozenset[tuple[str, int]] = frozenset(), arena: Any = None, *,
                  later_stages: Sequence[Tables] = (), programs: dict | None = None,
                  pause_gc: bool = True, quant: Any = None, kernels: Kernels = HOST,
-                 codec: Any = FIXED, scratch_stage: int | None = None):
+                 codec: Any = FIXED, scratch_stage: int | None = None,
+                 transposed: frozenset[tuple[str, int]] = frozenset()):
         self.schedule = schedule
         self.tables = (Tables(src_layouts, dst_layouts, wire_dtypes, src_bindings,
                               dst_bindings),) + tuple(later_stages)
@@ -179,7 +184,7 @@ class Executor:
         self.timeout = timeout
         self._alloc = alloc
         self.pipeline = bool(pipeline)
-        self.programs = Programs(self.tables, programs, quant)
+        self.programs = Programs(self.tables, programs, quant, transposed)
         self.quant = quant
         self.kernels = kernels
         self.codec = codec
@@ -221,7 +226,8 @@ class Executor:
 
     def _zero_copy(self, b: Bucket, side: int) -> Any:
         """The bound view itself as the message (a bucket of one item, no cast, one
-        contiguous run; writeable to receive into), or None."""
+        contiguous run in the message's order: row-major, or for a transposed step its
+        transpose; writeable to receive into), or None."""
         if len(b.items) != 1:
             return None
         step = self.programs.program(b, side)[0]
@@ -230,9 +236,12 @@ class Executor:
         tables = self.tables[b.stage]
         arr = (tables.src_bindings if side == 0 else tables.dst_bindings)[step.key]
         view = _item(arr, step.index, step.slices)
+        if step.transposed:     # the message holds region.T row-major
+            view = view.T
         if view.flags.c_contiguous and (side == 0 or getattr(view.flags, "writeable", True)):
             return view.reshape(-1).view(np.uint8)
-        lands = side == 1 and self.codec is FIXED and takes_view(self.transport, b, view)
+        lands = (side == 1 and not step.transposed and self.codec is FIXED
+                 and takes_view(self.transport, b, view))
         return view if lands else None      # the strided region itself (transport/local.py)
 
     def _zero_copy_send(self, b: Bucket) -> Any:
@@ -268,26 +277,8 @@ class Executor:
             codecs.of(e).pack(e, buf, bindings)
 
     def _pack_runs(self, b: Bucket, buf: np.ndarray) -> None:
-        """Host packing of a bucket of many items: consecutive small items of one dtype that
-        need no cast are gathered by one ``np.concatenate`` into their run of the message
-        (one C call instead of a copy per item; thousands of tiny tensors share a bucket),
-        typed with ``casting="no"``: bits as they are; numpy refuses a binding of another
-        numpy dtype (a raw-bits view), and that run is gathered as bits instead."""
-        bindings = self.tables[b.stage].src_bindings
-        for run in self.programs.runs(b, 0):
-            if run.small and len(run.steps) > 1:
-                parts = list(map(bindings.__getitem__, run.keys)) if run.keys else [
-                    bindings[e.key] if e.whole else _item(bindings[e.key], e.index, e.slices)
-                    for e in run.steps]
-                try:
-                    np.concatenate(parts, axis=None, out=buf[run.lo:run.hi].view(run.typed),
-                                   casting="no")
-                except TypeError:       # some binding is not typed as its dtype: as bits
-                    np.concatenate([p.view(run.bits) for p in parts], axis=None,
-                                   out=buf[run.lo:run.hi].view(run.bits), casting="no")
-                continue
-            for e in run.steps:
-                self.items.of(e).pack(e, buf, bindings)
+        """Host packing of a bucket of many items (:func:`.hostcopy.pack_runs`)."""
+        pack_runs(self.programs, self.items, self.tables[b.stage].src_bindings, b, buf)
 
     def _unpack(self, b: Bucket, buf: Any) -> None:
         if isinstance(buf, np.ndarray):
@@ -298,43 +289,8 @@ class Executor:
             codecs.of(e).unpack(e, buf, bindings)
 
     def _unpack_host(self, b: Bucket, buf: np.ndarray) -> None:
-        """Unpacking from host staging: a small item that needs no cast into a host array is
-        one assignment of the message's bytes seen as the array's own dtype (so its bits are
-        copied, as :func:`copy_into` copies them); anything else goes through
-        :func:`copy_into`."""
-        bindings = self.tables[b.stage].dst_bindings
-        base = buf.base if buf.base is not None else buf
-        at = buf.__array_interface__["data"][0]
-        landing = self.programs.landing(b)
-        if landing is not None and landing[0] is base and landing[1] == at and all(
-                map(operator.is_, map(bindings.get, landing[3]), landing[4])):
-            # the call before unpacked this bucket from the same staging bytes into the same
-            # arrays (this call's check passed): its views stand, one assignment per item
-            for dst, src in landing[2]:
-                dst[...] = src
-            return
-        ndarray = np.ndarray
-        pairs: list[tuple[Any, Any, Any, Any]] | None = []
-        for run in self.programs.runs(b, 1):
-            for e in run.steps:
-                if e.quant is not None:
-                    self.items.fp8.unpack(e, buf, bindings)
-                    pairs = None
-                    continue
-                arr = bindings[e.key]
-                if run.small and type(arr) is ndarray:
-                    dst = arr if e.whole else _item(arr, e.index, e.slices)
-                    # the same dtype on both sides: item assignment copies bits, no cast
-                    src = buf[e.lo:e.hi].view(dst.dtype).reshape(e.shape)
-                    dst[...] = src
-                    if pairs is not None:
-                        pairs.append((e.key, arr, dst, src))
-                    continue
-                pairs = None
-                dst = _item(arr, e.index, e.slices)
-                data = buf[e.lo:e.hi].view(e.bits).reshape(e.shape)
-                copy_into(array_module(dst), dst, e.dtype, data, e.wire)
-        self.programs.keep_landing(b, base, at, pairs)
+        """Unpacking from host staging (:func:`.hostcopy.unpack_host`)."""
+        unpack_host(self.programs, self.items, self.tables[b.stage].dst_bindings, b, buf)
 
     def _local_copy(self, c: Copy) -> int:
         tables = self.tables[c.stage]
@@ -694,6 +650,7 @@ def run(prepared: PreparedCall, bindings: StageBindings, transport: Transport, *
                     later_stages=tables[1:], programs=programs, pause_gc=tuning.pause_gc,
                     quant=prepared.formats.quant, kernels=kernels,
                     codec=message_codec(delta, bindings, tuning, kernels),
-                    scratch_stage=None if st is None else st.index)
+                    scratch_stage=None if st is None else st.index,
+                    transposed=prepared.formats.transposed)
     stats = executor.run()
     return stats, executor.arena

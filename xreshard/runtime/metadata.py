@@ -26,7 +26,7 @@ from ..ir.layout import Layout, Mesh, Region
 from ..planner.prepare import DESTINATIONS, SOURCES, PreparedCall
 
 __all__ = ["StageBindings", "fit", "merge", "merged_layouts", "merged_quantized",
-           "stage_bindings", "stage_views", "union_layout"]
+           "stage_bindings", "stage_views", "stored_claims", "union_layout"]
 
 
 def merge(per_process: list[dict[str, dict]], side: str, world: Any) -> dict[str, Layout]:
@@ -199,6 +199,20 @@ def merged_quantized(metas: list[dict], world: Any) -> dict[str, Any]:
                                   f"{first[1]} but {world.describe_process(p)} as {d}; every "
                                   "process of an engine must declare the same format")
     return {name: QuantizedTensor.from_dict(d) for name, (_, d) in sorted(seen.items())}
+
+
+def stored_claims(metas: list[dict], world: Any) -> dict[str, list[int]]:
+    """name -> the sending ranks whose process says it holds the tensor transposed
+    (``Bound.stored_transposed``, every process's ``"transposed"``): the same in every
+    process, for ``prepare(stored_transposed=)``."""
+    out: dict[str, list[int]] = {}
+    for p, m in enumerate(metas):
+        names = m.get("transposed") or ()
+        if names:
+            ranks = list(world.processes[p]["ranks"])
+            for name in names:
+                out.setdefault(name, []).extend(ranks)
+    return out
 
 
 class StageBindings(NamedTuple):

@@ -58,6 +58,10 @@ class Step(NamedTuple):
     quant: Any = None
     """An FP8 item (whole blocks quantized by the sender): its :class:`QuantStep`; None
     for every other item (see :mod:`xreshard.planner.quantize`)."""
+    transposed: bool = False
+    """The message holds the 2-D item in its senders' storage order, ``region.T``
+    row-major (``Formats.transposed``): the senders hold ``[in, out]`` kernels, so a whole
+    shard is sent as it is and the receivers transpose while unpacking."""
 
 
 class QuantStep(NamedTuple):
@@ -122,12 +126,16 @@ class Programs:
             are not used: programs are geometry only).
         cache: a dict kept across runs of the same prepared call (its owner resets it when
             the call changes), or None for this executor alone.
+        quant: the call's FP8 part (``Formats.quant``), or None.
+        transposed: the ``(name, stage)`` whose 2-D items travel in their senders' storage
+            order (``Formats.transposed``): their steps are :attr:`Step.transposed`.
     """
 
     def __init__(self, tables: tuple[Tables, ...], cache: dict | None = None,
-                 quant: Any = None):
+                 quant: Any = None, transposed: frozenset = frozenset()):
         self._tables = tables
         self._quant = quant
+        self._transposed = transposed
         self._cache: dict = {} if cache is None else cache
         # the wire dtypes of a prepared call are the same objects call after call: named
         # once per call, not once per tensor and call
@@ -150,6 +158,7 @@ class Programs:
             layouts = tables.src_layouts if side == 0 else tables.dst_layouts
             wires = self._wire[b.stage]
             rank = b.src if side == 0 else b.dst
+            flipped = self._transposed
             steps = []
             for it, off in packed(b, wires):
                 if self._quant is not None and b.stage == 0 and it.name in self._quant.tensors:
@@ -164,7 +173,8 @@ class Programs:
                 steps.append(Step((rank, it.name), None if lay.is_product else i,
                                   slices + (Ellipsis,), off, off + it.nbytes,
                                   bits_dtype(itemsize(wire)), it.region.shape, wire,
-                                  lay.dtype, whole))
+                                  lay.dtype, whole, None, bool(flipped) and len(
+                                      it.region.shape) == 2 and (it.name, b.stage) in flipped))
             prog = self._cache[key] = tuple(steps)
         return prog
 
@@ -203,7 +213,7 @@ class Programs:
 
     def landing(self, b: Bucket) -> Any:
         """What the executor kept of bucket ``b``'s last host unpack (see
-        ``Executor._unpack_host``), or None."""
+        ``hostcopy.unpack_host``), or None."""
         return self._cache.get((id(b), "landing"))
 
     def keep_landing(self, b: Bucket, base: Any, at: int, pairs: list | None) -> None:
@@ -222,7 +232,8 @@ class Programs:
             return runs
         raw: list[list] = []
         for e in self.program(b, side):
-            small = e.wire == e.dtype and e.hi - e.lo <= RUN_ITEM_BYTES and e.quant is None
+            small = e.wire == e.dtype and e.hi - e.lo <= RUN_ITEM_BYTES and e.quant is None \
+                and not e.transposed
             if small and raw and raw[-1][0] and raw[-1][3] == e.bits and raw[-1][4] == e.dtype:
                 raw[-1][1].append(e)
                 raw[-1][2] = e.hi

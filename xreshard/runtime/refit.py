@@ -87,7 +87,7 @@ from . import extensions as _extensions
 from .gcpause import gc_paused
 from .extensions import Call, Extension, exported
 from ..ir.layout import LayoutMemo
-from .metadata import fit, merged_layouts, merged_quantized, stage_bindings
+from .metadata import fit, merged_layouts, merged_quantized, stage_bindings, stored_claims
 from ..planner.plan import Plan, PlanCache
 from ..planner.prepare import CallOptions, PreparedCall, prepare
 from . import fleet, registry
@@ -536,6 +536,8 @@ class Refit:
             return False
         errors = []
         meta = {"send": src.describe() if src else {},
+                "transposed": src.stored_transposed()
+                if src and self.tuning.send_stored else [],
                 "receive": dst.describe() if dst else {},
                 "quantized": dst.describe_quantized() if dst else {},
                 "config": self.config.to_dict(), "errors": []}
@@ -547,7 +549,8 @@ class Refit:
             prepared = prepare(src_layouts, dst_layouts, self.world.topology, options,
                                ranks=self.world.rank_ids, cache=self._cache,
                                quantized=merged_quantized(metas, self.world),
-                               epoch=self.world.epoch)
+                               epoch=self.world.epoch,
+                               stored_transposed=stored_claims(metas, self.world))
             errors += self._transport_problems(prepared)
         except Exception as e:      # noqa: BLE001 - every local failure reaches every rank
             errors.append(entry(e, "check"))

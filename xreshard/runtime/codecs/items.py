@@ -3,7 +3,8 @@ bytes of its message and lands again, by its format (``xreshard.planner.formats`
 
 * :class:`CastCodec` (``Plain`` and ``Cast(wire)``): the item's elements, cast to the wire
   dtype by the sender where it differs (bits copied as they are otherwise) and back by the
-  receiver (:func:`..copies.copy_into`);
+  receiver (:func:`..copies.copy_into`), in row-major order, or for an item of a tensor
+  its senders hold transposed (``Step.transposed``) in theirs: the receiver transposes;
 * :class:`Fp8Codec` (``Fp8``): the item's whole blocks quantized by the sender (host, or
   the device that holds them, with the call's :class:`.kernels.Kernels`), its scales then
   its codes in the message; the receiver writes each into its binding
@@ -24,7 +25,7 @@ from .. import quantized
 from ..copies import array_module, copy_into
 from .kernels import HOST, Kernels
 
-__all__ = ["CastCodec", "Fp8Codec", "ItemCodecs", "item"]
+__all__ = ["CastCodec", "Fp8Codec", "ItemCodecs", "item", "message_view"]
 
 
 def item(binding: Any, i: int | None, slices: tuple) -> Any:
@@ -33,18 +34,27 @@ def item(binding: Any, i: int | None, slices: tuple) -> Any:
     return (binding if i is None else binding[i])[slices]
 
 
+def message_view(buf: Any, e: Any) -> Any:
+    """Step ``e``'s bytes of message ``buf`` as an array of the item's canonical shape in
+    the wire's bits: row-major, or for a :attr:`..programs.Step.transposed` step the
+    transpose of the row-major ``region.T`` the message holds (a column-major view)."""
+    data = buf[e.lo:e.hi].view(e.bits)
+    if e.transposed:
+        return data.reshape(e.shape[::-1]).T
+    return data.reshape(e.shape)
+
+
 class CastCodec:
     """``Plain`` and ``Cast(wire)`` items (see the module docstring)."""
 
     def pack(self, e: Any, buf: Any, bindings: Mapping) -> None:
-        out = buf[e.lo:e.hi].view(e.bits).reshape(e.shape)
+        out = message_view(buf, e)
         copy_into(array_module(buf), out, e.wire, item(bindings[e.key], e.index, e.slices),
                   e.dtype)
 
     def unpack(self, e: Any, buf: Any, bindings: Mapping) -> None:
         dst = item(bindings[e.key], e.index, e.slices)
-        data = buf[e.lo:e.hi].view(e.bits).reshape(e.shape)
-        copy_into(array_module(dst), dst, e.dtype, data, e.wire)
+        copy_into(array_module(dst), dst, e.dtype, message_view(buf, e), e.wire)
 
     def wire_bytes(self, e: Any) -> int:
         return e.hi - e.lo

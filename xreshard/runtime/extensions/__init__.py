@@ -16,7 +16,8 @@ no per-tensor work, no collective, no copy.
  binding        bound(call)               catch-up (own ranks only), check_writes
  refit/check    check(call) -> body part  delta (claims, encode ahead), FP8 work ahead
                 checked(call, parts)      delta (every process's claims)
- planning       options                   delta (CallOptions.delta)
+ planning       options                   delta (CallOptions.delta), verify and
+                                          check_writes (CallOptions.canonical_wire)
  refit/fence    fence(call) -> errors     delta (destinations written outside xreshard)
  destinations   destinations(call, dst)   atomic (staging)
  move           begin(call): a context    delta (the call's decision), verify (digests),

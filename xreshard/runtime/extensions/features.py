@@ -131,6 +131,9 @@ class Verify(Extension):
     """Checksums of both ends of every stage, compared at ``refit/outcome``."""
 
     name = "verify"
+    # each item's wire bytes stay canonical row-major (no sender-order kernels): what it
+    # checks crossed as the executor has always sent it
+    options = {"canonical_wire": True}
 
     def __init__(self, mode: bool | str):
         self.mode = mode
@@ -170,6 +173,7 @@ class CheckWrites(Extension):
     read: a tensor written meanwhile fails the call on every process."""
 
     name = "check_writes"
+    options = {"canonical_wire": True}      # as verify's
 
     def __init__(self) -> None:
         self._snapshot: writes.Snapshot | None = None
