@@ -113,3 +113,55 @@ def test_the_trainer_feeds_both_receivers_from_its_first_sends(refits):
         for d, n in posted:
             to[d] += n
             assert abs(to[a] - to[b]) <= largest, posted
+
+
+def collective_keys(ctx: Context) -> dict:
+    """Two all-gathers and a close; after each, every process past it (a counter of the
+    launch store, not a collective), which of the first's and the second's payload keys
+    are left in the store."""
+    import time
+
+    from xreshard.runtime.store import connect
+
+    world = ctx.join(timeout=30)
+    store = connect(world.address, 30)
+    n = world.num_processes
+
+    def everyone_past(tag: str) -> None:
+        store.add(f"fixed-test/{tag}", 1)
+        deadline = time.monotonic() + 30
+        while int(store.add(f"fixed-test/{tag}", 0)) < n and time.monotonic() < deadline:
+            time.sleep(0.01)
+
+    def left(op: int) -> list[bool]:
+        return [bool(store.check([f"{world._root}/op{op}/{p}"])) for p in range(n)]
+
+    assert world.allgather_json(ctx.role.index, kind="first") == list(range(n))
+    first = world._num_ops
+    everyone_past("first")
+    out = {"after first": left(first)}
+    everyone_past("looked at first")
+    assert world.allgather_json(-ctx.role.index, kind="second") == [-p for p in range(n)]
+    second = world._num_ops
+    everyone_past("second")
+    out.update({"first after second": left(first), "second after second": left(second)})
+    everyone_past("looked at second")
+    world.close()
+    everyone_past("closed")
+    out["second after close"] = left(second)
+    return out
+
+
+def test_a_collectives_keys_go_at_the_next_one_not_on_its_own_path():
+    """Before: the last process to read a collective's payloads deleted them (n + 1 store
+    round trips) before it returned, on the path of the step after it (a refit's move, its
+    outcome). Now it deletes them in its next collective, after posting its own payload
+    (while the others arrive), or when it closes the world: the store still does not
+    grow."""
+    roles = [Role("plain", "g", i) for i in range(3)]
+    got = [r.value for r in launch(collective_keys, roles, timeout=90)]
+    for v in got:
+        assert v["after first"] == [True] * 3, v            # kept past the collective
+        assert v["first after second"] == [False] * 3, v    # gone during the next one
+        assert v["second after second"] == [True] * 3, v
+        assert v["second after close"] == [False] * 3, v    # and the last at close
