@@ -142,7 +142,7 @@ class CountedTransport:
     on unchanged. Any other attribute is the wrapped transport's."""
 
     #: the thread the executors over this transport run their wire on
-    #: (:class:`~xreshard.runtime.wire.Worker`, a world's), or None: a thread per run
+    #: (:class:`~xreshard.runtime.wire.WireThread`, a world's), or None: a thread per run
     wire_worker: Any = None
 
     def __init__(self, inner: Transport):

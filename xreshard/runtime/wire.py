@@ -16,7 +16,7 @@ from typing import Any
 from ..planner.schedule import Bucket
 from ..transport.base import Transport, TransportTimeout
 
-__all__ = ["Wire", "Worker"]
+__all__ = ["Wire", "WireThread"]
 
 
 class Wire:
@@ -37,7 +37,7 @@ class Wire:
         self._failed = threading.Event()
         self._thread: threading.Thread | None = None
         worker = getattr(transport, "wire_worker", None)
-        self._ended = worker.run(self._loop) if isinstance(worker, Worker) else None
+        self._ended = worker.run(self._loop) if isinstance(worker, WireThread) else None
         if self._ended is None:     # no idle worker of the transport's: a thread of its own
             self._thread = threading.Thread(target=self._loop, name="xreshard-wire",
                                             daemon=True)
@@ -144,7 +144,7 @@ class Wire:
         self._failed.set()
 
 
-class Worker:
+class WireThread:
     """A thread kept across calls that runs one wire loop at a time: a world's transports
     hand it to every executor over them (``wire_worker``), so a call does not start a
     thread (``Thread.start`` waits until the new thread runs: 0.1-0.3 ms on a quiet

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, Sequence, cast
 
 from ..config import Tuning
 from .commcount import CountedTransport
-from .wire import Worker
+from .wire import WireThread
 from .world_links import EpochLinks
 from ..errors import RefitError
 from .store import connect, parse_address
@@ -79,7 +79,7 @@ class WorldTransports:
         self.chosen: Any = None
         self.links = EpochLinks(world)
         #: the executors' wire thread, kept across calls (ends with the transports)
-        self.wire = Worker()
+        self.wire = WireThread()
 
     @property
     def _m(self) -> Membership:
@@ -284,7 +284,7 @@ class WorldTransports:
         self.counted.clear()
         self.caps = self.chosen = None
         self.wire.stop()
-        self.wire = Worker()        # started by the next call, if any (renew, a new epoch)
+        self.wire = WireThread()        # started by the next call, if any (renew, a new epoch)
 
     def _made(self, kind: str) -> Transport:
         """The transport of ``kind`` itself (not wrapped for counting), created once."""
