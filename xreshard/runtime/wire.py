@@ -80,9 +80,16 @@ class Wire:
 
     def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> None:
         """The executor's run ended: a failure aborts the open group first; the thread
-        then ends either way."""
+        then ends either way. After a clean run every group the loop opened has exited
+        (the run waited for each), so a kept thread's loop is left to end by itself: the
+        caller goes on to its outcome without waiting for that hand-off (a wake-up of the
+        thread, milliseconds on a loaded host); a next wire finds the thread idle, or
+        starts its own."""
         if exc is not None:
             self.abort(exc)
+        elif self._ended is not None:
+            self._q.put(("stop", None, None))
+            return
         self.stop()
 
     def abort(self, e: BaseException) -> None:
