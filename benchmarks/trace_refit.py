@@ -12,8 +12,11 @@ pull (ack, unpack), and the whole call. The wrappers cost a few microseconds per
 the structure holds at any load, the wall times do not.
 
     python benchmarks/trace_refit.py [--gib 0.125] [--reps 5] [--kernels out_in] [--json DIR]
+                                     [--store]
 
-(``--json DIR`` keeps every process's raw events, ``[start, end, step, thread]``.)
+(``--json DIR`` keeps every process's raw events, ``[start, end, step, thread]``;
+``--store`` also times every request of the store's clients, named by their caller, and
+every thread started: per process and refit, how many and how long.)
 """
 
 from __future__ import annotations
@@ -81,8 +84,56 @@ def _patch() -> None:
     _wrap(wd.World, "allgather_json", "allgather", keyarg="kind")
 
 
+def _patch_store() -> None:
+    """Time every request of the store's clients (``--store``): ``store.<op>`` events,
+    each named by the function that made it (``@caller``)."""
+    import xreshard.runtime.store as st
+    base = st._tcp_store_class()
+
+    class Timed(base):  # type: ignore[misc, valid-type]
+        pass
+
+    def timed_op(op: str) -> Any:
+        orig = getattr(base, op)
+
+        def fn(self: Any, *a: Any, **k: Any) -> Any:
+            if not ON[0]:
+                return orig(self, *a, **k)
+            caller = sys._getframe(1).f_code.co_name
+            t0 = time.monotonic()
+            try:
+                return orig(self, *a, **k)
+            finally:
+                EVENTS.append((t0, time.monotonic(), f"store.{op}@{caller}",
+                               threading.current_thread().name))
+        return fn
+    for op in ("set", "get", "wait", "multi_get", "multi_set", "add", "check", "delete_key",
+               "compare_set"):
+        setattr(Timed, op, timed_op(op))
+    st._tcp_store_class = lambda: Timed     # every client made from now on (the world's)
+
+
+def _patch_threads() -> None:
+    """Time every ``Thread.start`` (``--store``): it waits until the new thread runs."""
+    start = threading.Thread.start
+
+    def timed(self: threading.Thread) -> None:
+        if not ON[0]:
+            return start(self)
+        t0 = time.monotonic()
+        try:
+            return start(self)
+        finally:
+            EVENTS.append((t0, time.monotonic(), f"thread.start@{self.name}",
+                           threading.current_thread().name))
+    threading.Thread.start = timed     # type: ignore[method-assign]
+
+
 def child(ctx: Any, cfg: dict) -> dict:
     _patch()
+    if cfg.get("store"):
+        _patch_store()
+        _patch_threads()
 
     def timed(world: Any, fn: Any) -> float:
         world.barrier(timeout=bench_refit.TIMEOUT)
@@ -143,6 +194,22 @@ def structure(by_who: dict[str, list]) -> dict[str, list[float]]:
             add(f"{w}: moved (last pull -> end of move)", at(w, "refit._move", "last") - last)
         add("trainer: acks in", at("trainer0", "shm._await_acks", "last"))
         add("outcome all-gather, trainer", at("trainer0", "allgather[refit/outcome]", "sum"))
+        if len(receivers) == 2:
+            firsts = [at(w, "shm.pull") for w in receivers]
+            lasts = [at(w, "shm.pull", "last") for w in receivers]
+            add("receivers: first pulls apart", abs(firsts[0] - firsts[1]))
+            add("receivers: last pulls apart", abs(lasts[0] - lasts[1]))
+            add("last pull -> last process out", rows["whole call (last process out)"][-1]
+                - max(lasts))
+        for w in sorted(per):
+            ev = per[w][i]
+            store = [e for e in ev if e[2].startswith("store.")]
+            starts = [e for e in ev if e[2].startswith("thread.start@")]
+            if store or starts:
+                add(f"{w}: store requests (count)", len(store))
+                add(f"{w}: store requests (ms)", sum(e - s for s, e, _, _ in store) * 1e3)
+                add(f"{w}: thread starts (count)", len(starts))
+                add(f"{w}: thread starts (ms)", sum(e - s for s, e, _, _ in starts) * 1e3)
     return rows
 
 
@@ -153,10 +220,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--kernels", choices=["out_in", "in_out"], default="out_in")
     ap.add_argument("--json", default=None, help="a folder for every process's raw events")
+    ap.add_argument("--store", action="store_true",
+                    help="also time every store request and thread start, per process")
     args = ap.parse_args(argv)
     cfg = {"gib": args.gib, "reps": args.reps, "kernels": args.kernels, "bucket_mib": 64,
            "staging_mib": 256, "p2p_mib": 64, "profile_top": 0, "transport": "shm",
-           "executor": "pipelined"}
+           "executor": "pipelined", "store": args.store}
     roles = ([Role("jax", "trainer", 0, num_devices=bench_refit.TRAINER_TP)]
              + [Role("torch", "rollout", i) for i in range(bench_refit.ROLLOUT_TP)])
     load = open("/proc/loadavg").read().split()[:3] if os.path.exists("/proc/loadavg") else []

@@ -141,6 +141,10 @@ class CountedTransport:
     """A transport that reports every posted buffer to the active counters, then passes it
     on unchanged. Any other attribute is the wrapped transport's."""
 
+    #: the thread the executors over this transport run their wire on
+    #: (:class:`~xreshard.runtime.wire.WireThread`, a world's), or None: a thread per run
+    wire_worker: Any = None
+
     def __init__(self, inner: Transport):
         self.inner = inner
 

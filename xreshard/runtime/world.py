@@ -49,6 +49,11 @@ __all__ = ["StoreServer", "World", "RoutedTransport", "RenumberedTransport", "se
 
 logger = logging.getLogger(__name__)
 
+#: seconds between two looks (a store round trip) for the world's refusal before a
+#: collective: members learn of a late process that disagreed within this much more; a
+#: refit's check and outcome, 25 ms apart, look once
+REFUSAL_LOOK_S = 0.1
+
 # Open worlds (weakly), closed at interpreter exit: one left open (an exception on its way
 # out) has its store and gloo clients torn down by C++ destructors under their threads,
 # and the process aborts ("terminate called without an active exception", exit -6).
@@ -119,6 +124,8 @@ class World:
         self._root = f"{KEY_ROOT}/{world_id}"
         self._timeout = float(timeout)
         self._num_ops = 0
+        self._trash: list[str] = []     # keys every process read: deleted at the next wait
+        self._refusal_looked = -REFUSAL_LOOK_S      # when a collective last looked
         self._closed = False
         self._closing = False
         self._why = ""          # what made this process close it (``__exit__``'s exception)
@@ -138,6 +145,7 @@ class World:
         self._joined = joined
         self._instance_seal = Seal(m.base.token, wid).with_nonce(joined.instance)
         self._refusal_until = time.monotonic() + self._timeout
+        self._refusal_looked = -REFUSAL_LOOK_S
         self._root = f"{KEY_ROOT}/{wid}"
         self._num_ops = 0
         self._broken = None
@@ -526,11 +534,14 @@ class World:
             timeout, ran_out = self._wait(timeout)
             keys = [f"{prefix}/{p}" for p in readers]
             try:
-                refused = self._refusal()
-                if refused is not None:
-                    raise self._refuse_step(prefix, op, refused)
+                if begun - self._refusal_looked >= REFUSAL_LOOK_S:
+                    self._refusal_looked = begun
+                    refused = self._refusal()
+                    if refused is not None:
+                        raise self._refuse_step(prefix, op, refused)
                 if writes:
                     self._store.set(f"{prefix}/{me}", self._seal.seal(kind, op, me, body))
+                self._empty_trash()         # while the others arrive
                 arrived = [True] * len(keys)
                 try:
                     waiting.wait_payloads(self, keys, readers, time.monotonic() + timeout,
@@ -551,10 +562,10 @@ class World:
                 got = [k for k, a in zip(keys, arrived) if a]
                 values = iter(self._store.multi_get(got) if got else [])
                 raws = [next(values) if a else None for a in arrived]
-                # the last reader deletes the keys, so a long-lived world does not grow the store
+                # the last reader deletes the keys, so a long-lived world does not grow the
+                # store: at its next collective, while it waits (not on this one's path)
                 if int(self._store.add(f"{prefix}/done", 1)) == self.num_processes:
-                    for k in [f"{prefix}/done", f"{prefix}/settled"][:1 + partial] + keys:
-                        self._store.delete_key(k)
+                    self._trash += [f"{prefix}/done", f"{prefix}/settled"][:1 + partial] + keys
             except CommunicationError as e:
                 raise self._fail(e, begun) from e.__cause__
             except RuntimeError as e:       # the store connection itself failed
@@ -568,6 +579,12 @@ class World:
                     for k, p, v in zip(keys, readers, raws)]
             except CommunicationError as e:
                 raise self._fail(e, begun) from None
+
+    def _empty_trash(self) -> None:
+        """Delete the keys of collectives every process has read (see ``_exchange``)."""
+        trash, self._trash = self._trash, []
+        for k in trash:
+            self._store.delete_key(k)
 
     def allgather_json(self, obj: Any, *, timeout: float | None = None,
                        kind: str = "allgather", partial: bool = False) -> list[Any]:
@@ -658,6 +675,9 @@ class World:
                            f"{self._why} and takes part in no further collective; close the "
                            f"world in every process (join a new one to go on)")
         _OPEN.discard(self)
+        with contextlib.suppress(Exception):        # the last collective's keys, if ours
+            if self._store is not None:
+                self._empty_trash()
         self.transports.close()
         self.transports.links.close()       # links parked at an epoch change, not taken up
         if self._joined is not None and self._store is not None and not self.elastic:

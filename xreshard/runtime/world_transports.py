@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, Sequence, cast
 
 from ..config import Tuning
 from .commcount import CountedTransport
+from .wire import WireThread
 from .world_links import EpochLinks
 from ..errors import RefitError
 from .store import connect, parse_address
@@ -77,6 +78,8 @@ class WorldTransports:
         self.caps: list[dict[str, Any]] | None = None
         self.chosen: Any = None
         self.links = EpochLinks(world)
+        #: the executors' wire thread, kept across calls (ends with the transports)
+        self.wire = WireThread()
 
     @property
     def _m(self) -> Membership:
@@ -228,6 +231,7 @@ class WorldTransports:
         counted = self.counted.get(kind)
         if counted is None:
             counted = self.counted[kind] = CountedTransport(self._made(kind))
+            counted.wire_worker = self.wire
         # it forwards every member of the protocol; its ``name`` is a read-only property,
         # which the protocol's plain attribute does not express
         return cast(Transport, counted)
@@ -279,6 +283,8 @@ class WorldTransports:
         self.made.clear()
         self.counted.clear()
         self.caps = self.chosen = None
+        self.wire.stop()
+        self.wire = WireThread()        # started by the next call, if any (renew, a new epoch)
 
     def _made(self, kind: str) -> Transport:
         """The transport of ``kind`` itself (not wrapped for counting), created once."""

@@ -22,6 +22,8 @@ into receives to post, sends to post, and what lands once the group moved:
 
 from __future__ import annotations
 
+import heapq
+import threading
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -71,7 +73,7 @@ class Fixed:
         ``offsets``), its sends, and the receives to unpack."""
         recvs, unpack = ex._recv_buffers(buckets, offsets, stats)
         local = ex._local_src
-        return Group(recvs, [b for b in buckets if b.src in local], unpack)
+        return Group(recvs, _send_order(buckets, local), unpack)
 
     def post(self, ex: Any, group: Group, send: Callable[[Any, Bucket], None],
              offsets: dict, stats: Any, landed: Callable[[], None] | None = None) -> None:
@@ -94,6 +96,53 @@ class Fixed:
         for b, buf in landing:
             with ex._on(b.dst):
                 ex._unpack(b, buf)
+
+
+def interleaved(sends: Sequence[Bucket]) -> list[Bucket]:
+    """``sends`` with their destinations taken in turn, byte for byte: the next send goes to
+    the destination rank with the fewest bytes posted so far; each keeps its own order.
+
+    The schedule lists a round's buckets by (source, destination) pair, so a sender of
+    several ranks posted nearly all of one receiver's messages before the other's: the
+    second receiver started pulling only once the first had most of its bytes (a 128 MiB
+    refit to two shm receivers: 3 ms later), and finished as much later, alone."""
+    by_dst: dict[int, list[Bucket]] = {}
+    for b in sends:
+        by_dst.setdefault(b.dst, []).append(b)
+    if len(by_dst) < 2:
+        return list(sends)
+    heap = [(0, d, 0) for d in by_dst]      # (bytes posted, destination, next index)
+    out: list[Bucket] = []
+    while heap:
+        posted, d, i = heap[0]
+        b = by_dst[d][i]
+        out.append(b)
+        if i + 1 < len(by_dst[d]):
+            heapq.heapreplace(heap, (posted + b.nbytes, d, i + 1))
+        else:
+            heapq.heappop(heap)
+    return out
+
+
+#: round -> its send order (``interleaved``), by the round's identity: a prepared call
+#: keeps its schedule, so a warm call reuses the order (3,000 buckets take ~2 ms)
+_ORDERS: dict[int, tuple[Sequence[Bucket], frozenset, list[Bucket]]] = {}
+_ORDERS_KEPT = 8
+_ORDERS_LOCK = threading.Lock()
+
+
+def _send_order(buckets: Sequence[Bucket], local: Any) -> list[Bucket]:
+    """This process's sends of round ``buckets`` (sources in ``local``), interleaved."""
+    with _ORDERS_LOCK:      # refits of two threads (``Refit.start``)
+        hit = _ORDERS.get(id(buckets))
+        if hit is not None and hit[0] is buckets and hit[1] == local:
+            return hit[2]
+    order = interleaved([b for b in buckets if b.src in local])
+    with _ORDERS_LOCK:
+        if len(_ORDERS) >= _ORDERS_KEPT:
+            _ORDERS.pop(next(iter(_ORDERS)))
+        _ORDERS[id(buckets)] = (buckets, frozenset(local), order)
+    return order
 
 
 #: the one value of :class:`Fixed`
