@@ -702,6 +702,7 @@ def test_lora_sync_refits_only_the_adapter_as_vllm_loads_it(tmp_path, case):
     try:
         assert rollout.lora_request().lora_path == "xreshard://policy"
         base_before = _greedy(rollout.llm, prompts)
+        base_digest = rollout.llm.collective_rpc("xreshard_weights_digest")
         versions = [w["version"] for w in rollout.transfer_reports()]
         lora = nnx.state(model, nnx.LoRAParam)
         nnx.update(model, jax.tree_util.tree_map(lambda x: x * 1.5 - 0.01, lora))
@@ -713,9 +714,13 @@ def test_lora_sync_refits_only_the_adapter_as_vllm_loads_it(tmp_path, case):
         reports = rollout.lora_reports()
         assert [w["bytes_received"] for w in reports] == [w["shard_bytes"] for w in reports]
         assert all(w["adapters"] == {"policy": {"lora_id": 1, "version": 2}} for w in reports)
-        # the base weights did not move: same version, same answers without the adapter
+        # the base weights did not move: same version, the same bytes on every rank, the
+        # same tokens without the adapter. Not the logprobs' bits: once an adapter sits in
+        # the engine's slots, vLLM's CPU engine gave the base its logprobs different in
+        # the last float32 bits in one full RL-leg run (the tokens equal)
         assert [w["version"] for w in rollout.transfer_reports()] == versions
-        assert _greedy(rollout.llm, prompts) == base_before
+        assert rollout.llm.collective_rpc("xreshard_weights_digest") == base_digest
+        assert [t for t, _ in _greedy(rollout.llm, prompts)] == [t for t, _ in base_before]
 
         out = rollout.generate(["3141>", "27>"], config)
         got = _greedy(rollout.llm, prompts, rollout.lora_request())
