@@ -54,12 +54,17 @@ def series(ctx: Any, programs: list) -> dict:
     trainer function, rollout function, args]`` (functions of this module by name). Returns
     name -> ``{"value": ...}`` or ``{"error": traceback}``; a failed case does not stop the
     next (its world times out on the other processes, bounded by its refit timeout)."""
+    return run_series(ctx, programs, globals())
+
+
+def run_series(ctx: Any, programs: list, functions: dict) -> dict:
+    """:func:`series` over the functions of another case module (its ``globals()``)."""
     import dataclasses
     import traceback
 
     out: dict = {}
     for name, trainer_fn, rollout_fn, args in programs:
-        fn = globals()[trainer_fn if ctx.role.group == "trainer" else rollout_fn]
+        fn = functions[trainer_fn if ctx.role.group == "trainer" else rollout_fn]
         try:
             out[name] = {"value": fn(dataclasses.replace(ctx, world_id=name), *args)}
         except Exception:   # noqa: BLE001 - the test reports it under the case's name

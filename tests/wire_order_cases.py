@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .refit_cases import _check_dtensors, _dtensors, _jax_params, _torch_group
+from .refit_cases import _check_dtensors, _dtensors, _jax_params, _torch_group, run_series
 
 #: name -> (canonical [out, in] shape, JAX spec of the canonical dims on mesh ("a", "b"),
 #: torch placements on the 2 receivers, "T": the JAX side holds the [in, out] kernel)
@@ -28,20 +28,7 @@ STEPS = 3
 def series(ctx: Any, programs: list) -> dict:
     """Each ``[name, trainer function, rollout function, args]`` in its own world (id: the
     name); name -> ``{"value": ...}`` or ``{"error": traceback}``."""
-    import dataclasses
-    import traceback
-
-    out: dict = {}
-    for name, trainer_fn, rollout_fn, args in programs:
-        fn = globals()[trainer_fn if ctx.role.group == "trainer" else rollout_fn]
-        try:
-            out[name] = {"value": fn(dataclasses.replace(ctx, world_id=name), *args)}
-        except Exception:   # noqa: BLE001 - the test reports it under the case's name
-            out[name] = {"error": traceback.format_exc()}
-            import torch.distributed as dist
-            if dist.is_available() and dist.is_initialized():
-                dist.destroy_process_group()
-    return out
+    return run_series(ctx, programs, globals())
 
 
 def jax_sender(ctx: Any, config: dict, wire: str | None, dst_dtype: str,
