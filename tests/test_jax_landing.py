@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 jax = pytest.importorskip("jax")
+pytest.importorskip("torch")      # the world's store is torch's TCPStore
 
 import xreshard as xr  # noqa: E402
 
