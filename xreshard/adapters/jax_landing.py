@@ -88,16 +88,23 @@ _ALONE = _references([object()], 0)
 
 class Landing:
     """The host buffers a receiving JAX refit hands to JAX, kept to land a later call in
-    (see the module). One per refit side; a refit's calls do not overlap (its lock)."""
+    (see the module). One per refit side; a refit's calls do not overlap (its lock).
+
+    Kept owners are pooled by size, and a take looks at each at most once per call: one
+    found still held is set aside for the next call (nothing this call does frees it), so
+    a call's takes cost O(its buffers) however many arrays the caller still holds."""
 
     def __init__(self) -> None:
-        self._recent: tuple[list[Any], list[Any]] = ([], [])    # owners, older call first
-        self._taken: list[Any] = []     # this call's owners
+        # owners by byte size, older call first
+        self._recent: tuple[dict[int, list[Any]], dict[int, list[Any]]] = ({}, {})
+        self._taken: dict[int, list[Any]] = {}      # this call's owners
+        self._held: list[Any] = []      # the last call's owners found still held
 
     def begin(self) -> Any:
         """A call binds: whatever a failed call took is let go; JAX's deferred releases
         are done first (see :func:`_released`). Returns :meth:`take`."""
-        self._taken = []
+        self._taken = {}
+        self._put_back_held()
         if any(self._recent):
             _released()
         return self.take
@@ -109,21 +116,34 @@ class Landing:
         import numpy as np
         dtype = np.dtype(dtype)
         need = max(math.prod(shape) * dtype.itemsize, 1) + ALIGN
-        for kept in self._recent:
-            for i in range(len(kept)):
-                if kept[i].nbytes == need and _references(kept, i) <= _ALONE:
-                    raw = kept.pop(i)
-                    self._taken.append(raw)
-                    return _view(raw, shape, dtype)
-        raw = _owner(shape, dtype)
-        self._taken.append(raw)
+        raw = None
+        for age, pool in enumerate(self._recent):
+            owners = pool.get(need)
+            while owners and raw is None:
+                if _references(owners, len(owners) - 1) <= _ALONE:
+                    raw = owners.pop()
+                elif age:       # the last call's: kept for the next call
+                    self._held.append(owners.pop())
+                else:           # the call before last's: let go at this call's end anyway
+                    owners.pop()
+            if raw is not None:
+                break
+        if raw is None:
+            raw = _owner(shape, dtype)
+        self._taken.setdefault(need, []).append(raw)
         return _view(raw, shape, dtype)
 
     def given(self) -> None:
         """This call's buffers went to JAX: keep them and the last call's; the owners of
         the call before last that were not taken again are let go."""
+        self._put_back_held()
         self._recent = (self._recent[1], self._taken)
-        self._taken = []
+        self._taken = {}
+
+    def _put_back_held(self) -> None:
+        for raw in self._held:
+            self._recent[1].setdefault(raw.nbytes, []).append(raw)
+        self._held = []
 
 
 def adopted(jax: Any, pending: Sequence[tuple[Any, list[tuple[Any, Any]]]],
