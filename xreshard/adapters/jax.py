@@ -26,6 +26,8 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from xreshard.adapters.jax_landing import Landing, adopted, aligned_empty
+from xreshard.adapters.jax_stack import (
+    bind_stacks, put_views, shard_views, stack_of, stack_refused)
 from xreshard.errors import LayoutError
 from xreshard.extras import require
 from xreshard.ir.layout import Layout, LayoutMemo, Mesh, Region
@@ -578,15 +580,19 @@ def _bind(tree: Any, side: str, *, ranks: Mapping[int, int], names: Any, transpo
 
     rank_of = _rank_of(ranks)
     leaf_names, leaves, treedef = _leaf_names(jax, tree, names, cache)
-    layouts, bindings, errors = {}, {}, []
+    layouts: dict[str, Layout] = {}
+    bindings: dict[tuple[int, str], Any] = {}
+    errors: list[str] = []
     rid = memo.ranks_id(ranks)
     pending = []       # receive: (leaf, name, [(device, buffer)])
     per_device: dict[Any, tuple[int, bool]] = {}    # device -> (world rank, on CPU?)
     # (sharding, shape, dtype) -> (layout, [(world rank, on CPU?)] of the shards in the
-    # array's own order, or None): what every array of that geometry shares, looked up per
-    # array instead of walked per shard; kept across calls (an optimizer step's new arrays
-    # have new, equal shardings) for the same rank map (compared by value: a memo's
-    # ranks_id numbers restart when it is new or full), bounded like the memo
+    # array's own order, or None; whether the layout agrees; a send stack's (output
+    # sharding, shard shape) or None: jax_stack.py): what every array of that geometry
+    # shares, looked up per array instead of walked per shard; kept across calls (an
+    # optimizer step's new arrays have new, equal shardings) for the same rank map
+    # (compared by value: a memo's ranks_id numbers restart when it is new or full),
+    # bounded like the memo
     geometry: dict = {}
     if rid is not None:
         rank_map = dict(ranks)
@@ -597,6 +603,9 @@ def _bind(tree: Any, side: str, *, ranks: Mapping[int, int], names: Any, transpo
     # every binding from a geometry compared with its layout: Bound.checked (no walk)
     checked = side == "send" and bool(local_ranks)
     new_buffer = aligned_empty if landing is None else landing.begin()    # jax_landing.py
+    stacks: dict[Any, list] = {}     # send: geometry -> [(name, leaf, flip, product)]
+    refused = stack_refused()
+    new_keys: set = set()           # geometries first seen by this call
     for name, leaf in zip(leaf_names, leaves):
         if name in layouts:
             errors.append(f"two leaves map to tensor {name!r}")
@@ -610,10 +619,13 @@ def _bind(tree: Any, side: str, *, ranks: Mapping[int, int], names: Any, transpo
             layout = memo.get(None if key is None else key + (rid,),
                               lambda: layout_of(leaf, ranks=rank_of, name=name))
             shard_ranks = _shard_ranks(leaf.sharding, rank_of)
-            known_geo = (layout, shard_ranks,
-                         _geometry_agrees(leaf, layout, shard_ranks, local_ranks))
+            agrees = _geometry_agrees(leaf, layout, shard_ranks, local_ranks)
+            known_geo = (layout, shard_ranks, agrees,
+                         stack_of(leaf, key, shard_ranks) if agrees and side == "send" else None)
             if key is not None:
                 geometry[key] = known_geo
+                new_keys.add(key)       # stacked from its next call on: one-shot binds
+                                        # (and a first refit) compile nothing
         layout = known_geo[0]
         flip = name in transpose
         checked = checked and known_geo[2] and not flip
@@ -624,28 +636,13 @@ def _bind(tree: Any, side: str, *, ranks: Mapping[int, int], names: Any, transpo
             layout = layout.permuted((1, 0))
         layouts[name] = layout
         if side == "send":
-            product = layout.is_product
-            shard_ranks = known_geo[1]
-            arrays = getattr(leaf, "_arrays", None) if shard_ranks is not None else None
-            if arrays is not None and shard_ranks is not None \
-                    and len(arrays) == len(shard_ranks) and not leaf.is_deleted():
-                # the per-device arrays, in the sharding's addressable device order (JAX
-                # keeps them so: ArrayImpl._check_and_rearrange); no Shard objects built
-                for x, (rank, cpu) in zip(arrays, shard_ranks):
-                    arr = np.asarray(x) if cpu else host_view(x)
-                    arr = arr.T if flip else arr
-                    bindings[(rank, name)] = arr if product else [arr]
-                continue
-            checked = False         # cut from the shards' own list: checked per call
-            for shard in leaf.addressable_shards:
-                device = shard.device
-                known = per_device.get(device)
-                if known is None:
-                    known = per_device[device] = (rank_of(device), device.platform == "cpu")
-                # a CPU shard is a numpy view at once (no device set built per shard)
-                arr = np.asarray(shard.data) if known[1] else host_view(shard.data)
-                arr = arr.T if flip else arr
-                bindings[(known[0], name)] = arr if product else [arr]
+            if known_geo[3] is not None and key not in refused and key not in new_keys \
+                    and not leaf.is_deleted():
+                stacks.setdefault(key, []).append((name, leaf, flip, layout.is_product))
+                continue            # read through a stack below (jax_stack.py)
+            views, ordered = shard_views(leaf, known_geo[1], per_device, rank_of)
+            checked = checked and ordered
+            put_views(bindings, name, views, flip, layout.is_product)
         else:
             sharding = leaf.sharding
             shard_shape = sharding.shard_shape(tuple(leaf.shape))
@@ -659,6 +656,8 @@ def _bind(tree: Any, side: str, *, ranks: Mapping[int, int], names: Any, transpo
                 view = buf.T if flip else buf
                 bindings[(rank_of(device), name)] = view if layout.is_product else [view]
             pending.append((leaf, buffers))
+
+    checked = bind_stacks(stacks, geometry, bindings, per_device, rank_of) and checked
 
     def finish() -> Any:
         return jax.tree_util.tree_unflatten(treedef, adopted(jax, pending, landing))

@@ -1,0 +1,237 @@
+"""A sending JAX refit reads small shards through jitted per-device stacks (issue 35, the
+warm call; ``xreshard/adapters/jax_stack.py``): from a geometry's second call on, the
+bindings of arrays of at most 8 KiB per shard are slices of one stacked block per device,
+bit for bit the shards' bytes, holding the values the arrays had at bind time.
+
+Real JAX arrays with real NamedShardings on 4 CPU devices; the last test runs a JAX
+trainer and two torch receivers (DTensors over gloo) in real processes.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+
+jax = pytest.importorskip("jax")
+
+from xreshard.adapters import jax as xjax  # noqa: E402
+from xreshard.adapters import jax_stack  # noqa: E402
+
+from . import refit_cases as cases  # noqa: E402
+
+
+def _mesh() -> Any:
+    if len(jax.local_devices()) < 4:
+        pytest.skip("needs 4 JAX CPU devices (JAX_NUM_CPU_DEVICES)")
+    return jax.make_mesh((2, 2), ("a", "b"), devices=jax.local_devices()[:4])
+
+
+#: base name -> (shape, spec on ("a", "b"), dtype, copies): each base is one geometry
+GROUPS = {
+    "rows": ((16, 8), ("a",), "float32", 9),
+    "cols": ((8, 6), (None, "b"), "bfloat16", 12),
+    "both": ((8, 6), ("a", "b"), "float32", 20),       # K = 32: a short chunk
+    "repl": ((6, 5), (), "bfloat16", 10),
+    "uneven": ((7, 3), (), "int8", 8),
+    "fp8": ((4, 16), ("b",), "float8_e4m3fn", 8),
+    "flags": ((8,), ("b",), "bool", 9),
+    "many": ((4, 4), (("a", "b"),), "float32", 130),   # K = 128: two chunks, one short
+    "few": ((8, 8), ("a",), "float32", 3),              # under MIN_GROUP: views
+    "large": ((64, 128), ("a",), "float32", 8),         # 16 KiB shards: views
+}
+STACKED = {"rows", "cols", "both", "repl", "uneven", "fp8", "flags", "many"}
+
+
+def _tree(mesh: Any, step: int) -> dict:
+    from jax.sharding import NamedSharding, PartitionSpec as P
+    tree = {}
+    for base, (shape, spec, dtype, copies) in GROUPS.items():
+        for i in range(copies):
+            value = cases.pattern(f"{base}.{i}", shape, "float32", step)
+            if dtype == "bool":
+                value = value > 0
+            elif dtype == "int8":
+                value = (value * 40).astype(np.int8)
+            else:
+                value = value.astype(jax.numpy.dtype(dtype))
+            tree[f"{base}.{i}"] = jax.device_put(value, NamedSharding(mesh, P(*spec)))
+    return tree
+
+
+def _context(mesh: Any) -> Any:
+    from xreshard.ir.layout import LayoutMemo
+    from xreshard.runtime.registry import BindContext
+    ranks = {d.id: i for i, d in enumerate(mesh.devices.flat)}
+    return BindContext(ranks=ranks, local_ranks=(0, 1, 2, 3), memo=LayoutMemo(), cache={})
+
+
+def _shard_bytes(tree: dict, ranks: dict) -> dict:
+    """(world rank, name) -> the shard's bytes, read from JAX's own shards."""
+    return {(ranks[s.device.id], n): np.asarray(s.data).tobytes()
+            for n, a in tree.items() for s in a.addressable_shards}
+
+
+def _stack_block(view: np.ndarray) -> np.ndarray | None:
+    """The stacked block a binding is a slice of, or None (a view of its own shard)."""
+    base = view
+    while isinstance(base.base, np.ndarray):
+        base = base.base
+    return base if base.ndim == view.ndim + 1 else None
+
+
+def test_the_second_bind_reads_small_shards_through_stacks_bit_exact():
+    mesh = _mesh()
+    context = _context(mesh)
+    ranks = dict(context.ranks)
+    for step in range(3):
+        tree = _tree(mesh, step)        # new arrays every step, as after an optimizer step
+        bound = xjax.refit_bind(tree, "send", context)
+        want = _shard_bytes(tree, ranks)
+        assert set(bound.bindings) == set(want)
+        for key, view in bound.bindings.items():
+            assert np.asarray(view).tobytes() == want[key], key
+            stacked = _stack_block(view) is not None
+            # the first call compiles nothing; small geometries are stacked from then on
+            assert stacked == (step > 0 and key[1].split(".")[0] in STACKED), (step, key)
+        assert bound.checked
+
+
+def test_a_stacked_binding_keeps_the_values_the_arrays_had_when_bound():
+    """The stack copies when it runs: a step that donates the arrays after the bind (a
+    started refit still reading) leaves the bindings' bytes as they were."""
+    mesh = _mesh()
+    context = _context(mesh)
+    tree = _tree(mesh, 0)
+    xjax.refit_bind(tree, "send", context)
+    tree = _tree(mesh, 1)
+    want = _shard_bytes(tree, dict(context.ranks))
+    bound = xjax.refit_bind(tree, "send", context)
+    step = jax.jit(lambda p: jax.tree_util.tree_map(lambda a: a + a, p), donate_argnums=0)
+    small = {n: a for n, a in tree.items() if n.split(".")[0] in STACKED - {"flags"}}
+    jax.block_until_ready(step(small))
+    assert all(a.is_deleted() for a in small.values())      # really donated
+    for key, view in bound.bindings.items():
+        if key[1] in small:
+            assert np.asarray(view).tobytes() == want[key], key
+
+
+def test_a_stack_that_fails_leaves_its_geometry_to_views(monkeypatch):
+    mesh = _mesh()
+    context = _context(mesh)
+    calls = []
+
+    def broken(out: Any) -> Any:
+        calls.append(out)
+        raise RuntimeError("no stack here")
+    monkeypatch.setattr(jax_stack, "_program", broken)
+    monkeypatch.setattr(jax_stack, "_refused", set())
+    xjax.refit_bind(_tree(mesh, 0), "send", context)
+    for step in (1, 2):
+        tree = _tree(mesh, step)
+        bound = xjax.refit_bind(tree, "send", context)
+        want = _shard_bytes(tree, dict(context.ranks))
+        assert all(np.asarray(v).tobytes() == want[k] and _stack_block(v) is None
+                   for k, v in bound.bindings.items())
+    assert len(calls) == len(STACKED)       # each geometry tried once, then left to views
+    assert len(jax_stack.stack_refused()) == len(STACKED)
+
+
+def test_a_deleted_array_is_refused_as_without_stacks_and_its_geometry_still_stacks():
+    mesh = _mesh()
+    context = _context(mesh)
+    xjax.refit_bind(_tree(mesh, 0), "send", context)
+    tree = _tree(mesh, 1)
+    tree["rows.4"].delete()
+    with pytest.raises(RuntimeError, match="deleted"):
+        xjax.refit_bind(tree, "send", context)
+    with pytest.raises(RuntimeError, match="deleted"):     # the same error, stacks or not
+        xjax.bind(tree, "send", ranks=dict(context.ranks))
+    assert not jax_stack.stack_refused()
+    tree = _tree(mesh, 2)
+    bound = xjax.refit_bind(tree, "send", context)
+    assert _stack_block(bound.bindings[(0, "rows.4")]) is not None
+
+
+def test_one_shot_binds_compile_nothing(monkeypatch):
+    """The public ``bind`` (a fresh cache every call) never stacks."""
+    mesh = _mesh()
+    called = []
+    monkeypatch.setattr(jax_stack, "_program", lambda out: called.append(out))
+    tree = _tree(mesh, 0)
+    for _ in range(2):
+        bound = xjax.bind(tree, "send", ranks={d.id: i for i, d in enumerate(mesh.devices.flat)})
+        assert all(_stack_block(v) is None for v in bound.bindings.values())
+    assert not called
+
+
+# ---------------------------------------------------------------- real processes
+
+#: every spec form of the JAX -> torch cases, 9 tensors each (one geometry, stacked from
+#: the second call), and one form with 3 (views)
+NAMES = {f"{base}.{i}": entry for base, entry in cases.JAX_TORCH_TENSORS.items()
+         for i in range(9 if base != "bias" else 3)}
+STEPS = 3
+
+
+def stack_sender(ctx: Any, dtype: str) -> dict:
+    import xreshard as xr
+    from xreshard.adapters import jax_stack as stacks
+
+    stacked: list[int] = []
+    real = stacks.stacked_views
+
+    def spy(key: Any, out: Any, leaves: Any, *args: Any) -> Any:
+        got = real(key, out, leaves, *args)
+        stacked[-1] += 0 if got is None else len(leaves)
+        return got
+    stacks.stacked_views = spy      # jax_stack.bind_stacks looks it up per call
+    try:
+        world = ctx.join(groups=["trainer", "rollout"])
+        refit = xr.Refit(world, transpose={n for n, t in NAMES.items() if "T" in t[3]},
+                         config=xr.RefitConfig(timeout=60))
+        for step in range(STEPS):
+            stacked.append(0)
+            refit(send=cases._jax_params(NAMES, dtype, step))
+        world.close()
+    finally:                        # the next case of the series spies on its own
+        stacks.stacked_views = real
+    return {"stacked": stacked}
+
+
+def stack_receiver(ctx: Any, dtype: str) -> dict:
+    import torch.distributed as dist
+    import xreshard as xr
+
+    cases._torch_group(ctx, 2, ctx.role.index, "rollout")
+    world = ctx.join(groups=["trainer", "rollout"])
+    state = cases._dtensors(NAMES, dtype, 2, None)
+    refit = xr.Refit(world, receive=state, config=xr.RefitConfig(timeout=60))
+    checked = 0
+    for step in range(STEPS):
+        refit()
+        checked += cases._check_dtensors(state, NAMES, dtype, step, dtype)     # bit-exact
+    world.close()
+    dist.destroy_process_group()
+    return {"checked": checked}
+
+
+def stack_series(ctx: Any) -> dict:
+    programs = [[f"stack-{d}", "stack_sender", "stack_receiver", (d,)]
+                for d in ("bfloat16", "float32")]
+    return cases.run_series(ctx, programs, globals())
+
+
+def test_a_jax_trainer_sends_stacked_small_shards_to_torch_receivers_bit_exact():
+    pytest.importorskip("torch")
+    from xreshard.tools.launch import Role, launch
+    roles = [Role("jax", "trainer", 0, num_devices=4), Role("torch", "rollout", 0),
+             Role("torch", "rollout", 1)]
+    results = [r.value for r in launch(stack_series, roles, timeout=240)]
+    eligible = sum(1 for n in NAMES if not n.startswith("bias."))
+    for case in ("stack-bfloat16", "stack-float32"):
+        outs = [r[case] for r in results]
+        assert all("error" not in o for o in outs), outs
+        assert outs[0]["value"]["stacked"] == [0, eligible, eligible]
+        assert all(o["value"]["checked"] > 0 for o in outs[1:])
