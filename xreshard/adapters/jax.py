@@ -657,7 +657,8 @@ def _bind(tree: Any, side: str, *, ranks: Mapping[int, int], names: Any, transpo
                 bindings[(rank_of(device), name)] = view if layout.is_product else [view]
             pending.append((leaf, buffers))
 
-    checked = bind_stacks(stacks, geometry, bindings, per_device, rank_of) and checked
+    checked = bind_stacks(stacks, geometry, bindings, per_device, rank_of,
+                          lambda s: _shard_ranks(s, rank_of)) and checked
 
     def finish() -> Any:
         return jax.tree_util.tree_unflatten(treedef, adopted(jax, pending, landing))

@@ -126,25 +126,24 @@ def stack_of(leaf: Any, key: Any, shard_ranks: list | None) -> tuple[Any, tuple]
 
 
 def bind_stacks(stacks: dict, geometry: dict, bindings: dict, per_device: dict,
-                rank_of: Callable[[Any], int]) -> bool:
+                rank_of: Callable[[Any], int], shard_ranks: Callable[[Any], list | None]
+                ) -> bool:
     """Bind the arrays a call set aside for stacks: ``stacks`` geometry -> ``[(name,
     leaf, flip, product)]``, ``geometry`` geometry -> (layout, shard ranks, agrees,
     (output sharding, shard shape)). A geometry of fewer than :data:`MIN_GROUP` arrays, or
     whose stack is refused, is viewed shard by shard. Whether every view came in its
-    geometry's order (as :func:`shard_views`)."""
-    from xreshard.adapters.jax import _shard_ranks
+    geometry's order (as :func:`shard_views`); ``shard_ranks(sharding)``: ``[(world rank,
+    on CPU?)]`` of its addressable devices in its arrays' per-device order."""
     ordered = True
     for key, members in stacks.items():
-        shard_ranks = geometry[key][1]
         out, shard_shape = geometry[key][3]
         stacked = None if len(members) < MIN_GROUP else stacked_views(
-            key, out, [leaf for _, leaf, _, _ in members], shard_shape,
-            lambda s: _shard_ranks(s, rank_of))
+            key, out, [leaf for _, leaf, _, _ in members], shard_shape, shard_ranks)
         for i, (name, leaf, flip, product) in enumerate(members):
             if stacked is not None:
                 put_views(bindings, name, stacked[i], flip, product)
                 continue
-            views, in_order = shard_views(leaf, shard_ranks, per_device, rank_of)
+            views, in_order = shard_views(leaf, geometry[key][1], per_device, rank_of)
             ordered = ordered and in_order
             put_views(bindings, name, views, flip, product)
     return ordered
