@@ -73,12 +73,35 @@ def _shard_bytes(tree: dict, ranks: dict) -> dict:
             for n, a in tree.items() for s in a.addressable_shards}
 
 
+#: the stacked blocks jax_stack handed out in this process (kept alive: compared by id)
+_BLOCKS: dict[int, np.ndarray] = {}
+
+
+@pytest.fixture(autouse=True)
+def _spy_blocks(monkeypatch):
+    real = jax_stack.stacked_views
+
+    def spy(*args: Any) -> Any:
+        got = real(*args)
+        for per_device in got or ():
+            for _, view in per_device:
+                root = _root(view)
+                _BLOCKS[id(root)] = root
+        return got
+    monkeypatch.setattr(jax_stack, "stacked_views", spy)
+    yield
+    _BLOCKS.clear()
+
+
+def _root(view: np.ndarray) -> np.ndarray:
+    while isinstance(view.base, np.ndarray):
+        view = view.base
+    return view
+
+
 def _stack_block(view: np.ndarray) -> np.ndarray | None:
     """The stacked block a binding is a slice of, or None (a view of its own shard)."""
-    base = view
-    while isinstance(base.base, np.ndarray):
-        base = base.base
-    return base if base.ndim == view.ndim + 1 else None
+    return _BLOCKS.get(id(_root(view)))
 
 
 def test_the_second_bind_reads_small_shards_through_stacks_bit_exact():
@@ -164,6 +187,42 @@ def test_one_shot_binds_compile_nothing(monkeypatch):
         bound = xjax.bind(tree, "send", ranks={d.id: i for i, d in enumerate(mesh.devices.flat)})
         assert all(_stack_block(v) is None for v in bound.bindings.values())
     assert not called
+
+
+def test_the_naming_rules_path_reads_small_shards_through_stacks_from_its_second_call():
+    """``bind_rules`` with a refit's cache: every HF binding (transposed and reshaped views
+    of the trainer's shards included) holds bit for bit what the per-shard path binds."""
+    from xreshard.adapters.naming import NameMap, Reshape, Rule, Transpose
+    from jax.sharding import NamedSharding, PartitionSpec as P
+    mesh = _mesh()
+    ranks = {d.id: i for i, d in enumerate(mesh.devices.flat)}
+    rules = NameMap((Rule("layers/{i}/norm", "model.layers.{i}.norm.weight"),
+                     Rule("layers/{i}/kernel", "model.layers.{i}.proj.weight", (Transpose(),)),
+                     Rule("layers/{i}/heads", "model.layers.{i}.q.weight",
+                          (Reshape(("@0", -1)),))))
+    cache: dict = {}
+
+    def tree(step: int) -> dict:
+        out = {}
+        for i in range(10):
+            for leaf, shape, spec in (("norm", (16,), ("b",)), ("kernel", (8, 12), ("a", "b")),
+                                      ("heads", (8, 2, 4), ("a", None, "b"))):
+                value = cases.pattern(f"{leaf}{i}", shape, "bfloat16", step)
+                out[f"layers/{i}/{leaf}"] = jax.device_put(value, NamedSharding(mesh, P(*spec)))
+        return out
+    for step in range(3):
+        params = tree(step)
+        bound = xjax.bind_rules(params, rules, ranks, cache=cache)
+        plain = xjax.bind_rules(params, rules, ranks)            # no cache: shard by shard
+        assert set(bound.bindings) == set(plain.bindings)
+        for key, got in bound.bindings.items():
+            want = plain.bindings[key]
+            pairs = list(zip(got, want)) if isinstance(got, list) else [(got, want)]
+            assert len(pairs) == (len(want) if isinstance(want, list) else 1)
+            for view, piece in pairs:
+                assert view.shape == piece.shape and view.tobytes() == piece.tobytes(), key
+                assert (_stack_block(view) is not None) == (step > 0), (step, key)
+                assert _stack_block(piece) is None
 
 
 # ---------------------------------------------------------------- real processes

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 from xreshard.adapters.jax_landing import Landing, adopted, aligned_empty
 from xreshard.adapters.jax_stack import (
-    bind_stacks, put_views, shard_views, stack_of, stack_refused)
+    bind_stacks, put_views, shard_views, stack_of, stack_refused, stacked_locals)
 from xreshard.errors import LayoutError
 from xreshard.extras import require
 from xreshard.ir.layout import Layout, LayoutMemo, Mesh, Region
@@ -410,7 +410,8 @@ def refit_bind(tree: Any, side: str, context: Any) -> Any:
             raise LayoutError("naming rules (Refit(rules=...)) map a JAX pytree being sent "
                               "onto canonical tensors; a receiving JAX tree is bound by its "
                               "own paths (use names= to rename them)")
-        return bind_rules(tree, context.rules, context.ranks, memo=context.memo)
+        return bind_rules(tree, context.rules, context.ranks, memo=context.memo,
+                          cache=context.cache)
     landing = context.cache.setdefault("landing", Landing()) if side == "receive" else None
     return _bind_paused(tree, side, ranks=context.ranks, names=context.names,
                         transpose=context.transpose, memo=context.memo, cache=context.cache,
@@ -418,7 +419,7 @@ def refit_bind(tree: Any, side: str, context: Any) -> Any:
 
 
 def bind_rules(tree: Any, rules: Any, ranks: Mapping[int, int], *,
-               memo: LayoutMemo | None = None) -> Any:
+               memo: LayoutMemo | None = None, cache: dict | None = None) -> Any:
     """The send side of a JAX pytree mapped onto canonical (HF) tensors by naming rules
     (``xreshard.adapters.naming``): each canonical tensor is bound as views of the trainer
     arrays' shards (:func:`bind_named`).
@@ -428,14 +429,16 @@ def bind_rules(tree: Any, rules: Any, ranks: Mapping[int, int], *,
         rules: a ``NameMap``, or a sequence of ``Rule`` / ``ConcatRule``.
         ranks: JAX device id -> world rank.
         memo: where the arrays' layouts are remembered across calls (None: nowhere).
+        cache: a dict the caller keeps across calls (a refit's): small shards of a geometry
+            bound before are read through stacks (``jax_stack.py``); None: never.
     """
     from xreshard.adapters.naming import NameMap
     namemap = rules if isinstance(rules, NameMap) else NameMap(tuple(rules))
-    return bind_named(tree, namemap, ranks, memo=memo)
+    return bind_named(tree, namemap, ranks, memo=memo, cache=cache)
 
 
-def bind_named(tree: Any, namemap: NameMap, ranks: Mapping[int, int], *, memo: Any = None
-               ) -> Any:
+def bind_named(tree: Any, namemap: NameMap, ranks: Mapping[int, int], *, memo: Any = None,
+               cache: dict | None = None) -> Any:
     """The send side of a JAX pytree whose HF tensors the naming rules describe.
 
     Each array becomes a :class:`ShardedView` (its layout, and its addressable shards as
@@ -449,6 +452,7 @@ def bind_named(tree: Any, namemap: NameMap, ranks: Mapping[int, int], *, memo: A
         ranks: JAX device id -> world rank, for every device of the arrays.
         memo: the ``LayoutMemo`` the arrays' layouts are remembered in (default a fresh
             one).
+        cache: as :func:`bind_rules`'.
 
     Returns:
         A :class:`~xreshard.runtime.binding.Bound`: HF name -> layout, (rank, HF name) -> view.
@@ -467,6 +471,9 @@ def bind_named(tree: Any, namemap: NameMap, ranks: Mapping[int, int], *, memo: A
     memo_kw = {} if memo is None else {"memo": memo}
     layouts: dict[str, Layout] = {}
     bindings: dict[tuple[int, str], Any] = {}
+    rank_of = _rank_of(ranks)
+    stacked = {} if cache is None else stacked_locals(
+        flat, cache, lambda s: _shard_ranks(s, rank_of))
     for name, arr in flat.items():
         rule, fields = next((r, m) for r in namemap.rules if (m := r.match(name)) is not None)
         if isinstance(rule, ConcatRule):
@@ -477,7 +484,8 @@ def bind_named(tree: Any, namemap: NameMap, ranks: Mapping[int, int], *, memo: A
                               f"trainer")
         assert isinstance(fields, dict)         # a Rule's match (a ConcatRule's is refused)
         layout = _as_product(array_layout(arr, ranks, name, **memo_kw), name)
-        local = {ranks[int(s.device.id)]: host_view(s.data) for s in arr.addressable_shards}
+        local = stacked.get(name) or {
+            ranks[int(s.device.id)]: host_view(s.data) for s in arr.addressable_shards}
         for view, f in namemap.expand(ShardedView(layout, local), dict(fields), rule.transforms,
                                       name):
             hf = rule.dst.format(**f)
@@ -509,10 +517,11 @@ def bind(tree: Any, side: str, *, ranks: Mapping[int, int], names: Any = None,
     shardings (receive) to world ranks.
 
     Sending exports each addressable shard without copying (a read-only numpy view on CPU,
-    CuPy through DLPack on GPU). Receiving allocates one buffer per addressable shard and,
-    once the refit succeeded, builds new arrays with
-    ``jax.make_array_from_single_device_arrays`` (JAX arrays are immutable: a live array is
-    never written). The result is the refit's ``received`` pytree.
+    CuPy through DLPack on GPU); a refit that binds small CPU shards of one geometry again
+    reads them through jitted per-device stacks instead (``jax_stack.py``). Receiving
+    allocates one buffer per addressable shard and, once the refit succeeded, builds new
+    arrays with ``jax.make_array_from_single_device_arrays`` (JAX arrays are immutable: a
+    live array is never written). The result is the refit's ``received`` pytree.
 
     Args:
         tree: the pytree.

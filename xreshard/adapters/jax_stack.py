@@ -43,7 +43,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 __all__ = ["MAX_SHARD_BYTES", "MIN_GROUP", "bind_stacks", "put_views", "shard_views", "stack_of",
-           "stack_refused", "stackable", "stacked_views"]
+           "stack_refused", "stackable", "stacked_locals", "stacked_views"]
 
 #: bytes: the largest shard read through a stack (larger ones are viewed, sent zero-copy)
 MAX_SHARD_BYTES = 8 << 10
@@ -147,6 +147,40 @@ def bind_stacks(stacks: dict, geometry: dict, bindings: dict, per_device: dict,
             ordered = ordered and in_order
             put_views(bindings, name, views, flip, product)
     return ordered
+
+
+def stacked_locals(flat: dict, cache: dict, shard_ranks: Callable[[Any], list | None]
+                   ) -> dict[str, dict[int, Any]]:
+    """For the naming-rules path (``bind_named``): name -> {world rank: view of its shard}
+    for the arrays of ``flat`` (name -> array) read through stacks, those of a geometry
+    this ``cache`` (kept across a refit's calls) saw in an earlier call; the rest are not
+    in it (the caller views them shard by shard)."""
+    seen = cache.get("stack_seen")
+    if seen is None or len(seen) > 4096:
+        seen = cache["stack_seen"] = {}
+    refused = stack_refused()
+    groups: dict[Any, list] = {}
+    new: set = set()                # first seen by this call: stacked from the next one on
+    for name, leaf in flat.items():
+        try:
+            key = (leaf.sharding, tuple(leaf.shape), leaf.dtype)
+            known = seen.get(key, False)
+        except (AttributeError, TypeError):     # not an array, or an unhashable sharding
+            continue
+        if known is False:
+            ranks = shard_ranks(leaf.sharding)
+            seen[key] = None if ranks is None else stack_of(leaf, key, ranks)
+            new.add(key)
+        elif known is not None and key not in refused and key not in new \
+                and not leaf.is_deleted():
+            groups.setdefault(key, []).append((name, leaf))
+    out: dict[str, dict[int, Any]] = {}
+    for key, members in groups.items():
+        views = None if len(members) < MIN_GROUP else stacked_views(
+            key, seen[key][0], [leaf for _, leaf in members], seen[key][1], shard_ranks)
+        if views is not None:
+            out.update((name, dict(v)) for (name, _), v in zip(members, views))
+    return out
 
 
 def stack_refused() -> frozenset:
