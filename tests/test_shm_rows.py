@@ -36,7 +36,7 @@ CONFIG = {"timeout": 60, "bucket_bytes": 1 << 20, "staging_bytes": 1 << 24}
 
 def _config(mode: str) -> Any:
     import xreshard as xr
-    extra = {"plain": {}, "delta": {"delta": True},
+    extra = {"plain": {}, "delta": {"delta": True}, "atomic": {"atomic": True},
              "checked": {"verify": True, "check_writes": True}}[mode]
     return xr.RefitConfig(**CONFIG, **extra)
 
@@ -78,12 +78,13 @@ def rows_receiver(ctx: Context, steps: int, mode: str) -> dict:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mode", ["plain", "checked", "delta"])
+@pytest.mark.parametrize("mode", ["plain", "checked", "atomic", "delta"])
 def test_row_parallel_destination_lands_in_its_rows_bit_exact(mode):
-    """plain and verify + check_writes (which check the destinations and the sources, not
-    the staging): every refit puts each receiver's 1.1 MiB of "down" straight into its
-    shard's rows, bit-exact (the old executor staged them and unpacked). delta: its
-    messages are framed by its codec, so they keep staging, and stay exact."""
+    """plain, verify + check_writes (which check the destinations and the sources, not
+    the staging) and atomic (whose destinations are its own copies, committed after the
+    outcome): every refit puts each receiver's 1.1 MiB of "down" straight into its rows,
+    bit-exact (the old executor staged them and unpacked). delta: its messages are framed
+    by its codec, so they keep staging, and stay exact."""
     roles = [Role("jax", "trainer", 0, num_devices=4)] + [
         Role("torch", "rollout", i) for i in range(2)]
     steps = 3
