@@ -36,14 +36,21 @@ CONFIG = {"timeout": 60, "bucket_bytes": 1 << 20, "staging_bytes": 1 << 24}
 
 def _config(mode: str) -> Any:
     import xreshard as xr
-    extra = {"plain": {}, "delta": {"delta": True}, "atomic": {"atomic": True},
+    extra = {"plain": {}, "segments": {}, "delta": {"delta": True}, "atomic": {"atomic": True},
              "checked": {"verify": True, "check_writes": True}}[mode]
     return xr.RefitConfig(**CONFIG, **extra)
 
 
+def _join(ctx: Context, mode: str) -> Any:
+    """This process's world; "segments": no cross-process reads (the sender copies into
+    its pair segment, the receiver copies out of it into the rows)."""
+    import xreshard as xr
+    return ctx.join(groups=["trainer", "rollout"], tuning=xr.Tuning(shm_pull=mode != "segments"))
+
+
 def rows_sender(ctx: Context, steps: int, mode: str) -> dict:
     import xreshard as xr
-    world = ctx.join(groups=["trainer", "rollout"])
+    world = _join(ctx, mode)
     prefix = world.transport("auto").parts["shm"].prefix      # a collective: all, first
     refit = xr.Refit(world, config=_config(mode))
     for step in range(steps):
@@ -58,11 +65,11 @@ def rows_receiver(ctx: Context, steps: int, mode: str) -> dict:
 
     members = sum(r.group == "rollout" for r in ctx.roles)
     cases._torch_group(ctx, members, ctx.role.index, "rollout")
-    world = ctx.join(groups=["trainer", "rollout"])
+    world = _join(ctx, mode)
     shm = world.transport("auto").parts["shm"]
     state = cases._dtensors(ROWS, "bfloat16", members, None)
     refit = xr.Refit(world, receive=state, config=_config(mode))
-    into_rows, staging, verified = [], [], []
+    into_rows, staging, verified, pulled = [], [], [], shm.bytes_pulled
     for step in range(steps):
         before = getattr(shm, "bytes_into_rows", None)
         report = refit()
@@ -74,17 +81,18 @@ def rows_receiver(ctx: Context, steps: int, mode: str) -> dict:
     world.close()
     dist.destroy_process_group()
     return {"version": refit.version, "into_rows": into_rows, "staging": staging,
-            "verified": verified}
+            "verified": verified, "pulled": shm.bytes_pulled - pulled}
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mode", ["plain", "checked", "atomic", "delta"])
+@pytest.mark.parametrize("mode", ["plain", "segments", "checked", "atomic", "delta"])
 def test_row_parallel_destination_lands_in_its_rows_bit_exact(mode):
     """plain, verify + check_writes (which check the destinations and the sources, not
     the staging) and atomic (whose destinations are its own copies, committed after the
     outcome): every refit puts each receiver's 1.1 MiB of "down" straight into its rows,
-    bit-exact (the old executor staged them and unpacked). delta: its messages are framed
-    by its codec, so they keep staging, and stay exact."""
+    bit-exact (the old executor staged them and unpacked); pulled, or with no
+    cross-process reads ("segments") copied out of the sender's segment into the rows.
+    delta: its messages are framed by its codec, so they keep staging, and stay exact."""
     roles = [Role("jax", "trainer", 0, num_devices=4)] + [
         Role("torch", "rollout", i) for i in range(2)]
     steps = 3
@@ -101,6 +109,7 @@ def test_row_parallel_destination_lands_in_its_rows_bit_exact(mode):
             assert all(s < DOWN_BYTES for s in v["staging"]), v   # only the small ones
         if mode == "checked":
             assert all(n > 0 for n in v["verified"]), v
+        assert (v["pulled"] == 0) == (mode == "segments"), v
     assert shm_names(results[0].value["prefix"]) == []
 
 
