@@ -77,6 +77,7 @@ def _patch() -> None:
     for a in ("_complete", "_receive_batches", "_await_acks", "_ack", "_wait", "_land"):
         _wrap(t, a, f"shm.{a}")
     _wrap(shm, "pull", "shm.pull")
+    _wrap(shm, "pull_rows", "shm.pull")     # a pull into a destination's rows (takes_views)
     for a in ("_run", "_pipelined", "_message", "_pack", "_unpack"):
         _wrap(ex.Executor, a, f"ex.{a}")
     for a in ("_call", "_bind_sides", "_prepare", "_move", "_commit"):

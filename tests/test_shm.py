@@ -197,6 +197,78 @@ def test_mismatched_size_and_misuse_raise_and_clean_up():
         t.close()
 
 
+@pytest.mark.parametrize("pull", [False, True], ids=["copy", "pull"])
+def test_a_receive_lands_in_a_destinations_strided_rows(pull):
+    """A receive posted as a destination's region (the left or right half of each row of a
+    row-parallel torch shard: ``takes_views``) gets the message's bytes in the rows' C
+    order, bit for bit, pulled with a local iovec per row (2,100 rows: more than the 1,024
+    iovecs one ``process_vm_readv`` takes) or copied out of the sender's segment; the
+    rest of each row is untouched and no staging is involved."""
+    rows, half = 2100, 37                           # odd row bytes: 74
+    shard = torch.full((rows, 2 * half), -7, dtype=torch.int16)
+    left, right = shard.numpy()[:, :half], shard.numpy()[:, half:]
+    cube = np.full((3, 5, 8), 9, np.float32)         # a 3-d region: [1:3, :, 2:6]
+    region = cube[1:3, :, 2:6]
+    msgs = {0: _data(0, 2, 0, left.nbytes), 1: _data(0, 2, 1, region.nbytes)}
+    with _pair_cleaned(pulls=pull) as (a, b, prefix):
+        assert b.takes_views(0, 2) and b.takes_views(1, 2)
+        assert not b.takes_views(2, 0) and not a.takes_views(0, 1) and not b.takes_views(0, 9)
+
+        def send():
+            with a.group(20):
+                for tag, d in msgs.items():
+                    a.send(d, 0, 2, tag)
+
+        def recv():
+            with b.group(20):
+                b.recv(left, 0, 2, 0)
+                b.recv(region, 0, 2, 1)
+        ra, rb = _both(send, recv)
+        assert ra is None and rb is None, (ra, rb)
+        assert left.tobytes() == msgs[0].tobytes() and region.tobytes() == msgs[1].tobytes()
+        assert (right == -7).all() and (cube[0] == 9).all() and (cube[1:, :, :2] == 9).all()
+        assert (cube[1:, :, 6:] == 9).all()
+        assert b.bytes_into_rows == left.nbytes + region.nbytes
+        assert b.bytes_pulled == (b.bytes_received if pull else 0)
+
+
+def test_pull_rows_splits_at_iov_max_and_goes_on_after_short_reads(monkeypatch):
+    """``pull_rows`` hands the kernel at most IOV_MAX local iovecs per call and, when a
+    call lands fewer bytes than asked (the kernel stops at a fault or its per-call limit),
+    goes on from the byte it stopped at, also inside a row."""
+    import ctypes
+
+    from xreshard.transport import shm_memory as sm
+    fn, iovec, _ = sm._process_vm_readv()
+    counts: list[int] = []
+
+    def short(pid, local, n_local, remote, n_remote, flags):
+        """process_vm_readv of this process that lands at most 1,000 bytes a call."""
+        counts.append(n_local)
+        assert n_remote == 1
+        src, budget, done = remote._obj.iov_base, min(remote._obj.iov_len, 1000), 0
+        for i in range(n_local):
+            take = min(local[i].iov_len, budget - done)
+            ctypes.memmove(local[i].iov_base, src + done, take)
+            done += take
+            if done == budget:
+                break
+        return done
+    monkeypatch.setattr(sm, "_CMA", (short, iovec, ctypes))
+    wide = np.zeros((3000, 41), np.uint8)
+    rows = wide[:, 3:40]                        # 37 bytes a row: reads stop inside rows
+    msg = _data(0, 1, 0, rows.nbytes)
+    sm.pull_rows(os.getpid(), sm.row_runs(rows), int(msg.ctypes.data), msg.nbytes)
+    assert rows.tobytes() == msg.tobytes() and not wide[:, :3].any() and not wide[:, 40].any()
+    assert max(counts) <= sm.IOV_MAX and len(counts) >= msg.nbytes // 1000
+    monkeypatch.setattr(sm, "_CMA", (fn, iovec, ctypes))
+    counts.clear()
+    big = np.zeros((2500, 8), np.uint16)[:, 2:5]     # the real call, 2,500 rows
+    want = _data(0, 1, 1, big.nbytes)
+    sm.pull_rows(os.getpid(), sm.row_runs(big), int(want.ctypes.data), want.nbytes)
+    assert big.tobytes() == want.tobytes()
+
+
 def test_a_pulling_receiver_reads_while_the_sender_still_posts():
     """Records to a pulling peer go out in batches as the sends are posted: the receiver
     lands the first messages while the sender's group is still open (it used to see none

@@ -128,7 +128,8 @@ class RecordingTransport:
 def takes_view(transport: Any, bucket: Any, view: Any) -> bool:
     """Whether ``transport`` takes ``view`` (a strided host array, a destination's own
     region) as the receive buffer of ``bucket`` instead of staging: its ``takes_views(src,
-    dst)`` says so for the pair (``LocalTransport``: both ranks in this process). The
+    dst)`` says so for the pair (``LocalTransport``: both ranks in this process;
+    ``ShmTransport``: the receiver's pairs with its shm peers, pulled a row per iovec). The
     executor asks before it takes staging to unpack from. Only views whose last dim is
     contiguous (rows of a wider array): a transposed one is unpacked by the executor's
     tiled copy (``runtime/copies.py``), which a plain strided copy would not match."""

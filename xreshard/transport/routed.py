@@ -120,7 +120,7 @@ class RoutedTransport:
 
     def takes_views(self, src_rank: int, dst_rank: int) -> bool:
         """Whether the pair's transport takes a strided host view as a receive buffer
-        (``LocalTransport.takes_views``)."""
+        (``LocalTransport.takes_views``, ``ShmTransport.takes_views``)."""
         takes = getattr(self.parts.get(self._route(src_rank, dst_rank)), "takes_views", None)
         return bool(takes is not None and takes(src_rank, dst_rank))
 

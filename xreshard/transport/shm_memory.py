@@ -120,6 +120,69 @@ def pull(pid: int, local_addr: int, remote_addr: int, nbytes: int) -> None:
         done += got
 
 
+#: the most iovecs one ``process_vm_readv`` takes (``IOV_MAX``: more is ``EINVAL``)
+IOV_MAX = 1024
+
+
+def row_runs(view: np.ndarray) -> np.ndarray:
+    """The contiguous runs of ``view`` (its rows, or several rows merged where they touch) in
+    its C order: an ``(n, 2)`` uint64 array of (address, length), laid out as ``n`` C
+    ``struct iovec``. ``view``'s last dim is contiguous (the rows of a wider array)."""
+    run, k = view.itemsize, view.ndim
+    while k and (view.strides[k - 1] == run or view.shape[k - 1] == 1):
+        run *= view.shape[k - 1]
+        k -= 1
+    offsets: np.ndarray = np.zeros(1, np.int64)
+    for n, stride in zip(view.shape[:k], view.strides[:k]):
+        offsets = (offsets[:, None] + np.arange(n, dtype=np.int64) * stride).reshape(-1)
+    runs: np.ndarray = np.empty((offsets.size, 2), np.uint64)
+    runs[:, 0] = offsets + int(view.ctypes.data)
+    runs[:, 1] = run
+    return runs
+
+
+def pull_rows(pid: int, runs: np.ndarray, remote_addr: int, nbytes: int) -> None:
+    """Copy ``nbytes`` at ``remote_addr`` in process ``pid`` into the local ``runs`` (from
+    :func:`row_runs`, summing to ``nbytes``) in order: a local iovec per run, at most
+    ``IOV_MAX`` of them per call, against one remote iovec (the message is contiguous
+    there). The kernel scatters the bytes, so a strided destination is written once, with
+    no staging. A short read (the kernel stops at a fault or at its per-call limit) goes on
+    from where it stopped.
+
+    Raises:
+        OSError: the kernel refused or the peer is gone (errno says which).
+    """
+    cma = _process_vm_readv()
+    if cma is None:
+        raise OSError("process_vm_readv is not available")
+    fn, iovec, ctypes = cma
+    assert ctypes.sizeof(iovec) == 16 and runs.dtype == np.uint64 and runs.shape[1:] == (2,)
+    runs = np.array(runs, np.uint64, order="C")        # ours to advance past a short read
+    done, i = 0, 0
+    while i < len(runs) and done < nbytes:
+        part = runs[i:i + IOV_MAX]
+        want = int(part[:, 1].sum())
+        remote = iovec(remote_addr + done, want)
+        got = fn(pid, part.ctypes.data_as(ctypes.POINTER(iovec)), len(part),
+                 ctypes.byref(remote), 1, 0)
+        if got <= 0:
+            err = ctypes.get_errno()
+            raise OSError(err, f"process_vm_readv from pid {pid}: {os.strerror(err)}")
+        done += got
+        if got == want:
+            i += len(part)
+            continue
+        filled = np.cumsum(part[:, 1].astype(np.int64))
+        whole = int(np.searchsorted(filled, got, side="right"))    # runs read entirely
+        i += whole
+        into = got - (int(filled[whole - 1]) if whole else 0)      # bytes of the next one
+        runs[i, 0] += np.uint64(into)
+        runs[i, 1] -= np.uint64(into)
+    if done != nbytes:
+        raise OSError(0, f"process_vm_readv from pid {pid}: {done} of {nbytes} bytes landed "
+                         f"in rows of {int(runs[:, 1].sum()) if len(runs) else 0}")
+
+
 def can_pull(pid: int, remote_addr: int, expect: bytes) -> bool:
     """Whether ``pull`` reads ``expect`` at ``remote_addr`` in process ``pid`` (the probe)."""
     buf: np.ndarray = np.zeros(len(expect), np.uint8)
@@ -211,8 +274,11 @@ def read_probe(token: str) -> bool:
         seg.close()
 
 
-def as_numpy(buf: Any) -> np.ndarray:
-    """A flat uint8 numpy view of a contiguous CPU buffer (numpy array or torch tensor)."""
+def as_numpy(buf: Any, rows: bool = False) -> np.ndarray:
+    """A flat uint8 numpy view of a contiguous CPU buffer (numpy array or torch tensor);
+    with ``rows``, a view whose last dim is contiguous (a row range of a wider array: a
+    receive that lands in a destination region, ``ShmTransport.takes_views``) is returned
+    as it is."""
     if isinstance(buf, np.ndarray):
         arr = buf
     elif hasattr(buf, "numpy") and hasattr(buf, "device"):
@@ -223,8 +289,11 @@ def as_numpy(buf: Any) -> np.ndarray:
     else:
         arr = np.asarray(buf)
     if not arr.flags.c_contiguous:
+        if rows and arr.ndim > 1 and arr.strides[-1] == arr.itemsize:
+            return arr
         # reshape would copy, and a receive would land in the copy
-        raise TransportError(f"the shm transport moves contiguous buffers, got one of shape "
+        raise TransportError(f"the shm transport moves contiguous buffers (or receives into "
+                             f"rows whose last dim is contiguous), got one of shape "
                              f"{arr.shape} with strides {arr.strides}")
     if arr.dtype != np.uint8 or arr.ndim != 1:
         arr = arr.reshape(-1).view(np.uint8)
