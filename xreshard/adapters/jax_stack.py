@@ -40,9 +40,11 @@ from __future__ import annotations
 import math
 import threading
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["MAX_SHARD_BYTES", "MIN_GROUP", "bind_stacks", "put_views", "shard_views", "stack_of",
+__all__ = ["MAX_SHARD_BYTES", "MIN_GROUP", "StackedReceive", "bind_received_stacks",
+           "bind_stacks", "unstacked", "put_views", "shard_views", "stack_of",
            "stack_refused", "stackable", "stacked_locals", "stacked_views"]
 
 #: bytes: the largest shard read through a stack (larger ones are viewed, sent zero-copy)
@@ -52,14 +54,15 @@ MIN_GROUP = 8
 #: the most arrays one stack takes
 CHUNK = 128
 
+#: dtypes a stack carries; a float travels as the unsigned int of its width (see _bits)
 _STACKABLE_DTYPES = frozenset({
     "bool", "int8", "uint8", "int16", "uint16", "int32", "uint32", "int64", "uint64",
-    "float16", "bfloat16", "float32", "float64", "complex64", "complex128",
+    "float16", "bfloat16", "float32", "float64",
     "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu",
 })
 
 _lock = threading.Lock()
-_programs: dict[Any, Any] = {}          # output sharding -> jitted stack
+_programs: dict[Any, Any] = {}          # output sharding -> jitted stack (and unstacks)
 _refused: set[Any] = set()              # geometries whose stack failed once
 
 
@@ -183,10 +186,112 @@ def stacked_locals(flat: dict, cache: dict, shard_ranks: Callable[[Any], list | 
     return out
 
 
+@dataclass
+class StackedReceive:
+    """K received leaves of one geometry landing in one block per device: the leaves'
+    bindings are the blocks' rows; once the refit succeeded the blocks are adopted as one
+    array sharded ``out`` and a jitted unstack makes the K arrays (``unstacked``)."""
+
+    key: Any                # the geometry
+    out: Any                # the stack's sharding: P(None, *spec)
+    sharding: Any           # the leaves'
+    shape: tuple            # (K, *the leaves' shape)
+    blocks: list            # [(device, (K, *shard shape) host buffer)]
+    at: list[int]           # the leaves' places in the bind's pending list
+
+
+def bind_received_stacks(stacks: dict, geometry: dict, bindings: dict, new_buffer: Any,
+                         rank_of: Callable[[Any], int], pending: list) -> list[StackedReceive]:
+    """Bind the received leaves a call set aside for stacks (``stacks`` geometry ->
+    ``[(place in pending, name, leaf, flip, product)]``): a geometry of fewer than
+    :data:`MIN_GROUP` leaves, or whose devices JAX does not list, gets a buffer per shard
+    (``pending`` filled in); the others land in blocks, ``K`` leaves per block."""
+    import numpy as np
+    from xreshard.adapters.jax_landing import shard_buffers
+    from xreshard.dtypes import numpy_dtype
+    out = []
+    for key, members in stacks.items():
+        stack, shard_shape = geometry[key][3]
+        devices = getattr(stack, "_addressable_device_assignment", None)
+        if len(members) < MIN_GROUP or devices is None:
+            for at, name, leaf, flip, product in members:
+                pending[at] = (leaf, shard_buffers(leaf, name, flip, product, new_buffer,
+                                                   rank_of, bindings))
+            continue
+        leaf0 = members[0][2]
+        dtype = numpy_dtype(str(np.dtype(leaf0.dtype)))
+        ranks = [rank_of(d) for d in devices]
+        k = _chunk_size(len(members))
+        for start in range(0, len(members), k):
+            part = members[start:start + k]
+            blocks = [(d, new_buffer((k, *shard_shape), dtype)) for d in devices]
+            for i, (_, name, _, flip, product) in enumerate(part):
+                for rank, (_, block) in zip(ranks, blocks):
+                    view = block[i].T if flip else block[i]
+                    bindings[(rank, name)] = view if product else [view]
+            out.append(StackedReceive(key, stack, leaf0.sharding, (k, *leaf0.shape), blocks,
+                                      [m[0] for m in part]))
+    return out
+
+
+def unstacked(jax: Any, chunk: StackedReceive) -> list[Any]:
+    """The arrays of ``chunk``'s leaves: its blocks adopted as one stacked array, split by
+    a jitted unstack (a copy on each device, bit for bit); if that fails, each leaf is
+    assembled from copies of its rows (and the geometry is not stacked again)."""
+    import numpy as np
+    n = len(chunk.at)
+    try:
+        dtype = chunk.blocks[0][1].dtype
+        wire = np.dtype(f"uint{8 * dtype.itemsize}") if dtype.kind == "V" or np.issubdtype(
+            dtype, np.floating) else dtype          # floats travel as bits (see _bits)
+        arrays = [jax.device_put(block.view(wire), device) for device, block in chunk.blocks]
+        whole = jax.make_array_from_single_device_arrays(chunk.shape, chunk.out, arrays)
+        return list(_unstack_program(chunk.out, chunk.sharding, dtype)(whole))[:n]
+    except Exception:       # noqa: BLE001 - the rows hold the bytes either way
+        with _lock:
+            _refused.add(chunk.key)
+    return [jax.make_array_from_single_device_arrays(
+        chunk.shape[1:], chunk.sharding,
+        [jax.device_put(np.array(block[i]), device) for device, block in chunk.blocks])
+        for i in range(n)]
+
+
+def _unstack_program(out: Any, sharding: Any, dtype: Any) -> Any:
+    """The jitted split of a stack sharded ``out`` into arrays sharded ``sharding`` of
+    ``dtype`` (the stack holds a float dtype's bits: each row is bitcast back, no convert)."""
+    with _lock:
+        key = ("unstack", out, sharding, dtype)
+        program = _programs.get(key)
+        if program is None:
+            import jax
+            if len(_programs) >= 256:
+                _programs.clear()
+
+            def split(s: Any) -> tuple:
+                rows = (s[i] for i in range(s.shape[0]))
+                if s.dtype == dtype:
+                    return tuple(rows)
+                return tuple(jax.lax.bitcast_convert_type(r, dtype) for r in rows)
+            program = _programs[key] = jax.jit(split, out_shardings=sharding)
+        return program
+
+
 def stack_refused() -> frozenset:
     """The geometries whose stack failed (their arrays keep per-shard views)."""
     with _lock:
         return frozenset(_refused)
+
+
+def _bits(x: Any) -> Any:
+    """``x`` (traced) as the unsigned ints of its width when it is a float: XLA's CPU
+    backend computes narrow floats in float32 (its bf16/f16 normalization), so a stack or
+    slice of bf16 would come back with every NaN payload made canonical (0x7fde -> 0x7fc0);
+    a bitcast moves bits and nothing else."""
+    import jax
+    import jax.numpy as jnp
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+        return x
+    return jax.lax.bitcast_convert_type(x, jnp.dtype(f"uint{8 * x.dtype.itemsize}"))
 
 
 def _program(out: Any) -> Any:
@@ -197,7 +302,8 @@ def _program(out: Any) -> Any:
             import jax.numpy as jnp
             if len(_programs) >= 256:
                 _programs.clear()
-            program = _programs[out] = jax.jit(lambda *xs: jnp.stack(xs), out_shardings=out)
+            program = _programs[out] = jax.jit(lambda *xs: jnp.stack([_bits(x) for x in xs]),
+                                               out_shardings=out)
         return program
 
 
@@ -219,8 +325,10 @@ def stacked_views(key: Any, out: Any, leaves: Sequence[Any], shard_shape: tuple[
     ``shard_ranks(sharding)`` gives ``[(world rank, on CPU?)]`` of a sharding's
     addressable devices in its arrays' per-device order."""
     import numpy as np
+    from xreshard.dtypes import numpy_dtype
     n = len(leaves)
     k = _chunk_size(n)
+    dtype = numpy_dtype(str(np.dtype(leaves[0].dtype)))
     views: list[list[tuple[int, Any]]] = []
     try:
         program = _program(out)
@@ -237,7 +345,7 @@ def stacked_views(key: Any, out: Any, leaves: Sequence[Any], shard_shape: tuple[
                 raise ValueError("the stack's devices are not the sharding's")
             per_device = []
             for block, (rank, _) in zip(blocks, ranks):
-                host = np.asarray(block)
+                host = np.asarray(block).view(dtype)       # the floats' bits, as floats
                 if host.shape != (k, *shard_shape):
                     raise ValueError(f"stacked block {host.shape}, expected {(k, *shard_shape)}")
                 per_device.append((rank, host))

@@ -56,10 +56,17 @@ class Bound:
             writability and overlaps): a lookup, not a walk, call after call. A sending
             side: every binding is a host array cut from a geometry (sharding, shape,
             dtype) whose shard shapes and dtype the adapter already compared with the
-            layout, one binding per local rank of each layout. Either side: every entry is
+            layout, one binding per local rank of each layout. A receiving JAX side: every
+            binding is a host buffer (or a row of one) the adapter took for this call
+            alone, of a geometry it compared the same way. Either side: every entry is
             the very one of the last call's side, which passed (:func:`carried_over`).
             False for anything built by hand.
         passed: set by :func:`side_problems`: nothing was wrong with this side.
+        fresh: a receiving side whose every binding is memory its adapter took for this
+            call alone (a new host buffer, a row of one, or a recycled one nothing else
+            references: ``adapters/jax_landing.py``), so no send binding can alias it and
+            :func:`side_problems` does not compare the two sides' memory. False for
+            anything built by hand.
     """
 
     layouts: dict[str, Layout]
@@ -70,6 +77,7 @@ class Bound:
     quantized: dict[str, Any] = field(default_factory=dict)
     checked: bool = False
     passed: bool = False
+    fresh: bool = False
 
     def describe(self) -> dict[str, dict]:
         """JSON description of the layouts, for the metadata exchange."""
@@ -467,7 +475,7 @@ def side_problems(sides: Mapping[str, Bound | None], local_ranks: Iterable[int],
                 break
         bound.passed = len(out) == before
     send, receive = sides.get("send"), sides.get("receive")
-    if not out and send is not None and receive is not None:
+    if not out and send is not None and receive is not None and not receive.fresh:
         aliased = _overlaps(_bound_arrays(receive), _bound_arrays(send))
         if aliased:
             out.append(["BindingError", "receive bindings alias send bindings: "
