@@ -19,7 +19,10 @@ two separate columns do not. ``slow`` counts the xreshard reps over 3x their fas
 bimodal figure shows there, not in a median).
 
     python benchmarks/bench_peers.py [--mib 128] [--reps 5] [--transport auto|gloo]
-                                     [--only jax|torch] [--json]
+                                     [--only jax|torch] [--json] [--tensors N]
+
+``--tensors N`` (JAX only): N bf16 arrays of (16, 32) instead of one ``--mib`` array, and
+``jax.device_put`` of the whole tree: what each tensor costs, not the bytes.
 """
 
 from __future__ import annotations
@@ -42,6 +45,8 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 MiB = 2 ** 20
+#: the shape of each array with --tensors N > 1 (bf16, 1 KiB: the per-tensor cost)
+SMALL = (16, 32)
 
 
 def _summary(xs: list[float]) -> dict[str, Any]:
@@ -75,38 +80,44 @@ def jax_child(ctx: Any, cfg: dict) -> dict:
     side = int(np.sqrt(cfg["mib"] * MiB // 2))
     shape = (side, cfg["mib"] * MiB // 2 // side)
     shape = (shape[0] // 4 * 4, shape[1] // 4 * 4)
+    count = cfg.get("tensors", 1)
+    if count > 1:       # many small arrays: the per-tensor cost, not the bytes
+        shape = SMALL
     src_mesh = jax.sharding.Mesh(np.array(devs).reshape(2, 2), ("x", "y"))
     rng = np.random.default_rng(0)
-    value = rng.integers(0, 1 << 16, size=shape, dtype=np.uint16)
-    x = jax.device_put(jnp.asarray(value).view(jnp.bfloat16), NamedSharding(src_mesh, P("x", "y")))
-    x.block_until_ready()
-    out: dict[str, Any] = {"shape": list(shape), "orders": {}}
+    values = {f"w{i:05d}": rng.integers(0, 1 << 16, size=shape, dtype=np.uint16)
+              for i in range(count)}
+    x = {n: jax.device_put(jnp.asarray(v).view(jnp.bfloat16), NamedSharding(src_mesh, P("x", "y")))
+         for n, v in values.items()}
+    jax.block_until_ready(x)
+    out: dict[str, Any] = {"shape": list(shape), "tensors": count, "orders": {}}
     world = ctx.join(timeout=300)
     try:
         for order in ("same", "reversed"):
             ds = devs if order == "same" else devs[::-1]
             dst = NamedSharding(jax.sharding.Mesh(np.array(ds), ("z",)), P("z"))
             template = jax.ShapeDtypeStruct(shape, jnp.bfloat16, sharding=dst)
-            refit = xr.Refit(world, receive={"w": template},
+            refit = xr.Refit(world, receive={n: template for n in values},
                              config=xr.RefitConfig(timeout=300))
-            refit(send={"w": x})
-            got = refit.received["w"]
-            ok = np.asarray(got).view(np.uint16).tobytes() == value.tobytes()
-            ok = ok and got.sharding.is_equivalent_to(dst, 2)
+            for _ in range(2):      # the first call plans; a geometry stacks from its second
+                refit(send=x)
+            got = refit.received
+            ok = all(np.asarray(got[n]).view(np.uint16).tobytes() == v.tobytes()
+                     and got[n].sharding.is_equivalent_to(dst, 2) for n, v in values.items())
             y = jax.device_put(x, dst)
-            y.block_until_ready()
+            jax.block_until_ready(y)
             times: dict[str, list[float]] = {"xreshard": [], "device_put": []}
             # CPU seconds of the whole process (every thread: XLA's pool, the wire)
             cpu: dict[str, list[float]] = {"xreshard": [], "device_put": []}
             for _ in range(cfg["reps"]):
                 t0, c0 = time.perf_counter(), time.process_time()
                 y = jax.device_put(x, dst)
-                y.block_until_ready()
+                jax.block_until_ready(y)
                 times["device_put"].append(time.perf_counter() - t0)
                 cpu["device_put"].append(time.process_time() - c0)
                 del y
                 t0, c0 = time.perf_counter(), time.process_time()
-                refit(send={"w": x})
+                refit(send=x)
                 jax.block_until_ready(refit.received)
                 times["xreshard"].append(time.perf_counter() - t0)
                 cpu["xreshard"].append(time.process_time() - c0)
@@ -185,8 +196,12 @@ def main() -> None:
     ap.add_argument("--transport", choices=("auto", "gloo"), default="auto")
     ap.add_argument("--only", choices=("jax", "torch"), default=None)
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--tensors", type=int, default=1,
+                    help="JAX -> JAX only: this many bf16 arrays of shape SMALL (16, 32) "
+                         "instead of one --mib array (the per-tensor cost)")
     args = ap.parse_args()
-    cfg = {"mib": args.mib, "reps": args.reps, "transport": args.transport}
+    cfg = {"mib": args.mib, "reps": args.reps, "transport": args.transport,
+           "tensors": args.tensors}
     from xreshard.tools.launch import Role, launch
 
     res: dict[str, Any] = {"mib": args.mib, "reps": args.reps}
@@ -195,8 +210,10 @@ def main() -> None:
         r = launch("bench_peers:jax_child", [Role("jax", "jax", 0, num_devices=4)],
                    args=(cfg,), timeout=900)[0].value
         res["jax"] = r
-        lines += [f"JAX -> JAX, one process, 4 CPU devices, bf16 {tuple(r['shape'])} "
-                  f"({args.mib} MiB), P('x','y') on 2x2 -> P('z') on 4; median (min-max) s:",
+        what = (f"{args.tensors} arrays of bf16 {tuple(r['shape'])}" if args.tensors > 1
+                else f"bf16 {tuple(r['shape'])} ({args.mib} MiB)")
+        lines += [f"JAX -> JAX, one process, 4 CPU devices, {what}, "
+                  f"P('x','y') on 2x2 -> P('z') on 4; median (min-max) s:",
                   "", "| device order | jax.device_put | xreshard refit | xreshard / device_put "
                   "| bit-exact |", "|---|---|---|---|---|"]
         # xreshard / device_put: median of paired reps (quartiles); slow: reps over 3x min
