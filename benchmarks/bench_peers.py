@@ -67,6 +67,23 @@ def _cell(s: dict) -> str:
 
 # ---------------------------------------------------------------------------- JAX -> JAX
 
+#: with --tensors, jax.device_put takes the tree this many arrays at a time, each batch
+#: finished before the next: thousands of resharding programs in flight at once deadlock
+#: XLA's CPU collectives with 4 devices on 2 cores (a rendezvous that 2 of 4 device
+#: threads reach, aborted after 40 s; 3 of 5 runs of the whole tree, either tree)
+PUT_BATCH = 64
+
+
+def _device_put(jax: Any, x: dict, dst: Any) -> Any:
+    if len(x) == 1:
+        return jax.block_until_ready(jax.device_put(x, dst))
+    names, out = list(x), {}
+    for i in range(0, len(names), PUT_BATCH):
+        part = {n: x[n] for n in names[i:i + PUT_BATCH]}
+        out.update(jax.block_until_ready(jax.device_put(part, dst)))
+    return out
+
+
 
 def jax_child(ctx: Any, cfg: dict) -> dict:
     import jax
@@ -104,15 +121,13 @@ def jax_child(ctx: Any, cfg: dict) -> dict:
             got = refit.received
             ok = all(np.asarray(got[n]).view(np.uint16).tobytes() == v.tobytes()
                      and got[n].sharding.is_equivalent_to(dst, 2) for n, v in values.items())
-            y = jax.device_put(x, dst)
-            jax.block_until_ready(y)
+            y = _device_put(jax, x, dst)
             times: dict[str, list[float]] = {"xreshard": [], "device_put": []}
             # CPU seconds of the whole process (every thread: XLA's pool, the wire)
             cpu: dict[str, list[float]] = {"xreshard": [], "device_put": []}
             for _ in range(cfg["reps"]):
                 t0, c0 = time.perf_counter(), time.process_time()
-                y = jax.device_put(x, dst)
-                jax.block_until_ready(y)
+                y = _device_put(jax, x, dst)
                 times["device_put"].append(time.perf_counter() - t0)
                 cpu["device_put"].append(time.process_time() - c0)
                 del y

@@ -53,7 +53,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
-from .copies import array_module, copy_into, view_of
+from .copies import array_module, copy_into
 # the device hooks are looked up here at call time (tests replace them on this module)
 from .devices import (Bindings, binding_devices, cast_problems, cuda_preflight, cupy_knows,
                       device_of)
@@ -299,8 +299,11 @@ class Executor:
         if quantized.copies(self.quant, c):
             return quantized.copy_local(c, self.quant, tables, self.kernels)
         src_layout, dst_layout = tables.src_layouts[c.name], tables.dst_layouts[c.name]
-        src = view_of(tables.src_bindings[(c.rank, c.name)], src_layout, c.rank, c.region)
-        dst = view_of(tables.dst_bindings[(c.rank, c.name)], dst_layout, c.rank, c.region)
+        si, src_slices, di, dst_slices = self.programs.local(c)
+        src = tables.src_bindings[(c.rank, c.name)]
+        src = (src if si is None else src[si])[src_slices]
+        dst = tables.dst_bindings[(c.rank, c.name)]
+        dst = (dst if di is None else dst[di])[dst_slices]
         wire = self.programs.wire(c.stage)[c.name]
         src_dtype, dst_dtype = src_layout.dtype, dst_layout.dtype
         xp = array_module(dst)

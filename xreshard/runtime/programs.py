@@ -211,6 +211,21 @@ class Programs:
                     off + it.nbytes, bits_dtype(1), it.region.shape, fmt.dtype,
                     lay.dtype if side == 0 else fmt.dtype, False, quant)
 
+    def local(self, c: Any) -> tuple:
+        """Where same-rank copy ``c`` reads and writes: ``(source buffer index or None,
+        source slices, destination buffer index or None, destination slices)`` in the
+        bindings of its stage (``Layout.locate`` once per prepared call, not per call)."""
+        key = (id(c), "local")
+        got = self._cache.get(key)
+        if got is None:
+            tables = self._tables[c.stage]
+            ends = []
+            for lay in (tables.src_layouts[c.name], tables.dst_layouts[c.name]):
+                i, slices = lay.locate(c.rank, c.region)
+                ends += [None if lay.is_product else i, slices + (Ellipsis,)]
+            got = self._cache[key] = tuple(ends)
+        return got
+
     def landing(self, b: Bucket) -> Any:
         """What the executor kept of bucket ``b``'s last host unpack (see
         ``hostcopy.unpack_host``), or None."""
