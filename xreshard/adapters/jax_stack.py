@@ -246,7 +246,13 @@ def unstacked(jax: Any, chunk: StackedReceive) -> list[Any]:
             dtype, np.floating) else dtype          # floats travel as bits (see _bits)
         arrays = [jax.device_put(block.view(wire), device) for device, block in chunk.blocks]
         whole = jax.make_array_from_single_device_arrays(chunk.shape, chunk.out, arrays)
-        return list(_unstack_program(chunk.out, chunk.sharding, dtype)(whole))[:n]
+        got = list(_unstack_program(chunk.out, chunk.sharding, dtype)(whole))[:n]
+        first = got[0]      # e.g. under jax.disable_jit() out_shardings may not hold
+        if first.sharding != chunk.sharding or first.dtype != dtype \
+                or tuple(first.shape) != chunk.shape[1:]:
+            raise ValueError(f"the unstack made {first.dtype}{tuple(first.shape)} sharded "
+                             f"{first.sharding}")
+        return got
     except Exception:       # noqa: BLE001 - the rows hold the bytes either way
         with _lock:
             _refused.add(chunk.key)
