@@ -242,8 +242,8 @@ def unstacked(jax: Any, chunk: StackedReceive) -> list[Any]:
     n = len(chunk.at)
     try:
         dtype = chunk.blocks[0][1].dtype
-        wire = np.dtype(f"uint{8 * dtype.itemsize}") if dtype.kind == "V" or np.issubdtype(
-            dtype, np.floating) else dtype          # floats travel as bits (see _bits)
+        wire = np.dtype(f"uint{8 * dtype.itemsize}") if dtype.itemsize < 4 and (
+            dtype.kind == "V" or np.issubdtype(dtype, np.floating)) else dtype  # see _bits
         arrays = [jax.device_put(block.view(wire), device) for device, block in chunk.blocks]
         whole = jax.make_array_from_single_device_arrays(chunk.shape, chunk.out, arrays)
         got = list(_unstack_program(chunk.out, chunk.sharding, dtype)(whole))[:n]
@@ -289,13 +289,14 @@ def stack_refused() -> frozenset:
 
 
 def _bits(x: Any) -> Any:
-    """``x`` (traced) as the unsigned ints of its width when it is a float: XLA's CPU
-    backend computes narrow floats in float32 (its bf16/f16 normalization), so a stack or
-    slice of bf16 would come back with every NaN payload made canonical (0x7fde -> 0x7fc0);
-    a bitcast moves bits and nothing else."""
+    """``x`` (traced) as the unsigned ints of its width when it is a float narrower than
+    float32: XLA's CPU backend computes those in float32 (its bf16/f16 normalization), so a
+    stack of bf16 came back with every NaN payload made canonical (0x7fde -> 0x7fc0); a
+    bitcast moves bits and nothing else. float32 and float64 are stacked as they are (no
+    normalization; the raw-bit tests check it): bitcasting them doubled the stack's cost."""
     import jax
     import jax.numpy as jnp
-    if not jnp.issubdtype(x.dtype, jnp.floating):
+    if not jnp.issubdtype(x.dtype, jnp.floating) or x.dtype.itemsize >= 4:
         return x
     return jax.lax.bitcast_convert_type(x, jnp.dtype(f"uint{8 * x.dtype.itemsize}"))
 
