@@ -100,6 +100,13 @@ def _root(view: np.ndarray) -> np.ndarray:
     return view
 
 
+def _a_row(view: np.ndarray) -> bool:
+    """Whether a receive binding is a row of a block: its memory's owner holds more than
+    the binding and the alignment slack (a buffer of its own is exactly that)."""
+    from xreshard.adapters.jax_landing import ALIGN
+    return _root(view).nbytes > view.nbytes + ALIGN
+
+
 def _stack_block(view: np.ndarray) -> np.ndarray | None:
     """The stacked block a binding is a slice of, or None (a view of its own shard)."""
     return _BLOCKS.get(id(_root(view)))
@@ -259,12 +266,39 @@ def _raw(a: Any) -> bytes:
     return np.ascontiguousarray(np.asarray(a)).view(np.uint8).tobytes()
 
 
+def test_a_receiving_bind_lands_rows_that_unstack_bit_exact_without_a_world():
+    """The receiving side alone (no world, no torch: the newest-JAX leg runs it): each
+    binding is written with its shard's bytes as a refit would, and the arrays ``finish``
+    builds hold them bit for bit, sharded as the templates."""
+    mesh = _mesh()
+    templates = _templates(mesh)
+    context = _context(mesh)
+    ranks = dict(context.ranks)
+    for step in range(3):
+        src = _bits_tree(mesh, step)
+        bound = xjax.refit_bind(templates, "receive", context)
+        for n, arr in src.items():
+            # each destination shard's bytes cut from the source with numpy (JAX's own
+            # device_put reshard makes bf16 NaN payloads canonical: not a reference here)
+            value = np.asarray(arr)
+            for device, index in templates[n].sharding.addressable_devices_indices_map(
+                    arr.shape).items():
+                view = bound.bindings[(ranks[device.id], n)]
+                view.view(np.uint8)[...] = np.ascontiguousarray(value[index]).view(np.uint8)
+            assert _a_row(bound.bindings[(0, n)]) == (
+                step > 0 and n.split(".")[0] in STACKED), (step, n)
+        got = bound.finish()
+        for n, a in src.items():
+            assert got[n].sharding == templates[n].sharding and _raw(got[n]) == _raw(a), n
+
+
 @pytest.mark.parametrize("features", [{}, {"delta": True, "verify": True}, {"atomic": True},
                                       {"check_writes": True}])
 def test_a_jax_receiver_lands_small_shards_in_stacks_bit_exact(features, monkeypatch):
     """A one-process JAX -> JAX refit, three calls of new bit patterns: from the second
     call, every small geometry lands in stack blocks and comes out of the jitted unstack
     bit for bit, with the templates' shardings, alone and with each feature."""
+    pytest.importorskip("torch")      # the world's store is torch's TCPStore
     import xreshard as xr
     mesh = _mesh()
     unstacked: list[int] = []
@@ -301,6 +335,7 @@ def test_a_jax_receiver_lands_small_shards_in_stacks_bit_exact(features, monkeyp
 def test_a_receive_whose_unstack_fails_keeps_every_byte(monkeypatch):
     """If the jitted unstack cannot run, each leaf is assembled from copies of its rows,
     bit for bit, and its geometry lands shard by shard from then on."""
+    pytest.importorskip("torch")      # the world's store is torch's TCPStore
     import xreshard as xr
     mesh = _mesh()
     monkeypatch.setattr(jax_stack, "_refused", set())
