@@ -98,16 +98,21 @@ def _process_vm_readv() -> Any:
 _PULL_CHUNK = 1 << 30
 
 
+def _cma() -> tuple:
+    """``(process_vm_readv, struct iovec, ctypes)``; OSError where the kernel has none."""
+    cma = _process_vm_readv()
+    if cma is None:
+        raise OSError("process_vm_readv is not available")
+    return cma
+
+
 def pull(pid: int, local_addr: int, remote_addr: int, nbytes: int) -> None:
     """Copy ``nbytes`` at ``remote_addr`` in process ``pid`` to ``local_addr`` here.
 
     Raises:
         OSError: the kernel refused or the peer is gone (errno says which).
     """
-    cma = _process_vm_readv()
-    if cma is None:
-        raise OSError("process_vm_readv is not available")
-    fn, iovec, ctypes = cma
+    fn, iovec, ctypes = _cma()
     done = 0
     while done < nbytes:
         n = min(nbytes - done, _PULL_CHUNK)
@@ -152,10 +157,7 @@ def pull_rows(pid: int, runs: np.ndarray, remote_addr: int, nbytes: int) -> None
     Raises:
         OSError: the kernel refused or the peer is gone (errno says which).
     """
-    cma = _process_vm_readv()
-    if cma is None:
-        raise OSError("process_vm_readv is not available")
-    fn, iovec, ctypes = cma
+    fn, iovec, ctypes = _cma()
     assert ctypes.sizeof(iovec) == 16 and runs.dtype == np.uint64 and runs.shape[1:] == (2,)
     runs = np.array(runs, np.uint64, order="C")        # ours to advance past a short read
     done, i = 0, 0
