@@ -109,7 +109,7 @@ def shard_views(leaf: Any, shard_ranks: list | None, per_device: dict,
 
 
 def put_views(bindings: dict, name: str, views: list[tuple[int, Any]], flip: bool,
-         product: bool) -> None:
+              product: bool) -> None:
     """Bind ``views`` (world rank, host view) of tensor ``name``: transposed back when its
     canonical layout is flipped, in a list when its layout is explicit."""
     for rank, arr in views:
@@ -171,8 +171,11 @@ def stacked_locals(flat: dict, cache: dict, shard_ranks: Callable[[Any], list | 
         except (AttributeError, TypeError):     # not an array, or an unhashable sharding
             continue
         if known is False:
-            ranks = shard_ranks(leaf.sharding)
-            seen[key] = None if ranks is None else stack_of(leaf, key, ranks)
+            try:
+                ranks = shard_ranks(leaf.sharding)
+                seen[key] = None if ranks is None else stack_of(leaf, key, ranks)
+            except Exception:   # noqa: BLE001 - odd geometry: bind_named's views decide
+                seen[key] = None
             new.add(key)
         elif known is not None and key not in refused and key not in new \
                 and not leaf.is_deleted():
