@@ -40,11 +40,12 @@ GROUPS = {
     "fp8": ((4, 16), ("b",), "float8_e4m3fn", 8),
     "flags": ((8,), ("b",), "bool", 9),
     "half": ((8, 4), ("a",), "float16", 8),
+    "scalar": ((), (), "float32", 9),                   # rows of a stack are 0-d views
     "many": ((4, 4), (("a", "b"),), "float32", 130),   # K = 128: two chunks, one short
     "few": ((8, 8), ("a",), "float32", 3),              # under MIN_GROUP: views
     "large": ((64, 128), ("a",), "float32", 8),         # 16 KiB shards: views
 }
-STACKED = {"rows", "cols", "both", "repl", "uneven", "fp8", "flags", "half", "many"}
+STACKED = {"rows", "cols", "both", "repl", "uneven", "fp8", "flags", "half", "scalar", "many"}
 
 
 def _tree(mesh: Any, step: int) -> dict:
@@ -300,7 +301,8 @@ def test_a_receiving_bind_lands_rows_that_unstack_bit_exact_without_a_world():
             for device, index in templates[n].sharding.addressable_devices_indices_map(
                     arr.shape).items():
                 view = bound.bindings[(ranks[device.id], n)]
-                view.view(np.uint8)[...] = np.ascontiguousarray(value[index]).view(np.uint8)
+                bytes_of = np.ascontiguousarray(value[index]).reshape(-1).view(np.uint8)
+                view.reshape(-1).view(np.uint8)[...] = bytes_of     # (0-d ones too)
             assert _a_row(bound.bindings[(0, n)]) == (
                 step > 0 and n.split(".")[0] in STACKED), (step, n)
         got = bound.finish()

@@ -230,7 +230,8 @@ def bind_received_stacks(stacks: dict, geometry: dict, bindings: dict, new_buffe
             blocks = [(d, new_buffer((k, *shard_shape), dtype)) for d in devices]
             for i, (_, name, _, flip, product) in enumerate(part):
                 for rank, (_, block) in zip(ranks, blocks):
-                    view = block[i].T if flip else block[i]
+                    row = block[i, ...]        # a view, a 0-d one for scalars too
+                    view = row.T if flip else row
                     bindings[(rank, name)] = view if product else [view]
             out.append(StackedReceive(key, stack, leaf0.sharding, (k, *leaf0.shape), blocks,
                                       [m[0] for m in part]))
@@ -359,7 +360,9 @@ def stacked_views(key: Any, out: Any, leaves: Sequence[Any], shard_shape: tuple[
                 if host.shape != (k, *shard_shape):
                     raise ValueError(f"stacked block {host.shape}, expected {(k, *shard_shape)}")
                 per_device.append((rank, host))
-            views.extend([(rank, host[i]) for rank, host in per_device] for i in range(size))
+            # host[i, ...]: a view (host[i] of a stack of scalars is a numpy scalar)
+            views.extend([(rank, host[i, ...]) for rank, host in per_device]
+                         for i in range(size))
     except Exception:       # noqa: BLE001 - the per-shard views are always right
         if not any(leaf.is_deleted() for leaf in leaves):
             with _lock:         # a deleted array is the caller's error, not the stack's:
