@@ -66,8 +66,8 @@ _programs: dict[Any, Any] = {}          # output sharding -> jitted stack (and u
 _refused: set[Any] = set()              # geometries whose stack failed once
 
 
-def stackable(leaf: Any, key: Any, shard_bytes: int, cpu: bool) -> Any:
-    """The output sharding a stack of ``leaf``'s geometry ``key`` would have, or None when
+def stackable(leaf: Any, shard_bytes: int, cpu: bool) -> Any:
+    """The output sharding a stack of arrays like ``leaf`` would have, or None when
     ``leaf`` keeps its per-shard views."""
     if not cpu or shard_bytes > MAX_SHARD_BYTES:
         return None
@@ -124,7 +124,7 @@ def stack_of(leaf: Any, key: Any, shard_ranks: list | None) -> tuple[Any, tuple]
         return None
     shard_shape = tuple(leaf.sharding.shard_shape(tuple(leaf.shape)))
     nbytes = math.prod(shard_shape) * leaf.dtype.itemsize
-    out = stackable(leaf, key, nbytes, all(cpu for _, cpu in shard_ranks))
+    out = stackable(leaf, nbytes, all(cpu for _, cpu in shard_ranks))
     return None if out is None else (out, shard_shape)
 
 
