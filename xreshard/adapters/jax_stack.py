@@ -13,7 +13,7 @@ Decision record (issue 35, the warm plain call):
   (``P(None, *spec)``): each device stacks its own blocks, nothing crosses devices, and
   the output's block on a device is the ``K`` shards one after another. One numpy view of
   that block per device, and a slice of it per shard (~0.2 µs), replace the per-shard
-  views: 128 arrays on 4 devices cost one dispatch (~0.3 ms) and 4 views.
+  views: 512 arrays on 4 devices cost one dispatch (~1 ms) and 4 views.
 * The price is one device-side copy of those shards' bytes, so only shards of at most
   :data:`MAX_SHARD_BYTES` are stacked (a small shard is packed into a message by copying
   anyway; copying 8 KiB costs about what its view did). Larger shards keep their views,
@@ -24,11 +24,13 @@ Decision record (issue 35, the warm plain call):
 * A geometry is stacked from the second call of a refit that binds it on (its send side's
   geometry cache says it was seen before): a one-shot bind (the public ``bind``, or a
   refit called once) compiles nothing.
-* Compiles are bounded: ``K`` is 128 for groups of 128 or more and the next power of two
-  (at least 16) below that, a chunk short of ``K`` repeats its last array, and groups of
-  fewer than :data:`MIN_GROUP` arrays keep their views: at most four programs per
-  geometry, ~0.05-0.3 s each on this host's CPU, once per process (kept by ``jax.jit``'s
-  cache of the one jitted function per output sharding held here).
+* Compiles are bounded: ``K`` is a power of two from 16 to :data:`CHUNK` (512), chosen
+  by the group's size alone (:func:`chunk_size`: a run of a stack program costs ~250 µs
+  on top of ~1.9 µs an argument, so 3,000 arrays go in six runs of 512, 130 in one of
+  256), a chunk short of ``K`` repeats its last array, and groups of fewer than
+  :data:`MIN_GROUP` arrays keep their views: at most six programs per geometry,
+  0.05-0.6 s each on this host's CPU, once per process (kept by ``jax.jit``'s cache of
+  the one jitted function per output sharding held here).
 * Only CPU arrays of a ``NamedSharding`` that this process addresses in full, of a whole-byte
   dtype, with neither ``unreduced`` nor ``reduced`` axes, are stacked; anything the stack
   refuses (it raises, or its output is not the shape expected) keeps its views, and the
@@ -45,14 +47,19 @@ from typing import Any
 
 __all__ = ["MAX_SHARD_BYTES", "MIN_GROUP", "StackedReceive", "bind_received_stacks",
            "bind_stacks", "unstacked", "put_views", "shard_views", "stack_of",
-           "stack_refused", "stackable", "stacked_locals", "stacked_views"]
+           "chunk_size", "refused_count", "stack_blocks", "stack_refused", "stackable",
+           "stacked_locals", "stacked_views"]
 
 #: bytes: the largest shard read through a stack (larger ones are viewed, sent zero-copy)
 MAX_SHARD_BYTES = 8 << 10
 #: a geometry with fewer arrays in a call keeps its per-shard views (no compile for it)
 MIN_GROUP = 8
-#: the most arrays one stack takes
-CHUNK = 128
+#: the most arrays one stack takes (a program of 512 compiles in ~0.6 s, of 1,024 in 1.6)
+CHUNK = 512
+#: what a stack costs on this host's CPU (4 devices, 3,072 float32 (16, 8) arrays, K from
+#: 128 to 512: 24 runs took 12.4 ms of CPU, 6 runs 7.4 ms): µs per run of a program (its
+#: per-device executions), µs per argument (dispatch, the copy)
+_RUN_US, _ARG_US = 250.0, 1.9
 
 #: dtypes a stack carries; a float travels as the unsigned int of its width (see _bits)
 _STACKABLE_DTYPES = frozenset({
@@ -224,7 +231,7 @@ def bind_received_stacks(stacks: dict, geometry: dict, bindings: dict, new_buffe
         leaf0 = members[0][2]
         dtype = numpy_dtype(str(np.dtype(leaf0.dtype)))
         ranks = [rank_of(d) for d in devices]
-        k = _chunk_size(len(members))
+        k = chunk_size(len(members))
         for start in range(0, len(members), k):
             part = members[start:start + k]
             blocks = [(d, new_buffer((k, *shard_shape), dtype)) for d in devices]
@@ -318,13 +325,19 @@ def _program(out: Any) -> Any:
         return program
 
 
-def _chunk_size(n: int) -> int:
-    if n >= CHUNK:
-        return CHUNK
-    k = 16
-    while k < n:
+def chunk_size(n: int) -> int:
+    """K for a group of ``n`` arrays: the power of two from 16 to :data:`CHUNK` that makes
+    its stacks cheapest, ``ceil(n / K)`` runs at :data:`_RUN_US` plus ``K`` arguments
+    each at :data:`_ARG_US` (a short chunk repeats its last array); a function of ``n``
+    alone, so a group keeps its programs from call to call."""
+    best, k = (math.inf, 16), 16
+    while k <= CHUNK:
+        runs = -(-n // k)
+        best = min(best, (runs * (_RUN_US + k * _ARG_US), k))
+        if k >= n:
+            break
         k *= 2
-    return k
+    return best[1]
 
 
 def stacked_views(key: Any, out: Any, leaves: Sequence[Any], shard_shape: tuple[int, ...],
@@ -335,12 +348,29 @@ def stacked_views(key: Any, out: Any, leaves: Sequence[Any], shard_shape: tuple[
 
     ``shard_ranks(sharding)`` gives ``[(world rank, on CPU?)]`` of a sharding's
     addressable devices in its arrays' per-device order."""
+    blocks = stack_blocks(key, out, leaves, shard_shape, shard_ranks)
+    if blocks is None:
+        return None
+    views: list[list[tuple[int, Any]]] = []
+    for per_device, size in blocks:
+        # host[i, ...]: a view (host[i] of a stack of scalars is a numpy scalar)
+        views.extend([(rank, host[i, ...]) for rank, host in per_device] for i in range(size))
+    return views
+
+
+def stack_blocks(key: Any, out: Any, leaves: Sequence[Any], shard_shape: tuple[int, ...],
+                 shard_ranks: Callable[[Any], list | None]
+                 ) -> list[tuple[list[tuple[int, Any]], int]] | None:
+    """The stacks of ``leaves`` (arrays of geometry ``key``), a chunk at a time: ``(
+    [(world rank, host block (K, *shard_shape))] in the stack's per-device order, how many
+    of the K rows are the chunk's)``; row ``i`` of a block is the shard of the chunk's
+    ``i``-th leaf on that rank. None when the stack is refused (see :func:`stacked_views`)."""
     import numpy as np
     from xreshard.dtypes import numpy_dtype
     n = len(leaves)
-    k = _chunk_size(n)
+    k = chunk_size(n)
     dtype = numpy_dtype(str(np.dtype(leaves[0].dtype)))
-    views: list[list[tuple[int, Any]]] = []
+    blocks: list[tuple[list[tuple[int, Any]], int]] = []
     try:
         program = _program(out)
         outputs = []
@@ -351,21 +381,24 @@ def stacked_views(key: Any, out: Any, leaves: Sequence[Any], shard_shape: tuple[
             outputs.append((program(*chunk), size))
         for stacked, size in outputs:
             ranks = shard_ranks(stacked.sharding)
-            blocks = stacked._arrays
-            if ranks is None or len(blocks) != len(ranks):
+            arrays = stacked._arrays
+            if ranks is None or len(arrays) != len(ranks):
                 raise ValueError("the stack's devices are not the sharding's")
             per_device = []
-            for block, (rank, _) in zip(blocks, ranks):
+            for block, (rank, _) in zip(arrays, ranks):
                 host = np.asarray(block).view(dtype)       # the floats' bits, as floats
                 if host.shape != (k, *shard_shape):
                     raise ValueError(f"stacked block {host.shape}, expected {(k, *shard_shape)}")
                 per_device.append((rank, host))
-            # host[i, ...]: a view (host[i] of a stack of scalars is a numpy scalar)
-            views.extend([(rank, host[i, ...]) for rank, host in per_device]
-                         for i in range(size))
+            blocks.append((per_device, size))
     except Exception:       # noqa: BLE001 - the per-shard views are always right
         if not any(leaf.is_deleted() for leaf in leaves):
             with _lock:         # a deleted array is the caller's error, not the stack's:
                 _refused.add(key)   # the per-shard path reports it as it always did
         return None
-    return views
+    return blocks
+
+
+def refused_count() -> int:
+    """How many geometries' stacks have failed in this process (it only grows)."""
+    return len(_refused)
