@@ -6,7 +6,10 @@ negligible (~1.5 MiB), so a call's time is its fixed cost: binding (a layout per
 the checks, two metadata all-gathers, the executor's bookkeeping. Calls alternate between
 
 * warm: the refit's layout memo (``Refit.layout_memo``) hands back the layouts of the last
-  call, as every refit after the first finds it;
+  call, as every refit after the first finds it; the warm call timed follows an untimed
+  warm one, so it finds what a refit's every call from its third on finds (the send side's
+  record of its last bind, ``adapters/jax_replay.py``, made by a call that knew every
+  geometry);
 * cold: the refit is given a memo that remembers nothing (``tools.testing.ColdMemo``) for
   the call, and its adapters' bind caches are emptied, so every layout is built and every
   tensor bound anew, as before the memo existed,
@@ -97,6 +100,8 @@ def _calls(refit: Any, side: dict, reps: int, profile: int = 0, sort: str = "cum
                 for state in getattr(getattr(refit, "_sides", None), "__iter__", list)():
                     for key in ("geometry", "known", "context"):
                         state.cache.pop(key, None)
+            else:                   # the warm call timed is one after a warm call, as in
+                refit(**prepared())     # a refit's every call from its third on
             now = prepared()
             t0, c0 = time.perf_counter(), time.process_time()
             refit(**now)
@@ -167,9 +172,10 @@ def child(ctx: Any, n: int, reps: int, profile: int = 0, sort: str = "cumulative
         steps = _time_phases(refit) if phases else None
         out = _calls(refit, side, reps, profile, sort, fresh=make,
                      barrier=(lambda: world.barrier(timeout=300)) if fresh else None)
-        if steps is not None:       # the warm calls': after the first (and --profile's
-            first = 3 if profile else 1     # two), calls alternate warm, cold
-            out["phases"] = {p: v[first::2] for p, v in steps.items()}
+        if steps is not None:       # the timed warm calls': after the first (and
+            first = 3 if profile else 1     # --profile's two), calls go in threes: warm
+            out["phases"] = {p: v[first + 1::3] for p, v in steps.items()}  # (untimed),
+            # warm, cold
         # one metadata round trip (what refit/check and refit/outcome each cost)
         world.barrier(timeout=300)
         out["round_trip"] = []

@@ -26,6 +26,7 @@ try:
     from jax.sharding import NamedSharding, PartitionSpec as P
 
     from xreshard.adapters import jax as xjax
+    from xreshard.adapters.jax_replay import geometry_agrees
 except ImportError:  # pragma: no cover - the jax extra is not installed
     jax = None  # type: ignore[assignment]
 
@@ -116,13 +117,13 @@ def test_a_geometry_that_disagrees_with_its_layout_is_not_vouched_for():
     assert shard_ranks is not None
     right = xjax.layout_of(leaf, ranks=ranks)
     local = frozenset(ranks.values())
-    assert xjax._geometry_agrees(leaf, right, shard_ranks, local)
+    assert geometry_agrees(leaf, right, shard_ranks, local)
     for wrong in (xjax.layout_of(tree["grid"], ranks=ranks),           # other local shapes
                   xjax.layout_of(tree["bf16"], ranks=ranks),           # other dtype
                   xjax.layout_of(leaf, ranks={d: r + 4 for d, r in ranks.items()})):
-        assert not xjax._geometry_agrees(leaf, wrong, shard_ranks, local)
-    assert not xjax._geometry_agrees(leaf, right, None, local)  # JAX did not list the devices
-    assert not xjax._geometry_agrees(leaf, right, shard_ranks[:1] * 4, local)  # a rank twice
+        assert not geometry_agrees(leaf, wrong, shard_ranks, local)
+    assert not geometry_agrees(leaf, right, None, local)  # JAX did not list the devices
+    assert not geometry_agrees(leaf, right, shard_ranks[:1] * 4, local)  # a rank twice
     # a rank of this process that the layout gives elements but no shard binds
-    assert not xjax._geometry_agrees(leaf, right, shard_ranks[:3], local)
-    assert xjax._geometry_agrees(leaf, right, shard_ranks[:3], local - {shard_ranks[3][0]})
+    assert not geometry_agrees(leaf, right, shard_ranks[:3], local)
+    assert geometry_agrees(leaf, right, shard_ranks[:3], local - {shard_ranks[3][0]})

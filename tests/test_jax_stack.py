@@ -41,7 +41,7 @@ GROUPS = {
     "flags": ((8,), ("b",), "bool", 9),
     "half": ((8, 4), ("a",), "float16", 8),
     "scalar": ((), (), "float32", 9),                   # rows of a stack are 0-d views
-    "many": ((4, 4), (("a", "b"),), "float32", 130),   # K = 128: two chunks, one short
+    "many": ((4, 4), (("a", "b"),), "float32", 520),   # K = 256: three chunks, one short
     "few": ((8, 8), ("a",), "float32", 3),              # under MIN_GROUP: views
     "large": ((64, 128), ("a",), "float32", 8),         # 16 KiB shards: views
 }
@@ -83,16 +83,16 @@ _BLOCKS: dict[int, np.ndarray] = {}
 
 @pytest.fixture(autouse=True)
 def _spy_blocks(monkeypatch):
-    real = jax_stack.stacked_views
+    real = jax_stack.stack_blocks       # what the walk's stacks and a replay's read
 
     def spy(*args: Any) -> Any:
         got = real(*args)
-        for per_device in got or ():
-            for _, view in per_device:
-                root = _root(view)
+        for per_device, _ in got or ():
+            for _, block in per_device:
+                root = _root(block)
                 _BLOCKS[id(root)] = root
         return got
-    monkeypatch.setattr(jax_stack, "stacked_views", spy)
+    monkeypatch.setattr(jax_stack, "stack_blocks", spy)
     yield
     _BLOCKS.clear()
 
@@ -371,32 +371,49 @@ def test_a_receive_whose_unstack_fails_keeps_every_byte(monkeypatch):
 #: the second call), and one form with 3 (views)
 NAMES = {f"{base}.{i}": entry for base, entry in cases.JAX_TORCH_TENSORS.items()
          for i in range(9 if base != "bias" else 3)}
-STEPS = 3
+STEPS = 4
 
 
 def stack_sender(ctx: Any, dtype: str) -> dict:
     import xreshard as xr
-    from xreshard.adapters import jax_stack as stacks
+    from xreshard.adapters import jax_replay, jax_stack as stacks
+    from xreshard.runtime import hostcopy
 
     stacked: list[int] = []
-    real = stacks.stacked_views
+    replayed: list[bool] = []
+    row_runs: list[int] = []
+    real, real_replay, real_rows = stacks.stack_blocks, jax_replay.replay, hostcopy._rows_into
 
     def spy(key: Any, out: Any, leaves: Any, *args: Any) -> Any:
         got = real(key, out, leaves, *args)
         stacked[-1] += 0 if got is None else len(leaves)
         return got
-    stacks.stacked_views = spy      # jax_stack.bind_stacks looks it up per call
+
+    def spy_replay(*args: Any) -> Any:
+        got = real_replay(*args)
+        replayed[-1] = got is not None
+        return got
+
+    def spy_rows(*args: Any) -> bool:
+        got = real_rows(*args)
+        row_runs[-1] += got
+        return got
+    # looked up per call: jax_stack's own and jax_replay's stacks, replayed(), pack_runs
+    stacks.stack_blocks, jax_replay.replay, hostcopy._rows_into = spy, spy_replay, spy_rows
     try:
         world = ctx.join(groups=["trainer", "rollout"])
         refit = xr.Refit(world, transpose={n for n, t in NAMES.items() if "T" in t[3]},
                          config=xr.RefitConfig(timeout=60))
         for step in range(STEPS):
             stacked.append(0)
+            replayed.append(False)
+            row_runs.append(0)
             refit(send=cases._jax_params(NAMES, dtype, step))
         world.close()
     finally:                        # the next case of the series spies on its own
-        stacks.stacked_views = real
-    return {"stacked": stacked}
+        stacks.stack_blocks, jax_replay.replay, hostcopy._rows_into = \
+            real, real_replay, real_rows
+    return {"stacked": stacked, "replayed": replayed, "row_runs": row_runs}
 
 
 def stack_receiver(ctx: Any, dtype: str) -> dict:
@@ -432,5 +449,10 @@ def test_a_jax_trainer_sends_stacked_small_shards_to_torch_receivers_bit_exact()
     for case in ("stack-bfloat16", "stack-float32"):
         outs = [r[case] for r in results]
         assert all("error" not in o for o in outs), outs
-        assert outs[0]["value"]["stacked"] == [0, eligible, eligible]
+        sent = outs[0]["value"]
+        assert sent["stacked"] == [0, eligible, eligible, eligible]
+        # the third call on is the second's bind replayed (jax_replay.py), and the
+        # messages' runs of stacked rows are copied out of their blocks at once
+        assert sent["replayed"] == [False, False, True, True]
+        assert sent["row_runs"][:2] == [0, 0] and min(sent["row_runs"][2:]) > 0, sent
         assert all(o["value"]["checked"] > 0 for o in outs[1:])

@@ -21,14 +21,16 @@ jax is imported lazily so that ``import xreshard.adapters.jax`` stays cheap.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from xreshard.adapters.jax_landing import Landing, adopted, aligned_empty, shard_buffers
+from xreshard.adapters.jax_replay import View, geometry_agrees, record, replayed
 from xreshard.adapters.jax_stack import (
-    bind_received_stacks, bind_stacks, put_views, shard_views, stack_of, stack_refused,
-    stacked_locals)
+    bind_received_stacks, bind_stacks, put_views, refused_count, shard_views, stack_of,
+    stack_refused, stacked_locals)
 from xreshard.errors import LayoutError
 from xreshard.extras import require
 from xreshard.ir.layout import Layout, LayoutMemo, Mesh, Region
@@ -580,6 +582,15 @@ def _leaf_names(jax: Any, tree: Any, names: Any, cache: dict) -> tuple[list[str]
     return out, leaves, treedef
 
 
+def _geometry_cache(cache: dict, ranks: Mapping[int, int]) -> dict:
+    """The geometry cache ``_bind`` keeps in ``cache`` for rank map ``ranks``."""
+    rank_map = dict(ranks)
+    kept = cache.get("geometry")
+    if kept is None or kept[0] != rank_map or len(kept[1]) > 4096:
+        kept = cache["geometry"] = (rank_map, {})
+    return kept[1]
+
+
 def _bind(tree: Any, side: str, *, ranks: Mapping[int, int], names: Any, transpose: frozenset[str],
           memo: LayoutMemo, cache: dict, local_ranks: frozenset[int] = frozenset(),
           landing: Landing | None = None) -> Any:
@@ -601,20 +612,22 @@ def _bind(tree: Any, side: str, *, ranks: Mapping[int, int], names: Any, transpo
     # optimizer step's new arrays have new, equal shardings) for the same rank map
     # (compared by value: a memo's ranks_id numbers restart when it is new or full),
     # bounded like the memo
-    geometry: dict = {}
-    if rid is not None:
-        rank_map = dict(ranks)
-        kept = cache.get("geometry")
-        if kept is None or kept[0] != rank_map or len(kept[1]) > 4096:
-            kept = cache["geometry"] = (rank_map, {})
-        geometry = kept[1]
+    geometry = {} if rid is None else _geometry_cache(cache, ranks)
     # every binding from a geometry compared with its layout: Bound.checked (no walk)
     checked = bool(local_ranks)
     new_buffer = aligned_empty if landing is None else landing.begin()    # jax_landing.py
     stacks: dict[Any, list] = {}     # geometry -> its leaves read or landed through stacks
-    refused = stack_refused()
+    refused, refused_n = stack_refused(), refused_count()
     new_keys: set = set()           # geometries first seen by this call
-    for name, leaf in zip(leaf_names, leaves):
+    shard_ranks_of = functools.partial(_shard_ranks, rank_of=rank_of)
+    if side == "send" and rid is not None:      # a lookup when nothing changed (jax_replay.py)
+        got = replayed(cache.get("replay"), geometry=geometry, memo=memo, names=leaf_names,
+                       transpose=transpose, local_ranks=local_ranks, leaves=leaves,
+                       per_device=per_device, rank_of=rank_of, shard_ranks=shard_ranks_of)
+        if got is not None:
+            return Bound(got[0], got[1], None, [], checked=got[2], fresh=False)
+    viewed: list[View] = []         # the send side's leaves viewed shard by shard
+    for i, (name, leaf) in enumerate(zip(leaf_names, leaves)):
         if name in layouts:
             errors.append(f"two leaves map to tensor {name!r}")
             continue
@@ -627,7 +640,7 @@ def _bind(tree: Any, side: str, *, ranks: Mapping[int, int], names: Any, transpo
             layout = memo.get(None if key is None else key + (rid,),
                               lambda: layout_of(leaf, ranks=rank_of, name=name))
             shard_ranks = _shard_ranks(leaf.sharding, rank_of)
-            agrees = _geometry_agrees(leaf, layout, shard_ranks, local_ranks)
+            agrees = geometry_agrees(leaf, layout, shard_ranks, local_ranks)
             known_geo = (layout, shard_ranks, agrees,
                          stack_of(leaf, key, shard_ranks) if agrees else None)
             if key is not None:
@@ -651,6 +664,7 @@ def _bind(tree: Any, side: str, *, ranks: Mapping[int, int], names: Any, transpo
             views, ordered = shard_views(leaf, known_geo[1], per_device, rank_of)
             checked = checked and ordered
             put_views(bindings, name, views, flip, layout.is_product)
+            viewed.append(View(i, name, flip, layout.is_product, known_geo[1]))
         elif known_geo[3] is not None and key not in refused and key not in new_keys:
             stacks.setdefault(key, []).append((len(pending), name, leaf, flip, layout.is_product))
             pending.append((leaf, None))    # lands in a stack's blocks (jax_stack.py)
@@ -660,7 +674,13 @@ def _bind(tree: Any, side: str, *, ranks: Mapping[int, int], names: Any, transpo
 
     if side == "send":
         checked = bind_stacks(stacks, geometry, bindings, per_device, rank_of,
-                              lambda s: _shard_ranks(s, rank_of)) and checked
+                              shard_ranks_of) and checked
+        if rid is not None and not errors and not new_keys and refused_count() == refused_n:
+            cache["replay"] = record(
+                geometry=geometry, memo=memo, names=leaf_names, treedef=treedef,
+                transpose=transpose, local_ranks=local_ranks, refused=refused_n, leaves=leaves,
+                layouts=layouts, views=viewed, stacks=stacks, checked=checked,
+                shard_ranks=shard_ranks_of, previous=cache.get("replay"))
     received = [] if side == "send" else bind_received_stacks(
         stacks, geometry, bindings, new_buffer, rank_of, pending)
 
@@ -669,27 +689,3 @@ def _bind(tree: Any, side: str, *, ranks: Mapping[int, int], names: Any, transpo
 
     return Bound(layouts, bindings, finish if side == "receive" else None, errors,
                  checked=checked and not errors, fresh=side == "receive")
-
-
-def _geometry_agrees(leaf: Any, layout: Layout, shard_ranks: list | None,
-                     local_ranks: frozenset[int]) -> bool:
-    """Whether every array of ``leaf``'s (sharding, shape, dtype) binds exactly what
-    ``layout`` gives its ranks: JAX gives each per-device array of such an array the shape
-    ``sharding.shard_shape(shape)`` and the array's dtype, so comparing that once with the
-    layout's local shape of each addressable rank (and the dtypes) checks every later
-    array of the geometry; and every rank of this process (``local_ranks``) the layout
-    gives elements must be one of them. False (checked per call instead) when JAX does not
-    list the shards' devices, or for an explicit layout."""
-    from xreshard.dtypes import numpy_dtype
-    if shard_ranks is None or not layout.is_product:
-        return False
-    try:
-        shard_shape = tuple(leaf.sharding.shard_shape(tuple(leaf.shape)))
-        same_dtype = numpy_dtype(layout.dtype) == leaf.dtype    # leaf.dtype: a numpy dtype
-    except Exception:   # noqa: BLE001 - anything odd: the refit's own check decides
-        return False
-    ranks = [rank for rank, _ in shard_ranks]
-    held = {r for r in layout.rank_set if r in local_ranks and layout.num_elements(r)}
-    return (same_dtype and len(set(ranks)) == len(ranks) and held <= set(ranks) <= layout.rank_set
-            and all(tuple(layout.local_shape(rank)) == shard_shape for rank in ranks))
-

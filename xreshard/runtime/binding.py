@@ -29,11 +29,34 @@ from ..dtypes import dtype_name, numpy_dtype
 from ..errors import BindingError, XreshardError
 from ..ir.layout import Layout
 
-__all__ = ["Bindings", "Bound", "Rebuilt", "binding_problems", "side_problems",
-           "canonical_name"]
+__all__ = ["Bindings", "Bound", "Rebuilt", "RowBindings", "binding_problems",
+           "side_problems", "canonical_name"]
 
 #: (rank, tensor name) -> binding
 Bindings = Mapping[tuple[int, str], Any]
+
+
+class RowBindings(dict):
+    """Bindings some of which are rows of a few host blocks, saying so: ``rows`` maps such
+    a binding's key to ``(block, row)`` (an index into ``blocks``, the row of that block
+    the binding is a view of; kept from call to call while the rows mean the same, so a
+    plan made from it can be kept too) and ``blocks`` holds this call's C-contiguous
+    blocks. The executor copies a run of consecutive rows out of their block at once
+    instead of gathering the bindings one by one (``runtime/hostcopy.py``); a binding
+    replaced after the fact is a plain ``dict``'s business: copies of a ``RowBindings``
+    are plain dicts unless made with :meth:`same`."""
+
+    __slots__ = ("rows", "blocks")
+
+    def __init__(self, items: Any, rows: Mapping[tuple[int, str], tuple[int, int]],
+                 blocks: list[np.ndarray]):
+        super().__init__(items)
+        self.rows = rows
+        self.blocks = blocks
+
+    def same(self) -> RowBindings:
+        """A copy that still says which bindings are rows (the same blocks)."""
+        return RowBindings(self, self.rows, self.blocks)
 
 
 @dataclass

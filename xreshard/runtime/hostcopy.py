@@ -31,20 +31,57 @@ def pack_runs(programs: Programs, items: ItemCodecs, bindings: Mapping, b: Bucke
     (one C call instead of a copy per item; thousands of tiny tensors share a bucket),
     typed with ``casting="no"``: bits as they are; numpy refuses a binding of another
     numpy dtype (a raw-bits view), and that run is gathered as bits instead."""
+    rows = getattr(bindings, "rows", None)      # binding.RowBindings
     for run in programs.runs(b, 0):
         if run.small and len(run.steps) > 1:
+            if rows is not None and run.keys and _rows_into(
+                    programs.row_plan(run, rows), bindings,
+                    bindings.blocks, run, buf):  # type: ignore[attr-defined]
+                continue
             parts = list(map(bindings.__getitem__, run.keys)) if run.keys else [
                 bindings[e.key] if e.whole else _item(bindings[e.key], e.index, e.slices)
                 for e in run.steps]
-            try:
-                np.concatenate(parts, axis=None, out=buf[run.lo:run.hi].view(run.typed),
-                               casting="no")
-            except TypeError:       # some binding is not typed as its dtype: as bits
-                np.concatenate([p.view(run.bits) for p in parts], axis=None,
-                               out=buf[run.lo:run.hi].view(run.bits), casting="no")
+            _gather(parts, buf[run.lo:run.hi], run)
             continue
         for e in run.steps:
             items.of(e).pack(e, buf, bindings)
+
+
+def _rows_into(plan: tuple | None, bindings: Mapping, blocks: list, run: Any,
+               buf: np.ndarray) -> bool:
+    """Pack run ``run`` by its ``plan`` (``Programs.row_plan``): a segment of rows is
+    copied out of its block, its bytes as they are (a run's items need no cast); the
+    other segments are gathered as :func:`pack_runs` gathers a run. False (nothing
+    copied) when there is no plan or a block does not hold its segment's bytes."""
+    if plan is None:
+        return False
+    segments = []
+    for lo, hi, block, *rest in plan:
+        if block is None:
+            continue
+        blk = blocks[block] if block < len(blocks) else None
+        first, end = rest
+        if blk is None or not blk.flags.c_contiguous or blk.ndim == 0 or end > blk.shape[0]:
+            return False
+        rows = blk.reshape(blk.shape[0], -1).view(np.uint8)[first:end]
+        if rows.size != hi - lo:
+            return False
+        segments.append((lo, hi, rows))
+    for lo, hi, rows in segments:
+        np.copyto(buf[lo:hi], rows.reshape(-1))
+    for lo, hi, block, *rest in plan:
+        if block is None:
+            _gather(list(map(bindings.__getitem__, rest[0])), buf[lo:hi], run)
+    return True
+
+
+def _gather(parts: list, out: np.ndarray, run: Any) -> None:
+    """``parts`` (bindings of a run's items) one after another into ``out`` (bytes)."""
+    try:
+        np.concatenate(parts, axis=None, out=out.view(run.typed), casting="no")
+    except TypeError:       # some binding is not typed as its dtype: as bits
+        np.concatenate([p.view(run.bits) for p in parts], axis=None, out=out.view(run.bits),
+                       casting="no")
 
 
 def unpack_host(programs: Programs, items: ItemCodecs, bindings: Mapping, b: Bucket,

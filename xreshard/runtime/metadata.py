@@ -20,7 +20,7 @@ from __future__ import annotations
 import json
 from typing import Any, Iterable, Mapping, NamedTuple
 
-from .binding import Bindings, Bound, binding_problems
+from .binding import Bindings, Bound, RowBindings, binding_problems
 from ..errors import BindingError, RefitError
 from ..ir.layout import Layout, Mesh, Region
 from ..planner.prepare import DESTINATIONS, SOURCES, PreparedCall
@@ -115,7 +115,8 @@ def fit(bound: Bound | None, layouts: Mapping[str, Layout]) -> dict:
         return {}
     if all(lay.is_product for lay in layouts.values()) and not any(
             issubclass(t, list) for t in set(map(type, bound.bindings.values()))):
-        return dict(bound.bindings)     # the common case: nothing to unwrap or wrap
+        given = bound.bindings          # the common case: nothing to unwrap or wrap
+        return given.same() if isinstance(given, RowBindings) else dict(given)
     out = {}
     product: dict[str, bool | None] = {}      # name -> merged layout is product form
     for key, b in bound.bindings.items():

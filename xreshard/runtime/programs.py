@@ -226,6 +226,38 @@ class Programs:
             got = self._cache[key] = tuple(ends)
         return got
 
+    def row_plan(self, run: Run, rows: Mapping) -> tuple | None:
+        """Run ``run`` (its keys) cut into segments: ``(message lo, hi, block, first row,
+        end row)`` for consecutive rows of one block (``binding.RowBindings``: ``rows`` is
+        its key -> (block, row) map), ``(message lo, hi, None, keys)`` for bindings
+        gathered one by one; None when the run has no segment of rows or more than one
+        segment per 4 items (gathering it whole is as cheap then). Made once per run and
+        ``rows``."""
+        key = (id(run), "rows")
+        got = self._cache.get(key)
+        if got is not None and got[0] is rows:
+            return got[1]
+        assert run.keys is not None
+        plan: list[list] = []
+        for step, k in zip(run.steps, run.keys):
+            at = rows.get(k)
+            last = plan[-1] if plan and plan[-1][1] == step.lo else None  # bytes abut
+            if at is None:
+                if last is not None and last[2] is None:
+                    last[1] = step.hi
+                    last[3].append(k)
+                else:
+                    plan.append([step.lo, step.hi, None, [k]])
+            elif last is not None and last[2] == at[0] and last[4] == at[1]:
+                last[1], last[4] = step.hi, at[1] + 1
+            else:
+                plan.append([step.lo, step.hi, at[0], at[1], at[1] + 1])
+        useful = any(seg[2] is not None for seg in plan) and len(plan) * 4 <= len(run.steps)
+        made = tuple((lo, hi, None, tuple(rest[0])) if block is None else (lo, hi, block, *rest)
+                     for lo, hi, block, *rest in plan) if useful else None
+        self._cache[key] = (rows, made)
+        return made
+
     def landing(self, b: Bucket) -> Any:
         """What the executor kept of bucket ``b``'s last host unpack (see
         ``hostcopy.unpack_host``), or None."""
