@@ -41,7 +41,8 @@ GROUPS = {
     "flags": ((8,), ("b",), "bool", 9),
     "half": ((8, 4), ("a",), "float16", 8),
     "scalar": ((), (), "float32", 9),                   # rows of a stack are 0-d views
-    "many": ((4, 4), (("a", "b"),), "float32", 520),   # K = 256: three chunks, one short
+    "many": ((4, 4), (("a", "b"),), "float32", 520),   # K = 256 (received: 128): three
+                                                        # chunks (five), one short
     "few": ((8, 8), ("a",), "float32", 3),              # under MIN_GROUP: views
     "large": ((64, 128), ("a",), "float32", 8),         # 16 KiB shards: views
 }

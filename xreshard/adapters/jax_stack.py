@@ -30,7 +30,9 @@ Decision record (issue 35, the warm plain call):
   256), a chunk short of ``K`` repeats its last array, and groups of fewer than
   :data:`MIN_GROUP` arrays keep their views: at most six programs per geometry,
   0.05-0.6 s each on this host's CPU, once per process (kept by ``jax.jit``'s cache of
-  the one jitted function per output sharding held here).
+  the one jitted function per output sharding held here). A receiving side's blocks hold
+  at most :data:`RECEIVE_CHUNK` (128) arrays: the unstack's compile grows faster (1.2 s
+  for 128 outputs, 5.1 s for 512).
 * Only CPU arrays of a ``NamedSharding`` that this process addresses in full, of a whole-byte
   dtype, with neither ``unreduced`` nor ``reduced`` axes, are stacked; anything the stack
   refuses (it raises, or its output is not the shape expected) keeps its views, and the
@@ -45,10 +47,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["MAX_SHARD_BYTES", "MIN_GROUP", "StackedReceive", "bind_received_stacks",
-           "bind_stacks", "unstacked", "put_views", "shard_views", "stack_of",
-           "chunk_size", "refused_count", "stack_blocks", "stack_refused", "stackable",
-           "stacked_locals", "stacked_views"]
+__all__ = ["MAX_SHARD_BYTES", "MIN_GROUP", "RECEIVE_CHUNK", "StackedReceive",
+           "bind_received_stacks", "bind_stacks", "chunk_size", "put_views", "refused_count",
+           "shard_views", "stack_blocks", "stack_of", "stack_refused", "stackable",
+           "stacked_locals", "stacked_views", "unstacked"]
 
 #: bytes: the largest shard read through a stack (larger ones are viewed, sent zero-copy)
 MAX_SHARD_BYTES = 8 << 10
@@ -56,6 +58,9 @@ MAX_SHARD_BYTES = 8 << 10
 MIN_GROUP = 8
 #: the most arrays one stack takes (a program of 512 compiles in ~0.6 s, of 1,024 in 1.6)
 CHUNK = 512
+#: the most arrays one received block holds: an unstack into K arrays compiled in 1.2 s
+#: for K = 128 and 5.1 s for 512 (a loaded host), so receiving stays at 128
+RECEIVE_CHUNK = 128
 #: what a stack costs on this host's CPU (4 devices, 3,072 float32 (16, 8) arrays, K from
 #: 128 to 512: 24 runs took 12.4 ms of CPU, 6 runs 7.4 ms): µs per run of a program (its
 #: per-device executions), µs per argument (dispatch, the copy)
@@ -231,7 +236,7 @@ def bind_received_stacks(stacks: dict, geometry: dict, bindings: dict, new_buffe
         leaf0 = members[0][2]
         dtype = numpy_dtype(str(np.dtype(leaf0.dtype)))
         ranks = [rank_of(d) for d in devices]
-        k = chunk_size(len(members))
+        k = chunk_size(len(members), RECEIVE_CHUNK)
         for start in range(0, len(members), k):
             part = members[start:start + k]
             blocks = [(d, new_buffer((k, *shard_shape), dtype)) for d in devices]
@@ -325,13 +330,13 @@ def _program(out: Any) -> Any:
         return program
 
 
-def chunk_size(n: int) -> int:
-    """K for a group of ``n`` arrays: the power of two from 16 to :data:`CHUNK` that makes
+def chunk_size(n: int, limit: int = CHUNK) -> int:
+    """K for a group of ``n`` arrays: the power of two from 16 to ``limit`` that makes
     its stacks cheapest, ``ceil(n / K)`` runs at :data:`_RUN_US` plus ``K`` arguments
     each at :data:`_ARG_US` (a short chunk repeats its last array); a function of ``n``
     alone, so a group keeps its programs from call to call."""
     best, k = (math.inf, 16), 16
-    while k <= CHUNK:
+    while k <= limit:
         runs = -(-n // k)
         best = min(best, (runs * (_RUN_US + k * _ARG_US), k))
         if k >= n:
