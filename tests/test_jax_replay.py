@@ -208,3 +208,62 @@ def test_a_runs_plan_copies_consecutive_rows_and_gathers_the_rest():
     shuffled = _run([(16 * i, 16 * i + 16, (0, f"t{7 - i}")) for i in range(8)])
     assert programs.row_plan(shuffled, rows) is None
     assert programs.row_plan(_run([(0, 2, (0, "x")), (2, 4, (0, "y"))]), rows) is None
+
+
+# ---------------------------------------------------------------- a started refit
+
+def test_a_started_refit_returns_once_it_read_the_arrays_the_caller_then_donates(monkeypatch):
+    """``Refit.start`` returns once its call bound its sides: the caller's next step may
+    donate the arrays it sent (a donation racing the bind on the refit's thread crashed
+    JAX's dispatch), and the refit still delivers the values they had."""
+    pytest.importorskip("torch")      # the world's store is torch's TCPStore
+    import threading
+    import time
+
+    import xreshard as xr
+    from xreshard.runtime.refit import Refit
+
+    from .test_jax_stack import _bits_tree, _raw as raw, _solo, _templates
+    mesh = _mesh()
+    real = Refit._bind_sides
+    bound = threading.Event()
+
+    def slow(self: Any, call: Any, send: Any, receive: Any) -> None:
+        time.sleep(0.3)         # the thread is late: start() must still wait for the bind
+        real(self, call, send, receive)
+        bound.set()
+    monkeypatch.setattr(Refit, "_bind_sides", slow)
+    step_fn = jax.jit(lambda p: jax.tree_util.tree_map(lambda a: a + 1, p), donate_argnums=0)
+    with _solo(mesh) as world:
+        refit = xr.Refit(world, receive=_templates(mesh), config=xr.RefitConfig(timeout=60))
+        for step in range(4):
+            src = _bits_tree(mesh, step)
+            want = {n: raw(a) for n, a in src.items()}
+            bound.clear()
+            handle = refit.start(send=src)
+            assert bound.is_set()           # start() returned after the sides were bound
+            jax.block_until_ready(step_fn(src))         # the next step donates them
+            handle.wait()
+            got = refit.received
+            assert all(raw(got[n]) == w for n, w in want.items()), step
+
+
+def test_row_bindings_forget_their_rows_once_changed_and_copy_as_plain_dicts():
+    import copy
+    import pickle
+    block = np.arange(12, dtype=np.float32).reshape(3, 4)
+    make = lambda: RowBindings({(0, f"t{i}"): block[i] for i in range(3)},    # noqa: E731
+                               {(0, f"t{i}"): (0, i) for i in range(3)}, [block])
+    kept = make()
+    assert kept.same().rows is kept.rows and type(kept.same()) is RowBindings
+    for copied in (copy.copy(kept), copy.deepcopy(kept), pickle.loads(pickle.dumps(kept)),
+                   kept.copy(), dict(kept)):
+        assert type(copied) is dict and set(copied) == set(kept)
+    changes = [lambda b: b.__setitem__((0, "t1"), np.zeros(4, np.float32)),
+               lambda b: b.__delitem__((0, "t1")), lambda b: b.update({}),
+               lambda b: b.setdefault((0, "t9"), None), lambda b: b.pop((0, "t0")),
+               lambda b: b.popitem(), lambda b: b.clear(), lambda b: b.__ior__({})]
+    for change in changes:          # the executor then reads every binding as itself
+        b = make()
+        change(b)
+        assert not b.rows and not b.blocks

@@ -42,9 +42,12 @@ class RowBindings(dict):
     the binding is a view of; kept from call to call while the rows mean the same, so a
     plan made from it can be kept too) and ``blocks`` holds this call's C-contiguous
     blocks. The executor copies a run of consecutive rows out of their block at once
-    instead of gathering the bindings one by one (``runtime/hostcopy.py``); a binding
-    replaced after the fact is a plain ``dict``'s business: copies of a ``RowBindings``
-    are plain dicts unless made with :meth:`same`."""
+    instead of gathering the bindings one by one (``runtime/hostcopy.py``).
+
+    Only the adapter that made the rows vouches for them: any change to the dict (a
+    binding set, deleted, updated) forgets them (``rows`` becomes empty, and every binding
+    is read as itself), and a copy (``copy.copy``, ``deepcopy``, pickling, ``dict(...)``)
+    is a plain dict; :meth:`same` is the one copy that keeps them."""
 
     __slots__ = ("rows", "blocks")
 
@@ -57,6 +60,54 @@ class RowBindings(dict):
     def same(self) -> RowBindings:
         """A copy that still says which bindings are rows (the same blocks)."""
         return RowBindings(self, self.rows, self.blocks)
+
+    def _forget(self) -> None:
+        self.rows, self.blocks = {}, []
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        self._forget()
+        super().__setitem__(key, value)
+
+    def __delitem__(self, key: Any) -> None:
+        self._forget()
+        super().__delitem__(key)
+
+    def __ior__(self, other: Any) -> RowBindings:
+        self._forget()
+        return super().__ior__(other)  # type: ignore[misc,no-any-return]
+
+    def update(self, *args: Any, **kwargs: Any) -> None:
+        self._forget()
+        super().update(*args, **kwargs)
+
+    def setdefault(self, key: Any, default: Any = None) -> Any:
+        self._forget()
+        return super().setdefault(key, default)
+
+    def pop(self, *args: Any) -> Any:
+        self._forget()
+        return super().pop(*args)
+
+    def popitem(self) -> Any:
+        self._forget()
+        return super().popitem()
+
+    def clear(self) -> None:
+        self._forget()
+        super().clear()
+
+    def copy(self) -> dict:  # type: ignore[override]
+        return dict(self)
+
+    def __copy__(self) -> dict:
+        return dict(self)
+
+    def __deepcopy__(self, memo: dict) -> dict:
+        import copy
+        return copy.deepcopy(dict(self), memo)
+
+    def __reduce__(self) -> Any:
+        return dict, (dict(self),)
 
 
 @dataclass

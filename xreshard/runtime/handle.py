@@ -141,9 +141,15 @@ class RefitHandle:
         self._thread: Background | None = None
         self._outcome = _Outcome(refit)
 
-    def start(self) -> None:
+    def start(self, read: threading.Event | None = None) -> None:
         """Run the refit in a thread, on the caller's current CUDA streams (captured here,
-        in the caller's thread: see the module docstring)."""
+        in the caller's thread: see the module docstring); return once ``read`` is set
+        (the call bound its sides) or the refit ended.
+
+        The caller's next step may donate the arrays it sends: a donation racing the bind
+        from another thread crashed JAX's dispatch (a segfault in a jitted ``jnp.stack``,
+        in pure JAX too). Once bound, the stacks hold copies and the per-shard views make
+        JAX copy instead of donating."""
         streams = caller_streams()
         run, send, receive, outcome = self._run, self._send, self._receive, self._outcome
 
@@ -156,6 +162,8 @@ class RefitHandle:
                 raise
         self._thread = Background(body, name="xreshard-refit")
         weakref.finalize(self, outcome.drop)
+        while read is not None and not read.wait(0.05) and not self.done():
+            pass
 
     def done(self) -> bool:
         """Whether the refit finished (successfully or not)."""

@@ -34,7 +34,7 @@ def pack_runs(programs: Programs, items: ItemCodecs, bindings: Mapping, b: Bucke
     rows = getattr(bindings, "rows", None)      # binding.RowBindings
     for run in programs.runs(b, 0):
         if run.small and len(run.steps) > 1:
-            if rows is not None and run.keys and _rows_into(
+            if rows and run.keys and _rows_into(
                     programs.row_plan(run, rows), bindings,
                     bindings.blocks, run, buf):  # type: ignore[attr-defined]
                 continue

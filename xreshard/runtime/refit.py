@@ -179,6 +179,7 @@ class Refit:
         self._sides = Sides(send, receive, names, transpose, rules, world=world)
         self._naming = {"names": names, "transpose": tuple(transpose), "rules": rules}
         self._busy = threading.Lock()
+        self._bound: threading.Event | None = None     # set once start()'s call bound
         self._last_layouts: tuple | None = None     # this process's layouts, last call
         self._generation = 0                        # bumped when they change
         self._generations: tuple | None = None      # every process's, at the last prepare
@@ -294,17 +295,15 @@ class Refit:
         return self._run(send, receive)
 
     def start(self, send: Any = None, receive: Any = None) -> RefitHandle:
-        """Start one refit in the background and return at once (collective, like a call).
-
-        The caller keeps computing meanwhile; ``handle.wait()`` returns the report (or
-        raises what the call raised, the same error on every rank), ``handle.done()``
-        polls. The handle keeps ``send`` alive until the refit is done, so a JAX trainer
-        can send step k's arrays while step k+1 runs: JAX arrays are immutable, no
-        snapshot copy is needed (a step that donates them gets a copy from JAX instead).
-        Torch senders must not write the sent tensors before ``wait()`` returns;
-        ``RefitConfig(check_writes=True)`` detects it (content checksums taken here, before
-        ``start()`` returns, and after the last send; see :mod:`xreshard.runtime.writes`)
-        and fails the refit on every rank. Receivers hold the new version only once ``wait()``
+        """Start one refit in the background and return once it has bound its sides
+        (collective, like a call). The caller keeps computing meanwhile; ``handle.wait()``
+        returns the report (or raises what the call raised, the same error on every rank),
+        ``handle.done()`` polls. A JAX trainer can send step k's arrays while step k+1 runs,
+        and donate them: the refit read them before ``start()`` returned (stacks copied,
+        views make JAX copy instead). Torch senders must not write the sent tensors before
+        ``wait()`` returns; ``RefitConfig(check_writes=True)`` detects it (content checksums
+        taken here and after the last send; see :mod:`xreshard.runtime.writes`) and fails
+        the refit on every rank. Receivers hold the new version only once ``wait()``
         returned: the handle is the signal (the same Refit may be called again once
         ``wait()`` returned). While a refit runs, the world's other collectives from this
         process are refused (they would interleave with the refit's). A handle dropped
@@ -320,7 +319,8 @@ class Refit:
             for ext in self.extensions:       # before the caller's next line (check_writes)
                 ext.started(send if send is not None else self._sides.send.obj)
             handle = RefitHandle(self, send, receive, self._run)
-            handle.start()
+            self._bound = threading.Event()
+            handle.start(self._bound)
         except BaseException:
             for ext in self.extensions:
                 ext.end()
@@ -387,13 +387,11 @@ class Refit:
             error = entry(e, "move")
             logger.debug("refit v%d failed here while moving", target, exc_info=True)
         if error is not None:       # (out of the except: its traceback holds gloo works)
-            # peers may wait on posts this process will never make: fail them now, so they
-            # reach the outcome at once, not at their timeout (and are not left out of it)
+            # peers may wait on posts never made here: fail them now, not at their timeout
             me = self.world.describe_process(self.world.process_index)
             self.world.transports.abort(f"{me} failed while moving: {error[0]}: {error[1]}")
-        # nothing reads the sources after the move: their views are let go now; thousands
-        # (of JAX buffers, ~1 us each) on a thread while this one exchanges the outcome,
-        # a few hundred here (starting a thread waits for it: 0.2-4 ms on a loaded host)
+        # nothing reads the sources after the move: thousands of views (~1 us each) go on a
+        # thread while this one exchanges the outcome, a few hundred here (0.2-4 ms a start)
         held = [call.src, call.bindings]
         freeing = (threading.Thread(target=held.clear, name="xreshard-free", daemon=True)
                    if call.src is not None and len(call.src.bindings) > _FREE_INLINE else None)
@@ -490,6 +488,8 @@ class Refit:
             call.errors.append(entry(e, "check"))
         finally:
             sides.forget()
+            if self._bound is not None:         # start() returns (its send side is read)
+                self._bound.set()
 
     def _rank_maps(self) -> dict[str, Any]:
         """Framework ids -> world ranks per adapter (``{"torch": {...}, "jax": {...}}``), plus
