@@ -49,6 +49,15 @@ def _walk(tree: dict, context: Any) -> Any:
         context.cache["replay"] = kept
 
 
+def _warmed(calls: int) -> tuple[Any, Any]:
+    """(mesh, context) after ``calls`` binds of new arrays in one refit's context."""
+    mesh = _mesh()
+    context = _context(mesh)
+    for step in range(calls):
+        xjax.refit_bind(_tree(mesh, step), "send", context)
+    return mesh, context
+
+
 def _raw(view: Any) -> bytes:
     return np.ascontiguousarray(view).reshape(-1).view(np.uint8).tobytes()
 
@@ -114,11 +123,8 @@ def _changed(mesh: Any, what: str, tree: dict) -> tuple[dict, dict]:
 @pytest.mark.parametrize("what", ["shape", "dtype", "sharding", "added", "removed", "names",
                                   "transpose"])
 def test_what_changed_is_walked_then_replayed(what, replays):
-    mesh = _mesh()
-    context = _context(mesh)
+    mesh, context = _warmed(3)
     ranks = dict(context.ranks)
-    for step in range(3):
-        xjax.refit_bind(_tree(mesh, step), "send", context)
     assert replays == [True]
     tree, over = _changed(mesh, what, _tree(mesh, 3))
     if over:
@@ -138,10 +144,7 @@ def test_what_changed_is_walked_then_replayed(what, replays):
 
 
 def test_not_an_array_or_a_deleted_one_is_refused_as_the_walk_refuses(replays):
-    mesh = _mesh()
-    context = _context(mesh)
-    for step in range(3):
-        xjax.refit_bind(_tree(mesh, step), "send", context)
+    mesh, context = _warmed(3)
     tree = _tree(mesh, 3)
     tree["rows.4"].delete()
     with pytest.raises(RuntimeError, match="deleted"):
@@ -161,10 +164,7 @@ def test_not_an_array_or_a_deleted_one_is_refused_as_the_walk_refuses(replays):
 
 
 def test_a_replayed_binding_keeps_the_values_the_arrays_had_when_bound(replays):
-    mesh = _mesh()
-    context = _context(mesh)
-    for step in range(2):
-        xjax.refit_bind(_tree(mesh, step), "send", context)
+    mesh, context = _warmed(2)
     tree = _tree(mesh, 2)
     want = _shard_bytes(tree, dict(context.ranks))
     bound = xjax.refit_bind(tree, "send", context)
