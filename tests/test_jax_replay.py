@@ -213,9 +213,10 @@ def test_a_runs_plan_copies_consecutive_rows_and_gathers_the_rest():
 # ---------------------------------------------------------------- a started refit
 
 def test_a_started_refit_returns_once_it_read_the_arrays_the_caller_then_donates(monkeypatch):
-    """``Refit.start`` returns once its call bound its sides: the caller's next step may
-    donate the arrays it sent (a donation racing the bind on the refit's thread crashed
-    JAX's dispatch), and the refit still delivers the values they had."""
+    """``Refit.start`` returns once its call bound its sides (after the world's first call,
+    whose identity exchange start() must not wait for): the caller's next step may donate
+    the arrays it sent (a donation racing the bind on the refit's thread crashed JAX's
+    dispatch), and the refit still delivers the values they had."""
     pytest.importorskip("torch")      # the world's store is torch's TCPStore
     import threading
     import time
@@ -236,6 +237,7 @@ def test_a_started_refit_returns_once_it_read_the_arrays_the_caller_then_donates
     step_fn = jax.jit(lambda p: jax.tree_util.tree_map(lambda a: a + 1, p), donate_argnums=0)
     with _solo(mesh) as world:
         refit = xr.Refit(world, receive=_templates(mesh), config=xr.RefitConfig(timeout=60))
+        refit(send=_bits_tree(mesh, 9))     # a world's first call: start() would not wait
         for step in range(4):
             src = _bits_tree(mesh, step)
             want = {n: raw(a) for n, a in src.items()}

@@ -44,12 +44,10 @@ world stays usable. Unnamed Refits whose very first calls cross would look the s
 propose ``#1``), so a process that holds two unnamed Refits that never ran refuses the
 first call of either, on every process (``RefitError``: name them).
 
-A call that changes nothing (the same layouts everywhere) runs two metadata round trips,
-refit/check before moving and refit/outcome after: the least that still refuses bad input
-on every process before any byte moves.
-
-Objects are bound by the adapter that accepts them (:mod:`xreshard.runtime.registry`: the
-JAX and torch bridges, or one a third party registered), or passed as a :class:`Bound`.
+A call that changes nothing runs two metadata round trips (refit/check, refit/outcome):
+the least that still refuses bad input on every process before any byte moves. Objects are
+bound by the adapter that accepts them (:mod:`xreshard.runtime.registry`), or passed as a
+:class:`Bound`.
 
 Bad input (a ``XreshardError``, or any exception while binding, checking or preparing:
 ``RefitError``) is refused at ``refit/check`` or ``refit/schedule``, before any byte
@@ -65,10 +63,9 @@ side stream) and overwrite or donate sources without a device synchronize. ``ver
 moves after the call released the world, so a collective issued the moment it moves is
 not refused as concurrent.
 
-JAX arrays are immutable: a JAX destination never has its live arrays written; it gets new
-arrays built from the received buffers (``refit.received``). A refit keeps no reference to
-sent JAX arrays after a call returns (so the trainer's next step can donate them): pass
-``send=`` on every call.
+A JAX destination never has its live arrays written: it gets new arrays
+(``refit.received``). A refit keeps no reference to sent JAX arrays after a call returns
+(the trainer's next step may donate them): pass ``send=`` on every call.
 """
 
 from __future__ import annotations
@@ -295,19 +292,15 @@ class Refit:
         return self._run(send, receive)
 
     def start(self, send: Any = None, receive: Any = None) -> RefitHandle:
-        """Start one refit in the background and return once it has bound its sides
-        (collective, like a call). The caller keeps computing meanwhile; ``handle.wait()``
-        returns the report (or raises what the call raised, the same error on every rank),
-        ``handle.done()`` polls. A JAX trainer can send step k's arrays while step k+1 runs,
-        and donate them: the refit read them before ``start()`` returned (stacks copied,
-        views make JAX copy instead). Torch senders must not write the sent tensors before
-        ``wait()`` returns; ``RefitConfig(check_writes=True)`` detects it (content checksums
-        taken here and after the last send; see :mod:`xreshard.runtime.writes`) and fails
-        the refit on every rank. Receivers hold the new version only once ``wait()``
-        returned: the handle is the signal (the same Refit may be called again once
-        ``wait()`` returned). While a refit runs, the world's other collectives from this
-        process are refused (they would interleave with the refit's). A handle dropped
-        without ``wait()`` whose refit fails logs the error at WARNING and sets ``stale``.
+        """Start one refit in the background (collective, like a call); return once it has
+        bound its sides, or at once where it must first wait for the others (a world's
+        first call, admission): from then on a JAX trainer may donate what it sent (read:
+        stacks copied, views make JAX copy). ``handle.wait()`` returns the report or raises
+        the call's error (the same on every rank); ``handle.done()`` polls. Torch senders
+        must not write the sent tensors before ``wait()`` (``check_writes=True`` fails such
+        a refit on every rank: :mod:`xreshard.runtime.writes`). Receivers hold the new
+        version once ``wait()`` returned. While a refit runs, the world's other collectives
+        from this process are refused; a dropped handle's failure is logged, sets ``stale``.
 
         Raises:
             RefitError: a call (or a started refit) of this Refit is still running.
@@ -336,6 +329,8 @@ class Refit:
         try:
             for ext in self.extensions:
                 ext.entered(self)
+            if not self.world.admitted:     # start() must not wait for the others
+                self._started()
             self.world.admit()      # joined with wait=False: the members' next call admits it
             with self.writing:      # the version moves after the world is released
                 with self.world.exclusive("refit"), gc_paused(self.tuning.pause_gc):
@@ -488,8 +483,7 @@ class Refit:
             call.errors.append(entry(e, "check"))
         finally:
             sides.forget()
-            if self._bound is not None:         # start() returns (its send side is read)
-                self._bound.set()
+            self._started()
 
     def _rank_maps(self) -> dict[str, Any]:
         """Framework ids -> world ranks per adapter (``{"torch": {...}, "jax": {...}}``), plus
@@ -503,8 +497,14 @@ class Refit:
         other devices: each JAX device publishes its id for its own rank.
         """
         if self._maps is None:
+            self._started()         # a collective: start() must not wait for the others
             _, self._maps = rank_maps(self.world, self.config.timeout)
         return self._maps
+
+    def _started(self) -> None:
+        """Let ``start()`` return: the call bound its sides, or must wait for the others."""
+        if self._bound is not None:
+            self._bound.set()
 
     def _agree(self, kind: str, body: dict[str, Any], what: str,
                timeout: float | None = None) -> list[dict[str, Any]]:
