@@ -664,7 +664,8 @@ def _bind(tree: Any, side: str, *, ranks: Mapping[int, int], names: Any, transpo
             views, ordered = shard_views(leaf, known_geo[1], per_device, rank_of)
             checked = checked and ordered
             put_views(bindings, name, views, flip, layout.is_product)
-            viewed.append(View(i, name, flip, layout.is_product, known_geo[1]))
+            if rid is not None:         # what a replay's record needs (refit binds)
+                viewed.append(View(i, name, flip, layout.is_product, known_geo[1]))
         elif known_geo[3] is not None and key not in refused and key not in new_keys:
             stacks.setdefault(key, []).append((len(pending), name, leaf, flip, layout.is_product))
             pending.append((leaf, None))    # lands in a stack's blocks (jax_stack.py)
@@ -677,9 +678,9 @@ def _bind(tree: Any, side: str, *, ranks: Mapping[int, int], names: Any, transpo
                               shard_ranks_of) and checked
         if rid is not None and not errors and not new_keys and refused_count() == refused_n:
             cache["replay"] = record(
-                geometry=geometry, memo=memo, names=leaf_names, treedef=treedef,
-                transpose=transpose, local_ranks=local_ranks, refused=refused_n, leaves=leaves,
-                layouts=layouts, views=viewed, stacks=stacks, checked=checked,
+                geometry=geometry, memo=memo, names=leaf_names, transpose=transpose,
+                local_ranks=local_ranks, refused=refused_n, leaves=leaves, layouts=layouts,
+                views=viewed, stacks=stacks, checked=checked,
                 shard_ranks=shard_ranks_of, previous=cache.get("replay"))
     received = [] if side == "send" else bind_received_stacks(
         stacks, geometry, bindings, new_buffer, rank_of, pending)

@@ -37,7 +37,7 @@ from typing import Any
 from xreshard.ir.layout import Layout
 from xreshard.runtime.binding import RowBindings
 from xreshard.adapters import jax_stack
-from xreshard.adapters.jax_stack import put_views, refused_count, shard_views
+from xreshard.adapters.jax_stack import as_binding, put_views, refused_count, shard_views
 
 __all__ = ["Group", "Replay", "Step", "View", "geometry_agrees", "record", "replay", "replayed"]
 
@@ -81,7 +81,6 @@ class Replay:
     geometry: dict
     memo: Any
     names: list
-    treedef: Any
     transpose: frozenset
     local_ranks: frozenset
     refused: int
@@ -96,7 +95,7 @@ class Replay:
     rows: dict                  # a stacked binding's key -> (block, row): RowBindings
 
 
-def record(*, geometry: dict, memo: Any, names: list, treedef: Any, transpose: frozenset,
+def record(*, geometry: dict, memo: Any, names: list, transpose: frozenset,
            local_ranks: frozenset, refused: int, leaves: Sequence[Any], layouts: dict,
            views: list[View], stacks: dict, checked: bool,
            shard_ranks: Callable[[Any], list | None], previous: Replay | None = None
@@ -129,7 +128,7 @@ def record(*, geometry: dict, memo: Any, names: list, treedef: Any, transpose: f
                            None if all(f == (False, True) for f in forms) else forms))
     canon: dict = {}                # equal shardings -> one of them
     shardings = [leaf.sharding for leaf in leaves]
-    return Replay(geometry, memo, names, treedef, transpose, local_ranks, refused,
+    return Replay(geometry, memo, names, transpose, local_ranks, refused,
                   shardings, [canon.setdefault(s, s) for s in shardings], canon,
                   [leaf.shape for leaf in leaves], [leaf.dtype for leaf in leaves],
                   layouts, steps, checked, _same_or(_rows(steps), previous))
@@ -197,7 +196,7 @@ def replay(rec: Replay, leaves: list, per_device: dict, rank_of: Callable[[Any],
             put_views(bindings, step.name, got, step.flip, step.product)
             continue
         blocks = jax_stack.stack_blocks(step.key, step.out, [leaves[i] for i in step.indices],
-                              step.shard_shape, shard_ranks)
+                                        step.shard_shape, shard_ranks)
         if blocks is None:
             return None
         start = 0
@@ -210,16 +209,10 @@ def replay(rec: Replay, leaves: list, per_device: dict, rank_of: Callable[[Any],
                     [host[i, ...] for i in range(size)] for _, host in per_device_blocks]
             if step.forms is not None:
                 forms = step.forms[start:start + size]
-                rows = [[_form(r, *f) for r, f in zip(per, forms)] for per in rows]
+                rows = [[as_binding(r, *f) for r, f in zip(per, forms)] for per in rows]
             start += size
             bindings.update(zip(keys, chain.from_iterable(zip(*rows))))
     return dict(rec.layouts), RowBindings(bindings, rec.rows, hosts), rec.checked and ordered
-
-
-def _form(row: Any, flip: bool, product: bool) -> Any:
-    """A stack's row as its binding (as ``jax_stack.put_views`` binds a view)."""
-    row = row.T if flip else row
-    return row if product else [row]
 
 
 def _same_shardings(shardings: list, rec: Replay) -> bool:

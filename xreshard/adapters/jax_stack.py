@@ -48,8 +48,8 @@ from dataclasses import dataclass
 from typing import Any
 
 __all__ = ["MAX_SHARD_BYTES", "MIN_GROUP", "RECEIVE_CHUNK", "StackedReceive",
-           "bind_received_stacks", "bind_stacks", "chunk_size", "put_views", "refused_count",
-           "shard_views", "stack_blocks", "stack_of", "stack_refused", "stackable",
+           "as_binding", "bind_received_stacks", "bind_stacks", "chunk_size", "put_views",
+           "refused_count", "shard_views", "stack_blocks", "stack_of", "stack_refused", "stackable",
            "stacked_locals", "stacked_views", "unstacked"]
 
 #: bytes: the largest shard read through a stack (larger ones are viewed, sent zero-copy)
@@ -125,8 +125,14 @@ def put_views(bindings: dict, name: str, views: list[tuple[int, Any]], flip: boo
     """Bind ``views`` (world rank, host view) of tensor ``name``: transposed back when its
     canonical layout is flipped, in a list when its layout is explicit."""
     for rank, arr in views:
-        arr = arr.T if flip else arr
-        bindings[(rank, name)] = arr if product else [arr]
+        bindings[(rank, name)] = as_binding(arr, flip, product)
+
+
+def as_binding(view: Any, flip: bool, product: bool) -> Any:
+    """A host view of a shard as its binding: transposed back when the tensor's canonical
+    layout is flipped, in a list when that layout is explicit."""
+    view = view.T if flip else view
+    return view if product else [view]
 
 
 def stack_of(leaf: Any, key: Any, shard_ranks: list | None) -> tuple[Any, tuple] | None:
